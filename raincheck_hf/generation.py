@@ -1,0 +1,269 @@
+"""The decoding loop: `model.generate(..., raincheck=cfg)` ends up here (a `custom_generate`
+callable with `_sample`'s signature), after HF's own input preparation, logits processors,
+stopping criteria and vision encoding.
+
+One call, top to bottom:
+
+1. encode the turn's new tokens (embeddings, DeepStack rows, absolute 3-D positions);
+2. select the visual rows that go first (a `DeferredPlan`);
+3. forward 0 (prefill): pending deferred rows of earlier turns (they precede this turn in physical
+   order, method.md §7 "early follow-up") and then T ∪ S;
+4. each decode forward i >= 1 consumes generated token i; the scheduler (`chunk_size_for_forward`,
+   the only place that decides *when* deferred rows run) lets one chunk ride along after the guard:
+   fused into the same forward (``raincheck``) or in a forward of its own just before (``serial``);
+5. logits processors, sampling, stopping criteria and the streamer exactly as HF's `_sample`;
+6. return HF's output plus the cache and a `RaincheckTrace`; pending rows stay with the cache.
+
+Only batch size 1 is supported (rows of different prompts would need different deferred counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key
+from .configuration import RaincheckConfig
+from .models import get_adapter
+from .models.qwen3_vl import RowBatch
+from .plan import DeferredPlan, build_plan, select_visual_rows
+
+
+@dataclass
+class RaincheckTrace:
+    """What happened to the prompt's multimodal tokens during one `generate` call.
+
+    All positions are source positions: indices into the ``input_ids`` given to `generate`.
+
+    Attributes:
+        mode: the config's mode.
+        selected: ``[s]`` visual positions prefilled first, source order.
+        deferred: ``[d]`` visual positions deferred (``hard``: dropped), source order.
+        restored_per_forward: one LongTensor per forward: forward 0 is the prefill (it restores
+            deferred rows left over from earlier turns), forward i >= 1 consumes generated token i.
+        pending: deferred positions not yet restored when `generate` returned.
+        dropped: positions removed for good (``hard`` mode).
+        segments: ``(modality, (t, h, w), source_positions)`` per image / video slice, for drawing.
+    """
+
+    mode: str
+    selected: torch.Tensor
+    deferred: torch.Tensor
+    restored_per_forward: list[torch.Tensor] = field(default_factory=list)
+    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    segments: list = field(default_factory=list)
+
+    @property
+    def restored_during_decode(self) -> int:
+        return int(sum(int(r.numel()) for r in self.restored_per_forward[1:]))
+
+
+@dataclass
+class RaincheckGenerateOutput(GenerateDecoderOnlyOutput):
+    """HF's `GenerateDecoderOnlyOutput` plus ``raincheck``, the `RaincheckTrace`."""
+
+    raincheck: RaincheckTrace | None = None
+
+
+def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pending: int) -> int:
+    """How many deferred rows ride along with decode forward ``forward_index`` (>= 1).
+
+    Forward i consumes generated token i, so i tokens have been generated when it runs; the guard
+    holds chunks back until ``i >= decode_guard`` (and never before the first decode forward).
+    """
+    if not config.restores_during_decode or num_pending == 0:
+        return 0
+    if forward_index < max(config.decode_guard, 1):
+        return 0
+    return min(config.chunk_size, num_pending)
+
+
+# ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
+
+def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool):
+    """One forward over ``batch`` with the visibility of its keys; logits of its last row or None."""
+    visible = cache.add_rows(keys, sources, kinds)
+    single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
+    return adapter.forward(cache, batch, None if single_newest else visible, want_logits)
+
+
+def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None = None) -> torch.Tensor:
+    """Prefill up to ``max_tokens`` pending deferred rows (all when None) in one forward.
+
+    Returns their source positions. Used after the answer (idle time) and by `Conversation`.
+    """
+    adapter = get_adapter(model)
+    rows = cache.take_pending(max_tokens)
+    if rows is None:
+        return torch.empty(0, dtype=torch.long)
+    with torch.no_grad():
+        run_rows(adapter, cache, adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, want_logits=False)
+    return rows.sources.cpu()
+
+
+def _prepare_cache(model, model_kwargs) -> DeferredDynamicCache:
+    cache = model_kwargs.get("cache")
+    if isinstance(cache, DeferredDynamicCache):
+        return cache
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"generate(raincheck=...) got a non-empty {type(cache).__name__}; Raincheck continues only its own "
+            "DeferredDynamicCache (the `cache` returned by an earlier raincheck generate)."
+        )
+    return DeferredDynamicCache(config=model.config.get_text_config(), device=model.device)
+
+
+def raincheck_sample(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    raincheck_config: RaincheckConfig | None = None,
+    raincheck_grids: dict | None = None,
+    **model_kwargs,
+):
+    """`_sample` with deferred multimodal prefill (the `custom_generate` callable)."""
+    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    grids = raincheck_grids or {}
+    adapter = get_adapter(model)
+    cache = _prepare_cache(model, model_kwargs)
+
+    # 1. the new tokens of this turn
+    start = cache.source_length
+    new_ids = input_ids[0, start:]
+    turn = adapter.encode_turn(
+        new_ids,
+        cache.next_position,
+        mm_encoder_outputs=model_kwargs.get("mm_encoder_outputs"),
+        image_grid_thw=grids.get("image_grid_thw"),
+        video_grid_thw=grids.get("video_grid_thw"),
+        pixel_values=model_kwargs.get("pixel_values"),
+        pixel_values_videos=model_kwargs.get("pixel_values_videos"),
+    )
+
+    # 2. selection and plan
+    keep = select_visual_rows(turn, config, config.build_selector(), model=model)
+    turn_index = cache.turn
+    cache.turn += 1
+    plan = build_plan(turn, keep, turn_index, start)
+    trace = RaincheckTrace(
+        mode=config.mode,
+        selected=plan.sources(plan.selected_rows),
+        deferred=plan.sources(plan.deferred_rows),
+        segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments],
+    )
+
+    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
+    earlier = cache.take_pending()
+    parts, keys, sources, kinds = [], [], [], []
+    if earlier is not None:
+        parts.append(adapter.pending_batch(earlier))
+        keys.append(earlier.keys)
+        sources.append(earlier.sources.cpu())
+        kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
+    parts.append(adapter.rows(turn, plan.input_rows))
+    keys.append(plan.input_keys)
+    sources.append(plan.sources(plan.input_rows))
+    kinds.append(torch.full((plan.input_rows.numel(),), INPUT, dtype=torch.int8))
+    if plan.deferred_rows.numel():
+        if config.defers:
+            cache.add_pending(_pending_rows(adapter, turn, plan))
+        else:  # hard: gone for good
+            cache.drop(plan.sources(plan.deferred_rows))
+            trace.dropped = plan.sources(plan.deferred_rows)
+    logits = run_rows(adapter, cache, RowBatch.concat(parts), torch.cat(keys), torch.cat(sources),
+                      torch.cat(kinds), want_logits=True)
+    cache.extend_source(new_ids, turn.next_position)
+    trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
+
+    # 4-5. decode, HF's way
+    out = _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
+                       stopping_criteria, generation_config, streamer, turn.next_position)
+    trace.pending = cache.pending_sources
+    return out
+
+
+def _pending_rows(adapter, turn, plan: DeferredPlan):
+    from .cache_utils import PendingRows
+
+    batch = adapter.rows(turn, plan.deferred_rows)
+    return PendingRows(batch.embeds, batch.positions, plan.deferred_keys.to(adapter.device),
+                       plan.sources(plan.deferred_rows), batch.deepstack)
+
+
+def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
+                 stopping_criteria, generation_config, streamer, first_generated_position):
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if (return_dict and generation_config.output_scores) else None
+    raw_logits = () if (return_dict and generation_config.output_logits) else None
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad_token_id = generation_config._pad_token_tensor
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    generated = 0
+    while True:
+        next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_token_scores = logits_processor(input_ids, next_token_logits)
+        if scores is not None:
+            scores += (next_token_scores,)
+        if raw_logits is not None:
+            raw_logits += (next_token_logits,)
+        if generation_config.do_sample:
+            probs = nn.functional.softmax(next_token_scores, dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_token_scores, dim=-1)
+        if has_eos_stopping_criteria and pad_token_id is not None:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        generated += 1
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0:
+            break
+
+        # forward i = generated consumes y_i, at the position a full prefill would give it
+        forward_index = generated
+        token_key = order_key(plan.turn, GENERATED, forward_index - 1)
+        position = first_generated_position + forward_index - 1
+        token_source = torch.tensor([input_ids.shape[1] - 1])
+        batch = adapter.text_row(next_tokens, position)
+        n_chunk = chunk_size_for_forward(forward_index, config, cache.num_pending)
+        chunk = cache.take_pending(n_chunk) if n_chunk else None
+        restored = torch.empty(0, dtype=torch.long)
+        if chunk is not None:
+            restored = chunk.sources.cpu()
+            chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
+            if config.mode == "serial":
+                run_rows(adapter, cache, adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds,
+                         want_logits=False)
+                logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)
+            else:  # fused: one forward over [chunk, decode token]
+                logits = run_rows(
+                    adapter, cache, RowBatch.concat([adapter.pending_batch(chunk), batch]),
+                    torch.cat([chunk.keys, token_key.reshape(1).to(chunk.keys.device)]),
+                    torch.cat([chunk.sources.cpu(), token_source]),
+                    torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
+                    want_logits=True,
+                )
+        else:
+            logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)
+        cache.extend_source(next_tokens.cpu(), position + 1)
+        trace.restored_per_forward.append(restored)
+
+    if streamer is not None:
+        streamer.end()
+    if not return_dict:
+        return input_ids
+    return RaincheckGenerateOutput(
+        sequences=input_ids, scores=scores, logits=raw_logits, cache=cache, raincheck=trace,
+    )

@@ -1,0 +1,122 @@
+"""`enable` / `disable`: route `model.generate(..., raincheck=...)` to the Raincheck loop.
+
+`generate` rejects unknown keyword arguments, so enabling is an explicit, per-instance step: it
+sets an instance attribute ``generate`` that wraps the class's own method. Without ``raincheck``
+(or with ``raincheck=False``) the call goes to HF's `generate` untouched; with it, HF's
+`generate` still does all input preparation (generation config, logits processors, stopping
+criteria, vision encoding) and then calls `raincheck_sample` through its public
+``custom_generate=<callable>`` seam. `disable` deletes the attribute. Nothing is patched globally.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .cache_utils import DeferredDynamicCache
+from .configuration import RaincheckConfig
+from .generation import raincheck_sample
+from .models import get_adapter
+
+_ORIGINAL = "_raincheck_original_generate"
+
+
+def is_enabled(model) -> bool:
+    return _ORIGINAL in vars(model)
+
+
+def enable(model):
+    """Make ``model.generate`` accept ``raincheck=True | RaincheckConfig | dict``. Idempotent; returns the model."""
+    get_adapter(model)  # unsupported models fail here, with the list of supported classes
+    if is_enabled(model):
+        return model
+    original = model.generate  # the class's bound method (or an earlier instance-level override)
+
+    @functools.wraps(original)
+    def generate(*args, raincheck=None, **kwargs):
+        config = RaincheckConfig.coerce(raincheck)
+        if config is None:
+            return original(*args, **kwargs)
+        kwargs = validate_request(model, config, args, kwargs)
+        grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
+        return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
+                        **kwargs)
+
+    vars(model)[_ORIGINAL] = original
+    model.generate = generate
+    return model
+
+
+def disable(model):
+    """Undo `enable`: ``model.generate`` is the class's method again. Returns the model."""
+    if is_enabled(model):
+        del vars(model)["generate"]
+        del vars(model)[_ORIGINAL]
+    return model
+
+
+_UNSUPPORTED_GENERATE_KWARGS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
+
+
+def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
+    """Everything that can be checked before any compute. Returns the kwargs to pass on to HF."""
+    adapter = get_adapter(model)
+    adapter.check_attention()
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("generate(raincheck=...) runs its own decoding loop; do not pass custom_generate as well.")
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("generate(raincheck=...) does not support assisted decoding (assistant_model).")
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    for name, allowed in _UNSUPPORTED_GENERATE_KWARGS.items():
+        value = kwargs.get(name, getattr(gen_config, name, allowed))
+        if value not in (allowed, None):
+            raise ValueError(f"generate(raincheck=...) supports only {name}={allowed!r}; got {name}={value!r}.")
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError("generate(raincheck=...) needs input_ids of shape [batch, length] (as the processor returns).")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"generate(raincheck=...) runs one conversation at a time: input_ids has batch size {input_ids.shape[0]}; "
+            "call it per prompt."
+        )
+    attention_mask = kwargs.get("attention_mask")
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        raise ValueError("generate(raincheck=...) got an attention_mask with padding; pass the unpadded prompt.")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    start = 0
+    if isinstance(cache, DeferredDynamicCache):
+        start = cache.source_length
+        prefix = input_ids[0, :start].cpu()
+        if input_ids.shape[1] <= start or not torch.equal(prefix, cache.source_ids):
+            raise ValueError(
+                f"input_ids must be the whole conversation: the first {start} ids the cache accounts for, then "
+                f"at least one new token; got {input_ids.shape[1]} ids"
+                + ("" if input_ids.shape[1] <= start else " whose prefix differs from the cache's")
+                + ". Pass the previous call's `sequences` followed by the new turn's tokens."
+            )
+    elif cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"generate(raincheck=...) continues only a DeferredDynamicCache, got a non-empty {type(cache).__name__}."
+        )
+    new_ids = input_ids[0, start:]
+    n_multimodal = int(adapter.multimodal_mask(new_ids).sum())
+    if isinstance(config.selector, torch.Tensor) and config.selector.numel() != n_multimodal:
+        raise ValueError(
+            f"RaincheckConfig.selector is a keep-mask of {config.selector.numel()} entries but the prompt's new tokens "
+            f"hold {n_multimodal} multimodal tokens; give one entry per <|image_pad|>/<|video_pad|> token."
+        )
+    # HF derives M-RoPE from mm_token_type_ids over *all* of input_ids and the grids of the new
+    # images only, which disagree on a continued conversation. Raincheck builds every position
+    # itself from input_ids, so it checks the given types against input_ids and does not pass them on.
+    mm_types = kwargs.pop("mm_token_type_ids", None)
+    if mm_types is not None:
+        expected = (input_ids == adapter.image_token_id).long() + 2 * (input_ids == adapter.video_token_id).long()
+        if mm_types.shape != input_ids.shape or not torch.equal(mm_types.long().cpu(), expected.cpu()):
+            raise ValueError("mm_token_type_ids disagrees with the image/video placeholders in input_ids.")
+    return kwargs

@@ -1,0 +1,23 @@
+"""Model-family adapters: everything that knows a family's quirks lives in `models/<family>.py`."""
+
+from __future__ import annotations
+
+from .qwen3_vl import Qwen3VLAdapter
+
+ADAPTERS = (Qwen3VLAdapter,)
+
+
+def supported_model_classes() -> list[str]:
+    return [name for adapter in ADAPTERS for name in adapter.model_classes]
+
+
+def get_adapter(model):
+    """The adapter for ``model``; a clear ValueError naming the supported classes otherwise."""
+    for adapter in ADAPTERS:
+        if type(model).__name__ in adapter.model_classes:
+            return adapter(model)
+    raise ValueError(
+        f"Raincheck does not support {type(model).__name__} (model_type="
+        f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); supported model classes: "
+        f"{supported_model_classes()}."
+    )

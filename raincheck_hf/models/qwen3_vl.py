@@ -1,0 +1,255 @@
+"""Qwen3-VL through public seams: the vision tower's outputs, input embeddings, explicit 3-D
+positions, DeepStack arguments of the text model, a 4-D mask and the cache layer API.
+
+Nothing here copies modeling code. One forward over arbitrary rows is a call of the text model
+(`model.model.language_model`) with ``inputs_embeds``, ``position_ids`` of shape ``[3, 1, L]``
+(M-RoPE t/h/w), ``visual_pos_masks``/``deepstack_visual_embeds`` restricted to the rows of this
+forward (so DeepStack features are added only for the visual rows actually prefilled), and a
+4-D mask, which transformers passes to attention untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..masking import check_attention_implementation, visibility_to_attention_mask
+from ..selection import Segment
+
+
+@dataclass
+class TurnInputs:
+    """One turn's new tokens, encoded. ``L`` rows, ``n`` of them visual.
+
+    Attributes:
+        input_ids: ``[L]``.
+        embeds: ``[L, D]`` input embeddings with the visual features scattered into placeholder rows.
+        positions: ``[3, L]`` absolute M-RoPE ids (continuing the conversation).
+        visual_index: ``[L]`` index into the visual rows, -1 for text rows.
+        deepstack: one ``[n, D]`` tensor per DeepStack layer (visual rows in source order), or None.
+        segments: the multimodal segments (an image, or one temporal slice of a video) in source order.
+        text_rows: ``[m]`` rows of the turn's text (the question a query-aware selector reads).
+        next_position: M-RoPE text position following the last row.
+    """
+
+    input_ids: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    visual_index: torch.Tensor
+    deepstack: list[torch.Tensor] | None
+    segments: list[Segment]
+    text_rows: torch.Tensor
+    next_position: int
+
+    @property
+    def num_visual(self) -> int:
+        return int((self.visual_index >= 0).sum())
+
+
+@dataclass
+class RowBatch:
+    """The rows of one forward, in storage order: ``embeds [L, D]``, ``positions [3, L]``,
+    ``visual [L]`` (bool), ``deepstack`` (one ``[n_visual_in_batch, D]`` per layer, or None)."""
+
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    visual: torch.Tensor
+    deepstack: list[torch.Tensor] | None
+
+    @staticmethod
+    def concat(parts: list["RowBatch"]) -> "RowBatch":
+        parts = [p for p in parts if p is not None]
+        if len(parts) == 1:
+            return parts[0]
+        with_ds = [p.deepstack for p in parts if p.deepstack is not None]
+        deepstack = [torch.cat(layer) for layer in zip(*with_ds)] if with_ds else None
+        return RowBatch(
+            torch.cat([p.embeds for p in parts]),
+            torch.cat([p.positions for p in parts], dim=1),
+            torch.cat([p.visual for p in parts]),
+            deepstack,
+        )
+
+
+class Qwen3VLAdapter:
+    model_classes = ("Qwen3VLForConditionalGeneration",)
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.text_model = model.model.language_model
+        self.lm_head = model.lm_head
+        self.image_token_id = self.config.image_token_id
+        self.video_token_id = self.config.video_token_id
+        self._non_question_ids = torch.tensor(
+            [self.image_token_id, self.video_token_id, self.config.vision_start_token_id,
+             self.config.vision_end_token_id]
+        )
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def attn_implementation(self) -> str:
+        return self.text_model.config._attn_implementation
+
+    def check_attention(self) -> str:
+        return check_attention_implementation(self.attn_implementation)
+
+    @property
+    def device(self) -> torch.device:
+        return self.text_model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text_model.embed_tokens.weight.dtype
+
+    def text_config(self):
+        return self.config.text_config
+
+    def multimodal_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (input_ids == self.image_token_id) | (input_ids == self.video_token_id)
+
+    # ---- encoding -------------------------------------------------------------------------
+    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid):
+        out = (mm_encoder_outputs or {}).get(modality)
+        if out is None and pixel_values is not None:
+            encode = self.model.model.get_image_features if modality == "image" else self.model.model.get_video_features
+            out = encode(pixel_values, grid, return_dict=True)
+        return out
+
+    def encode_turn(
+        self,
+        input_ids: torch.Tensor,
+        position_offset: int,
+        mm_encoder_outputs: dict | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+    ) -> TurnInputs:
+        """Embed one turn's new tokens ``input_ids [L]`` and compute their absolute 3-D positions."""
+        device = self.device
+        ids = input_ids.to(device)
+        embeds = self.text_model.embed_tokens(ids)
+        is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
+        is_visual = is_image | is_video
+        n_visual = int(is_visual.sum())
+
+        # visual features in source order (images and videos may interleave)
+        feats = embeds.new_zeros(n_visual, embeds.shape[-1])
+        deepstack = None
+        image_pos = is_image[is_visual]
+        for modality, mask_rows, values, grid in (
+            ("image", is_image, pixel_values, image_grid_thw),
+            ("video", is_video, pixel_values_videos, video_grid_thw),
+        ):
+            n_rows = int(mask_rows.sum())
+            out = self._vision_outputs(modality, mm_encoder_outputs, values, grid)
+            if out is None:
+                if n_rows:
+                    raise ValueError(
+                        f"the new tokens hold {n_rows} <|{modality}_pad|> placeholders but no {modality} "
+                        f"features were given (pass the processor's pixel_values{'' if modality == 'image' else '_videos'} "
+                        f"and {modality}_grid_thw for the {modality}s of this turn only)."
+                    )
+                continue
+            pooled = torch.cat(list(out.pooler_output)).to(device, embeds.dtype)
+            if pooled.shape[0] != n_rows:
+                raise ValueError(
+                    f"{modality} features ({pooled.shape[0]} rows) do not match the {n_rows} <|{modality}_pad|> "
+                    f"placeholders among the new tokens; pass only the {modality}s of the new turn."
+                )
+            where = image_pos if modality == "image" else ~image_pos
+            feats[where] = pooled
+            if out.deepstack_features is not None:
+                if deepstack is None:
+                    deepstack = [embeds.new_zeros(n_visual, embeds.shape[-1]) for _ in out.deepstack_features]
+                for layer, feat in zip(deepstack, out.deepstack_features):
+                    layer[where] = torch.cat(list(feat)).to(device, embeds.dtype)
+        embeds = embeds.clone()
+        embeds[is_visual] = feats
+        visual_index = torch.full_like(ids, -1)
+        visual_index[is_visual] = torch.arange(n_visual, device=device)
+
+        # absolute 3-D positions: the model's own rope index on this turn, shifted to continue
+        mm_types = is_image.long() + 2 * is_video.long()
+        positions, _ = self.model.model.get_rope_index(
+            ids[None], mm_types[None], image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw
+        )
+        positions = positions[:, 0].to(device) + position_offset
+        next_position = int(positions.max()) + 1 if positions.numel() else position_offset
+
+        segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
+        question = ~torch.isin(ids, self._non_question_ids.to(device))
+        return TurnInputs(ids, embeds, positions, visual_index, deepstack, segments,
+                          question.nonzero().flatten(), next_position)
+
+    def _segments(self, ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw):
+        """Maximal runs of placeholder rows: one per image, one per video temporal slice."""
+        merge = self.config.vision_config.spatial_merge_size
+        grids = {"image": [], "video": []}
+        if image_grid_thw is not None:
+            grids["image"] = [(1, int(h) // merge, int(w) // merge) for t, h, w in image_grid_thw.tolist()
+                              for _ in range(int(t))]
+        if video_grid_thw is not None:
+            grids["video"] = [(1, int(h) // merge, int(w) // merge) for t, h, w in video_grid_thw.tolist()
+                              for _ in range(int(t))]
+        rows = is_visual.nonzero().flatten().tolist()
+        segments, start = [], 0
+        counters = {"image": 0, "video": 0}
+        for i in range(1, len(rows) + 1):
+            modality_start = "image" if bool(is_image[rows[start]]) else "video"
+            boundary = i == len(rows) or rows[i] != rows[i - 1] + 1 or bool(is_image[rows[i]]) != (modality_start == "image")
+            if not boundary:
+                continue
+            source = torch.tensor(rows[start:i])
+            vis = torch.arange(start, i)
+            grid_list = grids[modality_start]
+            grid = grid_list[counters[modality_start]] if counters[modality_start] < len(grid_list) else (1, 1, i - start)
+            counters[modality_start] += 1
+            extras = {} if deepstack is None else {"deepstack": [d[vis] for d in deepstack]}
+            segments.append(Segment(len(segments), modality_start, feats[vis], grid, source, extras))
+            start = i
+        return segments
+
+    # ---- one forward over arbitrary rows --------------------------------------------------
+    def rows(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
+        """The given rows of a turn as a batch (``row_index`` indexes the turn's rows)."""
+        row_index = row_index.to(self.device)
+        vis = turn.visual_index[row_index]
+        visual = vis >= 0
+        deepstack = None if turn.deepstack is None else [d[vis[visual]] for d in turn.deepstack]
+        return RowBatch(turn.embeds[row_index], turn.positions[:, row_index], visual, deepstack)
+
+    def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True):
+        """Run ``batch`` through the text model on ``cache``; logits of its last row (``[1, V]``) or None.
+
+        ``visible`` is the ``[L, n_rows]`` visibility from `DeferredDynamicCache.add_rows`; None means
+        plain causal (a single decode token that sees every stored row).
+        """
+        mask = None
+        if visible is not None:
+            mask = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
+        has_visual = bool(batch.visual.any()) and batch.deepstack is not None
+        out = self.text_model(
+            inputs_embeds=batch.embeds[None],
+            position_ids=batch.positions[:, None, :],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            visual_pos_masks=batch.visual[None] if has_visual else None,
+            deepstack_visual_embeds=batch.deepstack if has_visual else None,
+        )
+        if not want_logits:
+            return None
+        return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+
+    def text_row(self, token_id: torch.Tensor, position: int) -> RowBatch:
+        """A single text token (a generated one) at M-RoPE position ``position`` on all three axes."""
+        ids = token_id.reshape(1).to(self.device)
+        pos = torch.full((3, 1), position, dtype=torch.long, device=self.device)
+        return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=self.device), None)
+
+    def pending_batch(self, pending) -> RowBatch:
+        return RowBatch(pending.embeds, pending.positions, torch.ones(len(pending), dtype=torch.bool,
+                        device=self.device), pending.deepstack)

@@ -1,0 +1,70 @@
+"""`divprune`: max-min diversity of the kept rows, question-agnostic.
+
+After DivPrune (Alvar et al., CVPR 2025, "DivPrune: Diversity-based Visual Token Pruning for Large
+Multimodal Models"): pruning is cast as a Max-Min Diversity Problem over the segment's visual tokens
+with the cosine distance ``d(i, j) = 1 - cos(x_i, x_j)``, and solved greedily:
+
+1. the first kept token is the most isolated one, the token whose distance to its nearest other token
+   is the largest: ``argmax_i min_{j != i} d(i, j)``;
+2. each following step adds the token whose minimum distance to the tokens kept so far is the largest:
+   ``argmax_{i not in S} min_{s in S} d(i, s)``.
+
+Each step is one vectorised update of a running ``[n]`` vector of minimum distances to the set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import Segment, SelectionContext, Selector
+
+
+def cosine_distance_matrix(features: torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` float32 matrix ``1 - cos(x_i, x_j)`` on the features' device (zero rows have cos 0)."""
+    x = F.normalize(features.detach().float(), dim=-1, eps=1e-12)
+    return 1.0 - x @ x.T
+
+
+def divprune_greedy(features: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (``[k]``, in selection order, on the features' device) of the greedy max-min selection."""
+    n = int(features.shape[0])
+    if not 0 <= k <= n:
+        raise ValueError(f"divprune_greedy: k={k} must be in [0, {n}]")
+    device = features.device
+    selected = torch.empty(k, dtype=torch.long, device=device)
+    if k == 0:
+        return selected
+    dist = cosine_distance_matrix(features)
+    neg_inf = torch.tensor(float("-inf"), device=device)
+    if n == 1:
+        selected[0] = 0
+        return selected
+    # step 1: the token farthest from its nearest neighbour (ignore the zero self-distance)
+    nearest = dist.masked_fill(torch.eye(n, dtype=torch.bool, device=device), float("inf")).amin(dim=1)
+    first = torch.argmax(nearest)
+    selected[0] = first
+    min_dist = dist[:, first].clone()  # min distance of every token to the set so far
+    taken = torch.zeros(n, dtype=torch.bool, device=device)
+    taken[first] = True
+    for step in range(1, k):
+        j = torch.argmax(torch.where(taken, neg_inf, min_dist))
+        selected[step] = j
+        taken[j] = True
+        min_dist = torch.minimum(min_dist, dist[:, j])
+    return selected
+
+
+@dataclass
+class DivPruneSelector(Selector):
+    """Greedy max-min cosine diversity of the segment's visual tokens (DivPrune); ignores the question.
+
+    Ties go to the lowest row index, so the selection is deterministic. No settings.
+    """
+
+    name: str = "divprune"
+
+    def select_segment(self, segment: Segment, k: int, context: SelectionContext) -> torch.Tensor:
+        return divprune_greedy(segment.features, k).cpu()

@@ -1,0 +1,175 @@
+"""Tiny Qwen3-VL models and a matching processor, built entirely in code.
+
+These machines cannot download weights, so tests, the CLI's offline default and the demo's
+fallback build their model here: a byte-level BPE tokenizer trained on a fixed in-code corpus
+(deterministic), Qwen's special tokens, a Qwen-style chat template, the real Qwen3-VL image and
+video processors at small resolutions, and a Qwen3-VL model with a few layers and random weights.
+
+A random-weight model produces meaningless text; anything that prints its output says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# A Qwen-style chat template (images and videos as placeholder parts; the processor expands them).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|video_pad|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_CORPUS = [
+    "What is in this image? Describe the picture in one sentence.",
+    "The glyph in the top left corner is red, the one below it is blue.",
+    "List every red glyph you can see. What colour is glyph g17?",
+    "A video of a ball rolling across a table, then a cat jumps onto the chair.",
+    "Answer the question about the image briefly: yes, no, left, right, up, down.",
+    "zero one two three four five six seven eight nine ten seconds",
+    "The quick brown fox jumps over the lazy dog. 0123456789 <>()[]{}.,:;!?'\"-_/",
+]
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return tok.to_str()
+
+
+def build_tiny_tokenizer(vocab_size: int = 400):
+    """A fast tokenizer with Qwen's special tokens; the same vocabulary on every call."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_trained_tokenizer(vocab_size))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={},
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_processor(min_pixels: int = 32 * 32, max_pixels: int = 256 * 256, vocab_size: int = 400):
+    """A `Qwen3VLProcessor` with Qwen3-VL's patching (16 px patches, 2×2 merge, 2 frames per step)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, size=size,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], do_sample_frames=False,
+    )
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=build_tiny_tokenizer(vocab_size),
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_qwen3_vl_config(tokenizer=None, num_hidden_layers: int = 4, hidden_size: int = 64, **text_overrides):
+    """A Qwen3-VL config with DeepStack on, M-RoPE interleaved, sized to run in milliseconds on a CPU."""
+    from transformers import Qwen3VLConfig
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        pad_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        bos_token_id=None,
+    )
+    text_config.update(text_overrides)
+    vision_config = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
+        deepstack_visual_indexes=[0, 1],
+    )
+    return Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
+
+
+def build_tiny_qwen3_vl(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
+    """A randomly initialised tiny `Qwen3VLForConditionalGeneration` (same weights for the same seed)."""
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    config = tiny_qwen3_vl_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(dtype)
+    model.set_attn_implementation(attn_implementation) if hasattr(model, "set_attn_implementation") else None
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
+    )
+    return model.eval()
+
+
+def draw_test_image(width: int = 128, height: int = 96, seed: int = 0):
+    """A deterministic RGB test image (a PIL image) with blocks of colour, so patches differ."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    cells = torch.randint(0, 256, (3, max(1, height // 16), max(1, width // 16)), generator=g, dtype=torch.uint8)
+    big = cells.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, :height, :width]
+    return Image.fromarray(big.permute(1, 2, 0).contiguous().numpy())
+
+
+def draw_test_video(num_frames: int = 4, width: int = 64, height: int = 64, seed: int = 0):
+    """A deterministic video as a uint8 tensor (frames, 3, H, W)."""
+    g = torch.Generator().manual_seed(seed)
+    cells = torch.randint(0, 256, (num_frames, 3, max(1, height // 16), max(1, width // 16)), generator=g,
+                          dtype=torch.uint8)
+    return cells.repeat_interleave(16, 2).repeat_interleave(16, 3)[:, :, :height, :width].contiguous()
