@@ -86,9 +86,10 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 
 def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool):
     """One forward over ``batch`` with the visibility of its keys; logits of its last row or None."""
+    kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
-    return adapter.forward(cache, batch, None if single_newest else visible, want_logits)
+    return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
 
 
 def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None = None) -> torch.Tensor:
@@ -127,10 +128,14 @@ def raincheck_sample(
     streamer=None,
     raincheck_config: RaincheckConfig | None = None,
     raincheck_grids: dict | None = None,
+    raincheck_streamer=None,
     **model_kwargs,
 ):
     """`_sample` with deferred multimodal prefill (the `custom_generate` callable)."""
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    streamer = streamer if streamer is not None else raincheck_streamer
+    if raincheck_streamer is not None:
+        raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
     grids = raincheck_grids or {}
     adapter = get_adapter(model)
     cache = _prepare_cache(model, model_kwargs)

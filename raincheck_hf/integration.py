@@ -40,8 +40,11 @@ def enable(model):
             return original(*args, **kwargs)
         kwargs = validate_request(model, config, args, kwargs)
         grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
+        # HF 5.24 does not forward `streamer` to a custom_generate callable (it keeps only the callable's
+        # own extra parameters), so it travels under our name and the loop feeds it the prompt itself.
+        streamer = kwargs.pop("streamer", None)
         return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
-                        **kwargs)
+                        raincheck_streamer=streamer, **kwargs)
 
     vars(model)[_ORIGINAL] = original
     model.generate = generate

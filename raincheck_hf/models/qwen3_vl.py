@@ -221,11 +221,12 @@ class Qwen3VLAdapter:
         deepstack = None if turn.deepstack is None else [d[vis[visual]] for d in turn.deepstack]
         return RowBatch(turn.embeds[row_index], turn.positions[:, row_index], visual, deepstack)
 
-    def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True):
+    def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
         """Run ``batch`` through the text model on ``cache``; logits of its last row (``[1, V]``) or None.
 
         ``visible`` is the ``[L, n_rows]`` visibility from `DeferredDynamicCache.add_rows`; None means
-        plain causal (a single decode token that sees every stored row).
+        plain causal (a single decode token that sees every stored row). ``kinds`` (``[L]`` INPUT /
+        DEFERRED / GENERATED; deferred rows always come first) is not needed by full attention.
         """
         mask = None
         if visible is not None:

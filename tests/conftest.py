@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny Qwen3-VL and its processor, built in code (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image, draw_test_video
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def processor():
+    return build_tiny_processor()
+
+
+@pytest.fixture(scope="session")
+def model():
+    import raincheck_hf
+
+    return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0))
+
+
+@pytest.fixture(scope="session")
+def eager_model():
+    import raincheck_hf
+
+    return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0, attn_implementation="eager"))
+
+
+def video_metadata(num_frames: int, fps: float = 2.0):
+    from transformers.video_utils import VideoMetadata
+
+    return VideoMetadata(total_num_frames=num_frames, fps=fps, frames_indices=list(range(num_frames)))
+
+
+def make_inputs(processor, images=(), videos=(), text="What is in this image?", history=None):
+    """Processor inputs for one user turn, as users make them (chat template + processor)."""
+    content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+    content.append({"type": "text", "text": text})
+    messages = [{"role": "user", "content": content}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kwargs = {}
+    if images:
+        kwargs["images"] = list(images)
+    if videos:
+        kwargs["videos"] = list(videos)
+        kwargs["videos_kwargs"] = {"video_metadata": [video_metadata(v.shape[0]) for v in videos]}
+    return processor(text=[prompt], return_tensors="pt", **kwargs)
+
+
+INPUT_CASES = {
+    "one_image": dict(images=(draw_test_image(128, 96, seed=1),)),
+    "two_images": dict(images=(draw_test_image(96, 64, seed=2), draw_test_image(64, 128, seed=3))),
+    "video": dict(videos=(draw_test_video(4, 64, 96, seed=4),), text="What happens in the video?"),
+    "image_and_video": dict(images=(draw_test_image(64, 64, seed=5),), videos=(draw_test_video(2, 64, 64, seed=6),)),
+}
+
+
+@pytest.fixture(params=sorted(INPUT_CASES), ids=sorted(INPUT_CASES))
+def case_inputs(request, processor):
+    return make_inputs(processor, **INPUT_CASES[request.param])

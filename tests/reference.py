@@ -1,0 +1,125 @@
+"""The slow, obviously correct reference of method.md §3 for whole conversations.
+
+Given what each `generate` call returned, rebuild every row of the conversation the way stock
+transformers would for a full re-tokenised conversation (embeddings with all images scattered in,
+`get_rope_index` over the whole sequence, DeepStack features per visual row), put the rows in the
+logical physical order ``[T∪S] [deferred] [generated]`` per turn, and run **one** forward of the
+stock text model with the visibility "earlier in that order and already computed". Its logits at
+each decode row are what the incremental engine must reproduce.
+
+This module uses no code of `raincheck_hf` except the trace it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BIG = 10**6
+
+
+@dataclass
+class TurnRecord:
+    input_ids: torch.Tensor  # what was passed to generate: the whole conversation so far, [1, P]
+    output: object  # the RaincheckGenerateOutput
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+
+
+def _cat(xs):
+    xs = [x for x in xs if x is not None]
+    return torch.cat(xs) if xs else None
+
+
+def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]:
+    """Per turn, the reference logits ``[V]`` of each of its forwards (0 = prefill)."""
+    cfg = model.config
+    final = turns[-1].output.sequences[0, :-1]  # the last token was never fed back
+    n_rows = final.shape[0]
+
+    # stock embedding of the whole conversation
+    text_model = model.model.language_model
+    embeds = text_model.embed_tokens(final).clone()
+    is_image, is_video = final == cfg.image_token_id, final == cfg.video_token_id
+    is_visual = is_image | is_video
+    n_vis = int(is_visual.sum())
+    vis_feats = embeds.new_zeros(n_vis, embeds.shape[-1])
+    deepstack = None
+    where_image = is_image[is_visual]
+    for modality, values_key, grid_key, where in (
+        ("image", "pixel_values", "image_grid_thw", where_image),
+        ("video", "pixel_values_videos", "video_grid_thw", ~where_image),
+    ):
+        values = _cat([getattr(t, values_key) for t in turns])
+        grids = _cat([getattr(t, grid_key) for t in turns])
+        if values is None:
+            continue
+        fn = model.model.get_image_features if modality == "image" else model.model.get_video_features
+        out = fn(values, grids, return_dict=True)
+        vis_feats[where] = torch.cat(list(out.pooler_output))
+        if deepstack is None:
+            deepstack = [embeds.new_zeros(n_vis, embeds.shape[-1]) for _ in out.deepstack_features]
+        for layer, feat in zip(deepstack, out.deepstack_features):
+            layer[where] = torch.cat(list(feat))
+    embeds[is_visual] = vis_feats
+    mm_types = is_image.long() + 2 * is_video.long()
+    positions, _ = model.model.get_rope_index(
+        final[None], mm_types[None],
+        image_grid_thw=_cat([t.image_grid_thw for t in turns]),
+        video_grid_thw=_cat([t.video_grid_thw for t in turns]),
+    )
+    positions = positions[:, 0]
+
+    # classify each row: turn, segment (0 input, 1 deferred, 2 generated), forward (turn, index)
+    starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
+    segment = torch.zeros(n_rows, dtype=torch.long)
+    turn_of = torch.zeros(n_rows, dtype=torch.long)
+    fwd = torch.zeros(n_rows, dtype=torch.long)
+    keep = torch.ones(n_rows, dtype=torch.bool)
+    for k, t in enumerate(turns):
+        prompt_len = t.input_ids.shape[1]
+        end = t.output.sequences.shape[1] - 1
+        trace = t.output.raincheck
+        turn_of[starts[k]:end] = k
+        fwd[starts[k]:prompt_len] = k * BIG
+        gen = torch.arange(prompt_len, end)
+        segment[gen] = 2
+        fwd[gen] = k * BIG + (gen - prompt_len + 1)
+        for p in trace.deferred.tolist():
+            segment[p] = 1
+            fwd[p] = k * BIG + (BIG - 1)  # restored in idle time unless a trace says otherwise
+        for i, restored in enumerate(trace.restored_per_forward):
+            fwd[restored] = k * BIG + i
+        keep[trace.dropped] = False
+    keep[turns[-1].output.raincheck.pending] = False
+
+    order = sorted(range(n_rows), key=lambda r: (int(turn_of[r]), int(segment[r]), r))
+    order = torch.tensor([r for r in order if keep[r]])
+    rank = torch.empty(n_rows, dtype=torch.long)
+    rank[order] = torch.arange(order.numel())
+    f = fwd[order]
+    visible = (torch.arange(order.numel())[None, :] <= torch.arange(order.numel())[:, None]) & (f[None, :] <= f[:, None])
+
+    impl = text_model.config._attn_implementation
+    mask = visible[None, None]
+    if impl == "eager":
+        mask = torch.where(mask, 0.0, torch.finfo(embeds.dtype).min).to(embeds.dtype)
+    vis_rows = is_visual[order]
+    ordinal = torch.cumsum(is_visual.long(), 0) - 1
+    ds = None if deepstack is None else [d[ordinal[order][vis_rows]] for d in deepstack]
+    hidden = text_model(
+        inputs_embeds=embeds[order][None], position_ids=positions[:, order][:, None], attention_mask=mask,
+        use_cache=False, visual_pos_masks=vis_rows[None] if ds is not None else None, deepstack_visual_embeds=ds,
+    ).last_hidden_state[0]
+    logits = model.lm_head(hidden)
+
+    result = []
+    for k, t in enumerate(turns):
+        prompt_len = t.input_ids.shape[1]
+        n_forwards = len(t.output.logits)
+        rows = [prompt_len - 1] + [prompt_len + i - 1 for i in range(1, n_forwards)]
+        result.append([logits[rank[r]] for r in rows])
+    return result

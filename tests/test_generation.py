@@ -1,0 +1,284 @@
+"""End-to-end behaviour of `generate(raincheck=...)` on a tiny Qwen3-VL (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+import raincheck_hf
+from raincheck_hf import RaincheckConfig, restore_pending
+
+from conftest import INPUT_CASES, make_inputs
+from reference import TurnRecord, reference_logits
+
+TOL = 1e-4
+
+
+def greedy(model, inputs, n=12, **kw):
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, **kw)
+
+
+def record(inputs, out):
+    return TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
+
+
+def assert_matches_reference(model, records):
+    refs = reference_logits(model, records)
+    for k, (rec, ref) in enumerate(zip(records, refs)):
+        assert len(rec.output.logits) == len(ref)
+        for i, (got, want) in enumerate(zip(rec.output.logits, ref)):
+            diff = (got[0] - want).abs().max().item()
+            assert diff <= TOL, f"turn {k} forward {i}: max abs logit diff {diff:.2e}"
+
+
+# ---- identical to stock -------------------------------------------------------------------------
+
+def test_retention_one_is_stock(model, case_inputs):
+    assert torch.equal(greedy(model, case_inputs, raincheck=RaincheckConfig(retention=1.0)), greedy(model, case_inputs))
+
+
+def test_full_mode_is_stock(model, case_inputs):
+    assert torch.equal(greedy(model, case_inputs, raincheck=RaincheckConfig(mode="full")), greedy(model, case_inputs))
+
+
+def test_text_only_prompt_is_stock(model, processor):
+    msgs = [{"role": "user", "content": "Say something about glyphs."}]
+    inputs = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    for mode in ("raincheck", "hard", "post_answer", "serial"):
+        assert torch.equal(greedy(model, inputs, raincheck=RaincheckConfig(mode=mode, retention=0.2)),
+                           greedy(model, inputs))
+
+
+def test_without_keyword_generate_is_untouched(processor):
+    from raincheck_hf.tiny import build_tiny_qwen3_vl
+
+    plain = build_tiny_qwen3_vl(seed=0)
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    before = greedy(plain, inputs)
+    raincheck_hf.enable(plain)
+    raincheck_hf.enable(plain)  # idempotent
+    assert torch.equal(greedy(plain, inputs), before)
+    assert torch.equal(greedy(plain, inputs, raincheck=False), before)
+    raincheck_hf.disable(plain)
+    assert "generate" not in vars(plain)
+    with pytest.raises(ValueError, match="raincheck"):
+        greedy(plain, inputs, raincheck=True)  # HF rejects the unknown kwarg once disabled
+
+
+# ---- the reference semantics of method.md §3 --------------------------------------------------
+
+SETTINGS = [
+    pytest.param(0.3, 5, 2, id="r0.3-c5-g2"),
+    pytest.param(0.3, 4, 0, id="r0.3-c4-g0"),  # chunk size not dividing the deferred count, guard 0
+    pytest.param(0.0, 7, 1, id="r0-c7-g1"),
+    pytest.param(0.5, 3, 3, id="r0.5-c3-g3"),
+]
+
+
+@pytest.mark.parametrize("retention,chunk,guard", SETTINGS)
+def test_raincheck_matches_reference(model, case_inputs, retention, chunk, guard):
+    cfg = RaincheckConfig(retention=retention, chunk_size=chunk, decode_guard=guard)
+    out = greedy(model, case_inputs, n=14, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    trace = out.raincheck
+    assert trace.restored_during_decode > 0 or trace.deferred.numel() == 0
+    for i, restored in enumerate(trace.restored_per_forward[1:], start=1):
+        if i < max(guard, 1):
+            assert restored.numel() == 0, "a chunk ran before the decode guard"
+        assert restored.numel() <= chunk
+    assert_matches_reference(model, [record(case_inputs, out)])
+
+
+def test_eager_attention_matches_reference(eager_model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    out = greedy(eager_model, inputs, raincheck=RaincheckConfig(chunk_size=3, decode_guard=1),
+                 return_dict_in_generate=True, output_logits=True)
+    assert_matches_reference(eager_model, [record(inputs, out)])
+
+
+def test_trace_accounts_for_every_multimodal_token(model, case_inputs):
+    out = greedy(model, case_inputs, n=6, raincheck=RaincheckConfig(chunk_size=3, decode_guard=2),
+                 return_dict_in_generate=True)
+    t = out.raincheck
+    ids = case_inputs["input_ids"][0]
+    visual = ((ids == model.config.image_token_id) | (ids == model.config.video_token_id)).nonzero().flatten()
+    assert torch.equal(torch.sort(torch.cat([t.selected, t.deferred])).values, visual)
+    restored = torch.cat(t.restored_per_forward + [t.pending])
+    assert torch.equal(torch.sort(restored).values, t.deferred)  # each deferred token exactly once
+    assert torch.equal(t.deferred, torch.sort(t.deferred).values)  # source order
+
+
+# ---- hard, post_answer, serial --------------------------------------------------------------------
+
+def test_modes_share_one_selection(model, case_inputs):
+    traces = {m: greedy(model, case_inputs, n=3, raincheck=RaincheckConfig(mode=m, retention=0.3),
+                        return_dict_in_generate=True).raincheck for m in ("hard", "post_answer", "raincheck", "serial")}
+    for t in traces.values():
+        assert torch.equal(t.selected, traces["raincheck"].selected)
+    assert torch.equal(traces["hard"].dropped, traces["hard"].deferred)
+    assert torch.equal(traces["post_answer"].pending, traces["post_answer"].deferred)
+
+
+def test_hard_equals_stock_on_pruned_sequence(model, processor):
+    """`hard` = the stock text model run greedily on the pruned sequence at original positions."""
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    out = greedy(model, inputs, n=10, raincheck=RaincheckConfig(mode="hard", retention=0.3),
+                 return_dict_in_generate=True)
+    ids = inputs["input_ids"][0]
+    keep = torch.ones(ids.shape[0], dtype=torch.bool)
+    keep[out.raincheck.deferred] = False
+    # stock embeddings and positions of the full prompt, then pruned
+    cfg = model.config
+    emb = model.model.language_model.embed_tokens(ids).clone()
+    vis = ids == cfg.image_token_id
+    feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+    emb[vis] = torch.cat(list(feats.pooler_output))
+    ds = [torch.cat(list(f)) for f in feats.deepstack_features]
+    pos, delta = model.model.get_rope_index(ids[None], vis.long()[None], image_grid_thw=inputs["image_grid_thw"])
+    kept_vis = keep[vis]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg.text_config)
+    tm = model.model.language_model
+    h = tm(inputs_embeds=emb[keep][None], position_ids=pos[:, :, keep], cache=cache, use_cache=True,
+           visual_pos_masks=vis[keep][None], deepstack_visual_embeds=[d[kept_vis] for d in ds]).last_hidden_state
+    tokens = []
+    next_pos = int(pos.max()) + 1
+    for step in range(10):
+        tok = model.lm_head(h[:, -1]).argmax(-1)
+        tokens.append(int(tok))
+        p = torch.full((3, 1, 1), next_pos + step)
+        h = tm(inputs_embeds=tm.embed_tokens(tok[None]), position_ids=p, cache=cache, use_cache=True).last_hidden_state
+    assert out.sequences[0, ids.shape[0]:].tolist() == tokens[: out.sequences.shape[1] - ids.shape[0]]
+
+
+def test_serial_agrees_with_fused(model, case_inputs):
+    kw = dict(n=12, return_dict_in_generate=True, output_logits=True)
+    fused = greedy(model, case_inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1), **kw)
+    serial = greedy(model, case_inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1, mode="serial"), **kw)
+    assert torch.equal(fused.sequences, serial.sequences)
+    for a, b in zip(fused.logits, serial.logits):
+        assert (a - b).abs().max() <= TOL
+    assert [r.tolist() for r in fused.raincheck.restored_per_forward] == [
+        r.tolist() for r in serial.raincheck.restored_per_forward]
+
+
+def test_post_answer_restores_nothing_during_decode(model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    out = greedy(model, inputs, raincheck=RaincheckConfig(mode="post_answer", decode_guard=0),
+                 return_dict_in_generate=True, output_logits=True)
+    assert out.raincheck.restored_during_decode == 0
+    hard = greedy(model, inputs, raincheck=RaincheckConfig(mode="hard"), return_dict_in_generate=True,
+                  output_logits=True)
+    assert torch.equal(out.sequences, hard.sequences)  # same visible context during the answer
+
+
+# ---- multi-turn ------------------------------------------------------------------------------------
+
+def second_turn(processor, sequences, images=(), text="And what colour is the corner?"):
+    turn = make_inputs(processor, images=images, text=text)
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    glue = [eos] if sequences[0, -1] != eos else []
+    glue += processor.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    ids = torch.cat([sequences, torch.tensor([glue]), turn["input_ids"]], dim=1)
+    turn = dict(turn)
+    turn["input_ids"] = ids
+    turn["attention_mask"] = torch.ones_like(ids)
+    turn.pop("mm_token_type_ids", None)
+    return turn
+
+
+@pytest.mark.parametrize("between", ["nothing", "complete", "one_chunk"])
+def test_second_turn_matches_reference(model, processor, between):
+    from raincheck_hf.tiny import draw_test_image
+
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=7)
+    first = make_inputs(processor, **INPUT_CASES["one_image"])
+    out1 = greedy(model, first, n=8, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    assert out1.raincheck.pending.numel() > 0
+    if between == "complete":
+        restore_pending(model, out1.cache)
+        assert out1.cache.num_pending == 0
+    elif between == "one_chunk":
+        restore_pending(model, out1.cache, max_tokens=cfg.chunk_size)
+    second = second_turn(processor, out1.sequences, images=(draw_test_image(64, 96, seed=9),))
+    out2 = greedy(model, second, n=8, raincheck=cfg, cache=out1.cache, return_dict_in_generate=True,
+                  output_logits=True)
+    if between != "complete":
+        assert out2.raincheck.restored_per_forward[0].numel() > 0  # leftovers ride with the prefill
+    assert_matches_reference(model, [record(first, out1), record(second, out2)])
+
+
+def test_completed_cache_holds_every_prompt_token_once(model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["image_and_video"])
+    out = greedy(model, inputs, n=5, raincheck=RaincheckConfig(decode_guard=2, chunk_size=2),
+                 return_dict_in_generate=True)
+    cache = out.cache
+    restore_pending(model, cache)
+    prompt_len = inputs["input_ids"].shape[1]
+    sources = cache.row_sources
+    prompt_rows = sources[sources < prompt_len]
+    assert torch.equal(torch.sort(prompt_rows).values, torch.arange(prompt_len))
+    assert cache.get_seq_length() == cache.num_rows == out.sequences.shape[1] - 1
+
+
+def test_completion_barrier_same_cache_either_way(model, processor):
+    """Restoring chunk by chunk and all at once leave the same keys and values."""
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = RaincheckConfig(retention=0.2, decode_guard=100)
+    a = greedy(model, inputs, n=4, raincheck=cfg, return_dict_in_generate=True).cache
+    b = greedy(model, inputs, n=4, raincheck=cfg, return_dict_in_generate=True).cache
+    restore_pending(model, a)
+    while b.num_pending:
+        restore_pending(model, b, max_tokens=3)
+    assert torch.equal(a.row_keys, b.row_keys)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)
+
+
+# ---- HF's generation features keep working ---------------------------------------------------------
+
+def test_sampling_is_reproducible_with_a_seed(model, case_inputs):
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(**case_inputs, max_new_tokens=10, do_sample=True, top_k=20, temperature=1.3,
+                                   raincheck=cfg))
+    assert torch.equal(runs[0], runs[1])
+
+
+class _Ban(LogitsProcessor):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+class _StopAt(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_logits_processor_stopping_criteria_and_streamer(model, processor):
+    from transformers import TextIteratorStreamer
+
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    base = greedy(model, inputs, raincheck=True)
+    banned = int(base[0, inputs["input_ids"].shape[1]])
+    prompt_len = inputs["input_ids"].shape[1]
+    streamer = TextIteratorStreamer(processor.tokenizer, skip_prompt=True)
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False, raincheck=RaincheckConfig(decode_guard=1),
+                         logits_processor=LogitsProcessorList([_Ban(banned)]),
+                         stopping_criteria=StoppingCriteriaList([_StopAt(prompt_len + 7)]), streamer=streamer)
+    assert out.shape[1] == prompt_len + 7
+    assert banned not in out[0, prompt_len:].tolist()
+    streamed = "".join(streamer)
+    assert streamed == processor.tokenizer.decode(out[0, prompt_len:])
