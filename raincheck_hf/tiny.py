@@ -95,6 +95,7 @@ def build_tiny_processor(min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
         patch_size=16, merge_size=2, temporal_patch_size=2,
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4},
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], do_sample_frames=False,
+        cap_pixels_per_frame=True,
     )
     return Qwen3VLProcessor(
         image_processor=image_processor,

@@ -1,0 +1,1 @@
+"""Benchmarks (``python -m raincheck_hf.bench <name> ...``): each prints a table and writes JSON."""

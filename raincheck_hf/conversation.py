@@ -1,0 +1,288 @@
+"""`Conversation`: multi-turn chat on one cache, with restoration finished in idle time.
+
+Every turn goes through ``model.generate(..., raincheck=config, cache=...)`` with the whole
+conversation as ``input_ids`` (HF's convention for continuing from a cache) and the new turn's
+images only. Between turns a background worker prefills the leftover deferred rows one chunk at
+a time, taking the model lock per chunk, so a follow-up waits at most one chunk. When a follow-up
+arrives before restoration is done, the leftovers are prefilled in the same forward as the new
+turn, ahead of it in physical order (method.md §7, "early follow-up without waiting"); with
+``early_follow_up=False`` the conversation instead completes restoration first (the plain
+completion barrier). Both give the same logits: the leftovers never see the new turn either way.
+
+Positions are never taken from ``model.rope_deltas``: the engine builds every turn's 3-D
+positions from the cache's own position counter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .configuration import RaincheckConfig
+from .generation import RaincheckTrace, restore_pending
+from .integration import enable
+
+
+@dataclass
+class TurnResult:
+    """One answer and what it cost.
+
+    Attributes:
+        text: the decoded answer (special tokens removed).
+        token_ids: ``[n]`` generated ids.
+        trace: the `RaincheckTrace` of the turn's `generate` call.
+        time_to_first_token: seconds from `ask` to the first generated token.
+        token_times: seconds between consecutive generated tokens (``n - 1`` values).
+        restored_during_answer: deferred tokens prefilled while the answer was generated.
+        restored_after_answer: deferred tokens of this turn prefilled after it (updated live by the
+            worker, or at the next turn's prefill).
+        pending: deferred tokens of this turn not yet prefilled (live).
+    """
+
+    text: str
+    token_ids: torch.Tensor
+    trace: RaincheckTrace
+    time_to_first_token: float
+    token_times: list[float]
+    restored_during_answer: int
+    restored_after_answer: int = 0
+    pending: int = 0
+    wall_time: float = 0.0
+    output: object = field(default=None, repr=False)  # the RaincheckGenerateOutput (logits with output_logits=True)
+
+    @property
+    def time_per_output_token(self) -> float:
+        return sum(self.token_times) / len(self.token_times) if self.token_times else float("nan")
+
+
+class _TokenClock(BaseStreamer):
+    """Records when each generated token arrives, forwarding everything to an optional streamer."""
+
+    def __init__(self, start: float, inner: BaseStreamer | None = None):
+        self.start, self.inner, self.times, self._prompt_seen = start, inner, [], False
+
+    def put(self, value):
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+
+class StreamingTurn:
+    """Iterator over the text pieces of an answer; ``.result`` is the `TurnResult` once it ends."""
+
+    def __init__(self, pieces, thread, holder):
+        self._pieces, self._thread, self._holder = pieces, thread, holder
+
+    def __iter__(self):
+        yield from self._pieces
+        self._thread.join()
+        if "error" in self._holder:
+            raise self._holder["error"]
+
+    @property
+    def result(self) -> TurnResult:
+        self._thread.join()
+        if "error" in self._holder:
+            raise self._holder["error"]
+        return self._holder["result"]
+
+
+class Conversation:
+    """Multi-turn image/video chat that keeps the Raincheck cache between turns.
+
+    Args:
+        model: a supported model (enabled here if it is not yet).
+        processor: its processor (chat template, image and video processors).
+        config: the `RaincheckConfig` for every turn (default: `RaincheckConfig()`).
+        system: optional system prompt for the first turn.
+        background: restore leftovers in a background worker between turns (else only on
+            `complete()` or at the next turn).
+        early_follow_up: prefill leftovers together with a follow-up instead of waiting for them.
+        max_new_tokens: default answer length limit (a per-call ``max_new_tokens`` wins).
+    """
+
+    def __init__(self, model, processor, config: RaincheckConfig | None = None, *, system: str | None = None,
+                 background: bool = True, early_follow_up: bool = True, max_new_tokens: int = 256):
+        self.model = enable(model)
+        self.processor = processor
+        self.config = config if config is not None else RaincheckConfig()
+        if not isinstance(self.config, RaincheckConfig):
+            raise ValueError(f"Conversation(config={config!r}) must be a RaincheckConfig.")
+        if isinstance(self.config.selector, torch.Tensor):
+            raise ValueError("Conversation(config=...) cannot pin a boolean selector mask: every turn has its own "
+                             "multimodal tokens. Use a selector name or object.")
+        self.system = system
+        self.early_follow_up = early_follow_up
+        self.max_new_tokens = max_new_tokens
+        self.turns: list[TurnResult] = []
+        self.cache = None
+        self.sequences: torch.Tensor | None = None
+        tok = processor.tokenizer
+        self._end_id = tok.convert_tokens_to_ids("<|im_end|>")
+        self._newline = tok("\n", add_special_tokens=False)["input_ids"]
+        self._lock = threading.RLock()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._worker = None
+        if background:
+            self._worker = threading.Thread(target=self._restore_in_background, name="raincheck-restore", daemon=True)
+            self._worker.start()
+
+    # ---- public API -------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return 0 if self.cache is None else self.cache.num_pending
+
+    def ask(self, text: str, images=(), videos=(), stream: bool = False, video_fps: float = 2.0, **generate_kwargs):
+        """Ask one question (with optional images / videos, this turn only).
+
+        Returns a `TurnResult`, or with ``stream=True`` a `StreamingTurn` that yields text pieces.
+        ``generate_kwargs`` go to `generate` (sampling settings, logits processors, ...).
+        """
+        if self._closed:
+            raise RuntimeError("this Conversation is closed")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("Conversation.ask(text=...) needs a non-empty question.")
+        for name in ("input_ids", "cache", "raincheck", "return_dict_in_generate"):
+            if name in generate_kwargs:
+                raise ValueError(f"Conversation.ask() sets {name} itself; do not pass it.")
+        inputs = self._turn_inputs(text, list(images), list(videos), video_fps)
+        if not stream:
+            return self._run(inputs, None, generate_kwargs)
+        from transformers import TextIteratorStreamer
+
+        pieces = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        holder: dict = {}
+
+        def work():
+            try:
+                holder["result"] = self._run(inputs, pieces, generate_kwargs)
+            except BaseException as error:  # surfaced to the reader of the stream
+                holder["error"] = error
+                pieces.end()
+
+        thread = threading.Thread(target=work, name="raincheck-answer", daemon=True)
+        thread.start()
+        return StreamingTurn(pieces, thread, holder)
+
+    def complete(self) -> int:
+        """Prefill every leftover deferred token now (chunk by chunk); returns how many."""
+        total = 0
+        while True:
+            n = self._restore_one_chunk()
+            if n == 0:
+                return total
+            total += n
+
+    def close(self) -> None:
+        """Stop the background worker (a chunk in progress finishes first)."""
+        self._closed = True
+        with self._wake:
+            self._wake.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _turn_inputs(self, text, images, videos, video_fps):
+        content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+        content.append({"type": "text", "text": text})
+        messages = [{"role": "user", "content": content}]
+        if self.system and self.sequences is None:
+            messages.insert(0, {"role": "system", "content": self.system})
+        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs = {}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            kwargs["videos"] = videos
+            from transformers.video_utils import VideoMetadata
+
+            metadata = [VideoMetadata(total_num_frames=int(len(v)), fps=video_fps,
+                                      frames_indices=list(range(int(len(v))))) if not isinstance(v, str) else None
+                        for v in videos]
+            if all(m is not None for m in metadata):
+                kwargs["videos_kwargs"] = {"video_metadata": metadata}
+        inputs = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
+        inputs.pop("mm_token_type_ids", None)  # positions come from input_ids (see integration.validate_request)
+        if self.sequences is not None:
+            glue = ([] if int(self.sequences[0, -1]) == self._end_id else [self._end_id]) + self._newline
+            ids = torch.cat([self.sequences, torch.tensor([glue], dtype=torch.long), inputs["input_ids"]], dim=1)
+            inputs["input_ids"] = ids
+            inputs["attention_mask"] = torch.ones_like(ids)
+        return inputs
+
+    def _run(self, inputs, streamer, generate_kwargs) -> TurnResult:
+        generate_kwargs = dict(generate_kwargs)
+        generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)
+        user_streamer = generate_kwargs.pop("streamer", None)
+        if streamer is not None and user_streamer is not None:
+            raise ValueError("Conversation.ask(stream=True) streams itself; do not pass a streamer as well.")
+        start = time.perf_counter()
+        clock = _TokenClock(start, streamer if streamer is not None else user_streamer)
+        with self._lock:
+            if not self.early_follow_up:
+                self.complete()  # the completion barrier
+            previous_pending = self.pending
+            device = self.model.device
+            moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+            out = self.model.generate(**moved, cache=self.cache, raincheck=self.config, streamer=clock,
+                                      return_dict_in_generate=True, **generate_kwargs)
+            self.cache, self.sequences = out.cache, out.sequences.cpu()
+        wall = time.perf_counter() - start
+        if self.turns and previous_pending:
+            earlier = self.turns[-1]
+            earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
+            earlier.pending = 0
+        prompt_len = inputs["input_ids"].shape[1]
+        new_ids = out.sequences[0, prompt_len:].cpu()
+        times = clock.times
+        result = TurnResult(
+            text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
+            token_ids=new_ids,
+            trace=out.raincheck,
+            time_to_first_token=(times[0] - start) if times else float("nan"),
+            token_times=[b - a for a, b in zip(times, times[1:])],
+            restored_during_answer=out.raincheck.restored_during_decode,
+            pending=self.cache.num_pending,
+            wall_time=wall,
+            output=out,
+        )
+        self.turns.append(result)
+        with self._wake:
+            self._wake.notify_all()
+        return result
+
+    def _restore_one_chunk(self) -> int:
+        with self._lock:
+            if self.cache is None or self.cache.num_pending == 0:
+                return 0
+            restored = restore_pending(self.model, self.cache, max_tokens=self.config.chunk_size)
+            if self.turns:
+                self.turns[-1].restored_after_answer += int(restored.numel())
+                self.turns[-1].pending = self.cache.num_pending
+            return int(restored.numel())
+
+    def _restore_in_background(self):
+        while not self._closed:
+            with self._wake:
+                while not self._closed and self.pending == 0:
+                    self._wake.wait(timeout=0.5)
+            if self._closed:
+                return
+            self._restore_one_chunk()

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the test suite (CPU; GPU-only tests skip without CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest tests -q "$@"
