@@ -40,12 +40,15 @@ def available_selectors() -> list[str]:
 
 def get_selector(name: str, **kwargs) -> Selector:
     """Instantiate the selector registered as ``name``."""
-    if name in _REGISTERED:
-        return _REGISTERED[name](**kwargs)
-    if name in _BUILTIN and name in available_selectors():
+    cls = _REGISTERED.get(name)
+    if cls is None and name in _BUILTIN and name in available_selectors():
         module_name, cls_name = _BUILTIN[name].split(":")
-        module = importlib.import_module(f"{__name__}.{module_name}")
-        return getattr(module, cls_name)(**kwargs)
+        cls = getattr(importlib.import_module(f"{__name__}.{module_name}"), cls_name)
+    if cls is not None:
+        try:
+            return cls(**kwargs)
+        except TypeError as error:  # an unknown or missing field
+            raise ValueError(f"RaincheckConfig.selector_kwargs={kwargs!r} do not fit selector {name!r}: {error}") from None
     raise ValueError(
         f"RaincheckConfig.selector={name!r} is not a registered selector; choose one of "
         f"{available_selectors()}, pass a Selector instance, or a boolean keep-mask tensor."
