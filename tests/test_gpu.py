@@ -1,0 +1,57 @@
+"""GPU checks of the engine (skipped without CUDA; run on the device when the GPU path changes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import raincheck_hf
+from raincheck_hf import RaincheckConfig
+
+from conftest import INPUT_CASES, make_inputs
+from reference import TurnRecord, reference_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    from raincheck_hf.tiny import build_tiny_qwen3_vl
+
+    return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0).to("cuda"))
+
+
+def _cuda(inputs):
+    return {k: v.to("cuda") for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_cuda_matches_reference(cuda_model, processor, case):
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
+    out = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                              output_logits=True, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
+    rec = TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                     inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
+    with torch.no_grad():
+        ref = reference_logits(cuda_model, [rec])[0]
+    for i, (got, want) in enumerate(zip(out.logits, ref)):
+        assert (got[0] - want).abs().max().item() <= 1e-3, f"forward {i}"
+
+
+def test_cuda_retention_one_is_stock(cuda_model, processor):
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
+    a = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    b = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False, raincheck=RaincheckConfig(retention=1.0))
+    assert torch.equal(a, b)
+
+
+def test_cuda_conversation(cuda_model, processor):
+    from raincheck_hf.tiny import draw_test_image
+
+    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=4),
+                                   max_new_tokens=8) as conv:
+        conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
+        conv.complete()
+        r = conv.ask("And now?", images=[draw_test_image(64, 64, seed=2)])
+        assert conv.cache.row_keys.device.type == "cuda"
+        assert r.token_ids.numel() > 0
