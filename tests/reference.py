@@ -104,7 +104,7 @@ def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]
     visible = (torch.arange(order.numel())[None, :] <= torch.arange(order.numel())[:, None]) & (f[None, :] <= f[:, None])
 
     impl = text_model.config._attn_implementation
-    mask = visible[None, None]
+    mask = visible[None, None].to(embeds.device)
     if impl == "eager":
         mask = torch.where(mask, 0.0, torch.finfo(embeds.dtype).min).to(embeds.dtype)
     vis_rows = is_visual[order]
