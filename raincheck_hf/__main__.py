@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     c.add_argument("--question", action="append", default=[],
                    help="ask these questions in order instead of reading from stdin (repeatable)")
     c.add_argument("--mode", default="raincheck", help="full | hard | post_answer | raincheck | serial")
-    c.add_argument("--selector", default="uniform")
+    c.add_argument("--selector", default="mmtok")
     c.add_argument("--retention", type=float, default=0.3)
     c.add_argument("--chunk-size", type=int, default=31)
     c.add_argument("--decode-guard", type=int, default=16)

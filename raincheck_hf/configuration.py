@@ -20,24 +20,32 @@ class RaincheckConfig:
         retention: fraction r of each image's / video slice's visual tokens prefilled first, in [0, 1].
         chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
-        selector: a registered name (see `raincheck_hf.selection.available_selectors()`), a `Selector`
-            instance, or a boolean tensor over the prompt's multimodal tokens in source order
+        selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
+            ``"mmtok"``, the query-aware coverage selector of method.md §8), a `Selector` instance,
+            or a boolean tensor over the prompt's multimodal tokens in source order
             (True = keep), which pins the selection exactly.
         mode: ``full`` (prefill everything), ``hard`` (drop the deferred tokens for good),
             ``post_answer`` (restore them only after the answer), ``raincheck`` (one chunk fused into
             each decode step after the guard, the rest after the answer) or ``serial`` (raincheck
             with the chunk in its own forward before the decode token: only to measure fusion).
         selector_kwargs: keyword arguments for a selector given by name.
+        fast_path: execute on preallocated KV slots with CUDA-graph replay of the decode, fused and
+            idle-time steps (`raincheck_hf.fast`). None (default) = on when the model is on CUDA and
+            its family supports it; False = the eager reference engine; True on CPU runs the fast
+            path's code without graphs (what the tests compare).
     """
 
     retention: float = 0.3
     chunk_size: int = 31
     decode_guard: int = 16
-    selector: str | Selector | torch.Tensor = "uniform"
+    selector: str | Selector | torch.Tensor = "mmtok"
     mode: str = "raincheck"
     selector_kwargs: dict = field(default_factory=dict)
+    fast_path: bool | None = None
 
     def __post_init__(self):
+        if self.fast_path not in (None, True, False):
+            raise ValueError(f"RaincheckConfig.fast_path={self.fast_path!r} must be None (auto: on CUDA), True or False.")
         if isinstance(self.retention, bool) or not isinstance(self.retention, (int, float)) or not (
             math.isfinite(self.retention) and 0.0 <= self.retention <= 1.0
         ):

@@ -84,9 +84,20 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
 
-def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool):
-    """One forward over ``batch`` with the visibility of its keys; logits of its last row or None."""
+def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
+             pad_to: int | None = None):
+    """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
+
+    ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
+    the shape its CUDA graph was captured at.
+    """
     kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
+    if getattr(cache, "is_static", False):
+        if cache.graphs is None:
+            from .fast.graphs import StepGraphs
+
+            cache.graphs = StepGraphs(adapter, cache, use_graphs=True)
+        return cache.graphs.run(batch, keys, sources, kinds, want_logits, pad_to=pad_to)
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
     return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
@@ -102,19 +113,38 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     if rows is None:
         return torch.empty(0, dtype=torch.long)
     with torch.no_grad():
-        run_rows(adapter, cache, adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, want_logits=False)
+        run_rows(adapter, cache, adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, want_logits=False,
+                 pad_to=max_tokens)
     return rows.sources.cpu()
 
 
-def _prepare_cache(model, model_kwargs) -> DeferredDynamicCache:
+def use_fast_path(adapter, config: RaincheckConfig) -> bool:
+    if config.fast_path is False or not getattr(adapter, "supports_fast_path", False):
+        return False
+    layer_types = getattr(adapter.text_model.config, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types):  # recurrent state does not live in KV slots
+        return False
+    return config.fast_path is True or adapter.device.type == "cuda"
+
+
+def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> DeferredDynamicCache:
+    """The cache to continue, or a new one (`StaticDeferredCache` on the fast path) sized for the turn."""
     cache = model_kwargs.get("cache")
     if isinstance(cache, DeferredDynamicCache):
+        if getattr(cache, "is_static", False):
+            cache.ensure_capacity(cache.num_rows + rows_needed)
         return cache
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
             f"generate(raincheck=...) got a non-empty {type(cache).__name__}; Raincheck continues only its own "
             "DeferredDynamicCache (the `cache` returned by an earlier raincheck generate)."
         )
+    if use_fast_path(adapter, config):
+        from .fast.static_cache import StaticDeferredCache, round_capacity
+
+        return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
+                                   config.chunk_size + 1,
+                                   adapter.device)
     return DeferredDynamicCache(config=model.config.get_text_config(), device=model.device)
 
 
@@ -129,6 +159,7 @@ def raincheck_sample(
     raincheck_config: RaincheckConfig | None = None,
     raincheck_grids: dict | None = None,
     raincheck_streamer=None,
+    raincheck_captures=None,
     **model_kwargs,
 ):
     """`_sample` with deferred multimodal prefill (the `custom_generate` callable)."""
@@ -138,10 +169,13 @@ def raincheck_sample(
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
     grids = raincheck_grids or {}
     adapter = get_adapter(model)
-    cache = _prepare_cache(model, model_kwargs)
+    given = model_kwargs.get("cache")
+    start = given.source_length if isinstance(given, DeferredDynamicCache) else 0
+    pending_before = given.num_pending if isinstance(given, DeferredDynamicCache) else 0
+    rows_needed = input_ids.shape[1] - start + pending_before + generation_config.max_length - input_ids.shape[1]
+    cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
 
     # 1. the new tokens of this turn
-    start = cache.source_length
     new_ids = input_ids[0, start:]
     turn = adapter.encode_turn(
         new_ids,
@@ -154,7 +188,7 @@ def raincheck_sample(
     )
 
     # 2. selection and plan
-    keep = select_visual_rows(turn, config, config.build_selector(), model=model)
+    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
     turn_index = cache.turn
     cache.turn += 1
     plan = build_plan(turn, keep, turn_index, start)
@@ -250,7 +284,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
             chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
             if config.mode == "serial":
                 run_rows(adapter, cache, adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds,
-                         want_logits=False)
+                         want_logits=False, pad_to=config.chunk_size)
                 logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)
             else:  # fused: one forward over [chunk, decode token]
                 logits = run_rows(
@@ -258,7 +292,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
                     torch.cat([chunk.keys, token_key.reshape(1).to(chunk.keys.device)]),
                     torch.cat([chunk.sources.cpu(), token_source]),
                     torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
-                    want_logits=True,
+                    want_logits=True, pad_to=config.chunk_size,
                 )
         else:
             logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)

@@ -6,10 +6,16 @@ sets an instance attribute ``generate`` that wraps the class's own method. Witho
 `generate` still does all input preparation (generation config, logits processors, stopping
 criteria, vision encoding) and then calls `raincheck_sample` through its public
 ``custom_generate=<callable>`` seam. `disable` deletes the attribute. Nothing is patched globally.
+
+A selector whose class sets ``needs_vision_attention = True`` (VisionZip) reads the vision tower's
+last block: for that one `generate` call only, forward pre-hooks on the tower and on its last block
+record what the block is given (see `VisionAttentionCapture`), and the record travels to
+`raincheck_sample` as ``raincheck_captures``. The hooks are removed when the call returns or fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -43,8 +49,12 @@ def enable(model):
         # HF 5.24 does not forward `streamer` to a custom_generate callable (it keeps only the callable's
         # own extra parameters), so it travels under our name and the loop feeds it the prompt itself.
         streamer = kwargs.pop("streamer", None)
-        return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
-                        raincheck_streamer=streamer, **kwargs)
+        with contextlib.ExitStack() as stack:
+            captures = None
+            if _needs_vision_attention(config):
+                captures = stack.enter_context(VisionAttentionCapture(model, grids))
+            return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
+                            raincheck_streamer=streamer, raincheck_captures=captures, **kwargs)
 
     vars(model)[_ORIGINAL] = original
     model.generate = generate
@@ -57,6 +67,82 @@ def disable(model):
         del vars(model)["generate"]
         del vars(model)[_ORIGINAL]
     return model
+
+
+def _needs_vision_attention(config: RaincheckConfig) -> bool:
+    if config.mode == "full" or config.retention >= 1.0 or isinstance(config.selector, torch.Tensor):
+        return False
+    return bool(getattr(config.build_selector(), "needs_vision_attention", False))
+
+
+class VisionAttentionCapture(contextlib.AbstractContextManager):
+    """What the vision tower's last block was given, per modality, during one `generate` call.
+
+    HF's `generate` encodes a prompt's images in one tower call and its videos in another (images
+    first); `encode_turn` does the same when it has to encode itself. A pre-hook on the tower reads
+    each call's ``grid_thw`` and names the call's modality by comparing it with the request's
+    ``image_grid_thw`` / ``video_grid_thw`` (images first when both are equal); a pre-hook on the
+    last block (``model.model.visual.blocks[-1]``, the same structure on Qwen3-VL and Qwen3.5) then
+    stores, without copying, what the block receives. ``self[modality]`` is a dict:
+
+    - ``hidden_states``: ``[P, C]`` the block's input, P patches in the tower's (merge-block-major) order;
+    - ``cu_seqlens``: ``[W + 1]`` window boundaries (one window per image / video temporal slice);
+    - ``position_embeddings``: the tower's rotary ``(cos, sin)``;
+    - ``grid_thw``: the call's grid; ``block``: the block module; ``merge_unit``: patches per LLM token
+      (``spatial_merge_size ** 2``).
+
+    A modality the tower did not encode inside the call (pre-computed ``mm_encoder_outputs``) is absent.
+    The tensors are references, kept only as long as this object (one `generate` call).
+    """
+
+    def __init__(self, model, grids: dict):
+        self.tower = model.model.visual
+        self.block = self.tower.blocks[-1]
+        self.merge_unit = int(self.tower.spatial_merge_size) ** 2
+        self.grids = {"image": grids.get("image_grid_thw"), "video": grids.get("video_grid_thw")}
+        self.calls: dict[str, dict] = {}
+        self._current = None
+        self._handles = []
+
+    def __enter__(self):
+        self._handles = [
+            self.tower.register_forward_pre_hook(self._tower_hook, with_kwargs=True),
+            self.block.register_forward_pre_hook(self._block_hook, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return False
+
+    def __getitem__(self, modality: str) -> dict:
+        return self.calls[modality]
+
+    def __contains__(self, modality: str) -> bool:
+        return modality in self.calls
+
+    def _tower_hook(self, module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        self._current = None
+        for modality in ("image", "video"):
+            want = self.grids[modality]
+            if modality in self.calls or want is None or grid is None:
+                continue
+            if tuple(want.shape) == tuple(grid.shape) and torch.equal(want.cpu(), grid.cpu()):
+                self._current = modality
+                self.calls[modality] = {"grid_thw": grid, "block": self.block, "merge_unit": self.merge_unit}
+                break
+
+    def _block_hook(self, module, args, kwargs):
+        if self._current is None:
+            return
+        record = self.calls[self._current]
+        record["hidden_states"] = kwargs.get("hidden_states", args[0] if args else None)
+        record["cu_seqlens"] = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
+        record["position_embeddings"] = kwargs.get("position_embeddings", args[2] if len(args) > 2 else None)
+        self._current = None
 
 
 _UNSUPPORTED_GENERATE_KWARGS = {
@@ -107,6 +193,9 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
         raise ValueError(
             f"generate(raincheck=...) continues only a DeferredDynamicCache, got a non-empty {type(cache).__name__}."
         )
+    check_model = getattr(config.build_selector(), "check_model", None)
+    if check_model is not None:  # model-dependent settings of a selector (e.g. FastV's layer)
+        check_model(model)
     new_ids = input_ids[0, start:]
     n_multimodal = int(adapter.multimodal_mask(new_ids).sum())
     if isinstance(config.selector, torch.Tensor) and config.selector.numel() != n_multimodal:

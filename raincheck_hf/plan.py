@@ -44,8 +44,13 @@ class DeferredPlan:
         return rows.cpu() + self.source_offset
 
 
-def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=None) -> torch.Tensor:
-    """Boolean keep-mask over the turn's visual rows in source order (True = prefill first)."""
+def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=None, captures=None) -> torch.Tensor:
+    """Boolean keep-mask over the turn's visual rows in source order (True = prefill first).
+
+    The context's ``extras`` hold ``"turn"`` (the adapter's `TurnInputs`, for model-dependent selectors
+    such as FastV) and ``"vision_captures"`` (the vision tower's last-block inputs recorded by the
+    generate wrapper for selectors with ``needs_vision_attention``, else None).
+    """
     n = turn.num_visual
     if config.mode == "full" or config.retention >= 1.0:
         return torch.ones(n, dtype=torch.bool)
@@ -56,7 +61,8 @@ def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=No
                 f"tokens hold {n} multimodal tokens."
             )
         return selector.cpu().clone()
-    context = SelectionContext(text_embeds=turn.embeds[turn.text_rows], model=model)
+    context = SelectionContext(text_embeds=turn.embeds[turn.text_rows], model=model,
+                               extras={"turn": turn, "vision_captures": captures})
     masks = selector.select(turn.segments, config.retention, context)
     return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
 

@@ -174,3 +174,88 @@ def draw_test_video(num_frames: int = 4, width: int = 64, height: int = 64, seed
     cells = torch.randint(0, 256, (num_frames, 3, max(1, height // 16), max(1, width // 16)), generator=g,
                           dtype=torch.uint8)
     return cells.repeat_interleave(16, 2).repeat_interleave(16, 3)[:, :, :height, :width].contiguous()
+
+
+# ---- Qwen3.5 (hybrid Gated DeltaNet + gated full attention) ------------------------------------
+#
+# The same tokenizer and processor serve Qwen3.5: transformers maps qwen3_5 to `Qwen3VLProcessor`
+# with the Qwen2-VL image and Qwen3-VL video processors, and Qwen3.5's rope index expects exactly
+# what that processor writes (one ``<|vision_start|> … <|vision_end|>`` group per video frame,
+# separated by timestamps, so each temporal slice is its own placeholder run).
+
+TINY_QWEN3_5_LAYER_TYPES = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+
+
+def tiny_qwen3_5_config(tokenizer=None, layer_types=TINY_QWEN3_5_LAYER_TYPES, hidden_size: int = 64,
+                        **text_overrides):
+    """A Qwen3.5 config sized for a CPU: GDN layers below and above a full-attention layer.
+
+    Odd-on-purpose GDN shapes (2 key heads serving 4 value heads, ``dk = 8 != dv = 16``) so a head
+    repeat or a transposed state cannot pass by accident; partial rotary (half of a 32-dim head) with
+    interleaved M-RoPE sections as in the real model.
+    """
+    from transformers import Qwen3_5Config
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+        pad_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        bos_token_id=None,
+    )
+    text_config.update(text_overrides)
+    vision_config = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
+    )
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
+
+
+def build_tiny_qwen3_5(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
+    """A randomly initialised tiny `Qwen3_5ForConditionalGeneration` (same weights for the same seed).
+
+    The GDN decay rates ``A = exp(A_log)`` are set to 0.02 … 0.3 instead of HF's init range
+    [0.01, 16]: with A of several units the state forgets a token within a few steps, and deferred
+    rows would barely reach the answer's state, so tests of the join would measure nothing.
+    """
+    from transformers import GenerationConfig, Qwen3_5ForConditionalGeneration
+
+    config = tiny_qwen3_5_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    text = config.text_config
+    with torch.no_grad():
+        for layer, kind in zip(model.model.language_model.layers, text.layer_types):
+            if kind == "linear_attention":
+                layer.linear_attn.A_log.copy_(torch.linspace(0.02, 0.3, text.linear_num_value_heads).log())
+    model = model.to(dtype)
+    model.set_attn_implementation(attn_implementation) if hasattr(model, "set_attn_implementation") else None
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
+    )
+    return model.eval()

@@ -55,3 +55,26 @@ def test_cuda_conversation(cuda_model, processor):
         r = conv.ask("And now?", images=[draw_test_image(64, 64, seed=2)])
         assert conv.cache.row_keys.device.type == "cuda"
         assert r.token_ids.numel() > 0
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "serial", "full"])
+@pytest.mark.parametrize("case", ["two_images", "image_and_video"])
+def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, case):
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
+    kw = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2,
+                                                                   fast_path=False), **kw)
+    fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2), **kw)
+    from raincheck_hf.fast import StaticDeferredCache
+
+    assert isinstance(fast.cache, StaticDeferredCache)  # chosen automatically on CUDA
+    assert fast.cache.graphs.use_graphs and fast.cache.graphs.capture_seconds > 0
+    assert torch.equal(slow.sequences, fast.sequences)
+    for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+        assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+    restore_pending = raincheck_hf.restore_pending
+    while fast.cache.num_pending:
+        restore_pending(cuda_model, fast.cache, max_tokens=4)  # the captured idle-time chunk step
+    n = fast.cache.num_rows
+    assert torch.equal(torch.sort(fast.cache.row_sources[: n]).values[: inputs["input_ids"].shape[1]],
+                       torch.arange(inputs["input_ids"].shape[1]))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from .qwen3_5 import Qwen3_5Adapter
 from .qwen3_vl import Qwen3VLAdapter
 
-ADAPTERS = (Qwen3VLAdapter,)
+ADAPTERS = (Qwen3VLAdapter, Qwen3_5Adapter)
 
 
 def supported_model_classes() -> list[str]:

@@ -74,6 +74,7 @@ class RowBatch:
 
 class Qwen3VLAdapter:
     model_classes = ("Qwen3VLForConditionalGeneration",)
+    supports_fast_path = True  # every text layer is attention: all state fits `StaticDeferredCache`
 
     def __init__(self, model):
         self.model = model

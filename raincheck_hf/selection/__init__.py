@@ -17,6 +17,8 @@ _BUILTIN = {
     "divprune": "divprune:DivPruneSelector",
     "mmtok": "mmtok:MMTokSelector",
     "cdpruner": "cdpruner:CDPrunerSelector",
+    "visionzip": "visionzip:VisionZipSelector",
+    "fastv": "fastv:FastVSelector",
 }
 _REGISTERED: dict[str, type] = {}
 

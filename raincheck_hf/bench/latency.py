@@ -1,0 +1,731 @@
+"""End-to-end latency of stock `generate` against Raincheck's modes, side by side in one process.
+
+    python -m raincheck_hf.bench latency --model qwen3_vl_8b,qwen3_5_9b --input image,video --turns 3 \\
+        --answer-tokens 512 --reps 3 --chunk-sizes 7,15,31,63 --json out.json
+
+For every (model, input) it builds the model once (random weights at the real shape, see
+`bench/shapes.py`), warms every variant up, then runs ``reps`` repetitions; each repetition runs
+every variant once, in an order rotated per repetition, so drift hits every variant alike.
+
+Variants (all on the same model instance, the same prompt, the same answer length):
+
+- ``stock_dynamic``: HF's own `generate`, full prefill, `DynamicCache`; later turns continue the
+  returned cache (``generate(input_ids=<whole conversation>, cache=...)``).
+- ``stock_static``: the same with ``cache_implementation="static"`` (HF auto-compiles the decode
+  step on CUDA, "reduce-overhead" = CUDA graphs); the `StaticCache` is sized once per model
+  (``max_cache_len``) for the longest conversation of the run so that it compiles once; later turns
+  continue it. Its compile is warmed up outside the timings and reported under ``warmup``.
+- ``stock_static_reused``: the same compiled decode step, but one `StaticCache` object per model
+  passed as ``cache=`` and ``reset()`` before every conversation, so the CUDA graphs always see
+  the same addresses (what a careful user of stock transformers would do; ``stock_static`` gets a
+  fresh cache per call, which may make the CUDA graphs re-record).
+- ``full``, ``hard``, ``post_answer``: ``generate(..., raincheck=RaincheckConfig(mode=...))``.
+- ``raincheck c=<c>`` (fused) and ``serial c=<c>`` for every chunk size of the sweep. The primary
+  chunk size (31 when swept) runs all turns; the other sizes run ``--sweep-turns`` turns (default 1).
+
+Every answer has exactly ``--answer-tokens`` tokens (follow-ups: ``--follow-up-tokens``): greedy,
+``min_new_tokens = max_new_tokens``, and every special token (EOS included) suppressed, the same
+logits processors for every variant. Turns 2.. are text-only follow-ups built as `Conversation`
+builds them.
+
+Metrics (seconds in the JSON, milliseconds in the table; every clock read follows
+``torch.cuda.synchronize()`` on CUDA; inputs are already on the device, processor time excluded):
+
+- ``t1``: time to first token of turn 1: from just before `generate` to the streamer's first
+  ``put`` after the prompt (vision encoding + selection + prefill + first sampling included).
+- ``tpot<k>``: mean time per output token of turn k, (last token time - first token time) / (n - 1).
+  ``tpot1_restoring`` / ``tpot1_plain``: the same over the decode steps of turn 1 that did / did not
+  carry a deferred chunk (from the trace; Raincheck variants only). ``tpot1_median_interval``: the
+  median gap between consecutive tokens (robust to one-time stalls such as a CUDA-graph re-record).
+- ``e2e<k>``: wall time of turn k's `generate` call; ``e2e_total``: the sum over turns.
+- ``t<k>`` (k >= 2): time to first token of follow-up k sent right after turn k-1's answer: for
+  Raincheck variants the deferred tokens still pending ride along with the follow-up's prefill
+  (method.md section 7).
+- ``t2_idle``: time to first token of the same follow-up 2 after an idle gap in which restoration
+  finished: on a deep copy of the cache after turn 1, the pending deferred tokens are restored
+  chunk by chunk with `raincheck_hf.restore_pending` exactly as `Conversation.complete()` does
+  (timed: ``idle_restore``), then the follow-up's first token is timed (``max_new_tokens=1``).
+  ``t2_barrier`` = ``idle_restore + t2_idle`` (derived): a follow-up that arrives at once and waits
+  at a completion barrier, as ``Conversation(early_follow_up=False)`` does.
+- ``peak_mem``: `torch.cuda.max_memory_allocated` over the variant's turns, its counter reset before
+  each turn (weights included; None on CPU).
+- Medians over repetitions; ``ratio_to_stock_dynamic`` / ``ratio_to_full`` divide medians.
+
+The JSON (``--json``) is rewritten after every repetition, so a run cut short keeps what it
+measured. Nothing is extrapolated: a variant that failed, was not supported or did not fit the
+``--budget-s`` says so in its ``status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from . import shapes
+
+STOCK_VARIANTS = ("stock_dynamic", "stock_static", "stock_static_reused")
+PLAIN_MODES = ("full", "hard", "post_answer")
+DEFAULT_CHUNK_SIZES = (7, 15, 31, 63)
+
+
+# ---- variants ----------------------------------------------------------------------------------
+
+@dataclass
+class Variant:
+    """One way of answering. ``mode`` is None for stock variants; ``turns`` is how many turns it runs."""
+
+    name: str
+    kind: str  # "stock" | "raincheck"
+    turns: int
+    mode: str | None = None
+    chunk_size: int | None = None
+    cache: str | None = None  # stock: "dynamic" | "static" | "static_reused"
+    family: str = ""  # "raincheck" / "serial" for the sweep, else the name
+
+    def config(self, settings: dict):
+        from ..configuration import RaincheckConfig
+
+        return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
+                               decode_guard=settings["decode_guard"], selector=settings["selector"])
+
+
+def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:
+    """The variants of one run, in their base order. ``only``: names or families to keep (None: all)."""
+    variants = [Variant("stock_dynamic", "stock", turns, cache="dynamic", family="stock_dynamic"),
+                Variant("stock_static", "stock", turns, cache="static", family="stock_static"),
+                Variant("stock_static_reused", "stock", turns, cache="static_reused", family="stock_static_reused")]
+    variants += [Variant(m, "raincheck", turns, mode=m, chunk_size=primary_chunk, family=m) for m in PLAIN_MODES]
+    for mode in ("raincheck", "serial"):
+        for c in chunk_sizes:
+            n = turns if c == primary_chunk else min(turns, sweep_turns)
+            variants.append(Variant(f"{mode} c={c}", "raincheck", n, mode=mode, chunk_size=c, family=mode))
+    if only:
+        only = set(only)
+        unknown = only - {v.name for v in variants} - {v.family for v in variants}
+        if unknown:
+            raise ValueError(f"--variants: unknown {sorted(unknown)}; choose from "
+                             f"{sorted({v.family for v in variants} | {v.name for v in variants})}.")
+        variants = [v for v in variants if v.name in only or v.family in only]
+    return variants
+
+
+# ---- clocks -------------------------------------------------------------------------------------
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TokenClock(BaseStreamer):
+    """Streamer recording, after a device sync, when each generated token reaches the host.
+
+    The first ``put`` is the prompt (HF's `generate` and the Raincheck loop both send it first) and
+    is not a token.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self._prompt_seen = device, [], False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _reset_memory(device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_memory(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def timed_generate(model, device, kwargs) -> tuple[object, dict]:
+    """``model.generate(**kwargs)`` with a `TokenClock`; returns the output and the turn's timings."""
+    clock = TokenClock(device)
+    mem_before = _reset_memory(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(**kwargs, streamer=clock)
+    _sync(device)
+    end = time.perf_counter()
+    times = clock.times
+    prompt_len = kwargs["input_ids"].shape[1]
+    record = {
+        "ttft_s": times[0] - start if times else None,
+        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+        "median_interval_s": statistics.median([b - a for a, b in zip(times, times[1:])]) if len(times) > 1 else None,
+        "e2e_s": end - start,
+        "generated_tokens": int(out.sequences.shape[1] - prompt_len),
+        "streamed_tokens": len(times),
+        "prompt_tokens": int(prompt_len),
+        "peak_mem_bytes": _peak_memory(device),
+        "mem_before_bytes": mem_before,
+        "_intervals": [b - a for a, b in zip(times, times[1:])],
+    }
+    return out, record
+
+
+def _trace_fields(out, record: dict) -> dict:
+    """Restoration counts and TPOT split by whether a decode step carried a chunk (Raincheck outputs)."""
+    trace = getattr(out, "raincheck", None)
+    if trace is None:
+        return {}
+    per_forward = [int(r.numel()) for r in trace.restored_per_forward]
+    intervals = record["_intervals"]  # intervals[k - 1] is decode forward k
+    carrying = [intervals[k - 1] for k in range(1, len(per_forward)) if per_forward[k] and k - 1 < len(intervals)]
+    plain = [intervals[k - 1] for k in range(1, len(per_forward)) if not per_forward[k] and k - 1 < len(intervals)]
+    return {
+        "selected_tokens": int(trace.selected.numel()),
+        "deferred_tokens": int(trace.deferred.numel()),
+        "restored_in_prefill": per_forward[0] if per_forward else 0,
+        "restored_during_answer": int(sum(per_forward[1:])),
+        "steps_with_chunk": len(carrying),
+        "pending_after": int(trace.pending.numel()),
+        "dropped_tokens": int(trace.dropped.numel()),
+        "tpot_restoring_s": statistics.fmean(carrying) if carrying else None,
+        "tpot_plain_s": statistics.fmean(plain) if plain else None,
+    }
+
+
+# ---- one conversation ---------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    """Everything a variant's conversation needs for one (model, input)."""
+
+    model: object
+    processor: object
+    device: torch.device
+    first_inputs: dict
+    settings: dict
+    raincheck_supported: bool
+    static_max_cache_len: int
+    suppress: list = field(default_factory=list)
+    shared: dict = field(default_factory=dict)  # per model, across inputs: the reused StaticCache, compile state
+
+    def reused_static_cache(self):
+        if self.shared.get("static_cache") is None:
+            from transformers import StaticCache
+
+            self.shared["static_cache"] = StaticCache(config=self.model.config.get_text_config(decoder=True),
+                                                      max_cache_len=self.static_max_cache_len)
+        return self.shared["static_cache"]
+
+
+def _generate_kwargs(ctx: Context, variant: Variant, n_tokens: int, first_turn: bool) -> dict:
+    kw = dict(max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False, suppress_tokens=ctx.suppress,
+              return_dict_in_generate=True)
+    if variant.kind == "raincheck":
+        kw["raincheck"] = variant.config(ctx.settings)
+    elif variant.cache == "static" and first_turn:
+        kw.update(cache_implementation="static", max_cache_len=ctx.static_max_cache_len)
+    elif variant.cache == "static_reused" and first_turn:
+        cache = ctx.reused_static_cache()
+        cache.reset()  # same tensors every conversation: CUDA graphs replay at the same addresses
+        kw["cache"] = cache
+    return kw
+
+
+def _turn_inputs(ctx: Context, ids: torch.Tensor, cache) -> dict:
+    ids = ids.to(ctx.device)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
+
+
+def run_conversation(ctx: Context, variant: Variant, answer_tokens: int, follow_up_tokens: int,
+                     turns: int | None = None, idle_probe: bool = True, keep_intervals: bool = True) -> dict:
+    """Run ``turns`` turns of ``variant`` (its own count when None); the timings of every turn and the idle probe."""
+    from ..generation import restore_pending
+
+    turns = variant.turns if turns is None else turns
+    model, device = ctx.model, ctx.device
+    records = []
+    kw = dict(ctx.first_inputs, **_generate_kwargs(ctx, variant, answer_tokens, True))
+    out, rec = timed_generate(model, device, kw)
+    rec.update(_trace_fields(out, rec))
+    records.append(rec)
+    idle = None
+    if turns >= 2 and idle_probe:
+        # the follow-up after an idle gap, on a copy of the state right after turn 1
+        cache = copy.deepcopy(out.cache)
+        restored = chunks = 0
+        _sync(device)
+        start = time.perf_counter()
+        if getattr(cache, "num_pending", 0):
+            while True:
+                r = restore_pending(model, cache, max_tokens=variant.chunk_size)
+                if r.numel() == 0:
+                    break
+                restored, chunks = restored + int(r.numel()), chunks + 1
+        _sync(device)
+        restore_s = time.perf_counter() - start
+        ids = shapes.follow_up_ids(ctx.processor, out.sequences, shapes.FOLLOW_UPS[0])
+        probe_kw = dict(_turn_inputs(ctx, ids, cache), **_generate_kwargs(ctx, variant, 1, False))
+        probe, probe_rec = timed_generate(model, device, probe_kw)
+        idle = {"restore_s": restore_s, "restored_tokens": restored, "restore_chunks": chunks,
+                "ttft_s": probe_rec["ttft_s"], "peak_mem_bytes": probe_rec["peak_mem_bytes"],
+                "restored_in_prefill": _trace_fields(probe, probe_rec).get("restored_in_prefill")}
+        del cache, probe
+    cache, sequences = out.cache, out.sequences
+    del out
+    for k in range(2, turns + 1):
+        ids = shapes.follow_up_ids(ctx.processor, sequences, shapes.FOLLOW_UPS[(k - 2) % len(shapes.FOLLOW_UPS)])
+        kw = dict(_turn_inputs(ctx, ids, cache), **_generate_kwargs(ctx, variant, follow_up_tokens, False))
+        out, rec = timed_generate(model, device, kw)
+        rec.update(_trace_fields(out, rec))
+        records.append(rec)
+        cache, sequences = out.cache, out.sequences
+        del out
+    del cache
+    for i, rec in enumerate(records):
+        intervals = rec.pop("_intervals")
+        if keep_intervals and i == 0:
+            rec["token_intervals_ms"] = [round(x * 1e3, 4) for x in intervals]
+    return {"turns": records, "idle": idle}
+
+
+# ---- summaries ----------------------------------------------------------------------------------
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(reps: list[dict]) -> dict:
+    """Medians over repetitions of the per-conversation metrics (seconds, bytes)."""
+    if not reps:
+        return {}
+    n_turns = max(len(r["turns"]) for r in reps)
+    out = {}
+    for k in range(1, n_turns + 1):
+        turn = [r["turns"][k - 1] for r in reps if len(r["turns"]) >= k]
+        out[f"t{k}_s"] = _median([t["ttft_s"] for t in turn])
+        out[f"tpot{k}_s"] = _median([t["tpot_s"] for t in turn])
+        out[f"e2e{k}_s"] = _median([t["e2e_s"] for t in turn])
+        if k == 1:
+            out["tpot1_restoring_s"] = _median([t.get("tpot_restoring_s") for t in turn])
+            out["tpot1_plain_s"] = _median([t.get("tpot_plain_s") for t in turn])
+            out["tpot1_median_interval_s"] = _median([t.get("median_interval_s") for t in turn])
+    out["e2e_total_s"] = _median([sum(t["e2e_s"] for t in r["turns"]) for r in reps])
+    peaks = [max((t["peak_mem_bytes"] for t in r["turns"] if t["peak_mem_bytes"] is not None), default=None)
+             for r in reps]
+    out["peak_mem_bytes"] = _median(peaks)
+    idles = [r["idle"] for r in reps if r.get("idle")]
+    if idles:
+        out["t2_idle_s"] = _median([i["ttft_s"] for i in idles])
+        out["idle_restore_s"] = _median([i["restore_s"] for i in idles])
+        out["t2_barrier_s"] = _median([i["restore_s"] + i["ttft_s"] for i in idles if i["ttft_s"] is not None])
+    return {k: v for k, v in out.items() if v is not None}
+
+
+RATIO_METRICS = ("t1_s", "tpot1_s", "e2e1_s", "t2_s", "tpot2_s", "t3_s", "tpot3_s", "t2_idle_s", "t2_barrier_s",
+                 "e2e_total_s", "peak_mem_bytes")
+
+
+def add_ratios(variants: dict) -> None:
+    for ref in ("stock_dynamic", "full"):
+        base = variants.get(ref, {}).get("median", {})
+        for entry in variants.values():
+            med = entry.get("median", {})
+            ratios = {m: med[m] / base[m] for m in RATIO_METRICS if m in med and base.get(m)}
+            if ratios:
+                entry[f"ratio_to_{ref}"] = ratios
+
+
+def check_lengths(variants: dict, answer_tokens: int, follow_up_tokens: int) -> dict:
+    """Whether every variant generated exactly the requested tokens in every turn of every repetition."""
+    bad = []
+    for name, entry in variants.items():
+        for r, rep in enumerate(entry.get("reps", [])):
+            for k, turn in enumerate(rep["turns"]):
+                want = answer_tokens if k == 0 else follow_up_tokens
+                if turn["generated_tokens"] != want or turn["streamed_tokens"] != want:
+                    bad.append(f"{name} rep {r} turn {k + 1}: {turn['generated_tokens']} (want {want})")
+    return {"consistent": not bad, "mismatches": bad}
+
+
+# ---- hardware -----------------------------------------------------------------------------------
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info(device: torch.device) -> dict:
+    import importlib.metadata as md
+
+    import transformers
+
+    versions = {}
+    for pkg in ("raincheck_hf", "fla-core", "flash-linear-attention", "flash-attn", "triton", "accelerate"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    info = {
+        "platform": platform.platform(), "python": platform.python_version(), "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "cuda_runtime": torch.version.cuda, "packages": versions,
+        "device": str(device), "gpu": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), gpu_memory_bytes=props.total_memory,
+                    gpu_count=torch.cuda.device_count(), cudnn=torch.backends.cudnn.version())
+    return info
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def _static_max_cache_len(prompts: list[int], answer_tokens: int, follow_up_tokens: int, turns: int) -> int:
+    # each follow-up adds the glue, its question (< 64 tokens with the tiny tokenizer) and its answer
+    need = max(prompts) + answer_tokens + (turns - 1) * (64 + follow_up_tokens) + 16
+    return -(-need // 256) * 256
+
+
+def _write(result: dict, path: str | None):
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
+        follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
+        primary_chunk: int | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
+        decode_guard: int = 16, selector: str = "uniform", warmup: bool = True, warmup_tokens: int | None = None,
+        idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
+        image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
+        json_path: str | None = None, strict: bool = False, keep_intervals: bool = True, command: str | None = None,
+        log=print) -> dict:
+    """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict.
+
+    ``threads``: torch intra-op threads; on CPU the default is 1 (tiny models gain nothing from more,
+    and on a shared machine spinning thread pools distort the timings), on CUDA torch's default.
+    """
+    from ..configuration import RaincheckConfig
+
+    started = time.perf_counter()
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    follow_up_tokens = answer_tokens if follow_up_tokens is None else follow_up_tokens
+    chunk_sizes = tuple(int(c) for c in chunk_sizes)
+    if turns < 1 or answer_tokens < 1 or follow_up_tokens < 1 or reps < 1 or not chunk_sizes:
+        raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
+    primary_chunk = primary_chunk or (31 if 31 in chunk_sizes else chunk_sizes[0])
+    if primary_chunk not in chunk_sizes:
+        raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
+    for c in chunk_sizes:  # invalid settings fail here, before any model is built
+        RaincheckConfig(retention=retention, chunk_size=c, decode_guard=decode_guard, selector=selector)
+    for name in models:
+        if name not in shapes.MODELS:
+            raise ValueError(f"unknown model {name!r}; choose from {sorted(shapes.MODELS)}.")
+    for kind in inputs:
+        if kind not in shapes.QUESTIONS:
+            raise ValueError(f"unknown input {kind!r}; choose from {sorted(shapes.QUESTIONS)}.")
+    variant_list = build_variants(chunk_sizes, primary_chunk, turns, sweep_turns, variants)
+    warmup_tokens = warmup_tokens or min(answer_tokens, decode_guard + 4)
+    previous_threads = torch.get_num_threads()
+    if threads is not None or device.type == "cpu":
+        torch.set_num_threads(threads or 1)
+    try:
+        return _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes,
+                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, selector, warmup,
+                    warmup_tokens, idle_probe, budget_s, dtype, image_size, video_frames, video_size,
+                    static_max_cache_len, json_path, strict, keep_intervals, command, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes, primary_chunk,
+         sweep_turns, variant_list, retention, decode_guard, selector, warmup, warmup_tokens, idle_probe, budget_s,
+         dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict, keep_intervals,
+         command, log):
+    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector)
+    result = {
+        "benchmark": "latency",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or " ".join(["python -m raincheck_hf.bench latency"] + sys.argv[2:]),
+        "hardware": hardware_info(device),
+        "settings": dict(settings, models=list(models), inputs=list(inputs), turns=turns, answer_tokens=answer_tokens,
+                         follow_up_tokens=follow_up_tokens, reps=reps, chunk_sizes=list(chunk_sizes),
+                         primary_chunk=primary_chunk, sweep_turns=sweep_turns, warmup=warmup,
+                         warmup_tokens=warmup_tokens, idle_probe=idle_probe, budget_s=budget_s,
+                         variants=[v.name for v in variant_list]),
+        "runs": [],
+    }
+    processor = shapes.build_processor()
+    suppress = shapes.special_token_ids(processor)
+
+    def over_budget(extra: float = 0.0) -> bool:
+        return budget_s is not None and time.perf_counter() - started + extra > budget_s
+
+    for model_name in models:
+        if over_budget():
+            result["runs"].append({"model": model_name, "status": f"skipped: time budget {budget_s} s spent"})
+            continue
+        try:
+            model, model_info = shapes.build_model(model_name, device, dtype=dtype)
+        except ValueError as error:
+            log(f"[latency] skipping {model_name}: {error}")
+            result["runs"].append({"model": model_name, "status": f"skipped: {error}"})
+            _write(result, json_path)
+            continue
+        log(f"[latency] {model_name}: {model_info['class']} {model_info['parameters'] / 1e9:.3f} B params, "
+            f"{model_info['dtype']} on {device}, built in {model_info['build_s']:.1f} s")
+        raincheck_error = None
+        try:
+            from ..integration import enable
+
+            enable(model)
+        except ValueError as error:  # e.g. no adapter for this family yet
+            raincheck_error = str(error)
+            log(f"[latency] {model_name}: Raincheck modes unsupported: {error}")
+        spec = shapes.MODELS[model_name]
+        prompts = {kind: shapes.build_prompt(processor, spec, kind, image_size, video_frames, video_size)
+                   for kind in inputs}
+        cache_len = static_max_cache_len or _static_max_cache_len(
+            [info["prompt_tokens"] for _, info in prompts.values()], answer_tokens, follow_up_tokens, turns)
+        shared = {"static_compile_measured": False}  # per model: the compiled decode step, the reused StaticCache
+        for kind in inputs:
+            if over_budget():
+                result["runs"].append({"model": model_name, "input": kind,
+                                       "status": f"skipped: time budget {budget_s} s spent"})
+                continue
+            first_inputs, prompt_info = prompts[kind]
+            ctx = Context(model, processor, device, {k: v.to(device) for k, v in first_inputs.items()}, settings,
+                          raincheck_error is None, cache_len, suppress, shared)
+            run_entry = {"model": model_name, "input": kind, "status": "ok", "model_info": model_info,
+                         "prompt": prompt_info, "primary_chunk": primary_chunk, "static_max_cache_len": cache_len,
+                         "warmup": {}, "variants": {}}
+            result["runs"].append(run_entry)
+            _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follow_up_tokens, reps, warmup,
+                     warmup_tokens, idle_probe, keep_intervals, strict, over_budget, budget_s, started, result,
+                     json_path, log)
+            print_table(run_entry, log)
+            del ctx
+        del model, shared
+        gc.collect()
+        torch.compiler.reset()  # drop the compiled decode step (and its CUDA graphs) with the model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["elapsed_s"] = time.perf_counter() - started
+    _write(result, json_path)
+    return result
+
+
+def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follow_up_tokens, reps, warmup,
+             warmup_tokens, idle_probe, keep_intervals, strict, over_budget, budget_s, started, result, json_path,
+             log):
+    """Warm-up and repetitions of every variant for one (model, input); fills ``run_entry``."""
+    device, settings = ctx.device, ctx.settings
+    active = []
+    for v in variant_list:
+        entry = {"kind": v.kind, "family": v.family, "mode": v.mode, "chunk_size": v.chunk_size, "turns": v.turns,
+                 "status": "ok", "reps": []}
+        if v.kind == "raincheck":
+            entry["config"] = dict(settings, chunk_size=v.chunk_size, mode=v.mode)
+            if raincheck_error is not None:
+                entry["status"] = f"unsupported: {raincheck_error}"
+        elif v.cache == "static":
+            entry["config"] = {"cache_implementation": "static", "max_cache_len": ctx.static_max_cache_len,
+                               "continuation": "later turns pass the returned StaticCache as cache="}
+        elif v.cache == "static_reused":
+            entry["config"] = {"cache": "one StaticCache per model, reset() before every conversation",
+                               "max_cache_len": ctx.static_max_cache_len}
+        run_entry["variants"][v.name] = entry
+        if entry["status"] == "ok":
+            active.append(v)
+    info = run_entry["prompt"]
+    log(f"[latency] {run_entry['model']} / {run_entry['input']}: prompt {info['prompt_tokens']} tokens "
+        f"({info['visual_tokens']} visual, grid {info['grid_thw']}); {len(active)} variants")
+
+    def attempt(v, fn):
+        entry = run_entry["variants"][v.name]
+        try:
+            with torch.no_grad():
+                return fn()
+        except Exception as error:  # recorded, so one broken variant does not hide the others
+            if strict:
+                raise
+            entry["status"] = f"error: {type(error).__name__}: {error}"
+            entry["traceback"] = traceback.format_exc(limit=8)
+            log(f"[latency]   {v.name}: {entry['status']}")
+            return None
+        finally:
+            gc.collect()
+
+    if warmup:
+        for v in active:
+            static = v.cache in ("static", "static_reused")
+            n_turns = min(v.turns, 2) if static else 1
+            # the model's first static variant runs twice: the first call compiles, the second shows what is left
+            calls = 2 if static and not ctx.shared["static_compile_measured"] else 1
+            walls = []
+            for _ in range(calls):
+                _sync(device)
+                t0 = time.perf_counter()
+                done = attempt(v, lambda: run_conversation(ctx, v, warmup_tokens, warmup_tokens, n_turns,
+                                                           idle_probe=False, keep_intervals=False))
+                if done is None:
+                    break
+                walls.append(time.perf_counter() - t0)
+            if static and walls:
+                w = {"tokens_per_turn": warmup_tokens, "turns": n_turns, "calls_s": walls,
+                     "compiled": hasattr(ctx.model, "_compiled_call")}
+                if len(walls) == 2:
+                    w["first_minus_second_s"] = walls[0] - walls[1]
+                    w["note"] = ("the first call of this model's first static variant includes torch.compile and "
+                                 "CUDA-graph capture of the decode step when compiled=True; first_minus_second_s "
+                                 "estimates that one-time cost")
+                    ctx.shared["static_compile_measured"] = True
+                run_entry["warmup"][v.name] = w
+            elif walls:
+                run_entry["warmup"].setdefault("other_s", {})[v.name] = walls[0]
+        active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
+        static_info = {k: (round(w["calls_s"][0], 2), w["compiled"]) for k, w in run_entry["warmup"].items()
+                       if k != "other_s"}
+        log(f"[latency]   warm-up done at {time.perf_counter() - started:.1f} s; static (first call s, compiled): "
+            f"{static_info}")
+    rep_times = []
+    for rep in range(reps):
+        if rep and over_budget(statistics.median(rep_times)):
+            run_entry["status"] = f"ok: {rep} of {reps} repetitions (time budget {budget_s} s)"
+            break
+        t_rep = time.perf_counter()
+        order = active[rep % len(active):] + active[: rep % len(active)] if active else []
+        for v in order:
+            conv = attempt(v, lambda: run_conversation(ctx, v, answer_tokens, follow_up_tokens,
+                                                       idle_probe=idle_probe, keep_intervals=keep_intervals))
+            if conv is not None:
+                run_entry["variants"][v.name]["reps"].append(conv)
+        active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
+        rep_times.append(time.perf_counter() - t_rep)
+        for entry in run_entry["variants"].values():
+            entry["median"] = summarize(entry["reps"])
+        add_ratios(run_entry["variants"])
+        run_entry["lengths"] = check_lengths(run_entry["variants"], answer_tokens, follow_up_tokens)
+        run_entry["rep_wall_s"] = rep_times
+        result["elapsed_s"] = time.perf_counter() - started
+        _write(result, json_path)
+        log(f"[latency]   rep {rep + 1}/{reps} done in {rep_times[-1]:.1f} s")
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+def _ms(x):
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def print_table(run_entry: dict, log=print) -> None:
+    info = run_entry.get("prompt", {})
+    log(f"\n{run_entry['model']} / {run_entry['input']}: prompt {info.get('prompt_tokens')} tokens "
+        f"({info.get('visual_tokens')} visual); medians (ms unless noted); lengths consistent: "
+        f"{run_entry.get('lengths', {}).get('consistent')}")
+    cols = ["variant", "T1", "TPOT1", "TPOT1 rest", "E2E1 s", "T2", "T2 idle", "idle rest", "T2 barrier",
+            "peak GiB", "T1/stock", "TPOT/stock", "T1/full"]
+    widths = [20, 8, 7, 11, 7, 8, 8, 10, 11, 9, 9, 11, 8]
+    log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
+    for name, entry in run_entry["variants"].items():
+        if entry["status"] != "ok" and not entry.get("reps"):
+            log(f"{name:<20}{entry['status'][:110]}")
+            continue
+        m = entry.get("median", {})
+        rs = entry.get("ratio_to_stock_dynamic", {})
+        rf = entry.get("ratio_to_full", {})
+        peak = m.get("peak_mem_bytes")
+        e2e = m.get("e2e1_s")
+        cells = [name, _ms(m.get("t1_s")), _ms(m.get("tpot1_s")), _ms(m.get("tpot1_restoring_s")),
+                 "-" if e2e is None else f"{e2e:.2f}", _ms(m.get("t2_s")), _ms(m.get("t2_idle_s")),
+                 _ms(m.get("idle_restore_s")), _ms(m.get("t2_barrier_s")),
+                 "-" if peak is None else f"{peak / 2**30:.2f}", _ratio(rs.get("t1_s")), _ratio(rs.get("tpot1_s")),
+                 _ratio(rf.get("t1_s"))]
+        log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+
+
+def _size(text: str) -> tuple[int, int]:
+    w, h = text.lower().split("x")
+    return int(w), int(h)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny_qwen3_vl",
+                        help=f"comma-separated, from {sorted(shapes.MODELS)} (default tiny_qwen3_vl)")
+    parser.add_argument("--input", default="image", help="comma-separated, from image,video (default image)")
+    parser.add_argument("--turns", type=int, default=2, help="turns per conversation (1: no follow-up metrics)")
+    parser.add_argument("--answer-tokens", type=int, default=512, help="tokens of every first-turn answer")
+    parser.add_argument("--follow-up-tokens", type=int, default=None, help="tokens of follow-up answers "
+                        "(default: --answer-tokens)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--chunk-sizes", default="7,15,31,63", help="chunk sizes swept for raincheck and serial")
+    parser.add_argument("--primary-chunk", type=int, default=None, help="the chunk size that runs every turn "
+                        "(default 31 when swept, else the first)")
+    parser.add_argument("--sweep-turns", type=int, default=1, help="turns run by the other chunk sizes (default 1)")
+    parser.add_argument("--variants", default=None, help="comma-separated subset: names (e.g. 'raincheck c=31') or "
+                        "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial)")
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--selector", default="uniform")
+    parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--no-idle-probe", action="store_true", help="skip the follow-up-after-idle measurement")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no repetition / model that would end "
+                        "past this many seconds (estimated from the last repetition); what ran is kept")
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU, torch's on CUDA)")
+    parser.add_argument("--image-size", type=_size, default=None, help="WxH, default per model (real: 1344x1024)")
+    parser.add_argument("--video-frames", type=int, default=None, help="default per model (real: 64)")
+    parser.add_argument("--video-size", type=_size, default=None, help="WxH per frame, default per model (real: 512x384)")
+    parser.add_argument("--static-max-cache-len", type=int, default=None)
+    parser.add_argument("--strict", action="store_true", help="raise on the first failing variant")
+    parser.add_argument("--no-intervals", action="store_true", help="do not store turn 1's per-token intervals")
+    parser.add_argument("--json", default=None, help="write the results here (rewritten after every repetition)")
+    args = parser.parse_args(argv)
+    command = " ".join(["python -m raincheck_hf.bench latency"] + list(sys.argv[2:] if argv is None else argv))
+    return run(
+        models=[m.strip() for m in args.model.split(",") if m.strip()],
+        inputs=[i.strip() for i in args.input.split(",") if i.strip()],
+        turns=args.turns, answer_tokens=args.answer_tokens, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
+        chunk_sizes=[int(c) for c in args.chunk_sizes.split(",") if c.strip()], primary_chunk=args.primary_chunk,
+        sweep_turns=args.sweep_turns,
+        variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,
+        retention=args.retention, decode_guard=args.decode_guard, selector=args.selector,
+        warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, idle_probe=not args.no_idle_probe,
+        budget_s=args.budget_s, device=args.device, threads=args.threads, image_size=args.image_size, video_frames=args.video_frames,
+        video_size=args.video_size, static_max_cache_len=args.static_max_cache_len, json_path=args.json,
+        strict=args.strict, keep_intervals=not args.no_intervals, command=command,
+    )

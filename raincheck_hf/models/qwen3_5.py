@@ -1,0 +1,296 @@
+"""Qwen3.5 (``Qwen3_5ForConditionalGeneration``): hybrid Gated DeltaNet + gated full attention.
+
+Everything Qwen3-VL's adapter does carries over (same processor, placeholder tokens, vision
+tower API and rope index, so `encode_turn`, `rows`, `text_row`, `pending_batch` are inherited),
+with three differences:
+
+- **No DeepStack.** Qwen3.5's vision tower returns only ``pooler_output``; the text model takes no
+  ``visual_pos_masks`` / ``deepstack_visual_embeds``.
+- **Masks per layer type.** The text model accepts a ``{layer_type: mask}`` mapping: the
+  ``full_attention`` layers get the 4-D visibility mask of method.md §3 (sdpa: boolean, eager:
+  additive, exactly as for Qwen3-VL; HF's gated attention passes it to the attention function
+  untouched and only gates the output), the ``linear_attention`` layers get None (they have no
+  padding to zero; their "visibility" is the recurrent state itself).
+- **Gated DeltaNet deferral** (method.md §4, §5). Every forward's rows are ``[deferred chunk
+  (optional), rest]`` where the rest is a turn's input rows, one generated row, or nothing
+  (``kinds`` says which). For the duration of one engine forward, `_DeferredGDNStreams` swaps the
+  ``forward`` of each ``Qwen3_5GatedDeltaNet`` *instance* (restored in ``finally``; nothing is
+  patched at import or on the class) for `_split_gdn_forward`, which
+
+  1. runs the chunk through the stock module forward on a `BoundaryStateView` (from the boundary
+     state and conv history, so it never sees generated rows), giving S_b', h_b';
+  2. joins: ``S_live += M_R (S_L' - S_L)`` with the leading-segment conv repair
+     (`GDNBoundary.join`, i.e. `SuffixStateMap.join`), written back into HF's cache layer;
+  3. runs the rest through the stock module forward on the real cache (from the corrected live
+     state), with forward hooks on ``in_proj_qkv`` / ``in_proj_a`` / ``in_proj_b`` recording its
+     pre-conv and gate inputs, then extends the suffix (generated row) or moves the boundary after
+     the input rows (prefill).
+
+  All GDN math (conv, delta rule, gated norm, projections) is transformers' own module code; the
+  only extra arithmetic is the join (one ``[dk, dk] @ [dk, dv]`` matmul per head plus at most
+  ``Kc - 1`` rank-1 updates) and ``M_R <- A_t M_R`` for the generated row.
+
+  Weights are read once per fused forward, as method.md §5 wants, for the attention layers, the
+  MLPs, the LM head and the GDN input projections (`_SharedProjections` runs ``in_proj_*`` once over
+  ``[chunk, token]`` and hands each stream its rows). Only a GDN layer's ``out_proj`` and its
+  conv / delta-rule kernels run once per stream: they sit after the join, inside the module forward.
+
+Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
+fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_delta` uses. When
+``fla`` is importable transformers uses its kernels instead; `_check_gdn_state_layout` then checks
+once per device, numerically, that the kernel's state is still ``[B, HV, K, V]`` (a transposed
+state would pass every shape check when ``dk == dv``, as in real Qwen3.5) and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
+from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
+from ..masking import visibility_to_attention_mask
+from .qwen3_vl import Qwen3VLAdapter, RowBatch
+
+__all__ = ["Qwen3_5Adapter", "RowSplit"]
+
+_KIND_NAMES = {INPUT: "INPUT", DEFERRED: "DEFERRED", GENERATED: "GENERATED"}
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """How one forward's ``L`` rows split for the GDN layers: ``n_deferred`` leading deferred rows,
+    then ``n_rest`` rows of kind ``rest_kind`` (INPUT or GENERATED; None when there are none)."""
+
+    n_deferred: int
+    n_rest: int
+    rest_kind: int | None
+
+    @classmethod
+    def from_kinds(cls, kinds: torch.Tensor | None, length: int) -> "RowSplit":
+        if kinds is None:
+            raise ValueError(
+                "Qwen3.5's Gated DeltaNet layers need the row kinds of every forward (INPUT / DEFERRED / GENERATED) "
+                "to place deferred rows at the insertion boundary; pass kinds= (run_rows does)."
+            )
+        kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(length).cpu()
+        is_deferred = kinds == DEFERRED
+        n_deferred = int(is_deferred.sum())
+        if n_deferred and not bool(is_deferred[:n_deferred].all()):
+            raise ValueError(f"deferred rows must come first in a forward; got kinds {kinds.tolist()}.")
+        rest = kinds[n_deferred:]
+        rest_kinds = set(rest.tolist())
+        if len(rest_kinds) > 1 or rest_kinds - {INPUT, GENERATED}:
+            names = sorted(_KIND_NAMES.get(k, str(k)) for k in rest_kinds)
+            raise ValueError(
+                f"after the deferred rows a forward holds either input rows or generated rows, not {names}."
+            )
+        if GENERATED in rest_kinds and rest.numel() != 1:
+            raise ValueError(f"a decode forward consumes exactly one generated row, got {rest.numel()}.")
+        return cls(n_deferred, int(rest.numel()), rest_kinds.pop() if rest_kinds else None)
+
+
+def _split_gdn_forward(module, original, split: RowSplit, engine_cache, recorded: dict, hidden_states, *args,
+                       **kwargs):
+    """``Qwen3_5GatedDeltaNet.forward`` for rows ``[deferred chunk, rest]`` (see the module docstring)."""
+    if args:  # the decoder layer passes everything by keyword; be strict rather than guess
+        raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
+    cache = kwargs.pop("cache", None)
+    if cache is not engine_cache:
+        raise RuntimeError("a Gated DeltaNet layer ran on another cache than the Raincheck forward's own.")
+    kwargs.pop("attention_mask", None)  # no padding in Raincheck batches; the mask mapping gives None anyway
+    boundary = GDNBoundary(cache, module.layer_idx, _layer_params(module))
+    n_d = split.n_deferred
+    if not (n_d and split.n_rest):
+        shared = contextlib.nullcontext(None)
+    else:
+        shared = _SharedProjections(module, hidden_states)
+    outs = []
+    with shared as projections:
+        if n_d:
+            view = boundary.view()
+            if projections is not None:
+                projections.serve(slice(0, n_d))
+            outs.append(original(hidden_states[:, :n_d], cache=view, **kwargs))
+            boundary.join(view)
+        if split.n_rest:
+            recorded.clear()
+            if projections is not None:
+                projections.serve(slice(n_d, None))
+            outs.append(original(hidden_states[:, n_d:], cache=cache, **kwargs))
+            if split.rest_kind == GENERATED:
+                boundary.append(recorded["qkv"], recorded["a"], recorded["b"])
+            else:  # a turn's input: its own deferred rows go after it
+                boundary.reset()
+            recorded.clear()
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+_IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+
+
+class _SharedProjections(contextlib.AbstractContextManager):
+    """One call per input projection for both streams of a fused forward.
+
+    Each of ``in_proj_qkv / in_proj_z / in_proj_a / in_proj_b`` runs once over all the forward's
+    rows (its weights are read once, as fusion intends); while a stream runs, the projection's
+    ``forward`` (per instance, restored on exit) hands out that stream's rows of the result. Hooks on
+    the projections still fire per stream, with the stream's rows.
+    """
+
+    def __init__(self, module, hidden_states: torch.Tensor):
+        self.modules = {name: getattr(module, name) for name in _IN_PROJECTIONS}
+        self.outputs = {name: proj(hidden_states) for name, proj in self.modules.items()}
+        self._saved = {name: vars(proj).get("forward") for name, proj in self.modules.items()}
+
+    def serve(self, rows: slice) -> None:
+        for name, proj in self.modules.items():
+            part = self.outputs[name][:, rows]
+            proj.forward = functools.partial(_serve_rows, part, name)
+
+    def __exit__(self, *exc):
+        for name, proj in self.modules.items():
+            if self._saved[name] is None:
+                vars(proj).pop("forward", None)
+            else:
+                proj.forward = self._saved[name]
+        return False
+
+
+def _serve_rows(part: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
+    if x.shape[:-1] != part.shape[:-1]:
+        raise RuntimeError(f"{name} was called on {list(x.shape)} while serving precomputed rows {list(part.shape)}.")
+    return part
+
+
+def _layer_params(module) -> GDNLayerParams:
+    # Views of the module's parameters; rebuilt per forward (cheap) so weights swapped later are seen.
+    return GDNLayerParams.from_module(module)
+
+
+class _DeferredGDNStreams(contextlib.AbstractContextManager):
+    """Scoped, reversible: swap each GDN instance's ``forward`` for the split one, and (for a
+    generated row) hook its projections to record the suffix token's inputs. Undone on exit."""
+
+    def __init__(self, modules, cache, split: RowSplit):
+        self.modules, self.cache, self.split = modules, cache, split
+        self._saved, self._hooks = [], []
+
+    def __enter__(self):
+        try:
+            for module in self.modules:
+                recorded: dict = {}
+                original = module.forward  # bound: the class's forward, or an earlier instance override
+                self._saved.append((module, "forward" in vars(module), vars(module).get("forward")))
+                module.forward = functools.partial(_split_gdn_forward, module, original, self.split, self.cache,
+                                                   recorded)
+                if self.split.rest_kind == GENERATED:
+                    for name, key in (("in_proj_qkv", "qkv"), ("in_proj_a", "a"), ("in_proj_b", "b")):
+                        self._hooks.append(getattr(module, name).register_forward_hook(_recorder(recorded, key)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._hooks:
+            handle.remove()
+        for module, had_own, own in reversed(self._saved):
+            if had_own:
+                module.forward = own
+            else:
+                vars(module).pop("forward", None)
+        self._hooks, self._saved = [], []
+        return False
+
+
+def _recorder(store: dict, key: str):
+    def hook(_module, _inputs, output):
+        store[key] = output  # the last call wins: the rest stream runs after the chunk stream
+
+    return hook
+
+
+@functools.lru_cache(maxsize=8)
+def _check_gdn_state_layout(device_type: str) -> None:
+    """Refuse kernels whose GDN state is not ``[B, HV, K, V]`` (only relevant when fla is installed)."""
+    if device_type != "cuda" or importlib.util.find_spec("fla") is None:
+        return  # transformers' torch fallbacks: the layout gated_delta is tested against
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    gen = torch.Generator().manual_seed(0)
+    bsz, seq, heads, dim = 1, 5, 2, 64
+    q, k, v = (torch.randn(bsz, seq, heads, dim, generator=gen) for _ in range(3))
+    g = -0.1 * torch.rand(bsz, seq, heads, generator=gen)
+    beta = torch.rand(bsz, seq, heads, generator=gen)
+    s0 = torch.randn(bsz, heads, dim, dim, generator=gen)
+    _, want = naive_recurrent_gated_delta(l2norm(q), l2norm(k), v, g, beta, s0)
+    dev = torch.device(device_type)
+    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+        _, got = fn(q.to(dev), k.to(dev), v.to(dev), g=g.to(dev), beta=beta.to(dev), initial_state=s0.to(dev),
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+        got = got.float().cpu()
+        if torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            continue
+        transposed = torch.allclose(got.transpose(-1, -2), want, rtol=1e-3, atol=1e-3)
+        raise ValueError(
+            f"transformers' Qwen3.5 GDN kernel {getattr(fn, '__name__', fn)!r} on {device_type} returns a recurrent "
+            f"state that is not [B, HV, K, V]{' (it is transposed: [B, HV, V, K])' if transposed else ''}; "
+            "Raincheck's state map assumes [B, HV, K, V]. Uninstall flash-linear-attention to use the torch "
+            "fallbacks, or use a version whose kernels keep the key-first layout."
+        )
+
+
+class Qwen3_5Adapter(Qwen3VLAdapter):
+    """Qwen3.5 through public seams (see the module docstring)."""
+
+    model_classes = ("Qwen3_5ForConditionalGeneration",)
+    # The CUDA fast path keeps all state in static KV slots; GDN layers carry a recurrent state and a
+    # boundary map instead, so Qwen3.5 stays on the dynamic cache (generation.use_fast_path agrees).
+    supports_fast_path = False
+
+    def __init__(self, model):
+        super().__init__(model)
+        layer_types = self.text_model.config.layer_types
+        self._gdn_modules = [layer.linear_attn for layer, kind in zip(self.text_model.layers, layer_types)
+                             if kind == "linear_attention"]
+
+    # ---- encoding: Qwen3-VL's, without DeepStack ------------------------------------------
+    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid):
+        out = super()._vision_outputs(modality, mm_encoder_outputs, pixel_values, grid)
+        if out is None:
+            return None
+        # Qwen3.5's tower has no DeepStack; give encode_turn the one field it reads besides pooler_output.
+        return SimpleNamespace(pooler_output=out.pooler_output,
+                               deepstack_features=getattr(out, "deepstack_features", None))
+
+    # ---- one forward over arbitrary rows --------------------------------------------------
+    def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
+        """Run ``batch`` on ``cache``; logits of its last row (``[1, V]``) or None.
+
+        ``visible`` (``[L, n_rows]`` from `DeferredDynamicCache.add_rows`, None = plain causal) drives
+        the full-attention layers; ``kinds`` (``[L]``, deferred rows first) drives the GDN layers.
+        """
+        split = RowSplit.from_kinds(kinds, batch.embeds.shape[0])
+        if self._gdn_modules:
+            _check_gdn_state_layout(self.device.type)
+        mask = None
+        if visible is not None:
+            full = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
+            mask = {"full_attention": full, "linear_attention": None}
+        with _DeferredGDNStreams(self._gdn_modules, cache, split):
+            out = self.text_model(
+                inputs_embeds=batch.embeds[None],
+                position_ids=batch.positions[:, None, :],
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+            )
+        if not want_logits:
+            return None
+        return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]

@@ -1,0 +1,148 @@
+"""The latency benchmark harness on CPU: structure of its JSON, never its wall-clock values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from raincheck_hf.bench import latency, plot, shapes
+
+EXPECTED_VARIANTS = {"stock_dynamic", "stock_static", "stock_static_reused", "full", "hard", "post_answer",
+                     "raincheck c=7", "serial c=7"}
+ANSWER, TURNS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "latency.json"
+    # guard 1 so that chunks ride along within a 4-token answer
+    out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=TURNS, answer_tokens=ANSWER, reps=1,
+                      chunk_sizes=(7,), decode_guard=1, json_path=str(path), strict=True, device="cpu",
+                      log=lambda *a, **k: None)
+    with open(path) as f:
+        written = json.load(f)
+    assert written["runs"][0]["variants"].keys() == out["runs"][0]["variants"].keys()
+    return written
+
+
+def test_json_has_every_variant_with_positive_numbers(result):
+    assert result["benchmark"] == "latency"
+    for key in ("date", "command", "hardware", "settings", "runs"):
+        assert key in result
+    hw = result["hardware"]
+    assert hw["torch"] == torch.__version__ and hw["transformers"] and hw["cpu"] and hw["gpu"] is None
+    (run,) = result["runs"]
+    assert run["status"] == "ok" and run["model"] == "tiny_qwen3_vl" and run["input"] == "image"
+    assert run["prompt"]["visual_tokens"] > 0 and run["prompt"]["prompt_tokens"] > run["prompt"]["visual_tokens"]
+    assert set(run["variants"]) == EXPECTED_VARIANTS
+    for name, entry in run["variants"].items():
+        assert entry["status"] == "ok", (name, entry["status"])
+        (rep,) = entry["reps"]
+        assert len(rep["turns"]) == TURNS
+        for turn in rep["turns"]:
+            assert turn["generated_tokens"] == ANSWER and turn["streamed_tokens"] == ANSWER, name
+            for key in ("ttft_s", "tpot_s", "e2e_s"):
+                assert turn[key] > 0, (name, key)
+            assert turn["ttft_s"] <= turn["e2e_s"]
+            assert turn["peak_mem_bytes"] is None  # CPU
+        assert len(rep["turns"][0]["token_intervals_ms"]) == ANSWER - 1
+        idle = rep["idle"]
+        assert idle["ttft_s"] > 0 and idle["restore_s"] >= 0
+        med = entry["median"]
+        for key in ("t1_s", "tpot1_s", "e2e1_s", "t2_s", "tpot2_s", "t2_idle_s", "t2_barrier_s", "e2e_total_s"):
+            assert med[key] > 0, (name, key)
+        assert entry["ratio_to_stock_dynamic"]["t1_s"] > 0 and entry["ratio_to_full"]["t1_s"] > 0
+    assert run["variants"]["stock_dynamic"]["ratio_to_stock_dynamic"]["t1_s"] == pytest.approx(1.0)
+    assert run["lengths"] == {"consistent": True, "mismatches": []}
+    assert "stock_static" in run["warmup"] and run["warmup"]["stock_static"]["compiled"] is False  # no compile on CPU
+
+
+def test_restoration_counts_follow_the_modes(result):
+    variants = result["runs"][0]["variants"]
+    first = {name: entry["reps"][0]["turns"][0] for name, entry in variants.items()}
+    deferred = first["post_answer"]["deferred_tokens"]
+    assert deferred > 0 and first["full"]["deferred_tokens"] == 0
+    assert first["hard"]["dropped_tokens"] == deferred and first["hard"]["pending_after"] == 0
+    assert first["post_answer"]["restored_during_answer"] == 0 and first["post_answer"]["pending_after"] == deferred
+    for name in ("raincheck c=7", "serial c=7"):
+        assert first[name]["restored_during_answer"] > 0 and first[name]["steps_with_chunk"] > 0
+        assert first[name]["tpot_restoring_s"] > 0
+        idle = variants[name]["reps"][0]["idle"]
+        assert idle["restored_tokens"] == first[name]["pending_after"]  # what complete() would restore
+    # the follow-up right after the answer prefills the leftovers together with the new turn
+    second = variants["post_answer"]["reps"][0]["turns"][1]
+    assert second["restored_in_prefill"] == deferred
+    assert variants["post_answer"]["reps"][0]["idle"]["restored_in_prefill"] == 0
+
+
+def test_real_shapes_match_the_baselines():
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+    tok = shapes.build_processor().tokenizer
+    for cls, config, params in ((Qwen3VLForConditionalGeneration, shapes.qwen3_vl_8b_config(tok), 8.767e9),
+                                (Qwen3_5ForConditionalGeneration, shapes.qwen3_5_9b_config(tok), 9.410e9)):
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=torch.bfloat16)
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=1e-3)
+        assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+        assert config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+        assert config.get_text_config().vocab_size > len(tok)
+    text = shapes.qwen3_vl_8b_config(tok).text_config
+    assert (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (36, 32, 8, 128)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        shapes.build_model("qwen3_vl_8b", "cpu")
+
+
+def test_real_image_prompt_has_1344_visual_tokens():
+    processor = shapes.build_processor()
+    inputs, info = shapes.build_prompt(processor, shapes.MODELS["qwen3_vl_8b"], "image")
+    assert info["grid_thw"] == [1, 64, 84] and info["visual_tokens"] == 1344
+    assert inputs["input_ids"].shape[1] == info["prompt_tokens"]
+
+
+def test_fast_random_init_builds_a_working_model():
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from raincheck_hf.tiny import build_tiny_qwen3_vl, tiny_qwen3_vl_config
+
+    model = shapes.build_from_config(Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(), "cpu", torch.float32)
+    reference = build_tiny_qwen3_vl()
+    for (name, buf), (_, ref) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(buf, ref), name  # RoPE frequencies as __init__ computes them
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    inputs, _ = shapes.build_prompt(shapes.build_processor(), shapes.MODELS["tiny_qwen3_vl"], "image")
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_invalid_settings_fail_before_any_compute():
+    with pytest.raises(ValueError, match="unknown model"):
+        latency.run(models=("nope",))
+    with pytest.raises(ValueError, match="chunk_size"):
+        latency.run(chunk_sizes=(0,))
+    with pytest.raises(ValueError, match="--variants"):
+        latency.build_variants((7,), 7, 1, 1, only=["nope"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_writes_pngs(result, tmp_path):
+    paths = plot.plot(result, str(tmp_path))
+    assert {p.rsplit("/", 1)[-1] for p in paths} >= {"ttft.png", "tpot.png", "chunk_sweep.png", "fused_vs_serial.png",
+                                                     "follow_up.png"}
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_install(result, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot.plot(result, str(tmp_path))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert plot.main([str(path), "--out", str(tmp_path / "figs")]) == 1
+    assert "pip install matplotlib" in capsys.readouterr().err

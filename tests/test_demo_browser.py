@@ -1,0 +1,117 @@
+"""The Gradio demo in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``).
+
+Uploads an image, asks two questions, watches the answer stream and the restoration picture
+change, and saves a screenshot to ``artifacts/demo_browser.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACT = ROOT / "artifacts" / "demo_browser.png"
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+pytest.importorskip("gradio")
+sync_api = pytest.importorskip("playwright.sync_api")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    from demo.app import build_demo
+
+    # slow motion: a 30 ms pause per token, so that the picture has time to show each stage
+    demo = build_demo(slow_motion_ms=30)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture
+def page(tmp_path):
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            context.close()
+
+
+def watch_answer(page, n_answers: int, timeout: float = 60.0) -> dict:
+    """Poll the page while an answer streams: the texts, picture sources and captions seen."""
+    seen = {"answers": [], "pictures": [], "captions": []}
+    bots = page.locator("#rc-chat [data-testid='bot']")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answer = bots.nth(n_answers - 1).inner_text() if bots.count() >= n_answers else ""
+        src = page.evaluate("() => document.querySelector('#rc-picture img')?.src || ''")
+        caption = page.inner_text("#rc-caption")
+        for key, value in (("answers", answer), ("pictures", src), ("captions", caption)):
+            if value and (not seen[key] or seen[key][-1] != value):
+                seen[key].append(value)
+        if answer and answer != "…" and "ready" in caption and "answering" not in caption:
+            break
+        time.sleep(0.02)
+    return seen
+
+
+def ask(page, text: str, image: str | None = None) -> None:
+    box = page.locator("#rc-input textarea")
+    page.wait_for_function("() => !document.querySelector('#rc-input textarea').disabled")
+    if image is not None:
+        page.set_input_files("#rc-input input[data-testid='file-upload']", image)
+        page.wait_for_selector("#rc-input img")  # the upload's thumbnail
+    box.fill(text)
+    box.press("Enter")
+
+
+def test_upload_two_questions_stream_and_the_picture_changes(app_url, page, tmp_path):
+    from raincheck_hf.tiny import draw_test_image
+
+    image = tmp_path / "blocks.png"
+    draw_test_image(384, 288, seed=7).save(image)
+    page.goto(app_url)
+    page.wait_for_selector("#rc-input textarea")
+    assert "random weights" in page.inner_text("#rc-model-note")
+
+    ask(page, "What is in this image?", str(image))
+    first = watch_answer(page, 1)
+    assert len(first["answers"]) >= 3, f"the answer did not stream: {first['answers']}"
+    assert len(first["pictures"]) >= 2, "the restoration picture did not change"
+    assert any("answering" in c and " 0 restored" in c for c in first["captions"]), first["captions"]
+    assert "every deferred token is in the cache" in first["captions"][-1]
+    assert " 0 deferred" in first["captions"][-1]
+
+    ask(page, "Which colour is the block in the top-left corner?")
+    second = watch_answer(page, 2)
+    assert len(second["answers"]) >= 3
+    assert page.locator("#rc-chat [data-testid='bot']").count() == 2
+    assert page.locator("#rc-chat [data-testid='user']").count() >= 2
+    rows = page.locator("#rc-figures tbody tr")
+    assert rows.count() == 2
+    page.wait_for_timeout(300)  # let the last image and table render
+    ARTIFACT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACT), full_page=True)
+    assert ARTIFACT.stat().st_size > 10_000

@@ -1,0 +1,76 @@
+"""The fast path's code (static KV slots, padded chunks, DeepStack through hooks) computes what the
+eager engine computes. On CPU it runs without CUDA graphs; tests/test_gpu.py checks graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raincheck_hf import Conversation, RaincheckConfig, restore_pending
+from raincheck_hf.fast import StaticDeferredCache
+from raincheck_hf.tiny import draw_test_image
+
+from conftest import INPUT_CASES, make_inputs
+
+KW = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+
+def _pair(model, inputs, **cfg):
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)
+    return slow, fast
+
+
+def _assert_same(slow, fast):
+    assert isinstance(fast.cache, StaticDeferredCache) and not isinstance(slow.cache, StaticDeferredCache)
+    assert torch.equal(slow.sequences, fast.sequences)
+    for a, b in zip(slow.logits, fast.logits):
+        assert (a - b).abs().max() <= 1e-5
+    assert [r.tolist() for r in slow.raincheck.restored_per_forward] == [
+        r.tolist() for r in fast.raincheck.restored_per_forward]
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "serial", "full", "hard", "post_answer"])
+def test_fast_path_matches_eager_engine(model, case_inputs, mode):
+    # chunk 4 over 3-row leftovers exercises the padded last chunk
+    _assert_same(*_pair(model, case_inputs, mode=mode, chunk_size=4, decode_guard=2))
+
+
+def test_fast_path_eager_attention(eager_model, processor):
+    _assert_same(*_pair(eager_model, make_inputs(processor, **INPUT_CASES["two_images"]), chunk_size=3,
+                        decode_guard=1))
+
+
+def test_fast_path_second_turn_and_growth(model, processor, monkeypatch):
+    from test_generation import second_turn
+
+    import raincheck_hf.fast.static_cache as static_cache
+
+    monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)  # so that the second turn must grow the buffers
+    first = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = dict(retention=0.25, chunk_size=3, decode_guard=7)
+    slow1, fast1 = _pair(model, first, **cfg)
+    restore_pending(model, slow1.cache, max_tokens=3)
+    restore_pending(model, fast1.cache, max_tokens=3)
+    capacity = fast1.cache.capacity
+    # a long second answer forces the slot buffers to grow (and captured graphs to be dropped)
+    second = second_turn(processor, slow1.sequences, images=(draw_test_image(256, 256, seed=4),))
+    kw = dict(KW, max_new_tokens=20)
+    slow2 = model.generate(**second, cache=slow1.cache, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    fast2 = model.generate(**second, cache=fast1.cache, raincheck=RaincheckConfig(fast_path=True, **cfg), **kw)
+    assert fast2.cache.capacity > capacity
+    _assert_same(slow2, fast2)
+    for ls, lf in zip(slow2.cache.layers, fast2.cache.layers):
+        n = slow2.cache.num_rows
+        assert torch.allclose(ls.keys, lf.keys[:, :, :n], atol=1e-5)
+
+
+def test_fast_path_conversation(model, processor):
+    results = {}
+    for fast in (False, True):
+        with Conversation(model, processor, RaincheckConfig(chunk_size=3, decode_guard=6, fast_path=fast),
+                          background=False, max_new_tokens=8) as conv:
+            conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
+            conv.complete()
+            results[fast] = conv.ask("And now?").token_ids
+    assert torch.equal(results[False], results[True])
