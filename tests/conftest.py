@@ -7,7 +7,7 @@ import torch
 
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image, draw_test_video
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: threading overhead outweighs the work
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ def result(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "latency.json"
     # guard 1 so that chunks ride along within a 4-token answer
     out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=TURNS, answer_tokens=ANSWER, reps=1,
-                      chunk_sizes=(7,), decode_guard=1, json_path=str(path), strict=True, device="cpu",
+                      chunk_sizes=(7,), decode_guard=1, warmup_tokens=2, json_path=str(path), strict=True, device="cpu",
                       log=lambda *a, **k: None)
     with open(path) as f:
         written = json.load(f)
@@ -130,7 +130,7 @@ def test_invalid_settings_fail_before_any_compute():
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_writes_pngs(result, tmp_path):
-    paths = plot.plot(result, str(tmp_path))
+    paths = plot.plot([result, result], str(tmp_path))  # several files: one panel per run of each
     assert {p.rsplit("/", 1)[-1] for p in paths} >= {"ttft.png", "tpot.png", "chunk_sweep.png", "fused_vs_serial.png",
                                                      "follow_up.png"}
     for path in paths:

@@ -51,8 +51,9 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
   each turn (weights included; None on CPU).
 - Medians over repetitions; ``ratio_to_stock_dynamic`` / ``ratio_to_full`` divide medians.
 
-The JSON (``--json``) is rewritten after every repetition, so a run cut short keeps what it
-measured. Nothing is extrapolated: a variant that failed, was not supported or did not fit the
+The JSON (``--json``) is rewritten after every conversation, so a run cut short keeps what it
+measured; ``--budget-s`` skips a variant's repetition when its estimate (from its warm-up or last
+repetition) would end past the budget, and says so (``budget_skipped_reps``). Nothing is extrapolated: a variant that failed, was not supported or did not fit the
 ``--budget-s`` says so in its ``status``.
 """
 
@@ -108,10 +109,15 @@ def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int
                 Variant("stock_static", "stock", turns, cache="static", family="stock_static"),
                 Variant("stock_static_reused", "stock", turns, cache="static_reused", family="stock_static_reused")]
     variants += [Variant(m, "raincheck", turns, mode=m, chunk_size=primary_chunk, family=m) for m in PLAIN_MODES]
+    # the primary chunk size first (all turns), then the rest of the sweep: a time budget cuts the sweep first
     for mode in ("raincheck", "serial"):
-        for c in chunk_sizes:
-            n = turns if c == primary_chunk else min(turns, sweep_turns)
-            variants.append(Variant(f"{mode} c={c}", "raincheck", n, mode=mode, chunk_size=c, family=mode))
+        variants.append(Variant(f"{mode} c={primary_chunk}", "raincheck", turns, mode=mode, chunk_size=primary_chunk,
+                                family=mode))
+    for c in chunk_sizes:  # fused and serial side by side per size, so a budget drops whole sizes
+        for mode in ("raincheck", "serial"):
+            if c != primary_chunk:
+                variants.append(Variant(f"{mode} c={c}", "raincheck", min(turns, sweep_turns), mode=mode,
+                                        chunk_size=c, family=mode))
     if only:
         only = set(only)
         unknown = only - {v.name for v in variants} - {v.family for v in variants}
@@ -547,6 +553,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
              log):
     """Warm-up and repetitions of every variant for one (model, input); fills ``run_entry``."""
     device, settings = ctx.device, ctx.settings
+    estimates = {}  # variant name -> a first-turn record, for the time budget
     active = []
     for v in variant_list:
         entry = {"kind": v.kind, "family": v.family, "mode": v.mode, "chunk_size": v.chunk_size, "turns": v.turns,
@@ -585,6 +592,8 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
 
     if warmup:
         for v in active:
+            if over_budget():
+                break  # what is not warmed up is not timed either: its estimate is unknown and the budget spent
             static = v.cache in ("static", "static_reused")
             n_turns = min(v.turns, 2) if static else 1
             # the model's first static variant runs twice: the first call compiles, the second shows what is left
@@ -598,6 +607,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
                 if done is None:
                     break
                 walls.append(time.perf_counter() - t0)
+                estimates[v.name] = done["turns"][0]
             if static and walls:
                 w = {"tokens_per_turn": warmup_tokens, "turns": n_turns, "calls_s": walls,
                      "compiled": hasattr(ctx.model, "_compiled_call")}
@@ -615,20 +625,19 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
                        if k != "other_s"}
         log(f"[latency]   warm-up done at {time.perf_counter() - started:.1f} s; static (first call s, compiled): "
             f"{static_info}")
-    rep_times = []
-    for rep in range(reps):
-        if rep and over_budget(statistics.median(rep_times)):
-            run_entry["status"] = f"ok: {rep} of {reps} repetitions (time budget {budget_s} s)"
-            break
-        t_rep = time.perf_counter()
-        order = active[rep % len(active):] + active[: rep % len(active)] if active else []
-        for v in order:
-            conv = attempt(v, lambda: run_conversation(ctx, v, answer_tokens, follow_up_tokens,
-                                                       idle_probe=idle_probe, keep_intervals=keep_intervals))
-            if conv is not None:
-                run_entry["variants"][v.name]["reps"].append(conv)
-        active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
-        rep_times.append(time.perf_counter() - t_rep)
+
+    def expected_s(v) -> float:
+        # from the variant's warm-up (or measured) first turn: a prefill per turn plus every token's step; the
+        # mean step is capped at 3x the median one so that a one-time stall (a compile) does not inflate it
+        rec = estimates.get(v.name)
+        if rec is None or rec.get("ttft_s") is None:
+            return 0.0
+        per_token = min(rec.get("tpot_s") or rec["ttft_s"], 3 * (rec.get("median_interval_s") or rec["ttft_s"]))
+        turns = v.turns
+        return (turns + (1 if turns >= 2 and idle_probe else 0)) * rec["ttft_s"] + per_token * (
+            answer_tokens + (turns - 1) * follow_up_tokens)
+
+    def save():
         for entry in run_entry["variants"].values():
             entry["median"] = summarize(entry["reps"])
         add_ratios(run_entry["variants"])
@@ -636,7 +645,30 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         run_entry["rep_wall_s"] = rep_times
         result["elapsed_s"] = time.perf_counter() - started
         _write(result, json_path)
+
+    rep_times = []
+    for rep in range(reps):
+        t_rep = time.perf_counter()
+        order = active[rep % len(active):] + active[: rep % len(active)] if active else []
+        for v in order:
+            entry = run_entry["variants"][v.name]
+            if over_budget(expected_s(v)):
+                entry.setdefault("budget_skipped_reps", []).append(rep)
+                log(f"[latency]   {v.name}: rep {rep + 1} skipped, it would end past the time budget ({budget_s} s)")
+                continue
+            conv = attempt(v, lambda: run_conversation(ctx, v, answer_tokens, follow_up_tokens,
+                                                       idle_probe=idle_probe, keep_intervals=keep_intervals))
+            if conv is not None:
+                entry["reps"].append(conv)
+                estimates[v.name] = conv["turns"][0]
+            save()  # after every conversation, so a run cut short keeps what it measured
+        active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
+        rep_times.append(time.perf_counter() - t_rep)
+        save()
         log(f"[latency]   rep {rep + 1}/{reps} done in {rep_times[-1]:.1f} s")
+    skipped = sum(bool(e.get("budget_skipped_reps")) for e in run_entry["variants"].values())
+    if skipped:
+        run_entry["status"] = f"ok, but {skipped} variants lost repetitions to the time budget ({budget_s} s)"
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -659,8 +691,9 @@ def print_table(run_entry: dict, log=print) -> None:
     widths = [20, 8, 7, 11, 7, 8, 8, 10, 11, 9, 9, 11, 8]
     log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
     for name, entry in run_entry["variants"].items():
-        if entry["status"] != "ok" and not entry.get("reps"):
-            log(f"{name:<20}{entry['status'][:110]}")
+        if not entry.get("reps"):
+            status = entry["status"] if entry["status"] != "ok" else "no repetition ran (time budget)"
+            log(f"{name:<20}{status[:110]}")
             continue
         m = entry.get("median", {})
         rs = entry.get("ratio_to_stock_dynamic", {})
@@ -703,8 +736,8 @@ def main(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--no-idle-probe", action="store_true", help="skip the follow-up-after-idle measurement")
-    parser.add_argument("--budget-s", type=float, default=None, help="start no repetition / model that would end "
-                        "past this many seconds (estimated from the last repetition); what ran is kept")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no conversation that would end past "
+                        "this many seconds after start (estimated from warm-up / earlier repetitions)")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU, torch's on CUDA)")
     parser.add_argument("--image-size", type=_size, default=None, help="WxH, default per model (real: 1344x1024)")
@@ -713,7 +746,7 @@ def main(argv=None):
     parser.add_argument("--static-max-cache-len", type=int, default=None)
     parser.add_argument("--strict", action="store_true", help="raise on the first failing variant")
     parser.add_argument("--no-intervals", action="store_true", help="do not store turn 1's per-token intervals")
-    parser.add_argument("--json", default=None, help="write the results here (rewritten after every repetition)")
+    parser.add_argument("--json", default=None, help="write the results here (rewritten after every conversation)")
     args = parser.parse_args(argv)
     command = " ".join(["python -m raincheck_hf.bench latency"] + list(sys.argv[2:] if argv is None else argv))
     return run(

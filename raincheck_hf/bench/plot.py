@@ -1,6 +1,6 @@
-"""Figures from a ``latency`` JSON: ``python -m raincheck_hf.bench plot results.json --out DIR``.
+"""Figures from ``latency`` JSONs: ``python -m raincheck_hf.bench plot results.json [more.json ...] --out DIR``.
 
-Writes PNGs, one panel per (model, input) run in each:
+Writes PNGs, one panel per (model, input) run of every file in each:
 
 - ``ttft.png``: time to first token of turn 1 by variant;
 - ``tpot.png``: mean time per output token of turn 1 by variant (hatched: the mean over the steps
@@ -44,7 +44,8 @@ def _runs(result: dict) -> list[dict]:
 
 def _title(run: dict) -> str:
     p = run.get("prompt", {})
-    return f"{run['model']} / {run['input']} ({p.get('prompt_tokens')} tok, {p.get('visual_tokens')} visual)"
+    source = f"[{run['_source']}] " if run.get("_source") else ""
+    return f"{source}{run['model']} / {run['input']} ({p.get('prompt_tokens')} tok, {p.get('visual_tokens')} visual)"
 
 
 def _median(entry: dict, key: str):
@@ -156,7 +157,7 @@ def plot_fused_vs_serial(plt, runs, path):
             ax.annotate(f"x{s[c] / f[c]:.2f}", (i + 0.2, s[c]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x))
         ax.set_xticklabels([f"c={c}" for c in sizes])
-        ax.set_ylabel("ms per chunk-carrying decode step")
+        ax.set_ylabel("ms per chunk-carrying decode step\n(label: serial / fused)")
         ax.set_title(_title(run) + ("" if sizes else ": no chunk ran during the answer"), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -212,15 +213,31 @@ def plot_step_times(plt, runs, path):
     return drawn
 
 
-def plot(result, out_dir: str) -> list[str]:
-    """Write the figures of ``result`` (a dict or a JSON path) into ``out_dir``; returns the paths written."""
+def _load(result):
     if isinstance(result, (str, os.PathLike)):
         with open(result) as f:
-            result = json.load(f)
-    if result.get("benchmark") != "latency":
+            loaded = json.load(f)
+        name = os.path.splitext(os.path.basename(os.fspath(result)))[0]
+    else:
+        loaded, name = result, None
+    if loaded.get("benchmark") != "latency":
         raise ValueError(f"plot expects the JSON of `python -m raincheck_hf.bench latency`; got benchmark="
-                         f"{result.get('benchmark')!r}.")
-    runs = _runs(result)
+                         f"{loaded.get('benchmark')!r}" + (f" in {result}" if name else "") + ".")
+    return loaded, name
+
+
+def plot(results, out_dir: str) -> list[str]:
+    """Write the figures of ``results`` (a result dict, a JSON path, or a list of them) into ``out_dir``.
+
+    Returns the paths written. With several files, each panel's title starts with its file's name.
+    """
+    if isinstance(results, (dict, str, os.PathLike)):
+        results = [results]
+    loaded = [_load(r) for r in results]
+    runs = []
+    for result, name in loaded:
+        for run in _runs(result):
+            runs.append(dict(run, _source=name) if len(loaded) > 1 else run)
     if not runs:
         raise ValueError("the JSON holds no measured run (every run was skipped or failed).")
     plt = _pyplot()
@@ -238,12 +255,12 @@ def plot(result, out_dir: str) -> list[str]:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", help="a JSON written by `python -m raincheck_hf.bench latency --json`")
+    parser.add_argument("results", nargs="+", help="JSONs written by `python -m raincheck_hf.bench latency --json`")
     parser.add_argument("--out", required=True, help="folder for the PNGs (created if needed)")
     args = parser.parse_args(argv)
     try:
         paths = plot(args.results, args.out)
-    except (ImportError, ValueError) as error:
+    except (ImportError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     for path in paths:

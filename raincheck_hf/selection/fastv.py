@@ -167,7 +167,8 @@ class FastVSelector(Selector):
     layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0):
+        layer = self.layer
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
             raise ValueError(f"FastVSelector.layer={self.layer!r} must be None or an integer >= 0")
 
     def check_model(self, model) -> int:
