@@ -185,6 +185,7 @@ def raincheck_sample(
         video_grid_thw=grids.get("video_grid_thw"),
         pixel_values=model_kwargs.get("pixel_values"),
         pixel_values_videos=model_kwargs.get("pixel_values_videos"),
+        text_prefix=1 if start > 0 else 0,  # the previous answer's last token, not yet fed back
     )
 
     # 2. selection and plan

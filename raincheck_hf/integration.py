@@ -197,7 +197,7 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     if check_model is not None:  # model-dependent settings of a selector (e.g. FastV's layer)
         check_model(model)
     new_ids = input_ids[0, start:]
-    n_multimodal = int(adapter.multimodal_mask(new_ids).sum())
+    n_multimodal = int(adapter.multimodal_mask(new_ids, text_prefix=1 if start > 0 else 0).sum())
     if isinstance(config.selector, torch.Tensor) and config.selector.numel() != n_multimodal:
         raise ValueError(
             f"RaincheckConfig.selector is a keep-mask of {config.selector.numel()} entries but the prompt's new tokens "
@@ -209,6 +209,7 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     mm_types = kwargs.pop("mm_token_type_ids", None)
     if mm_types is not None:
         expected = (input_ids == adapter.image_token_id).long() + 2 * (input_ids == adapter.video_token_id).long()
-        if mm_types.shape != input_ids.shape or not torch.equal(mm_types.long().cpu(), expected.cpu()):
+        if mm_types.shape != input_ids.shape or not torch.equal(mm_types[:, start:].long().cpu(),
+                                                                  expected[:, start:].cpu()):
             raise ValueError("mm_token_type_ids disagrees with the image/video placeholders in input_ids.")
     return kwargs

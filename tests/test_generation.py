@@ -282,3 +282,14 @@ def test_logits_processor_stopping_criteria_and_streamer(model, processor):
     assert banned not in out[0, prompt_len:].tolist()
     streamed = "".join(streamer)
     assert streamed == processor.tokenizer.decode(out[0, prompt_len:])
+
+
+def test_placeholder_id_as_last_generated_token_is_text(model, processor):
+    """A model may emit a placeholder id; fed back in the next turn, it is text, not a missing image."""
+    first = make_inputs(processor, **INPUT_CASES["one_image"])
+    out1 = greedy(model, first, n=4, raincheck=True, return_dict_in_generate=True)
+    seqs = out1.sequences.clone()
+    seqs[0, -1] = model.config.image_token_id  # as if the answer had ended on <|image_pad|>
+    second = second_turn(processor, seqs, text="Go on.")
+    out2 = greedy(model, second, n=3, raincheck=True, cache=out1.cache, return_dict_in_generate=True)
+    assert out2.raincheck.selected.numel() == out2.raincheck.deferred.numel() == 0

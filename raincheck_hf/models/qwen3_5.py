@@ -14,39 +14,45 @@ with three differences:
 - **Gated DeltaNet deferral** (method.md §4, §5). Every forward's rows are ``[deferred chunk
   (optional), rest]`` where the rest is a turn's input rows, one generated row, or nothing
   (``kinds`` says which). For the duration of one engine forward, `_DeferredGDNStreams` swaps the
-  ``forward`` of each ``Qwen3_5GatedDeltaNet`` *instance* (restored in ``finally``; nothing is
-  patched at import or on the class) for `_split_gdn_forward`, which
+  ``forward`` of each ``Qwen3_5GatedDeltaNet`` *instance* (and of its four input projections) for a
+  dispatcher (restored on exit, also on error; nothing is patched at import or on the class). The
+  dispatcher reads this thread's active engine forward from a context variable, so a stock forward
+  of the same model in another thread runs the original code. For the engine it is
+  `_split_gdn_forward`, which
 
   1. runs the chunk through the stock module forward on a `BoundaryStateView` (from the boundary
      state and conv history, so it never sees generated rows), giving S_b', h_b';
   2. joins: ``S_live += M_R (S_L' - S_L)`` with the leading-segment conv repair
      (`GDNBoundary.join`, i.e. `SuffixStateMap.join`), written back into HF's cache layer;
   3. runs the rest through the stock module forward on the real cache (from the corrected live
-     state), with forward hooks on ``in_proj_qkv`` / ``in_proj_a`` / ``in_proj_b`` recording its
-     pre-conv and gate inputs, then extends the suffix (generated row) or moves the boundary after
-     the input rows (prefill).
+     state), recording the ``in_proj_qkv`` / ``in_proj_a`` / ``in_proj_b`` outputs of those rows
+     (pre-conv and gate inputs), then extends the suffix (generated row) or moves the boundary
+     after the input rows (prefill).
 
   All GDN math (conv, delta rule, gated norm, projections) is transformers' own module code; the
   only extra arithmetic is the join (one ``[dk, dk] @ [dk, dv]`` matmul per head plus at most
   ``Kc - 1`` rank-1 updates) and ``M_R <- A_t M_R`` for the generated row.
 
   Weights are read once per fused forward, as method.md §5 wants, for the attention layers, the
-  MLPs, the LM head and the GDN input projections (`_SharedProjections` runs ``in_proj_*`` once over
-  ``[chunk, token]`` and hands each stream its rows). Only a GDN layer's ``out_proj`` and its
+  MLPs, the LM head and the GDN input projections (``in_proj_*`` run once over ``[chunk, token]``
+  and the projection dispatchers hand each stream its rows). Only a GDN layer's ``out_proj`` and its
   conv / delta-rule kernels run once per stream: they sit after the join, inside the module forward.
 
 Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
 fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_delta` uses. When
-``fla`` is importable transformers uses its kernels instead; `_check_gdn_state_layout` then checks
-once per device, numerically, that the kernel's state is still ``[B, HV, K, V]`` (a transposed
+``fla`` (or a hub kernel) is importable transformers uses it instead; `_check_gdn_state_layout`
+checks once per device type, numerically, that the state is still ``[B, HV, K, V]`` (a transposed
 state would pass every shape check when ``dk == dv``, as in real Qwen3.5) and refuses otherwise.
+The fla path itself is not exercised here (fla is not installed on these machines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
-import importlib.util
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -95,132 +101,176 @@ class RowSplit:
         return cls(n_deferred, int(rest.numel()), rest_kinds.pop() if rest_kinds else None)
 
 
-def _split_gdn_forward(module, original, split: RowSplit, engine_cache, recorded: dict, hidden_states, *args,
-                       **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for rows ``[deferred chunk, rest]`` (see the module docstring)."""
+_IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+_RECORDED = {"in_proj_qkv": "qkv", "in_proj_a": "a", "in_proj_b": "b"}  # what the suffix map keeps
+
+
+@dataclass
+class _StreamContext:
+    """One engine forward, as the GDN layers see it: the cache, the row split, and per projection
+    module either the rows it should hand out (a fused forward's stream) or nothing."""
+
+    cache: object
+    split: RowSplit
+    modules: frozenset  # ids of the GDN modules of this model
+    serving: dict  # id(projection) -> precomputed rows of the stream that runs now
+    recorded: dict  # "qkv" / "a" / "b" -> the last output of that projection
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # threads may inherit contexts
+
+    def applies(self) -> bool:
+        return self.thread == threading.get_ident()
+
+
+# The active engine forward of *this* thread (or task): the dispatchers below read it, so a stock
+# forward of the same model in another thread, while a Raincheck forward runs, is left untouched.
+_ACTIVE: contextvars.ContextVar[_StreamContext | None] = contextvars.ContextVar("raincheck_gdn_forward", default=None)
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED: dict[int, list] = {}  # id(module) -> [users, restore callbacks]
+
+
+def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
+    ctx = _ACTIVE.get()
+    if ctx is None or id(module) not in ctx.modules or not ctx.applies():
+        return original(hidden_states, *args, **kwargs)
     if args:  # the decoder layer passes everything by keyword; be strict rather than guess
         raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
+    return _split_gdn_forward(module, original, ctx, hidden_states, **kwargs)
+
+
+def _dispatch_projection(projection, original, name, x, *args, **kwargs):
+    ctx = _ACTIVE.get()
+    if ctx is None or not ctx.applies():
+        return original(x, *args, **kwargs)
+    served = ctx.serving.get(id(projection))
+    if served is None:
+        out = original(x, *args, **kwargs)
+    elif x.shape[:-1] != served.shape[:-1]:
+        raise RuntimeError(f"{name} was called on {list(x.shape)} while serving precomputed rows {list(served.shape)}.")
+    else:
+        out = served
+    if name in _RECORDED:
+        ctx.recorded[_RECORDED[name]] = out  # the last call wins: the rest stream runs after the chunk stream
+    return out
+
+
+def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **kwargs):
+    """``Qwen3_5GatedDeltaNet.forward`` for rows ``[deferred chunk, rest]`` (see the module docstring)."""
     cache = kwargs.pop("cache", None)
-    if cache is not engine_cache:
+    if cache is not ctx.cache:
         raise RuntimeError("a Gated DeltaNet layer ran on another cache than the Raincheck forward's own.")
     kwargs.pop("attention_mask", None)  # no padding in Raincheck batches; the mask mapping gives None anyway
-    boundary = GDNBoundary(cache, module.layer_idx, _layer_params(module))
+    split = ctx.split
+    boundary = GDNBoundary(cache, module.layer_idx, GDNLayerParams.from_module(module))
     n_d = split.n_deferred
-    if not (n_d and split.n_rest):
-        shared = contextlib.nullcontext(None)
-    else:
-        shared = _SharedProjections(module, hidden_states)
+    projections = [getattr(module, name) for name in _IN_PROJECTIONS]
+    shared = None
+    if n_d and split.n_rest:
+        # Fusion: each input projection multiplies [chunk, rest] once; the streams get their rows.
+        shared = [proj(hidden_states) for proj in projections]
     outs = []
-    with shared as projections:
+    try:
         if n_d:
             view = boundary.view()
-            if projections is not None:
-                projections.serve(slice(0, n_d))
+            if shared is not None:
+                ctx.serving.update({id(p): out[:, :n_d] for p, out in zip(projections, shared)})
             outs.append(original(hidden_states[:, :n_d], cache=view, **kwargs))
             boundary.join(view)
         if split.n_rest:
-            recorded.clear()
-            if projections is not None:
-                projections.serve(slice(n_d, None))
+            ctx.recorded.clear()
+            if shared is not None:
+                ctx.serving.update({id(p): out[:, n_d:] for p, out in zip(projections, shared)})
             outs.append(original(hidden_states[:, n_d:], cache=cache, **kwargs))
             if split.rest_kind == GENERATED:
-                boundary.append(recorded["qkv"], recorded["a"], recorded["b"])
+                boundary.append(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
             else:  # a turn's input: its own deferred rows go after it
                 boundary.reset()
-            recorded.clear()
+    finally:
+        ctx.serving.clear()
+        ctx.recorded.clear()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-_IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+def _swap_forward(module, new_forward):
+    """Set ``module.forward`` on the instance; return the callback that puts the old one back."""
+    had_own, own = "forward" in vars(module), vars(module).get("forward")
+    module.forward = new_forward
+
+    def restore():
+        if had_own:
+            module.forward = own
+        else:
+            vars(module).pop("forward", None)
+
+    return restore
 
 
-class _SharedProjections(contextlib.AbstractContextManager):
-    """One call per input projection for both streams of a fused forward.
-
-    Each of ``in_proj_qkv / in_proj_z / in_proj_a / in_proj_b`` runs once over all the forward's
-    rows (its weights are read once, as fusion intends); while a stream runs, the projection's
-    ``forward`` (per instance, restored on exit) hands out that stream's rows of the result. Hooks on
-    the projections still fire per stream, with the stream's rows.
-    """
-
-    def __init__(self, module, hidden_states: torch.Tensor):
-        self.modules = {name: getattr(module, name) for name in _IN_PROJECTIONS}
-        self.outputs = {name: proj(hidden_states) for name, proj in self.modules.items()}
-        self._saved = {name: vars(proj).get("forward") for name, proj in self.modules.items()}
-
-    def serve(self, rows: slice) -> None:
-        for name, proj in self.modules.items():
-            part = self.outputs[name][:, rows]
-            proj.forward = functools.partial(_serve_rows, part, name)
-
-    def __exit__(self, *exc):
-        for name, proj in self.modules.items():
-            if self._saved[name] is None:
-                vars(proj).pop("forward", None)
-            else:
-                proj.forward = self._saved[name]
-        return False
+def _install(module) -> None:
+    """Route ``module``'s and its input projections' forwards through the dispatchers (counted)."""
+    with _INSTALL_LOCK:
+        entry = _INSTALLED.get(id(module))
+        if entry is not None:
+            entry[0] += 1
+            return
+        restores = [_swap_forward(module, functools.partial(_dispatch_gdn, module, module.forward))]
+        for name in _IN_PROJECTIONS:
+            proj = getattr(module, name)
+            restores.append(_swap_forward(proj, functools.partial(_dispatch_projection, proj, proj.forward, name)))
+        _INSTALLED[id(module)] = [1, restores]
 
 
-def _serve_rows(part: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
-    if x.shape[:-1] != part.shape[:-1]:
-        raise RuntimeError(f"{name} was called on {list(x.shape)} while serving precomputed rows {list(part.shape)}.")
-    return part
-
-
-def _layer_params(module) -> GDNLayerParams:
-    # Views of the module's parameters; rebuilt per forward (cheap) so weights swapped later are seen.
-    return GDNLayerParams.from_module(module)
+def _uninstall(module) -> None:
+    with _INSTALL_LOCK:
+        entry = _INSTALLED.get(id(module))
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            for restore in reversed(entry[1]):
+                restore()
+            del _INSTALLED[id(module)]
 
 
 class _DeferredGDNStreams(contextlib.AbstractContextManager):
-    """Scoped, reversible: swap each GDN instance's ``forward`` for the split one, and (for a
-    generated row) hook its projections to record the suffix token's inputs. Undone on exit."""
+    """Scoped and reversible, for one engine forward: each GDN *instance*'s ``forward`` (and its input
+    projections') goes through a dispatcher that applies the split forward for this thread's
+    Raincheck forward and the original one otherwise. Installed on entry, removed on exit (on error
+    too; reference-counted, so overlapping Raincheck forwards in several threads are fine)."""
 
     def __init__(self, modules, cache, split: RowSplit):
-        self.modules, self.cache, self.split = modules, cache, split
-        self._saved, self._hooks = [], []
+        self.modules = list(modules)
+        self.context = _StreamContext(cache, split, frozenset(id(m) for m in self.modules), {}, {})
+        self._installed, self._token = [], None
 
     def __enter__(self):
         try:
             for module in self.modules:
-                recorded: dict = {}
-                original = module.forward  # bound: the class's forward, or an earlier instance override
-                self._saved.append((module, "forward" in vars(module), vars(module).get("forward")))
-                module.forward = functools.partial(_split_gdn_forward, module, original, self.split, self.cache,
-                                                   recorded)
-                if self.split.rest_kind == GENERATED:
-                    for name, key in (("in_proj_qkv", "qkv"), ("in_proj_a", "a"), ("in_proj_b", "b")):
-                        self._hooks.append(getattr(module, name).register_forward_hook(_recorder(recorded, key)))
+                _install(module)
+                self._installed.append(module)
+            self._token = _ACTIVE.set(self.context)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc):
-        for handle in self._hooks:
-            handle.remove()
-        for module, had_own, own in reversed(self._saved):
-            if had_own:
-                module.forward = own
-            else:
-                vars(module).pop("forward", None)
-        self._hooks, self._saved = [], []
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        for module in reversed(self._installed):
+            _uninstall(module)
+        self._installed = []
         return False
-
-
-def _recorder(store: dict, key: str):
-    def hook(_module, _inputs, output):
-        store[key] = output  # the last call wins: the rest stream runs after the chunk stream
-
-    return hook
 
 
 @functools.lru_cache(maxsize=8)
 def _check_gdn_state_layout(device_type: str) -> None:
-    """Refuse kernels whose GDN state is not ``[B, HV, K, V]`` (only relevant when fla is installed)."""
-    if device_type != "cuda" or importlib.util.find_spec("fla") is None:
-        return  # transformers' torch fallbacks: the layout gated_delta is tested against
+    """Refuse GDN kernels whose state is not ``[B, HV, K, V]``, once per device type.
+
+    transformers picks its kernels at import (flash-linear-attention or hub kernels when present,
+    else its torch fallbacks, whose layout `raincheck_hf.gated_delta` is tested against), so the
+    check runs the functions the model will call, on a tiny input with ``dk == dv`` (where a
+    transposed state passes every shape check), against the naive reference. A few milliseconds.
+    """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     gen = torch.Generator().manual_seed(0)

@@ -107,8 +107,17 @@ class Qwen3VLAdapter:
     def text_config(self):
         return self.config.text_config
 
-    def multimodal_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (input_ids == self.image_token_id) | (input_ids == self.video_token_id)
+    def placeholder_masks(self, input_ids: torch.Tensor, text_prefix: int = 0):
+        """``(is_image, is_video)`` over ``input_ids``, the first ``text_prefix`` rows counted as text."""
+        is_image, is_video = input_ids == self.image_token_id, input_ids == self.video_token_id
+        if text_prefix:
+            is_image[:text_prefix] = False
+            is_video[:text_prefix] = False
+        return is_image, is_video
+
+    def multimodal_mask(self, input_ids: torch.Tensor, text_prefix: int = 0) -> torch.Tensor:
+        is_image, is_video = self.placeholder_masks(input_ids, text_prefix)
+        return is_image | is_video
 
     # ---- encoding -------------------------------------------------------------------------
     def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid):
@@ -127,12 +136,17 @@ class Qwen3VLAdapter:
         video_grid_thw: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
+        text_prefix: int = 0,
     ) -> TurnInputs:
-        """Embed one turn's new tokens ``input_ids [L]`` and compute their absolute 3-D positions."""
+        """Embed one turn's new tokens ``input_ids [L]`` and compute their absolute 3-D positions.
+
+        The first ``text_prefix`` rows are text whatever their ids: the previous answer's last token
+        (generated, never fed back yet) is text even if a model happened to emit a placeholder id.
+        """
         device = self.device
         ids = input_ids.to(device)
         embeds = self.text_model.embed_tokens(ids)
-        is_image, is_video = ids == self.image_token_id, ids == self.video_token_id
+        is_image, is_video = self.placeholder_masks(ids, text_prefix)
         is_visual = is_image | is_video
         n_visual = int(is_visual.sum())
 
@@ -182,6 +196,7 @@ class Qwen3VLAdapter:
 
         segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
         question = ~torch.isin(ids, self._non_question_ids.to(device))
+        question[:text_prefix] = False
         return TurnInputs(ids, embeds, positions, visual_index, deepstack, segments,
                           question.nonzero().flatten(), next_position)
 
