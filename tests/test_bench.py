@@ -146,3 +146,12 @@ def test_plot_without_matplotlib_names_the_install(result, tmp_path, monkeypatch
     path.write_text(json.dumps(result))
     assert plot.main([str(path), "--out", str(tmp_path / "figs")]) == 1
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_gdn_state_map_benchmark_smoke():
+    from raincheck_hf.bench.gdn_state_map import run
+
+    result = run(heads=2, dk=4, dv=3, gdn_layers=2, iters=2, device="cpu")
+    assert [r["op"] for r in result["rows"]] == ["join (one layer)", "online update, 1 token (one layer)"]
+    assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in result["rows"])
+    assert result["memory_per_layer_bytes"]["M (suffix map, fp32)"] == 2 * 4 * 4 * 4
