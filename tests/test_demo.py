@@ -145,6 +145,20 @@ def test_bad_input_gets_a_message_and_the_conversation_goes_on(client, files):
     assert final[STATUS]["turns"] == 3 and final[STATUS]["settings"]["model"].startswith("tiny")
 
 
+def test_changing_a_setting_starts_a_new_conversation_with_a_note(client, files):
+    final, _ = ask(client, "What is in this image?", files["small"])
+    assert final[STATUS]["conversation"] == 1 and final[STATUS]["turns"] == 1
+    final, _ = ask(client, "And now?", files["blocks"], mode="hard", retention=0.5)
+    notes = texts(final[CHAT], "assistant")
+    assert any("New conversation" in t and "mode → hard" in t and "retention → 0.5" in t for t in notes)
+    status = final[STATUS]
+    assert status["conversation"] == 2 and status["turns"] == 1  # the earlier turn is not part of it
+    figures = status["turn_figures"][0]
+    assert figures["selected"] == 54 and figures["dropped"] == figures["deferred"] == 54
+    assert status["dropped"] == 54 and status["pending"] == 0 and status["restored"] == 0
+    assert "dropped tokens are gone for good" in final[CAPTION]
+
+
 def test_a_long_video_is_sampled_and_drawn_per_slice(client, tmp_path):
     av = pytest.importorskip("av")
     import numpy as np

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACT = ROOT / "artifacts" / "demo_browser.png"
+STREAMING_ARTIFACT = ROOT / "artifacts" / "demo_browser_streaming.png"  # mid-answer, deferred tokens dark
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -59,9 +61,14 @@ def page(tmp_path):
             context.close()
 
 
-def watch_answer(page, n_answers: int, timeout: float = 60.0) -> dict:
-    """Poll the page while an answer streams: the texts, picture sources and captions seen."""
-    seen = {"answers": [], "pictures": [], "captions": []}
+def watch_answer(page, n_answers: int, timeout: float = 60.0, snapshot: Path | None = None) -> dict:
+    """Poll the page while an answer streams: the texts, picture sources and captions seen.
+
+    With ``snapshot``, also take a screenshot the first time the caption shows deferred tokens
+    waiting while the answer streams.
+    """
+    seen = {"answers": [], "pictures": [], "captions": [], "errors": []}
+    toasts = page.locator("[data-testid='toast-body']")
     bots = page.locator("#rc-chat [data-testid='bot']")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -71,6 +78,11 @@ def watch_answer(page, n_answers: int, timeout: float = 60.0) -> dict:
         for key, value in (("answers", answer), ("pictures", src), ("captions", caption)):
             if value and (not seen[key] or seen[key][-1] != value):
                 seen[key].append(value)
+        if toasts.count():
+            seen["errors"].extend(t for t in toasts.all_inner_texts() if t not in seen["errors"])
+        if snapshot is not None and "answering" in caption and " 0 restored" in caption:
+            page.screenshot(path=str(snapshot))
+            snapshot = None
         if answer and answer != "…" and "ready" in caption and "answering" not in caption:
             break
         time.sleep(0.02)
@@ -96,8 +108,10 @@ def test_upload_two_questions_stream_and_the_picture_changes(app_url, page, tmp_
     page.wait_for_selector("#rc-input textarea")
     assert "random weights" in page.inner_text("#rc-model-note")
 
+    ARTIFACT.parent.mkdir(exist_ok=True)
     ask(page, "What is in this image?", str(image))
-    first = watch_answer(page, 1)
+    first = watch_answer(page, 1, snapshot=STREAMING_ARTIFACT)
+    assert not first["errors"], f"Gradio showed an error: {first['errors']}"
     assert len(first["answers"]) >= 3, f"the answer did not stream: {first['answers']}"
     assert len(first["pictures"]) >= 2, "the restoration picture did not change"
     assert any("answering" in c and " 0 restored" in c for c in first["captions"]), first["captions"]
@@ -106,12 +120,26 @@ def test_upload_two_questions_stream_and_the_picture_changes(app_url, page, tmp_
 
     ask(page, "Which colour is the block in the top-left corner?")
     second = watch_answer(page, 2)
+    assert not second["errors"], f"Gradio showed an error: {second['errors']}"
     assert len(second["answers"]) >= 3
     assert page.locator("#rc-chat [data-testid='bot']").count() == 2
     assert page.locator("#rc-chat [data-testid='user']").count() >= 2
-    rows = page.locator("#rc-figures tbody tr")
-    assert rows.count() == 2
+    cells = page.inner_text("#rc-figures").split("dropped", 1)[1].split()  # the table's cells, row by row
+    assert len(cells) == 2 * 9 and cells[0] == "1" and cells[9] == "2", cells
     page.wait_for_timeout(300)  # let the last image and table render
-    ARTIFACT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACT), full_page=True)
     assert ARTIFACT.stat().st_size > 10_000
+    toasts = page.locator("[data-testid='toast-body']")
+    assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
+
+    # closing the tab ends the session, and the session's conversation is closed (its worker stops)
+    before = restore_workers()
+    page.context.close()
+    deadline = time.monotonic() + 20
+    while restore_workers() >= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert restore_workers() == before - 1
+
+
+def restore_workers() -> int:
+    return sum(t.name == "raincheck-restore" and t.is_alive() for t in threading.enumerate())

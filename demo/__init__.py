@@ -1,0 +1,1 @@
+"""The Raincheck Gradio demo (`python -m demo.app`); see demo/README.md."""

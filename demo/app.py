@@ -1,0 +1,1091 @@
+"""Raincheck demo: a multi-turn image / video chat that shows what deferred prefill does.
+
+    python -m demo.app [--model PATH_OR_HUB_ID] [--host 127.0.0.1] [--port 7860] [--share]
+
+Each browser session gets its own `raincheck_hf.Conversation` (held in a `gr.State`, closed when
+the session ends). An answer streams token by token from ``Conversation.ask(stream=True)``; the
+conversation's background worker restores what is left after the answer, and a follow-up that
+arrives early is handled by the conversation itself (method.md §6-7).
+
+The picture beside the chat is the turn's image (a video: one frame per temporal slice) at the
+size the processor resized it to, with every merged vision token (patch 16 px × merge 2 = one
+32 px cell) shaded by what the cache holds for it: prefilled first, deferred, restored, or
+dropped (``hard``). It is drawn from the cache while the answer streams and, through a
+`gr.Timer`, while idle-time restoration finishes.
+
+Without ``--model`` the demo runs offline on the tiny Qwen3-VL of `raincheck_hf.tiny`, built in
+code with random weights: its answers are gibberish; the selection, timings and restoration are real.
+Models are loaded in functions (`load_model`), never at import, so the app is testable.
+"""
+
+import argparse
+import atexit
+import math
+import mimetypes
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+TINY_MODEL = "tiny-random (built in code)"
+MODES_SHOWN = ("raincheck", "post_answer", "hard", "full")
+# the demo's tiny processor: up to 384×384 px per image (144 merged tokens), so patches are visible
+TINY_MAX_PIXELS = 384 * 384
+MAX_VIDEO_FRAMES = 16  # longer videos are sampled evenly down to this many frames
+DECODE_MAX_SIDE = 896  # video frames are decoded at most this large (processors shrink them further)
+OPEN_MAX_SIDE = 4096  # larger images are shrunk on open; the processor shrinks them further anyway
+PICTURE_WIDTH = 640
+
+TINY_NOTE = (
+    "**Note: the bundled default is a tiny Qwen3-VL built in code with random weights.** Its answers are "
+    "gibberish until a trained default model exists; the selection, the timings and the restoration "
+    "you see are real. Pick another model under *Settings* (a Hub id or a local folder)."
+)
+LEGEND_LABELS = [("selected", "prefilled first"), ("deferred", "deferred"), ("restored", "restored"),
+                 ("dropped", "dropped"), ("waiting", "prefilling")]
+FIGURE_HEADERS = ["turn", "visual tokens", "prefilled first", "TTFT (ms)", "TPOT (ms)",
+                  "restored during answer", "restored after answer", "pending", "dropped"]
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded (the message says why and what to do)."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: object
+    processor: object
+    is_tiny: bool
+
+    @property
+    def note(self) -> str:
+        if self.is_tiny:
+            return TINY_NOTE
+        return f"Model: **{self.name}** on `{self.model.device}`."
+
+
+_MODELS: dict[str, LoadedModel] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def model_key(name: str | None) -> str:
+    name = (name or "").strip()
+    return TINY_MODEL if name in ("", TINY_MODEL, "tiny") else name
+
+
+def load_model(name: str | None) -> LoadedModel:
+    """The model and processor for ``name`` (the tiny default, a Hub id or a local folder), cached.
+
+    Raises `ModelLoadError` with an actionable message when it cannot be loaded or is unsupported.
+    """
+    key = model_key(name)
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = _load_uncached(key)
+        return _MODELS[key]
+
+
+def _load_uncached(key: str) -> LoadedModel:
+    import raincheck_hf
+
+    if key == TINY_MODEL:
+        from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl
+
+        model = raincheck_hf.enable(build_tiny_qwen3_vl(seed=0))
+        return LoadedModel(key, model, build_tiny_processor(max_pixels=TINY_MAX_PIXELS), is_tiny=True)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if key.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(key)):
+        raise ModelLoadError(f"Could not load model **{key}**: there is no such folder. Give a local folder with a "
+                             "Qwen3-VL checkpoint (config, weights and processor files), or a Hub id.")
+    try:
+        processor = AutoProcessor.from_pretrained(key)
+        model = AutoModelForImageTextToText.from_pretrained(
+            key, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa"
+        ).to(device).eval()
+        raincheck_hf.enable(model)  # unsupported model classes fail here, naming the supported ones
+    except Exception as error:  # OSError (not found / offline), ValueError (unsupported), ...
+        detail = " ".join(str(error).split())
+        detail = detail if len(detail) <= 400 else detail[:400] + " …"
+        raise ModelLoadError(
+            f"Could not load model **{key}**: {type(error).__name__}: {detail} — give a local folder with a "
+            "Qwen3-VL checkpoint (config, weights and processor files), or a Hub id this machine can download."
+        ) from error
+    return LoadedModel(key, model, processor, is_tiny=False)
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+@dataclass
+class SegmentView:
+    """What one image, or one temporal slice of a video, looks like to the model.
+
+    ``grid`` is ``(1, h, w)`` merged tokens, the trace's segment grid; ``picture`` is the frame at
+    the processor's resized size (``w * merge * patch`` × ``h * merge * patch`` px).
+    """
+
+    modality: str
+    grid: tuple
+    picture: object
+    label: str
+
+
+@dataclass
+class PreparedTurn:
+    images: list = field(default_factory=list)  # PIL RGB images
+    videos: list = field(default_factory=list)  # uint8 [T, 3, H, W]
+    video_fps: float = 2.0
+    views: list = field(default_factory=list)  # SegmentView per image / video slice, in source order
+    notes: list = field(default_factory=list)  # told to the visitor; the turn goes ahead
+    problems: list = field(default_factory=list)  # the turn does not go ahead
+
+
+def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES) -> PreparedTurn:
+    """Open the message's files and work out what the model will see of them.
+
+    Images come first, then videos (the order `Conversation` puts them in the prompt).
+    """
+    turn = PreparedTurn()
+    video_views = []
+    for path in paths or []:
+        name = os.path.basename(str(path))
+        kind, value, note = read_media(str(path), max_video_frames)
+        if kind is None:
+            turn.problems.append(value)
+            continue
+        if note:
+            turn.notes.append(note)
+        try:
+            if kind == "image":
+                image, original = value
+                view, size_note = _image_view(image, original, processor, len(turn.images) + 1, name)
+                turn.images.append(image)
+                turn.views.append(view)
+            else:
+                frames, fps = value
+                if turn.videos:  # Conversation.ask takes one fps for all of a turn's videos: the first's
+                    fps = turn.video_fps
+                views, size_note = _video_views(frames, fps, processor, len(turn.videos) + 1)
+                turn.videos.append(frames)
+                turn.video_fps = fps
+                video_views.extend(views)
+        except Exception as error:  # the processor refused it (e.g. an extreme aspect ratio)
+            turn.problems.append(f"**{name}** could not be prepared for the model: {type(error).__name__}: {error}")
+            continue
+        if size_note:
+            turn.notes.append(size_note)
+    turn.views.extend(video_views)
+    return turn
+
+
+def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES):
+    """``(kind, value, note)``: ``("image", (PIL, original_size), note)``, ``("video", (frames, fps), note)``,
+    or ``(None, problem, None)`` with a message for the visitor. The content decides, not the name."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return None, f"**{name}** could not be found on the server; attach it again.", None
+    if os.path.getsize(path) == 0:
+        return None, f"**{name}** is empty (0 bytes). Attach an image or a video file.", None
+    image, image_error, refused = _open_image(path)
+    if image is not None:
+        return "image", image, None
+    image_error = str(image_error).replace(path, name)  # PIL's messages name the server's path
+    if refused:
+        return None, f"**{name}** is an image too large to decode safely ({image_error}).", None
+    video, video_error, note = _open_video(path, max_video_frames)
+    video_error = str(video_error).replace(path, name)
+    if video is not None:
+        return "video", video, note.replace("{name}", name) if note else None
+    guess = mimetypes.guess_type(name)[0] or ""
+    if guess.startswith("image/"):
+        return None, (f"**{name}** could not be read as an image ({image_error}). The file may be damaged "
+                      "or in a format this server cannot decode; try PNG or JPEG."), None
+    if guess.startswith("video/"):
+        return None, (f"**{name}** could not be read as a video ({video_error}). The file may be damaged "
+                      "or in a format this server cannot decode; try MP4 (H.264) or WebM."), None
+    kind = f" ({guess})" if guess else ""
+    return None, (f"**{name}** is not an image or a video{kind}. Attach an image (PNG, JPEG, WebP, …) "
+                  "or a video (MP4, WebM, MOV, …)."), None
+
+
+def _open_image(path):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            original = im.size
+            im.draft("RGB", (OPEN_MAX_SIDE, OPEN_MAX_SIDE))  # JPEG: decode straight at a reduced scale
+            image = im.convert("RGB")
+    except Image.DecompressionBombError as error:
+        return None, error, True
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+        return None, error, False
+    if max(image.size) > OPEN_MAX_SIDE:
+        image.thumbnail((OPEN_MAX_SIDE, OPEN_MAX_SIDE))
+    return (image, original), None, False
+
+
+def _open_video(path, max_frames: int):
+    """Decode with PyAV, keeping at most ``max_frames`` evenly spaced frames; ``(value, error, note)``."""
+    try:
+        import av
+    except ImportError:
+        return None, "PyAV is not installed: pip install av", None
+    import numpy as np
+
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                return None, "it has no video stream", None
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate else 2.0
+            kept, stride, total = [], 1, 0
+            for frame in container.decode(stream):
+                if total % stride == 0:
+                    kept.append(_frame_array(frame))
+                    if len(kept) >= 4 * max_frames:  # long video: keep every other frame from now on
+                        kept, stride = kept[::2], stride * 2
+                total += 1
+    except Exception as error:  # PyAV raises its own error classes for bad data
+        return None, f"{type(error).__name__}: {error}", None
+    if total == 0:
+        return None, "it has no frames", None
+    note = None
+    n = len(kept)
+    if total > max_frames:
+        take = np.linspace(0, n - 1, max_frames).round().astype(int)
+        kept = [kept[i] for i in take]
+        note = (f"*Note: the video **{{name}}** has {total} frames; this demo keeps at most {max_frames} per video, "
+                f"so it sampled {max_frames} evenly ({total / fps:.1f} s at {fps:g} fps).*")
+    frames = torch.from_numpy(np.stack(kept)).permute(0, 3, 1, 2).contiguous()
+    effective_fps = fps * len(kept) / total  # the sampled frames still span the whole clip
+    return (frames, effective_fps), None, note
+
+
+def _frame_array(frame):
+    scale = min(1.0, DECODE_MAX_SIDE / max(frame.width, frame.height))
+    width, height = max(2, round(frame.width * scale)), max(2, round(frame.height * scale))
+    return frame.reformat(width=width, height=height, format="rgb24").to_ndarray()
+
+
+def _max_pixels(image_processor):
+    size = getattr(image_processor, "size", None) or {}
+    for key in ("longest_edge", "max_pixels"):
+        value = size.get(key) if hasattr(size, "get") else getattr(size, key, None)
+        if value:
+            return int(value)
+    return getattr(image_processor, "max_pixels", None)
+
+
+def _image_view(image, original, processor, index, name):
+    from PIL import Image
+
+    ip = processor.image_processor
+    t, h, w = (int(x) for x in ip(images=[image], return_tensors="pt")["image_grid_thw"][0])
+    patch, merge = int(ip.patch_size), int(ip.merge_size)
+    size = (w * patch, h * patch)
+    view = SegmentView("image", (1, h // merge, w // merge), image.resize(size, Image.LANCZOS), f"image {index}")
+    limit = _max_pixels(ip)
+    note = None
+    if limit and original[0] * original[1] > limit:
+        note = (f"*Note: your image **{name}** ({original[0]}×{original[1]}) is larger than this model's image "
+                f"processor takes (at most {limit:,} pixels): the model sees it resized to {size[0]}×{size[1]}.*")
+    return view, note
+
+
+def _video_views(frames, fps, processor, index):
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+
+    vp = processor.video_processor
+    metadata = VideoMetadata(total_num_frames=int(frames.shape[0]), fps=fps,
+                             frames_indices=list(range(int(frames.shape[0]))))
+    t, h, w = (int(x) for x in vp(videos=[frames], video_metadata=[metadata], return_tensors="pt")["video_grid_thw"][0])
+    patch, merge = int(vp.patch_size), int(vp.merge_size)
+    n = int(frames.shape[0])
+    views = []
+    for i in range(t):
+        first = min(n - 1, i * n // t)
+        last = min(n - 1, (i + 1) * n // t - 1)
+        picture = Image.fromarray(frames[first].permute(1, 2, 0).numpy()).resize((w * patch, h * patch), Image.LANCZOS)
+        frames_label = f"frame {first + 1}" if last <= first else f"frames {first + 1}-{last + 1}"
+        views.append(SegmentView("video", (1, h // merge, w // merge), picture, f"video {index} · {frames_label}"))
+    return views, None
+
+
+# ---- the live picture ---------------------------------------------------------------------------
+
+@dataclass
+class LiveStatus:
+    """Source positions by what the cache holds for them, read from a running conversation."""
+
+    in_cache: set
+    restored: set
+    pending: set
+    dropped: set
+
+
+def live_status(cache) -> LiveStatus:
+    """A consistent read of the cache's public attributes while another thread may be appending rows.
+
+    `DeferredDynamicCache.add_rows` replaces ``row_sources`` and ``row_kinds`` one after the other,
+    so a read can see them at different lengths for a moment; retry until they agree. (A
+    ``Conversation.snapshot()`` taken under the conversation's lock would make this unnecessary.)
+    """
+    empty = torch.empty(0, dtype=torch.long)
+    if cache is None:
+        return LiveStatus(set(), set(), set(), set())
+    for _ in range(100):
+        rows = cache.row_sources
+        try:
+            restored = cache.restored_sources()
+        except (IndexError, RuntimeError):
+            time.sleep(0.001)
+            continue
+        pending = cache.pending_sources
+        dropped = getattr(cache, "dropped", empty)
+        return LiveStatus(set(rows.tolist()), set(restored.tolist()), set(pending.tolist()), set(dropped.tolist()))
+    return LiveStatus(set(), set(), set(), set())
+
+
+@dataclass
+class VisualTurn:
+    """The images / videos of one turn and where their tokens sit in the conversation."""
+
+    number: int  # turn number in its conversation, from 1
+    views: list  # SegmentView per trace segment, in source order
+    start: int  # source position where the turn's new tokens begin (after the previous sequences)
+    positions: list | None = None  # per view: source positions (from the trace once the turn ended)
+
+    def locate(self, cache, image_token_id: int, video_token_id: int) -> bool:
+        """Find the views' source positions in the cache's token ids (once the turn is prefilled).
+
+        The trace's ``segments`` give them exactly when `generate` returns; while the answer
+        streams they are read off ``cache.source_ids``: each view takes the next ``h * w``
+        image-pad (or video-pad) positions of the turn, in source order.
+        """
+        if self.positions is not None:
+            return True
+        if cache is None or cache.source_length <= self.start:
+            return False
+        ids = cache.source_ids[self.start:]
+        queues = {"image": ((ids == image_token_id).nonzero().flatten() + self.start).tolist(),
+                  "video": ((ids == video_token_id).nonzero().flatten() + self.start).tolist()}
+        positions = []
+        for view in self.views:
+            n = view.grid[1] * view.grid[2]
+            queue = queues[view.modality]
+            if len(queue) < n:
+                return False
+            positions.append(queue[:n])
+            del queue[:n]
+        self.positions = positions
+        return True
+
+    def use_trace(self, trace) -> None:
+        segments = list(trace.segments)
+        if len(segments) == len(self.views) and all(
+            tuple(grid) == tuple(view.grid) for (_, grid, _), view in zip(segments, self.views)
+        ):
+            self.positions = [list(map(int, pos)) for _, _, pos in segments]
+
+    def states(self, live: LiveStatus) -> list[list[str]]:
+        """Per view, per merged token (row-major): selected / deferred / restored / dropped / waiting."""
+        if self.positions is None:
+            return [["waiting"] * (v.grid[1] * v.grid[2]) for v in self.views]
+        out = []
+        for positions in self.positions:
+            row = []
+            for p in positions:
+                if p in live.dropped:
+                    row.append("dropped")
+                elif p in live.restored:
+                    row.append("restored")
+                elif p in live.pending or p not in live.in_cache:  # pending, or a chunk in flight
+                    row.append("deferred")
+                else:
+                    row.append("selected")
+            out.append(row)
+        return out
+
+
+_FILL = {
+    "selected": ((59, 130, 246, 70), (37, 99, 235, 255)),
+    "deferred": ((15, 23, 42, 215), (51, 65, 85, 255)),
+    "restored": ((34, 197, 94, 120), (21, 128, 61, 255)),
+    "dropped": ((239, 68, 68, 150), (185, 28, 28, 255)),
+    "waiting": ((148, 163, 184, 110), None),
+}
+
+
+def draw_picture(views, states, width: int = PICTURE_WIDTH, max_height: int = 480):
+    """The views side by side (2 or 4 per row) with each merged token's cell shaded by its state."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    n = len(views)
+    cols = 1 if n == 1 else 2 if n <= 4 else 4
+    gap = 6
+    tile_w = (width - gap * (cols - 1)) // cols
+    if n == 1:  # a tall image: narrower rather than taller than the chat beside it
+        tile_w = min(tile_w, round(max_height * views[0].picture.width / views[0].picture.height))
+    tiles = []
+    for view, cell_states in zip(views, states):
+        tile_h = max(1, round(view.picture.height * tile_w / view.picture.width))
+        tile = view.picture.resize((tile_w, tile_h), Image.LANCZOS).convert("RGBA")
+        # washed out a little, so that the shading reads on busy pictures
+        tile = Image.blend(tile, Image.new("RGBA", tile.size, (255, 255, 255, 255)), 0.3)
+        overlay = Image.new("RGBA", tile.size, (0, 0, 0, 0))
+        draw = ImageDraw.Draw(overlay)
+        gh, gw = view.grid[1], view.grid[2]
+        line = 3 if tile_w / gw >= 40 else 2 if tile_w / gw >= 16 else 1
+        for index, state in enumerate(cell_states):
+            r, c = divmod(index, gw)
+            box = (round(c * tile_w / gw), round(r * tile_h / gh),
+                   round((c + 1) * tile_w / gw) - 1, round((r + 1) * tile_h / gh) - 1)
+            fill, outline = _FILL[state]
+            draw.rectangle(box, fill=fill, outline=outline, width=line if outline else 0)
+            if state == "dropped":
+                draw.line(box, fill=outline, width=line)
+                draw.line((box[0], box[3], box[2], box[1]), fill=outline, width=line)
+        tile = Image.alpha_composite(tile, overlay)
+        if n > 1:
+            label = ImageDraw.Draw(tile)
+            font = ImageFont.load_default(size=12 if cols > 2 else 14)
+            x0, y0, x1, y1 = label.textbbox((4, 3), view.label, font=font)
+            label.rectangle((x0 - 3, y0 - 2, x1 + 3, y1 + 2), fill=(255, 255, 255, 230))
+            label.text((4, 3), view.label, fill=(15, 23, 42, 255), font=font)
+        tiles.append(tile.convert("RGB"))
+    rows = [tiles[i:i + cols] for i in range(0, n, cols)]
+    legend_h = 34
+    height = sum(max(t.height for t in row) for row in rows) + gap * (len(rows) - 1) + legend_h
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    x0 = (width - tile_w) // 2 if n == 1 else 0
+    y = 0
+    for row in rows:
+        for j, tile in enumerate(row):
+            canvas.paste(tile, (x0 + j * (tile_w + gap), y))
+        y += max(t.height for t in row) + gap
+    _draw_legend(canvas, y + 4, [s for view in states for s in view])
+    return canvas
+
+
+def _draw_legend(canvas, y: int, flat_states) -> None:
+    """Swatches with counts under the tiles (drawn, so it needs no emoji font in the browser)."""
+    from PIL import ImageDraw, ImageFont
+
+    draw = ImageDraw.Draw(canvas)
+    font = ImageFont.load_default(size=14)
+    x = 2
+    for state, label in LEGEND_LABELS:
+        count = flat_states.count(state)
+        if state == "waiting" and not count:
+            continue
+        fill, outline = _FILL[state]
+        draw.rectangle((x, y + 3, x + 16, y + 19), fill=fill[:3], outline=outline[:3] if outline else None, width=2)
+        text = f"{label} {count}"
+        draw.text((x + 22, y + 3), text, fill=(15, 23, 42), font=font)
+        x += 22 + int(draw.textlength(text, font=font)) + 16
+
+
+# ---- a browser session --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    """What starts a new conversation when it changes (everything but answer length and pacing)."""
+
+    model: str = TINY_MODEL
+    mode: str = "raincheck"
+    selector: str = "uniform"
+    retention: float = 0.3
+    chunk_size: int = 31
+    decode_guard: int = 16
+
+    @classmethod
+    def from_controls(cls, model, mode, selector, retention, chunk_size, decode_guard) -> "Settings":
+        return cls(model_key(model), str(mode), str(selector), float(retention), int(chunk_size), int(decode_guard))
+
+    def config(self):
+        """The `RaincheckConfig` (a ValueError naming the setting when one is out of range)."""
+        from raincheck_hf import RaincheckConfig
+
+        return RaincheckConfig(retention=self.retention, chunk_size=self.chunk_size, decode_guard=self.decode_guard,
+                               selector=self.selector, mode=self.mode)
+
+    def changes(self, other: "Settings") -> str:
+        names = {"chunk_size": "chunk size", "decode_guard": "decode guard"}
+        return ", ".join(f"{names.get(f.name, f.name)} → {getattr(other, f.name)}"
+                         for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
+
+
+class _Pause:
+    """A logits processor that sleeps before each token is chosen: the demo's *slow motion*."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, input_ids, scores):
+        time.sleep(self.seconds)
+        return scores
+
+
+@dataclass
+class Step:
+    """What one update of the page changes besides the chat, the caption and the figures."""
+
+    picture: bool | str = True  # True: redraw if it changed; "force": redraw; False: leave it
+    timer: bool | None = None  # start / stop the timer that follows idle-time restoration
+    textbox: str | None = None  # "lock" (cleared, disabled while answering), "clear", "keep_files"
+    files: tuple = ()
+    model_choice: str | None = None  # what the model dropdown shows (after a change, or to undo a failed one)
+    model_note: str | None = None
+
+
+class Session:
+    """One browser session: its settings, its `Conversation`, the chat as shown, the visual turns."""
+
+    def __init__(self, settings: Settings, max_video_frames: int = MAX_VIDEO_FRAMES):
+        self.id = uuid.uuid4().hex[:8]
+        self.settings = settings
+        self.max_video_frames = max_video_frames
+        self.loaded: LoadedModel | None = None
+        self.conversation = None
+        self.number = 1  # conversations started in this session
+        self.history: list[dict] = []  # the chat as shown (gr.Chatbot messages)
+        self.visual_turns: list[VisualTurn] = []
+        self.lock = threading.Lock()  # one turn at a time; settings changes wait for it
+        self.answering = False
+        self.live: dict | None = None  # the turn being answered: number, start time, first-token time
+        self.slow_motion_ms = 0
+        self._drawn = None  # signature of the picture last sent
+
+    # -- conversation lifecycle --
+    def ensure_conversation(self):
+        """The current conversation, created (and its model loaded) on first use."""
+        if self.conversation is None:
+            from raincheck_hf import Conversation, DeferredDynamicCache
+
+            config = self.settings.config()  # a ValueError naming the setting, before any load
+            self.loaded = load_model(self.settings.model)
+            model = self.loaded.model
+            conversation = Conversation(model, self.loaded.processor, config)
+            # Created here rather than by the first generate, so that the picture can follow the
+            # first turn while it streams (the conversation only exposes its cache afterwards).
+            conversation.cache = DeferredDynamicCache(config=model.config.get_text_config(), device=model.device)
+            self.conversation = conversation
+        return self.conversation
+
+    def restart(self, settings: Settings | None = None) -> None:
+        """Close the conversation; the next question starts a new one (with ``settings``)."""
+        self.close()
+        self.visual_turns = []
+        self.live = None
+        self._drawn = None
+        self.number += 1
+        if settings is not None:
+            self.settings = settings
+
+    def close(self) -> None:
+        if self.conversation is not None:
+            self.conversation.close()
+            self.conversation = None
+
+    @property
+    def cache(self):
+        return None if self.conversation is None else self.conversation.cache
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.conversation is None else int(self.conversation.pending)
+
+    def note(self, text: str) -> None:
+        self.history.append({"role": "assistant", "content": text})
+
+    # -- a turn --
+    def apply(self, wanted: Settings) -> Step | None:
+        """Start a new conversation for changed settings; a model that cannot be loaded keeps the old one."""
+        if wanted == self.settings:
+            return None
+        try:
+            wanted.config()
+            loaded = load_model(wanted.model)
+        except (ValueError, ModelLoadError) as error:
+            self.note(f"**Problem:** {error}\n\nThe conversation goes on with **{self.settings.model}** "
+                      f"(mode `{self.settings.mode}`).")
+            return Step(picture=False, model_choice=self.settings.model)
+        change = self.settings.changes(wanted)
+        self.restart(wanted)
+        self.loaded = loaded
+        self.note(f"*New conversation ({change}): the model no longer sees the earlier turns.*")
+        return Step(picture="force", model_choice=loaded.name, model_note=loaded.note)
+
+    def turn(self, message, wanted: Settings, max_new_tokens: int = 64, slow_motion_ms: int = 0):
+        """Answer one message ({"text", "files"}); yields a `Step` after every change worth showing.
+
+        Bad input gets a message in the chat and leaves the conversation as it was.
+        """
+        setup = self.apply(wanted)
+        if setup is not None:
+            yield setup
+        text = str((message or {}).get("text") or "").strip()
+        files = list((message or {}).get("files") or [])
+        if not text and not files:
+            self.note("The message is empty: type a question (and attach an image or a video if you like).")
+            yield Step(picture=False)
+            return
+        if not text:
+            self.note("Add a question to go with your file(s): they are still in the box below.")
+            yield Step(picture=False, textbox="keep_files", files=tuple(files))
+            return
+        try:
+            conversation = self.ensure_conversation()
+        except (ModelLoadError, ValueError) as error:
+            self.history.append({"role": "user", "content": text})
+            self.note(f"**Problem:** {error}\n\nChoose another model under *Settings*.")
+            yield Step(picture=False, textbox="clear")
+            return
+        prepared = prepare_turn(files, self.loaded.processor, self.max_video_frames)
+        for path in files:
+            self.history.append({"role": "user", "content": {"path": path}})
+        self.history.append({"role": "user", "content": text})
+        if prepared.problems:
+            self.note("**Problem:** " + "\n\n**Problem:** ".join(prepared.problems)
+                      + "\n\nNothing was sent to the model; the conversation is unchanged. Attach a readable "
+                        "image or video, or ask without a file.")
+            yield Step(picture=False, textbox="clear")
+            return
+        for note in prepared.notes:
+            self.note(note)
+
+        number = len(conversation.turns) + 1
+        # the new turn's tokens follow the previous sequences (then the glue and the new prompt)
+        start = 0 if conversation.sequences is None else int(conversation.sequences.shape[1])
+        visual = VisualTurn(number, prepared.views, start) if prepared.views else None
+        if visual is not None:
+            self.visual_turns.append(visual)
+        config = self.loaded.model.config
+        # A placeholder or vision marker in an answer would be read as an image slot by the next
+        # turn's prompt; a random-weight model does produce them now and then.
+        vision_ids = [getattr(config, name, None) for name in
+                      ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")]
+        kwargs = {"max_new_tokens": int(max_new_tokens), "suppress_tokens": [i for i in vision_ids if i is not None]}
+        self.slow_motion_ms = int(slow_motion_ms or 0)
+        if self.slow_motion_ms:
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList([_Pause(self.slow_motion_ms / 1e3)])
+        self.answering = True
+        self.live = {"number": number, "start": time.perf_counter(), "first": None}
+        self.history.append({"role": "assistant", "content": "…"})
+        yield Step(timer=False, textbox="lock")
+        reply, streaming = "", False
+        try:
+            streamed = conversation.ask(text, images=prepared.images, videos=prepared.videos, stream=True,
+                                        video_fps=prepared.video_fps, **kwargs)
+            streaming = True
+            for piece in streamed:
+                if self.live["first"] is None:
+                    self.live["first"] = time.perf_counter()
+                reply += piece
+                self.history[-1]["content"] = reply or "…"
+                yield Step()
+            result = streamed.result
+        except Exception as error:  # the processor refused the input, or the model failed
+            self.answering = False
+            if visual is not None:
+                self.visual_turns.remove(visual)
+            if not streaming:  # nothing reached the model: the conversation is as it was
+                self.history[-1]["content"] = (f"**Problem:** the processor could not prepare this turn "
+                                               f"({type(error).__name__}: {error}). The conversation is unchanged.")
+            else:
+                self.history[-1]["content"] = reply or "…"
+                self.note(f"**Problem:** the model failed on this turn ({type(error).__name__}: {error}). "
+                          "A new conversation starts with your next question.")
+                self.restart()
+            yield Step(picture="force", timer=False, textbox="clear")
+            return
+        if not result.text.strip():
+            self.history[-1]["content"] = "*(empty answer)*"
+        if visual is not None:
+            visual.use_trace(result.trace)
+        self.answering = False
+        self.live = None
+        yield Step(picture="force", timer=True, textbox="clear")
+
+    # -- what the page shows --
+    def picture_and_counts(self, draw: bool = True, force: bool = False):
+        """``(picture or None, counts or None, changed)`` for the latest turn with images or videos."""
+        if not self.visual_turns:
+            changed = force or self._drawn is not None
+            if draw:
+                self._drawn = None
+            return None, None, changed
+        turn = self.visual_turns[-1]
+        if self.loaded is not None:
+            config = self.loaded.model.config
+            turn.locate(self.cache, config.image_token_id, config.video_token_id)
+        states = turn.states(live_status(self.cache))
+        flat = [s for view in states for s in view]
+        counts = {name: flat.count(name) for name in ("selected", "deferred", "restored", "dropped", "waiting")}
+        signature = (id(turn), tuple(flat))
+        changed = force or signature != self._drawn
+        if not (draw and changed):
+            return None, counts, changed
+        self._drawn = signature
+        return draw_picture(turn.views, states), counts, True
+
+    def caption(self, counts) -> str:
+        s = self.settings
+        head = f"Conversation {self.number} · mode `{s.mode}` · selector `{s.selector}` · retention {s.retention:g}"
+        if self.slow_motion_ms:
+            head += f" · slow motion {self.slow_motion_ms} ms/token (in the timings too)"
+        if counts is None:
+            return (f"{head}\n\nAttach an image or a video and ask about it: this panel shows which of its patches "
+                    "the model read first (blue), which it deferred (dark), and when they were restored (green); "
+                    "`hard` drops them for good (red).")
+        if self.answering:
+            state = "answering…"
+        elif self.pending:
+            state = f"answer done · restoring in idle time ({self.pending} pending)"
+        elif counts["dropped"]:
+            state = "ready · the dropped tokens are gone for good"
+        else:
+            state = "ready · every deferred token is in the cache"
+        total = sum(counts.values())
+        if counts["waiting"]:
+            numbers = "prefilling the first tokens…"
+        else:
+            numbers = (f"{counts['selected']} prefilled first · {counts['deferred']} deferred · "
+                       f"{counts['restored']} restored · {counts['dropped']} dropped")
+        return f"{head}\n\n**Turn {self.visual_turns[-1].number}** ({total} visual tokens): **{state}** — {numbers}"
+
+    def figures(self):
+        import pandas as pd
+
+        rows = []
+        for i, r in enumerate(self.conversation.turns if self.conversation is not None else [], 1):
+            tpot = r.time_per_output_token
+            rows.append([i, len(r.trace.selected) + len(r.trace.deferred), len(r.trace.selected),
+                         f"{r.time_to_first_token * 1e3:.1f}", "–" if math.isnan(tpot) else f"{tpot * 1e3:.1f}",
+                         r.restored_during_answer, r.restored_after_answer, r.pending, len(r.trace.dropped)])
+        if self.live is not None:  # the turn being answered, from the live picture
+            first = self.live["first"]
+            ttft = "…" if first is None else f"{(first - self.live['start']) * 1e3:.1f}"
+            row = [self.live["number"], "…", "…", ttft, "…", "…", "…", "…", "…"]
+            if self.visual_turns and self.visual_turns[-1].number == self.live["number"]:
+                _, counts, _ = self.picture_and_counts(draw=False)
+                if not counts["waiting"]:
+                    row[1:3] = [sum(counts.values()), counts["selected"]]
+                    row[5], row[7], row[8] = counts["restored"], counts["deferred"], counts["dropped"]
+            rows.append(row)
+        return pd.DataFrame(rows, columns=FIGURE_HEADERS).astype(str)
+
+    def status(self) -> dict:
+        """Machine-readable state, for the API and the *Live trace* panel."""
+        live = live_status(self.cache)
+        turns = self.conversation.turns if self.conversation is not None else []
+        out = {
+            "session": self.id, "conversation": self.number,
+            "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)},
+            "answering": self.answering, "turns": len(turns), "pending": self.pending,
+            "restored": len(live.restored), "restored_once": _restored_once(self.cache), "dropped": len(live.dropped),
+            "turn_figures": [
+                {"turn": i, "visual_tokens": len(r.trace.selected) + len(r.trace.deferred),
+                 "selected": len(r.trace.selected), "deferred": len(r.trace.deferred),
+                 "ttft_ms": round(r.time_to_first_token * 1e3, 2),
+                 "tpot_ms": None if math.isnan(r.time_per_output_token) else round(r.time_per_output_token * 1e3, 2),
+                 "restored_during_answer": r.restored_during_answer, "restored_after_answer": r.restored_after_answer,
+                 "restored_at_prefill": int(r.trace.restored_per_forward[0].numel()) if r.trace.restored_per_forward
+                 else 0,
+                 "pending": r.pending, "dropped": len(r.trace.dropped), "answer_tokens": int(r.token_ids.numel())}
+                for i, r in enumerate(turns, 1)
+            ],
+        }
+        if self.visual_turns:
+            turn = self.visual_turns[-1]
+            out["picture"] = {"turn": turn.number, "located": turn.positions is not None, "segments": [
+                {"modality": v.modality, "grid": list(v.grid), "size": list(v.picture.size), "label": v.label}
+                for v in turn.views]}
+        return out
+
+
+def _restored_once(cache) -> bool:
+    """Every restored deferred row is in the cache exactly once (what the completion barrier promises)."""
+    for _ in range(100):
+        try:
+            restored = cache.restored_sources().tolist() if cache is not None else []
+        except (IndexError, RuntimeError):  # read while a forward appends rows; read again
+            time.sleep(0.001)
+            continue
+        return len(restored) == len(set(restored))
+    return True
+
+
+def _close_session(session) -> None:
+    if isinstance(session, Session):
+        session.close()
+
+
+# ---- examples -----------------------------------------------------------------------------------
+
+def make_examples(folder: str) -> dict:
+    """Example files drawn with `raincheck_hf.tiny`'s drawers: two images and a short H.264 video."""
+    import numpy as np
+
+    from raincheck_hf.tiny import draw_test_image, draw_test_video
+
+    paths = {"blocks": os.path.join(folder, "blocks.png"), "tall": os.path.join(folder, "tall.png")}
+    draw_test_image(384, 288, seed=0).save(paths["blocks"])
+    draw_test_image(224, 320, seed=3).save(paths["tall"])
+    try:
+        import av
+    except ImportError:  # no video example (and no video decoding) without PyAV: pip install av
+        return paths
+    paths["video"] = os.path.join(folder, "clip.mp4")
+    frames = draw_test_video(num_frames=8, width=256, height=192, seed=4).permute(0, 2, 3, 1).numpy()
+    with av.open(paths["video"], mode="w") as container:
+        stream = container.add_stream("libx264", rate=2)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for array in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")))
+        container.mux(stream.encode())
+    return paths
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+def _chat_textbox_class():
+    import gradio as gr
+
+    class ChatTextbox(gr.MultimodalTextbox):
+        """The file picker offers images and videos; the server reads every file itself, so that a
+        wrong one gets an explanation in the chat rather than a bare "invalid file type" toast."""
+
+        def get_block_name(self) -> str:
+            return "multimodaltextbox"
+
+        def preprocess(self, payload):
+            if payload is None:
+                return None
+            return {"text": payload.text, "files": [f.path for f in payload.files]}
+
+    return ChatTextbox
+
+
+def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector: str | None = None,
+               retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16, max_new_tokens: int = 64,
+               slow_motion_ms: int = 0, max_video_frames: int = MAX_VIDEO_FRAMES, concurrency: int = 4,
+               preload: bool = True, refresh_every: float = 0.25):
+    """The Gradio app, not launched. ``model_id=None`` is the bundled tiny model (random weights).
+
+    The keyword arguments are the controls' starting values. With ``preload`` the model is loaded
+    now; one that cannot be loaded falls back to the tiny model, with the error shown on the page.
+    """
+    import gradio as gr
+
+    import raincheck_hf
+
+    start = Settings(model_key(model_id), mode, selector or raincheck_hf.RaincheckConfig().selector, retention,
+                     chunk_size, decode_guard)
+    start.config()  # bad settings fail here, naming the setting
+    first_note = None
+    if preload:
+        try:
+            load_model(start.model)
+        except ModelLoadError as error:
+            plain = str(error).replace("**", "")
+            print(f"[raincheck demo] {plain} Falling back to the bundled tiny model.", file=sys.stderr)
+            first_note = f"**Problem:** {error}"
+            start = replace(start, model=TINY_MODEL)
+            load_model(TINY_MODEL)
+    model_text = TINY_NOTE if start.model == TINY_MODEL else f"Model: **{start.model}**."
+    if first_note:
+        model_text = f"{first_note}\n\n{model_text}"
+
+    folder = tempfile.mkdtemp(prefix="raincheck-demo-")
+    atexit.register(shutil.rmtree, folder, True)
+    examples = make_examples(folder)
+    ChatTextbox = _chat_textbox_class()
+
+    # sessions by Gradio's session hash, so that closing the tab closes its conversation right away
+    # (the gr.State's delete_callback is the backstop: Gradio drops a closed tab's state only later)
+    sessions: dict[str, Session] = {}
+
+    def new_session(request=None):
+        session = Session(start, max_video_frames=max_video_frames)
+        if request is not None and getattr(request, "session_hash", None):
+            sessions[request.session_hash] = session
+        return session
+
+    def end_session(request: gr.Request):
+        session = sessions.pop(getattr(request, "session_hash", None), None)
+        if session is not None:
+            session.close()
+
+    with gr.Blocks(title="Raincheck demo", analytics_enabled=False) as demo:
+        state = gr.State(None, delete_callback=_close_session)  # a Session per browser session
+        gr.Markdown(
+            "# Raincheck: deferred multimodal prefill\n"
+            "The model reads only some of an image's tokens before it starts to answer (*prefilled first*). "
+            "The rest are **deferred**: restored into the cache while it answers and in idle time afterwards, "
+            "so a follow-up question sees the whole image. Ask about an image or a video, then ask a follow-up."
+        )
+        model_note = gr.Markdown(model_text, elem_id="rc-model-note")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=360):
+                chatbot = gr.Chatbot(label="Chat", elem_id="rc-chat", height=500, buttons=["copy"],
+                                     group_consecutive_messages=False,
+                                     placeholder="Attach an image or a video (or click an example below) and ask "
+                                                 "about it.")
+                textbox = ChatTextbox(file_types=["image", "video"], file_count="multiple", sources=["upload"],
+                                      placeholder="Ask about an image or a video…", show_label=False,
+                                      elem_id="rc-input", autofocus=True)
+                samples = [("Image: first question", "What is in this image?", examples["blocks"]),
+                           ("Image: follow-up", "Which colour is the block in the top-left corner?", None),
+                           ("Video: first question", "What happens in the video?", examples.get("video")),
+                           ("Video: follow-up", "What changes between the first and the last frame?", None),
+                           ("Tall image: one sentence", "Describe the picture in one sentence.", examples["tall"])]
+                samples = [s for s in samples if not s[0].startswith("Video") or "video" in examples]
+                gr.Examples(examples=[[{"text": text, "files": [path] if path else []}] for _, text, path in samples],
+                            inputs=[textbox], example_labels=[label for label, _, _ in samples],
+                            label="Examples: a first question, then its follow-up")
+            with gr.Column(scale=4, min_width=320):
+                gr.Markdown("**What the model has in its cache**, patch by patch")
+                picture = gr.Image(label="What the model has in its cache", show_label=False, type="pil",
+                                   format="png", interactive=False, elem_id="rc-picture", buttons=["fullscreen"],
+                                   placeholder="The patches of your image appear here.")
+                caption = gr.Markdown(Session(start).caption(None), elem_id="rc-caption")
+        figures = gr.Dataframe(headers=FIGURE_HEADERS, label="Per turn: timings and restoration", interactive=False,
+                               elem_id="rc-figures")
+        with gr.Accordion("Settings (changing one starts a new conversation)", open=True):
+            with gr.Row():
+                model_box = gr.Dropdown([start.model] + ([TINY_MODEL] if start.model != TINY_MODEL else []),
+                                        value=start.model, allow_custom_value=True, label="Model",
+                                        info="the bundled default, a Hub id or a local folder", elem_id="rc-model")
+                mode_box = gr.Radio(list(MODES_SHOWN), value=start.mode, label="Mode", elem_id="rc-mode",
+                                    info="raincheck: restore during and after the answer · post_answer: after it · "
+                                         "hard: drop the deferred tokens · full: no pruning")
+                selector_box = gr.Dropdown(raincheck_hf.available_selectors(), value=start.selector, label="Selector",
+                                           info="which tokens are prefilled first", elem_id="rc-selector")
+            with gr.Row():
+                retention_box = gr.Slider(0, 1, value=start.retention, step=0.05, label="Retention",
+                                          info="fraction prefilled first", elem_id="rc-retention")
+                chunk_box = gr.Slider(1, 128, value=start.chunk_size, step=1, label="Chunk size",
+                                      info="deferred tokens restored per step", elem_id="rc-chunk")
+                guard_box = gr.Slider(0, 64, value=start.decode_guard, step=1, label="Decode guard",
+                                      info="tokens answered before restoration starts", elem_id="rc-guard")
+            with gr.Row():
+                max_new_box = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Answer length",
+                                        info="max new tokens (does not restart)", elem_id="rc-max-new")
+                slow_box = gr.Slider(0, 200, value=slow_motion_ms, step=5, label="Slow motion (ms per token)",
+                                     info="a pause per generated token, to watch the picture (does not restart)",
+                                     elem_id="rc-slow")
+                new_button = gr.Button("New conversation", elem_id="rc-new", scale=0, min_width=180)
+        with gr.Accordion("Live trace (JSON)", open=False):
+            status = gr.JSON(label="Session state", elem_id="rc-status")
+        timer = gr.Timer(refresh_every, active=False)
+
+        def render(session: Session, step: Step) -> dict:
+            """The updates for one `Step` (the picture only when it changed)."""
+            image, counts, changed = session.picture_and_counts(draw=bool(step.picture), force=step.picture == "force")
+            out = {chatbot: list(session.history), caption: session.caption(counts), figures: session.figures(),
+                   status: session.status(), state: session}
+            if step.picture and changed:
+                out[picture] = image
+            if step.timer is not None:
+                out[timer] = gr.Timer(active=step.timer)
+            if step.textbox == "lock":
+                out[textbox] = gr.update(value=None, interactive=False)
+            elif step.textbox == "clear":
+                out[textbox] = gr.update(value=None, interactive=True)
+            elif step.textbox == "keep_files":
+                out[textbox] = gr.update(value={"text": "", "files": list(step.files)}, interactive=True)
+            if step.model_choice is not None:
+                choices = list(dict.fromkeys([step.model_choice, start.model, TINY_MODEL]))
+                out[model_box] = gr.update(value=step.model_choice, choices=choices)
+            if step.model_note is not None:
+                out[model_note] = step.model_note
+            return out
+
+        def chat(message, model, mode, selector, retention, chunk_size, decode_guard, max_new_tokens,
+                 slow_motion_ms, session, request: gr.Request):
+            session = session or new_session(request)
+            if not session.lock.acquire(blocking=False):
+                session.note("Still answering the previous question; send this one when it is done.")
+                yield render(session, Step(picture=False))
+                return
+            try:
+                wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
+                for step in session.turn(message, wanted, max_new_tokens, slow_motion_ms):
+                    yield render(session, step)
+            finally:
+                session.answering = False
+                session.live = None
+                session.lock.release()
+
+        def change_settings(model, mode, selector, retention, chunk_size, decode_guard, session,
+                            request: gr.Request):
+            session = session or new_session(request)
+            with session.lock:  # waits for an answer in progress
+                step = session.apply(Settings.from_controls(model, mode, selector, retention, chunk_size,
+                                                            decode_guard))
+            return render(session, step or Step(picture=False))
+
+        def new_conversation(session, request: gr.Request):
+            session = session or new_session(request)
+            with session.lock:
+                session.restart()
+                session.note(f"*New conversation {session.number}.*")
+            return render(session, Step(picture="force", timer=False))
+
+        def refresh(session):
+            if session is None:
+                return {timer: gr.Timer(active=False)}
+            if session.answering:  # the answer's stream draws the picture meanwhile
+                return {state: session}  # (an empty dict would read as one output value)
+            return render(session, Step(timer=session.pending > 0))
+
+        controls = [model_box, mode_box, selector_box, retention_box, chunk_box, guard_box]
+        shown = [chatbot, picture, caption, figures, status, timer, model_box, model_note, state]
+        textbox.submit(chat, [textbox, *controls, max_new_box, slow_box, state], shown + [textbox], api_name="chat",
+                       concurrency_limit=concurrency, show_progress="hidden")
+        for control in (model_box, mode_box, selector_box):
+            control.input(change_settings, controls + [state], shown, api_visibility="private", show_progress="hidden")
+        for slider in (retention_box, chunk_box, guard_box):
+            slider.release(change_settings, controls + [state], shown, api_visibility="private",
+                           show_progress="hidden")
+        new_button.click(new_conversation, [state], shown, api_name="new_conversation", show_progress="hidden")
+        timer.tick(refresh, [state], shown, api_name="status", concurrency_limit=None, show_progress="hidden")
+        demo.unload(end_session)
+    return demo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a local folder or Hub id (default: the bundled tiny model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 7860, or the next free one)")
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    parser.add_argument("--mode", default="raincheck", choices=MODES_SHOWN)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--slow-motion-ms", type=int, default=0, help="pause per generated token (to watch)")
+    args = parser.parse_args(argv)
+    demo = build_demo(args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
+                      slow_motion_ms=args.slow_motion_ms)
+    demo.launch(server_name=args.host, server_port=args.port, share=bool(args.share))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
