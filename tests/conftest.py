@@ -29,6 +29,30 @@ def eager_model():
     return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0, attn_implementation="eager"))
 
 
+@pytest.fixture(scope="session")
+def qwen35():
+    import raincheck_hf
+    from raincheck_hf.tiny import build_tiny_qwen3_5
+
+    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0))
+
+
+@pytest.fixture(scope="session")
+def eager_qwen35():
+    import raincheck_hf
+    from raincheck_hf.tiny import build_tiny_qwen3_5
+
+    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0, attn_implementation="eager"))
+
+
+def no_placeholder_ids(model):
+    """Placeholder and vision-marker ids: a random model may "answer" with one, which would upset the next
+    turn's (and the references') rope index and feature count; stock and Raincheck runs get the same
+    suppression."""
+    c = model.config
+    return [c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id]
+
+
 def video_metadata(num_frames: int, fps: float = 2.0):
     from transformers.video_utils import VideoMetadata
 

@@ -22,36 +22,18 @@ from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT, DeferredLinearA
 from raincheck_hf.models import get_adapter
 from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter, RowSplit
 
-from conftest import INPUT_CASES, make_inputs
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
 from reference import TurnRecord
 from reference_gdn import full_rerun_logits, gdn_reference_logits
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def qwen35():
-    from raincheck_hf.tiny import build_tiny_qwen3_5
 
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0))
-
-
-@pytest.fixture(scope="module")
-def eager_qwen35():
-    from raincheck_hf.tiny import build_tiny_qwen3_5
-
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0, attn_implementation="eager"))
-
-
-def _no_placeholders(model):
-    # A random model may "answer" with a placeholder token, which would upset the next turn's (and the
-    # references') rope index and feature count; stock and Raincheck runs get the same suppression.
-    c = model.config
-    return [c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id]
 
 
 def greedy(model, inputs, n=12, **kw):
-    return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=_no_placeholders(model), **kw)
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=no_placeholder_ids(model), **kw)
 
 
 def record(inputs, out):
@@ -227,7 +209,7 @@ def test_hard_equals_stock_on_pruned_sequence(qwen35, processor):
                                          image_grid_thw=inputs["image_grid_thw"],
                                          video_grid_thw=inputs["video_grid_thw"])
     cache = DynamicCache(config=cfg.text_config)
-    banned = torch.tensor(_no_placeholders(qwen35))
+    banned = torch.tensor(no_placeholder_ids(qwen35))
     with torch.no_grad():
         h = tm(inputs_embeds=emb[keep][None], position_ids=pos[:, :, keep], cache=cache,
                use_cache=True).last_hidden_state

@@ -21,7 +21,7 @@ from raincheck_hf.selection import SelectionContext, Segment, get_selector, keep
 from raincheck_hf.selection.fastv import FastVSelector, turn_last_row_attention
 from raincheck_hf.selection.visionzip import VisionZipSelector, merged_received_attention
 
-from conftest import INPUT_CASES, make_inputs
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
 from reference import TurnRecord, reference_logits
 
 TOL = 1e-4
@@ -32,27 +32,11 @@ HAS_QWEN3_5 = ("Qwen3_5ForConditionalGeneration" in supported_model_classes()
 needs_qwen3_5 = pytest.mark.skipif(not HAS_QWEN3_5, reason="no Qwen3.5 adapter / tiny builder yet")
 
 
-@pytest.fixture(scope="module")
-def qwen35():
-    from raincheck_hf.tiny import build_tiny_qwen3_5
 
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0))
-
-
-@pytest.fixture(scope="module")
-def eager_qwen35():
-    from raincheck_hf.tiny import build_tiny_qwen3_5
-
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0, attn_implementation="eager"))
-
-
-def _no_placeholders(model):
-    c = model.config
-    return [c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id]
 
 
 def greedy(model, inputs, n=6, **kw):
-    return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=_no_placeholders(model), **kw)
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=no_placeholder_ids(model), **kw)
 
 
 def selected_per_segment(trace):
