@@ -30,9 +30,10 @@ class RaincheckConfig:
             with the chunk in its own forward before the decode token: only to measure fusion).
         selector_kwargs: keyword arguments for a selector given by name.
         fast_path: execute on preallocated KV slots with CUDA-graph replay of the decode, fused and
-            idle-time steps (`raincheck_hf.fast`). None (default) = on when the model is on CUDA and
-            its family supports it; False = the eager reference engine; True on CPU runs the fast
-            path's code without graphs (what the tests compare).
+            idle-time steps (`raincheck_hf.fast`). False (default for now) = the eager reference
+            engine; True = the fast path where the family supports it (on CPU it runs the fast
+            path's code without graphs, which the tests compare); None = on when the model is on
+            CUDA. The default becomes None once graph replay has been verified on the H200.
     """
 
     retention: float = 0.3
@@ -41,7 +42,7 @@ class RaincheckConfig:
     selector: str | Selector | torch.Tensor = "mmtok"
     mode: str = "raincheck"
     selector_kwargs: dict = field(default_factory=dict)
-    fast_path: bool | None = None
+    fast_path: bool | None = False
 
     def __post_init__(self):
         if self.fast_path not in (None, True, False):

@@ -64,10 +64,11 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
     kw = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True, output_logits=True)
     slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2,
                                                                    fast_path=False), **kw)
-    fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2), **kw)
+    fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2,
+                                                                   fast_path=None), **kw)
     from raincheck_hf.fast import StaticDeferredCache
 
-    assert isinstance(fast.cache, StaticDeferredCache)  # chosen automatically on CUDA
+    assert isinstance(fast.cache, StaticDeferredCache)  # fast_path=None: chosen automatically on CUDA
     assert fast.cache.graphs.use_graphs and fast.cache.graphs.capture_seconds > 0
     assert torch.equal(slow.sequences, fast.sequences)
     for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):

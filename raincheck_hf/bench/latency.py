@@ -99,8 +99,10 @@ class Variant:
     def config(self, settings: dict):
         from ..configuration import RaincheckConfig
 
+        # fast_path=None: the CUDA fast path where the family supports it (Qwen3-VL), else the eager engine
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
-                               decode_guard=settings["decode_guard"], selector=settings["selector"])
+                               decode_guard=settings["decode_guard"], selector=settings["selector"],
+                               fast_path=settings.get("fast_path"))
 
 
 def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:

@@ -13,6 +13,7 @@ every real query (their slot keys stay at the maximum).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -145,10 +146,19 @@ class StepGraphs:
         slots = cache.assign_slots(keys, sources, kinds, padding=padding)
         key = (rows, want_logits)
         if self.use_graphs and (key in self._captured or pad_to is not None or n == 1):
-            graph, buffers = self._captured.get(key) or self._capture(rows, want_logits)
-            fill(buffers, cache, batch, keys, slots, n_deferred, padding)
-            graph.replay()
-            return buffers.logits.clone() if want_logits else None
+            captured = self._captured.get(key)
+            if captured is None:
+                try:
+                    captured = self._capture(rows, want_logits)
+                except RuntimeError as error:  # e.g. an op that cannot be captured: run this shape eagerly
+                    warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
+                                  "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
+                    self.use_graphs = False
+            if captured is not None:
+                graph, buffers = captured
+                fill(buffers, cache, batch, keys, slots, n_deferred, padding)
+                graph.replay()
+                return buffers.logits.clone() if want_logits else None
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, self.adapter.dtype, self.adapter.device)
         fill(buffers, cache, batch, keys, slots, n_deferred, padding)
         logits = self._step(buffers, want_logits)
