@@ -86,6 +86,19 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
         self.graphs = None  # StepGraphs, built on first use on CUDA
 
+    def __deepcopy__(self, memo):
+        # captured graphs point at this cache's buffers: a copy gets fresh buffers and captures its own
+        import copy
+
+        graphs, self.graphs = self.graphs, None
+        try:
+            clone = copy.copy(self)
+            memo[id(self)] = clone
+            clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        finally:
+            self.graphs = graphs
+        return clone
+
     @property
     def total_slots(self) -> int:
         return self.capacity + self.scratch
