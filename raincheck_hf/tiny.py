@@ -105,6 +105,18 @@ def build_tiny_processor(min_pixels: int = 32 * 32, max_pixels: int = 256 * 256,
     )
 
 
+def _special_token_ids(ids) -> dict:
+    """The config's placeholder / marker / eos / pad ids, from the tokenizer's ``convert_tokens_to_ids``."""
+    return dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
+
+
 def tiny_qwen3_vl_config(tokenizer=None, num_hidden_layers: int = 4, hidden_size: int = 64, **text_overrides):
     """A Qwen3-VL config with DeepStack on, M-RoPE interleaved, sized to run in milliseconds on a CPU."""
     from transformers import Qwen3VLConfig
@@ -135,12 +147,7 @@ def tiny_qwen3_vl_config(tokenizer=None, num_hidden_layers: int = 4, hidden_size
     return Qwen3VLConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=ids("<|im_end|>"),
-        pad_token_id=ids("<|endoftext|>"),
+        **_special_token_ids(ids),
     )
 
 
@@ -227,12 +234,7 @@ def tiny_qwen3_5_config(tokenizer=None, layer_types=TINY_QWEN3_5_LAYER_TYPES, hi
     return Qwen3_5Config(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=ids("<|im_end|>"),
-        pad_token_id=ids("<|endoftext|>"),
+        **_special_token_ids(ids),
     )
 
 
