@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from .configuration import RaincheckConfig
 from .generation import RaincheckTrace, restore_pending
 from .integration import enable
+from .models import get_adapter
 
 
 @dataclass
@@ -239,7 +240,9 @@ class Conversation:
             if not self.early_follow_up:
                 self.complete()  # the completion barrier
             previous_pending = self.pending
-            device = self.model.device
+            # The embedding's execution device, not model.device (a parameter's device: `meta` under
+            # accelerate offload); accelerate's hooks move the inputs on to each split part's device.
+            device = get_adapter(self.model).device
             moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
             out = self.model.generate(**moved, cache=self.cache, raincheck=self.config, streamer=clock,
                                       return_dict_in_generate=True, **generate_kwargs)

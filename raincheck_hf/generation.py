@@ -28,7 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key
 from .configuration import RaincheckConfig
 from .models import get_adapter
-from .models.qwen3_vl import RowBatch
+from .models.qwen3_vl import RowBatch, accelerate_split
 from .plan import DeferredPlan, build_plan, select_visual_rows
 
 
@@ -124,6 +124,11 @@ def use_fast_path(adapter, config: RaincheckConfig) -> bool:
     layer_types = getattr(adapter.text_model.config, "layer_types", None) or ["full_attention"]
     if any(t != "full_attention" for t in layer_types):  # recurrent state does not live in KV slots
         return False
+    if accelerate_split(adapter.model) is not None:
+        # Static buffers and captured graphs live on one device and a graph replay skips accelerate's
+        # hooks (no weight loading, no cross-device copies): auto picks the eager engine, and
+        # fast_path=True is refused before any compute (integration.validate_request).
+        return False
     return config.fast_path is True or adapter.device.type == "cuda"
 
 
@@ -145,7 +150,9 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
         return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
                                    config.chunk_size + 1,
                                    adapter.device)
-    return DeferredDynamicCache(config=model.config.get_text_config(), device=model.device)
+    # adapter.device, not model.device: the latter is a parameter's device, `meta` under accelerate offload
+    # (order keys must live where the masks are built).
+    return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
 
 
 def raincheck_sample(

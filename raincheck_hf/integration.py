@@ -24,6 +24,7 @@ from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
 from .generation import raincheck_sample
 from .models import get_adapter
+from .models.qwen3_vl import accelerate_split
 
 _ORIGINAL = "_raincheck_original_generate"
 
@@ -157,6 +158,15 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     """Everything that can be checked before any compute. Returns the kwargs to pass on to HF."""
     adapter = get_adapter(model)
     adapter.check_attention()
+    if config.fast_path is True and getattr(adapter, "supports_fast_path", False):
+        split = accelerate_split(model)
+        if split is not None:
+            raise ValueError(
+                f"RaincheckConfig.fast_path=True needs the whole model on one device with its weights resident "
+                f"(static KV slots and CUDA graphs live on one device, and a graph replay skips accelerate's hooks), "
+                f"but accelerate placed this model {split}. Use fast_path=False (the eager engine, which supports "
+                "device_map splits and offload) or fast_path=None (auto: picks the eager engine here)."
+            )
     if kwargs.get("custom_generate") is not None:
         raise ValueError("generate(raincheck=...) runs its own decoding loop; do not pass custom_generate as well.")
     if kwargs.get("assistant_model") is not None:

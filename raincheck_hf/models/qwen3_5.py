@@ -153,6 +153,30 @@ def _dispatch_projection(projection, original, name, x, *args, **kwargs):
     return out
 
 
+def _layer_params(module) -> GDNLayerParams:
+    """The GDN layer's conv / gate parameters with their data, also under accelerate offload.
+
+    With cpu / disk offload (``device_map`` with "cpu" / "disk" entries, `cpu_offload`) ``A_log``, ``dt_bias``
+    and ``conv1d.weight`` sit on ``meta`` outside their own module's forward, while the state map needs them
+    around it (`SuffixStateMap.join` / ``append_suffix``). Their hooks load them onto the execution device
+    for the span of `align_module_device`; the detached references kept in `GDNLayerParams` stay valid after
+    the hooks put the modules back on ``meta`` (one small copy per layer and forward, offloaded models only).
+    """
+    tensors = (module.A_log, module.dt_bias, module.conv1d.weight, module.conv1d.bias)
+    if not any(t is not None and t.device.type == "meta" for t in tensors):
+        return GDNLayerParams.from_module(module)
+    from accelerate.utils import align_module_device
+
+    with align_module_device(module), align_module_device(module.conv1d):
+        params = GDNLayerParams.from_module(module)
+    if any(t is not None and t.device.type == "meta" for t in (params.A_log, params.dt_bias, params.conv_weight)):
+        raise RuntimeError(
+            f"Gated DeltaNet layer {module.layer_idx}: its parameters are on the meta device and no accelerate "
+            "offload hook loads them; load the model with weights (or dispatch it with accelerate)."
+        )
+    return params
+
+
 def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **kwargs):
     """``Qwen3_5GatedDeltaNet.forward`` for rows ``[deferred chunk, rest]`` (see the module docstring)."""
     cache = kwargs.pop("cache", None)
@@ -160,7 +184,7 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
         raise RuntimeError("a Gated DeltaNet layer ran on another cache than the Raincheck forward's own.")
     kwargs.pop("attention_mask", None)  # no padding in Raincheck batches; the mask mapping gives None anyway
     split = ctx.split
-    boundary = GDNBoundary(cache, module.layer_idx, GDNLayerParams.from_module(module))
+    boundary = GDNBoundary(cache, module.layer_idx, _layer_params(module))
     n_d = split.n_deferred
     projections = [getattr(module, name) for name in _IN_PROJECTIONS]
     shared = None
@@ -285,14 +309,20 @@ def _check_gdn_state_layout(device_type: str) -> None:
         _, got = fn(q.to(dev), k.to(dev), v.to(dev), g=g.to(dev), beta=beta.to(dev), initial_state=s0.to(dev),
                     output_final_state=True, use_qk_l2norm_in_kernel=True)
         got = got.float().cpu()
-        if torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+        # fla's Triton kernels run their dots in TF32 (relative error ~1e-3 per step), so compare
+        # relative errors against both layouts instead of a tight absolute tolerance
+        scale = want.abs().max()
+        err = ((got - want).abs().max() / scale).item()
+        err_transposed = ((got.transpose(-1, -2) - want).abs().max() / scale).item()
+        if err < 2e-2 and err < err_transposed:
             continue
-        transposed = torch.allclose(got.transpose(-1, -2), want, rtol=1e-3, atol=1e-3)
+        transposed = err_transposed < 2e-2
         raise ValueError(
             f"transformers' Qwen3.5 GDN kernel {getattr(fn, '__name__', fn)!r} on {device_type} returns a recurrent "
             f"state that is not [B, HV, K, V]{' (it is transposed: [B, HV, V, K])' if transposed else ''}; "
             "Raincheck's state map assumes [B, HV, K, V]. Uninstall flash-linear-attention to use the torch "
-            "fallbacks, or use a version whose kernels keep the key-first layout."
+            "fallbacks, or use a version whose kernels keep the key-first layout "
+            f"(relative error {err:.2e}, transposed {err_transposed:.2e})."
         )
 
 

@@ -72,6 +72,46 @@ class RowBatch:
         )
 
 
+def execution_device(module) -> torch.device:
+    """The device ``module`` computes on, also when accelerate dispatched or offloaded it.
+
+    A module with an accelerate `AlignDevicesHook` (``device_map=...``, `dispatch_model`, `cpu_offload`)
+    runs on the hook's ``execution_device`` whatever its parameters' device (``meta`` when offloaded);
+    otherwise it is the device of its first parameter that holds data, CPU for a module without any.
+    """
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def accelerate_split(model) -> str | None:
+    """How accelerate split ``model`` (a phrase for error messages), or None when it runs whole on one device.
+
+    Split = its modules' hooks execute on more than one device, or some hook offloads weights (cpu / disk
+    offload: the parameters sit on ``meta`` between forwards). A model without hooks is not split.
+    """
+    devices, offloaded = set(), 0
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                devices.add(str(torch.device(device if not isinstance(device, int) else f"cuda:{device}")))
+            offloaded += bool(getattr(h, "offload", False))
+    parts = []
+    if len(devices) > 1:
+        parts.append(f"over the devices {sorted(devices)}")
+    if offloaded:
+        parts.append(f"with the weights of {offloaded} modules offloaded (cpu / disk)")
+    return " and ".join(parts) or None
+
+
 class Qwen3VLAdapter:
     model_classes = ("Qwen3VLForConditionalGeneration",)
     supports_fast_path = True  # every text layer is attention: all state fits `StaticDeferredCache`
@@ -98,7 +138,12 @@ class Qwen3VLAdapter:
 
     @property
     def device(self) -> torch.device:
-        return self.text_model.embed_tokens.weight.device
+        """Where the engine builds a forward's rows: the input embedding's *execution* device.
+
+        Not ``embed_tokens.weight.device``: under accelerate's cpu / disk offload that weight sits on
+        ``meta`` between forwards and the hook moves it to its execution device only inside the call.
+        """
+        return execution_device(self.text_model.embed_tokens)
 
     @property
     def dtype(self) -> torch.dtype:
