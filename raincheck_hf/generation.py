@@ -212,7 +212,8 @@ def raincheck_sample(
     parts, keys, sources, kinds = [], [], [], []
     if earlier is not None:
         parts.append(adapter.pending_batch(earlier))
-        keys.append(earlier.keys)
+        # pending keys live on the model's device (PendingRows), the plan's on the host: one device for the cat
+        keys.append(earlier.keys.to(plan.input_keys.device))
         sources.append(earlier.sources.cpu())
         kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
     parts.append(adapter.rows(turn, plan.input_rows))

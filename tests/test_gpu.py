@@ -79,3 +79,22 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
     n = fast.cache.num_rows
     assert torch.equal(torch.sort(fast.cache.row_sources[: n]).values[: inputs["input_ids"].shape[1]],
                        torch.arange(inputs["input_ids"].shape[1]))
+
+
+@pytest.mark.parametrize("mode", ["post_answer", "raincheck"])
+def test_cuda_follow_up_prefills_leftovers(cuda_model, processor, mode):
+    """A follow-up before restoration is done carries the leftovers in its own prefill (pending keys on
+    the GPU, the plan's on the host: this once failed on CUDA with a device mismatch in torch.cat)."""
+    from raincheck_hf.tiny import draw_test_image
+
+    answers = {}
+    for fast_path in (False, None):
+        cfg = RaincheckConfig(mode=mode, chunk_size=3, decode_guard=4, fast_path=fast_path)
+        with raincheck_hf.Conversation(cuda_model, processor, cfg, background=False, max_new_tokens=6) as conv:
+            first = conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
+            assert conv.pending > 0
+            second = conv.ask("And now?")
+            assert conv.pending == 0
+            assert second.trace.restored_per_forward[0].numel() > 0
+            answers[fast_path] = (first.token_ids, second.token_ids)
+    assert all(torch.equal(a, b) for a, b in zip(answers[False], answers[None]))

@@ -31,5 +31,22 @@ def load_bundled(name: str = "qwen3_vl", attn_implementation: str = "sdpa", devi
     path = bundled_path(name)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
                                                         attn_implementation=attn_implementation)
-    processor = AutoProcessor.from_pretrained(path)
+    processor = AutoProcessor.from_pretrained(path, tokenizer=load_word_tokenizer(path))
     return model.to(device).eval(), processor
+
+
+def load_word_tokenizer(path):
+    """The bundled word-level tokenizer, as saved.
+
+    `AutoTokenizer` cannot be trusted here: transformers lists ``qwen3_5`` among the model types
+    whose Hub tokenizer class is "known wrong" and swaps in `Qwen3_5Tokenizer` (byte-level BPE
+    pre-tokenisation) whatever ``tokenizer_config.json`` says, which turns every word of ours into
+    ``<unk>``. Loading the saved ``tokenizer.json`` through `PreTrainedTokenizerFast` keeps it.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    probe = "what is the background of the red g3 ?"
+    if tok.unk_token_id in tok(probe)["input_ids"]:
+        raise RuntimeError(f"the tokenizer at {path} does not read the glyph vocabulary (got <unk> for {probe!r})")
+    return tok

@@ -178,7 +178,7 @@ def train(args) -> dict:
     step = load_checkpoint(work, model, optimizer)
     log_path = work / "train_log.jsonl"
     work.mkdir(parents=True, exist_ok=True)
-    dev = benchmark_split("dev")
+    dev = benchmark_split("dev", limit=args.dev_limit)
     loader = torch.utils.data.DataLoader(GlyphStream(processor, stages, args.batch_size, step, total, args.seed),
                                          batch_size=None, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
                                          persistent_workers=False)
@@ -262,6 +262,7 @@ def main(argv=None):
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=400)
     parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--dev-limit", type=int, default=64, help="dev dialogues of the teacher-forced monitor")
     parser.add_argument("--no-train", action="store_true", help="only --export the work directory")
     args = parser.parse_args(argv)
     import shlex

@@ -1,0 +1,199 @@
+"""python -m raincheck_hf.eval: quality of every mode × selector on multi-turn visual dialogues.
+
+    python -m raincheck_hf.eval run --model qwen3_vl --json vl.json --markdown vl.md
+    python -m raincheck_hf.eval run --model /path/to/Qwen3-VL-8B-Instruct --data dialogues.jsonl --scorer contains
+    python -m raincheck_hf.eval report vl.json q35.json --markdown quality.md --figure quality.png
+
+``--model`` is a bundled glyph model (``qwen3_vl``, ``qwen3_5``), a local directory or a Hub id
+(`from_pretrained`). ``--data`` is ``glyph:test`` (the benchmark's test split, default),
+``glyph:dev`` or a JSONL file (format in `raincheck_hf.eval.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+
+from ..selection import available_selectors
+from .harness import CATEGORIES, MODES, evaluate, summarize
+
+LABELS = {"first_fact": "turn 1 fact", "first_list": "turn 1 list (item recall)", "first_text": "turn 1",
+          "follow_up": "follow-ups"}
+
+
+def _load_model(name: str, device: str):
+    from ..quality.bundled import BUNDLED, load_bundled
+
+    if name in BUNDLED:
+        return load_bundled(name, device=device)
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(name, dtype="auto", attn_implementation="sdpa")
+    if device == "cpu":
+        model = model.float()
+    return model.to(device).eval(), AutoProcessor.from_pretrained(name)
+
+
+def _load_data(spec: str, limit):
+    from .data import glyph_dialogues, load_jsonl
+
+    if spec.startswith("glyph:"):
+        return glyph_dialogues(spec.split(":", 1)[1], limit=limit)
+    return load_jsonl(spec)[:limit]
+
+
+def _fmt(x) -> str:
+    return "–" if x is None or x != x else f"{100 * x:.1f}"
+
+
+def markdown(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        acc, rec = res["summary"]["accuracy"], res["summary"]["recovery"]
+        cats = [c for c in CATEGORIES if any(c in a for a in acc.values())]
+        lines += [f"### {res['model']} — {res['data']} ({res['dialogues']} dialogues, retention {res['settings']['retention']})",
+                  "", "| mode | selector | " + " | ".join(LABELS[c] for c in cats) + " |",
+                  "|---|---|" + "---:|" * len(cats)]
+        for name, a in acc.items():
+            mode, selector = name.split("/")
+            lines.append(f"| {mode} | {selector} | " + " | ".join(_fmt(a.get(c)) for c in cats) + " |")
+        if rec:
+            lines += ["", "Recovery of the pruning-induced loss, (mode − hard) / (full − hard), 95% bootstrap interval:",
+                      "", "| mode | selector | " + " | ".join(f"{LABELS[c]} (loss)" for c in cats) + " |",
+                      "|---|---|" + "---:|" * len(cats)]
+            for name, entry in rec.items():
+                mode, selector = name.split("/")
+                cells = []
+                for c in cats:
+                    e = entry.get(c)
+                    cells.append("–" if e is None else
+                                 f"{_fmt(e['ratio'])}% [{_fmt(e['ci95'][0])}, {_fmt(e['ci95'][1])}] ({_fmt(e['loss'])} pts)")
+                lines.append(f"| {mode} | {selector} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = ["first_list", "follow_up"]
+    fig, axes = plt.subplots(len(results), len(cats), figsize=(6 * len(cats), 3.2 * len(results)), squeeze=False)
+    for row, res in enumerate(results):
+        acc = res["summary"]["accuracy"]
+        selectors = sorted({n.split("/")[1] for n in acc if not n.startswith("full/")})
+        full = acc.get("full/-", {})
+        for col, c in enumerate(cats):
+            ax = axes[row][col]
+            width = 0.27
+            for k, mode in enumerate(("hard", "post_answer", "raincheck")):
+                ys = [100 * acc.get(f"{mode}/{s}", {}).get(c, float("nan")) for s in selectors]
+                ax.bar([i + (k - 1) * width for i in range(len(selectors))], ys, width, label=mode)
+            if c in full:
+                ax.axhline(100 * full[c], color="black", linestyle="--", linewidth=1, label="full")
+            ax.set_xticks(range(len(selectors)), selectors, rotation=30, fontsize=8)
+            ax.set_ylim(0, 105)
+            ax.set_title(f"{res['model']}: {LABELS[c]}", fontsize=10)
+            ax.set_ylabel("accuracy (%)")
+            if row == 0 and col == 0:
+                ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(results, args):
+    if getattr(args, "markdown", None):
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results))
+    if getattr(args, "figure", None):
+        figure(results, args.figure)
+
+
+def cmd_run(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    selectors = available_selectors() if args.selectors == "all" else [s for s in args.selectors.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: {m!r} is not one of {MODES}")
+    for s in selectors:
+        if s not in available_selectors():
+            raise SystemExit(f"--selectors: {s!r} is not one of {available_selectors()}")
+    from .scoring import get_scorer
+
+    scorer = get_scorer(args.scorer if args.scorer else ("glyph" if args.data.startswith("glyph:") else "contains"))
+    model, processor = _load_model(args.model, args.device)
+    dialogues = _load_data(args.data, args.limit)
+    began = time.time()
+    runs = evaluate(model, processor, dialogues, modes=modes, selectors=selectors, scorer=scorer,
+                    retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
+                    margin=args.margin)
+    result = {
+        "model": args.model, "data": args.data, "dialogues": len(dialogues),
+        "settings": {"retention": args.retention, "chunk_size": args.chunk_size, "decode_guard": args.decode_guard,
+                     "margin": args.margin, "scorer": args.scorer or "default", "selectors": selectors, "modes": modes},
+        "command": "python -m raincheck_hf.eval " + shlex.join(sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "device": args.device, "threads": args.threads},
+        "elapsed_s": round(time.time() - began, 1),
+        "summary": summarize(runs, bootstrap=args.bootstrap),
+        "runs": {name: [[{k: v for k, v in r.items()} for r in d] for d in run] for name, run in runs.items()},
+        "uids": [d.uid for d in dialogues],
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    _write([result], args)
+    print(markdown([result]))
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="evaluate one model")
+    run.add_argument("--model", default="qwen3_vl")
+    run.add_argument("--data", default="glyph:test")
+    run.add_argument("--limit", type=int, default=None)
+    run.add_argument("--modes", default=",".join(MODES))
+    run.add_argument("--selectors", default="all", help="'all' or a comma-separated list")
+    run.add_argument("--retention", type=float, default=0.3)
+    run.add_argument("--chunk-size", type=int, default=31)
+    run.add_argument("--decode-guard", type=int, default=16)
+    run.add_argument("--margin", type=int, default=2, help="answer budget: reference tokens + this (same for every mode)")
+    run.add_argument("--scorer", default=None, help="glyph | exact | contains | module:function")
+    run.add_argument("--bootstrap", type=int, default=1000)
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--threads", type=int, default=1)
+    run.add_argument("--json")
+    run.add_argument("--markdown")
+    run.add_argument("--figure")
+    report = sub.add_parser("report", help="merge result JSONs into one table and figure")
+    report.add_argument("inputs", nargs="+")
+    report.add_argument("--markdown")
+    report.add_argument("--figure")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if args.limit is not None and args.limit <= 0:
+            parser.error(f"--limit must be positive, got {args.limit}")
+        cmd_run(args)
+    else:
+        results = [json.load(open(p)) for p in args.inputs]
+        _write(results, args)
+        print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
