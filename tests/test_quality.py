@@ -45,8 +45,8 @@ def test_follow_ups_ask_about_colours_turn_one_did_not_name(seed):
 
 def test_split_is_fixed_and_balanced():
     test = benchmark_split("test")
-    assert len(test) == 200 and len({d.uid for d in test}) == 200
-    assert sum(d.turns[0].kind == "list" for d in test) == 100
+    assert len(test) == 100 and len({d.uid for d in test}) == 100
+    assert sum(d.turns[0].kind == "list" for d in test) == 50
     assert [t.answer for t in benchmark_split("test", limit=3)[2].turns] == [t.answer for t in test[2].turns]
     train_seeds = dialogue(0, 10).meta["seed"]
     assert all(d.meta["seed"] > 100_000 + train_seeds for d in test)

@@ -201,12 +201,12 @@ def dialogue(seed: int, grid: int, *, long_first: bool | None = None, follow_ups
 
 
 # The benchmark's fixed splits: seeds far apart from the trainer's stream (which starts at 0).
-SPLITS = {"test": (1_000_000, 200), "dev": (2_000_000, 64)}
+SPLITS = {"test": (1_000_000, 100), "dev": (2_000_000, 64)}
 BENCHMARK_GRID = 10
 
 
 def benchmark_split(split: str = "test", limit: int | None = None, grid: int = BENCHMARK_GRID) -> list[Dialogue]:
-    """The ``test`` split (200 dialogues, half with a long first answer) or ``dev`` (64), on 10×10 grids."""
+    """The ``test`` split (100 dialogues, half with a long first answer) or ``dev`` (64), on 10×10 grids."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     base, size = SPLITS[split]
