@@ -30,10 +30,11 @@ class RaincheckConfig:
             with the chunk in its own forward before the decode token: only to measure fusion).
         selector_kwargs: keyword arguments for a selector given by name.
         fast_path: execute on preallocated KV slots with CUDA-graph replay of the decode, fused and
-            idle-time steps (`raincheck_hf.fast`). False (default for now) = the eager reference
-            engine; True = the fast path where the family supports it (on CPU it runs the fast
-            path's code without graphs, which the tests compare); None = on when the model is on
-            CUDA. The default becomes None once graph replay has been verified on the H200.
+            idle-time steps (`raincheck_hf.fast`). None (default) = on when the model is on CUDA
+            and the family supports it (Qwen3-VL; Qwen3.5 and models split by accelerate run the
+            eager engine); False = always the eager reference engine; True = the fast path (on CPU
+            it runs the fast path's code without graphs, which the tests compare). Graph replay was
+            checked against the eager engine on the H200 (`tests/test_gpu.py`).
     """
 
     retention: float = 0.3
@@ -42,7 +43,7 @@ class RaincheckConfig:
     selector: str | Selector | torch.Tensor = "mmtok"
     mode: str = "raincheck"
     selector_kwargs: dict = field(default_factory=dict)
-    fast_path: bool | None = False
+    fast_path: bool | None = None
 
     def __post_init__(self):
         if self.fast_path not in (None, True, False):
