@@ -225,3 +225,31 @@ def test_bundled_model_learned_the_task_and_raincheck_recovers(family):
     assert facts > 150 and correct / facts >= 0.95
     assert full["follow_up"] >= rc["follow_up"] > hard["follow_up"] + 0.15
     assert rc["first_list"] > hard["first_list"]
+
+
+def test_recovery_and_merging_results_split_over_processes():
+    from raincheck_hf.eval.__main__ import markdown, merge
+    from raincheck_hf.eval.harness import summarize
+
+    def run(hits):  # one dialogue per entry: a follow-up fact and a 4-item first-turn list
+        return [[{"turn": 0, "category": "first_list", "correct": l, "total": 4},
+                 {"turn": 1, "category": "follow_up", "correct": f, "total": 1}] for l, f in hits]
+
+    runs = {"full/-": run([(4, 1)] * 4), "hard/uniform": run([(1, 0)] * 4),
+            "raincheck/uniform": run([(4, 1), (3, 1), (4, 0), (3, 1)])}
+    summary = summarize(runs, bootstrap=200)
+    rec = summary["recovery"]["raincheck/uniform"]
+    assert rec["follow_up"]["ratio"] == pytest.approx(0.75) and rec["first_list"]["ratio"] == pytest.approx(10 / 12)
+    lo, hi = rec["follow_up"]["ci95"]
+    assert 0 <= lo <= 0.75 <= hi <= 1
+    base = {"model": "m", "data": "glyph:test", "dialogues": 4, "uids": list("abcd"), "elapsed_s": 1.0,
+            "settings": {"retention": 0.3, "chunk_size": 31, "decode_guard": 16, "margin": 2, "scorer": "glyph"}}
+    a = dict(base, command="a", runs={k: runs[k] for k in ("full/-", "hard/uniform")},
+             settings=dict(base["settings"], selectors=["uniform"], modes=["full", "hard"]))
+    b = dict(base, command="b", runs={"raincheck/uniform": runs["raincheck/uniform"]},
+             settings=dict(base["settings"], selectors=["uniform"], modes=["raincheck"]))
+    merged = merge([a, b], bootstrap=200)
+    assert merged["summary"]["accuracy"] == summary["accuracy"] and merged["command"] == ["a", "b"]
+    assert "raincheck | uniform" in markdown([merged])
+    with pytest.raises(ValueError, match="model"):
+        merge([a, dict(b, model="other")])

@@ -159,6 +159,35 @@ def cmd_run(args) -> dict:
     return result
 
 
+def merge(results: list[dict], bootstrap: int = 1000) -> dict:
+    """One result from runs of the same model and data split over several processes (by selector / mode)."""
+    first = results[0]
+    keys = ("model", "data", "dialogues", "uids")
+    fixed = ("retention", "chunk_size", "decode_guard", "margin", "scorer")
+    for other in results[1:]:
+        for k in keys:
+            if other[k] != first[k]:
+                raise ValueError(f"cannot merge: {k} differs ({first[k]!r} vs {other[k]!r})")
+        for k in fixed:
+            if other["settings"][k] != first["settings"][k]:
+                raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'][k]!r} vs {other['settings'][k]!r})")
+    runs = {}
+    for r in results:
+        for name, run in r["runs"].items():
+            if name in runs and run != runs[name]:
+                raise ValueError(f"cannot merge: run {name} appears twice with different records")
+            runs[name] = run
+    merged = dict(first)
+    merged["settings"] = dict(first["settings"],
+                              selectors=sorted({s for r in results for s in r["settings"]["selectors"]}),
+                              modes=sorted({m for r in results for m in r["settings"]["modes"]}))
+    merged["command"] = [r["command"] for r in results]
+    merged["elapsed_s"] = sum(r["elapsed_s"] for r in results)
+    merged["runs"] = runs
+    merged["summary"] = summarize(runs, bootstrap=bootstrap)
+    return merged
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m raincheck_hf.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +213,7 @@ def main(argv=None):
     report.add_argument("inputs", nargs="+")
     report.add_argument("--markdown")
     report.add_argument("--figure")
+    report.add_argument("--merge", help="merge the inputs (one model, split over processes) into this JSON")
     args = parser.parse_args(argv)
     if args.command == "run":
         if args.limit is not None and args.limit <= 0:
@@ -191,6 +221,10 @@ def main(argv=None):
         cmd_run(args)
     else:
         results = [json.load(open(p)) for p in args.inputs]
+        if args.merge:
+            results = [merge(results)]
+            with open(args.merge, "w") as f:
+                json.dump(results[0], f, indent=1)
         _write(results, args)
         print(markdown(results))
 
