@@ -1,6 +1,6 @@
 """Raincheck demo: a multi-turn image / video chat that shows what deferred prefill does.
 
-    python -m demo.app [--model PATH_OR_HUB_ID] [--host 127.0.0.1] [--port 7860] [--share]
+    python -m demo.app [--model qwen3_vl | qwen3_5 | tiny | PATH_OR_HUB_ID] [--host 127.0.0.1] [--port 7860] [--share]
 
 Each browser session gets its own `raincheck_hf.Conversation` (held in a `gr.State`, closed when
 the session ends). An answer streams token by token from ``Conversation.ask(stream=True)``; the
@@ -13,9 +13,14 @@ size the processor resized it to, with every merged vision token (patch 16 px ×
 dropped (``hard``). It is drawn from the cache while the answer streams and, through a
 `gr.Timer`, while idle-time restoration finishes.
 
-Without ``--model`` the demo runs offline on the tiny Qwen3-VL of `raincheck_hf.tiny`, built in
-code with random weights: its answers are gibberish; the selection, timings and restoration are real.
-Models are loaded in functions (`load_model`), never at import, so the app is testable.
+Without ``--model`` the demo runs offline on the bundled glyph Qwen3-VL
+(`raincheck_hf.quality.load_bundled("qwen3_vl")`, ~3.3 M parameters trained on the project's
+glyph-grid benchmark). It knows only that task and its word-level vocabulary, so the examples are
+glyph grids with benchmark questions; when a turn's image is a glyph grid, the reference answer is
+read off its pixels and shown after the model's. ``qwen3_5`` is the bundled glyph Qwen3.5;
+``tiny`` is the tiny Qwen3-VL of `raincheck_hf.tiny` with random weights (gibberish answers; the
+selection, timings and restoration are real). Models are loaded in functions (`load_model`),
+never at import, so the app is testable.
 """
 
 import argparse
@@ -33,7 +38,14 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from raincheck_hf.__main__ import (glyph_reference, judge, missing_from_grid, read_glyph_grid, resolve_model,
+                                   unknown_words)
+
 TINY_MODEL = "tiny-random (built in code)"
+DEFAULT_MODEL = "qwen3_vl"  # the bundled glyph Qwen3-VL
+BUNDLED_LABELS = {"qwen3_vl": "qwen3_vl: glyph Qwen3-VL (bundled, trained)",
+                  "qwen3_5": "qwen3_5: glyph Qwen3.5 (bundled, trained)"}
+MODEL_LABELS = {**BUNDLED_LABELS, "tiny-random (built in code)": "tiny: Qwen3-VL with random weights (built in code)"}
 MODES_SHOWN = ("raincheck", "post_answer", "hard", "full")
 # the demo's tiny processor: up to 384×384 px per image (144 merged tokens), so patches are visible
 TINY_MAX_PIXELS = 384 * 384
@@ -43,9 +55,19 @@ OPEN_MAX_SIDE = 4096  # larger images are shrunk on open; the processor shrinks 
 PICTURE_WIDTH = 640
 
 TINY_NOTE = (
-    "**Note: the bundled default is a tiny Qwen3-VL built in code with random weights.** Its answers are "
-    "gibberish until a trained default model exists; the selection, the timings and the restoration "
-    "you see are real. Pick another model under *Settings* (a Hub id or a local folder)."
+    "**Note: this is `tiny`, a Qwen3-VL built in code with random weights.** Its answers are gibberish; "
+    "the selection, the timings and the restoration you see are real. For answers that can be checked, pick "
+    "the bundled glyph model `qwen3_vl` (the default) or `qwen3_5` under *Settings*, or a real checkpoint "
+    "(a Hub id or a local folder)."
+)
+BUNDLED_NOTE = (
+    "**Model: the bundled {title}** (`{cls}`, {params:.2f} M parameters, on `{device}`), trained in this project on "
+    "its glyph-grid benchmark. **It knows only that task:** n×n grids of 32 px cells, each a glyph g0…g11 in one "
+    "of 10 colours over a grey background (dark, dim, pale, light), and a word-level vocabulary of {words} tokens "
+    "(special tokens included); any other word reads as `<unk>`. Ask like the examples: `what is the background of the red g3 ?` or `list the "
+    "backgrounds of the red and blue glyphs .` When the image is a glyph grid, the reference answer (read off its "
+    "pixels) follows the model's. It is not a general VLM: for photos, pick a real Qwen3-VL checkpoint under "
+    "*Settings*."
 )
 LEGEND_LABELS = [("selected", "prefilled first"), ("deferred", "deferred"), ("restored", "restored"),
                  ("dropped", "dropped"), ("waiting", "prefilling")]
@@ -65,11 +87,17 @@ class LoadedModel:
     model: object
     processor: object
     is_tiny: bool
+    bundled: bool = False  # one of the bundled glyph models: lowercased questions, reference answers
 
     @property
     def note(self) -> str:
         if self.is_tiny:
             return TINY_NOTE
+        if self.bundled:
+            return BUNDLED_NOTE.format(
+                title="glyph Qwen3.5" if self.name == "qwen3_5" else "glyph Qwen3-VL", cls=type(self.model).__name__,
+                params=sum(p.numel() for p in self.model.parameters()) / 1e6, device=self.model.device,
+                words=len(self.processor.tokenizer))
         return f"Model: **{self.name}** on `{self.model.device}`."
 
 
@@ -78,12 +106,26 @@ _MODELS_LOCK = threading.Lock()
 
 
 def model_key(name: str | None) -> str:
+    """The cache key of a model name: ``qwen3_vl`` / ``qwen3_5`` (bundled; the default), `TINY_MODEL`, or the name."""
     name = (name or "").strip()
-    return TINY_MODEL if name in ("", TINY_MODEL, "tiny") else name
+    if not name:
+        return DEFAULT_MODEL
+    if name == TINY_MODEL:
+        return TINY_MODEL
+    if name in MODEL_LABELS.values():
+        return next(k for k, v in MODEL_LABELS.items() if v == name)
+    kind, resolved = resolve_model(name)
+    return TINY_MODEL if kind == "tiny" else resolved
+
+
+def model_choices(*first) -> list[tuple[str, str]]:
+    """The model dropdown's ``(label, value)`` choices: ``first``, then the bundled and the tiny model."""
+    keys = dict.fromkeys([*first, DEFAULT_MODEL, "qwen3_5", TINY_MODEL])
+    return [(MODEL_LABELS.get(k, k), k) for k in keys]
 
 
 def load_model(name: str | None) -> LoadedModel:
-    """The model and processor for ``name`` (the tiny default, a Hub id or a local folder), cached.
+    """The model and processor for ``name`` (a bundled model, the tiny one, a Hub id or a local folder), cached.
 
     Raises `ModelLoadError` with an actionable message when it cannot be loaded or is unsupported.
     """
@@ -105,6 +147,14 @@ def _load_uncached(key: str) -> LoadedModel:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if key in BUNDLED_LABELS:
+        from raincheck_hf.quality import load_bundled
+
+        try:
+            model, processor = load_bundled(key, device=device)
+        except (FileNotFoundError, OSError) as error:
+            raise ModelLoadError(f"Could not load the bundled model **{key}**: {error}") from error
+        return LoadedModel(key, raincheck_hf.enable(model), processor, is_tiny=False, bundled=True)
     if key.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(key)):
         raise ModelLoadError(f"Could not load model **{key}**: there is no such folder. Give a local folder with a "
                              "Qwen3-VL checkpoint (config, weights and processor files), or a Hub id.")
@@ -504,7 +554,7 @@ def _draw_legend(canvas, y: int, flat_states) -> None:
 class Settings:
     """What starts a new conversation when it changes (everything but answer length and pacing)."""
 
-    model: str = TINY_MODEL
+    model: str = DEFAULT_MODEL
     mode: str = "raincheck"
     selector: str = "uniform"
     retention: float = 0.3
@@ -568,6 +618,7 @@ class Session:
         self.live: dict | None = None  # the turn being answered: number, start time, first-token time
         self.slow_motion_ms = 0
         self._drawn = None  # signature of the picture last sent
+        self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
 
     # -- conversation lifecycle --
     def ensure_conversation(self):
@@ -591,6 +642,7 @@ class Session:
         self.visual_turns = []
         self.live = None
         self._drawn = None
+        self.grid_cells = None
         self.number += 1
         if settings is not None:
             self.settings = settings
@@ -666,6 +718,18 @@ class Session:
             return
         for note in prepared.notes:
             self.note(note)
+        asked = text
+        if self.loaded.bundled:  # the glyph models' word-level vocabulary is lowercase
+            asked = text.lower()
+            unknown = unknown_words(self.loaded.processor.tokenizer, asked)
+            if unknown:
+                self.note(f"*Note: the bundled glyph model does not know {', '.join(f'**{w}**' for w in unknown)} "
+                          "(it reads them as `<unk>`): it knows only the glyph task's words, e.g. `what is the "
+                          "background of the red g3 ?` or `list the backgrounds of the red and blue glyphs .` "
+                          "(see the examples).*")
+        if prepared.images or prepared.videos:  # a new picture: references follow its grid, if it is one
+            single = len(prepared.images) == 1 and not prepared.videos
+            self.grid_cells = read_glyph_grid(prepared.images[0]) if single else None
 
         number = len(conversation.turns) + 1
         # the new turn's tokens follow the previous sequences (then the glue and the new prompt)
@@ -690,7 +754,7 @@ class Session:
         yield Step(timer=False, textbox="lock")
         reply, streaming = "", False
         try:
-            streamed = conversation.ask(text, images=prepared.images, videos=prepared.videos, stream=True,
+            streamed = conversation.ask(asked, images=prepared.images, videos=prepared.videos, stream=True,
                                         video_fps=prepared.video_fps, **kwargs)
             streaming = True
             for piece in streamed:
@@ -716,6 +780,12 @@ class Session:
             return
         if not result.text.strip():
             self.history[-1]["content"] = "*(empty answer)*"
+        reference = glyph_reference(self.grid_cells, asked)
+        if reference is not None:
+            self.note(f"*Reference (read off the grid's pixels): {reference.answer} — "
+                      f"**{judge(reference, result.text)}**.*")
+        elif missing_from_grid(self.grid_cells, asked):
+            self.note(f"*No reference: {missing_from_grid(self.grid_cells, asked)}.*")
         if visual is not None:
             visual.use_trace(result.trace)
         self.answering = False
@@ -838,6 +908,26 @@ def _close_session(session) -> None:
 
 # ---- examples -----------------------------------------------------------------------------------
 
+GLYPH_EXAMPLE_DIALOGUES = (0, 1)  # dev-split dialogues: a list question first, then a fact question first
+
+
+def make_glyph_examples(folder: str) -> list[tuple[str, str, str | None]]:
+    """``(label, question, file or None)``: dev-split glyph grids with their benchmark questions, each
+    grid's first question (with the file) followed by its first follow-up (without)."""
+    from raincheck_hf.quality.glyphs import benchmark_split
+
+    dialogues = benchmark_split("dev", limit=max(GLYPH_EXAMPLE_DIALOGUES) + 1)
+    samples = []
+    for number, index in enumerate(GLYPH_EXAMPLE_DIALOGUES, 1):
+        d = dialogues[index]
+        path = os.path.join(folder, f"glyphs-{d.uid}.png")
+        d.image().save(path)
+        first = "list question" if d.turns[0].kind == "list" else "one fact"
+        samples.append((f"Grid {number} ({d.grid}×{d.grid}): {first}", d.turns[0].question, path))
+        samples.append((f"Grid {number}: follow-up", d.turns[1].question, None))
+    return samples
+
+
 def make_examples(folder: str) -> dict:
     """Example files drawn with `raincheck_hf.tiny`'s drawers: two images and a short H.264 video."""
     import numpy as np
@@ -886,10 +976,12 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16, max_new_tokens: int = 64,
                slow_motion_ms: int = 0, max_video_frames: int = MAX_VIDEO_FRAMES, concurrency: int = 4,
                preload: bool = True, refresh_every: float = 0.25):
-    """The Gradio app, not launched. ``model_id=None`` is the bundled tiny model (random weights).
+    """The Gradio app, not launched. ``model_id=None`` is the bundled glyph Qwen3-VL (``qwen3_vl``).
 
     The keyword arguments are the controls' starting values. With ``preload`` the model is loaded
-    now; one that cannot be loaded falls back to the tiny model, with the error shown on the page.
+    now; one that cannot be loaded falls back to the bundled default (the tiny model if even that
+    is missing), with the error shown on the page. With a bundled model first, the examples are
+    glyph grids with benchmark questions; otherwise generated pictures and a clip.
     """
     import gradio as gr
 
@@ -899,22 +991,43 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                      chunk_size, decode_guard)
     start.config()  # bad settings fail here, naming the setting
     first_note = None
-    if preload:
-        try:
-            load_model(start.model)
-        except ModelLoadError as error:
-            plain = str(error).replace("**", "")
-            print(f"[raincheck demo] {plain} Falling back to the bundled tiny model.", file=sys.stderr)
-            first_note = f"**Problem:** {error}"
-            start = replace(start, model=TINY_MODEL)
-            load_model(TINY_MODEL)
-    model_text = TINY_NOTE if start.model == TINY_MODEL else f"Model: **{start.model}**."
+    loaded = None
+    if preload:  # the model asked for; failing that, the bundled default; failing that, the tiny one
+        problems = []
+        for candidate in dict.fromkeys([start.model, DEFAULT_MODEL, TINY_MODEL]):
+            try:
+                loaded = load_model(candidate)
+                break
+            except ModelLoadError as error:
+                problems.append(error)
+        if problems:
+            fallback = "the tiny model (random weights)" if loaded.is_tiny else f"the bundled model {loaded.name}"
+            print(f"[raincheck demo] {str(problems[0]).replace('**', '')} Falling back to {fallback}.",
+                  file=sys.stderr)
+            first_note = f"**Problem:** {problems[0]}"
+        start = replace(start, model=loaded.name)
+    if loaded is not None:
+        model_text = loaded.note
+    elif start.model == TINY_MODEL:
+        model_text = TINY_NOTE
+    else:
+        model_text = f"Model: **{BUNDLED_LABELS.get(start.model, start.model)}**."
     if first_note:
         model_text = f"{first_note}\n\n{model_text}"
 
     folder = tempfile.mkdtemp(prefix="raincheck-demo-")
     atexit.register(shutil.rmtree, folder, True)
-    examples = make_examples(folder)
+    glyph_examples = start.model in BUNDLED_LABELS
+    if glyph_examples:
+        samples = make_glyph_examples(folder)
+    else:
+        examples = make_examples(folder)
+        samples = [("Image: first question", "What is in this image?", examples["blocks"]),
+                   ("Image: follow-up", "Which colour is the block in the top-left corner?", None),
+                   ("Video: first question", "What happens in the video?", examples.get("video")),
+                   ("Video: follow-up", "What changes between the first and the last frame?", None),
+                   ("Tall image: one sentence", "Describe the picture in one sentence.", examples["tall"])]
+        samples = [s for s in samples if not s[0].startswith("Video") or "video" in examples]
     ChatTextbox = _chat_textbox_class()
 
     # sessions by Gradio's session hash, so that closing the tab closes its conversation right away
@@ -939,23 +1052,22 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             "The model reads only some of an image's tokens before it starts to answer (*prefilled first*). "
             "The rest are **deferred**: restored into the cache while it answers and in idle time afterwards, "
             "so a follow-up question sees the whole image. Ask about an image or a video, then ask a follow-up."
+            + (" With the bundled glyph model, click a grid's first question below, then its follow-up."
+               if glyph_examples else "")
         )
         model_note = gr.Markdown(model_text, elem_id="rc-model-note")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=360):
                 chatbot = gr.Chatbot(label="Chat", elem_id="rc-chat", height=500, buttons=["copy"],
                                      group_consecutive_messages=False,
-                                     placeholder="Attach an image or a video (or click an example below) and ask "
-                                                 "about it.")
+                                     placeholder=("Click an example below (a glyph grid and a benchmark question), "
+                                                  "or attach a grid and ask about it." if glyph_examples else
+                                                  "Attach an image or a video (or click an example below) and ask "
+                                                  "about it."))
                 textbox = ChatTextbox(file_types=["image", "video"], file_count="multiple", sources=["upload"],
-                                      placeholder="Ask about an image or a video…", show_label=False,
+                                      placeholder=("e.g. what is the background of the red g3 ?" if glyph_examples
+                                                   else "Ask about an image or a video…"), show_label=False,
                                       elem_id="rc-input", autofocus=True)
-                samples = [("Image: first question", "What is in this image?", examples["blocks"]),
-                           ("Image: follow-up", "Which colour is the block in the top-left corner?", None),
-                           ("Video: first question", "What happens in the video?", examples.get("video")),
-                           ("Video: follow-up", "What changes between the first and the last frame?", None),
-                           ("Tall image: one sentence", "Describe the picture in one sentence.", examples["tall"])]
-                samples = [s for s in samples if not s[0].startswith("Video") or "video" in examples]
                 gr.Examples(examples=[[{"text": text, "files": [path] if path else []}] for _, text, path in samples],
                             inputs=[textbox], example_labels=[label for label, _, _ in samples],
                             label="Examples: a first question, then its follow-up")
@@ -969,9 +1081,10 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                                elem_id="rc-figures")
         with gr.Accordion("Settings (changing one starts a new conversation)", open=True):
             with gr.Row():
-                model_box = gr.Dropdown([start.model] + ([TINY_MODEL] if start.model != TINY_MODEL else []),
-                                        value=start.model, allow_custom_value=True, label="Model",
-                                        info="the bundled default, a Hub id or a local folder", elem_id="rc-model")
+                model_box = gr.Dropdown(model_choices(start.model), value=start.model, allow_custom_value=True,
+                                        label="Model", elem_id="rc-model",
+                                        info="a bundled glyph model (trained on the glyph task only), the tiny "
+                                             "random one, a Hub id or a local folder")
                 mode_box = gr.Radio(list(MODES_SHOWN), value=start.mode, label="Mode", elem_id="rc-mode",
                                     info="raincheck: restore during and after the answer · post_answer: after it · "
                                          "hard: drop the deferred tokens · full: no pruning")
@@ -1011,8 +1124,8 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             elif step.textbox == "keep_files":
                 out[textbox] = gr.update(value={"text": "", "files": list(step.files)}, interactive=True)
             if step.model_choice is not None:
-                choices = list(dict.fromkeys([step.model_choice, start.model, TINY_MODEL]))
-                out[model_box] = gr.update(value=step.model_choice, choices=choices)
+                out[model_box] = gr.update(value=step.model_choice, choices=model_choices(step.model_choice,
+                                                                                           start.model))
             if step.model_note is not None:
                 out[model_note] = step.model_note
             return out
@@ -1073,7 +1186,9 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a local folder or Hub id (default: the bundled tiny model)")
+    parser.add_argument("--model", default=None,
+                        help="qwen3_vl (default: the bundled glyph Qwen3-VL) | qwen3_5 (the bundled glyph Qwen3.5) | "
+                             "tiny (random weights) | a local folder or Hub id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=None, help="port (default 7860, or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")

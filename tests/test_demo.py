@@ -1,7 +1,10 @@
-"""The Gradio demo through its API: `gradio_client` against ``demo.launch(prevent_thread_lock=True)``.
+"""The Gradio demo through its API (`gradio_client` against ``demo.launch(prevent_thread_lock=True)``),
+the helpers it shares with the CLI, and the CLI chat (``python -m raincheck_hf chat``) in-process.
 
-The app runs the bundled tiny model (random weights), so the tests look at the mechanics, never at
-the words: streaming, the trace figures, idle-time restoration, bad input, and session isolation.
+The app runs its default, the bundled glyph Qwen3-VL (trained on the glyph-grid benchmark), so the
+tests look at the words as well as the mechanics: answers against the references read off the
+grid, streaming, the trace figures, restoration during and after the answer, bad input, session
+isolation, and that the bundled Qwen3.5 and the random tiny model are still one setting away.
 """
 
 from __future__ import annotations
@@ -15,18 +18,136 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-pytest.importorskip("gradio")
-pytest.importorskip("gradio_client")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `demo` lives beside the package
+from raincheck_hf.quality.glyphs import benchmark_split, dialogue, score_turn
+from raincheck_hf.tiny import draw_test_image
 
-from gradio_client import Client, handle_file  # noqa: E402
-
-from raincheck_hf.tiny import draw_test_image  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # outputs of /chat: chatbot, picture, caption, figures, status, timer, model, model note, textbox
-CHAT, PICTURE, CAPTION, FIGURES, STATUS = range(5)
-ANSWER_TOKENS = 8  # shorter than the decode guard (16): every deferred token is restored after the answer
+CHAT, PICTURE, CAPTION, FIGURES, STATUS, TIMER, MODEL, MODEL_NOTE = range(8)
+ANSWER_TOKENS = 64  # room for a 20-fact list answer (60 words and the end token)
+GUARD = 16  # RaincheckConfig's default decode guard: no restoration during shorter answers
+DEV = benchmark_split("dev", limit=3)
+LIST_FIRST, FACT_FIRST = DEV[0], DEV[1]  # dev-000 starts with a list question, dev-001 with a fact
+SMALL = dialogue(7, 4, long_first=True, uid="small-4")  # a 4×4 grid: 16 visual tokens
+
+
+# ---- helpers shared by the CLI and the demo (no model needed) ------------------------------------
+
+def test_glyph_grids_are_read_back_from_their_pixels():
+    from raincheck_hf.__main__ import read_glyph_grid
+
+    for d in [*benchmark_split("dev", limit=8), *(dialogue(s, n) for s, n in ((1, 2), (2, 3), (3, 7)))]:
+        cells = read_glyph_grid(d.image())
+        assert cells is not None and sorted(cells, key=lambda c: (c.row, c.col)) == sorted(
+            d.cells, key=lambda c: (c.row, c.col))
+    assert read_glyph_grid(draw_test_image(320, 320, seed=0)) is None  # not a glyph grid
+    assert read_glyph_grid(draw_test_image(384, 288, seed=0)) is None  # not square
+    jpeg = LIST_FIRST.image().resize((319, 319)).resize((320, 320))  # resampled: no longer exact
+    assert read_glyph_grid(jpeg) is None
+
+
+def test_references_match_the_benchmark_answers():
+    from raincheck_hf.__main__ import glyph_reference, judge, missing_from_grid
+
+    for d in benchmark_split("dev"):
+        for turn in d.turns:
+            reference = glyph_reference(d.cells, turn.question)
+            assert reference is not None and reference.answer == turn.answer and reference.facts == turn.facts
+            loose = glyph_reference(d.cells, turn.question.upper().rstrip(" ?."))  # case and punctuation aside
+            assert loose is not None and (loose.answer, loose.facts) == (reference.answer, reference.facts)
+    turn = LIST_FIRST.turns[0]
+    assert judge(glyph_reference(LIST_FIRST.cells, turn.question), turn.answer) == f"{len(turn.facts)}/{len(turn.facts)} facts right"
+    fact = FACT_FIRST.turns[0]
+    assert judge(glyph_reference(FACT_FIRST.cells, fact.question), fact.answer) == "right"
+    assert glyph_reference(LIST_FIRST.cells, "what is in this image ?") is None
+    absent = next(g for g in (f"g{i}" for i in range(12)) if g not in {c.glyph for c in SMALL.cells})
+    colour = SMALL.cells[0].colour
+    question = f"what is the background of the {colour} {absent} ?"
+    assert glyph_reference(SMALL.cells, question) is None
+    assert missing_from_grid(SMALL.cells, question) == f"this grid has no {colour} {absent}"
+
+
+def test_model_names():
+    from raincheck_hf.__main__ import resolve_model
+
+    assert resolve_model(None) == ("bundled", "qwen3_vl")
+    assert resolve_model("qwen3_5") == resolve_model("glyph-qwen3_5") == ("bundled", "qwen3_5")
+    assert resolve_model("Qwen3-VL") == ("bundled", "qwen3_vl")
+    assert resolve_model("tiny") == ("tiny", "tiny")
+    assert resolve_model("/models/Qwen3-VL-8B-Instruct") == ("checkpoint", "/models/Qwen3-VL-8B-Instruct")
+
+
+# ---- the CLI chat ---------------------------------------------------------------------------------
+
+def run_cli(capsys, *argv):
+    from raincheck_hf.__main__ import main
+
+    code = main(["chat", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_chat_default_replays_a_dev_dialogue_on_the_bundled_model(capsys):
+    code, out, err = run_cli(capsys)
+    assert code == 0
+    assert "bundled glyph Qwen3-VL" in err and "Qwen3VLForConditionalGeneration" in err
+    assert "RANDOM" not in err and "gibberish" not in (out + err)
+    assert "glyph grid of dev dialogue dev-000" in err
+    first, second = LIST_FIRST.turns[:2]
+    assert f"you> {first.question}" in out and f"you> {second.question}" in out
+    assert out.count("you> ") == 2  # a two-turn exchange
+    assert f"reference> {first.answer}   [" in out and f"reference> {second.answer}   [right]" in out
+    answers = [line.removeprefix("assistant> ") for line in out.splitlines() if line.startswith("assistant> ")]
+    assert len(answers) == 2
+    assert score_turn(first, answers[0])["correct"] >= 15, answers[0]  # Raincheck restores what the list needs
+    assert score_turn(second, answers[1])["correct"] == 1, answers[1]
+    assert "visual tokens 100: 30 selected (prefilled first), 70 deferred" in out
+    stats = [line for line in out.splitlines() if line.startswith("  [ttft ")]
+    assert len(stats) == 2 and all(" ms | tpot " in line for line in stats)
+    assert "restored during the answer 70" in stats[0]  # a 60-word answer restores everything as it goes
+    assert "no new visual tokens" in stats[1]
+
+
+def test_cli_chat_fact_first_restores_in_idle_time_and_qwen3_5_is_bundled_too(capsys):
+    code, out, err = run_cli(capsys, "--model", "qwen3_5", "--dialogue", "1")
+    assert code == 0 and "bundled glyph Qwen3.5" in err and "Qwen3_5ForConditionalGeneration" in err
+    assert "falling back to its reference PyTorch" not in out  # said once on stderr instead, not mid-answer
+    first, second = FACT_FIRST.turns[:2]
+    assert f"reference> {first.answer}   [right]" in out and f"reference> {second.answer}   [right]" in out
+    assert "restored during the answer 0, after it 0, pending 70" in out  # the answer is shorter than the guard
+    assert "[idle-time restoration: 70 restored after the answer, 0 still pending]" in out
+
+
+def test_cli_chat_tiny_model_still_says_random_weights(capsys):
+    code, out, err = run_cli(capsys, "--model", "tiny", "--question", "What is in this image?", "--max-new-tokens", "4")
+    assert code == 0 and "RANDOM weights" in err and "gibberish" in err
+    assert "reference>" not in out and "visual tokens 48" in out
+
+
+def test_cli_chat_unknown_words_and_bad_settings(capsys, tmp_path):
+    grid = tmp_path / "grid.png"
+    SMALL.image().save(grid)
+    code, out, err = run_cli(capsys, "--image", str(grid), "--question", "What is in this image?",
+                             "--question", SMALL.turns[1].question.upper(), "--max-new-tokens", "8")
+    assert code == 0
+    assert "does not know 'in', 'this', 'image'" in out
+    assert f"reference> {SMALL.turns[1].answer}   [" in out  # read off the user's own (lossless) grid
+    code, _, err = run_cli(capsys, "--retention", "1.5")
+    assert code == 2 and "retention" in err
+    code, _, err = run_cli(capsys, "--dialogue", "99")
+    assert code == 2 and "--dialogue" in err
+
+
+# ---- the demo through its API -----------------------------------------------------------------------
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+sys.path.insert(0, str(ROOT))  # `demo` lives beside the package
+
+
+def new_client(url):
+    gradio_client = pytest.importorskip("gradio_client")
+    return gradio_client.Client(url, verbose=False, download_files=False, analytics_enabled=False)
 
 
 def free_port() -> int:
@@ -37,6 +158,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app_url():
+    pytest.importorskip("gradio")
+    pytest.importorskip("gradio_client")
     from demo.app import build_demo
 
     demo = build_demo(max_new_tokens=ANSWER_TOKENS)
@@ -50,16 +173,19 @@ def app_url():
 
 @pytest.fixture
 def client(app_url):
-    return Client(app_url, verbose=False, download_files=False, analytics_enabled=False)
+    return new_client(app_url)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo-files")
-    paths = {"blocks": folder / "blocks.png", "small": folder / "small.png", "big": folder / "big.png",
+    paths = {"list": folder / "dev-000.png", "fact": folder / "dev-001.png", "small": folder / "small.png",
+             "blocks": folder / "blocks.png", "big": folder / "big.png",
              "text": folder / "notes.txt", "empty": folder / "empty.png", "broken": folder / "broken.png"}
-    draw_test_image(384, 288, seed=1).save(paths["blocks"])  # 12 × 9 = 108 merged tokens
-    draw_test_image(128, 96, seed=2).save(paths["small"])  # 4 × 3 = 12 merged tokens
+    LIST_FIRST.image().save(paths["list"])  # 10 × 10 = 100 merged tokens
+    FACT_FIRST.image().save(paths["fact"])
+    SMALL.image().save(paths["small"])  # 4 × 4 = 16 merged tokens
+    draw_test_image(384, 288, seed=1).save(paths["blocks"])  # 12 × 9 = 108 merged tokens, not a grid
     draw_test_image(1600, 1200, seed=3).save(paths["big"])  # over the processor's pixel limit
     paths["text"].write_text("not a picture")
     paths["empty"].write_bytes(b"")
@@ -68,19 +194,24 @@ def files(tmp_path_factory):
 
 
 def ask(client, text, *paths, **controls):
+    from gradio_client import handle_file
+
     job = client.submit({"text": text, "files": [handle_file(p) for p in paths]}, api_name="/chat", **controls)
-    return job.result(timeout=120), job.outputs()
-
-
-def last_text(chat) -> str:
-    return chat[-1]["content"][0].get("text", "")
+    return job.result(timeout=180), job.outputs()
 
 
 def texts(chat, role) -> list[str]:
     return [m["content"][0]["text"] for m in chat if m["role"] == role and m["content"][0].get("type") == "text"]
 
 
-def status_when(client, done, timeout: float = 30.0) -> dict:
+def answer_and_reference(chat) -> tuple[str, str]:
+    """The last model answer and the reference note after it."""
+    said = texts(chat, "assistant")
+    assert said[-1].startswith("*Reference"), said[-3:]
+    return said[-2], said[-1]
+
+
+def status_when(client, done, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         status = client.predict(api_name="/status")[STATUS]
@@ -89,77 +220,126 @@ def status_when(client, done, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
-def test_two_turns_stream_and_the_follow_up_comes_after_restoration(client, files):
-    final, outputs = ask(client, "What is in this image?", files["blocks"])
-    partials = {last_text(o[CHAT]) for o in outputs if isinstance(o[CHAT], list) and o[CHAT]
+def test_demo_default_is_the_bundled_glyph_model_with_glyph_examples(app_url):
+    from demo.app import DEFAULT_MODEL, build_demo, load_model
+
+    note = load_model(None).note  # what the page's model note says (the app loaded it already)
+    assert DEFAULT_MODEL == "qwen3_vl" and "knows only that task" in note and "<unk>" in note
+    assert "Qwen3VLForConditionalGeneration" in note and "random weights" not in note
+    config = build_demo(preload=False).config
+    labels = [label for c in config["components"] for label in (c.get("props", {}).get("sample_labels") or [])]
+    assert labels[:2] == ["Grid 1 (10×10): list question", "Grid 1: follow-up"], labels
+    samples = [s for c in config["components"] for s in (c.get("props", {}).get("samples") or [])]
+    assert samples[0][0]["text"] == LIST_FIRST.turns[0].question, samples[0]
+
+
+def test_demo_list_question_streams_restores_during_the_answer_and_the_follow_up_is_right(client, files):
+    first_turn, second_turn = LIST_FIRST.turns[:2]
+    final, outputs = ask(client, first_turn.question, files["list"])
+    partials = {texts(o[CHAT], "assistant")[-1] for o in outputs if isinstance(o[CHAT], list) and o[CHAT]
                 and o[CHAT][-1]["role"] == "assistant"}
     assert len(partials) >= 3, "the answer did not stream"
     first = final[STATUS]["turn_figures"][0]
-    assert first["visual_tokens"] == 108 and first["selected"] + first["deferred"] == 108
-    assert 0 < first["deferred"] < 108 and first["answer_tokens"] == ANSWER_TOKENS
-    assert first["restored_during_answer"] == 0  # the answer is shorter than the guard
+    assert first["visual_tokens"] == 100 and first["selected"] == 30 and first["deferred"] == 70
+    assert first["answer_tokens"] > GUARD and first["restored_during_answer"] > 0
+    answer, reference = answer_and_reference(final[CHAT])
+    assert score_turn(first_turn, answer)["correct"] >= 15, answer
+    assert first_turn.answer in reference and "facts right" in reference
     assert final[STATUS]["picture"]["segments"] == [
-        {"modality": "image", "grid": [1, 9, 12], "size": [384, 288], "label": "image 1"}]
+        {"modality": "image", "grid": [1, 10, 10], "size": [320, 320], "label": "image 1"}]
     assert final[PICTURE] and Path(final[PICTURE]["path"]).is_file()
 
-    # idle-time restoration finishes in the background; the status endpoint (the page's timer) sees it
     status = status_when(client, lambda s: s["pending"] == 0)
-    assert status["pending"] == 0 and status["restored"] == first["deferred"] and status["restored_once"]
-    assert status["turn_figures"][0]["restored_after_answer"] == first["deferred"]
+    assert status["pending"] == 0 and status["restored"] == 70 and status["restored_once"]
+    figures = status["turn_figures"][0]
+    assert figures["restored_during_answer"] + figures["restored_after_answer"] == 70
 
-    final, outputs = ask(client, "Which colour is the block in the top-left corner?")
+    final, _ = ask(client, second_turn.question)
     second = final[STATUS]["turn_figures"][1]
-    assert second["restored_at_prefill"] == 0, "the follow-up found deferred tokens still pending"
-    assert second["visual_tokens"] == 0 and second["answer_tokens"] == ANSWER_TOKENS
-    assert final[STATUS]["restored"] == first["deferred"] and final[STATUS]["restored_once"]
+    assert second["restored_at_prefill"] == 0 and second["visual_tokens"] == 0
+    answer, reference = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == second_turn.answer and reference.endswith("**right**.*")
     assert len(final[FIGURES]["data"]) == 2
-    assert texts(final[CHAT], "user") == ["What is in this image?", "Which colour is the block in the top-left corner?"]
+    assert texts(final[CHAT], "user") == [first_turn.question, second_turn.question]
     assert "every deferred token is in the cache" in final[CAPTION]
 
 
-def test_bad_input_gets_a_message_and_the_conversation_goes_on(client, files):
-    final, _ = ask(client, "What is in this image?", files["small"])
-    assert final[STATUS]["turns"] == 1
+def test_demo_fact_question_restores_in_idle_time(client, files):
+    first_turn, second_turn = FACT_FIRST.turns[:2]
+    final, _ = ask(client, first_turn.question, files["fact"])
+    first = final[STATUS]["turn_figures"][0]
+    assert first["answer_tokens"] < GUARD and first["restored_during_answer"] == 0
+    answer, reference = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == first_turn.answer and reference.endswith("**right**.*")
+    status = status_when(client, lambda s: s["pending"] == 0 and s["turn_figures"][0]["pending"] == 0)
+    assert status["turn_figures"][0]["restored_after_answer"] == 70 and status["restored_once"]
+    final, _ = ask(client, second_turn.question.upper())  # the vocabulary is lowercase: the demo lowercases
+    assert final[STATUS]["turn_figures"][1]["restored_at_prefill"] == 0
+    answer, _ = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == second_turn.answer
+
+
+def test_demo_bad_input_gets_a_message_and_the_conversation_goes_on(client, files):
+    final, _ = ask(client, SMALL.turns[0].question, files["small"])
+    assert final[STATUS]["turns"] == 1 and final[STATUS]["turn_figures"][0]["visual_tokens"] == 16
     cases = {"text": "is not an image or a video", "empty": "is empty", "broken": "could not be read as an image"}
     for key, expected in cases.items():
         final, _ = ask(client, "And this one?", files[key])
-        message = last_text(final[CHAT])
+        message = texts(final[CHAT], "assistant")[-1]
         assert expected in message and os.path.basename(files[key]) in message
         assert "Nothing was sent to the model" in message
         assert final[STATUS]["turns"] == 1  # nothing reached the model
 
     final, _ = ask(client, "")
-    assert "The message is empty" in last_text(final[CHAT])
+    assert "The message is empty" in texts(final[CHAT], "assistant")[-1]
     final, _ = ask(client, "", files["small"])
-    assert "Add a question" in last_text(final[CHAT])
+    assert "Add a question" in texts(final[CHAT], "assistant")[-1]
 
     final, _ = ask(client, "Describe it.", files["big"])
-    assert any("1600×1200" in t and "resized to" in t for t in texts(final[CHAT], "assistant"))
+    notes = texts(final[CHAT], "assistant")
+    assert any("1600×1200" in t and "resized to" in t for t in notes)
+    assert any("does not know **describe**, **it**" in t and "<unk>" in t for t in notes)
+    assert not notes[-1].startswith("*Reference")  # not a glyph grid: no reference
     assert final[STATUS]["turns"] == 2
-    assert final[STATUS]["picture"]["segments"][0]["size"][0] * final[STATUS]["picture"]["segments"][0]["size"][1] \
-        <= 384 * 384
+    size = final[STATUS]["picture"]["segments"][0]["size"]
+    assert size[0] * size[1] <= 448 * 448  # the glyph processor keeps at most 14 × 14 cells
 
     final, _ = ask(client, "Still there?", model="/no/such/model")
     notes = texts(final[CHAT], "assistant")
     assert any("Could not load model" in t and "/no/such/model" in t for t in notes)
-    assert final[STATUS]["turns"] == 3 and final[STATUS]["settings"]["model"].startswith("tiny")
+    assert final[STATUS]["turns"] == 3 and final[STATUS]["settings"]["model"] == "qwen3_vl"
 
 
-def test_changing_a_setting_starts_a_new_conversation_with_a_note(client, files):
-    final, _ = ask(client, "What is in this image?", files["small"])
+def test_demo_changing_a_setting_starts_a_new_conversation_with_a_note(client, files):
+    final, _ = ask(client, SMALL.turns[0].question, files["small"])
     assert final[STATUS]["conversation"] == 1 and final[STATUS]["turns"] == 1
-    final, _ = ask(client, "And now?", files["blocks"], mode="hard", retention=0.5)
+    final, _ = ask(client, FACT_FIRST.turns[0].question, files["fact"], mode="hard", retention=0.5)
     notes = texts(final[CHAT], "assistant")
     assert any("New conversation" in t and "mode → hard" in t and "retention → 0.5" in t for t in notes)
     status = final[STATUS]
     assert status["conversation"] == 2 and status["turns"] == 1  # the earlier turn is not part of it
     figures = status["turn_figures"][0]
-    assert figures["selected"] == 54 and figures["dropped"] == figures["deferred"] == 54
-    assert status["dropped"] == 54 and status["pending"] == 0 and status["restored"] == 0
+    assert figures["selected"] == 50 and figures["dropped"] == figures["deferred"] == 50
+    assert status["dropped"] == 50 and status["pending"] == 0 and status["restored"] == 0
     assert "dropped tokens are gone for good" in final[CAPTION]
 
 
-def test_a_long_video_is_sampled_and_drawn_per_slice(client, tmp_path):
+def test_demo_bundled_qwen3_5_and_the_random_tiny_model_are_one_setting_away(client, files):
+    final, outputs = ask(client, FACT_FIRST.turns[0].question, files["fact"], model="qwen3_5")
+    assert final[STATUS]["settings"]["model"] == "qwen3_5"
+    notes = [o[MODEL_NOTE] for o in outputs if isinstance(o[MODEL_NOTE], str)]
+    assert any("glyph Qwen3.5" in n and "Qwen3_5ForConditionalGeneration" in n for n in notes), notes
+    answer, reference = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == FACT_FIRST.turns[0].answer and reference.endswith("**right**.*")
+
+    final, outputs = ask(client, "What is in this image?", files["blocks"], model="tiny")
+    assert final[STATUS]["settings"]["model"].startswith("tiny")
+    assert any(isinstance(o[MODEL_NOTE], str) and "random weights" in o[MODEL_NOTE] for o in outputs)
+    assert final[STATUS]["turn_figures"][0]["visual_tokens"] == 108
+    assert not any("does not know" in t for t in texts(final[CHAT], "assistant"))  # a subword tokenizer
+
+
+def test_demo_a_long_video_is_sampled_and_drawn_per_slice(client, tmp_path):
     av = pytest.importorskip("av")
     import numpy as np
 
@@ -181,29 +361,30 @@ def test_a_long_video_is_sampled_and_drawn_per_slice(client, tmp_path):
     assert figures["visual_tokens"] == sum(s["grid"][1] * s["grid"][2] for s in segments)
 
 
-def test_two_clients_in_parallel_do_not_share_state(app_url, files):
-    clients = [Client(app_url, verbose=False, download_files=False, analytics_enabled=False) for _ in range(2)]
-    questions = [("Tell me about the large one.", files["blocks"], 108), ("Tell me about the small one.",
-                                                                          files["small"], 12)]
+def test_demo_two_clients_in_parallel_do_not_share_state(app_url, files):
+    clients = [new_client(app_url) for _ in range(2)]
+    grids = [(LIST_FIRST, files["list"], 100), (SMALL, files["small"], 16)]
     results: list = [None, None]
 
     def run(i):
-        text, path, _ = questions[i]
-        first, _ = ask(clients[i], text, path)
-        second, _ = ask(clients[i], f"Follow-up {i}?")
+        d, path, _ = grids[i]
+        first, _ = ask(clients[i], d.turns[0].question, path)
+        second, _ = ask(clients[i], d.turns[1].question)
         results[i] = (first, second)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=180)
+        t.join(timeout=300)
     assert all(r is not None for r in results), "a client did not finish"
     sessions = set()
     for i, (first, second) in enumerate(results):
-        text, _, tokens = questions[i]
+        d, _, tokens = grids[i]
         status = second[STATUS]
         sessions.add(status["session"])
         assert status["turns"] == 2 and status["turn_figures"][0]["visual_tokens"] == tokens
-        assert texts(second[CHAT], "user") == [text, f"Follow-up {i}?"]
+        assert texts(second[CHAT], "user") == [d.turns[0].question, d.turns[1].question]
+        answer, _ = answer_and_reference(second[CHAT])
+        assert answer.split()[0] == d.turns[1].answer  # each session's references follow its own grid
     assert len(sessions) == 2

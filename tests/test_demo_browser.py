@@ -1,7 +1,9 @@
 """The Gradio demo in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``).
 
-Uploads an image, asks two questions, watches the answer stream and the restoration picture
-change, and saves a screenshot to ``artifacts/demo_browser.png``.
+The app runs its default, the bundled glyph Qwen3-VL. The test uploads a glyph grid of the
+benchmark's dev split, asks its list question and its follow-up, watches the answer stream and
+the restoration picture change, checks the answers against the references the page shows, and
+saves a screenshot to ``artifacts/demo_browser.png``.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def page(tmp_path):
             context.close()
 
 
-def watch_answer(page, n_answers: int, timeout: float = 60.0, snapshot: Path | None = None) -> dict:
-    """Poll the page while an answer streams: the texts, picture sources and captions seen.
+def watch_answer(page, index: int, timeout: float = 90.0, snapshot: Path | None = None) -> dict:
+    """Poll the page while an answer streams (the ``index``-th bot message): the texts, picture
+    sources and captions seen.
 
     With ``snapshot``, also take a screenshot the first time the caption shows deferred tokens
     waiting while the answer streams.
@@ -72,7 +75,7 @@ def watch_answer(page, n_answers: int, timeout: float = 60.0, snapshot: Path | N
     bots = page.locator("#rc-chat [data-testid='bot']")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        answer = bots.nth(n_answers - 1).inner_text() if bots.count() >= n_answers else ""
+        answer = bots.nth(index).inner_text() if bots.count() > index else ""
         src = page.evaluate("() => document.querySelector('#rc-picture img')?.src || ''")
         caption = page.inner_text("#rc-caption")
         for key, value in (("answers", answer), ("pictures", src), ("captions", caption)):
@@ -99,30 +102,40 @@ def ask(page, text: str, image: str | None = None) -> None:
     box.press("Enter")
 
 
-def test_upload_two_questions_stream_and_the_picture_changes(app_url, page, tmp_path):
-    from raincheck_hf.tiny import draw_test_image
+def test_upload_a_grid_ask_two_questions_stream_and_the_picture_changes(app_url, page, tmp_path):
+    from raincheck_hf.quality.glyphs import benchmark_split, score_turn
 
-    image = tmp_path / "blocks.png"
-    draw_test_image(384, 288, seed=7).save(image)
+    grid = benchmark_split("dev", limit=1)[0]  # dev-000: a 20-fact list question, then follow-ups
+    first_turn, second_turn = grid.turns[:2]
+    image = tmp_path / "grid.png"
+    grid.image().save(image)
     page.goto(app_url)
     page.wait_for_selector("#rc-input textarea")
-    assert "random weights" in page.inner_text("#rc-model-note")
+    note = page.inner_text("#rc-model-note")
+    assert "glyph Qwen3-VL" in note and "knows only that task" in note and "random weights" not in note
+    assert page.get_by_text("Grid 1 (10×10): list question").count() >= 1  # the glyph examples
 
     ARTIFACT.parent.mkdir(exist_ok=True)
-    ask(page, "What is in this image?", str(image))
-    first = watch_answer(page, 1, snapshot=STREAMING_ARTIFACT)
+    ask(page, first_turn.question, str(image))
+    first = watch_answer(page, 0, snapshot=STREAMING_ARTIFACT)
     assert not first["errors"], f"Gradio showed an error: {first['errors']}"
     assert len(first["answers"]) >= 3, f"the answer did not stream: {first['answers']}"
     assert len(first["pictures"]) >= 2, "the restoration picture did not change"
     assert any("answering" in c and " 0 restored" in c for c in first["captions"]), first["captions"]
     assert "every deferred token is in the cache" in first["captions"][-1]
     assert " 0 deferred" in first["captions"][-1]
+    bots = page.locator("#rc-chat [data-testid='bot']")
+    assert score_turn(first_turn, bots.nth(0).inner_text())["correct"] >= 15, bots.nth(0).inner_text()
+    page.wait_for_function("() => document.querySelectorAll(\"#rc-chat [data-testid='bot']\").length >= 2")
+    assert "Reference" in bots.nth(1).inner_text() and "facts right" in bots.nth(1).inner_text()
 
-    ask(page, "Which colour is the block in the top-left corner?")
+    ask(page, second_turn.question)
     second = watch_answer(page, 2)
     assert not second["errors"], f"Gradio showed an error: {second['errors']}"
-    assert len(second["answers"]) >= 3
-    assert page.locator("#rc-chat [data-testid='bot']").count() == 2
+    assert second["answers"][-1].split()[0] == second_turn.answer, second["answers"]
+    page.wait_for_function("() => document.querySelectorAll(\"#rc-chat [data-testid='bot']\").length >= 4")
+    assert bots.count() == 4  # two answers, each followed by its reference
+    assert "Reference" in bots.nth(3).inner_text() and "right" in bots.nth(3).inner_text()
     assert page.locator("#rc-chat [data-testid='user']").count() >= 2
     cells = page.inner_text("#rc-figures").split("dropped", 1)[1].split()  # the table's cells, row by row
     assert len(cells) == 2 * 9 and cells[0] == "1" and cells[9] == "2", cells
