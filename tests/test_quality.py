@@ -253,3 +253,27 @@ def test_recovery_and_merging_results_split_over_processes():
     assert "raincheck | uniform" in markdown([merged])
     with pytest.raises(ValueError, match="model"):
         merge([a, dict(b, model="other")])
+
+
+def test_eval_cli_on_a_saved_checkpoint_and_user_jsonl(tmp_path):
+    """`--model PATH` (what a Hub id resolves to) with user data and a custom scorer, end to end."""
+    from raincheck_hf.eval.__main__ import main
+    from raincheck_hf.eval.scoring import get_scorer
+    from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image
+
+    build_tiny_qwen3_vl(seed=0).save_pretrained(tmp_path / "model")
+    build_tiny_processor().save_pretrained(tmp_path / "model")
+    draw_test_image(128, 96, seed=3).save(tmp_path / "photo.png")
+    row = {"id": "photo", "images": ["photo.png"],
+           "turns": [{"question": "What is in this image?", "answer": "blocks"}, {"question": "And now?", "answer": "yes"}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    assert get_scorer("raincheck_hf.eval.scoring:exact_scorer") is get_scorer("exact")
+    main(["run", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"), "--modes", "full,hard,raincheck",
+          "--selectors", "uniform", "--scorer", "raincheck_hf.eval.scoring:contains_scorer", "--bootstrap", "10",
+          "--json", str(tmp_path / "out.json"), "--markdown", str(tmp_path / "out.md")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert set(out["runs"]) == {"full/-", "hard/uniform", "raincheck/uniform"} and out["uids"] == ["photo"]
+    records = out["runs"]["raincheck/uniform"][0]
+    assert [r["category"] for r in records] == ["first_text", "follow_up"]
+    assert records[0]["selected"] > 0 and records[0]["deferred"] > 0
+    assert "raincheck | uniform" in (tmp_path / "out.md").read_text()
