@@ -205,7 +205,11 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
                 ctx.serving.update({id(p): out[:, n_d:] for p, out in zip(projections, shared)})
             outs.append(original(hidden_states[:, n_d:], cache=cache, **kwargs))
             if split.rest_kind == GENERATED:
-                boundary.append(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
+                # The suffix map is only needed while deferred rows wait to be joined at this boundary;
+                # with none pending (full, hard, or all restored) no join can follow before the next
+                # turn's input resets the boundary, so skip the per-token M update.
+                if cache.num_pending:
+                    boundary.append(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
             else:  # a turn's input: its own deferred rows go after it
                 boundary.reset()
     finally:
