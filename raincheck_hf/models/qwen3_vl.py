@@ -72,6 +72,16 @@ class RowBatch:
         )
 
 
+def _hook_devices(module):
+    """``(execution_device, offloads)`` of each accelerate `AlignDevicesHook` on ``module`` (none without hooks)."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        yield device, bool(getattr(h, "offload", False))
+
+
 def execution_device(module) -> torch.device:
     """The device ``module`` computes on, also when accelerate dispatched or offloaded it.
 
@@ -79,11 +89,9 @@ def execution_device(module) -> torch.device:
     runs on the hook's ``execution_device`` whatever its parameters' device (``meta`` when offloaded);
     otherwise it is the device of its first parameter that holds data, CPU for a module without any.
     """
-    hook = getattr(module, "_hf_hook", None)
-    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
-        device = getattr(h, "execution_device", None)
+    for device, _ in _hook_devices(module):
         if device is not None:
-            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+            return device
     for p in module.parameters():
         if p.device.type != "meta":
             return p.device
@@ -98,12 +106,10 @@ def accelerate_split(model) -> str | None:
     """
     devices, offloaded = set(), 0
     for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
-            device = getattr(h, "execution_device", None)
+        for device, offloads in _hook_devices(module):
             if device is not None:
-                devices.add(str(torch.device(device if not isinstance(device, int) else f"cuda:{device}")))
-            offloaded += bool(getattr(h, "offload", False))
+                devices.add(str(device))
+            offloaded += offloads
     parts = []
     if len(devices) > 1:
         parts.append(f"over the devices {sorted(devices)}")
