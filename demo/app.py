@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from raincheck_hf.__main__ import (glyph_reference, judge, missing_from_grid, read_glyph_grid, resolve_model,
-                                   unknown_words)
+from raincheck_hf.__main__ import resolve_model, unknown_words
+from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
 
 TINY_MODEL = "tiny-random (built in code)"
 DEFAULT_MODEL = "qwen3_vl"  # the bundled glyph Qwen3-VL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -85,3 +87,21 @@ INPUT_CASES = {
 @pytest.fixture(params=sorted(INPUT_CASES), ids=sorted(INPUT_CASES))
 def case_inputs(request, processor):
     return make_inputs(processor, **INPUT_CASES[request.param])
+
+
+@contextlib.contextmanager
+def serve_demo(**build_kwargs):
+    """The Gradio demo served on a free local port for the span of the block; yields its URL."""
+    import socket
+
+    from demo.app import build_demo
+
+    demo = build_demo(**build_kwargs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()

@@ -10,7 +10,6 @@ isolation, and that the bundled Qwen3.5 and the random tiny model are still one 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -20,6 +19,8 @@ import pytest
 
 from raincheck_hf.quality.glyphs import benchmark_split, dialogue, score_turn
 from raincheck_hf.tiny import draw_test_image
+
+from conftest import serve_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +36,7 @@ SMALL = dialogue(7, 4, long_first=True, uid="small-4")  # a 4×4 grid: 16 visual
 # ---- helpers shared by the CLI and the demo (no model needed) ------------------------------------
 
 def test_glyph_grids_are_read_back_from_their_pixels():
-    from raincheck_hf.__main__ import read_glyph_grid
+    from raincheck_hf.quality.references import read_glyph_grid
 
     for d in [*benchmark_split("dev", limit=8), *(dialogue(s, n) for s, n in ((1, 2), (2, 3), (3, 7)))]:
         cells = read_glyph_grid(d.image())
@@ -48,7 +49,7 @@ def test_glyph_grids_are_read_back_from_their_pixels():
 
 
 def test_references_match_the_benchmark_answers():
-    from raincheck_hf.__main__ import glyph_reference, judge, missing_from_grid
+    from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid
 
     for d in benchmark_split("dev"):
         for turn in d.turns:
@@ -150,25 +151,12 @@ def new_client(url):
     return gradio_client.Client(url, verbose=False, download_files=False, analytics_enabled=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url():
     pytest.importorskip("gradio")
     pytest.importorskip("gradio_client")
-    from demo.app import build_demo
-
-    demo = build_demo(max_new_tokens=ANSWER_TOKENS)
-    port = free_port()
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, show_error=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serve_demo(max_new_tokens=ANSWER_TOKENS) as url:
+        yield url
 
 
 @pytest.fixture

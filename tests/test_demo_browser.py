@@ -9,13 +9,14 @@ saves a screenshot to ``artifacts/demo_browser.png``.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import serve_demo
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,18 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 @pytest.fixture(scope="module")
 def app_url():
-    from demo.app import build_demo
-
     # slow motion: a 30 ms pause per token, so that the picture has time to show each stage
-    demo = build_demo(slow_motion_ms=30)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, show_error=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serve_demo(slow_motion_ms=30) as url:
+        yield url
 
 
 @pytest.fixture

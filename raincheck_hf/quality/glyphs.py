@@ -157,6 +157,19 @@ def _fact(cell: Cell) -> tuple[str, str, str]:
     return (cell.colour, cell.glyph, cell.background)
 
 
+def fact_turn(cell: Cell, question: str | None = None) -> Turn:
+    """The single-fact turn about ``cell`` (its background)."""
+    return Turn(question or FACT_QUESTION.format(colour=cell.colour, glyph=cell.glyph), cell.background, "fact",
+                (_fact(cell),))
+
+
+def list_turn(colours, glyphs, by_pair: dict, question: str | None = None) -> Turn:
+    """The list turn for ``colours``: one (colour, glyph, background) triple per glyph, glyphs in library order."""
+    facts = tuple(_fact(by_pair[(c, g)]) for c in colours for g in glyphs)
+    return Turn(question or LIST_QUESTION.format(first=colours[0], second=colours[1]),
+                " ".join(" ".join(f) for f in facts), "list", facts)
+
+
 def dialogue(seed: int, grid: int, *, long_first: bool | None = None, follow_ups: int | None = None,
              uid: str | None = None) -> Dialogue:
     """One dialogue on a fresh ``grid × grid`` image, fully determined by ``seed``.
@@ -184,19 +197,15 @@ def dialogue(seed: int, grid: int, *, long_first: bool | None = None, follow_ups
     turns: list[Turn] = []
     if long_first:
         asked = rng.sample(colours, 2)
-        facts = tuple(_fact(by_pair[(c, g)]) for c in asked for g in glyphs)
-        turns.append(Turn(LIST_QUESTION.format(first=asked[0], second=asked[1]),
-                          " ".join(" ".join(f) for f in facts), "list", facts))
+        turns.append(list_turn(asked, glyphs, by_pair))
     else:
         first = by_pair[(rng.choice(colours), rng.choice(glyphs))]
         asked = [first.colour]
-        turns.append(Turn(FACT_QUESTION.format(colour=first.colour, glyph=first.glyph), first.background, "fact",
-                          (_fact(first),)))
+        turns.append(fact_turn(first))
     # follow-ups: colours the first question did not name (fall back to any on a tiny grid)
     others = [c for c in cells if c.colour not in asked] or [c for c in cells if _fact(c) not in turns[0].facts]
     for cell in rng.sample(others, min(follow_ups, len(others))):
-        turns.append(Turn(FACT_QUESTION.format(colour=cell.colour, glyph=cell.glyph), cell.background, "fact",
-                          (_fact(cell),)))
+        turns.append(fact_turn(cell))
     return Dialogue(uid or f"glyphs-{grid}-{seed}", grid, cells, turns, {"seed": seed, "long_first": long_first})
 
 
