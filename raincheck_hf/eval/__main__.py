@@ -148,7 +148,7 @@ def cmd_run(args) -> dict:
                     "device": args.device, "threads": args.threads},
         "elapsed_s": round(time.time() - began, 1),
         "summary": summarize(runs, bootstrap=args.bootstrap),
-        "runs": {name: [[{k: v for k, v in r.items()} for r in d] for d in run] for name, run in runs.items()},
+        "runs": runs,
         "uids": [d.uid for d in dialogues],
     }
     if args.json:

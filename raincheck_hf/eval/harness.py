@@ -105,6 +105,7 @@ def summarize(runs: dict, bootstrap: int = 1000, seed: int = 0) -> dict:
     if full is None:
         return summary
     n = len(full)
+    full_acc = summary["accuracy"]["full/-"]
     rng = random.Random(seed)
     samples = [[rng.randrange(n) for _ in range(n)] for _ in range(bootstrap)]
     for name, run in runs.items():
@@ -119,6 +120,6 @@ def summarize(runs: dict, bootstrap: int = 1000, seed: int = 0) -> dict:
             values = sorted(d[c] for d in draws if c in d and d[c] == d[c])
             lo = values[int(0.025 * (len(values) - 1))] if values else float("nan")
             hi = values[int(0.975 * (len(values) - 1))] if values else float("nan")
-            entry[c] = {"ratio": value, "ci95": [lo, hi], "loss": accuracy(full)[c] - accuracy(hard)[c]}
+            entry[c] = {"ratio": value, "ci95": [lo, hi], "loss": full_acc[c] - summary["accuracy"][f"hard/{selector}"][c]}
         summary["recovery"][name] = entry
     return summary

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .glyphs import Dialogue
+from .glyphs import Dialogue, render_grids
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 
@@ -86,8 +86,6 @@ def encode_dialogues(dialogues: list[Dialogue], processor) -> dict:
 
 def batch_on_device(encoded: dict, device="cpu") -> Batch:
     """The device half: draw the grids where the model runs, normalise, patchify."""
-    from .glyphs import render_grids
-
     idx = [encoded[k].to(device, non_blocking=True) for k in ("colour", "glyph", "background")]
     n = idx[0].shape[-1]
     pixels = render_grids(*idx).float().div_(255.0).sub_(0.5).div_(0.5)

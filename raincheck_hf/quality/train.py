@@ -98,6 +98,7 @@ def teacher_forced_accuracy(model, processor, dialogues, device, batch_size: int
     tok = processor.tokenizer
     background_ids = set(tok.convert_tokens_to_ids(list(BACKGROUNDS)))
     end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    assistant = tok.convert_tokens_to_ids("assistant")
     counts = {k: [0, 0] for k in ("first_fact", "first_list", "follow_up")}
     model.eval()
     for i in range(0, len(dialogues), batch_size):
@@ -110,7 +111,7 @@ def teacher_forced_accuracy(model, processor, dialogues, device, batch_size: int
             ids = batch.input_ids[row].tolist()
             turn = -1
             for j in range(1, len(ids)):
-                if ids[j - 1] == start and ids[j] == tok.convert_tokens_to_ids("assistant"):
+                if ids[j - 1] == start and ids[j] == assistant:
                     turn += 1
                 if batch.loss_mask[row, j] and ids[j] in background_ids and ids[j] != end:
                     key = "follow_up" if turn > 0 else ("first_list" if d.turns[0].kind == "list" else "first_fact")
