@@ -261,22 +261,24 @@ class Qwen3VLAdapter:
         if video_grid_thw is not None:
             grids["video"] = [(1, int(h) // merge, int(w) // merge) for t, h, w in video_grid_thw.tolist()
                               for _ in range(int(t))]
-        rows = is_visual.nonzero().flatten().tolist()
-        segments, start = [], 0
+        # on the host: one copy, not a device read per row (a 1,344-token image made 2,688 syncs)
+        rows = is_visual.nonzero().flatten().cpu()
+        row_is_image = is_image.cpu()[rows]
+        # a segment starts where the rows stop being contiguous or the modality changes
+        starts = torch.ones(rows.numel(), dtype=torch.bool)
+        if rows.numel() > 1:
+            starts[1:] = (rows[1:] != rows[:-1] + 1) | (row_is_image[1:] != row_is_image[:-1])
+        bounds = starts.nonzero().flatten().tolist() + [rows.numel()]
+        segments = []
         counters = {"image": 0, "video": 0}
-        for i in range(1, len(rows) + 1):
-            modality_start = "image" if bool(is_image[rows[start]]) else "video"
-            boundary = i == len(rows) or rows[i] != rows[i - 1] + 1 or bool(is_image[rows[i]]) != (modality_start == "image")
-            if not boundary:
-                continue
-            source = torch.tensor(rows[start:i])
-            vis = torch.arange(start, i)
-            grid_list = grids[modality_start]
-            grid = grid_list[counters[modality_start]] if counters[modality_start] < len(grid_list) else (1, 1, i - start)
-            counters[modality_start] += 1
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            modality = "image" if bool(row_is_image[start]) else "video"
+            grid_list = grids[modality]
+            grid = grid_list[counters[modality]] if counters[modality] < len(grid_list) else (1, 1, end - start)
+            counters[modality] += 1
+            vis = torch.arange(start, end, device=feats.device)
             extras = {} if deepstack is None else {"deepstack": [d[vis] for d in deepstack]}
-            segments.append(Segment(len(segments), modality_start, feats[vis], grid, source, extras))
-            start = i
+            segments.append(Segment(len(segments), modality, feats[vis], grid, rows[start:end].clone(), extras))
         return segments
 
     # ---- one forward over arbitrary rows --------------------------------------------------

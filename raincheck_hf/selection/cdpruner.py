@@ -110,12 +110,14 @@ def dpp_greedy_map(kernel: torch.Tensor, k: int, fallback_score: torch.Tensor | 
     for step in range(k):
         live = d2 > tol
         score = torch.where(taken, neg_inf, torch.where(live, d2, fallback))
-        j = torch.argmax(score)  # first maximum: lowest index on ties
-        selected[step] = j
-        taken[j] = True
-        d2_j = d2[j]
+        # ``j`` stays a 1-element device tensor: a 0-d index would be read back to the host every step
+        j = torch.argmax(score).reshape(1)  # first maximum: lowest index on ties
+        selected[step:step + 1] = j
+        taken.index_fill_(0, j, True)
+        d2_j = d2.index_select(0, j)
         # dead pick (rank exhausted): e = 0 keeps the factorisation and the other gains as they are
-        e = (kernel[j] - cholesky[:step].T @ cholesky[:step, j]) / d2_j.clamp(min=1e-30).sqrt()
+        e = (kernel.index_select(0, j)[0] - cholesky[:step].T @ cholesky[:step].index_select(1, j)[:, 0]) \
+            / d2_j.clamp(min=1e-30).sqrt()
         e = torch.where(d2_j > tol, e, torch.zeros_like(e))
         cholesky[step] = e
         d2 = (d2 - e * e).clamp_(min=0)

@@ -49,11 +49,12 @@ def divprune_greedy(features: torch.Tensor, k: int) -> torch.Tensor:
     min_dist = dist[:, first].clone()  # min distance of every token to the set so far
     taken = torch.zeros(n, dtype=torch.bool, device=device)
     taken[first] = True
+    # ``j`` stays a 1-element device tensor: a 0-d index would be read back to the host every step
     for step in range(1, k):
-        j = torch.argmax(torch.where(taken, neg_inf, min_dist))
-        selected[step] = j
-        taken[j] = True
-        min_dist = torch.minimum(min_dist, dist[:, j])
+        j = torch.argmax(torch.where(taken, neg_inf, min_dist)).reshape(1)
+        selected[step:step + 1] = j
+        taken.index_fill_(0, j, True)
+        min_dist = torch.minimum(min_dist, dist.index_select(1, j).squeeze(1))
     return selected
 
 

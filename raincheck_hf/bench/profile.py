@@ -1,0 +1,235 @@
+"""Where a Raincheck answer's time goes: stages of the first token, and host vs device per decode step.
+
+    python -m raincheck_hf.bench profile --model qwen3_vl_8b --modes full,raincheck --tokens 64 --json out.json
+
+For each mode, after one warm-up call:
+
+- ``stages``: one `generate` call with a device sync around each stage (so the stages add up to
+  the first token; the syncs cost a little on their own): HF's preparation before the loop, the
+  vision tower, the rest of `encode_turn`, selection, the prefill forward, and every decode forward
+  (``decode_forward`` = host + device of the step's `run_rows`).
+- ``replay``: on the fast path, each captured graph replayed alone ``--replays`` times back to back
+  with one sync at the end: the device time of one step without any host work in between. The gap
+  between a step's TPOT and its replay time is host work between replays.
+- ``profiler``: `torch.profiler` over one unsynced `generate` call, the top operators by self CPU
+  and by self device time (text tables in the JSON), and the counts of host-device syncs.
+
+Nothing here is asserted; it reports measured times (seconds) on the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from . import shapes
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def stage_timers(model, device, record: dict):
+    """Wrap the engine's stages (this model's adapter class and the loop's helpers) with synced timers."""
+    from .. import generation
+    from ..models import get_adapter
+
+    adapter_cls = type(get_adapter(model))
+    inner = model.model
+    patched = []
+
+    def wrap(owner, name, label, by_instance=False):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync(device)
+                record[label].append(time.perf_counter() - t0)
+
+        setattr(owner, name, timed)
+        patched.append((owner, name, original, by_instance))
+
+    wrap(adapter_cls, "encode_turn", "encode_turn")
+    wrap(inner, "get_image_features", "vision_tower", by_instance=True)
+    wrap(inner, "get_video_features", "vision_tower", by_instance=True)
+    wrap(inner, "get_rope_index", "rope_index", by_instance=True)
+    wrap(generation, "select_visual_rows", "selection")
+    wrap(generation, "run_rows", "forward")
+    entered = {}
+    original_sample = generation.raincheck_sample
+
+    @functools.wraps(original_sample)  # HF reads the callable's signature for its extra arguments
+    def sample(*args, **kwargs):
+        _sync(device)
+        entered["t"] = time.perf_counter()
+        return original_sample(*args, **kwargs)
+
+    patched.append((generation, "raincheck_sample", original_sample, False))
+    generation.raincheck_sample = sample
+    # the generate wrapper imported raincheck_sample by name: patch it there too
+    from .. import integration
+
+    patched.append((integration, "raincheck_sample", integration.raincheck_sample, False))
+    integration.raincheck_sample = sample
+    try:
+        yield entered
+    finally:
+        for owner, name, original, by_instance in reversed(patched):
+            if by_instance:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+class _FirstToken:
+    def __init__(self, device):
+        self.device, self.times, self.seen = device, [], False
+
+    def put(self, value):
+        if not self.seen:
+            self.seen = True
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _kwargs(mode, tokens, suppress, settings):
+    from ..configuration import RaincheckConfig
+
+    return dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, suppress_tokens=suppress,
+                return_dict_in_generate=True,
+                raincheck=RaincheckConfig(mode=mode, retention=settings["retention"], chunk_size=settings["chunk_size"],
+                                          decode_guard=settings["decode_guard"], fast_path=settings["fast_path"]))
+
+
+def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replays: int, top: int) -> dict:
+    kw = dict(inputs, **_kwargs(mode, tokens, suppress, settings))
+    with torch.no_grad():
+        model.generate(**kw)  # warm-up: graph capture
+        _sync(device)
+
+        # stages, synced
+        record = defaultdict(list)
+        clock = _FirstToken(device)
+        with stage_timers(model, device, record) as entered:
+            t0 = time.perf_counter()
+            out = model.generate(**kw, streamer=clock)
+            _sync(device)
+            total = time.perf_counter() - t0
+        forwards = record.pop("forward")
+        stages = {
+            "hf_before_loop_s": entered["t"] - t0,
+            "encode_turn_s": sum(record["encode_turn"]),
+            "vision_tower_s": sum(record["vision_tower"]),
+            "rope_index_s": sum(record["rope_index"]),
+            "selection_s": sum(record["selection"]),
+            "prefill_forward_s": forwards[0],
+            "first_token_s": clock.times[0] - t0,
+            "decode_forward_median_s": statistics.median(forwards[1:]) if len(forwards) > 1 else None,
+            "decode_interval_median_s": statistics.median([b - a for a, b in zip(clock.times, clock.times[1:])])
+            if len(clock.times) > 1 else None,
+            "total_s": total,
+        }
+        stages["encode_turn_other_s"] = stages["encode_turn_s"] - stages["vision_tower_s"] - stages["rope_index_s"]
+        per_forward = [int(r.numel()) for r in out.raincheck.restored_per_forward]
+        chunk_forwards = [f for f, n in zip(forwards[1:], per_forward[1:]) if n]
+        plain_forwards = [f for f, n in zip(forwards[1:], per_forward[1:]) if not n]
+        stages["decode_forward_plain_median_s"] = statistics.median(plain_forwards) if plain_forwards else None
+        stages["decode_forward_chunk_median_s"] = statistics.median(chunk_forwards) if chunk_forwards else None
+
+        # captured graphs alone
+        replay = {}
+        graphs = getattr(out.cache, "graphs", None)
+        for (rows, want_logits), (graph, _buffers) in sorted((getattr(graphs, "_captured", None) or {}).items()):
+            graph.replay()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                graph.replay()
+            _sync(device)
+            replay[f"rows={rows},logits={want_logits}"] = (time.perf_counter() - t0) / replays
+        del out
+
+        # torch.profiler over one unsynced call
+        prof_out = {}
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.generate(**kw)
+                _sync(device)
+            averages = prof.key_averages()
+            prof_out["by_self_cpu"] = averages.table(sort_by="self_cpu_time_total", row_limit=top)
+            prof_out["by_self_device"] = averages.table(sort_by="self_cuda_time_total", row_limit=top)
+            counts = {}
+            for e in averages:
+                if any(s in e.key for s in ("Synchronize", "cudaMemcpy", "item", "nonzero", "_local_scalar_dense",
+                                            "cudaGraphLaunch")):
+                    counts[e.key] = e.count
+            prof_out["sync_like_calls"] = counts
+    return {"stages": stages, "replay_s": replay, "profiler": prof_out}
+
+
+def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
+        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, json_path=None, log=print):
+    from .latency import hardware_info
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from ..integration import enable
+
+    model, info = shapes.build_model(model_name, device)
+    enable(model)
+    processor = shapes.build_processor()
+    spec = shapes.MODELS[model_name]
+    first, prompt = shapes.build_prompt(processor, spec, input_kind)
+    first.pop("mm_token_type_ids", None)
+    inputs = {k: v.to(device) for k, v in first.items()}
+    suppress = shapes.special_token_ids(processor)
+    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, fast_path=fast_path)
+    result = {"benchmark": "profile", "hardware": hardware_info(device), "model": info, "prompt": prompt,
+              "settings": dict(settings, tokens=tokens, replays=replays), "modes": {}}
+    for mode in modes:
+        result["modes"][mode] = profile_mode(model, device, inputs, mode, tokens, suppress, settings, replays, top)
+        s = result["modes"][mode]["stages"]
+        log(f"[profile] {model_name}/{input_kind} {mode}: " + ", ".join(
+            f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in s.items() if isinstance(v, float)))
+        log(f"[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result["modes"][mode]["replay_s"].items()))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny_qwen3_vl", help=f"one of {sorted(shapes.MODELS)}")
+    parser.add_argument("--input", default="image", choices=sorted(shapes.QUESTIONS))
+    parser.add_argument("--modes", default="full,raincheck")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--top", type=int, default=40, help="operators per profiler table")
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    return run(args.model, args.input, [m for m in args.modes.split(",") if m], args.tokens, args.replays, args.top,
+               args.retention, args.chunk_size, args.decode_guard, False if args.eager else None, args.json)
