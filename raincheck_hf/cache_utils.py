@@ -35,6 +35,17 @@ _SEGMENT_BITS = 40
 _TURN_BITS = 42
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a small host tensor goes to a GPU through pinned memory, without waiting for the
+    device's queue (a plain ``.to(cuda)`` of pageable memory syncs, which stalls a decode loop every step)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def order_key(turn: int, segment: int, index: torch.Tensor | int) -> torch.Tensor:
     """Pack (turn, segment, index) into sortable int64 keys (index < 2**40, turn < 2**21)."""
     index = torch.as_tensor(index, dtype=torch.long)
@@ -123,17 +134,22 @@ class DeferredDynamicCache(DynamicCache):
         rows. Returns a boolean ``[len(keys), num_rows]`` matrix (after adding): query i may see
         stored row j iff ``row_keys[j] <= keys[i]``.
         """
+        keys = self.register_rows(keys, sources, kinds)
+        return self.row_keys[None, :] <= keys[:, None]
+
+    def register_rows(self, keys: torch.Tensor, sources: torch.Tensor, kinds: torch.Tensor | int) -> torch.Tensor:
+        """The bookkeeping of `add_rows` without the visibility; returns ``keys`` on the cache's device."""
         if self.get_seq_length() != self.num_rows:
             raise RuntimeError(
                 f"DeferredDynamicCache holds {self.get_seq_length()} KV rows but accounts for {self.num_rows}: "
                 "a forward ran on this cache without add_rows()."
             )
-        keys = keys.to(self.row_keys.device)
+        keys = to_device(keys, self.row_keys.device)
         self.row_keys = torch.cat([self.row_keys, keys])
         self.row_sources = torch.cat([self.row_sources, sources.to("cpu", torch.long)])
         kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
         self.row_kinds = torch.cat([self.row_kinds, kinds.cpu()])
-        return self.row_keys[None, :] <= keys[:, None]
+        return keys
 
     # ---- pending deferred rows ------------------------------------------------------------
     @property

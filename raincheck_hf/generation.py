@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.qwen3_vl import RowBatch, accelerate_split
@@ -96,8 +96,8 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
         if cache.graphs is None:
             from .fast.graphs import StepGraphs
 
-            cache.graphs = StepGraphs(adapter, cache, use_graphs=True)
-        return cache.graphs.run(batch, keys, sources, kinds, want_logits, pad_to=pad_to)
+            cache.graphs = StepGraphs(adapter, use_graphs=True)
+        return cache.graphs.run(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
     return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
@@ -145,11 +145,12 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
             "DeferredDynamicCache (the `cache` returned by an earlier raincheck generate)."
         )
     if use_fast_path(adapter, config):
+        from .fast.graphs import scratch_slots
         from .fast.static_cache import StaticDeferredCache, round_capacity
 
+        # pooled per text model: a later conversation of the same size reuses the slots and their captured graphs
         return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
-                                   config.chunk_size + 1,
-                                   adapter.device)
+                                   scratch_slots(config.chunk_size), adapter.device, pool_key=adapter.text_model)
     # adapter.device, not model.device: the latter is a parameter's device, `meta` under accelerate offload
     # (order keys must live where the masks are built).
     return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
@@ -242,7 +243,7 @@ def _pending_rows(adapter, turn, plan: DeferredPlan):
     from .cache_utils import PendingRows
 
     batch = adapter.rows(turn, plan.deferred_rows)
-    return PendingRows(batch.embeds, batch.positions, plan.deferred_keys.to(adapter.device),
+    return PendingRows(batch.embeds, batch.positions, to_device(plan.deferred_keys, adapter.device),
                        plan.sources(plan.deferred_rows), batch.deepstack)
 
 
@@ -298,7 +299,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
             else:  # fused: one forward over [chunk, decode token]
                 logits = run_rows(
                     adapter, cache, RowBatch.concat([adapter.pending_batch(chunk), batch]),
-                    torch.cat([chunk.keys, token_key.reshape(1).to(chunk.keys.device)]),
+                    torch.cat([chunk.keys, to_device(token_key.reshape(1), chunk.keys.device)]),
                     torch.cat([chunk.sources.cpu(), token_source]),
                     torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
                     want_logits=True, pad_to=config.chunk_size,

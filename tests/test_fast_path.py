@@ -74,3 +74,61 @@ def test_fast_path_conversation(model, processor):
             conv.complete()
             results[fast] = conv.ask("And now?").token_ids
     assert torch.equal(results[False], results[True])
+
+
+def test_fast_path_bucketed_prefill_matches_eager_engine(model, processor, monkeypatch):
+    """The CUDA prefill layout ([leftover deferred rows, padding, input rows], padded to a bucket), run on CPU."""
+    import raincheck_hf.fast.graphs as graphs
+
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 16)
+    init = graphs.StepGraphs.__init__
+
+    def padded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pad_prefill = True
+
+    monkeypatch.setattr(graphs.StepGraphs, "__init__", padded)
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    for mode in ("raincheck", "full", "post_answer"):
+        slow, fast = _pair(model, inputs, mode=mode, chunk_size=4, decode_guard=2)
+        _assert_same(slow, fast)
+        assert fast.cache.scratch == 16
+    # a follow-up whose prefill carries leftovers in front of the padding
+    from test_generation import second_turn
+
+    cfg = dict(mode="post_answer", chunk_size=4, decode_guard=2)
+    slow, fast = _pair(model, inputs, **cfg)
+    second = second_turn(processor, slow.sequences)
+    slow2 = model.generate(**second, cache=slow.cache, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
+    fast2 = model.generate(**second, cache=fast.cache, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)
+    assert slow2.raincheck.restored_per_forward[0].numel() > 0
+    _assert_same(slow2, fast2)
+
+
+def test_slot_storage_is_reused_only_when_free(model, processor):
+    import copy
+    import gc
+
+    from raincheck_hf.fast import release_storage
+
+    release_storage(model)
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = RaincheckConfig(fast_path=True, chunk_size=4, decode_guard=2)
+    first = model.generate(**inputs, raincheck=cfg, **KW)
+    storage = first.cache.storage
+    second = model.generate(**inputs, raincheck=cfg, **KW)  # the first cache is alive: its own storage
+    assert second.cache.storage is not storage
+    assert torch.equal(first.sequences, second.sequences)
+    clone = copy.deepcopy(second.cache)  # a copy owns other tensors with the same contents
+    assert clone.storage is not second.cache.storage and clone.storage is not storage
+    assert torch.equal(clone.slot_keys, second.cache.slot_keys)
+    for a, b in zip(clone.layers, second.cache.layers):
+        assert torch.equal(a.keys, b.keys) and a.keys.data_ptr() != b.keys.data_ptr()
+    del first, clone
+    gc.collect()
+    third = model.generate(**inputs, raincheck=cfg, **KW)  # the first conversation is gone: its storage is reused
+    assert third.cache.storage is storage
+    assert torch.equal(third.sequences, second.sequences)
+    for a, b in zip(third.logits, second.logits):
+        assert (a - b).abs().max() <= 1e-6
+    assert release_storage(model) >= 2

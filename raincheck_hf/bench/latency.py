@@ -597,7 +597,8 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
             if over_budget():
                 break  # what is not warmed up is not timed either: its estimate is unknown and the budget spent
             static = v.cache in ("static", "static_reused")
-            n_turns = min(v.turns, 2) if static else 1
+            # two turns: the follow-up's prefill shape is captured (fast path) or compiled (stock static) here too
+            n_turns = min(v.turns, 2)
             # the model's first static variant runs twice: the first call compiles, the second shows what is left
             calls = 2 if static and not ctx.shared["static_compile_measured"] else 1
             walls = []
@@ -630,11 +631,11 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
 
     def expected_s(v) -> float:
         # from the variant's warm-up (or measured) first turn: a prefill per turn plus every token's step; the
-        # mean step is capped at 3x the median one so that a one-time stall (a compile) does not inflate it
+        # median step, so that a one-time stall (a compile, a graph capture in a short warm-up) does not inflate it
         rec = estimates.get(v.name)
         if rec is None or rec.get("ttft_s") is None:
             return 0.0
-        per_token = min(rec.get("tpot_s") or rec["ttft_s"], 3 * (rec.get("median_interval_s") or rec["ttft_s"]))
+        per_token = rec.get("median_interval_s") or rec.get("tpot_s") or rec["ttft_s"]
         turns = v.turns
         return (turns + (1 if turns >= 2 and idle_probe else 0)) * rec["ttft_s"] + per_token * (
             answer_tokens + (turns - 1) * follow_up_tokens)

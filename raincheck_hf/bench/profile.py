@@ -115,7 +115,8 @@ def _kwargs(mode, tokens, suppress, settings):
     return dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, suppress_tokens=suppress,
                 return_dict_in_generate=True,
                 raincheck=RaincheckConfig(mode=mode, retention=settings["retention"], chunk_size=settings["chunk_size"],
-                                          decode_guard=settings["decode_guard"], fast_path=settings["fast_path"]))
+                                          decode_guard=settings["decode_guard"], fast_path=settings["fast_path"],
+                                          selector=settings["selector"]))
 
 
 def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replays: int, top: int) -> dict:
@@ -187,7 +188,7 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
 
 
 def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
-        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, json_path=None, log=print):
+        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector="uniform", json_path=None, log=print):
     from .latency import hardware_info
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -201,7 +202,8 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
     first.pop("mm_token_type_ids", None)
     inputs = {k: v.to(device) for k, v in first.items()}
     suppress = shapes.special_token_ids(processor)
-    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, fast_path=fast_path)
+    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, fast_path=fast_path,
+                    selector=selector)
     result = {"benchmark": "profile", "hardware": hardware_info(device), "model": info, "prompt": prompt,
               "settings": dict(settings, tokens=tokens, replays=replays), "modes": {}}
     for mode in modes:
@@ -228,8 +230,10 @@ def main(argv=None):
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--selector", default="uniform", help="a registered selector name (default uniform)")
     parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     return run(args.model, args.input, [m for m in args.modes.split(",") if m], args.tokens, args.replays, args.top,
-               args.retention, args.chunk_size, args.decode_guard, False if args.eager else None, args.json)
+               args.retention, args.chunk_size, args.decode_guard, False if args.eager else None, args.selector,
+               args.json)

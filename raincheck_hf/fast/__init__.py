@@ -3,6 +3,8 @@
 - `StaticDeferredCache`: KV buffers preallocated for the whole conversation (every deferred row
   has its slot reserved, so restoring it allocates nothing) plus a scratch region for padding;
   visibility is computed on the device from a per-slot key buffer.
+- `SlotStorage`: the KV tensors, slot keys and captured graphs; pooled per model, so a later
+  conversation of the same size reuses them instead of capturing again (`release_storage` frees them).
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked) and of the idle-time
   chunk-only step; DeepStack features enter through forward hooks on the first decoder layers
@@ -11,6 +13,6 @@
 The eager engine stays the reference: tests compare the two step by step.
 """
 
-from .static_cache import StaticDeferredCache, StaticDeferredLayer
+from .static_cache import SlotStorage, StaticDeferredCache, StaticDeferredLayer, release_storage
 
-__all__ = ["StaticDeferredCache", "StaticDeferredLayer"]
+__all__ = ["SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "release_storage"]

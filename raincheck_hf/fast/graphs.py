@@ -2,24 +2,41 @@
 
 A forward's inputs live in static buffers of a fixed row count ``L``: embeddings ``[1, L, D]``,
 3-D positions ``[3, 1, L]``, query keys ``[L]``, slots ``[L]`` and one DeepStack addend
-``[1, L, D]`` per DeepStack layer (zero on rows without features). The step computes visibility
-from the cache's slot keys, runs the stock text model with that 4-D mask and the cache, and writes
-the last row's logits into a buffer. Shapes captured: ``L = 1`` (decode), ``L = c + 1`` (a chunk of
-``c`` padded rows fused with the decode token) and ``L = c`` (an idle-time chunk); the padding rows
-sit between the real chunk rows and the decode token, write to scratch slots, and are invisible to
-every real query (their slot keys stay at the maximum).
+``[1, L, D]`` per DeepStack layer (zero on rows without features). The step writes the rows' keys
+into the slot keys, computes visibility from them, runs the stock text model with that 4-D mask
+and the cache, and writes the last row's logits into a buffer.
+
+Rows are laid out ``[deferred rows, padding, the rest]``; padding rows write to scratch slots with
+the maximum key, so no real query sees them, and they see every real row (so they never attend to
+nothing). Shapes captured on CUDA: ``L = 1`` (decode), ``L = c + 1`` (a chunk of ``c`` padded
+rows fused with the decode token), ``L = c`` (an idle-time chunk) and prefills padded up to a
+multiple of `PREFILL_BUCKET`. Graphs belong to the cache's `SlotStorage`, which later conversations
+of the same size reuse, so each shape is captured once per storage.
+
+Nothing here reads device memory back to the host on the decode path: keys built on the host go
+to the device through pinned memory without waiting, slots are written by ``arange`` on the
+device, and row counts come from host-side shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ..cache_utils import DEFERRED, to_device
 from ..masking import visibility_to_attention_mask
 from .static_cache import MAX_KEY, StaticDeferredCache
+
+PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
+
+
+def scratch_slots(chunk_size: int) -> int:
+    """Scratch slots a cache needs: the padding of a chunk step or of a bucketed prefill."""
+    return max(int(chunk_size) + 1, PREFILL_BUCKET)
 
 
 @dataclass
@@ -30,6 +47,12 @@ class StepBuffers:
     slots: torch.Tensor
     deepstack: list[torch.Tensor]
     logits: torch.Tensor | None = None
+    deepstack_written: bool = False  # some row holds DeepStack features
+    deepstack_scattered: bool = False  # rows outside the leading deferred block may hold features
+
+    @property
+    def rows(self) -> int:
+        return int(self.embeds.shape[1])
 
     @classmethod
     def empty(cls, rows: int, hidden: int, num_deepstack: int, dtype, device):
@@ -56,110 +79,158 @@ def deepstack_hooks(text_model, addends: list[torch.Tensor]):
             h.remove()
 
 
-def fill(buffers: StepBuffers, cache: StaticDeferredCache, batch, keys: torch.Tensor, slots: torch.Tensor,
-         pad_at: int, padding: int) -> None:
-    """Copy a forward's rows into ``buffers``: real rows, ``padding`` zero rows inserted at ``pad_at``."""
-    n = batch.embeds.shape[0]
-    order = torch.arange(n)
-    dest = torch.where(order < pad_at, order, order + padding).to(buffers.embeds.device)
-    buffers.embeds.zero_()
-    buffers.embeds[0, dest] = batch.embeds.to(buffers.embeds.dtype)
-    buffers.positions.zero_()
-    buffers.positions[:, 0, dest] = batch.positions
-    buffers.query_keys.fill_(MAX_KEY)
-    buffers.query_keys[dest] = keys.to(buffers.query_keys.device)
-    real_slots, pad_slots = slots[:n], slots[n:]
-    buffers.slots[dest] = real_slots
+def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: int, n_deferred: int,
+         padding: int) -> None:
+    """Copy a forward's rows into ``buffers`` as ``[deferred rows, padding, rest]``.
+
+    ``keys`` are on the buffers' device; real rows take slots ``start, start + 1, ...`` in batch order,
+    padding rows the scratch slots ``capacity, capacity + 1, ...``.
+    """
+    n = int(batch.embeds.shape[0])
+    lo, hi = n_deferred, n_deferred + padding
+    rest = n - n_deferred
+    if buffers.rows != n + padding:
+        raise RuntimeError(f"step buffers hold {buffers.rows} rows, the forward {n} + {padding} padding")
+    embeds, positions, query_keys, slots = buffers.embeds[0], buffers.positions[:, 0], buffers.query_keys, buffers.slots
+    if lo:
+        embeds[:lo].copy_(batch.embeds[:lo])
+        positions[:, :lo].copy_(batch.positions[:, :lo])
+        query_keys[:lo].copy_(keys[:lo])
+        torch.arange(start, start + lo, out=slots[:lo])
     if padding:
-        pad_dest = torch.arange(pad_at, pad_at + padding, device=buffers.slots.device)
-        buffers.slots[pad_dest] = pad_slots
-    visual_dest = dest[batch.visual.to(dest.device)]
-    for addend, layer in zip(buffers.deepstack, batch.deepstack or []):
+        query_keys[lo:hi].fill_(MAX_KEY)
+        torch.arange(capacity, capacity + padding, out=slots[lo:hi])
+    if rest:
+        embeds[hi:].copy_(batch.embeds[lo:])
+        positions[:, hi:].copy_(batch.positions[:, lo:])
+        query_keys[hi:].copy_(keys[lo:])
+        torch.arange(start + lo, start + n, out=slots[hi:])
+    _fill_deepstack(buffers, batch, lo, hi)
+
+
+def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
+    if not buffers.deepstack:
+        return
+    features = batch.deepstack
+    n_visual = 0 if features is None else int(features[0].shape[0])
+    if n_visual == 0 or n_visual == lo:
+        # no features, or exactly the leading deferred rows have them (a chunk: deferred rows are visual, the
+        # rest text): the rest must be zero, padding rows may keep stale values (nobody sees them)
+        if buffers.deepstack_scattered or (n_visual == 0 and buffers.deepstack_written):
+            for addend in buffers.deepstack:
+                addend.zero_()
+            buffers.deepstack_scattered = buffers.deepstack_written = False
+        if n_visual:
+            for addend, layer in zip(buffers.deepstack, features):
+                addend[0, :lo].copy_(layer)
+            buffers.deepstack_written = True
+        return
+    # visual rows among the rest (a prefill): scatter by the visual mask (one device read, once per prefill)
+    rows = batch.visual.nonzero().flatten()
+    dest = torch.where(rows < lo, rows, rows + (hi - lo))
+    for addend, layer in zip(buffers.deepstack, features):
         addend.zero_()
-        addend[0, visual_dest] = layer.to(addend.dtype)
-    if batch.deepstack is None:
-        for addend in buffers.deepstack:
-            addend.zero_()
+        addend[0, dest] = layer.to(addend.dtype)
+    buffers.deepstack_written = buffers.deepstack_scattered = True
 
 
 class StepGraphs:
-    """Captured steps for one cache (graphs point at its buffers)."""
+    """Captured steps of one `SlotStorage` (the graphs point at its tensors and at their own buffers).
 
-    def __init__(self, adapter, cache: StaticDeferredCache, use_graphs: bool):
-        self.adapter, self.cache = adapter, cache
+    Holds no reference to the model (the storage pool is keyed by the text model): the adapter comes
+    with every call.
+    """
+
+    def __init__(self, adapter, use_graphs: bool):
         self.use_graphs = use_graphs and torch.cuda.is_available() and adapter.device.type == "cuda"
-        self.text_model = adapter.text_model
+        self.pad_prefill = self.use_graphs  # bucketed prefill shapes: only worth it when they are captured
         self.num_deepstack = len(getattr(adapter.config.vision_config, "deepstack_visual_indexes", []) or [])
-        self.hidden = self.text_model.config.hidden_size
+        self.hidden = adapter.text_model.config.hidden_size
         self._captured: dict[tuple[int, bool], tuple] = {}
         self._pool = None
         self.capture_seconds = 0.0
 
     # the step itself: identical in eager and captured form
-    def _step(self, buffers: StepBuffers, want_logits: bool):
-        cache = self.cache
+    def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool):
         cache.current_slots = buffers.slots
+        # the rows' own keys first: a row sees itself (padding rows write the maximum key to scratch slots)
+        cache.slot_keys.index_copy_(0, buffers.slots, buffers.query_keys)
         visible = cache.slot_keys[None, :] <= buffers.query_keys[:, None]
-        mask = visibility_to_attention_mask(visible, self.adapter.attn_implementation, self.adapter.dtype)
-        with deepstack_hooks(self.text_model, buffers.deepstack):
-            hidden = self.text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
-                                     attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+        mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
+        text_model = adapter.text_model
+        with deepstack_hooks(text_model, buffers.deepstack):
+            hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
+                                attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         if want_logits:
-            logits = self.adapter.lm_head(hidden[:, -1])
+            logits = adapter.lm_head(hidden[:, -1])
             if buffers.logits is None:
                 buffers.logits = logits
             else:
                 buffers.logits.copy_(logits)
         return buffers.logits
 
-    def _capture(self, rows: int, want_logits: bool):
-        import time
-
+    def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool):
         t0 = time.perf_counter()
-        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, self.adapter.dtype, self.adapter.device)
-        # warm-up and capture write only scratch slots, with keys that no real query can see
-        buffers.slots.copy_(torch.arange(self.cache.capacity, self.cache.capacity + rows, device=buffers.slots.device))
+        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        # warm-up runs execute: they write the last `rows` slots (scratch and free ones) with the maximum key,
+        # which no query sees, and which real rows overwrite when they arrive
+        first = cache.total_slots - rows
+        if first < cache.num_rows:
+            return None
+        torch.arange(first, cache.total_slots, out=buffers.slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(buffers, want_logits)
+                self._step(adapter, cache, buffers, want_logits)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(buffers, want_logits)
+            self._step(adapter, cache, buffers, want_logits)
         self._pool = graph.pool()
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - t0
         self._captured[(rows, want_logits)] = (graph, buffers)
         return graph, buffers
 
-    def run(self, batch, keys, sources, kinds, want_logits: bool, pad_to: int | None = None):
-        """One forward; ``pad_to`` pads the leading deferred rows to that many (fixed-shape capture)."""
-        cache = self.cache
-        n = batch.embeds.shape[0]
-        n_deferred = int((kinds == 1).sum())
-        padding = 0 if pad_to is None else max(pad_to - n_deferred, 0)
-        rows = n + padding
+    def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
+        """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);
+        on CUDA a prefill is padded to a multiple of `PREFILL_BUCKET`."""
+        if pad_to is not None:
+            return n + max(pad_to - n_deferred, 0)
+        if self.pad_prefill and n > 1:
+            return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+        return n
+
+    def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
+            pad_to: int | None = None):
+        """One forward; logits of its last real row (``[1, V]``) or None."""
+        n = int(batch.embeds.shape[0])
+        n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
+        rows = self.step_rows(n, n_deferred, pad_to)
+        padding = rows - n
         if padding > cache.scratch:
             raise RuntimeError(f"padding {padding} exceeds the cache's scratch slots {cache.scratch}")
-        slots = cache.assign_slots(keys, sources, kinds, padding=padding)
-        key = (rows, want_logits)
-        if self.use_graphs and (key in self._captured or pad_to is not None or n == 1):
-            captured = self._captured.get(key)
+        if want_logits and padding and n == n_deferred:
+            raise RuntimeError("a padded forward of deferred rows only has no last real row to take logits from")
+        keys = to_device(keys, cache.slot_keys.device)
+        start = cache.assign_slots(keys, sources, kinds)
+        if self.use_graphs:
+            captured = self._captured.get((rows, want_logits))
             if captured is None:
                 try:
-                    captured = self._capture(rows, want_logits)
-                except RuntimeError as error:  # e.g. an op that cannot be captured: run this shape eagerly
+                    captured = self._capture(adapter, cache, rows, want_logits)
+                except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                                   "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
-                    self.use_graphs = False
+                    self.use_graphs = self.pad_prefill = False
+                    rows, padding = self.step_rows(n, n_deferred, pad_to), self.step_rows(n, n_deferred, pad_to) - n
             if captured is not None:
                 graph, buffers = captured
-                fill(buffers, cache, batch, keys, slots, n_deferred, padding)
+                fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
                 graph.replay()
                 return buffers.logits.clone() if want_logits else None
-        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, self.adapter.dtype, self.adapter.device)
-        fill(buffers, cache, batch, keys, slots, n_deferred, padding)
-        logits = self._step(buffers, want_logits)
+        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
+        logits = self._step(adapter, cache, buffers, want_logits)
         return logits if want_logits else None

@@ -3,12 +3,20 @@
 Storage layout per attention layer: ``keys/values [1, H, capacity + scratch, D]``. Real rows take
 slots ``0, 1, 2, ...`` in the order forwards append them (the same storage order as
 `DeferredDynamicCache`, whose bookkeeping this class inherits); the last ``scratch`` slots take
-the padding rows of a padded chunk (and graph warm-up), and their key stays at the maximum, so no
+the padding rows of a padded forward (and graph warm-up), and their key stays at the maximum, so no
 real query ever sees them. ``slot_keys`` holds each slot's order key; visibility of a forward's
 queries is ``slot_keys[None, :] <= query_keys[:, None]``, computed on the device inside the step.
+
+The tensors live in a `SlotStorage`, together with the CUDA graphs captured on them (a graph reads
+and writes its tensors by address). A storage whose cache has been garbage-collected is handed to
+the next cache of the same size for the same model (`acquire_storage`), graphs included, so a new
+conversation does not capture again; `release_storage` frees what a model keeps.
 """
 
 from __future__ import annotations
+
+import copy
+import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -16,27 +24,106 @@ from transformers.cache_utils import CacheLayerMixin
 from ..cache_utils import DeferredDynamicCache
 
 MAX_KEY = torch.iinfo(torch.long).max
-SLOT_ROUNDING = 256  # capacities are multiples of this, so a conversation rarely regrows (and recaptures)
+SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
+POOLED_PER_MODEL = 4  # storages (with their graphs) kept per model for later conversations
 
 
 def round_capacity(rows: int) -> int:
-    return -(-int(rows) // SLOT_ROUNDING) * SLOT_ROUNDING
+    """``SLOT_ROUNDING * 2**k >= rows``: few distinct sizes, so conversations of similar length share a
+    pooled storage (and its graphs) and a growing conversation moves rarely (at most 2x the KV memory)."""
+    capacity = SLOT_ROUNDING
+    while capacity < int(rows):
+        capacity *= 2
+    return capacity
+
+
+class SlotStorage:
+    """KV tensors of ``capacity + scratch`` slots for every attention layer, their keys, and the graphs
+    captured on them (``graphs``, a `StepGraphs` or None). One cache uses a storage at a time."""
+
+    def __init__(self, num_layers: int, capacity: int, scratch: int, device):
+        self.num_layers, self.capacity, self.scratch = int(num_layers), int(capacity), int(scratch)
+        self.device = torch.device(device)
+        self.keys: list[torch.Tensor | None] = [None] * self.num_layers
+        self.values: list[torch.Tensor | None] = [None] * self.num_layers
+        self.slot_keys = torch.full((self.total_slots,), MAX_KEY, dtype=torch.long, device=self.device)
+        self.graphs = None
+        self._user = None
+
+    @property
+    def total_slots(self) -> int:
+        return self.capacity + self.scratch
+
+    def matches(self, num_layers, capacity, scratch, device) -> bool:
+        return (self.num_layers, self.capacity, self.scratch, self.device) == (
+            int(num_layers), int(capacity), int(scratch), torch.device(device))
+
+    @property
+    def busy(self) -> bool:
+        return self._user is not None and self._user() is not None
+
+    def lease(self, cache) -> "SlotStorage":
+        # every slot invisible again: what an earlier conversation left in the KV tensors is unreachable
+        self.slot_keys.fill_(MAX_KEY)
+        self._user = weakref.ref(cache)
+        return self
+
+    def release(self) -> None:
+        self._user = None
+
+    def layer_tensors(self, idx: int, key_like: torch.Tensor, value_like: torch.Tensor):
+        """Layer ``idx``'s ``(keys, values)``, allocated on first use with the batch/head/dim of the arguments."""
+        if self.keys[idx] is None:
+            b, h, _, d = key_like.shape
+            self.keys[idx] = key_like.new_zeros(b, h, self.total_slots, d)
+            self.values[idx] = value_like.new_zeros(b, h, self.total_slots, value_like.shape[-1])
+        return self.keys[idx], self.values[idx]
+
+
+_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, list[SlotStorage]]" = weakref.WeakKeyDictionary()
+
+
+def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: int, device) -> SlotStorage:
+    """A free pooled storage of this size for ``pool_key`` (the text model), else a new one (pooled while
+    fewer than `POOLED_PER_MODEL` are kept, evicting the oldest free one of another size when full)."""
+    pool = None if pool_key is None else _POOLS.setdefault(pool_key, [])
+    if pool is not None:
+        for storage in pool:
+            if not storage.busy and storage.matches(num_layers, capacity, scratch, device):
+                return storage.lease(cache)
+    storage = SlotStorage(num_layers, capacity, scratch, device)
+    if pool is not None:
+        if len(pool) >= POOLED_PER_MODEL:
+            free = [s for s in pool if not s.busy]
+            if free:
+                pool.remove(free[0])
+        if len(pool) < POOLED_PER_MODEL:
+            pool.append(storage)
+    return storage.lease(cache)
+
+
+def release_storage(model) -> int:
+    """Drop the slot storages (KV tensors and captured graphs) kept for ``model``; returns how many.
+
+    Storages in use by a live cache stay with that cache and are freed with it.
+    """
+    from ..models import get_adapter
+
+    pool = _POOLS.pop(get_adapter(model).text_model, [])
+    return len(pool)
 
 
 class StaticDeferredLayer(CacheLayerMixin):
-    """One attention layer's preallocated KV; writes go to the cache's current slot indices."""
+    """One attention layer's preallocated KV (in the cache's storage); writes go to the cache's current slots."""
 
     is_compileable = True
 
-    def __init__(self, owner: "StaticDeferredCache"):
+    def __init__(self, owner: "StaticDeferredCache", layer_idx: int):
         super().__init__()
-        self.owner = owner
+        self.owner, self.layer_idx = owner, layer_idx
 
     def lazy_initialization(self, key_states, value_states):
-        n = self.owner.total_slots
-        b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros(b, h, n, d)
-        self.values = value_states.new_zeros(b, h, n, value_states.shape[-1])
+        self.keys, self.values = self.owner.storage.layer_tensors(self.layer_idx, key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -56,14 +143,14 @@ class StaticDeferredLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def grow(self, total_slots: int, old_capacity: int, new_capacity: int) -> None:
+    def move_to(self, storage: SlotStorage, rows: int) -> None:
+        """Point at ``storage``'s tensors, carrying over the first ``rows`` slots."""
         if not self.is_initialized:
             return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], total_slots, old.shape[-1])
-            new[:, :, :old_capacity] = old[:, :, :old_capacity]
-            setattr(self, name, new)
+        keys, values = storage.layer_tensors(self.layer_idx, self.keys, self.values)
+        keys[:, :, :rows].copy_(self.keys[:, :, :rows])
+        values[:, :, :rows].copy_(self.values[:, :, :rows])
+        self.keys, self.values = keys, values
 
 
 class StaticDeferredCache(DeferredDynamicCache):
@@ -71,64 +158,101 @@ class StaticDeferredCache(DeferredDynamicCache):
 
     Args:
         num_layers: attention layers of the text model.
-        capacity: real rows it can hold before it grows (growing reallocates and drops captured graphs).
-        scratch: padding slots at the end (>= the largest forward that is padded or captured).
+        capacity: real rows it can hold before it grows (growing moves to a bigger storage).
+        scratch: padding slots at the end (>= the largest padding of a padded forward).
+        device: where the slots live.
+        pool_key: the text model, whose pool of storages (and captured graphs) this cache draws from;
+            None: a private storage.
     """
 
     is_static = True
 
-    def __init__(self, num_layers: int, capacity: int, scratch: int, device):
+    def __init__(self, num_layers: int, capacity: int, scratch: int, device, pool_key=None):
         super().__init__(config=None, device=device)
-        self.layers = [StaticDeferredLayer(self) for _ in range(num_layers)]
+        self._pool_ref = None if pool_key is None else weakref.ref(pool_key)
+        self.num_layers = int(num_layers)
+        self.storage = acquire_storage(pool_key, self, num_layers, capacity, scratch, device)
+        self.layers = [StaticDeferredLayer(self, i) for i in range(num_layers)]
         self.layer_class_to_replicate = None
-        self.capacity, self.scratch = int(capacity), int(scratch)
-        self.slot_keys = torch.full((self.total_slots,), MAX_KEY, dtype=torch.long, device=device)
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
-        self.graphs = None  # StepGraphs, built on first use on CUDA
 
-    def __deepcopy__(self, memo):
-        # captured graphs point at this cache's buffers: a copy gets fresh buffers and captures its own
-        import copy
+    @property
+    def _pool_key(self):
+        return None if self._pool_ref is None else self._pool_ref()
 
-        graphs, self.graphs = self.graphs, None
-        try:
-            clone = copy.copy(self)
-            memo[id(self)] = clone
-            clone.__dict__ = copy.deepcopy(self.__dict__, memo)
-        finally:
-            self.graphs = graphs
-        return clone
+    @property
+    def capacity(self) -> int:
+        return self.storage.capacity
+
+    @property
+    def scratch(self) -> int:
+        return self.storage.scratch
 
     @property
     def total_slots(self) -> int:
-        return self.capacity + self.scratch
+        return self.storage.total_slots
+
+    @property
+    def slot_keys(self) -> torch.Tensor:
+        return self.storage.slot_keys
+
+    @property
+    def graphs(self):
+        return self.storage.graphs
+
+    @graphs.setter
+    def graphs(self, value):
+        self.storage.graphs = value
+
+    def _move_to(self, storage: SlotStorage, rows: int) -> None:
+        storage.slot_keys[:rows].copy_(self.storage.slot_keys[:rows])
+        for layer in self.layers:
+            layer.move_to(storage, rows)
+        if self.storage is not storage:
+            self.storage.release()
+        self.storage = storage
+
+    def __deepcopy__(self, memo):
+        # the copy takes a storage of its own (pooled: graphs captured there before are reused) with the same
+        # contents; everything else is copied as usual
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        state = {k: v for k, v in self.__dict__.items() if k not in ("storage", "layers")}
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        storage = acquire_storage(self._pool_key, clone, self.num_layers, self.capacity, self.scratch,
+                                  self.storage.device)
+        clone.layers = [StaticDeferredLayer(clone, i) for i in range(self.num_layers)]
+        for src, dst in zip(self.layers, clone.layers):
+            if src.is_initialized:  # start from the source's tensors, then copy them into the clone's storage
+                dst.keys, dst.values, dst.is_initialized = src.keys, src.values, True
+                dst.move_to(storage, self.total_slots)
+        storage.slot_keys.copy_(self.storage.slot_keys)
+        clone.storage = storage
+        return clone
 
     def ensure_capacity(self, rows_needed: int) -> None:
         """Make room for ``rows_needed`` real rows (rounded up to a multiple of `SLOT_ROUNDING`)."""
         if rows_needed <= self.capacity:
             return
-        new_capacity = round_capacity(rows_needed)
-        old = self.capacity
-        self.capacity = new_capacity
-        for layer in self.layers:
-            layer.grow(self.total_slots, old, new_capacity)
-        keys = torch.full((self.total_slots,), MAX_KEY, dtype=torch.long, device=self.slot_keys.device)
-        keys[:old] = self.slot_keys[:old]
-        self.slot_keys = keys
-        self.graphs = None  # captured graphs point at the old buffers
+        bigger = acquire_storage(self._pool_key, self, self.num_layers, round_capacity(rows_needed), self.scratch,
+                                 self.storage.device)
+        self._move_to(bigger, self.num_rows)
 
-    def assign_slots(self, keys: torch.Tensor, sources: torch.Tensor, kinds, padding: int = 0) -> torch.Tensor:
-        """Register real rows (as `add_rows`) and return the slots of ``[real rows, padding rows]``."""
+    def assign_slots(self, keys: torch.Tensor, sources: torch.Tensor, kinds) -> int:
+        """Register real rows (bookkeeping as `add_rows`; ``keys`` on the slots' device) and return the first slot.
+
+        The rows take slots ``start, start + 1, ...``; the step itself writes their keys into ``slot_keys``.
+        """
         start = self.num_rows
         n = int(keys.shape[0])
         if start + n > self.capacity:
             raise RuntimeError(f"StaticDeferredCache capacity {self.capacity} exceeded ({start + n} rows)")
-        super().add_rows(keys, sources, kinds)  # bookkeeping only (no visibility needed here)
-        device = self.slot_keys.device
-        self.slot_keys[start:start + n] = keys.to(device)
-        real = torch.arange(start, start + n, device=device)
-        pad = torch.arange(self.capacity, self.capacity + padding, device=device)
-        return torch.cat([real, pad])
+        self.register_rows(keys, sources, kinds)
+        return start
 
     def add_rows(self, keys, sources, kinds):
         raise RuntimeError("StaticDeferredCache rows are registered by the fast path (assign_slots), not add_rows")
+
+    def reset(self) -> None:
+        super().reset()
+        self.storage.slot_keys.fill_(MAX_KEY)

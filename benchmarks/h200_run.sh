@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/results/ (issue 5), as sent to the H200 with the device tool:
+#   bash benchmarks/h200_run.sh vl    # GPU tests, the step profile, Qwen3-VL-8B image latency (3 turns, chunk sweep)
+#   bash benchmarks/h200_run.sh more  # Qwen3.5-9B image latency (eager engine), Qwen3-VL-8B 64-frame video latency
+# Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONWARNINGS=ignore
+case "${1:-vl}" in
+vl)
+    python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
+    tail -3 "$OUT/test_gpu_h200.log"
+    python3 -m raincheck_hf.bench profile --model qwen3_vl_8b --modes full,raincheck --tokens 48 --replays 30 \
+        --json "$OUT/profile_qwen3_vl_8b_image_h200.json" 2>&1 | grep '^\[profile\]'
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 3 --answer-tokens 512 \
+        --follow-up-tokens 128 --chunk-sizes 7,15,31,63 --reps 3 --budget-s "${BUDGET_VL:-420}" \
+        --json "$OUT/latency_qwen3_vl_8b_image_h200.json" > "$OUT/latency_qwen3_vl_8b_image_h200.log" 2>&1
+    tail -20 "$OUT/latency_qwen3_vl_8b_image_h200.log"
+    ;;
+more)
+    python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 128 \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_35:-200}" \
+        --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_5_9b_image_h200.json" > "$OUT/latency_qwen3_5_9b_image_h200.log" 2>&1
+    tail -12 "$OUT/latency_qwen3_5_9b_image_h200.log"
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input video --turns 2 --answer-tokens 128 \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_VIDEO:-150}" \
+        --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_vl_8b_video_h200.json" > "$OUT/latency_qwen3_vl_8b_video_h200.log" 2>&1
+    tail -12 "$OUT/latency_qwen3_vl_8b_video_h200.log"
+    ;;
+esac
