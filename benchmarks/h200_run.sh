@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ (issue 5), as sent to the H200 with the device tool:
 #   bash benchmarks/h200_run.sh vl    # GPU tests, the step profile, Qwen3-VL-8B image latency (3 turns, chunk sweep)
-#   bash benchmarks/h200_run.sh more  # Qwen3.5-9B image latency (eager engine), Qwen3-VL-8B 64-frame video latency
+#   bash benchmarks/h200_run.sh more  # Qwen3-VL-8B image, project variants only; Qwen3.5-9B image latency (eager
+#                                     # engine); Qwen3-VL-8B 64-frame video latency
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -21,6 +22,12 @@ vl)
     tail -20 "$OUT/latency_qwen3_vl_8b_image_h200.log"
     ;;
 more)
+    # the project's variants again after the fix that captures the 1,408-row full prefill too (first call: eager)
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 --answer-tokens 256 \
+        --follow-up-tokens 64 --chunk-sizes 31 --reps 3 --budget-s "${BUDGET_VL2:-120}" \
+        --variants full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_vl_8b_image_project_h200.json" > "$OUT/latency_qwen3_vl_8b_image_project_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_vl_8b_image_project_h200.log"
     python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 128 \
         --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_35:-200}" \
         --variants stock_dynamic,full,hard,post_answer,raincheck,serial \

@@ -169,14 +169,14 @@ class StepGraphs:
                 buffers.logits.copy_(logits)
         return buffers.logits
 
-    def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool):
+    def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int):
+        # warm-up runs execute: they write the last `rows` slots with the maximum key, which no query sees; those
+        # are scratch, free slots and this forward's own slots from `start` on, which its real run then writes
+        first = cache.total_slots - rows
+        if first < start:
+            return None  # not enough room without touching stored rows: this shape runs eagerly this time
         t0 = time.perf_counter()
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
-        # warm-up runs execute: they write the last `rows` slots (scratch and free ones) with the maximum key,
-        # which no query sees, and which real rows overwrite when they arrive
-        first = cache.total_slots - rows
-        if first < cache.num_rows:
-            return None
         torch.arange(first, cache.total_slots, out=buffers.slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -219,7 +219,7 @@ class StepGraphs:
             captured = self._captured.get((rows, want_logits))
             if captured is None:
                 try:
-                    captured = self._capture(adapter, cache, rows, want_logits)
+                    captured = self._capture(adapter, cache, rows, want_logits, start)
                 except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                                   "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)

@@ -120,7 +120,13 @@ class StaticDeferredLayer(CacheLayerMixin):
 
     def __init__(self, owner: "StaticDeferredCache", layer_idx: int):
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        # a weak reference: no cache <-> layer cycle, so a dropped cache (and its storage) is free at once,
+        # not at the next garbage collection
+        self._owner, self.layer_idx = weakref.ref(owner), layer_idx
+
+    @property
+    def owner(self) -> "StaticDeferredCache":
+        return self._owner()
 
     def lazy_initialization(self, key_states, value_states):
         self.keys, self.values = self.owner.storage.layer_tensors(self.layer_idx, key_states, value_states)
