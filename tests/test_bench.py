@@ -155,3 +155,30 @@ def test_gdn_state_map_benchmark_smoke():
     assert [r["op"] for r in result["rows"]] == ["join (one layer)", "online update, 1 token (one layer)"]
     assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in result["rows"])
     assert result["memory_per_layer_bytes"]["M (suffix map, fp32)"] == 2 * 4 * 4 * 4
+
+
+def test_profile_tool_stages_add_up_on_cpu(tmp_path):
+    from raincheck_hf.bench import profile
+
+    path = tmp_path / "profile.json"
+    out = profile.run("tiny_qwen3_vl", "image", modes=("full", "raincheck"), tokens=20, replays=2, decode_guard=2,
+                      chunk_size=4, json_path=str(path), log=lambda *a, **k: None)
+    assert json.loads(path.read_text())["modes"].keys() == {"full", "raincheck"}
+    for mode, entry in out["modes"].items():
+        s = entry["stages"]
+        # the first token comes after HF's preparation, the encoding, selection and the prefill (all synced)
+        parts = s["hf_before_loop_s"] + s["encode_turn_s"] + s["selection_s"] + s["prefill_forward_s"]
+        assert 0 < parts <= s["first_token_s"] <= s["total_s"]
+        assert s["vision_tower_s"] > 0 and s["vision_tower_s"] <= s["encode_turn_s"]
+        assert entry["replay_s"] == {} and entry["profiler"] == {}  # CUDA only
+    assert out["modes"]["raincheck"]["stages"]["decode_forward_chunk_median_s"] is not None
+    assert out["modes"]["full"]["stages"]["decode_forward_chunk_median_s"] is None
+
+
+def test_slow_first_warmup_is_repeated(monkeypatch):
+    monkeypatch.setattr(latency, "SLOW_FIRST_WARMUP_S", 0.0)  # every first call counts as slow
+    out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=1, answer_tokens=2, reps=1, chunk_sizes=(7,),
+                      variants=["full", "stock_dynamic"], warmup_tokens=2, device="cpu", strict=True,
+                      log=lambda *a, **k: None)
+    warmup = out["runs"][0]["warmup"]
+    assert warmup["other_repeated_s"].keys() == warmup["other_s"].keys() == {"full", "stock_dynamic"}
