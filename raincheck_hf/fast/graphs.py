@@ -223,8 +223,7 @@ class StepGraphs:
                 except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                                   "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
-                    self.use_graphs = self.pad_prefill = False
-                    rows, padding = self.step_rows(n, n_deferred, pad_to), self.step_rows(n, n_deferred, pad_to) - n
+                    self.use_graphs = self.pad_prefill = False  # this forward keeps its (valid) padded shape
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
