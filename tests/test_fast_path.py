@@ -130,3 +130,32 @@ def test_slot_storage_is_reused_only_when_free(model, processor):
     for a, b in zip(third.logits, second.logits):
         assert (a - b).abs().max() <= 1e-6
     assert release_storage(model) >= 2
+
+
+def test_storage_pool_reuses_free_storages_and_evicts_the_oldest_free_one(monkeypatch):
+    import raincheck_hf.fast.static_cache as static_cache
+
+    monkeypatch.setattr(static_cache, "POOLED_PER_MODEL", 2)
+    key = torch.nn.Linear(1, 1)  # any module: the pool is keyed by the text model
+
+    class User:  # what a cache is to the pool: something weakly referenced
+        pass
+
+    a_user, b_user = User(), User()
+    a = static_cache.acquire_storage(key, a_user, 2, 256, 64, "cpu")
+    b = static_cache.acquire_storage(key, b_user, 2, 256, 64, "cpu")
+    assert a is not b and a.busy and b.busy  # both in use: two storages of the same size
+    a.slot_keys[:3] = 7
+    del a_user
+    c_user = User()
+    assert static_cache.acquire_storage(key, c_user, 2, 256, 64, "cpu") is a  # a's user is gone: reused
+    assert bool((a.slot_keys == static_cache.MAX_KEY).all())  # with every slot invisible again
+    del b_user
+    d_user = User()
+    d = static_cache.acquire_storage(key, d_user, 2, 512, 64, "cpu")  # another size, pool full: b (free) evicted
+    assert static_cache._POOLS[key] == [a, d]
+    e_user = User()
+    e = static_cache.acquire_storage(key, e_user, 2, 1024, 64, "cpu")  # nothing free to evict: not pooled
+    assert e not in static_cache._POOLS[key] and e.busy
+    assert static_cache.round_capacity(1) == 256 and static_cache.round_capacity(1914) == 2048
+    assert static_cache.round_capacity(2048) == 2048 and static_cache.round_capacity(2049) == 4096
