@@ -6,8 +6,8 @@
 - `SlotStorage`: the KV tensors, slot keys and captured graphs; pooled per model, so a later
   conversation of the same size reuses them instead of capturing again (`release_storage` frees them).
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
-  step at a fixed chunk shape (the last chunk is padded, the padding masked) and of the idle-time
-  chunk-only step; DeepStack features enter through forward hooks on the first decoder layers
+  step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
+  chunk-only step and of prefills padded to 64-row buckets; DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
 
 The eager engine stays the reference: tests compare the two step by step.
