@@ -30,11 +30,7 @@ from collections import defaultdict
 import torch
 
 from . import shapes
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .latency import TokenClock, _sync
 
 
 @contextlib.contextmanager
@@ -94,21 +90,6 @@ def stage_timers(model, device, record: dict):
                 setattr(owner, name, original)
 
 
-class _FirstToken:
-    def __init__(self, device):
-        self.device, self.times, self.seen = device, [], False
-
-    def put(self, value):
-        if not self.seen:
-            self.seen = True
-            return
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def _kwargs(mode, tokens, suppress, settings):
     from ..configuration import RaincheckConfig
 
@@ -127,7 +108,7 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
 
         # stages, synced
         record = defaultdict(list)
-        clock = _FirstToken(device)
+        clock = TokenClock(device)  # the latency bench's clock: a synced time per token after the prompt
         with stage_timers(model, device, record) as entered:
             t0 = time.perf_counter()
             out = model.generate(**kw, streamer=clock)
