@@ -159,3 +159,20 @@ def test_storage_pool_reuses_free_storages_and_evicts_the_oldest_free_one(monkey
     assert e not in static_cache._POOLS[key] and e.busy
     assert static_cache.round_capacity(1) == 256 and static_cache.round_capacity(1914) == 2048
     assert static_cache.round_capacity(2048) == 2048 and static_cache.round_capacity(2049) == 4096
+
+
+def test_graphs_are_dropped_when_the_attention_backend_changes(model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = RaincheckConfig(fast_path=True, chunk_size=4, decode_guard=2)
+    out = model.generate(**inputs, raincheck=cfg, **KW)
+    graphs, logits = out.cache.graphs, out.logits
+    graphs._captured[(1, True)] = ("stale graph", None)  # stands in for a capture (CPU runs no graphs)
+    del out  # its storage (and these graphs) go to the next conversation
+    model.set_attn_implementation("eager")
+    try:
+        again = model.generate(**inputs, raincheck=cfg, **KW)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert again.cache.graphs is graphs and graphs._captured == {} and graphs.attn_implementation == "eager"
+    for a, b in zip(logits, again.logits):
+        assert (a - b).abs().max() <= 1e-4

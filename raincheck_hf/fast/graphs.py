@@ -146,6 +146,7 @@ class StepGraphs:
         self.pad_prefill = self.use_graphs  # bucketed prefill shapes: only worth it when they are captured
         self.num_deepstack = len(getattr(adapter.config.vision_config, "deepstack_visual_indexes", []) or [])
         self.hidden = adapter.text_model.config.hidden_size
+        self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self._captured: dict[tuple[int, bool], tuple] = {}
         self._pool = None
         self.capture_seconds = 0.0
@@ -205,6 +206,10 @@ class StepGraphs:
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
             pad_to: int | None = None):
         """One forward; logits of its last real row (``[1, V]``) or None."""
+        if adapter.attn_implementation != self.attn_implementation:
+            # the model was switched to another attention backend: graphs captured with the old one are stale
+            self._captured, self._pool = {}, None
+            self.attn_implementation = adapter.attn_implementation
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
         rows = self.step_rows(n, n_deferred, pad_to)
