@@ -21,7 +21,6 @@ device, and row counts come from host-side shapes.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -149,7 +148,6 @@ class StepGraphs:
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self._captured: dict[tuple[int, bool], tuple] = {}
         self._pool = None
-        self.capture_seconds = 0.0
 
     # the step itself: identical in eager and captured form
     def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool):
@@ -176,7 +174,6 @@ class StepGraphs:
         first = cache.total_slots - rows
         if first < start:
             return None  # not enough room without touching stored rows: this shape runs eagerly this time
-        t0 = time.perf_counter()
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         torch.arange(first, cache.total_slots, out=buffers.slots)
         stream = torch.cuda.Stream()
@@ -190,7 +187,6 @@ class StepGraphs:
             self._step(adapter, cache, buffers, want_logits)
         self._pool = graph.pool()
         torch.cuda.synchronize()
-        self.capture_seconds += time.perf_counter() - t0
         self._captured[(rows, want_logits)] = (graph, buffers)
         return graph, buffers
 

@@ -211,11 +211,10 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.storage.graphs = value
 
     def _move_to(self, storage: SlotStorage, rows: int) -> None:
+        """Carry the first ``rows`` slots (keys and KV) over to ``storage`` and use it from now on."""
         storage.slot_keys[:rows].copy_(self.storage.slot_keys[:rows])
         for layer in self.layers:
             layer.move_to(storage, rows)
-        if self.storage is not storage:
-            self.storage.release()
         self.storage = storage
 
     def __deepcopy__(self, memo):
@@ -225,24 +224,25 @@ class StaticDeferredCache(DeferredDynamicCache):
         memo[id(self)] = clone
         state = {k: v for k, v in self.__dict__.items() if k not in ("storage", "layers")}
         clone.__dict__.update(copy.deepcopy(state, memo))
+        clone.layers = [StaticDeferredLayer(clone, i) for i in range(self.num_layers)]
+        for src, dst in zip(self.layers, clone.layers):  # start from the source's tensors ...
+            if src.is_initialized:
+                dst.keys, dst.values, dst.is_initialized = src.keys, src.values, True
         storage = acquire_storage(self._pool_key, clone, self.num_layers, self.capacity, self.scratch,
                                   self.storage.device)
-        clone.layers = [StaticDeferredLayer(clone, i) for i in range(self.num_layers)]
-        for src, dst in zip(self.layers, clone.layers):
-            if src.is_initialized:  # start from the source's tensors, then copy them into the clone's storage
-                dst.keys, dst.values, dst.is_initialized = src.keys, src.values, True
-                dst.move_to(storage, self.total_slots)
-        storage.slot_keys.copy_(self.storage.slot_keys)
-        clone.storage = storage
+        clone.storage = self.storage
+        clone._move_to(storage, self.total_slots)  # ... and copy them (every slot) into the clone's storage
         return clone
 
     def ensure_capacity(self, rows_needed: int) -> None:
-        """Make room for ``rows_needed`` real rows (rounded up to a multiple of `SLOT_ROUNDING`)."""
+        """Make room for ``rows_needed`` real rows (`round_capacity`: the next power-of-two multiple of
+        `SLOT_ROUNDING`), moving to a bigger storage; the old one goes back to the pool."""
         if rows_needed <= self.capacity:
             return
-        bigger = acquire_storage(self._pool_key, self, self.num_layers, round_capacity(rows_needed), self.scratch,
-                                 self.storage.device)
-        self._move_to(bigger, self.num_rows)
+        old = self.storage
+        self._move_to(acquire_storage(self._pool_key, self, self.num_layers, round_capacity(rows_needed),
+                                      self.scratch, old.device), self.num_rows)
+        old.release()
 
     def assign_slots(self, keys: torch.Tensor, sources: torch.Tensor, kinds) -> int:
         """Register real rows (bookkeeping as `add_rows`; ``keys`` on the slots' device) and return the first slot.
