@@ -132,6 +132,18 @@ def use_fast_path(adapter, config: RaincheckConfig) -> bool:
     return config.fast_path is True or adapter.device.type == "cuda"
 
 
+def use_vision_graphs(adapter, config: RaincheckConfig) -> bool:
+    """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
+
+    Independent of the text side (Qwen3.5's text runs the eager engine, its tower is the same kind).
+    Off under accelerate splits (a replay skips accelerate's hooks); on CPU with ``fast_path=True`` the
+    same precomputed tower call runs without graphs.
+    """
+    if config.fast_path is False or accelerate_split(adapter.model) is not None:
+        return False
+    return config.fast_path is True or adapter.device.type == "cuda"
+
+
 def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> DeferredDynamicCache:
     """The cache to continue, or a new one (`StaticDeferredCache` on the fast path) sized for the turn."""
     cache = model_kwargs.get("cache")
@@ -168,9 +180,14 @@ def raincheck_sample(
     raincheck_grids: dict | None = None,
     raincheck_streamer=None,
     raincheck_captures=None,
+    raincheck_pixels: dict | None = None,
     **model_kwargs,
 ):
-    """`_sample` with deferred multimodal prefill (the `custom_generate` callable)."""
+    """`_sample` with deferred multimodal prefill (the `custom_generate` callable).
+
+    ``raincheck_pixels`` (``pixel_values`` / ``pixel_values_videos``, held back from HF's own encoding
+    by `integration.enable`'s wrapper) are encoded by the captured vision tower (`use_vision_graphs`).
+    """
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
@@ -185,6 +202,12 @@ def raincheck_sample(
 
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]
+    vision_graphs = None
+    if raincheck_pixels is not None:
+        from .fast.vision_graphs import vision_graphs_for
+
+        model_kwargs = {**model_kwargs, **raincheck_pixels}
+        vision_graphs = vision_graphs_for(adapter.model.model.visual)
     turn = adapter.encode_turn(
         new_ids,
         cache.next_position,
@@ -194,6 +217,7 @@ def raincheck_sample(
         pixel_values=model_kwargs.get("pixel_values"),
         pixel_values_videos=model_kwargs.get("pixel_values_videos"),
         text_prefix=1 if start > 0 else 0,  # the previous answer's last token, not yet fed back
+        vision_graphs=vision_graphs,
     )
 
     # 2. selection and plan

@@ -11,6 +11,9 @@ A selector whose class sets ``needs_vision_attention = True`` (VisionZip) reads 
 last block: for that one `generate` call only, forward pre-hooks on the tower and on its last block
 record what the block is given (see `VisionAttentionCapture`), and the record travels to
 `raincheck_sample` as ``raincheck_captures``. The hooks are removed when the call returns or fails.
+Otherwise, where `generation.use_vision_graphs` holds (CUDA, or ``fast_path=True``), the pixels skip
+HF's eager encoding and travel as ``raincheck_pixels``: the loop encodes them with the tower
+replayed from a CUDA graph per grid (`fast.vision_graphs`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
-from .generation import raincheck_sample
+from .generation import raincheck_sample, use_vision_graphs
 from .models import get_adapter
 from .models.qwen3_vl import accelerate_split
 
@@ -51,11 +54,16 @@ def enable(model):
         # own extra parameters), so it travels under our name and the loop feeds it the prompt itself.
         streamer = kwargs.pop("streamer", None)
         with contextlib.ExitStack() as stack:
-            captures = None
+            captures = pixels = None
             if _needs_vision_attention(config):
                 captures = stack.enter_context(VisionAttentionCapture(model, grids))
+            elif kwargs.get("mm_encoder_outputs") is None and use_vision_graphs(get_adapter(model), config):
+                # the loop encodes these itself, through the captured tower (HF would run it eagerly first);
+                # a selector reading the tower's attention needs the eager tower and its hooks: kept with HF
+                pixels = {k: kwargs.pop(k) for k in ("pixel_values", "pixel_values_videos") if kwargs.get(k) is not None}
             return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
-                            raincheck_streamer=streamer, raincheck_captures=captures, **kwargs)
+                            raincheck_streamer=streamer, raincheck_captures=captures, raincheck_pixels=pixels,
+                            **kwargs)
 
     vars(model)[_ORIGINAL] = original
     model.generate = generate

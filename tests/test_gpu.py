@@ -98,3 +98,45 @@ def test_cuda_follow_up_prefills_leftovers(cuda_model, processor, mode):
             assert second.trace.restored_per_forward[0].numel() > 0
             answers[fast_path] = (first.token_ids, second.token_ids)
     assert all(torch.equal(a, b) for a, b in zip(answers[False], answers[None]))
+
+
+@pytest.mark.parametrize("case", ["one_image", "two_images", "video", "image_and_video"])
+def test_cuda_vision_graphs_replay_the_stock_tower(cuda_model, processor, case):
+    from raincheck_hf.fast.vision_graphs import VisionGraphs
+
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
+    captured = VisionGraphs(cuda_model.model.visual)
+    eager = VisionGraphs(cuda_model.model.visual, use_graphs=False)
+    assert captured.use_graphs
+    with torch.no_grad():
+        for modality, values, grid in (("image", "pixel_values", "image_grid_thw"),
+                                       ("video", "pixel_values_videos", "video_grid_thw")):
+            if grid not in inputs:
+                continue
+            encode = cuda_model.model.get_image_features if modality == "image" else cuda_model.model.get_video_features
+            stock = encode(inputs[values], inputs[grid], return_dict=True)
+            want = eager.encode(inputs[values], inputs[grid])
+            runs = [captured.encode(inputs[values], inputs[grid]) for _ in range(3)]  # eager, capture + replay, replay
+            assert len(captured._captured) == (1 if modality == "image" or "image_grid_thw" not in inputs else 2)
+            for got in runs:
+                for a, b, s in zip(want.pooler_output, got.pooler_output, stock.pooler_output):
+                    assert torch.equal(a, b)
+                    assert (a - s).abs().max().item() <= 1e-3
+                for layer_a, layer_b in zip(want.deepstack_features, got.deepstack_features):
+                    for a, b in zip(layer_a, layer_b):
+                        assert torch.equal(a, b)
+
+
+def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, processor):
+    from raincheck_hf.fast.vision_graphs import release_vision_graphs, vision_graphs_for
+
+    release_vision_graphs(cuda_model.model.visual)
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES["one_image"]))
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
+    outs = [cuda_model.generate(**inputs, **kw) for _ in range(3)]
+    assert len(vision_graphs_for(cuda_model.model.visual)._captured) == 1
+    for out in outs[1:]:
+        assert torch.equal(out.sequences, outs[0].sequences)
+        for a, b in zip(out.logits, outs[0].logits):
+            assert (a - b).abs().max().item() <= 1e-3

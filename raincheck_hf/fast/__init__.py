@@ -9,10 +9,14 @@
   step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
   chunk-only step and of prefills padded to 64-row buckets; DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
+- `VisionGraphs` (`vision_graphs`): the vision tower captured per image / video grid, its grid
+  bookkeeping precomputed (a grid is captured on its second sighting; used by Qwen3-VL and Qwen3.5).
 
 The eager engine stays the reference: tests compare the two step by step.
 """
 
 from .static_cache import SlotStorage, StaticDeferredCache, StaticDeferredLayer, release_storage
+from .vision_graphs import VisionGraphs, release_vision_graphs, vision_graphs_for
 
-__all__ = ["SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "release_storage"]
+__all__ = ["SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "VisionGraphs", "release_storage",
+           "release_vision_graphs", "vision_graphs_for"]

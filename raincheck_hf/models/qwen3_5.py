@@ -345,8 +345,8 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
                              if kind == "linear_attention"]
 
     # ---- encoding: Qwen3-VL's, without DeepStack ------------------------------------------
-    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid):
-        out = super()._vision_outputs(modality, mm_encoder_outputs, pixel_values, grid)
+    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid, vision_graphs=None):
+        out = super()._vision_outputs(modality, mm_encoder_outputs, pixel_values, grid, vision_graphs)
         if out is None:
             return None
         # Qwen3.5's tower has no DeepStack; give encode_turn the one field it reads besides pooler_output.

@@ -171,9 +171,11 @@ class Qwen3VLAdapter:
         return is_image | is_video
 
     # ---- encoding -------------------------------------------------------------------------
-    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid):
+    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid, vision_graphs=None):
         out = (mm_encoder_outputs or {}).get(modality)
         if out is None and pixel_values is not None:
+            if vision_graphs is not None:  # the fast path's tower: same outputs, replayed per grid
+                return vision_graphs.encode(pixel_values, grid)
             encode = self.model.model.get_image_features if modality == "image" else self.model.model.get_video_features
             out = encode(pixel_values, grid, return_dict=True)
         return out
@@ -188,11 +190,14 @@ class Qwen3VLAdapter:
         pixel_values: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         text_prefix: int = 0,
+        vision_graphs=None,
     ) -> TurnInputs:
         """Embed one turn's new tokens ``input_ids [L]`` and compute their absolute 3-D positions.
 
         The first ``text_prefix`` rows are text whatever their ids: the previous answer's last token
         (generated, never fed back yet) is text even if a model happened to emit a placeholder id.
+        ``vision_graphs`` (a `fast.vision_graphs.VisionGraphs` of this model's tower) encodes the pixels
+        instead of ``get_image_features`` / ``get_video_features``.
         """
         device = self.device
         ids = input_ids.to(device)
@@ -210,7 +215,7 @@ class Qwen3VLAdapter:
             ("video", is_video, pixel_values_videos, video_grid_thw),
         ):
             n_rows = int(mask_rows.sum())
-            out = self._vision_outputs(modality, mm_encoder_outputs, values, grid)
+            out = self._vision_outputs(modality, mm_encoder_outputs, values, grid, vision_graphs)
             if out is None:
                 if n_rows:
                     raise ValueError(
