@@ -3,8 +3,9 @@
 #   bash benchmarks/h200_run.sh vl    # GPU tests, the step profile, Qwen3-VL-8B image latency (3 turns, chunk sweep)
 #   bash benchmarks/h200_run.sh more  # Qwen3-VL-8B image, project variants only; Qwen3.5-9B image latency (eager
 #                                     # engine); Qwen3-VL-8B 64-frame video latency
-#   bash benchmarks/h200_run.sh qwen35  # not run yet: Qwen3.5-9B with every variant (one device call on its own:
+#   bash benchmarks/h200_run.sh qwen35  # Qwen3.5-9B with every variant (one device call on its own:
 #                                     # fla's first-call autotuning ~60 s and stock static's compile ~95 s come first)
+#   bash benchmarks/h200_run.sh video # Qwen3-VL-8B 64-frame video latency, every variant but stock static
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -37,6 +38,13 @@ more)
     tail -12 "$OUT/latency_qwen3_5_9b_image_h200.log"
     python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input video --turns 2 --answer-tokens 128 \
         --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_VIDEO:-150}" \
+        --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_vl_8b_video_h200.json" > "$OUT/latency_qwen3_vl_8b_video_h200.log" 2>&1
+    tail -12 "$OUT/latency_qwen3_vl_8b_video_h200.log"
+    ;;
+video)
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input video --turns 2 --answer-tokens 128 \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_VIDEO:-200}" \
         --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
         --json "$OUT/latency_qwen3_vl_8b_video_h200.json" > "$OUT/latency_qwen3_vl_8b_video_h200.log" 2>&1
     tail -12 "$OUT/latency_qwen3_vl_8b_video_h200.log"

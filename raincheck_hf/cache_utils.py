@@ -173,6 +173,14 @@ class DeferredDynamicCache(DynamicCache):
         rows, self._pending = self._pending.split(n)
         return rows
 
+    def peek_pending(self, n: int | None = None) -> PendingRows | None:
+        """The rows `take_pending` would return (views), leaving them pending."""
+        if self._pending is None or len(self._pending) == 0:
+            return None
+        if n is None or n >= len(self._pending):
+            return self._pending
+        return self._pending.split(n)[0]
+
     # ---- source accounting ----------------------------------------------------------------
     @property
     def source_length(self) -> int:

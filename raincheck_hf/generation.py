@@ -85,12 +85,14 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
 
 def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
-             pad_to: int | None = None):
+             pad_to: int | None = None, prepared=None):
     """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
 
     ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
-    the shape its CUDA graph was captured at.
+    the shape its CUDA graph was captured at. ``prepared``: this forward from `prepare_rows`.
     """
+    if prepared is not None:
+        return cache.graphs.launch(cache, prepared)
     kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
     if getattr(cache, "is_static", False):
         if cache.graphs is None:
@@ -101,6 +103,61 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
     return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
+
+
+def prepare_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
+                 pad_to: int | None = None):
+    """`run_rows`'s forward made ready ahead (fast path, shape already captured), or None: give it to
+    `run_rows` as ``prepared``. The cache's bookkeeping is untouched until then."""
+    if not getattr(cache, "is_static", False) or cache.graphs is None:
+        return None
+    kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
+    return cache.graphs.prepare(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
+
+
+@dataclass
+class _DecodeForward:
+    """Decode forward i: its ``[chunk?, token]`` row batches (one forward, or two in ``serial`` mode)."""
+
+    forwards: list[tuple]  # run_rows arguments after (adapter, cache)
+    n_chunk: int
+    position: int  # the token's M-RoPE position
+    restored: torch.Tensor  # sources of the chunk's deferred rows
+    prepared: object = None  # the first forward, prepared (fast path)
+
+    @classmethod
+    def build(cls, adapter, cache, plan, config, next_tokens, forward_index: int, first_generated_position: int,
+              sequence_length: int) -> "_DecodeForward":
+        token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
+        position = first_generated_position + forward_index - 1
+        token_source = torch.tensor([sequence_length - 1])
+        batch = adapter.text_row(next_tokens, position)
+        token = (batch, token_key, token_source, GENERATED, True, None)
+        n_chunk = chunk_size_for_forward(forward_index, config, cache.num_pending)
+        chunk = cache.peek_pending(n_chunk) if n_chunk else None
+        if chunk is None:
+            return cls([token], 0, position, torch.empty(0, dtype=torch.long),
+                       prepare_rows(adapter, cache, *token))
+        chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
+        if config.mode == "serial":
+            forwards = [(adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds, False, config.chunk_size),
+                        token]
+        else:  # fused: one forward over [chunk, decode token]
+            forwards = [(RowBatch.concat([adapter.pending_batch(chunk), batch]),
+                         torch.cat([chunk.keys, to_device(token_key, chunk.keys.device)]),
+                         torch.cat([chunk.sources.cpu(), token_source]),
+                         torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
+                         True, config.chunk_size)]
+        return cls(forwards, len(chunk), position, chunk.sources.cpu(), prepare_rows(adapter, cache, *forwards[0]))
+
+    def run(self, adapter, cache):
+        """Take the chunk from the pending rows and run the forward(s); the token's logits."""
+        if self.n_chunk:
+            cache.take_pending(self.n_chunk)  # the rows `build` peeked at
+        logits = None
+        for i, forward in enumerate(self.forwards):
+            logits = run_rows(adapter, cache, *forward, prepared=self.prepared if i == 0 else None)
+        return logits
 
 
 def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None = None) -> torch.Tensor:
@@ -298,40 +355,23 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         generated += 1
-        if streamer is not None:
-            streamer.put(next_tokens.cpu())
+        # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
+        # stopping check, so that this host work overlaps the device's; nothing in the cache changes until `run`
+        step = _DecodeForward.build(adapter, cache, plan, config, next_tokens, generated, first_generated_position,
+                                    input_ids.shape[1])
+        # Everything so far was only launched and queues behind the last forward; the stopping check is
+        # launched too, then one wait for all of it. The token's host copy is taken after that wait (behind
+        # the next forward, `.cpu()` would wait for that forward as well).
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if unfinished.max() == 0:
+        finished = bool(unfinished.max() == 0)
+        token_host = next_tokens.cpu()
+        if streamer is not None:
+            streamer.put(token_host)
+        if finished:
             break
-
-        # forward i = generated consumes y_i, at the position a full prefill would give it
-        forward_index = generated
-        token_key = order_key(plan.turn, GENERATED, forward_index - 1)
-        position = first_generated_position + forward_index - 1
-        token_source = torch.tensor([input_ids.shape[1] - 1])
-        batch = adapter.text_row(next_tokens, position)
-        n_chunk = chunk_size_for_forward(forward_index, config, cache.num_pending)
-        chunk = cache.take_pending(n_chunk) if n_chunk else None
-        restored = torch.empty(0, dtype=torch.long)
-        if chunk is not None:
-            restored = chunk.sources.cpu()
-            chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
-            if config.mode == "serial":
-                run_rows(adapter, cache, adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds,
-                         want_logits=False, pad_to=config.chunk_size)
-                logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)
-            else:  # fused: one forward over [chunk, decode token]
-                logits = run_rows(
-                    adapter, cache, RowBatch.concat([adapter.pending_batch(chunk), batch]),
-                    torch.cat([chunk.keys, to_device(token_key.reshape(1), chunk.keys.device)]),
-                    torch.cat([chunk.sources.cpu(), token_source]),
-                    torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
-                    want_logits=True, pad_to=config.chunk_size,
-                )
-        else:
-            logits = run_rows(adapter, cache, batch, token_key.reshape(1), token_source, GENERATED, True)
-        cache.extend_source(next_tokens.cpu(), position + 1)
-        trace.restored_per_forward.append(restored)
+        logits = step.run(adapter, cache)
+        cache.extend_source(token_host, step.position + 1)
+        trace.restored_per_forward.append(step.restored)
 
     if streamer is not None:
         streamer.end()

@@ -3,6 +3,9 @@ eager engine computes. On CPU it runs without CUDA graphs; tests/test_gpu.py che
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -176,3 +179,81 @@ def test_graphs_are_dropped_when_the_attention_backend_changes(model, processor)
     assert again.cache.graphs is graphs and graphs._captured == {} and graphs.attn_implementation == "eager"
     for a, b in zip(logits, again.logits):
         assert (a - b).abs().max() <= 1e-4
+
+
+class _EagerReplay:
+    """A stand-in for a captured CUDA graph on CPU: `replay` runs the captured step on its buffers."""
+
+    def __init__(self, run):
+        self.replay = run
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """StepGraphs on CPU with graph capture replaced by `_EagerReplay`: the decode loop's prepare-ahead /
+    launch path, static buffers refilled every step, and bucketed prefills run exactly as on CUDA.
+    Yields the log of (rows, want_logits, launched-from-a-prepared-step) per replay."""
+    import raincheck_hf.fast.graphs as graphs
+
+    monkeypatch.setattr(graphs, "PREFILL_BUCKET", 16)
+    init = graphs.StepGraphs.__init__
+    log = []
+
+    def with_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_graphs = self.pad_prefill = True
+
+    current = {}  # the cache a replay works on: a real graph holds the storage's tensors, not the cache object
+
+    def capture(self, adapter, cache, rows, want_logits, start):
+        first = cache.total_slots - rows
+        if first < start:
+            return None
+        buffers = graphs.StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        torch.arange(first, cache.total_slots, out=buffers.slots)
+        self._step(adapter, cache, buffers, want_logits)  # the real capture's warm-up writes these slots too
+
+        def replay():
+            log.append((rows, want_logits, current["prepared"]))
+            self._step(current["adapter"], current["cache"](), buffers, want_logits)
+
+        self._captured[(rows, want_logits)] = (_EagerReplay(replay), buffers)
+        return self._captured[(rows, want_logits)]
+
+    run, launch = graphs.StepGraphs.run, graphs.StepGraphs.launch
+
+    def logged_run(self, adapter, cache, *args, **kwargs):
+        current.update(adapter=adapter, cache=weakref.ref(cache), prepared=False)  # weak: the cache may die
+        return run(self, adapter, cache, *args, **kwargs)
+
+    def prepare_then_launch(self, cache, step):
+        current.update(cache=weakref.ref(cache), prepared=True)
+        return launch(self, cache, step)
+
+    monkeypatch.setattr(graphs.StepGraphs, "__init__", with_graphs)
+    monkeypatch.setattr(graphs.StepGraphs, "_capture", capture)
+    monkeypatch.setattr(graphs.StepGraphs, "run", logged_run)
+    monkeypatch.setattr(graphs.StepGraphs, "launch", prepare_then_launch)
+    from raincheck_hf.fast.static_cache import _POOLS
+
+    _POOLS.clear()  # storages pooled by other tests hold graphs captured without the stand-in
+    yield log
+    _POOLS.clear()
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "serial", "full", "post_answer"])
+def test_prepared_steps_replay_what_the_eager_engine_computes(model, processor, cpu_graphs, mode):
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(mode=mode, chunk_size=4, decode_guard=2)
+    _pair(model, inputs, **cfg)  # captures every shape (the first replay of a shape comes from `run`)
+    gc.collect()  # its cache gives the storage (and the graphs) back to the pool
+    cpu_graphs.clear()
+    slow, fast = _pair(model, inputs, **cfg)
+    _assert_same(slow, fast)
+    prepared = [entry for entry in cpu_graphs if entry[2]]
+    # every decode forward after the first was prepared ahead (serial: its chunk forward; the token's follows)
+    generated = fast.sequences.shape[1] - inputs["input_ids"].shape[1]
+    assert generated > 4 and len(prepared) == generated - 1
+    if mode in ("raincheck", "serial"):
+        chunk_rows = 4 if mode == "serial" else 5
+        assert any(rows == chunk_rows for rows, _, was_prepared in prepared)

@@ -133,6 +133,19 @@ def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
     buffers.deepstack_written = buffers.deepstack_scattered = True
 
 
+@dataclass
+class PreparedStep:
+    """A captured forward whose buffers are filled, waiting for `StepGraphs.launch`."""
+
+    graph: torch.cuda.CUDAGraph
+    buffers: StepBuffers
+    want_logits: bool
+    start: int  # the first slot its rows take (the cache's row count when it was prepared)
+    keys: torch.Tensor
+    sources: torch.Tensor
+    kinds: torch.Tensor
+
+
 class StepGraphs:
     """Captured steps of one `SlotStorage` (the graphs point at its tensors and at their own buffers).
 
@@ -199,9 +212,7 @@ class StepGraphs:
             return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
         return n
 
-    def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
-            pad_to: int | None = None):
-        """One forward; logits of its last real row (``[1, V]``) or None."""
+    def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None):
         if adapter.attn_implementation != self.attn_implementation:
             # the model was switched to another attention backend: graphs captured with the old one are stale
             self._captured, self._pool = {}, None
@@ -214,6 +225,43 @@ class StepGraphs:
             raise RuntimeError(f"padding {padding} exceeds the cache's scratch slots {cache.scratch}")
         if want_logits and padding and n == n_deferred:
             raise RuntimeError("a padded forward of deferred rows only has no last real row to take logits from")
+        return n, n_deferred, rows, padding
+
+    def prepare(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
+                pad_to: int | None = None) -> PreparedStep | None:
+        """Fill the buffers of the forward's captured graph without touching the cache's bookkeeping.
+
+        The decode loop prepares step ``i + 1`` before it waits for step ``i`` (the stopping check), so
+        the host work of building a step overlaps the device's; `launch` then registers the rows and
+        replays. The fill is queued behind the running replay, which is done reading the buffers by
+        then; a step that is not launched (the answer stopped) leaves only its buffers written. None
+        when the shape is not captured yet or there is no room (`run` then does it all after the check).
+        """
+        if not self.use_graphs:
+            return None
+        n, n_deferred, rows, padding = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
+        captured = self._captured.get((rows, want_logits))
+        start = cache.num_rows
+        if captured is None or start + n > cache.capacity:
+            return None
+        graph, buffers = captured
+        keys = to_device(keys, cache.slot_keys.device)
+        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
+        return PreparedStep(graph, buffers, want_logits, start, keys, sources, kinds)
+
+    def launch(self, cache: StaticDeferredCache, step: PreparedStep):
+        """Register a prepared step's rows and replay its graph; logits of its last real row or None."""
+        start = cache.assign_slots(step.keys, step.sources, step.kinds)
+        if start != step.start:
+            raise RuntimeError(f"a step prepared for slot {step.start} was launched at slot {start}: rows were "
+                               "added to the cache in between")
+        step.graph.replay()
+        return step.buffers.logits.clone() if step.want_logits else None
+
+    def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
+            pad_to: int | None = None):
+        """One forward; logits of its last real row (``[1, V]``) or None."""
+        n, n_deferred, rows, padding = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
         keys = to_device(keys, cache.slot_keys.device)
         start = cache.assign_slots(keys, sources, kinds)
         if self.use_graphs:

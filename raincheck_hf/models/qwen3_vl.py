@@ -321,9 +321,10 @@ class Qwen3VLAdapter:
 
     def text_row(self, token_id: torch.Tensor, position: int) -> RowBatch:
         """A single text token (a generated one) at M-RoPE position ``position`` on all three axes."""
-        ids = token_id.reshape(1).to(self.device)
-        pos = torch.full((3, 1), position, dtype=torch.long, device=self.device)
-        return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=self.device), None)
+        device = self.device  # looked up once: it walks accelerate's hooks and the parameters (a decode step's host time)
+        ids = token_id.reshape(1).to(device)
+        pos = torch.full((3, 1), position, dtype=torch.long, device=device)
+        return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=device), None)
 
     def pending_batch(self, pending) -> RowBatch:
         return RowBatch(pending.embeds, pending.positions, torch.ones(len(pending), dtype=torch.bool,
