@@ -90,6 +90,7 @@ class VisionGraphs:
         self.use_graphs = use_graphs
         self.seen: dict[tuple, int] = {}
         self._captured: OrderedDict[tuple, tuple] = OrderedDict()
+        self._inputs: dict[tuple, tuple] = {}  # what each captured graph reads besides the pixels, kept alive
         self._pool = None
 
     def _key(self, tower, pixel_values: torch.Tensor, grid: tuple) -> tuple:
@@ -111,9 +112,13 @@ class VisionGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
         self._pool = graph.pool()
+        # the graph reads the precomputed index / weight tensors (and the grid) by address: they must live as long
+        # as it does (freed, their memory is handed out again and a replay gathers with garbage indices)
+        self._inputs[key] = (kwargs, grid_thw)
         self._captured[key] = (graph, static_pixels, outputs)
         while len(self._captured) > MAX_GRAPHS:
-            self._captured.popitem(last=False)
+            evicted, _ = self._captured.popitem(last=False)
+            self._inputs.pop(evicted, None)
         return self._captured[key]
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
@@ -138,7 +143,7 @@ class VisionGraphs:
                 except RuntimeError as error:  # an op that cannot be captured: this tower runs eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of the vision tower failed ({error}); "
                                   "running it eagerly instead.", RuntimeWarning, stacklevel=2)
-                    self.use_graphs, self._captured, self._pool = False, OrderedDict(), None
+                    self.use_graphs, self._captured, self._inputs, self._pool = False, OrderedDict(), {}, None
         if captured is not None:
             self._captured.move_to_end(key)
             graph, static_pixels, (pooled, deepstack) = captured
