@@ -50,8 +50,10 @@ video)
     tail -12 "$OUT/latency_qwen3_vl_8b_video_h200.log"
     ;;
 qwen35)
+    python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
+    tail -3 "$OUT/test_gpu_h200.log"
     python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 128 \
-        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_35:-520}" \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_35:-480}" \
         --variants stock_dynamic,stock_static_reused,full,hard,post_answer,raincheck,serial \
         --json "$OUT/latency_qwen3_5_9b_image_h200.json" > "$OUT/latency_qwen3_5_9b_image_h200.log" 2>&1
     tail -12 "$OUT/latency_qwen3_5_9b_image_h200.log"
