@@ -5,6 +5,8 @@
 #                                     # engine); Qwen3-VL-8B 64-frame video latency
 #   bash benchmarks/h200_run.sh qwen35  # Qwen3.5-9B with every variant (one device call on its own:
 #                                     # fla's first-call autotuning ~60 s and stock static's compile ~95 s come first)
+#   bash benchmarks/h200_run.sh attention  # GPU tests, few-query attention vs SDPA, the step profile, a short
+#                                     # Qwen3-VL-8B image run of full / raincheck / serial
 #   bash benchmarks/h200_run.sh video # Qwen3-VL-8B 64-frame video latency, every variant but stock static
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
@@ -41,6 +43,18 @@ more)
         --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
         --json "$OUT/latency_qwen3_vl_8b_video_h200.json" > "$OUT/latency_qwen3_vl_8b_video_h200.log" 2>&1
     tail -12 "$OUT/latency_qwen3_vl_8b_video_h200.log"
+    ;;
+attention)
+    python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
+    tail -3 "$OUT/test_gpu_h200.log"
+    python3 -m raincheck_hf.bench attention --json "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention_h200.log"
+    python3 -m raincheck_hf.bench profile --model qwen3_vl_8b --modes full,raincheck --tokens 48 --replays 30 \
+        --json "$OUT/profile_qwen3_vl_8b_image_h200_few_query.json" 2>&1 | grep '^\[profile\]'
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 --answer-tokens 256 \
+        --follow-up-tokens 64 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_ATT:-90}" \
+        --variants full,raincheck,serial \
+        --json "$OUT/latency_qwen3_vl_8b_image_few_query_h200.json" > "$OUT/latency_qwen3_vl_8b_image_few_query_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_vl_8b_image_few_query_h200.log"
     ;;
 video)
     python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input video --turns 2 --answer-tokens 128 \

@@ -182,3 +182,18 @@ def test_slow_first_warmup_is_repeated(monkeypatch):
                       log=lambda *a, **k: None)
     warmup = out["runs"][0]["warmup"]
     assert warmup["other_repeated_s"].keys() == warmup["other_s"].keys() == {"full", "stock_dynamic"}
+
+
+def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path):
+    from raincheck_hf.bench import attention
+
+    path = tmp_path / "attention.json"
+    result = attention.run(rows=(1, 5), slots=(40,), heads=4, kv_heads=2, dim=16, layers=2, reps=2,
+                           device="cpu", json_path=str(path), log=lambda *_: None)
+    assert [(e["rows"], e["slots"]) for e in result["results"]] == [(1, 40), (5, 40)]
+    for e in result["results"]:
+        assert set(e["median_s"]) == {"sdpa", "few_query"} and all(t > 0 for t in e["median_s"].values())
+        assert e["max_abs_diff"] <= 1e-5
+    assert json.loads(path.read_text())["shape"]["kv_heads"] == 2
+    with pytest.raises(SystemExit):
+        attention.main(["--heads", "6", "--kv-heads", "4"])

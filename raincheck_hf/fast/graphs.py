@@ -28,6 +28,7 @@ import torch
 
 from ..cache_utils import DEFERRED, to_device
 from ..masking import visibility_to_attention_mask
+from .attention import few_query_attention_for
 from .static_cache import MAX_KEY, StaticDeferredCache
 
 PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
@@ -170,7 +171,7 @@ class StepGraphs:
         visible = cache.slot_keys[None, :] <= buffers.query_keys[:, None]
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        with deepstack_hooks(text_model, buffers.deepstack):
+        with deepstack_hooks(text_model, buffers.deepstack), few_query_attention_for(text_model.config):
             hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                 attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         if want_logits:

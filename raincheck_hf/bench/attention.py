@@ -1,0 +1,136 @@
+"""The fast path's few-query attention against stock SDPA at the real shapes, side by side.
+
+    python -m raincheck_hf.bench attention --json out.json
+
+For each (query rows, cache slots) of a fast-path step — rows 1 (decode) and 32 (a fused chunk of
+31 + the token), slots as the static cache holds them (capacity + 64 scratch) — both functions run
+on the same random bf16 inputs and the same boolean visibility mask, as one layer's call repeated
+``--layers`` times (a model's depth). On CUDA each variant is captured in a CUDA graph and replayed
+(the fast path replays its steps), so the time is the device's; on CPU it runs eagerly. Reports
+medians over ``--reps`` replays (microseconds per layer call), the ratio, and the largest difference
+between the two outputs. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _variants():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..fast.attention import few_query_attention
+
+    return {"sdpa": sdpa_attention_forward, "few_query": few_query_attention}
+
+
+def _case(rows, slots, heads, kv_heads, dim, device, dtype, seed=0):
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, rows, dim, generator=g).to(device, dtype)
+    k = torch.randn(1, kv_heads, slots, dim, generator=g).to(device, dtype)
+    v = torch.randn(1, kv_heads, slots, dim, generator=g).to(device, dtype)
+    visible = torch.rand(rows, slots, generator=g) < 0.7
+    visible[:, 0] = True
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    return module, q, k, v, visible[None, None].to(device)
+
+
+def _timed(fn, device, layers: int, reps: int) -> list[float]:
+    """Seconds per call of ``fn`` (``layers`` calls per timed unit), one value per repetition."""
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(layers):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / layers)
+        return times
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            fn()
+        times.append((time.perf_counter() - t0) / layers)
+    return times
+
+
+def run(rows=(1, 32), slots=(2112, 4160), heads=32, kv_heads=8, dim=128, layers=36, reps=30, device=None,
+        json_path=None, log=print) -> dict:
+    from .latency import hardware_info
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = []
+    with torch.no_grad():
+        for n_rows in rows:
+            for n_slots in slots:
+                module, q, k, v, mask = _case(n_rows, n_slots, heads, kv_heads, dim, device, dtype)
+                scale = dim ** -0.5
+                outputs, medians = {}, {}
+                for name, fn in _variants().items():
+                    outputs[name] = fn(module, q, k, v, mask, scaling=scale)[0]
+                    times = _timed(lambda fn=fn: fn(module, q, k, v, mask, scaling=scale), device, layers, reps)
+                    medians[name] = statistics.median(times)
+                diff = (outputs["few_query"].float() - outputs["sdpa"].float()).abs().max().item()
+                entry = {"rows": n_rows, "slots": n_slots, "median_s": medians,
+                         "ratio_few_query_to_sdpa": medians["few_query"] / medians["sdpa"], "max_abs_diff": diff}
+                results.append(entry)
+    result = {"benchmark": "attention", "hardware": hardware_info(device), "dtype": str(dtype).replace("torch.", ""),
+              "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "layers_per_replay": layers},
+              "reps": reps, "results": results}
+    log(f"few-query attention vs stock sdpa on {result['hardware'].get('gpu') or 'cpu'} ({result['dtype']}; "
+        f"{heads} query / {kv_heads} key-value heads, dim {dim}); microseconds per layer call, medians of {reps}")
+    log(f"{'rows':>5} {'slots':>6} {'sdpa':>9} {'few_query':>10} {'ratio':>6} {'max |diff|':>11}")
+    for e in results:
+        log(f"{e['rows']:>5} {e['slots']:>6} {e['median_s']['sdpa'] * 1e6:>9.1f} {e['median_s']['few_query'] * 1e6:>10.1f} "
+            f"{e['ratio_few_query_to_sdpa']:>6.2f} {e['max_abs_diff']:>11.2e}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,32", help="query rows per step, comma-separated")
+    parser.add_argument("--slots", default="2112,4160", help="cache slots (capacity + scratch), comma-separated")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    ints = lambda text, name: [int(x) for x in text.split(",") if x.strip()] or parser.error(f"--{name} is empty")
+    for name, value in (("heads", args.heads), ("kv-heads", args.kv_heads), ("head-dim", args.head_dim),
+                        ("layers", args.layers), ("reps", args.reps)):
+        if value < 1:
+            parser.error(f"--{name}={value} must be >= 1")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+    return run(rows=ints(args.rows, "rows"), slots=ints(args.slots, "slots"), heads=args.heads, kv_heads=args.kv_heads,
+               dim=args.head_dim, layers=args.layers, reps=args.reps, device=args.device, json_path=args.json)

@@ -1,0 +1,79 @@
+"""Attention for the fast path's few-query steps: a decode token, a fused ``[chunk, token]`` step.
+
+A fast-path step attends from ``L`` query rows to every slot of the static cache under a boolean
+visibility mask, so SDPA cannot take its flash kernel and, on the H200, picked cuDNN's masked kernel:
+56 µs per layer for one query over 2,112 slots (36 layers: ≈ 2 ms of a 10.25 ms decode graph, in
+`benchmarks/results/profile_qwen3_vl_8b_image_h200.json`), parallel only over the 32 heads. For few
+queries the same attention is two small batched matmuls over the key/value heads (the query heads
+of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots.
+
+`few_query_attention` is registered with transformers' `AttentionInterface` (on first use, not at
+import) and selected only inside a fast-path step (`few_query_attention_for`, which sets and then
+restores the text config's backend), and only when the model runs ``sdpa``. Rows above
+`FEW_QUERY_MAX` (prefills) and anything it does not handle go to stock `sdpa_attention_forward`,
+which is also its reference in the tests.
+
+Precision: scores in float32 (bf16 keys are upcast; a bf16 score of magnitude ~10 would carry an
+error of ~0.04 into the exponent), probabilities cast to the value dtype for the second product, as
+flash attention does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+FEW_QUERY_MAX = 64  # query rows up to which the matmul form runs (decode: 1, fused chunk 31: 32)
+NAME = "raincheck_few_query_sdpa"
+ENABLED = True  # the fast path uses it (False: stock sdpa inside the steps as well)
+
+
+def few_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """``query [B, Hq, L, D]``, ``key``/``value [B, Hkv, S, D]``, ``attention_mask [B | 1, 1, L, S]`` (bool,
+    True = visible) -> ``([B, L, Hq, D], None)``, what `sdpa_attention_forward` returns."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, hq, rows, d = query.shape
+    hkv = key.shape[1]
+    usable = (
+        rows <= FEW_QUERY_MAX and dropout == 0.0 and attention_mask is not None
+        and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1 and hq % hkv == 0
+        and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+        and value.shape[-1] == d
+    )
+    if not usable:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    group = hq // hkv
+    scale = d ** -0.5 if scaling is None else scaling
+    # query head h reads key/value head h // group: stack a group's queries as rows of its key/value head
+    q = query.reshape(b, hkv, group * rows, d).float()
+    scores = torch.matmul(q * scale, key.float().transpose(-1, -2))  # [B, Hkv, group * L, S]
+    visible = attention_mask[:, :, None].expand(-1, hkv, group, -1, -1).reshape(attention_mask.shape[0], hkv,
+                                                                                 group * rows, -1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, Hkv, group * L, D]
+    return out.reshape(b, hq, rows, d).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    if NAME not in AttentionInterface().valid_keys():
+        AttentionInterface.register(NAME, few_query_attention)
+
+
+@contextlib.contextmanager
+def few_query_attention_for(config):
+    """Inside the block, attention layers reading ``config`` run `few_query_attention` (``sdpa`` models only)."""
+    if not ENABLED or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    _register()
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

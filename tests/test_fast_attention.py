@@ -1,0 +1,88 @@
+"""`fast.attention.few_query_attention` computes what stock SDPA computes (its reference), on random inputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.fast import attention
+
+from conftest import INPUT_CASES, make_inputs
+
+
+def _inputs(seed, heads, kv_heads, rows, slots, dim=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, rows, dim, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, slots, dim, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, slots, dim, generator=g).to(dtype)
+    visible = torch.rand(rows, slots, generator=g) < 0.6
+    visible[:, 0] = True  # every row sees something (a fast-path padding row sees every real row)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    return module, q, k, v, visible[None, None]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_few_query_attention_matches_sdpa(heads, kv_heads, rows):
+    module, q, k, v, mask = _inputs(rows * 10 + heads, heads, kv_heads, rows, slots=97)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == want.shape == (1, rows, heads, 16)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_few_query_attention_in_bfloat16_stays_close_to_float32_sdpa():
+    module, q, k, v, mask = _inputs(7, 8, 2, 1, slots=300, dim=64)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=64 ** -0.5)
+    got, _ = attention.few_query_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask,
+                                           scaling=64 ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max().item() <= 2e-2
+
+
+def test_many_rows_and_unsupported_masks_go_to_stock_sdpa():
+    module, q, k, v, mask = _inputs(3, 4, 2, attention.FEW_QUERY_MAX + 1, slots=80)
+    assert torch.equal(attention.few_query_attention(module, q, k, v, mask)[0],
+                       sdpa_attention_forward(module, q, k, v, mask)[0])
+    module, q, k, v, mask = _inputs(4, 4, 2, 3, slots=40)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert torch.equal(attention.few_query_attention(module, q, k, v, additive)[0],
+                       sdpa_attention_forward(module, q, k, v, additive)[0])
+
+
+def test_the_backend_is_switched_only_inside_the_block(model, eager_model):
+    config = model.model.language_model.config
+    with pytest.raises(RuntimeError):
+        with attention.few_query_attention_for(config):
+            assert config._attn_implementation == attention.NAME
+            raise RuntimeError("a failing step")
+    assert config._attn_implementation == "sdpa"
+    eager = eager_model.model.language_model.config
+    with attention.few_query_attention_for(eager):
+        assert eager._attn_implementation == "eager"  # only sdpa models get the matmul form
+
+
+def test_fast_path_steps_use_it_and_the_eager_engine_does_not(model, processor, monkeypatch):
+    calls = []
+    original = attention.few_query_attention
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "few_query_attention", counting)
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME, counting)
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, chunk_size=4, decode_guard=2), **kw)
+    assert calls == []
+    model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, chunk_size=4, decode_guard=2), **kw)
+    layers = model.config.text_config.num_hidden_layers
+    assert len(calls) == layers * 6  # the prefill and every decode forward, each layer
+    assert 1 in calls and 5 in calls  # plain decode steps and fused [chunk of 4, token] steps
