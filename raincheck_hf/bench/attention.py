@@ -45,23 +45,16 @@ def _case(rows, slots, heads, kv_heads, dim, device, dtype, seed=0):
 def _timed(fn, device, layers: int, reps: int) -> list[float]:
     """Seconds per call of ``fn`` (``layers`` calls per timed unit), one value per repetition."""
     if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(layers):
-                fn()
-        graph.replay()
+        from .gdn_state_map import _graphed
+
+        replay = _graphed(fn, device, replays=layers)  # the ``layers`` calls captured in one graph
+        replay()
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / layers)

@@ -102,6 +102,17 @@ def _kwargs(mode, tokens, suppress, settings):
                                           selector=settings["selector"]))
 
 
+def _replay_seconds(graph, device, replays: int) -> float:
+    """One replay of a captured graph, back to back with the others (one sync at the end)."""
+    graph.replay()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    _sync(device)
+    return (time.perf_counter() - t0) / replays
+
+
 def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replays: int, top: int) -> dict:
     kw = dict(inputs, **_kwargs(mode, tokens, suppress, settings))
     with torch.no_grad():
@@ -139,26 +150,14 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
         stages["decode_forward_chunk_median_s"] = statistics.median(chunk_forwards) if chunk_forwards else None
 
         # captured graphs alone
-        replay = {}
-        graphs = getattr(out.cache, "graphs", None)
-        for (rows, want_logits), (graph, _buffers) in sorted((getattr(graphs, "_captured", None) or {}).items()):
-            graph.replay()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(replays):
-                graph.replay()
-            _sync(device)
-            replay[f"rows={rows},logits={want_logits}"] = (time.perf_counter() - t0) / replays
         from ..fast.vision_graphs import vision_graphs_for
 
+        graphs = getattr(out.cache, "graphs", None)
+        replay = {f"rows={rows},logits={want_logits}": _replay_seconds(graph, device, replays)
+                  for (rows, want_logits), (graph, _buffers)
+                  in sorted((getattr(graphs, "_captured", None) or {}).items())}
         for key, (graph, _pixels, _outputs) in vision_graphs_for(model.model.visual)._captured.items():
-            graph.replay()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(replays):
-                graph.replay()
-            _sync(device)
-            replay[f"vision_tower,grid={list(map(list, key[0]))}"] = (time.perf_counter() - t0) / replays
+            replay[f"vision_tower,grid={list(map(list, key[0]))}"] = _replay_seconds(graph, device, replays)
         del out
 
         # torch.profiler over one unsynced call

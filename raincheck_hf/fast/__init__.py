@@ -9,6 +9,9 @@
   step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
   chunk-only step and of prefills padded to 64-row buckets; DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
+- `few_query_attention` (`attention`): inside captured steps of ``sdpa`` models, attention for a
+  decode token or a fused chunk as two batched matmuls over the key/value heads (stock SDPA's
+  masked kernel was ~2 ms of a 10 ms decode step on the H200); prefills keep stock SDPA.
 - `VisionGraphs` (`vision_graphs`): the vision tower captured per image / video grid, its grid
   bookkeeping precomputed (a grid is captured on its second sighting; used by Qwen3-VL and Qwen3.5).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 FEW_QUERY_MAX = 64  # query rows up to which the matmul form runs (decode: 1, fused chunk 31: 32)
 NAME = "raincheck_few_query_sdpa"
@@ -32,8 +33,6 @@ ENABLED = True  # the fast path uses it (False: stock sdpa inside the steps as w
 def few_query_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query [B, Hq, L, D]``, ``key``/``value [B, Hkv, S, D]``, ``attention_mask [B | 1, 1, L, S]`` (bool,
     True = visible) -> ``([B, L, Hq, D], None)``, what `sdpa_attention_forward` returns."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     b, hq, rows, d = query.shape
     hkv = key.shape[1]
     usable = (
