@@ -257,3 +257,36 @@ def test_prepared_steps_replay_what_the_eager_engine_computes(model, processor, 
     if mode in ("raincheck", "serial"):
         chunk_rows = 4 if mode == "serial" else 5
         assert any(rows == chunk_rows for rows, _, was_prepared in prepared)
+
+
+def test_concurrent_conversations_never_lease_the_same_storage(monkeypatch):
+    import threading
+    import time
+
+    import raincheck_hf.fast.static_cache as static_cache
+
+    key = torch.nn.Linear(1, 1)  # stands for a text model (the pool's key)
+    first = static_cache.acquire_storage(key, _Owner(), 2, 256, 64, torch.device("cpu"))
+    first.release()  # a free storage of the right size, which both threads will want
+    matches = static_cache.SlotStorage.matches
+
+    def slow_matches(self, *args):
+        time.sleep(0.05)  # the other thread looks at the pool meanwhile
+        return matches(self, *args)
+
+    monkeypatch.setattr(static_cache.SlotStorage, "matches", slow_matches)
+    owners, leased = [_Owner(), _Owner()], [None, None]
+
+    def acquire(i):
+        leased[i] = static_cache.acquire_storage(key, owners[i], 2, 256, 64, torch.device("cpu"))
+
+    threads = [threading.Thread(target=acquire, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert leased[0] is not leased[1] and first in leased
+
+
+class _Owner:
+    """Anything a storage can be leased to (it holds its user weakly)."""

@@ -166,3 +166,49 @@ def test_vision_graphs_for_is_one_per_tower(model, qwen35):
     assert vision_graphs.vision_graphs_for(qwen35.model.visual) is not a
     vision_graphs.release_vision_graphs(model.model.visual)
     assert vision_graphs.vision_graphs_for(model.model.visual) is not a
+
+
+def test_concurrent_encodes_of_one_grid_each_get_their_own_features(model, processor, monkeypatch):
+    """Copy-in, replay and copy-out are one unit: a replay that reads the static pixels while another
+    thread copies its own in would return the other image's features."""
+    import threading
+    import time
+
+    def capture(self, tower, key, pixel_values, grid_thw, kwargs):
+        static_pixels = pixel_values.clone()
+        outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
+
+        class SlowGraph:  # like a replay: recomputes the static outputs from the static pixels, after a while
+            def replay(self_graph):
+                time.sleep(0.05)  # the other thread runs meanwhile
+                pooled, deepstack = self._forward(tower, static_pixels, grid_thw, kwargs)
+                outputs[0].copy_(pooled)
+                for out, new in zip(outputs[1], deepstack):
+                    out.copy_(new)
+
+        self._captured[key] = (SlowGraph(), static_pixels, outputs)
+        return self._captured[key]
+
+    monkeypatch.setattr(VisionGraphs, "_capture", capture)
+    graphs = VisionGraphs(model.model.visual, use_graphs=True)
+    from raincheck_hf.tiny import draw_test_image
+
+    images = [make_inputs(processor, images=(draw_test_image(96, 64, seed=s),)) for s in (11, 12)]
+    with torch.no_grad():
+        for _ in range(2):  # captured on the second sighting
+            graphs.encode(images[0]["pixel_values"], images[0]["image_grid_thw"])
+        want = [_stock(model, x["pixel_values"], x["image_grid_thw"], "image").pooler_output[0] for x in images]
+        got = [None, None]
+
+        def encode(i):
+            with torch.no_grad():
+                got[i] = graphs.encode(images[i]["pixel_values"], images[i]["image_grid_thw"]).pooler_output[0]
+
+        threads = [threading.Thread(target=encode, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not torch.equal(want[0], want[1])
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)

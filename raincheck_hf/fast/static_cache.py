@@ -16,6 +16,7 @@ conversation does not capture again; `release_storage` frees what a model keeps.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 
 import torch
@@ -81,25 +82,27 @@ class SlotStorage:
 
 
 _POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, list[SlotStorage]]" = weakref.WeakKeyDictionary()
+_POOL_LOCK = threading.Lock()
 
 
 def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: int, device) -> SlotStorage:
     """A free pooled storage of this size for ``pool_key`` (the text model), else a new one (pooled while
     fewer than `POOLED_PER_MODEL` are kept, evicting the oldest free one of another size when full)."""
-    pool = None if pool_key is None else _POOLS.setdefault(pool_key, [])
-    if pool is not None:
-        for storage in pool:
-            if not storage.busy and storage.matches(num_layers, capacity, scratch, device):
-                return storage.lease(cache)
-    storage = SlotStorage(num_layers, capacity, scratch, device)
-    if pool is not None:
-        if len(pool) >= POOLED_PER_MODEL:
-            free = [s for s in pool if not s.busy]
-            if free:
-                pool.remove(free[0])
-        if len(pool) < POOLED_PER_MODEL:
-            pool.append(storage)
-    return storage.lease(cache)
+    with _POOL_LOCK:  # two conversations starting at once (the demo's concurrent chats) must not lease one storage
+        pool = None if pool_key is None else _POOLS.setdefault(pool_key, [])
+        if pool is not None:
+            for storage in pool:
+                if not storage.busy and storage.matches(num_layers, capacity, scratch, device):
+                    return storage.lease(cache)
+        storage = SlotStorage(num_layers, capacity, scratch, device)
+        if pool is not None:
+            if len(pool) >= POOLED_PER_MODEL:
+                free = [s for s in pool if not s.busy]
+                if free:
+                    pool.remove(free[0])
+            if len(pool) < POOLED_PER_MODEL:
+                pool.append(storage)
+        return storage.lease(cache)
 
 
 def release_storage(model) -> int:
@@ -109,7 +112,8 @@ def release_storage(model) -> int:
     """
     from ..models import get_adapter
 
-    pool = _POOLS.pop(get_adapter(model).text_model, [])
+    with _POOL_LOCK:
+        pool = _POOLS.pop(get_adapter(model).text_model, [])
     return len(pool)
 
 

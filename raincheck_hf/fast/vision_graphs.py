@@ -19,6 +19,7 @@ runs eagerly: it is what CPU tests compare with the stock ``get_image_features``
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -92,6 +93,7 @@ class VisionGraphs:
         self._captured: OrderedDict[tuple, tuple] = OrderedDict()
         self._inputs: dict[tuple, tuple] = {}  # what each captured graph reads besides the pixels, kept alive
         self._pool = None
+        self._replay_lock = threading.Lock()
 
     def _key(self, tower, pixel_values: torch.Tensor, grid: tuple) -> tuple:
         return (grid, tuple(pixel_values.shape), tower.dtype, str(tower.config._attn_implementation))
@@ -147,9 +149,12 @@ class VisionGraphs:
         if captured is not None:
             self._captured.move_to_end(key)
             graph, static_pixels, (pooled, deepstack) = captured
-            static_pixels.copy_(pixel_values)
-            graph.replay()
-            pooled, deepstack = pooled.clone(), [d.clone() for d in deepstack]
+            # copy in, replay and copy out are queued as one unit: two threads encoding the same grid (the
+            # demo serves several chats on one model) would otherwise replay on each other's pixels
+            with self._replay_lock:
+                static_pixels.copy_(pixel_values)
+                graph.replay()
+                pooled, deepstack = pooled.clone(), [d.clone() for d in deepstack]
         else:
             pooled, deepstack = self._forward(tower, pixel_values, grid_thw, kwargs)
         merge = int(tower.spatial_merge_size) ** 2
