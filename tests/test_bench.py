@@ -57,6 +57,12 @@ def test_json_has_every_variant_with_positive_numbers(result):
             assert med[key] > 0, (name, key)
         assert entry["ratio_to_stock_dynamic"]["t1_s"] > 0 and entry["ratio_to_full"]["t1_s"] > 0
     assert run["variants"]["stock_dynamic"]["ratio_to_stock_dynamic"]["t1_s"] == pytest.approx(1.0)
+    floor = run["memory_floor"]
+    assert floor["bandwidth_bytes_per_s"] > 0 and floor["floor_s"] > 0
+    assert floor["total_bytes"] == floor["weight_bytes"] + floor["kv_bytes"] + floor["linear_state_bytes"]
+    assert floor["context_tokens"] == run["prompt"]["prompt_tokens"] + ANSWER // 2
+    for entry in run["variants"].values():
+        assert entry["tpot_plain_over_floor"] > 0
     assert run["lengths"] == {"consistent": True, "mismatches": []}
     assert "stock_static" in run["warmup"] and run["warmup"]["stock_static"]["compiled"] is False  # no compile on CPU
 
@@ -197,3 +203,21 @@ def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path
     assert json.loads(path.read_text())["shape"]["kv_heads"] == 2
     with pytest.raises(SystemExit):
         attention.main(["--heads", "6", "--kv-heads", "4"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_decode_bytes_count_what_a_step_reads(family, model, qwen35):
+    m = model if family == "qwen3_vl" else qwen35
+    text = m.config.get_text_config()
+    embed, head = m.get_input_embeddings().weight, m.get_output_embeddings().weight
+    got = latency.decode_bytes(m, context_tokens=100)
+    every = sum(p.numel() * p.element_size() for p in m.parameters())
+    visual = sum(p.numel() * p.element_size() for p in m.model.visual.parameters())
+    table = 0 if embed is head else embed.numel() * embed.element_size()  # a step reads one row of it
+    assert got["weight_bytes"] == every - visual - table
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    full = sum(k == "full_attention" for k in kinds)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert got["kv_bytes"] == 2 * full * text.num_key_value_heads * head_dim * embed.element_size() * 100
+    assert (got["linear_state_bytes"] > 0) == (family == "qwen3_5")
+

@@ -50,6 +50,10 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
 - ``peak_mem``: `torch.cuda.max_memory_allocated` over the variant's turns, its counter reset before
   each turn (weights included; None on CPU).
 - Medians over repetitions; ``ratio_to_stock_dynamic`` / ``ratio_to_full`` divide medians.
+- ``memory_floor`` (per run): the bandwidth of a large device-to-device copy measured in the same
+  process (bytes read + written per second), the bytes a decode step must read at the first answer's
+  mean context (`decode_bytes`) and their quotient ``floor_s``; ``tpot_plain_over_floor`` (per variant,
+  the ``step/floor`` column) is its turn-1 decode step without a chunk over that floor.
 
 The JSON (``--json``) is rewritten after every conversation, so a run cut short keeps what it
 measured; ``--budget-s`` skips a variant's repetition when its estimate (from its warm-up or last
@@ -413,6 +417,62 @@ def hardware_info(device: torch.device) -> dict:
 
 # ---- the run ------------------------------------------------------------------------------------
 
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> dict:
+    """Memory bandwidth as a large device-to-device copy moves it (bytes read + written per second), the
+    yardstick of the issue's decode floor (`shared/docs/baselines.md`: a 4 GiB copy on the H200)."""
+    nbytes = int(nbytes or (4 * 2**30 if device.type == "cuda" else 256 * 2**20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    seconds = statistics.median(times)
+    return {"copy_bytes": nbytes, "copy_median_s": seconds, "bandwidth_bytes_per_s": 2 * nbytes / seconds}
+
+
+def decode_bytes(model, context_tokens: int) -> dict:
+    """What one decode step must read at least: the language model's weights (the input embedding table
+    only where the output head shares it: a step reads one row of it otherwise; the issue's 16.4 GB anchor
+    for the Qwen3-VL-8B shape counted it, this counts 15.1 GB), the KV of
+    ``context_tokens`` in every full-attention layer, and each linear-attention layer's state (read and
+    written)."""
+    text_config = model.config.get_text_config()
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if ".visual." not in f".{name}" and (p is not embed or p is head))
+    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+    full = sum(t == "full_attention" for t in layer_types)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    kv = 2 * full * text_config.num_key_value_heads * head_dim * embed.element_size() * int(context_tokens)
+    linear = len(layer_types) - full
+    state = 0
+    if linear:
+        heads = getattr(text_config, "linear_num_value_heads", 0)
+        dk = getattr(text_config, "linear_key_head_dim", 0)
+        dv = getattr(text_config, "linear_value_head_dim", 0)
+        state = 2 * linear * heads * dk * dv * 4  # float32 recurrent state, read and written
+    return {"weight_bytes": weights, "kv_bytes": kv, "linear_state_bytes": state, "context_tokens": int(context_tokens),
+            "total_bytes": weights + kv + state}
+
+
+def add_floor_ratios(run_entry: dict) -> None:
+    """``tpot_plain_over_floor`` per variant: its turn-1 decode step (steps without a chunk) over the floor."""
+    floor = (run_entry.get("memory_floor") or {}).get("floor_s")
+    if not floor:
+        return
+    for entry in run_entry["variants"].values():
+        plain = (entry.get("median") or {}).get("tpot1_plain_s") or (entry.get("median") or {}).get("tpot1_s")
+        if plain:
+            entry["tpot_plain_over_floor"] = plain / floor
+
+
 def _static_max_cache_len(prompts: list[int], answer_tokens: int, follow_up_tokens: int, turns: int) -> int:
     # each follow-up adds the glue, its question (< 64 tokens with the tiny tokenizer) and its answer
     need = max(prompts) + answer_tokens + (turns - 1) * (64 + follow_up_tokens) + 16
@@ -524,6 +584,9 @@ def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens
         cache_len = static_max_cache_len or _static_max_cache_len(
             [info["prompt_tokens"] for _, info in prompts.values()], answer_tokens, follow_up_tokens, turns)
         shared = {"static_compile_measured": False}  # per model: the compiled decode step, the reused StaticCache
+        bandwidth = measure_copy_bandwidth(device)
+        log(f"[latency] copy bandwidth {bandwidth['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, "
+            f"{bandwidth['copy_bytes'] / 2**30:.2f} GiB copy)")
         for kind in inputs:
             if over_budget():
                 result["runs"].append({"model": model_name, "input": kind,
@@ -532,9 +595,12 @@ def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens
             first_inputs, prompt_info = prompts[kind]
             ctx = Context(model, processor, device, {k: v.to(device) for k, v in first_inputs.items()}, settings,
                           raincheck_error is None, cache_len, suppress, shared)
+            # the floor at the first answer's mean context: the prompt plus half the answer
+            step_bytes = decode_bytes(model, prompt_info["prompt_tokens"] + answer_tokens // 2)
+            floor = {**step_bytes, **bandwidth, "floor_s": step_bytes["total_bytes"] / bandwidth["bandwidth_bytes_per_s"]}
             run_entry = {"model": model_name, "input": kind, "status": "ok", "model_info": model_info,
                          "prompt": prompt_info, "primary_chunk": primary_chunk, "static_max_cache_len": cache_len,
-                         "warmup": {}, "variants": {}}
+                         "memory_floor": floor, "warmup": {}, "variants": {}}
             result["runs"].append(run_entry)
             _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follow_up_tokens, reps, warmup,
                      warmup_tokens, idle_probe, keep_intervals, strict, over_budget, budget_s, started, result,
@@ -651,6 +717,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         for entry in run_entry["variants"].values():
             entry["median"] = summarize(entry["reps"])
         add_ratios(run_entry["variants"])
+        add_floor_ratios(run_entry)
         run_entry["lengths"] = check_lengths(run_entry["variants"], answer_tokens, follow_up_tokens)
         run_entry["rep_wall_s"] = rep_times
         result["elapsed_s"] = time.perf_counter() - started
@@ -696,9 +763,15 @@ def print_table(run_entry: dict, log=print) -> None:
     log(f"\n{run_entry['model']} / {run_entry['input']}: prompt {info.get('prompt_tokens')} tokens "
         f"({info.get('visual_tokens')} visual); medians (ms unless noted); lengths consistent: "
         f"{run_entry.get('lengths', {}).get('consistent')}")
+    floor = run_entry.get("memory_floor")
+    if floor:
+        log(f"decode floor {floor['floor_s'] * 1e3:.2f} ms: {floor['total_bytes'] / 1e9:.2f} GB per step (weights "
+            f"{floor['weight_bytes'] / 1e9:.2f}, KV of {floor['context_tokens']} tokens {floor['kv_bytes'] / 1e9:.3f}, "
+            f"linear-attention state {floor['linear_state_bytes'] / 1e9:.3f}) at "
+            f"{floor['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")
     cols = ["variant", "T1", "TPOT1", "TPOT1 rest", "E2E1 s", "T2", "T2 idle", "idle rest", "T2 barrier",
-            "peak GiB", "T1/stock", "TPOT/stock", "T1/full"]
-    widths = [20, 8, 7, 11, 7, 8, 8, 10, 11, 9, 9, 11, 8]
+            "peak GiB", "T1/stock", "TPOT/stock", "T1/full", "step/floor"]
+    widths = [20, 8, 7, 11, 7, 8, 8, 10, 11, 9, 9, 11, 8, 11]
     log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
     for name, entry in run_entry["variants"].items():
         if not entry.get("reps"):
@@ -714,7 +787,7 @@ def print_table(run_entry: dict, log=print) -> None:
                  "-" if e2e is None else f"{e2e:.2f}", _ms(m.get("t2_s")), _ms(m.get("t2_idle_s")),
                  _ms(m.get("idle_restore_s")), _ms(m.get("t2_barrier_s")),
                  "-" if peak is None else f"{peak / 2**30:.2f}", _ratio(rs.get("t1_s")), _ratio(rs.get("tpot1_s")),
-                 _ratio(rf.get("t1_s"))]
+                 _ratio(rf.get("t1_s")), _ratio(entry.get("tpot_plain_over_floor"))]
         log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
 
 
