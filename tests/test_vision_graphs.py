@@ -73,10 +73,7 @@ def _fake_capture(log):
     def capture(self, tower, key, pixel_values, grid_thw, kwargs):
         log.append(("capture", key[0]))
         outputs = self._forward(tower, pixel_values.clone(), grid_thw, kwargs)
-        self._captured[key] = (_FakeGraph(log), pixel_values.clone(), outputs)
-        while len(self._captured) > vision_graphs.MAX_GRAPHS:
-            self._captured.popitem(last=False)
-        return self._captured[key]
+        return self._store(key, vision_graphs.CapturedTower(_FakeGraph(log), pixel_values.clone(), outputs))
     return capture
 
 
@@ -111,7 +108,8 @@ def test_replayed_outputs_are_copies(model, processor, monkeypatch):
     with torch.no_grad():
         for _ in range(2):
             out = graphs.encode(x["pixel_values"], x["image_grid_thw"])
-    (_graph, _pixels, (pooled, _deepstack)), = graphs._captured.values()
+    (captured,) = graphs._captured.values()
+    pooled, _deepstack = captured.outputs
     assert out.pooler_output[0].data_ptr() != pooled.data_ptr()
 
 
@@ -186,8 +184,7 @@ def test_concurrent_encodes_of_one_grid_each_get_their_own_features(model, proce
                 for out, new in zip(outputs[1], deepstack):
                     out.copy_(new)
 
-        self._captured[key] = (SlowGraph(), static_pixels, outputs)
-        return self._captured[key]
+        return self._store(key, vision_graphs.CapturedTower(SlowGraph(), static_pixels, outputs))
 
     monkeypatch.setattr(VisionGraphs, "_capture", capture)
     graphs = VisionGraphs(model.model.visual, use_graphs=True)

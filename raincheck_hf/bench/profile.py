@@ -156,8 +156,8 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
         replay = {f"rows={rows},logits={want_logits}": _replay_seconds(graph, device, replays)
                   for (rows, want_logits), (graph, _buffers)
                   in sorted((getattr(graphs, "_captured", None) or {}).items())}
-        for key, (graph, _pixels, _outputs) in vision_graphs_for(model.model.visual)._captured.items():
-            replay[f"vision_tower,grid={list(map(list, key[0]))}"] = _replay_seconds(graph, device, replays)
+        for key, captured in vision_graphs_for(model.model.visual)._captured.items():
+            replay[f"vision_tower,grid={list(map(list, key[0]))}"] = _replay_seconds(captured.graph, device, replays)
         del out
 
         # torch.profiler over one unsynced call

@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +81,17 @@ def grid_kwargs(tower, grid_thw: torch.Tensor) -> dict:
     return kwargs
 
 
+class CapturedTower(NamedTuple):
+    """One captured tower forward: its graph, the static pixel input, the static outputs, and what else
+    the graph reads by address (the precomputed index / weight tensors and the grid), kept alive with it:
+    freed, their memory would be handed out again and a replay would gather with garbage indices."""
+
+    graph: object
+    pixels: torch.Tensor
+    outputs: tuple
+    reads: tuple = ()
+
+
 class VisionGraphs:
     """Captured forwards of one vision tower, keyed by grid, pixel shape, dtype and attention backend."""
 
@@ -90,8 +102,7 @@ class VisionGraphs:
         self.tower_ref = weakref.ref(tower)
         self.use_graphs = use_graphs
         self.seen: dict[tuple, int] = {}
-        self._captured: OrderedDict[tuple, tuple] = OrderedDict()
-        self._inputs: dict[tuple, tuple] = {}  # what each captured graph reads besides the pixels, kept alive
+        self._captured: OrderedDict[tuple, CapturedTower] = OrderedDict()
         self._pool = None
         self._replay_lock = threading.Lock()
 
@@ -114,14 +125,14 @@ class VisionGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
         self._pool = graph.pool()
-        # the graph reads the precomputed index / weight tensors (and the grid) by address: they must live as long
-        # as it does (freed, their memory is handed out again and a replay gathers with garbage indices)
-        self._inputs[key] = (kwargs, grid_thw)
-        self._captured[key] = (graph, static_pixels, outputs)
+        return self._store(key, CapturedTower(graph, static_pixels, outputs, (kwargs, grid_thw)))
+
+    def _store(self, key, entry: CapturedTower) -> CapturedTower:
+        """Keep ``entry`` under ``key``, evicting the least recently used beyond `MAX_GRAPHS`."""
+        self._captured[key] = entry
         while len(self._captured) > MAX_GRAPHS:
-            evicted, _ = self._captured.popitem(last=False)
-            self._inputs.pop(evicted, None)
-        return self._captured[key]
+            self._captured.popitem(last=False)
+        return entry
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """The tower on ``pixel_values`` / ``grid_thw`` as ``get_image_features`` returns it: ``pooler_output``
@@ -145,15 +156,15 @@ class VisionGraphs:
                 except RuntimeError as error:  # an op that cannot be captured: this tower runs eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of the vision tower failed ({error}); "
                                   "running it eagerly instead.", RuntimeWarning, stacklevel=2)
-                    self.use_graphs, self._captured, self._inputs, self._pool = False, OrderedDict(), {}, None
+                    self.use_graphs, self._captured, self._pool = False, OrderedDict(), None
         if captured is not None:
             self._captured.move_to_end(key)
-            graph, static_pixels, (pooled, deepstack) = captured
+            pooled, deepstack = captured.outputs
             # copy in, replay and copy out are queued as one unit: two threads encoding the same grid (the
             # demo serves several chats on one model) would otherwise replay on each other's pixels
             with self._replay_lock:
-                static_pixels.copy_(pixel_values)
-                graph.replay()
+                captured.pixels.copy_(pixel_values)
+                captured.graph.replay()
                 pooled, deepstack = pooled.clone(), [d.clone() for d in deepstack]
         else:
             pooled, deepstack = self._forward(tower, pixel_values, grid_thw, kwargs)
