@@ -62,7 +62,8 @@ def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=No
             )
         return selector.cpu().clone()
     context = SelectionContext(text_embeds=turn.embeds[turn.text_rows], model=model,
-                               extras={"turn": turn, "vision_captures": captures})
+                               extras={"turn": turn, "vision_captures": captures,
+                                       "fast_path": config.fast_path})
     masks = selector.select(turn.segments, config.retention, context)
     return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
 

@@ -84,22 +84,59 @@ class Selector(abc.ABC):
         (the trivial cases ``k == 0`` and ``k == n`` never reach this method).
         """
 
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        """Indices for several segments of the same size and ``k`` at once (a video's temporal slices).
+
+        The default calls :meth:`select_segment` per segment; a method that can batch (the greedy ones on a
+        GPU) overrides this. Returns one index tensor per segment, as :meth:`select_segment` would.
+        """
+        return [self.select_segment(segment, k, context) for segment in segments]
+
     def select(self, segments: list[Segment], retention: float, context: SelectionContext) -> list[torch.Tensor]:
         """Boolean keep-masks, one per segment, obeying the shared contract."""
-        masks = []
+        groups: list[tuple[int, list[Segment]]] = []  # runs of consecutive segments with the same n and k
         for segment in segments:
             n = segment.num_tokens
             k = keep_count(retention, n)
-            keep = torch.zeros(n, dtype=torch.bool)
-            if k == n:
-                keep[:] = True
-            elif k > 0:
-                idx = torch.as_tensor(self.select_segment(segment, k, context), dtype=torch.long).flatten().cpu()
+            if groups and groups[-1][0] == k and groups[-1][1][0].num_tokens == n and 0 < k < n \
+                    and groups[-1][1][0].features.shape == segment.features.shape:
+                groups[-1][1].append(segment)
+            else:
+                groups.append((k, [segment]))
+        masks = []
+        for k, group in groups:
+            n = group[0].num_tokens
+            if k == n or k == 0:
+                masks += [torch.full((n,), k == n, dtype=torch.bool) for _ in group]
+                continue
+            picked = [torch.as_tensor(i, dtype=torch.long).flatten() for i in self.select_group(group, k, context)]
+            if len(picked) != len(group):
+                raise RuntimeError(f"selector {self.name!r} returned {len(picked)} index sets for {len(group)} segments")
+            if len({i.device for i in picked}) == 1 and len({i.numel() for i in picked}) == 1:
+                picked = list(torch.stack(picked).cpu())  # one copy to the host for the whole group
+            for idx in picked:
+                idx = idx.cpu()
                 if idx.numel() != k or idx.unique().numel() != k or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
                     raise RuntimeError(
                         f"selector {self.name!r} returned {idx.tolist()} for a segment of {n} tokens; "
                         f"it must return {k} distinct indices in [0, {n})."
                     )
+                keep = torch.zeros(n, dtype=torch.bool)
                 keep[idx] = True
-            masks.append(keep)
+                masks.append(keep)
         return masks
+
+
+def use_kernels(segments: list[Segment], context: SelectionContext) -> bool:
+    """Whether a greedy selector runs its Triton step kernels (`selection.kernels`) for these segments:
+    on CUDA where Triton is present, unless the call asked for the eager engine (``fast_path=False``)."""
+    if context.extras.get("fast_path") is False or segments[0].features.device.type != "cuda":
+        return False
+    from .kernels import triton_available
+
+    return triton_available()
+
+
+def stacked_features(segments: list[Segment]) -> torch.Tensor:
+    """``[B, n, D]``: the segments' features, one batch."""
+    return torch.stack([segment.features for segment in segments])

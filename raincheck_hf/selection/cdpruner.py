@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector
+from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
 
 #: a residual gain ``d_i^2`` at or below ``_RANK_TOL * max_i L_ii`` counts as zero (float32 round-off)
 _RANK_TOL = 1e-5
@@ -79,6 +79,12 @@ def conditional_kernel(features: torch.Tensor, text_embeds: torch.Tensor | None,
     return quality[:, None] * similarity * quality[None, :], quality
 
 
+def fallback_scores(score: torch.Tensor) -> torch.Tensor:
+    """``score [n]`` mapped into ``[-2, -1]``: below every live gain (``> tol > 0``), above -inf (taken)."""
+    lo, hi = score.min(), score.max()
+    return -2.0 + (score - lo) / (hi - lo).clamp(min=1e-30)
+
+
 def dpp_greedy_map(kernel: torch.Tensor, k: int, fallback_score: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy MAP of a DPP with PSD ``kernel`` ``[n, n]`` by incremental Cholesky (Chen et al. 2018).
 
@@ -100,10 +106,7 @@ def dpp_greedy_map(kernel: torch.Tensor, k: int, fallback_score: torch.Tensor | 
     tol = _RANK_TOL * d2.max().clamp(min=1e-30)
     if fallback_score is None:
         fallback_score = d2.clone()
-    fallback_score = fallback_score.to(device=device, dtype=torch.float32)
-    # map fallback scores into [-2, -1]: below every live gain (> tol > 0), above -inf (taken)
-    f_lo, f_hi = fallback_score.min(), fallback_score.max()
-    fallback = -2.0 + (fallback_score - f_lo) / (f_hi - f_lo).clamp(min=1e-30)
+    fallback = fallback_scores(fallback_score.to(device=device, dtype=torch.float32))
     cholesky = torch.zeros(k, n, dtype=torch.float32, device=device)  # row t: e of step t
     taken = torch.zeros(n, dtype=torch.bool, device=device)
     neg_inf = torch.tensor(float("-inf"), device=device)
@@ -148,3 +151,11 @@ class CDPrunerSelector(Selector):
     def select_segment(self, segment: Segment, k: int, context: SelectionContext) -> torch.Tensor:
         kernel, quality = conditional_kernel(segment.features, context.text_embeds, float(self.theta))
         return dpp_greedy_map(kernel, k, fallback_score=quality).cpu()
+
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if not use_kernels(segments, context):
+            return super().select_group(segments, k, context)
+        from .kernels import cdpruner_inputs, greedy_select
+
+        inputs = cdpruner_inputs(stacked_features(segments), context.text_embeds, float(self.theta))
+        return list(greedy_select("cdpruner", inputs, k))

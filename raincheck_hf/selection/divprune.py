@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector
+from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
 
 
 def cosine_distance_matrix(features: torch.Tensor) -> torch.Tensor:
@@ -69,3 +69,10 @@ class DivPruneSelector(Selector):
 
     def select_segment(self, segment: Segment, k: int, context: SelectionContext) -> torch.Tensor:
         return divprune_greedy(segment.features, k).cpu()
+
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if not use_kernels(segments, context):
+            return super().select_group(segments, k, context)
+        from .kernels import divprune_inputs, greedy_select
+
+        return list(greedy_select("divprune", divprune_inputs(stacked_features(segments)), k))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector
+from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
 
 
 def _as_text(features: torch.Tensor, text_embeds: torch.Tensor | None) -> torch.Tensor | None:
@@ -171,3 +171,12 @@ class MMTokSelector(Selector):
     def select_segment(self, segment: Segment, k: int, context: SelectionContext) -> torch.Tensor:
         return mmtok_greedy(segment.features, context.text_embeds, k, self.alpha, self.text_temperature,
                             self.vision_temperature).cpu()
+
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if not use_kernels(segments, context):
+            return super().select_group(segments, k, context)
+        from .kernels import greedy_select, mmtok_inputs
+
+        inputs = mmtok_inputs(stacked_features(segments), context.text_embeds, self.alpha, self.text_temperature,
+                              self.vision_temperature)
+        return list(greedy_select("mmtok", inputs, k))

@@ -1,0 +1,231 @@
+"""The greedy selectors at GPU speed: one Triton kernel per greedy step, the whole loop one CUDA graph.
+
+`mmtok`, `divprune` and `cdpruner` pick their ``k`` tokens one at a time, each pick depending on the
+last. Their reference loops (`mmtok_greedy`, `divprune_greedy`, `dpp_greedy_map`) keep every step on
+the device but launch ~10 small kernels per step from Python: for a 1,344-token image (``k = 403``)
+that is ~4,000 launches, and the first answer waited on the host for them. Here each step is **one**
+kernel over a batch of equal-sized segments (a video's temporal slices go together), and the ``k``
+launches of one shape are captured once as a CUDA graph and replayed.
+
+One step, for every segment ``b`` of the batch and a block of candidate columns per program:
+
+1. read the previous step's winner ``j`` from ``slots[s - 1, b]`` and apply it to the method's
+   running state (coverage maxima, minimum distances, or one row of the incremental Cholesky factor);
+2. score the block's candidates from the updated state, mask the ones already taken;
+3. ``atomic_max`` one packed int64 per program into ``slots[s, b]``: the score's bits in an
+   order-preserving integer form in the high half, ``0xFFFFFFFF - column`` in the low half, so the
+   maximum is the best score and, among equal scores, the lowest column: exactly ``torch.argmax``'s
+   first-maximum rule that the references use.
+
+State a step must not read while it is written (mmtok's coverage, cdpruner's residual gains) is
+double-buffered by step parity. The arithmetic is the references' (same formulas, float32); only the
+order of a few float32 sums differs, so indices agree except on candidates whose scores tie to the
+last bit, which tests with random inputs check.
+
+CPU tests run these kernels through Triton's interpreter (``TRITON_INTERPRET=1``); the CUDA graphs
+are tested on a GPU (`tests/test_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+
+import torch
+
+INT64_MIN = -(2 ** 63)
+LOW_MASK = 0xFFFFFFFF
+MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
+TEXT_BUCKET = 32  # mmtok's text rows are padded to a multiple of this, so a graph serves many question lengths
+BLOCK_N = 32  # candidate columns per program
+BLOCK_R = 64  # reduction rows per tile
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # no Triton, or one that cannot load here
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The jitted step kernels (imported on first use: importing this module needs no Triton)."""
+    from ._triton_steps import KERNELS
+
+    return KERNELS
+
+
+# ---- one greedy run: its buffers and its k launches ---------------------------------------------
+
+class GreedyRun:
+    """Buffers and launches of one greedy selection over ``B`` segments of ``n`` candidates, ``k`` picks.
+
+    ``inputs`` are the method's matrices (see `mmtok_inputs`, `divprune_inputs`, `cdpruner_inputs`);
+    `launch` resets the state and queues the ``k`` step kernels; `indices` is ``[B, k]`` int64 in pick
+    order. All of it is device work only, so it can be captured in a CUDA graph.
+    """
+
+    def __init__(self, method: str, inputs: dict, k: int):
+        self.method, self.k = method, int(k)
+        self.inputs = inputs
+        first = next(iter(inputs.values()))
+        self.B, self.n = int(first.shape[0]), int(first.shape[-1])
+        device = first.device
+        B, n = self.B, self.n
+        self.slots = torch.empty(self.k, B, dtype=torch.int64, device=device)
+        self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
+        self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
+        if method == "mmtok":
+            self.state = {"cov": torch.empty(2, B, int(inputs["P"].shape[1]), dtype=torch.float32, device=device)}
+        elif method == "divprune":
+            self.state = {"mind": torch.empty(B, n, dtype=torch.float32, device=device)}
+        elif method == "cdpruner":
+            self.state = {"C": torch.empty(B, self.k, n, dtype=torch.float32, device=device),
+                          "d2": torch.empty(2, B, n, dtype=torch.float32, device=device)}
+        else:
+            raise ValueError(f"no greedy kernel for selector {method!r}")
+
+    def launch(self) -> torch.Tensor:
+        kernel = _kernels()[self.method]
+        B, n, k = self.B, self.n, self.k
+        self.slots.fill_(INT64_MIN)
+        self.taken.zero_()
+        grid = (B, -(-n // BLOCK_N))
+        if self.method == "mmtok":
+            cov, P = self.state["cov"], self.inputs["P"]
+            cov.zero_()
+            for s in range(k):
+                kernel[grid](P, cov, self.taken, self.slots, s, B, int(P.shape[1]), n, INT64_MIN,
+                             BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+        elif self.method == "divprune":
+            mind = self.state["mind"]
+            mind.fill_(float("inf"))
+            for s in range(k):
+                kernel[grid](self.inputs["D"], self.inputs["first"], mind, self.taken, self.slots, s, B, n, INT64_MIN,
+                             BLOCK_N=BLOCK_N)
+        else:
+            C, d2 = self.state["C"], self.state["d2"]
+            C.zero_()
+            d2[0].copy_(self.inputs["diag"])
+            for s in range(k):
+                kernel[grid](self.inputs["L"], C, d2, self.inputs["fallback"], self.inputs["tol"], self.taken,
+                             self.slots, s, B, n, k, INT64_MIN, BLOCK_T=32, BLOCK_N=BLOCK_N)
+        torch.sub(LOW_MASK, self.slots.t() & LOW_MASK, out=self.indices)
+        return self.indices
+
+
+# ---- the methods' inputs, batched ----------------------------------------------------------------
+
+def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
+                 tau_v: float) -> dict:
+    """``{"P": [B, n + m_pad, n]}``: the coverage matrices of `mmtok.coverage_matrices` for each segment
+    (``features [B, n, D]``), each row scaled by its term's weight over its term's row count, text rows
+    padded with zeros to a multiple of `TEXT_BUCKET` (a padded or zero-weight row adds exactly 0)."""
+    from .mmtok import coverage_matrices
+
+    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
+    p_vv = torch.stack(p_vv)
+    n = p_vv.shape[-1]
+    if p_tv[0] is None:
+        return {"P": p_vv * (1.0 / n)}
+    w_t, w_v = float(alpha), 1.0 - float(alpha)
+    p_tv = torch.stack(p_tv)
+    m = p_tv.shape[1]
+    m_pad = -(-m // TEXT_BUCKET) * TEXT_BUCKET
+    P = p_vv.new_zeros(p_vv.shape[0], n + m_pad, n)
+    P[:, :n] = p_vv * (w_v / n)
+    P[:, n:n + m] = p_tv * (w_t / m)
+    return {"P": P}
+
+
+def divprune_inputs(features: torch.Tensor) -> dict:
+    """``{"D": [B, n, n], "first": [B, n]}``: cosine distances and each token's distance to its nearest other."""
+    from .divprune import cosine_distance_matrix
+
+    D = torch.stack([cosine_distance_matrix(f) for f in features])
+    n = D.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=D.device)
+    return {"D": D, "first": D.masked_fill(eye, float("inf")).amin(dim=2)}
+
+
+def cdpruner_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float) -> dict:
+    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for each segment, stacked."""
+    from .cdpruner import _RANK_TOL, conditional_kernel, fallback_scores
+
+    kernels, qualities = zip(*(conditional_kernel(f, text_embeds, theta) for f in features))
+    L = torch.stack(kernels).float()
+    diag = torch.diagonal(L, dim1=1, dim2=2).clone()
+    tol = _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)
+    fallback = torch.stack([fallback_scores(q.float()) for q in qualities])
+    return {"L": L, "diag": diag, "fallback": fallback, "tol": tol}
+
+
+# ---- captured runs ---------------------------------------------------------------------------------
+
+class _Captured:
+    def __init__(self, graph, run: GreedyRun):
+        self.graph, self.run = graph, run
+        self.lock = threading.Lock()
+
+
+_CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process (two would share the capture stream state)
+_GRAPHS: dict[object, OrderedDict] = {}
+
+
+def _key(method: str, inputs: dict, k: int) -> tuple:
+    return (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
+
+
+def release_selection_graphs() -> None:
+    """Drop every captured selection graph (and its buffers)."""
+    with _CAPTURE_LOCK:
+        _GRAPHS.clear()
+
+
+def _capture(method: str, inputs: dict, k: int) -> _Captured:
+    static = {name: t.clone() for name, t in inputs.items()}
+    run = GreedyRun(method, static, k)
+    stream = torch.cuda.Stream(device=run.indices.device)
+    stream.wait_stream(torch.cuda.current_stream(run.indices.device))
+    with torch.cuda.stream(stream):  # compiles the kernel and warms the launcher outside the capture
+        GreedyRun(method, static, min(k, 2)).launch()
+    torch.cuda.current_stream(run.indices.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run.launch()
+    return _Captured(graph, run)
+
+
+def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = None) -> torch.Tensor:
+    """``[B, k]`` indices (pick order, on the inputs' device) of the greedy selection over ``inputs``.
+
+    ``use_graphs`` (default: on CUDA) replays one CUDA graph per shape (method, ``k``, the inputs' shapes),
+    captured on first use, at most `MAX_GRAPHS` per device; otherwise the ``k`` kernels launch directly
+    (what Triton's interpreter runs on CPU).
+    """
+    device = next(iter(inputs.values())).device
+    if use_graphs is None:
+        use_graphs = device.type == "cuda"
+    if not use_graphs:
+        return GreedyRun(method, inputs, k).launch().clone()
+    key = _key(method, inputs, k)
+    graphs = _GRAPHS.setdefault(device, OrderedDict())
+    captured = graphs.get(key)
+    if captured is None:
+        with _CAPTURE_LOCK:
+            captured = graphs.get(key)
+            if captured is None:
+                captured = graphs[key] = _capture(method, inputs, k)
+                while len(graphs) > MAX_GRAPHS:
+                    graphs.popitem(last=False)
+    if key in graphs:
+        graphs.move_to_end(key)
+    # copy in, replay and copy out as one unit: two threads selecting at one shape share the buffers
+    with captured.lock:
+        for name, t in inputs.items():
+            captured.run.inputs[name].copy_(t)
+        captured.graph.replay()
+        return captured.run.indices.clone()

@@ -1,0 +1,111 @@
+"""The greedy selectors' Triton step kernels (`selection.kernels`) against the reference loops, on CPU.
+
+The kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton compiles a kernel, so
+in a subprocess); the CUDA graphs that replay them are tested in `test_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raincheck_hf.selection import SelectionContext, Segment, Selector, get_selector
+from raincheck_hf.selection.kernels import triton_available
+
+# (segments B, tokens n, feature dim D, kept k, text rows m): n = 1, k = n, a batch of video slices,
+# no text, odd sizes across the 32-column blocks and 64-row tiles
+SIZES = [(1, 1, 8, 1, 3), (1, 40, 16, 40, 5), (2, 37, 16, 11, 5), (4, 48, 12, 14, 0), (1, 131, 24, 40, 70)]
+
+SCRIPT = r"""
+import json, sys, torch
+from raincheck_hf.selection import kernels
+from raincheck_hf.selection.cdpruner import conditional_kernel, dpp_greedy_map
+from raincheck_hf.selection.divprune import divprune_greedy
+from raincheck_hf.selection.mmtok import mmtok_greedy
+
+results = []
+for B, n, D, k, m in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(42)
+    f = torch.randn(B, n, D, generator=g)
+    if n > 3:
+        f[:, 3] = f[:, 1]  # a duplicate token: tied scores, broken towards the lower index
+    text = torch.randn(m, D, generator=g) if m else None
+    refs = {
+        "mmtok": torch.stack([mmtok_greedy(x, text, k) for x in f]),
+        "divprune": torch.stack([divprune_greedy(x, k) for x in f]),
+        "cdpruner": torch.stack([dpp_greedy_map(L, k, fallback_score=q)
+                                 for L, q in (conditional_kernel(x, text, 0.5) for x in f)]),
+    }
+    inputs = {"mmtok": kernels.mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": kernels.divprune_inputs(f),
+              "cdpruner": kernels.cdpruner_inputs(f, text, 0.5)}
+    for method, want in refs.items():
+        got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
+        results.append({"method": method, "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter runs the kernels on CPU)")
+def test_step_kernels_match_reference_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SIZES)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == 3 * len(SIZES)
+    for r in results:
+        assert r["got"] == r["want"], (r["method"], r["size"])
+
+
+def test_cdpruner_fallback_is_the_reference_mapping():
+    from raincheck_hf.selection.cdpruner import fallback_scores
+
+    s = torch.tensor([3.0, 1.0, 2.0, 1.0])
+    assert torch.allclose(fallback_scores(s), torch.tensor([-1.0, -2.0, -1.5, -2.0]))
+    assert torch.equal(fallback_scores(torch.ones(3)), torch.full((3,), -2.0))  # no spread: all equal, lowest first
+
+
+class _Counting(Selector):
+    name = "counting"
+
+    def __init__(self):
+        self.groups = []
+
+    def select_segment(self, segment, k, context):
+        return torch.arange(k)
+
+    def select_group(self, segments, k, context):
+        self.groups.append([s.index for s in segments])
+        return super().select_group(segments, k, context)
+
+
+def _segment(i, n, d=4):
+    return Segment(i, "video", torch.randn(n, d), (1, 1, n), torch.arange(n) + 100 * i)
+
+
+def test_select_batches_runs_of_equal_segments_and_keeps_the_contract():
+    selector = _Counting()
+    segments = [_segment(0, 10), _segment(1, 10), _segment(2, 10), _segment(3, 7), _segment(4, 10), _segment(5, 1)]
+    masks = selector.select(segments, 0.3, SelectionContext())
+    assert selector.groups == [[0, 1, 2], [3], [4]]  # n = 1 keeps its one token without asking
+    assert [int(m.sum()) for m in masks] == [3, 3, 3, 2, 3, 1]
+    assert all(bool(m[:int(m.sum())].all()) for m in masks)
+
+
+def test_greedy_selectors_on_cpu_use_the_reference():
+    g = torch.Generator().manual_seed(1)
+    segments = [Segment(i, "video", torch.randn(30, 8, generator=g), (1, 5, 6), torch.arange(30) + 30 * i)
+                for i in range(3)]
+    text = torch.randn(4, 8, generator=g)
+    from raincheck_hf.selection.mmtok import mmtok_greedy
+
+    masks = get_selector("mmtok").select(segments, 0.3, SelectionContext(text_embeds=text))
+    for segment, mask in zip(segments, masks):
+        want = torch.zeros(30, dtype=torch.bool)
+        want[mmtok_greedy(segment.features, text, 9)] = True
+        assert torch.equal(mask, want)
