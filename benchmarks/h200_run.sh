@@ -8,6 +8,8 @@
 #   bash benchmarks/h200_run.sh attention  # GPU tests, few-query attention vs SDPA, the step profile, a short
 #                                     # Qwen3-VL-8B image run of full / raincheck / serial
 #   bash benchmarks/h200_run.sh video # Qwen3-VL-8B 64-frame video latency, every variant but stock static
+#   bash benchmarks/h200_run.sh selectors  # GPU tests of the greedy selectors' kernels; selection time and T1 per
+#                                     # selector (Qwen3-VL-8B image + 64-frame video, Qwen3.5-9B image)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -16,6 +18,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+selectors)
+    python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
+    tail -3 "$OUT/test_gpu_selectors_h200.log"
+    python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video --t1 \
+        --out "$OUT/selectors_qwen3_vl_8b_h200.json" > "$OUT/selectors_qwen3_vl_8b_h200.log" 2>&1
+    tail -32 "$OUT/selectors_qwen3_vl_8b_h200.log"
+    python3 -m raincheck_hf.bench selectors --model qwen3_5_9b --inputs image --t1 \
+        --out "$OUT/selectors_qwen3_5_9b_h200.json" > "$OUT/selectors_qwen3_5_9b_h200.log" 2>&1
+    tail -24 "$OUT/selectors_qwen3_5_9b_h200.log"
+    ;;
 vl)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
     tail -3 "$OUT/test_gpu_h200.log"

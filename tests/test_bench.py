@@ -221,3 +221,20 @@ def test_decode_bytes_count_what_a_step_reads(family, model, qwen35):
     assert got["kv_bytes"] == 2 * full * text.num_key_value_heads * head_dim * embed.element_size() * 100
     assert (got["linear_state_bytes"] > 0) == (family == "qwen3_5")
 
+
+
+def test_bench_selectors_json(tmp_path):
+    from raincheck_hf.bench import selectors
+
+    path = tmp_path / "selectors.json"
+    result = selectors.run("bundled_qwen3_vl", "cpu", ("image",), reps=1, warmup=0, t1=True, t1_reps=1,
+                           out=str(path), log=lambda *a: None)
+    saved = json.loads(path.read_text())
+    assert saved["benchmark"] == "selectors" and saved["date"] and saved["hardware"]["device"] == "cpu"
+    rows = {(r["selector"], r["variant"]): r for r in saved["rows"]}
+    assert set(rows) == {(s, "default") for s in selectors.SELECTORS} | {(s, "reference") for s in selectors.GREEDY}
+    for r in saved["rows"]:
+        assert r["tokens"] == 100 and r["device"] == "cpu" and r["median_ms"] > 0 and r["kept"] == 30
+    t1 = {r["variant"]: r for r in result["t1_rows"]}
+    assert set(t1) == {"stock", "full", *selectors.SELECTORS}
+    assert t1["full"]["x_full"] == 1.0 and t1["stock"]["x_stock"] == 1.0

@@ -491,7 +491,7 @@ def _write(result: dict, path: str | None):
 def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
         follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
         primary_chunk: int | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
-        decode_guard: int = 16, selector: str = "uniform", warmup: bool = True, warmup_tokens: int | None = None,
+        decode_guard: int = 16, selector: str | None = None, warmup: bool = True, warmup_tokens: int | None = None,
         idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
         image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
         json_path: str | None = None, strict: bool = False, keep_intervals: bool = True, command: str | None = None,
@@ -509,6 +509,7 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
     chunk_sizes = tuple(int(c) for c in chunk_sizes)
     if turns < 1 or answer_tokens < 1 or follow_up_tokens < 1 or reps < 1 or not chunk_sizes:
         raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
+    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
     primary_chunk = primary_chunk or (31 if 31 in chunk_sizes else chunk_sizes[0])
     if primary_chunk not in chunk_sizes:
         raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
@@ -815,7 +816,8 @@ def main(argv=None):
                         "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--decode-guard", type=int, default=16)
-    parser.add_argument("--selector", default="uniform")
+    parser.add_argument("--selector", default=None,
+                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--no-idle-probe", action="store_true", help="skip the follow-up-after-idle measurement")

@@ -181,11 +181,14 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
 
 
 def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
-        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector="uniform", json_path=None, log=print):
+        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector=None, json_path=None, log=print):
     from .latency import hardware_info
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from ..configuration import RaincheckConfig
     from ..integration import enable
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
 
     model, info = shapes.build_model(model_name, device)
     enable(model)
@@ -223,7 +226,8 @@ def main(argv=None):
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--decode-guard", type=int, default=16)
-    parser.add_argument("--selector", default="uniform", help="a registered selector name (default uniform)")
+    parser.add_argument("--selector", default=None,
+                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

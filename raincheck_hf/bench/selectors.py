@@ -86,17 +86,13 @@ def encode(model, inputs: dict):
     from ..models import get_adapter
 
     adapter = get_adapter(model)
-    device = adapter.device
+    inputs = {k: v.to(adapter.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}  # as generate has them
     grids = {k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
     captures = VisionAttentionCapture(model, grids)
     with torch.no_grad(), captures:
-        turn = adapter.encode_turn(
-            inputs["input_ids"][0].to(device), 0, image_grid_thw=grids["image_grid_thw"],
-            video_grid_thw=grids["video_grid_thw"],
-            pixel_values=None if inputs.get("pixel_values") is None else inputs["pixel_values"].to(device),
-            pixel_values_videos=(None if inputs.get("pixel_values_videos") is None
-                                 else inputs["pixel_values_videos"].to(device)),
-        )
+        turn = adapter.encode_turn(inputs["input_ids"][0], 0, image_grid_thw=grids["image_grid_thw"],
+                                   video_grid_thw=grids["video_grid_thw"], pixel_values=inputs.get("pixel_values"),
+                                   pixel_values_videos=inputs.get("pixel_values_videos"))
     # the record holds references only while the context is open: keep what VisionZip reads
     kept = {m: dict(captures[m]) for m in ("image", "video") if m in captures}
     return turn, kept
