@@ -39,26 +39,38 @@ def _vote(slots, s, b, B, score, cols, valid, neg):
 
 
 @triton.jit(do_not_specialize=["s"])
-def mmtok_step(P, cov, taken, slots, s, B, R, n, neg, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    # P [B, R, n]: weighted coverage rows (vision rows then text rows, zero padding);
-    # cov [2, B, R]: coverage maxima, read from buffer s % 2, written (by program 0) to the other
+def mmtok_gain(P, cov, part, slots, s, B, R, n, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one [BLOCK_R, BLOCK_N] tile per program: the partial gains of a block of candidates over a block of rows.
+    # P [B, R, n]: weighted coverage rows (vision rows then text rows, zero padding); cov [2, B, R]: coverage
+    # maxima, read from buffer s % 2, the previous pick applied, written to the other buffer (by the programs
+    # of the first column block: each row block has one writer); part [RB, B, n]: the partial sums
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    rb = tl.program_id(2)
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < n
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    j = _winner(slots, s, b, B)
+    p_base = P + b.to(tl.int64) * R * n
+    c = tl.load(cov + (s % 2) * B * R + b * R + rows, mask=rmask, other=0.0)
+    c = tl.maximum(c, tl.load(p_base + rows * n + j, mask=rmask & (j >= 0), other=0.0))
+    tl.store(cov + ((s + 1) % 2) * B * R + b * R + rows, c, mask=rmask & (cb == 0))
+    p = tl.load(p_base + rows[:, None] * n + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    gain = tl.sum(tl.maximum(p - c[:, None], 0.0), axis=0)
+    tl.store(part + (rb * B + b).to(tl.int64) * n + cols, gain, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["s"])
+def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_N: tl.constexpr):
+    # the gains of a block of candidates, summed over the row blocks in a fixed order (deterministic), then voted
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     j = _winner(slots, s, b, B)
-    p_base = P + b.to(tl.int64) * R * n
-    cov_in = cov + (s % 2) * B * R + b * R
-    cov_out = cov + ((s + 1) % 2) * B * R + b * R
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        c = tl.load(cov_in + rows, mask=rmask, other=0.0)
-        pj = tl.load(p_base + rows * n + j, mask=rmask & (j >= 0), other=0.0)
-        c = tl.maximum(c, pj)
-        tl.store(cov_out + rows, c, mask=rmask & (tl.program_id(1) == 0))
-        p = tl.load(p_base + rows[:, None] * n + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.sum(tl.maximum(p - c[:, None], 0.0), axis=0)
+    for rb in range(0, RB):
+        acc += tl.load(part + (rb * B + b).to(tl.int64) * n + cols, mask=cmask, other=0.0)
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, acc, cols, cmask & (t == 0), neg)
 
@@ -111,4 +123,4 @@ def cdpruner_step(L, C, d2, fallback, tol, taken, slots, s, B, n, k, neg,
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, score, cols, cmask & (t == 0), neg)
 
-KERNELS = {"mmtok": mmtok_step, "divprune": divprune_step, "cdpruner": cdpruner_step}
+KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "divprune": divprune_step, "cdpruner": cdpruner_step}

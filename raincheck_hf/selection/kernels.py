@@ -33,6 +33,7 @@ import threading
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
@@ -79,7 +80,9 @@ class GreedyRun:
         self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
         if method == "mmtok":
-            self.state = {"cov": torch.empty(2, B, int(inputs["P"].shape[1]), dtype=torch.float32, device=device)}
+            R = int(inputs["P"].shape[1])
+            self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
+                          "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float32, device=device)}
         elif method == "divprune":
             self.state = {"mind": torch.empty(B, n, dtype=torch.float32, device=device)}
         elif method == "cdpruner":
@@ -95,11 +98,13 @@ class GreedyRun:
         self.taken.zero_()
         grid = (B, -(-n // BLOCK_N))
         if self.method == "mmtok":
-            cov, P = self.state["cov"], self.inputs["P"]
+            gain, vote = kernel
+            cov, part, P = self.state["cov"], self.state["part"], self.inputs["P"]
+            R, row_blocks = int(P.shape[1]), int(part.shape[0])
             cov.zero_()
             for s in range(k):
-                kernel[grid](P, cov, self.taken, self.slots, s, B, int(P.shape[1]), n, INT64_MIN,
-                             BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                gain[grid + (row_blocks,)](P, cov, part, self.slots, s, B, R, n, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                vote[grid](part, self.taken, self.slots, s, B, n, row_blocks, INT64_MIN, BLOCK_N=BLOCK_N)
         elif self.method == "divprune":
             mind = self.state["mind"]
             mind.fill_(float("inf"))
@@ -119,20 +124,35 @@ class GreedyRun:
 
 # ---- the methods' inputs, batched ----------------------------------------------------------------
 
+def _unit(features: torch.Tensor) -> torch.Tensor:
+    return F.normalize(features.detach().float(), dim=-1, eps=1e-12)
+
+
+def _text(features: torch.Tensor, text_embeds, method: str) -> torch.Tensor | None:
+    """Text rows as float32 ``[m, D]`` on the features' device, None without text (as the references read it)."""
+    if text_embeds is None:
+        return None
+    text = torch.as_tensor(text_embeds).detach()
+    text = text.unsqueeze(0) if text.dim() == 1 else text
+    if text.dim() != 2 or (text.shape[0] > 0 and text.shape[1] != features.shape[-1]):
+        raise ValueError(f"SelectionContext.text_embeds has shape {tuple(text.shape)}; {method} needs "
+                         f"[m, {features.shape[-1]}] (the same embedding space as the segment's features)")
+    return text.to(device=features.device, dtype=torch.float32) if text.shape[0] else None
+
+
 def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
                  tau_v: float) -> dict:
-    """``{"P": [B, n + m_pad, n]}``: the coverage matrices of `mmtok.coverage_matrices` for each segment
-    (``features [B, n, D]``), each row scaled by its term's weight over its term's row count, text rows
-    padded with zeros to a multiple of `TEXT_BUCKET` (a padded or zero-weight row adds exactly 0)."""
-    from .mmtok import coverage_matrices
-
-    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
-    p_vv = torch.stack(p_vv)
+    """``{"P": [B, n + m_pad, n]}``: the coverage matrices of `mmtok.coverage_matrices` for each segment of
+    ``features [B, n, D]``, each row scaled by its term's weight over its term's row count, the text rows padded
+    with zeros to a multiple of `TEXT_BUCKET` (a padded or zero-weight row adds exactly 0 to every gain)."""
+    v = _unit(features)
+    p_vv = torch.softmax((v @ v.mT) / tau_v, dim=-1)
     n = p_vv.shape[-1]
-    if p_tv[0] is None:
+    text = _text(features, text_embeds, "mmtok")
+    if text is None:
         return {"P": p_vv * (1.0 / n)}
+    p_tv = torch.softmax((F.normalize(text, dim=-1, eps=1e-12) @ v.mT) / tau_t, dim=-1)  # [B, m, n]
     w_t, w_v = float(alpha), 1.0 - float(alpha)
-    p_tv = torch.stack(p_tv)
     m = p_tv.shape[1]
     m_pad = -(-m // TEXT_BUCKET) * TEXT_BUCKET
     P = p_vv.new_zeros(p_vv.shape[0], n + m_pad, n)
@@ -142,25 +162,36 @@ def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha
 
 
 def divprune_inputs(features: torch.Tensor) -> dict:
-    """``{"D": [B, n, n], "first": [B, n]}``: cosine distances and each token's distance to its nearest other."""
-    from .divprune import cosine_distance_matrix
-
-    D = torch.stack([cosine_distance_matrix(f) for f in features])
-    n = D.shape[-1]
-    eye = torch.eye(n, dtype=torch.bool, device=D.device)
+    """``{"D": [B, n, n], "first": [B, n]}``: cosine distances (`divprune.cosine_distance_matrix` per segment)
+    and each token's distance to its nearest other token."""
+    x = _unit(features)
+    D = 1.0 - x @ x.mT
+    eye = torch.eye(D.shape[-1], dtype=torch.bool, device=D.device)
     return {"D": D, "first": D.masked_fill(eye, float("inf")).amin(dim=2)}
 
 
 def cdpruner_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float) -> dict:
-    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for each segment, stacked."""
-    from .cdpruner import _RANK_TOL, conditional_kernel, fallback_scores
+    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for each segment (the kernel of
+    `cdpruner.conditional_kernel`, the qualities as fallback scores), batched over ``features [B, n, D]``."""
+    from .cdpruner import _RANK_TOL
 
-    kernels, qualities = zip(*(conditional_kernel(f, text_embeds, theta) for f in features))
-    L = torch.stack(kernels).float()
+    v = _unit(features)
+    similarity = v @ v.mT
+    text = _text(features, text_embeds, "cdpruner")
+    ones = torch.ones(v.shape[:2], dtype=torch.float32, device=v.device)
+    if text is None:
+        rel = ones
+    else:
+        rel = (v @ F.normalize(text, dim=-1, eps=1e-12).T).mean(dim=-1)
+        lo, hi = rel.amin(dim=-1, keepdim=True), rel.amax(dim=-1, keepdim=True)
+        span = hi - lo
+        rel = torch.where(span > 1e-6, (rel - lo) / span.clamp(min=1e-6), ones)
+    quality = rel if theta >= 1.0 else torch.exp((theta / (2.0 * (1.0 - theta))) * rel)
+    L = quality[:, :, None] * similarity * quality[:, None, :]
     diag = torch.diagonal(L, dim1=1, dim2=2).clone()
-    tol = _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)
-    fallback = torch.stack([fallback_scores(q.float()) for q in qualities])
-    return {"L": L, "diag": diag, "fallback": fallback, "tol": tol}
+    q_lo, q_hi = quality.amin(dim=-1, keepdim=True), quality.amax(dim=-1, keepdim=True)
+    return {"L": L, "diag": diag, "fallback": -2.0 + (quality - q_lo) / (q_hi - q_lo).clamp(min=1e-30),
+            "tol": _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)}
 
 
 # ---- captured runs ---------------------------------------------------------------------------------
