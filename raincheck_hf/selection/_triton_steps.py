@@ -39,11 +39,12 @@ def _vote(slots, s, b, B, score, cols, valid, neg):
 
 
 @triton.jit(do_not_specialize=["s"])
-def mmtok_gain(P, cov, part, slots, s, B, R, n, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def mmtok_gain(P, W, cov, part, slots, s, B, R, n, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # one [BLOCK_R, BLOCK_N] tile per program: the partial gains of a block of candidates over a block of rows.
-    # P [B, R, n]: weighted coverage rows (vision rows then text rows, zero padding); cov [2, B, R]: coverage
-    # maxima, read from buffer s % 2, the previous pick applied, written to the other buffer (by the programs
-    # of the first column block: each row block has one writer); part [RB, B, n]: the partial sums
+    # P [B, R, n]: coverage rows (vision rows then text rows, zero padding); W [R] float64: each row's weight;
+    # cov [2, B, R]: coverage maxima, read from buffer s % 2, the previous pick applied, written to the other
+    # buffer (by the programs of the first column block: each row block has one writer); part [RB, B, n]
+    # float64: the partial sums
     b = tl.program_id(0)
     cb = tl.program_id(1)
     rb = tl.program_id(2)
@@ -57,22 +58,24 @@ def mmtok_gain(P, cov, part, slots, s, B, R, n, BLOCK_R: tl.constexpr, BLOCK_N: 
     c = tl.maximum(c, tl.load(p_base + rows * n + j, mask=rmask & (j >= 0), other=0.0))
     tl.store(cov + ((s + 1) % 2) * B * R + b * R + rows, c, mask=rmask & (cb == 0))
     p = tl.load(p_base + rows[:, None] * n + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-    gain = tl.sum(tl.maximum(p - c[:, None], 0.0), axis=0)
+    w = tl.load(W + rows, mask=rmask, other=0.0)
+    gain = tl.sum(w[:, None] * tl.maximum(p - c[:, None], 0.0).to(tl.float64), axis=0)
     tl.store(part + (rb * B + b).to(tl.int64) * n + cols, gain, mask=cmask)
 
 
 @triton.jit(do_not_specialize=["s"])
 def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_N: tl.constexpr):
-    # the gains of a block of candidates, summed over the row blocks in a fixed order (deterministic), then voted
+    # the gains of a block of candidates, summed over the row blocks in a fixed order (deterministic),
+    # rounded to float32 as the reference rounds them, then voted
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     j = _winner(slots, s, b, B)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float64)
     for rb in range(0, RB):
         acc += tl.load(part + (rb * B + b).to(tl.int64) * n + cols, mask=cmask, other=0.0)
     t = _taken_after(taken, b, n, cols, cmask, j)
-    _vote(slots, s, b, B, acc, cols, cmask & (t == 0), neg)
+    _vote(slots, s, b, B, acc.to(tl.float32), cols, cmask & (t == 0), neg)
 
 
 @triton.jit(do_not_specialize=["s"])

@@ -82,7 +82,7 @@ class GreedyRun:
         if method == "mmtok":
             R = int(inputs["P"].shape[1])
             self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
-                          "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float32, device=device)}
+                          "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
         elif method == "divprune":
             self.state = {"mind": torch.empty(B, n, dtype=torch.float32, device=device)}
         elif method == "cdpruner":
@@ -99,11 +99,11 @@ class GreedyRun:
         grid = (B, -(-n // BLOCK_N))
         if self.method == "mmtok":
             gain, vote = kernel
-            cov, part, P = self.state["cov"], self.state["part"], self.inputs["P"]
+            cov, part, P, W = self.state["cov"], self.state["part"], self.inputs["P"], self.inputs["W"]
             R, row_blocks = int(P.shape[1]), int(part.shape[0])
             cov.zero_()
             for s in range(k):
-                gain[grid + (row_blocks,)](P, cov, part, self.slots, s, B, R, n, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                gain[grid + (row_blocks,)](P, W, cov, part, self.slots, s, B, R, n, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
                 vote[grid](part, self.taken, self.slots, s, B, n, row_blocks, INT64_MIN, BLOCK_N=BLOCK_N)
         elif self.method == "divprune":
             mind = self.state["mind"]
@@ -142,23 +142,26 @@ def _text(features: torch.Tensor, text_embeds, method: str) -> torch.Tensor | No
 
 def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
                  tau_v: float) -> dict:
-    """``{"P": [B, n + m_pad, n]}``: the coverage matrices of `mmtok.coverage_matrices` for each segment of
-    ``features [B, n, D]``, each row scaled by its term's weight over its term's row count, the text rows padded
-    with zeros to a multiple of `TEXT_BUCKET` (a padded or zero-weight row adds exactly 0 to every gain)."""
-    v = _unit(features)
-    p_vv = torch.softmax((v @ v.mT) / tau_v, dim=-1)
+    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
+    (`mmtok.coverage_matrices`, the reference's own, so the values are the same to the bit), vision rows then
+    text rows padded with zeros to a multiple of `TEXT_BUCKET`, and each row's weight in the gain (the term's
+    weight over its row count; 0 for padding, which then adds exactly 0)."""
+    from .mmtok import coverage_matrices, gain_weights
+
+    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
+    p_vv = torch.stack(p_vv)
     n = p_vv.shape[-1]
-    text = _text(features, text_embeds, "mmtok")
-    if text is None:
-        return {"P": p_vv * (1.0 / n)}
-    p_tv = torch.softmax((F.normalize(text, dim=-1, eps=1e-12) @ v.mT) / tau_t, dim=-1)  # [B, m, n]
-    w_t, w_v = float(alpha), 1.0 - float(alpha)
-    m = p_tv.shape[1]
-    m_pad = -(-m // TEXT_BUCKET) * TEXT_BUCKET
-    P = p_vv.new_zeros(p_vv.shape[0], n + m_pad, n)
-    P[:, :n] = p_vv * (w_v / n)
-    P[:, n:n + m] = p_tv * (w_t / m)
-    return {"P": P}
+    w_t, w_v = gain_weights(p_tv[0] is not None, alpha)
+    if p_tv[0] is None:
+        return {"P": p_vv, "W": torch.full((n,), w_v / n, dtype=torch.float64, device=p_vv.device)}
+    m = p_tv[0].shape[0]
+    R = n + -(-m // TEXT_BUCKET) * TEXT_BUCKET
+    P = p_vv.new_zeros(p_vv.shape[0], R, n)
+    P[:, :n] = p_vv
+    P[:, n:n + m] = torch.stack(p_tv)
+    W = torch.zeros(R, dtype=torch.float64, device=p_vv.device)
+    W[:n], W[n:n + m] = w_v / n, w_t / m
+    return {"P": P, "W": W}
 
 
 def divprune_inputs(features: torch.Tensor) -> dict:

@@ -89,6 +89,11 @@ def mmtok_objective(
     return float(_objective_from(p_tv, p_vv, selected, alpha))
 
 
+def gain_weights(has_text: bool, alpha: float) -> tuple[float, float]:
+    """``(w_t, w_v)``: the weights of the text and vision coverage terms (the vision term alone without text)."""
+    return (float(alpha), 1.0 - float(alpha)) if has_text else (0.0, 1.0)
+
+
 def mmtok_greedy(
     features: torch.Tensor,
     text_embeds: torch.Tensor | None,
@@ -106,7 +111,7 @@ def mmtok_greedy(
     if k == 0:
         return selected
     p_tv, p_vv = coverage_matrices(features, text_embeds, tau_t, tau_v)
-    w_t, w_v = (0.0, 1.0) if p_tv is None else (float(alpha), 1.0 - float(alpha))
+    w_t, w_v = gain_weights(p_tv is not None, alpha)
     cov_v = torch.zeros(n, dtype=torch.float32, device=device)  # max over S of P_vv[j, S]; 0 for S empty
     cov_t = None if p_tv is None else torch.zeros(p_tv.shape[0], dtype=torch.float32, device=device)
     taken = torch.zeros(n, dtype=torch.bool, device=device)
@@ -114,12 +119,14 @@ def mmtok_greedy(
     # ``j`` stays a 1-element device tensor: indexing with a 0-d tensor (or int(j)) would read it back
     # to the host, one device sync per step (403 of them for a 1,344-token image at retention 0.3)
     for step in range(k):
-        gain = torch.zeros(n, dtype=torch.float32, device=device)
+        # summed in float64 and rounded to float32 once: the value does not depend on the order of the sum (to
+        # ~1e-16), so the Triton kernels of `selection.kernels` make the same picks whatever order they sum in
+        gain = torch.zeros(n, dtype=torch.float64, device=device)
         if w_v > 0:
-            gain = gain + w_v * (p_vv - cov_v[:, None]).clamp_(min=0).mean(dim=0)
+            gain = gain + (p_vv - cov_v[:, None]).clamp_(min=0).double().sum(dim=0) * (w_v / n)
         if p_tv is not None and w_t > 0:
-            gain = gain + w_t * (p_tv - cov_t[:, None]).clamp_(min=0).mean(dim=0)
-        j = torch.argmax(torch.where(taken, neg_inf, gain)).reshape(1)  # first maximum: lowest index on ties
+            gain = gain + (p_tv - cov_t[:, None]).clamp_(min=0).double().sum(dim=0) * (w_t / p_tv.shape[0])
+        j = torch.argmax(torch.where(taken, neg_inf, gain.float())).reshape(1)  # first maximum: lowest index on ties
         selected[step:step + 1] = j
         taken.index_fill_(0, j, True)
         cov_v = torch.maximum(cov_v, p_vv.index_select(1, j).squeeze(1))
