@@ -9,7 +9,9 @@
 #                                     # Qwen3-VL-8B image run of full / raincheck / serial
 #   bash benchmarks/h200_run.sh video # Qwen3-VL-8B 64-frame video latency, every variant but stock static
 #   bash benchmarks/h200_run.sh selectors  # GPU tests of the greedy selectors' kernels; selection time and T1 per
-#                                     # selector (Qwen3-VL-8B image + 64-frame video, Qwen3.5-9B image)
+#                                     # selector (Qwen3-VL-8B image + 64-frame video); Qwen3-VL-8B image latency with
+#                                     # the default settings (selector mmtok)
+#   bash benchmarks/h200_run.sh selectors35  # the same for Qwen3.5-9B (image)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -24,9 +26,22 @@ selectors)
     python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video --t1 \
         --out "$OUT/selectors_qwen3_vl_8b_h200.json" > "$OUT/selectors_qwen3_vl_8b_h200.log" 2>&1
     tail -32 "$OUT/selectors_qwen3_vl_8b_h200.log"
+    # the README's headline: every variant with the library's default settings (selector mmtok)
+    python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 --answer-tokens 256 \
+        --follow-up-tokens 64 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_VL:-200}" \
+        --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_vl_8b_image_mmtok_h200.json" > "$OUT/latency_qwen3_vl_8b_image_mmtok_h200.log" 2>&1
+    tail -14 "$OUT/latency_qwen3_vl_8b_image_mmtok_h200.log"
+    ;;
+selectors35)
     python3 -m raincheck_hf.bench selectors --model qwen3_5_9b --inputs image --t1 \
         --out "$OUT/selectors_qwen3_5_9b_h200.json" > "$OUT/selectors_qwen3_5_9b_h200.log" 2>&1
     tail -24 "$OUT/selectors_qwen3_5_9b_h200.log"
+    python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 64 \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_35:-150}" \
+        --variants stock_dynamic,full,hard,post_answer,raincheck,serial \
+        --json "$OUT/latency_qwen3_5_9b_image_mmtok_h200.json" > "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log" 2>&1
+    tail -14 "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log"
     ;;
 vl)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
