@@ -64,16 +64,16 @@ def mmtok_gain(P, W, cov, part, slots, s, B, R, n, BLOCK_R: tl.constexpr, BLOCK_
 
 
 @triton.jit(do_not_specialize=["s"])
-def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_N: tl.constexpr):
+def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_RB: tl.constexpr, BLOCK_N: tl.constexpr):
     # the gains of a block of candidates, summed over the row blocks in a fixed order (deterministic),
     # rounded to float32 as the reference rounds them, then voted
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     j = _winner(slots, s, b, B)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-    for rb in range(0, RB):
-        acc += tl.load(part + (rb * B + b).to(tl.int64) * n + cols, mask=cmask, other=0.0)
+    rbs = tl.arange(0, BLOCK_RB)  # every row block's partials in one load (a loop would wait on each in turn)
+    acc = tl.sum(tl.load(part + (rbs[:, None] * B + b).to(tl.int64) * n + cols[None, :],
+                         mask=(rbs[:, None] < RB) & cmask[None, :], other=0.0), axis=0)
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, acc.to(tl.float32), cols, cmask & (t == 0), neg)
 

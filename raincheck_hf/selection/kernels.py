@@ -104,7 +104,8 @@ class GreedyRun:
             cov.zero_()
             for s in range(k):
                 gain[grid + (row_blocks,)](P, W, cov, part, self.slots, s, B, R, n, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
-                vote[grid](part, self.taken, self.slots, s, B, n, row_blocks, INT64_MIN, BLOCK_N=BLOCK_N)
+                vote[grid](part, self.taken, self.slots, s, B, n, row_blocks, INT64_MIN,
+                           BLOCK_RB=max(2, 1 << (row_blocks - 1).bit_length()), BLOCK_N=BLOCK_N)
         elif self.method == "divprune":
             mind = self.state["mind"]
             mind.fill_(float("inf"))
