@@ -28,7 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
-from .models.qwen3_vl import RowBatch, accelerate_split
+from .models.base import RowBatch, accelerate_split
 from .plan import DeferredPlan, build_plan, select_visual_rows
 
 

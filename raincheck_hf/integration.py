@@ -27,7 +27,7 @@ from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
 from .generation import raincheck_sample, use_vision_graphs
 from .models import get_adapter
-from .models.qwen3_vl import accelerate_split
+from .models.base import accelerate_split
 
 _ORIGINAL = "_raincheck_original_generate"
 

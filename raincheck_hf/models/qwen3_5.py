@@ -61,7 +61,8 @@ import torch
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
 from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
-from .qwen3_vl import Qwen3VLAdapter, RowBatch
+from .base import RowBatch
+from .qwen3_vl import Qwen3VLAdapter
 
 __all__ = ["Qwen3_5Adapter", "RowSplit"]
 
