@@ -7,6 +7,7 @@ import torch
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig
+from raincheck_hf.models import get_adapter
 
 from conftest import INPUT_CASES, make_inputs
 from reference import TurnRecord, reference_logits
@@ -105,8 +106,8 @@ def test_cuda_vision_graphs_replay_the_stock_tower(cuda_model, processor, case):
     from raincheck_hf.fast.vision_graphs import VisionGraphs
 
     inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
-    captured = VisionGraphs(cuda_model.model.visual)
-    eager = VisionGraphs(cuda_model.model.visual, use_graphs=False)
+    captured = VisionGraphs(get_adapter(cuda_model))
+    eager = VisionGraphs(get_adapter(cuda_model), use_graphs=False)
     assert captured.use_graphs
     with torch.no_grad():
         for modality, values, grid in (("image", "pixel_values", "image_grid_thw"),
@@ -136,7 +137,7 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
               raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
     outs = [cuda_model.generate(**inputs, **kw) for _ in range(3)]
-    assert len(vision_graphs_for(cuda_model.model.visual)._captured) == 1
+    assert len(vision_graphs_for(get_adapter(cuda_model))._captured) == 1
     for out in outs[1:]:
         assert torch.equal(out.sequences, outs[0].sequences)
         for a, b in zip(out.logits, outs[0].logits):
