@@ -160,6 +160,7 @@ def test_visionzip_crafted_dominant_and_contextual(model):
         base += n
     cu = torch.tensor([0, 4 * sizes[0], 4 * sum(sizes)], dtype=torch.int32)
     record = {"block": block, "hidden_states": x, "cu_seqlens": cu, "merge_unit": 4,
+              "query_key": get_adapter(model).vision_block_query_key,
               "position_embeddings": (torch.ones(x.shape[0], head_dim), torch.zeros(x.shape[0], head_dim))}
     scores = merged_received_attention(record)
     assert [int(scores[:sizes[0]].argmax()), int(scores[sizes[0]:].argmax())] == hot
