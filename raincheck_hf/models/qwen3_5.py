@@ -62,7 +62,7 @@ from ..masking import visibility_to_attention_mask
 from .base import ModelAdapter, RowBatch
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
-__all__ = ["Qwen3_5Adapter", "RowSplit"]
+__all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter", "RowSplit"]
 
 _KIND_NAMES = {INPUT: "INPUT", DEFERRED: "DEFERRED", GENERATED: "GENERATED"}
 
@@ -330,13 +330,13 @@ def _check_gdn_state_layout(device_type: str, modeling: str = "transformers.mode
         )
 
 
-class Qwen3_5Adapter(Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
-    """Qwen3.5 through public seams (see the module docstring)."""
+class GatedDeltaNetMixin:
+    """Text models of Gated DeltaNet + gated full-attention layers (Qwen3.5, dense and MoE): the GDN split
+    forward of the module docstring. The MLP (dense or mixture of experts) needs nothing: it is per token."""
 
-    model_classes = ("Qwen3_5ForConditionalGeneration",)
     has_linear_attention = True
     # The CUDA fast path keeps all state in static KV slots; GDN layers carry a recurrent state and a
-    # boundary map instead, so Qwen3.5's text stays on the dynamic cache (`execution_path` says "eager").
+    # boundary map instead, so the text stays on the dynamic cache (`execution_path` says "eager").
     supports_fast_path = False
 
     def __init__(self, model):
@@ -370,3 +370,9 @@ class Qwen3_5Adapter(Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapte
         if not want_logits:
             return None
         return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+
+
+class Qwen3_5Adapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
+    """Qwen3.5 through public seams (see the module docstring)."""
+
+    model_classes = ("Qwen3_5ForConditionalGeneration",)
