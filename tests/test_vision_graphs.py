@@ -13,6 +13,11 @@ from raincheck_hf.fast.vision_graphs import VisionGraphs
 from raincheck_hf.models import get_adapter
 
 from conftest import INPUT_CASES, make_inputs
+from families import family_model, family_params, family_processor
+
+
+PRECOMPUTED = {"interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen", "window_index",
+               "cu_window_seqlens", "max_window_seqlen"}  # what transformers.vision_utils pops
 
 
 def _stock(model, pixel_values, grid, modality):
@@ -35,11 +40,15 @@ def _assert_same_features(stock, ours):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", family_params())
 @pytest.mark.parametrize("case", sorted(INPUT_CASES))
-def test_precomputed_tower_call_matches_stock_features(family, case, processor, request):
-    model = request.getfixturevalue("model" if family == "qwen3_vl" else "qwen35")
+def test_precomputed_tower_call_matches_stock_features(family, case):
+    model, processor = family_model(family), family_processor(family)
     inputs = make_inputs(processor, **INPUT_CASES[case])
+    adapter = get_adapter(model)
+    grid = inputs.get("image_grid_thw", inputs.get("video_grid_thw"))
+    # only names the towers pop from their kwargs (a misspelt one would be recomputed and go unnoticed)
+    assert set(adapter.vision_grid_kwargs(adapter.vision_tower, grid)) <= PRECOMPUTED
     graphs = VisionGraphs(get_adapter(model), use_graphs=False)
     with torch.no_grad():
         for modality, values, grid in (("image", "pixel_values", "image_grid_thw"),
