@@ -1,4 +1,5 @@
-"""Raincheck (deferred multimodal prefill) for HF transformers' Qwen3-VL.
+"""Raincheck (deferred multimodal prefill) for HF transformers' Qwen vision-language models (Qwen3-VL,
+Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, Qwen2.5-VL).
 
     import raincheck_hf
     raincheck_hf.enable(model)

@@ -32,8 +32,8 @@ class RaincheckConfig:
         fast_path: execute on preallocated KV slots with CUDA-graph replay of the prefill (in 64-row
             buckets), decode, fused and idle-time steps (`raincheck_hf.fast`), and of the vision tower per
             image / video grid (captured the second time a grid is seen). None (default) = on when the model is on CUDA
-            and the family supports it (Qwen3-VL; Qwen3.5's text and models split by accelerate run the
-            eager engine, Qwen3.5's vision tower is captured too); False = always the eager reference engine; True = the fast path (on CPU
+            and the family supports it (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL; the Qwen3.5 families' text and models
+            split by accelerate run the eager engine, the Qwen3.5 families' vision tower is captured too); False = always the eager reference engine; True = the fast path (on CPU
             it runs the fast path's code without graphs, which the tests compare). Graph replay was
             checked against the eager engine on the H200 (`tests/test_gpu.py`).
     """

@@ -128,9 +128,6 @@ class Conversation:
         self.turns: list[TurnResult] = []
         self.cache = None
         self.sequences: torch.Tensor | None = None
-        tok = processor.tokenizer
-        self._end_id = tok.convert_tokens_to_ids("<|im_end|>")
-        self._newline = tok("\n", add_special_tokens=False)["input_ids"]
         self._lock = threading.RLock()
         self._wake = threading.Condition()
         self._closed = False
@@ -222,7 +219,7 @@ class Conversation:
         inputs = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
         inputs.pop("mm_token_type_ids", None)  # positions come from input_ids (see integration.validate_request)
         if self.sequences is not None:
-            glue = ([] if int(self.sequences[0, -1]) == self._end_id else [self._end_id]) + self._newline
+            glue = get_adapter(self.model).turn_glue(self.processor.tokenizer, int(self.sequences[0, -1]))
             ids = torch.cat([self.sequences, torch.tensor([glue], dtype=torch.long), inputs["input_ids"]], dim=1)
             inputs["input_ids"] = ids
             inputs["attention_mask"] = torch.ones_like(ids)

@@ -28,7 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
-from .models.qwen3_vl import RowBatch, accelerate_split
+from .models.base import RowBatch
 from .plan import DeferredPlan, build_plan, select_visual_rows
 
 
@@ -175,32 +175,6 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     return rows.sources.cpu()
 
 
-def use_fast_path(adapter, config: RaincheckConfig) -> bool:
-    if config.fast_path is False or not getattr(adapter, "supports_fast_path", False):
-        return False
-    layer_types = getattr(adapter.text_model.config, "layer_types", None) or ["full_attention"]
-    if any(t != "full_attention" for t in layer_types):  # recurrent state does not live in KV slots
-        return False
-    if accelerate_split(adapter.model) is not None:
-        # Static buffers and captured graphs live on one device and a graph replay skips accelerate's
-        # hooks (no weight loading, no cross-device copies): auto picks the eager engine, and
-        # fast_path=True is refused before any compute (integration.validate_request).
-        return False
-    return config.fast_path is True or adapter.device.type == "cuda"
-
-
-def use_vision_graphs(adapter, config: RaincheckConfig) -> bool:
-    """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
-
-    Independent of the text side (Qwen3.5's text runs the eager engine, its tower is the same kind).
-    Off under accelerate splits (a replay skips accelerate's hooks); on CPU with ``fast_path=True`` the
-    same precomputed tower call runs without graphs.
-    """
-    if config.fast_path is False or accelerate_split(adapter.model) is not None:
-        return False
-    return config.fast_path is True or adapter.device.type == "cuda"
-
-
 def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> DeferredDynamicCache:
     """The cache to continue, or a new one (`StaticDeferredCache` on the fast path) sized for the turn."""
     cache = model_kwargs.get("cache")
@@ -213,7 +187,7 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
             f"generate(raincheck=...) got a non-empty {type(cache).__name__}; Raincheck continues only its own "
             "DeferredDynamicCache (the `cache` returned by an earlier raincheck generate)."
         )
-    if use_fast_path(adapter, config):
+    if adapter.execution_path(config) == "fast":
         from .fast.graphs import scratch_slots
         from .fast.static_cache import StaticDeferredCache, round_capacity
 
@@ -243,7 +217,7 @@ def raincheck_sample(
     """`_sample` with deferred multimodal prefill (the `custom_generate` callable).
 
     ``raincheck_pixels`` (``pixel_values`` / ``pixel_values_videos``, held back from HF's own encoding
-    by `integration.enable`'s wrapper) are encoded by the captured vision tower (`use_vision_graphs`).
+    by `integration.enable`'s wrapper) are encoded by the captured vision tower (`ModelAdapter.use_vision_graphs`).
     """
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
     streamer = streamer if streamer is not None else raincheck_streamer
@@ -264,7 +238,7 @@ def raincheck_sample(
         from .fast.vision_graphs import vision_graphs_for
 
         model_kwargs = {**model_kwargs, **raincheck_pixels}
-        vision_graphs = vision_graphs_for(adapter.model.model.visual)
+        vision_graphs = vision_graphs_for(adapter)
     turn = adapter.encode_turn(
         new_ids,
         cache.next_position,
@@ -275,6 +249,7 @@ def raincheck_sample(
         pixel_values_videos=model_kwargs.get("pixel_values_videos"),
         text_prefix=1 if start > 0 else 0,  # the previous answer's last token, not yet fed back
         vision_graphs=vision_graphs,
+        second_per_grid_ts=grids.get("second_per_grid_ts"),
     )
 
     # 2. selection and plan

@@ -11,7 +11,7 @@ A selector whose class sets ``needs_vision_attention = True`` (VisionZip) reads 
 last block: for that one `generate` call only, forward pre-hooks on the tower and on its last block
 record what the block is given (see `VisionAttentionCapture`), and the record travels to
 `raincheck_sample` as ``raincheck_captures``. The hooks are removed when the call returns or fails.
-Otherwise, where `generation.use_vision_graphs` holds (CUDA, or ``fast_path=True``), the pixels skip
+Otherwise, where `ModelAdapter.use_vision_graphs` holds (CUDA, or ``fast_path=True``), the pixels skip
 HF's eager encoding and travel as ``raincheck_pixels``: the loop encodes them with the tower
 replayed from a CUDA graph per grid (`fast.vision_graphs`).
 """
@@ -25,9 +25,8 @@ import torch
 
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
-from .generation import raincheck_sample, use_vision_graphs
+from .generation import raincheck_sample
 from .models import get_adapter
-from .models.qwen3_vl import accelerate_split
 
 _ORIGINAL = "_raincheck_original_generate"
 
@@ -49,7 +48,7 @@ def enable(model):
         if config is None:
             return original(*args, **kwargs)
         kwargs = validate_request(model, config, args, kwargs)
-        grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
+        grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
         # HF 5.24 does not forward `streamer` to a custom_generate callable (it keeps only the callable's
         # own extra parameters), so it travels under our name and the loop feeds it the prompt itself.
         streamer = kwargs.pop("streamer", None)
@@ -57,7 +56,7 @@ def enable(model):
             captures = pixels = None
             if _needs_vision_attention(config):
                 captures = stack.enter_context(VisionAttentionCapture(model, grids))
-            elif kwargs.get("mm_encoder_outputs") is None and use_vision_graphs(get_adapter(model), config):
+            elif kwargs.get("mm_encoder_outputs") is None and get_adapter(model).use_vision_graphs(config):
                 # the loop encodes these itself, through the captured tower (HF would run it eagerly first);
                 # a selector reading the tower's attention needs the eager tower and its hooks: kept with HF
                 pixels = {k: kwargs.pop(k) for k in ("pixel_values", "pixel_values_videos") if kwargs.get(k) is not None}
@@ -91,23 +90,27 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
     first); `encode_turn` does the same when it has to encode itself. A pre-hook on the tower reads
     each call's ``grid_thw`` and names the call's modality by comparing it with the request's
     ``image_grid_thw`` / ``video_grid_thw`` (images first when both are equal); a pre-hook on the
-    last block (``model.model.visual.blocks[-1]``, the same structure on Qwen3-VL and Qwen3.5) then
-    stores, without copying, what the block receives. ``self[modality]`` is a dict:
+    last block (the adapter's ``vision_last_block``) then stores, without copying, what the block receives.
+    ``self[modality]`` is a dict:
 
     - ``hidden_states``: ``[P, C]`` the block's input, P patches in the tower's (merge-block-major) order;
     - ``cu_seqlens``: ``[W + 1]`` window boundaries (one window per image / video temporal slice);
     - ``position_embeddings``: the tower's rotary ``(cos, sin)``;
     - ``grid_thw``: the call's grid; ``block``: the block module; ``merge_unit``: patches per LLM token
-      (``spatial_merge_size ** 2``).
+      (``spatial_merge_size ** 2``);
+    - ``query_key``: the adapter's ``vision_block_query_key`` (the block's q, k and scale from its inputs);
+    - ``merged_order``: None, or the permutation from the block's merged-token order to source order
+      (Qwen2.5-VL's tower holds its tokens window by window).
 
     A modality the tower did not encode inside the call (pre-computed ``mm_encoder_outputs``) is absent.
     The tensors are references, kept only as long as this object (one `generate` call).
     """
 
     def __init__(self, model, grids: dict):
-        self.tower = model.model.visual
-        self.block = self.tower.blocks[-1]
-        self.merge_unit = int(self.tower.spatial_merge_size) ** 2
+        self.adapter = get_adapter(model)
+        self.tower = self.adapter.vision_tower
+        self.block = self.adapter.vision_last_block
+        self.merge_unit = self.adapter.vision_merge_unit
         self.grids = {"image": grids.get("image_grid_thw"), "video": grids.get("video_grid_thw")}
         self.calls: dict[str, dict] = {}
         self._current = None
@@ -141,7 +144,9 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
                 continue
             if tuple(want.shape) == tuple(grid.shape) and torch.equal(want.cpu(), grid.cpu()):
                 self._current = modality
-                self.calls[modality] = {"grid_thw": grid, "block": self.block, "merge_unit": self.merge_unit}
+                self.calls[modality] = {"grid_thw": grid, "block": self.block, "merge_unit": self.merge_unit,
+                                        "query_key": self.adapter.vision_block_query_key,
+                                        "merged_order": self.adapter.vision_merged_order(grid)}
                 break
 
     def _block_hook(self, module, args, kwargs):
@@ -166,15 +171,8 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     """Everything that can be checked before any compute. Returns the kwargs to pass on to HF."""
     adapter = get_adapter(model)
     adapter.check_attention()
-    if config.fast_path is True and getattr(adapter, "supports_fast_path", False):
-        split = accelerate_split(model)
-        if split is not None:
-            raise ValueError(
-                f"RaincheckConfig.fast_path=True needs the whole model on one device with its weights resident "
-                f"(static KV slots and CUDA graphs live on one device, and a graph replay skips accelerate's hooks), "
-                f"but accelerate placed this model {split}. Use fast_path=False (the eager engine, which supports "
-                "device_map splits and offload) or fast_path=None (auto: picks the eager engine here)."
-            )
+    if config.fast_path is True:
+        adapter.execution_path(config)  # a ValueError where the fast path cannot run (an accelerate split)
     if kwargs.get("custom_generate") is not None:
         raise ValueError("generate(raincheck=...) runs its own decoding loop; do not pass custom_generate as well.")
     if kwargs.get("assistant_model") is not None:

@@ -261,3 +261,158 @@ def build_tiny_qwen3_5(seed: int = 0, attn_implementation: str = "sdpa", dtype=t
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
     )
     return model.eval()
+
+
+def _generation_ready(model, config, attn_implementation: str, dtype):
+    from transformers import GenerationConfig
+
+    model = model.to(dtype)
+    model.set_attn_implementation(attn_implementation) if hasattr(model, "set_attn_implementation") else None
+    text = config.get_text_config()
+    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id,
+                                               do_sample=False)
+    return model.eval()
+
+
+# ---- Qwen3-VL-MoE and Qwen3.5-MoE: the dense tiny configs with mixture-of-experts MLPs -------------
+#
+# Four experts, two per token, so that routing differs between tokens (every expert is hit by the
+# tiny prompts) while a forward stays a few milliseconds.
+
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def tiny_qwen3_vl_moe_config(tokenizer=None, num_hidden_layers: int = 4, hidden_size: int = 64, **text_overrides):
+    """Qwen3-VL-MoE: `tiny_qwen3_vl_config`'s shapes (DeepStack on) with an MoE MLP in every layer."""
+    from transformers import Qwen3VLMoeConfig
+
+    dense = tiny_qwen3_vl_config(tokenizer, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size)
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k in _TEXT_KEYS}
+    text.update(TINY_MOE, decoder_sparse_step=1, **text_overrides)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=_vision_dict(dense), **_ids_of(dense))
+
+
+def build_tiny_qwen3_vl_moe(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
+    """A randomly initialised tiny `Qwen3VLMoeForConditionalGeneration` (same weights for the same seed)."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    config = tiny_qwen3_vl_moe_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config)
+    _init_experts(model, seed)
+    return _generation_ready(model, config, attn_implementation, dtype)
+
+
+def tiny_qwen3_5_moe_config(tokenizer=None, layer_types=TINY_QWEN3_5_LAYER_TYPES, hidden_size: int = 64,
+                            **text_overrides):
+    """Qwen3.5-MoE: `tiny_qwen3_5_config`'s shapes (GDN below and above a full-attention layer) with MoE MLPs
+    (routed experts plus the gated shared expert)."""
+    from transformers import Qwen3_5MoeConfig
+
+    dense = tiny_qwen3_5_config(tokenizer, layer_types=layer_types, hidden_size=hidden_size)
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k in _TEXT_KEYS + _GDN_KEYS}
+    text.update(TINY_MOE, shared_expert_intermediate_size=32, **text_overrides)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=_vision_dict(dense), **_ids_of(dense))
+
+
+def build_tiny_qwen3_5_moe(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
+    """A randomly initialised tiny `Qwen3_5MoeForConditionalGeneration` (decay rates as `build_tiny_qwen3_5`)."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    config = tiny_qwen3_5_moe_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(config)
+    _slow_decay(model, config.text_config)
+    _init_experts(model, seed)
+    return _generation_ready(model, config, attn_implementation, dtype)
+
+
+_TEXT_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "rope_parameters", "pad_token_id", "eos_token_id",
+              "bos_token_id"]
+_GDN_KEYS = ["layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim"]
+
+
+def _vision_dict(config) -> dict:
+    keep = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+            "spatial_merge_size", "temporal_patch_size", "num_position_embeddings", "deepstack_visual_indexes")
+    return {k: v for k, v in config.vision_config.to_dict().items() if k in keep}
+
+
+def _ids_of(config) -> dict:
+    return {k: getattr(config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                            "vision_end_token_id")}
+
+
+def _slow_decay(model, text) -> None:
+    with torch.no_grad():
+        for layer, kind in zip(model.model.language_model.layers, text.layer_types):
+            if kind == "linear_attention":
+                layer.linear_attn.A_log.copy_(torch.linspace(0.02, 0.3, text.linear_num_value_heads).log())
+
+
+def _init_experts(model, seed: int) -> None:
+    """Expert and router weights at the scale of the dense MLPs' (HF's MoE init leaves the 3-D expert tensors
+    and routers at a scale where every token picks the same experts)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name or name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+
+
+# ---- Qwen2.5-VL: windowed vision attention, no DeepStack, its own processor --------------------
+#
+# Qwen2.5-VL's processor writes one ``<|vision_start|> <|video_pad|>... <|vision_end|>`` run per
+# video (the chat template below puts the markers around each part; Qwen3's processors insert them per
+# frame themselves) and returns ``second_per_grid_ts``, which its rope index reads. Patches of 14 px,
+# windows of 56 px (2x2 merged tokens), the last of two vision blocks full attention, as in the real
+# tower's ``fullatt_block_indexes``.
+
+QWEN2_5_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{- '<|video_pad|>' -}}", "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}")
+
+
+def build_tiny_qwen2_5_vl_processor(min_pixels: int = 28 * 28, max_pixels: int = 256 * 256, vocab_size: int = 400):
+    """A `Qwen2_5_VLProcessor` with Qwen2.5-VL's patching (14 px patches, 2x2 merge, 2 frames per step)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    common = dict(patch_size=14, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
+                  image_std=[0.5, 0.5, 0.5])
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **common)
+    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4},
+                                            do_sample_frames=False, cap_pixels_per_frame=True, **common)
+    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=build_tiny_tokenizer(vocab_size),
+                               video_processor=video_processor, chat_template=QWEN2_5_CHAT_TEMPLATE)
+
+
+def tiny_qwen2_5_vl_config(tokenizer=None, num_hidden_layers: int = 4, hidden_size: int = 64, **text_overrides):
+    """A Qwen2.5-VL config sized for a CPU (M-RoPE sections [2, 3, 3] of a 16-dim head, windowed tower)."""
+    from transformers import Qwen2_5_VLConfig
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), bos_token_id=None,
+    )
+    text_config.update(text_overrides)
+    vision_config = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+        tokens_per_second=2,
+    )
+    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **_special_token_ids(ids))
+
+
+def build_tiny_qwen2_5_vl(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
+    """A randomly initialised tiny `Qwen2_5_VLForConditionalGeneration` (same weights for the same seed)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = tiny_qwen2_5_vl_config(**config_kwargs)
+    torch.manual_seed(seed)
+    return _generation_ready(Qwen2_5_VLForConditionalGeneration(config), config, attn_implementation, dtype)

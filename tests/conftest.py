@@ -7,44 +7,43 @@ import contextlib
 import pytest
 import torch
 
-from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image, draw_test_video
+from raincheck_hf.tiny import draw_test_image, draw_test_video
+
+from families import BY_NAME, FAMILIES, family_model, family_processor  # noqa: F401 (the shared family list)
 
 torch.set_num_threads(1)  # tiny models: threading overhead outweighs the work
 
 
 @pytest.fixture(scope="session")
 def processor():
-    return build_tiny_processor()
+    return family_processor("qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def model():
-    import raincheck_hf
-
-    return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0))
+    return family_model("qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def eager_model():
-    import raincheck_hf
-
-    return raincheck_hf.enable(build_tiny_qwen3_vl(seed=0, attn_implementation="eager"))
+    return family_model("qwen3_vl", "eager")
 
 
 @pytest.fixture(scope="session")
 def qwen35():
-    import raincheck_hf
-    from raincheck_hf.tiny import build_tiny_qwen3_5
-
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0))
+    return family_model("qwen3_5")
 
 
 @pytest.fixture(scope="session")
 def eager_qwen35():
-    import raincheck_hf
-    from raincheck_hf.tiny import build_tiny_qwen3_5
+    return family_model("qwen3_5", "eager")
 
-    return raincheck_hf.enable(build_tiny_qwen3_5(seed=0, attn_implementation="eager"))
+
+@pytest.fixture
+def family(request):
+    """``(Family, model, processor)`` of the family named by the test's ``family`` parameter."""
+    name = request.param
+    return BY_NAME[name], family_model(name), family_processor(name)
 
 
 def no_placeholder_ids(model):
@@ -61,7 +60,7 @@ def video_metadata(num_frames: int, fps: float = 2.0):
     return VideoMetadata(total_num_frames=num_frames, fps=fps, frames_indices=list(range(num_frames)))
 
 
-def make_inputs(processor, images=(), videos=(), text="What is in this image?", history=None):
+def make_inputs(processor, images=(), videos=(), text="What is in this image?", history=None, video_fps=2.0):
     """Processor inputs for one user turn, as users make them (chat template + processor)."""
     content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
     content.append({"type": "text", "text": text})
@@ -72,7 +71,7 @@ def make_inputs(processor, images=(), videos=(), text="What is in this image?", 
         kwargs["images"] = list(images)
     if videos:
         kwargs["videos"] = list(videos)
-        kwargs["videos_kwargs"] = {"video_metadata": [video_metadata(v.shape[0]) for v in videos]}
+        kwargs["videos_kwargs"] = {"video_metadata": [video_metadata(v.shape[0], video_fps) for v in videos]}
     return processor(text=[prompt], return_tensors="pt", **kwargs)
 
 

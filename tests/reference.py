@@ -27,11 +27,28 @@ class TurnRecord:
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL's processor, for videos
 
 
 def _cat(xs):
     xs = [x for x in xs if x is not None]
     return torch.cat(xs) if xs else None
+
+
+def rope_index(model, ids, mm_types, turns: list[TurnRecord]) -> torch.Tensor:
+    """``[3, N]``: the model's own ``get_rope_index`` over the whole conversation (``second_per_grid_ts``
+    where the model's processor gave it)."""
+    extra = {}
+    seconds = _cat([t.second_per_grid_ts for t in turns])
+    if seconds is not None:
+        extra["second_per_grid_ts"] = seconds
+    positions, _ = model.model.get_rope_index(
+        ids[None], mm_types[None],
+        image_grid_thw=_cat([t.image_grid_thw for t in turns]),
+        video_grid_thw=_cat([t.video_grid_thw for t in turns]),
+        **extra,
+    )
+    return positions[:, 0]
 
 
 def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]:
@@ -60,18 +77,16 @@ def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]
         fn = model.model.get_image_features if modality == "image" else model.model.get_video_features
         out = fn(values, grids, return_dict=True)
         vis_feats[where] = torch.cat(list(out.pooler_output))
+        features = getattr(out, "deepstack_features", None)  # Qwen3-VL's DeepStack; other towers have none
+        if not features:
+            continue
         if deepstack is None:
-            deepstack = [embeds.new_zeros(n_vis, embeds.shape[-1]) for _ in out.deepstack_features]
-        for layer, feat in zip(deepstack, out.deepstack_features):
+            deepstack = [embeds.new_zeros(n_vis, embeds.shape[-1]) for _ in features]
+        for layer, feat in zip(deepstack, features):
             layer[where] = torch.cat(list(feat))
     embeds[is_visual] = vis_feats
     mm_types = is_image.long() + 2 * is_video.long()
-    positions, _ = model.model.get_rope_index(
-        final[None], mm_types[None],
-        image_grid_thw=_cat([t.image_grid_thw for t in turns]),
-        video_grid_thw=_cat([t.video_grid_thw for t in turns]),
-    )
-    positions = positions[:, 0]
+    positions = rope_index(model, final, mm_types, turns)
 
     # classify each row: turn, segment (0 input, 1 deferred, 2 generated), forward (turn, index)
     starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
@@ -110,9 +125,10 @@ def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]
     vis_rows = is_visual[order]
     ordinal = torch.cumsum(is_visual.long(), 0) - 1
     ds = None if deepstack is None else [d[ordinal[order][vis_rows]] for d in deepstack]
+    deepstack_kwargs = {} if ds is None else {"visual_pos_masks": vis_rows[None], "deepstack_visual_embeds": ds}
     hidden = text_model(
         inputs_embeds=embeds[order][None], position_ids=positions[:, order][:, None], attention_mask=mask,
-        use_cache=False, visual_pos_masks=vis_rows[None] if ds is not None else None, deepstack_visual_embeds=ds,
+        use_cache=False, **deepstack_kwargs,
     ).last_hidden_state[0]
     logits = model.lm_head(hidden)
 

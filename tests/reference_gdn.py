@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reference import BIG, TurnRecord, _cat
+from reference import BIG, TurnRecord, _cat, rope_index
 
 __all__ = ["TurnRecord", "conversation_rows", "full_rerun_logits", "gdn_reference_logits"]
 
@@ -81,11 +81,7 @@ def conversation_rows(model, turns: list[TurnRecord]) -> Rows:
         fn = model.model.get_image_features if modality == "image" else model.model.get_video_features
         embeds[where] = torch.cat(list(fn(values, grids, return_dict=True).pooler_output))
     mm_types = is_image.long() + 2 * is_video.long()
-    positions, _ = model.model.get_rope_index(
-        final[None], mm_types[None],
-        image_grid_thw=_cat([t.image_grid_thw for t in turns]),
-        video_grid_thw=_cat([t.video_grid_thw for t in turns]),
-    )
+    positions = rope_index(model, final, mm_types, turns)
 
     starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
     segment = torch.zeros(n_rows, dtype=torch.long)
@@ -111,7 +107,7 @@ def conversation_rows(model, turns: list[TurnRecord]) -> Rows:
         n_forwards = len(t.output.logits) if t.output.logits is not None else end - prompt_len + 1
         logit_rows.append([prompt_len - 1] + [prompt_len + i - 1 for i in range(1, n_forwards)])
     keep[turns[-1].output.raincheck.pending] = False
-    return Rows(embeds, positions[:, 0], turn_of, segment, forward, keep, logit_rows)
+    return Rows(embeds, positions, turn_of, segment, forward, keep, logit_rows)
 
 
 # ---- the layers, written out -------------------------------------------------------------------
@@ -296,7 +292,7 @@ def gdn_reference_logits(model, turns: list[TurnRecord], gdn_sees_deferred: bool
             else:
                 mixed = _attention(layer.self_attn, h, new, cos, sin, record, visible)
             hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden)[None])[0]  # MoE blocks want [B, L, D]
         final_hidden[new] = text_model.norm(hidden)
 
     logits = model.lm_head(final_hidden)

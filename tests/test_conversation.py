@@ -32,7 +32,7 @@ def _two_turns(model, processor, background, early_follow_up, idle):
                         max_new_tokens=8)
     img1, img2 = draw_test_image(128, 96, seed=1), draw_test_image(64, 96, seed=9)
     r1 = conv.ask("What is in this image?", images=[img1], output_logits=True)
-    assert r1.pending > 0
+    assert r1.trace.pending.numel() > 0  # what generate left (r1.pending is live: the worker may be done already)
     if idle:
         _wait_until_restored(conv)
     r2 = conv.ask("And what colour is the corner?", images=[img2], output_logits=True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig
+from raincheck_hf.models import get_adapter
 
-from conftest import INPUT_CASES, make_inputs
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from families import BY_NAME, family_params, family_processor
 from reference import TurnRecord, reference_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -105,8 +109,8 @@ def test_cuda_vision_graphs_replay_the_stock_tower(cuda_model, processor, case):
     from raincheck_hf.fast.vision_graphs import VisionGraphs
 
     inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
-    captured = VisionGraphs(cuda_model.model.visual)
-    eager = VisionGraphs(cuda_model.model.visual, use_graphs=False)
+    captured = VisionGraphs(get_adapter(cuda_model))
+    eager = VisionGraphs(get_adapter(cuda_model), use_graphs=False)
     assert captured.use_graphs
     with torch.no_grad():
         for modality, values, grid in (("image", "pixel_values", "image_grid_thw"),
@@ -136,7 +140,7 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
               raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
     outs = [cuda_model.generate(**inputs, **kw) for _ in range(3)]
-    assert len(vision_graphs_for(cuda_model.model.visual)._captured) == 1
+    assert len(vision_graphs_for(get_adapter(cuda_model))._captured) == 1
     for out in outs[1:]:
         assert torch.equal(out.sequences, outs[0].sequences)
         for a, b in zip(out.logits, outs[0].logits):
@@ -200,3 +204,60 @@ def test_cuda_selectors_use_kernels_and_agree():
         fast = selector.select(segments, 0.3, SelectionContext(text_embeds=text))
         slow = selector.select(segments, 0.3, SelectionContext(text_embeds=text, extras={"fast_path": False}))
         assert all(torch.equal(a, b) for a, b in zip(fast, slow)), name
+
+
+# ---- every family (the shared list of tests/families.py) ------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cuda_family_model(name: str):
+    return raincheck_hf.enable(BY_NAME[name].build(seed=0).to("cuda"))
+
+
+@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("case", ["two_images", "image_and_video"])
+def test_cuda_family_fast_path_matches_eager_engine_and_reference(family, case):
+    """Auto (``fast_path=None``) on CUDA: captured steps for families with ``supports_fast_path`` (MoE
+    experts through transformers' default ``grouped_mm``, which captures), the eager engine with the
+    replayed tower otherwise; same tokens as ``fast_path=False`` and the family's reference."""
+    from raincheck_hf.fast import StaticDeferredCache
+
+    fam, model = BY_NAME[family], _cuda_family_model(family)
+    inputs = _cuda(make_inputs(family_processor(family), **INPUT_CASES[case]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    cfg = dict(chunk_size=4, decode_guard=2)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
+    adapter = get_adapter(model)
+    assert isinstance(fast.cache, StaticDeferredCache) == adapter.supports_fast_path
+    if adapter.supports_fast_path:
+        assert fast.cache.graphs.use_graphs and fast.cache.graphs._captured, "a step's CUDA-graph capture failed"
+    assert torch.equal(slow.sequences, fast.sequences)
+    for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+        assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+    rec = TurnRecord(inputs["input_ids"], slow, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                     inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"), inputs.get("second_per_grid_ts"))
+    with torch.no_grad():
+        ref = fam.reference()(model, [rec])[0]
+    for i, (got, want) in enumerate(zip(slow.logits, ref)):
+        assert (got[0] - want).abs().max().item() <= 1e-3, f"reference, forward {i}"
+
+
+@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("case", ["two_images", "video"])
+def test_cuda_family_vision_graphs_replay_the_tower(family, case):
+    from raincheck_hf.fast.vision_graphs import VisionGraphs
+
+    model = _cuda_family_model(family)
+    adapter = get_adapter(model)
+    inputs = _cuda(make_inputs(family_processor(family), **INPUT_CASES[case]))
+    values, grid = ("pixel_values", "image_grid_thw") if case == "two_images" else ("pixel_values_videos",
+                                                                                    "video_grid_thw")
+    captured, eager = VisionGraphs(adapter), VisionGraphs(adapter, use_graphs=False)
+    with torch.no_grad():
+        want = eager.encode(inputs[values], inputs[grid])
+        runs = [captured.encode(inputs[values], inputs[grid]) for _ in range(3)]  # eager, capture + replay, replay
+    assert len(captured._captured) == 1
+    for got in runs:
+        for a, b in zip(want.pooler_output, got.pooler_output):
+            assert torch.equal(a, b)

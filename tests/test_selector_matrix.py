@@ -16,20 +16,18 @@ import raincheck_hf
 import raincheck_hf.tiny as tiny
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.integration import VisionAttentionCapture
-from raincheck_hf.models import get_adapter, supported_model_classes
+from raincheck_hf.models import get_adapter
 from raincheck_hf.selection import SelectionContext, Segment, get_selector, keep_count
 from raincheck_hf.selection.fastv import FastVSelector, turn_last_row_attention
 from raincheck_hf.selection.visionzip import VisionZipSelector, merged_received_attention
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from families import BY_NAME, family_model, family_params, family_processor
 from reference import TurnRecord, reference_logits
 
 TOL = 1e-4
 ATT_TOL = 1e-6
 
-HAS_QWEN3_5 = ("Qwen3_5ForConditionalGeneration" in supported_model_classes()
-               and hasattr(tiny, "build_tiny_qwen3_5"))
-needs_qwen3_5 = pytest.mark.skipif(not HAS_QWEN3_5, reason="no Qwen3.5 adapter / tiny builder yet")
 
 
 
@@ -73,23 +71,22 @@ class _RecordLastBlockAttention:
         return patch.view(-1, unit).sum(1)
 
 
-def _eager_models():
-    params = [pytest.param("qwen3_vl", id="qwen3_vl")]
-    params.append(pytest.param("qwen3_5", id="qwen3_5", marks=needs_qwen3_5))
-    return params
+def _window_order(model, grid):
+    """Qwen2.5-VL's tower holds merged tokens window by window: the permutation back to source order
+    (computed here with transformers' own helper), None for the other towers."""
+    tower = model.model.visual
+    if not hasattr(tower, "window_size"):
+        return None
+    from transformers.vision_utils import get_vision_window_index
+
+    index, _ = get_vision_window_index(grid, tower.spatial_merge_size, tower.window_size, tower.patch_size)
+    return torch.argsort(index)
 
 
-@pytest.fixture
-def eager_of(request, eager_model):
-    def get(family):
-        return eager_model if family == "qwen3_vl" else request.getfixturevalue("eager_qwen35")
-    return get
-
-
-@pytest.mark.parametrize("family", _eager_models())
+@pytest.mark.parametrize("family", family_params())
 @pytest.mark.parametrize("case", ["two_images", "video"])
-def test_visionzip_recomputation_matches_eager_block(monkeypatch, eager_of, processor, family, case):
-    model = eager_of(family)
+def test_visionzip_recomputation_matches_eager_block(monkeypatch, family, case):
+    model, processor = family_model(family, "eager"), family_processor(family)
     assert model.config.vision_config._attn_implementation == "eager"
     inputs = make_inputs(processor, **INPUT_CASES[case])
     modality = "image" if case == "two_images" else "video"
@@ -101,6 +98,11 @@ def test_visionzip_recomputation_matches_eager_block(monkeypatch, eager_of, proc
     assert len(recorder.weights) == int(grid[:, 0].sum()) == 2  # one window per image / temporal slice
     got = merged_received_attention(capture[modality])
     want = recorder.merged_scores(0, len(recorder.weights))
+    order = _window_order(model, grid)
+    if order is not None:
+        if case == "two_images":  # these images span several windows: the window order is not source order
+            assert not torch.equal(order, torch.arange(order.numel()))
+        want = want[order]
     assert got.shape == want.shape == (int(grid.prod(-1).sum()) // 4,)
     assert torch.allclose(got, want, atol=ATT_TOL, rtol=0)
     # hooks are gone after the call
@@ -160,6 +162,7 @@ def test_visionzip_crafted_dominant_and_contextual(model):
         base += n
     cu = torch.tensor([0, 4 * sizes[0], 4 * sum(sizes)], dtype=torch.int32)
     record = {"block": block, "hidden_states": x, "cu_seqlens": cu, "merge_unit": 4,
+              "query_key": get_adapter(model).vision_block_query_key,
               "position_embeddings": (torch.ones(x.shape[0], head_dim), torch.zeros(x.shape[0], head_dim))}
     scores = merged_received_attention(record)
     assert [int(scores[:sizes[0]].argmax()), int(scores[sizes[0]:].argmax())] == hot
@@ -212,25 +215,27 @@ def _turn(model, inputs):
     adapter = get_adapter(model)
     return adapter.encode_turn(inputs["input_ids"][0], 0, image_grid_thw=inputs.get("image_grid_thw"),
                                video_grid_thw=inputs.get("video_grid_thw"), pixel_values=inputs.get("pixel_values"),
-                               pixel_values_videos=inputs.get("pixel_values_videos"))
+                               pixel_values_videos=inputs.get("pixel_values_videos"),
+                               second_per_grid_ts=inputs.get("second_per_grid_ts"))
 
 
-@pytest.mark.parametrize("family", _eager_models())
+@pytest.mark.parametrize("family", family_params())
 @pytest.mark.parametrize("case", ["one_image", "image_and_video"])
-def test_fastv_recomputation_matches_eager_weights(eager_of, processor, family, case):
-    model = eager_of(family)
+def test_fastv_recomputation_matches_eager_weights(family, case):
+    model, processor = family_model(family, "eager"), family_processor(family)
     inputs = make_inputs(processor, **INPUT_CASES[case])
     turn = _turn(model, inputs)
     got, layer = turn_last_row_attention(model, turn, None)
-    # tiny Qwen3-VL: DeepStack feeds layers 0-1, so K = 2; tiny Qwen3.5: its one full-attention layer, 2
-    assert layer == 2
+    # tiny Qwen3-VL(-MoE): DeepStack feeds layers 0-1, so K = 2; tiny Qwen3.5(-MoE): its one full-attention
+    # layer, 2; tiny Qwen2.5-VL: no DeepStack, every layer attention, so K = 0
+    assert layer == (0 if family == "qwen2_5_vl" else 2)
     weights, out = _stock_layer_attention(model, inputs, layer)
-    if family == "qwen3_vl":  # output_attentions agrees with the hook (all layers are full attention)
+    if not BY_NAME[family].linear_attention:  # output_attentions agrees with the hook (all layers are attention)
         assert torch.equal(out.attentions[layer][0], weights)
     want = weights[:, -1].float().mean(0)
     assert got.shape == want.shape == (inputs["input_ids"].shape[1],)
     assert torch.allclose(got, want, atol=ATT_TOL, rtol=0)
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen2_5_vl"):
         got3, _ = turn_last_row_attention(model, turn, 3)
         want3 = _stock_layer_attention(model, inputs, 3)[0][:, -1].float().mean(0)
         assert torch.allclose(got3, want3, atol=ATT_TOL, rtol=0)
@@ -303,17 +308,6 @@ def test_fastv_settings_and_errors(model, processor):
 MATRIX_CASES = ["one_image", "video"]
 
 
-def _models():
-    return [pytest.param("qwen3_vl", id="qwen3_vl"), pytest.param("qwen3_5", id="qwen3_5", marks=needs_qwen3_5)]
-
-
-@pytest.fixture
-def model_of(request, model):
-    def get(family):
-        return model if family == "qwen3_vl" else request.getfixturevalue("qwen35")
-    return get
-
-
 def test_new_selectors_are_registered():
     names = raincheck_hf.available_selectors()
     assert {"visionzip", "fastv", "mmtok", "uniform"} <= set(names)
@@ -322,11 +316,12 @@ def test_new_selectors_are_registered():
     assert type(get_selector("fastv")).__name__ == "FastVSelector"
 
 
-@pytest.mark.parametrize("family", _models())
+@pytest.mark.parametrize("family", family_params())
 @pytest.mark.parametrize("case", MATRIX_CASES)
 @pytest.mark.parametrize("name", raincheck_hf.available_selectors())
-def test_every_selector_through_generate(model_of, processor, family, case, name):
-    model = model_of(family)
+def test_every_selector_through_generate(family, case, name):
+    model, processor = family_model(family), family_processor(family)
+    linear = BY_NAME[family].linear_attention
     inputs = make_inputs(processor, **INPUT_CASES[case])
     r = 0.4
     traces, outs = {}, {}
@@ -334,7 +329,7 @@ def test_every_selector_through_generate(model_of, processor, family, case, name
         cfg = RaincheckConfig(selector=name, retention=r, mode=mode, chunk_size=3, decode_guard=1)
         # the selection happens before the prefill, so one token is enough to compare it; the raincheck
         # run also restores a chunk (guard 1) in each decode forward
-        n = (3 if family == "qwen3_vl" else 2) if mode == "raincheck" else 1
+        n = (2 if linear else 3) if mode == "raincheck" else 1
         outs[mode] = greedy(model, inputs, n=n, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
         traces[mode] = outs[mode].raincheck
     assert traces["raincheck"].restored_during_decode > 0
@@ -345,9 +340,10 @@ def test_every_selector_through_generate(model_of, processor, family, case, name
     for mode in ("hard", "post_answer"):
         assert torch.equal(traces[mode].selected, trace.selected), mode
         assert torch.equal(traces[mode].deferred, trace.deferred), mode
-    if family == "qwen3_vl":  # method.md §3's reference (full attention only; Qwen3.5 has its own tests)
+    if not linear:  # method.md §3's reference (attention-only text; Qwen3.5's GDN reference is in test_families)
         rec = TurnRecord(inputs["input_ids"], outs["raincheck"], inputs.get("pixel_values"),
-                         inputs.get("image_grid_thw"), inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
+                         inputs.get("image_grid_thw"), inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"),
+                         inputs.get("second_per_grid_ts"))
         refs = reference_logits(model, [rec])[0]
         assert len(refs) == len(rec.output.logits)
         for i, (got, want) in enumerate(zip(rec.output.logits, refs)):

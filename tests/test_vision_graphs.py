@@ -10,8 +10,14 @@ import torch
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.fast import vision_graphs
 from raincheck_hf.fast.vision_graphs import VisionGraphs
+from raincheck_hf.models import get_adapter
 
 from conftest import INPUT_CASES, make_inputs
+from families import family_model, family_params, family_processor
+
+
+PRECOMPUTED = {"interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen", "window_index",
+               "cu_window_seqlens", "max_window_seqlen"}  # what transformers.vision_utils pops
 
 
 def _stock(model, pixel_values, grid, modality):
@@ -34,12 +40,16 @@ def _assert_same_features(stock, ours):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", family_params())
 @pytest.mark.parametrize("case", sorted(INPUT_CASES))
-def test_precomputed_tower_call_matches_stock_features(family, case, processor, request):
-    model = request.getfixturevalue("model" if family == "qwen3_vl" else "qwen35")
+def test_precomputed_tower_call_matches_stock_features(family, case):
+    model, processor = family_model(family), family_processor(family)
     inputs = make_inputs(processor, **INPUT_CASES[case])
-    graphs = VisionGraphs(model.model.visual, use_graphs=False)
+    adapter = get_adapter(model)
+    grid = inputs.get("image_grid_thw", inputs.get("video_grid_thw"))
+    # only names the towers pop from their kwargs (a misspelt one would be recomputed and go unnoticed)
+    assert set(adapter.vision_grid_kwargs(adapter.vision_tower, grid)) <= PRECOMPUTED
+    graphs = VisionGraphs(get_adapter(model), use_graphs=False)
     with torch.no_grad():
         for modality, values, grid in (("image", "pixel_values", "image_grid_thw"),
                                        ("video", "pixel_values_videos", "video_grid_thw")):
@@ -54,7 +64,7 @@ def test_grid_kwargs_match_what_the_tower_computes(model):
 
     tower = model.model.visual
     grid = torch.tensor([[1, 8, 12], [2, 4, 4]])
-    kwargs = vision_graphs.grid_kwargs(tower, grid)
+    kwargs = get_adapter(model).vision_grid_kwargs(tower, grid)
     assert torch.equal(kwargs["position_ids"], get_vision_position_ids(grid, tower.spatial_merge_size))
     # SDPA reads only the window lengths: they stay on the host (a device tensor would be read back in the graph)
     assert kwargs["cu_seqlens"].device.type == "cpu"
@@ -81,7 +91,7 @@ def test_a_grid_is_captured_on_its_second_sighting_and_the_oldest_is_evicted(mod
     log = []
     monkeypatch.setattr(VisionGraphs, "_capture", _fake_capture(log))
     monkeypatch.setattr(vision_graphs, "MAX_GRAPHS", 2)
-    graphs = VisionGraphs(model.model.visual, use_graphs=True)
+    graphs = VisionGraphs(get_adapter(model), use_graphs=True)
     from raincheck_hf.tiny import draw_test_image
 
     sizes = [(64, 64), (96, 64), (128, 96)]
@@ -103,7 +113,7 @@ def test_a_grid_is_captured_on_its_second_sighting_and_the_oldest_is_evicted(mod
 
 def test_replayed_outputs_are_copies(model, processor, monkeypatch):
     monkeypatch.setattr(VisionGraphs, "_capture", _fake_capture([]))
-    graphs = VisionGraphs(model.model.visual, use_graphs=True)
+    graphs = VisionGraphs(get_adapter(model), use_graphs=True)
     x = make_inputs(processor, **INPUT_CASES["one_image"])
     with torch.no_grad():
         for _ in range(2):
@@ -152,18 +162,18 @@ def test_pixels_and_precomputed_features_together_are_refused(model, processor):
 
 
 def test_freed_tower_is_reported(model):
-    graphs = VisionGraphs(model.model.visual, use_graphs=False)
+    graphs = VisionGraphs(get_adapter(model), use_graphs=False)
     graphs.tower_ref = lambda: None
     with pytest.raises(RuntimeError, match="freed"):
         graphs.encode(torch.zeros(4, 4), torch.tensor([[1, 2, 2]]))
 
 
 def test_vision_graphs_for_is_one_per_tower(model, qwen35):
-    a = vision_graphs.vision_graphs_for(model.model.visual)
-    assert vision_graphs.vision_graphs_for(model.model.visual) is a
-    assert vision_graphs.vision_graphs_for(qwen35.model.visual) is not a
+    a = vision_graphs.vision_graphs_for(get_adapter(model))
+    assert vision_graphs.vision_graphs_for(get_adapter(model)) is a
+    assert vision_graphs.vision_graphs_for(get_adapter(qwen35)) is not a
     vision_graphs.release_vision_graphs(model.model.visual)
-    assert vision_graphs.vision_graphs_for(model.model.visual) is not a
+    assert vision_graphs.vision_graphs_for(get_adapter(model)) is not a
 
 
 def test_concurrent_encodes_of_one_grid_each_get_their_own_features(model, processor, monkeypatch):
@@ -187,7 +197,7 @@ def test_concurrent_encodes_of_one_grid_each_get_their_own_features(model, proce
         return self._store(key, vision_graphs.CapturedTower(SlowGraph(), static_pixels, outputs))
 
     monkeypatch.setattr(VisionGraphs, "_capture", capture)
-    graphs = VisionGraphs(model.model.visual, use_graphs=True)
+    graphs = VisionGraphs(get_adapter(model), use_graphs=True)
     from raincheck_hf.tiny import draw_test_image
 
     images = [make_inputs(processor, images=(draw_test_image(96, 64, seed=s),)) for s in (11, 12)]

@@ -36,7 +36,7 @@ def run(model, processor, chunk_sizes=(7, 15, 31, 63), reps=30, image_size=(512,
     from ..cache_utils import DEFERRED, GENERATED, order_key
     from ..generation import run_rows
     from ..models import get_adapter
-    from ..models.qwen3_vl import RowBatch
+    from ..models.base import RowBatch
 
     adapter = get_adapter(model)
     out = _setup(model, processor, image_size)

@@ -439,14 +439,19 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, reps
 def decode_bytes(model, context_tokens: int) -> dict:
     """What one decode step must read at least: the language model's weights (the input embedding table
     only where the output head shares it: a step reads one row of it otherwise; the issue's 16.4 GB anchor
-    for the Qwen3-VL-8B shape counted it, this counts 15.1 GB), the KV of
+    for the Qwen3-VL-8B shape counted it, this counts 15.1 GB; of an MoE layer's experts only the share a token
+    routes to, ``num_experts_per_tok / num_experts``), the KV of
     ``context_tokens`` in every full-attention layer, and each linear-attention layer's state (read and
     written)."""
     text_config = model.config.get_text_config()
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+    # MoE: a decode token reads its num_experts_per_tok of num_experts experts (their share of the expert tensors)
+    expert_share = getattr(text_config, "num_experts_per_tok", 1) / getattr(text_config, "num_experts", 1)
+    weights = sum(p.numel() * p.element_size() * (expert_share if ".experts." in f".{name}" else 1)
+                  for name, p in model.named_parameters()
                   if ".visual." not in f".{name}" and (p is not embed or p is head))
+    weights = int(weights)
     layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
     full = sum(t == "full_attention" for t in layer_types)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads

@@ -1,9 +1,11 @@
 """Models at the real shapes (random weights) and prompts of the real sizes, built in code.
 
-Nothing is downloaded. Timings do not depend on weight values, so the benchmark builds
-``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` from configs written
-out here (the shapes of docs/baselines.md, i.e. the public configs) with random bf16 weights,
-directly on the target device.
+Nothing is downloaded. Timings do not depend on weight values (MoE routing aside: random router
+weights spread tokens over the experts roughly evenly), so the benchmark builds
+``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` and their MoE variants
+(``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL-30B-A3B; ``Qwen3_5MoeForConditionalGeneration``:
+Qwen3.5-35B-A3B) from configs written out here (the shapes of docs/baselines.md and the public
+configs) with random bf16 weights, directly on the target device.
 
 Token ids. The real Qwen tokenizers are not available, so prompts are tokenized with the tiny
 in-code tokenizer of `raincheck_hf.tiny` (400 ids, Qwen's special tokens at ids 0-6). Its ids are
@@ -55,7 +57,7 @@ class ModelSpec:
     """One benchmarkable model: how to build it and the size of its inputs."""
 
     name: str
-    family: str  # "qwen3_vl" | "qwen3_5"
+    family: str  # "qwen3_vl" | "qwen3_5" | "qwen3_vl_moe" | "qwen3_5_moe"
     real_shape: bool  # True: needs a GPU (tens of GB of bf16 weights)
     image_size: tuple[int, int]  # (width, height) px
     video_frames: int
@@ -65,8 +67,12 @@ class ModelSpec:
 MODELS = {
     "qwen3_vl_8b": ModelSpec("qwen3_vl_8b", "qwen3_vl", True, (1344, 1024), 64, (512, 384)),
     "qwen3_5_9b": ModelSpec("qwen3_5_9b", "qwen3_5", True, (1344, 1024), 64, (512, 384)),
+    "qwen3_vl_30b_a3b": ModelSpec("qwen3_vl_30b_a3b", "qwen3_vl_moe", True, (1344, 1024), 64, (512, 384)),
+    "qwen3_5_35b_a3b": ModelSpec("qwen3_5_35b_a3b", "qwen3_5_moe", True, (1344, 1024), 64, (512, 384)),
     "tiny_qwen3_vl": ModelSpec("tiny_qwen3_vl", "qwen3_vl", False, (320, 256), 8, (128, 128)),
     "tiny_qwen3_5": ModelSpec("tiny_qwen3_5", "qwen3_5", False, (320, 256), 8, (128, 128)),
+    "tiny_qwen3_vl_moe": ModelSpec("tiny_qwen3_vl_moe", "qwen3_vl_moe", False, (320, 256), 8, (128, 128)),
+    "tiny_qwen3_5_moe": ModelSpec("tiny_qwen3_5_moe", "qwen3_5_moe", False, (320, 256), 8, (128, 128)),
 }
 
 
@@ -111,6 +117,53 @@ def qwen3_5_9b_config(tokenizer=None):
     text_config = dict(eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], bos_token_id=None)
     return Qwen3_5Config(text_config=text_config, vision_config=dict(out_hidden_size=4096), tie_word_embeddings=False,
                          **special)
+
+
+def qwen3_vl_30b_a3b_config(tokenizer=None):
+    """Qwen3-VL-30B-A3B's shapes (the public ``Qwen/Qwen3-VL-30B-A3B-Instruct`` config) with the tiny
+    tokenizer's special ids: 48 layers of full attention (32 query / 4 key-value heads of 128), an MoE MLP in
+    every layer (128 experts of width 768, 8 per token), DeepStack at vision blocks 8 / 16 / 24: 31.07 B
+    parameters, 28.99 B of them in experts, 3.89 B used per token (vision tower and embeddings included)."""
+    from transformers import Qwen3VLMoeConfig
+
+    special = _special_ids(tokenizer if tokenizer is not None else build_tiny_tokenizer())
+    text_config = dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu",
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                         "mrope_interleaved": True},
+        eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], bos_token_id=None,
+    )
+    vision_config = dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh",
+    )
+    return Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False,
+                            **special)
+
+
+def qwen3_5_35b_a3b_config(tokenizer=None):
+    """Qwen3.5-35B-A3B's shapes: transformers' `Qwen3_5MoeConfig` defaults (its documented checkpoint,
+    ``Qwen/Qwen3.5-35B-A3B``: 40 layers, 30 Gated DeltaNet + 10 gated attention, 256 experts of width 512, 8
+    per token, plus a shared expert), vision out hidden 2048, with the tiny tokenizer's special ids: 35.11 B
+    parameters, 32.21 B of them in experts, 3.90 B used per token (vision tower and embeddings included)."""
+    from transformers import Qwen3_5MoeConfig
+
+    special = _special_ids(tokenizer if tokenizer is not None else build_tiny_tokenizer())
+    text_config = dict(eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], bos_token_id=None)
+    return Qwen3_5MoeConfig(text_config=text_config, vision_config=dict(out_hidden_size=2048),
+                            tie_word_embeddings=False, **special)
+
+
+_REAL = {  # family -> (model class name, config builder)
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", qwen3_vl_8b_config),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", qwen3_5_9b_config),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", qwen3_vl_30b_a3b_config),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", qwen3_5_35b_a3b_config),
+}
 
 
 @torch.no_grad()
@@ -162,15 +215,11 @@ def build_from_config(cls, config, device, dtype=torch.bfloat16, seed: int = 0, 
 
 
 def _build_real(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int, attn_implementation: str):
-    if spec.family == "qwen3_vl":
-        from transformers import Qwen3VLForConditionalGeneration as cls
+    import transformers
 
-        config = qwen3_vl_8b_config()
-    else:
-        from transformers import Qwen3_5ForConditionalGeneration as cls
-
-        config = qwen3_5_9b_config()
-    return build_from_config(cls, config, device, dtype, seed, attn_implementation)
+    class_name, make_config = _REAL[spec.family]
+    return build_from_config(getattr(transformers, class_name), make_config(), device, dtype, seed,
+                             attn_implementation)
 
 
 def build_model(name: str, device: torch.device | str, dtype: torch.dtype | None = None, seed: int = 0,
@@ -188,8 +237,8 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype | None
     device = torch.device(device)
     if spec.real_shape and device.type == "cpu":
         raise ValueError(
-            f"model {name!r} has the real {spec.family} shape (~18 GB of bf16 weights) and needs a GPU; the device "
-            f"is {device}. Use tiny_qwen3_vl / tiny_qwen3_5 for CPU smoke runs."
+            f"model {name!r} has the real {spec.family} shape (18-70 GB of bf16 weights) and needs a GPU; the device "
+            f"is {device}. Use the tiny_* models for CPU smoke runs."
         )
     if dtype is None:
         dtype = torch.bfloat16 if (spec.real_shape or device.type == "cuda") else torch.float32
@@ -199,7 +248,7 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype | None
     else:
         from .. import tiny
 
-        builder_name = "build_tiny_qwen3_vl" if spec.family == "qwen3_vl" else "build_tiny_qwen3_5"
+        builder_name = f"build_tiny_{spec.family}"
         builder = getattr(tiny, builder_name, None)
         if builder is None:
             raise ValueError(f"model {name!r} needs raincheck_hf.tiny.{builder_name}, which does not exist (yet).")

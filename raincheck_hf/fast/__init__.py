@@ -13,7 +13,8 @@
   decode token or a fused chunk as two batched matmuls over the key/value heads (stock SDPA's
   masked kernel was ~2 ms of a 10 ms decode step on the H200); prefills keep stock SDPA.
 - `VisionGraphs` (`vision_graphs`): the vision tower captured per image / video grid, its grid
-  bookkeeping precomputed (a grid is captured on its second sighting; used by Qwen3-VL and Qwen3.5).
+  bookkeeping precomputed by the family's adapter (a grid is captured on its second sighting; every family
+  with ``supports_vision_graphs``).
 
 The eager engine stays the reference: tests compare the two step by step.
 """

@@ -66,11 +66,12 @@ class StepBuffers:
 
 
 @contextlib.contextmanager
-def deepstack_hooks(text_model, addends: list[torch.Tensor]):
-    """Add ``addends[i]`` to decoder layer i's output (what DeepStack does, as a graph-safe add)."""
+def deepstack_hooks(layers, addends: list[torch.Tensor]):
+    """Add ``addends[i]`` to ``layers[i]``'s output (what DeepStack does, as a graph-safe add; the layers are
+    the adapter's ``deepstack_layers()``)."""
     handles = [
-        text_model.layers[i].register_forward_hook(lambda module, args, output, a=a: output + a)
-        for i, a in enumerate(addends)
+        layer.register_forward_hook(lambda module, args, output, a=a: output + a)
+        for layer, a in zip(layers, addends)
     ]
     try:
         yield
@@ -157,7 +158,7 @@ class StepGraphs:
     def __init__(self, adapter, use_graphs: bool):
         self.use_graphs = use_graphs and torch.cuda.is_available() and adapter.device.type == "cuda"
         self.pad_prefill = self.use_graphs  # bucketed prefill shapes: only worth it when they are captured
-        self.num_deepstack = len(getattr(adapter.config.vision_config, "deepstack_visual_indexes", []) or [])
+        self.num_deepstack = adapter.num_deepstack_layers
         self.hidden = adapter.text_model.config.hidden_size
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self._captured: dict[tuple[int, bool], tuple] = {}
@@ -171,7 +172,7 @@ class StepGraphs:
         visible = cache.slot_keys[None, :] <= buffers.query_keys[:, None]
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        with deepstack_hooks(text_model, buffers.deepstack), few_query_attention_for(text_model.config):
+        with deepstack_hooks(adapter.deepstack_layers(), buffers.deepstack), few_query_attention_for(text_model.config):
             hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                 attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         if want_logits:

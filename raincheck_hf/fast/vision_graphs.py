@@ -4,9 +4,10 @@ The tower is host-bound at batch 1: on the H200 its forward over one 1,344-token
 ms of which ≈ 13 ms were kernels (27 blocks of small launches, and a video's per-frame attention
 splits multiply them). Its data-dependent bookkeeping (rotary positions, the resampled position
 embedding's taps and weights, window boundaries) depends only on ``grid_thw``; transformers lets a
-caller pass it precomputed (``interp_indices``, ``interp_weights``, ``position_ids``, ``cu_seqlens``,
-``max_seqlen``, see ``transformers.vision_utils``), and what is left is a fixed sequence of
-kernels for a given grid, which a graph can hold.
+caller pass it precomputed (the Qwen3 tower: ``interp_indices``, ``interp_weights``, ``position_ids``,
+``cu_seqlens``, ``max_seqlen``; Qwen2.5-VL's also ``window_index`` / ``cu_window_seqlens``; see
+``transformers.vision_utils``), and what is left is a fixed sequence of kernels for a given grid, which
+a graph can hold. What a family's tower derives from a grid is its adapter's ``vision_grid_kwargs``.
 
 Policy: a grid is captured the second time it is seen (a one-off image size never pays for a
 capture; a chat or a benchmark that repeats a size replays from then on); at most `MAX_GRAPHS`
@@ -35,50 +36,19 @@ MAX_SIGHTINGS = 64  # grids remembered (seen, not captured yet)
 _TOWERS: "weakref.WeakKeyDictionary[torch.nn.Module, VisionGraphs]" = weakref.WeakKeyDictionary()
 
 
-def vision_graphs_for(tower: torch.nn.Module) -> "VisionGraphs":
-    """The tower's `VisionGraphs` (created on first use; held only as long as the tower lives)."""
+def vision_graphs_for(adapter) -> "VisionGraphs":
+    """The `VisionGraphs` of the adapter's vision tower (created on first use; held only as long as the tower
+    lives)."""
+    tower = adapter.vision_tower
     graphs = _TOWERS.get(tower)
     if graphs is None:
-        graphs = _TOWERS[tower] = VisionGraphs(tower)
+        graphs = _TOWERS[tower] = VisionGraphs(adapter)
     return graphs
 
 
 def release_vision_graphs(tower: torch.nn.Module) -> None:
     """Drop the tower's captured graphs (and their memory pool)."""
     _TOWERS.pop(tower, None)
-
-
-def _uses_flash_varlen(tower) -> bool:
-    return "flash" in str(getattr(tower.config, "_attn_implementation", "") or "")
-
-
-def grid_kwargs(tower, grid_thw: torch.Tensor) -> dict:
-    """What the tower derives from ``grid_thw`` on the host, computed ahead (the keyword names the
-    tower pops from its kwargs). ``cu_seqlens`` stays on the host for the SDPA / eager backends,
-    which only read the window lengths from it (a device tensor would be read back inside the graph)."""
-    from transformers.utils.generic import get_max_seqlen
-    from transformers.vision_utils import (
-        get_vision_attention_seqlens,
-        get_vision_interpolation_indices_and_weights,
-        get_vision_position_ids,
-    )
-
-    device = tower.patch_embed.proj.weight.device
-    grid = grid_thw.to("cpu")
-    indices, weights = get_vision_interpolation_indices_and_weights(
-        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
-        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
-    )
-    position_ids = get_vision_position_ids(grid, tower.spatial_merge_size)
-    cu_seqlens, _ = get_vision_attention_seqlens(grid, tower.config)
-    kwargs = {"interp_indices": indices.to(device), "interp_weights": weights.to(device),
-              "position_ids": position_ids.to(device)}
-    if _uses_flash_varlen(tower):
-        kwargs["cu_seqlens"] = cu_seqlens.to(device)
-        kwargs["max_seqlen"] = get_max_seqlen(cu_seqlens, tower.config)
-    else:
-        kwargs["cu_seqlens"] = cu_seqlens
-    return kwargs
 
 
 class CapturedTower(NamedTuple):
@@ -93,10 +63,19 @@ class CapturedTower(NamedTuple):
 
 
 class VisionGraphs:
-    """Captured forwards of one vision tower, keyed by grid, pixel shape, dtype and attention backend."""
+    """Captured forwards of one vision tower, keyed by grid, pixel shape, dtype and attention backend.
 
-    def __init__(self, tower: torch.nn.Module, use_graphs: bool | None = None):
-        device = tower.patch_embed.proj.weight.device
+    Built from a model's adapter (`models.base.ModelAdapter` with ``supports_vision_graphs``), whose static
+    methods say where the pixels go (``vision_input_device``) and what the tower derives from a grid
+    (``vision_grid_kwargs``); it keeps the adapter's class and a weak reference to the tower, never the model.
+    """
+
+    def __init__(self, adapter, use_graphs: bool | None = None):
+        if not adapter.supports_vision_graphs:
+            raise ValueError(f"{type(adapter).__name__}: this family's vision tower is not replayed from CUDA graphs")
+        tower = adapter.vision_tower
+        self.family = type(adapter)
+        device = self.family.vision_input_device(tower)
         if use_graphs is None:
             use_graphs = device.type == "cuda" and torch.cuda.is_available()
         self.tower_ref = weakref.ref(tower)
@@ -140,12 +119,12 @@ class VisionGraphs:
         tower = self.tower_ref()
         if tower is None:
             raise RuntimeError("the vision tower these graphs belong to was freed")
-        pixel_values = pixel_values.to(tower.patch_embed.proj.weight.device, tower.dtype)
+        pixel_values = pixel_values.to(self.family.vision_input_device(tower), tower.dtype)
         grid = tuple(tuple(int(v) for v in row) for row in grid_thw.tolist())
         key = self._key(tower, pixel_values, grid)
         captured = self._captured.get(key)
         if captured is None:
-            kwargs = grid_kwargs(tower, grid_thw)
+            kwargs = self.family.vision_grid_kwargs(tower, grid_thw)
             sightings = self.seen.pop(key, 0) + 1
             self.seen[key] = sightings
             while len(self.seen) > MAX_SIGHTINGS:  # a bounded memory of grids seen once

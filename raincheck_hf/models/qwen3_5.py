@@ -1,8 +1,7 @@
 """Qwen3.5 (``Qwen3_5ForConditionalGeneration``): hybrid Gated DeltaNet + gated full attention.
 
-Everything Qwen3-VL's adapter does carries over (same processor, placeholder tokens, vision
-tower API and rope index, so `encode_turn`, `rows`, `text_row`, `pending_batch` are inherited),
-with three differences:
+Encoding is shared with Qwen3-VL through `models/mixins.py` (same processor, placeholder tokens,
+vision tower API and rope index: `QwenVisionLanguageMixin`, `Qwen3VisionTowerMixin`); the differences:
 
 - **No DeepStack.** Qwen3.5's vision tower returns only ``pooler_output``; the text model takes no
   ``visual_pos_masks`` / ``deepstack_visual_embeds``.
@@ -54,16 +53,16 @@ import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
 from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
-from .qwen3_vl import Qwen3VLAdapter, RowBatch
+from .base import ModelAdapter, RowBatch
+from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
-__all__ = ["Qwen3_5Adapter", "RowSplit"]
+__all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter", "RowSplit"]
 
 _KIND_NAMES = {INPUT: "INPUT", DEFERRED: "DEFERRED", GENERATED: "GENERATED"}
 
@@ -291,7 +290,7 @@ class _DeferredGDNStreams(contextlib.AbstractContextManager):
 
 
 @functools.lru_cache(maxsize=8)
-def _check_gdn_state_layout(device_type: str) -> None:
+def _check_gdn_state_layout(device_type: str, modeling: str = "transformers.models.qwen3_5.modeling_qwen3_5") -> None:
     """Refuse GDN kernels whose state is not ``[B, HV, K, V]``, once per device type.
 
     transformers picks its kernels at import (flash-linear-attention or hub kernels when present,
@@ -299,8 +298,9 @@ def _check_gdn_state_layout(device_type: str) -> None:
     check runs the functions the model will call, on a tiny input with ``dk == dv`` (where a
     transposed state passes every shape check), against the naive reference. A few milliseconds.
     """
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    import importlib
 
+    hf = importlib.import_module(modeling)  # the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
     gen = torch.Generator().manual_seed(0)
     bsz, seq, heads, dim = 1, 5, 2, 64
     q, k, v = (torch.randn(bsz, seq, heads, dim, generator=gen) for _ in range(3))
@@ -330,12 +330,13 @@ def _check_gdn_state_layout(device_type: str) -> None:
         )
 
 
-class Qwen3_5Adapter(Qwen3VLAdapter):
-    """Qwen3.5 through public seams (see the module docstring)."""
+class GatedDeltaNetMixin:
+    """Text models of Gated DeltaNet + gated full-attention layers (Qwen3.5, dense and MoE): the GDN split
+    forward of the module docstring. The MLP (dense or mixture of experts) needs nothing: it is per token."""
 
-    model_classes = ("Qwen3_5ForConditionalGeneration",)
+    has_linear_attention = True
     # The CUDA fast path keeps all state in static KV slots; GDN layers carry a recurrent state and a
-    # boundary map instead, so Qwen3.5 stays on the dynamic cache (generation.use_fast_path agrees).
+    # boundary map instead, so the text stays on the dynamic cache (`execution_path` says "eager").
     supports_fast_path = False
 
     def __init__(self, model):
@@ -343,15 +344,6 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         layer_types = self.text_model.config.layer_types
         self._gdn_modules = [layer.linear_attn for layer, kind in zip(self.text_model.layers, layer_types)
                              if kind == "linear_attention"]
-
-    # ---- encoding: Qwen3-VL's, without DeepStack ------------------------------------------
-    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid, vision_graphs=None):
-        out = super()._vision_outputs(modality, mm_encoder_outputs, pixel_values, grid, vision_graphs)
-        if out is None:
-            return None
-        # Qwen3.5's tower has no DeepStack; give encode_turn the one field it reads besides pooler_output.
-        return SimpleNamespace(pooler_output=out.pooler_output,
-                               deepstack_features=getattr(out, "deepstack_features", None))
 
     # ---- one forward over arbitrary rows --------------------------------------------------
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
@@ -362,7 +354,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         """
         split = RowSplit.from_kinds(kinds, batch.embeds.shape[0])
         if self._gdn_modules:
-            _check_gdn_state_layout(self.device.type)
+            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
         mask = None
         if visible is not None:
             full = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
@@ -378,3 +370,9 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
         if not want_logits:
             return None
         return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+
+
+class Qwen3_5Adapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
+    """Qwen3.5 through public seams (see the module docstring)."""
+
+    model_classes = ("Qwen3_5ForConditionalGeneration",)

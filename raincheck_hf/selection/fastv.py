@@ -24,9 +24,10 @@ DeepStack features as a full prefill, causal, no cache) that stops inside layer 
 
 - the text model's own forward runs layers ``0 .. K-1`` unchanged (rotary embedding, masks,
   DeepStack injection are the model's); hooks record layer ``K``'s ``position_embeddings`` and the
-  outputs of its ``self_attn.q_norm`` / ``self_attn.k_norm`` (queries and keys after the per-head
-  RMSNorm, so Qwen3.5's gated query projection needs no special case), then abort the forward;
-- the model's own ``apply_rotary_pos_emb`` applies M-RoPE to them; only the last row's scores
+  outputs of the modules the adapter names (`ModelAdapter.attention_query_key`: ``q_norm`` / ``k_norm``
+  on Qwen3 families, i.e. after the per-head RMSNorm, so Qwen3.5's gated query projection needs no
+  special case; ``q_proj`` / ``k_proj`` on Qwen2.5-VL), then abort the forward;
+- the adapter's rotary (the modeling file's own ``apply_rotary_pos_emb``) applies M-RoPE; only the last row's scores
   against all keys (GQA heads repeated) are formed, in float32.
 
 **Cost:** ``K`` decoder layers plus one layer's q/k projections over the turn's rows, i.e. about
@@ -42,7 +43,6 @@ absolute positions; in a first turn they are exactly the full prefill's.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -85,14 +85,16 @@ def resolve_layer(text_model, layer: int | None, num_deepstack: int) -> int:
 
 
 @torch.no_grad()
-def layer_query_key(text_model, embeds, positions, layer: int, visual=None, deepstack=None):
+def layer_query_key(adapter, embeds, positions, layer: int, visual=None, deepstack=None):
     """Layer ``layer``'s queries and keys over rows ``embeds [L, D]`` at M-RoPE ``positions [3, L]``.
 
-    Runs the text model's own forward (no cache) and stops it inside that layer. Returns ``(q, k, attn)``:
-    ``q [1, H, L, d]`` and ``k [1, H_kv, L, d]`` after the per-head norms and rotary, and the attention module.
+    Runs the text model's own forward (no cache) and stops it inside that layer; where the per-head
+    queries and keys come from, and the rotary applied to them, is the adapter's `attention_query_key`.
+    Returns ``(q, k, attn)``: ``q [1, H, L, d]`` and ``k [1, H_kv, L, d]`` after rotary, and the attention module.
     """
+    text_model = adapter.text_model
     block = text_model.layers[layer]
-    attn = block.self_attn
+    attn, q_source, k_source, rope = adapter.attention_query_key(layer)
     seen: dict = {}
 
     def pre_layer(_module, args, kwargs):
@@ -108,12 +110,10 @@ def layer_query_key(text_model, embeds, positions, layer: int, visual=None, deep
 
     handles = [
         block.register_forward_pre_hook(pre_layer, with_kwargs=True),
-        attn.q_norm.register_forward_hook(record("q")),
-        attn.k_norm.register_forward_hook(record("k")),
+        q_source.register_forward_hook(record("q")),
+        k_source.register_forward_hook(record("k")),
     ]
-    kwargs = {}
-    if deepstack is not None and visual is not None and bool(visual.any()):
-        kwargs = dict(visual_pos_masks=visual[None], deepstack_visual_embeds=deepstack)
+    kwargs = adapter.deepstack_kwargs(visual, deepstack) if visual is not None else {}
     try:
         text_model(inputs_embeds=embeds[None], position_ids=positions[:, None, :], use_cache=False, **kwargs)
     except _StopScoringPass:
@@ -122,12 +122,10 @@ def layer_query_key(text_model, embeds, positions, layer: int, visual=None, deep
         for handle in handles:
             handle.remove()
     if "q" not in seen or "k" not in seen:
-        raise RuntimeError(f"FastV: layer {layer}'s q_norm / k_norm did not run during the scoring pass")
-    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-    if rope is None:
-        raise ValueError(f"FastV: {type(attn).__name__}'s module has no apply_rotary_pos_emb")
+        raise RuntimeError(f"FastV: layer {layer}'s query / key projections did not run during the scoring pass")
     cos, sin = seen["position_embeddings"]
-    q, k = rope(seen["q"].transpose(1, 2), seen["k"].transpose(1, 2), cos, sin)
+    q, k = (seen[n].reshape(*seen[n].shape[:2], -1, attn.head_dim).transpose(1, 2) for n in ("q", "k"))
+    q, k = rope(q, k, cos, sin)
     return q, k, attn
 
 
@@ -143,11 +141,10 @@ def turn_last_row_attention(model, turn, layer: int | None) -> tuple[torch.Tenso
     """``([L] attention of the turn's last row at layer K, K)`` via the scoring pass of the module doc."""
     from ..models import get_adapter
 
-    text_model = get_adapter(model).text_model
-    num_deepstack = len(turn.deepstack) if turn.deepstack is not None else 0
-    k_layer = resolve_layer(text_model, layer, num_deepstack)
+    adapter = get_adapter(model)
+    k_layer = resolve_layer(adapter.text_model, layer, adapter.num_deepstack_layers)
     visual = turn.visual_index >= 0
-    q, k, attn = layer_query_key(text_model, turn.embeds, turn.positions, k_layer, visual, turn.deepstack)
+    q, k, attn = layer_query_key(adapter, turn.embeds, turn.positions, k_layer, visual, turn.deepstack)
     return last_row_attention(q, k, float(attn.scaling)).cpu(), k_layer
 
 
@@ -175,8 +172,8 @@ class FastVSelector(Selector):
         """The scoring layer on ``model``; ValueError (before any compute) when ``layer`` cannot be used there."""
         from ..models import get_adapter
 
-        deepstack = getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None) or []
-        return resolve_layer(get_adapter(model).text_model, self.layer, len(deepstack))
+        adapter = get_adapter(model)
+        return resolve_layer(adapter.text_model, self.layer, adapter.num_deepstack_layers)
 
     def turn_scores(self, context: SelectionContext) -> torch.Tensor:
         """``[L]`` last-row attention over the turn's rows (one scoring pass per context)."""

@@ -5,13 +5,14 @@ Models"): a few visual tokens receive most of the vision encoder's attention and
 image's information (*dominant* tokens); the rest are covered by a handful of *contextual* tokens.
 
 **Dominant tokens.** The paper ranks tokens by the attention the CLS token pays them, or, for encoders
-without CLS (SigLIP), by the average attention each token receives. Qwen3-VL's / Qwen3.5's tower has no
-CLS and runs SDPA (no weights come back), so the attention of the tower's **last block** is recomputed
+without CLS (SigLIP), by the average attention each token receives. The Qwen towers have no
+CLS and run SDPA (no weights come back), so the attention of the tower's **last block** is recomputed
 from that block's own inputs, recorded during the `generate` call by
 `raincheck_hf.integration.VisionAttentionCapture`:
 
-1. ``q, k`` = the block's ``norm1`` -> ``attn.qkv`` -> the tower's vision rotary embedding (the
-   model's own ``apply_rotary_pos_emb_vision``), exactly as the block computes them;
+1. ``q, k`` = what the block computes from its input, as the model's adapter says
+   (`ModelAdapter.vision_block_query_key`; for Qwen's blocks ``norm1`` -> ``attn.qkv`` -> the tower's
+   own vision rotary);
 2. per attention window (``cu_seqlens``: one image, or one video temporal slice; windows never see
    each other) and per head, ``A = softmax(q k^T * head_dim^-0.5)`` over the window's keys;
 3. patch ``p`` receives ``a_p = mean over heads and over the window's queries of A[:, :, p]``
@@ -19,7 +20,8 @@ from that block's own inputs, recorded during the `generate` call by
 4. **merged-token level**: the merger concatenates ``spatial_merge_size ** 2`` (= 4) consecutive
    patches (the tower orders patches merge-block-major) into one LLM token, so an LLM token's score
    is the **sum** of its patches' ``a_p``: the share of the window's attention mass that lands on
-   the patches it is made of (the sum ranks exactly as the mean over the 4 patches would).
+   the patches it is made of (the sum ranks exactly as the mean over the 4 patches would); a tower that
+   holds its tokens in another order (Qwen2.5-VL: window by window) is put back in source order.
 
 The ``round(dominant_fraction * k)`` best-scoring rows of the segment are kept (ties: lowest row).
 
@@ -39,7 +41,6 @@ The paper's default split, 54 dominant + 10 contextual of 64 kept tokens, is ``d
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,34 +51,19 @@ from .base import Segment, SelectionContext, Selector
 _SCORES_KEY = "_visionzip_scores"
 
 
-def _rotary(block):
-    """The block's own vision rotary function (the module its attention class is defined in)."""
-    fn = getattr(sys.modules.get(type(block.attn).__module__), "apply_rotary_pos_emb_vision", None)
-    if fn is None:
-        raise ValueError(f"visionzip: {type(block.attn).__name__}'s module has no apply_rotary_pos_emb_vision")
-    return fn
-
-
 @torch.no_grad()
-def last_block_qk(record: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, k)``, each ``[heads, P, head_dim]`` float32: the captured block's queries and keys after rotary."""
-    block = record["block"]
-    hidden = record["hidden_states"]
-    attn = block.attn
-    x = block.norm1(hidden)
-    qkv = attn.qkv(x).reshape(x.shape[0], 3, attn.num_heads, -1)
-    cos, sin = record["position_embeddings"]
-    q, k = _rotary(block)(qkv[:, 0], qkv[:, 1], cos, sin)
-    return q.float().transpose(0, 1), k.float().transpose(0, 1)
+def last_block_qk(record: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(q, k, scaling)``: the captured block's queries and keys after rotary (each ``[heads, P, head_dim]``
+    float32) and its softmax scale, computed by the model's adapter (``record["query_key"]``)."""
+    return record["query_key"](record["block"], record["hidden_states"], record["position_embeddings"])
 
 
 @torch.no_grad()
 def patch_received_attention(record: dict, query_chunk: int = 1024) -> torch.Tensor:
     """``[P]`` float32: attention each patch receives in the last block, mean over heads and over the
     queries of its own window (step 3 of the module doc)."""
-    q, k = last_block_qk(record)
+    q, k, scale = last_block_qk(record)
     heads, n_patches = q.shape[0], q.shape[1]
-    scale = float(record["block"].attn.scaling)
     bounds = [int(b) for b in record["cu_seqlens"].tolist()]
     if bounds[0] != 0 or bounds[-1] != n_patches:
         raise ValueError(f"visionzip: cu_seqlens {bounds} do not cover the {n_patches} captured patches")
@@ -96,12 +82,15 @@ def patch_received_attention(record: dict, query_chunk: int = 1024) -> torch.Ten
 
 
 def merged_received_attention(record: dict, query_chunk: int = 1024) -> torch.Tensor:
-    """``[P / merge_unit]`` float32 on the CPU: per LLM token, the sum of its patches' received attention."""
+    """``[P / merge_unit]`` float32 on the CPU: per LLM token (source order), the sum of its patches' received
+    attention."""
     patch = patch_received_attention(record, query_chunk)
     unit = int(record["merge_unit"])
     if patch.numel() % unit:
         raise ValueError(f"visionzip: {patch.numel()} patches are not a multiple of the merge unit {unit}")
-    return patch.view(-1, unit).sum(dim=1).cpu()
+    merged = patch.view(-1, unit).sum(dim=1).cpu()
+    order = record.get("merged_order")
+    return merged if order is None else merged[order.cpu()]
 
 
 def strided(m: int, count: int) -> torch.Tensor:

@@ -1,0 +1,349 @@
+"""What every model adapter shares: the engine's row types, device helpers and the `ModelAdapter` interface.
+
+The engine (`generation.py`, `fast/`, `selection/`, `conversation.py`) talks to a model only through an
+adapter: the rows of a turn (`TurnInputs`), the rows of one forward (`RowBatch`) and the methods of
+`ModelAdapter`. A family's quirks live in its own `models/<family>.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..masking import check_attention_implementation, visibility_to_attention_mask
+from ..selection import Segment
+
+
+@dataclass
+class TurnInputs:
+    """One turn's new tokens, encoded. ``L`` rows, ``n`` of them visual.
+
+    Attributes:
+        input_ids: ``[L]``.
+        embeds: ``[L, D]`` input embeddings with the visual features scattered into placeholder rows.
+        positions: ``[3, L]`` absolute M-RoPE ids (continuing the conversation).
+        visual_index: ``[L]`` index into the visual rows, -1 for text rows.
+        deepstack: one ``[n, D]`` tensor per DeepStack layer (visual rows in source order), or None.
+        segments: the multimodal segments (an image, or one temporal slice of a video) in source order.
+        text_rows: ``[m]`` rows of the turn's text (the question a query-aware selector reads).
+        next_position: M-RoPE text position following the last row.
+    """
+
+    input_ids: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    visual_index: torch.Tensor
+    deepstack: list[torch.Tensor] | None
+    segments: list[Segment]
+    text_rows: torch.Tensor
+    next_position: int
+
+    @property
+    def num_visual(self) -> int:
+        return int((self.visual_index >= 0).sum())
+
+
+@dataclass
+class RowBatch:
+    """The rows of one forward, in storage order: ``embeds [L, D]``, ``positions [3, L]``,
+    ``visual [L]`` (bool), ``deepstack`` (one ``[n_visual_in_batch, D]`` per layer, or None)."""
+
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    visual: torch.Tensor
+    deepstack: list[torch.Tensor] | None
+
+    @staticmethod
+    def concat(parts: list["RowBatch"]) -> "RowBatch":
+        parts = [p for p in parts if p is not None]
+        if len(parts) == 1:
+            return parts[0]
+        with_ds = [p.deepstack for p in parts if p.deepstack is not None]
+        deepstack = [torch.cat(layer) for layer in zip(*with_ds)] if with_ds else None
+        return RowBatch(
+            torch.cat([p.embeds for p in parts]),
+            torch.cat([p.positions for p in parts], dim=1),
+            torch.cat([p.visual for p in parts]),
+            deepstack,
+        )
+
+
+def _hook_devices(module):
+    """``(execution_device, offloads)`` of each accelerate `AlignDevicesHook` on ``module`` (none without hooks)."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        yield device, bool(getattr(h, "offload", False))
+
+
+def execution_device(module) -> torch.device:
+    """The device ``module`` computes on, also when accelerate dispatched or offloaded it.
+
+    A module with an accelerate `AlignDevicesHook` (``device_map=...``, `dispatch_model`, `cpu_offload`)
+    runs on the hook's ``execution_device`` whatever its parameters' device (``meta`` when offloaded);
+    otherwise it is the device of its first parameter that holds data, CPU for a module without any.
+    """
+    for device, _ in _hook_devices(module):
+        if device is not None:
+            return device
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def accelerate_split(model) -> str | None:
+    """How accelerate split ``model`` (a phrase for error messages), or None when it runs whole on one device.
+
+    Split = its modules' hooks execute on more than one device, or some hook offloads weights (cpu / disk
+    offload: the parameters sit on ``meta`` between forwards). A model without hooks is not split.
+    """
+    devices, offloaded = set(), 0
+    for module in model.modules():
+        for device, offloads in _hook_devices(module):
+            if device is not None:
+                devices.add(str(device))
+            offloaded += offloads
+    parts = []
+    if len(devices) > 1:
+        parts.append(f"over the devices {sorted(devices)}")
+    if offloaded:
+        parts.append(f"with the weights of {offloaded} modules offloaded (cpu / disk)")
+    return " and ".join(parts) or None
+
+
+class ModelAdapter:
+    """The interface between the engine and one model family, in the style of transformers' cache layers:
+    a few methods the engine calls, and capability flags it reads instead of asking what the model is.
+
+    A family subclasses this (sharing code through the mixins of `models/mixins.py`), sets
+    ``model_classes`` and the flags, and implements `encode_turn` (and `forward` when its text model is not
+    plain attention). Everything the engine, the fast path, the selectors and the conversation need to know
+    about a family is a method or a flag here; ``docs/adding_a_model.md`` walks through one.
+
+    Capability flags (class attributes):
+        has_deepstack: the vision tower returns DeepStack features that the text model adds to the hidden
+            states of its first decoder layers (`num_deepstack_layers` of them).
+        has_linear_attention: some text layers keep a recurrent state (Gated DeltaNet) instead of KV rows;
+            `forward` needs the row kinds to place deferred rows (``kinds``).
+        supports_fast_path: the CUDA fast path (static KV slots, graph replay of the text steps) can run
+            this family: every text layer is attention, so all state fits `fast.StaticDeferredCache`.
+        supports_vision_graphs: `fast.vision_graphs` can replay this family's vision tower per grid
+            (`vision_grid_kwargs` precomputes what the tower derives from ``grid_thw``).
+    """
+
+    model_classes: tuple[str, ...] = ()
+    has_deepstack: bool = False
+    has_linear_attention: bool = False
+    supports_fast_path: bool = False
+    supports_vision_graphs: bool = False
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.text_model = model.model.language_model
+        self.lm_head = model.lm_head
+
+    # ---- what the model is made of ------------------------------------------------------------
+    @property
+    def vision_tower(self):
+        """The vision encoder module (the one ``get_image_features`` runs)."""
+        return self.model.model.visual
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.text_model.config._attn_implementation
+
+    def check_attention(self) -> str:
+        return check_attention_implementation(self.attn_implementation)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine builds a forward's rows: the input embedding's *execution* device.
+
+        Not ``embed_tokens.weight.device``: under accelerate's cpu / disk offload that weight sits on
+        ``meta`` between forwards and the hook moves it to its execution device only inside the call.
+        """
+        return execution_device(self.text_model.embed_tokens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text_model.embed_tokens.weight.dtype
+
+    def text_config(self):
+        return self.config.get_text_config()
+
+    @property
+    def num_deepstack_layers(self) -> int:
+        """How many text layers DeepStack adds visual features to (layers ``0 .. n-1``); 0 without DeepStack."""
+        return 0
+
+    def deepstack_layers(self) -> list:
+        """The decoder layers whose outputs receive DeepStack feature ``i`` (the fast path adds them by hooks)."""
+        return []
+
+    def deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
+        """Text-model keyword arguments that add ``deepstack`` (one ``[n_visual, D]`` per layer) to the rows
+        where ``visual [L]`` is True; ``{}`` for a family without DeepStack."""
+        return {}
+
+    # ---- the prompt ---------------------------------------------------------------------------
+    def placeholder_masks(self, input_ids: torch.Tensor, text_prefix: int = 0):
+        """``(is_image, is_video)`` over ``input_ids [L]``, the first ``text_prefix`` rows counted as text."""
+        raise NotImplementedError
+
+    def multimodal_mask(self, input_ids: torch.Tensor, text_prefix: int = 0) -> torch.Tensor:
+        is_image, is_video = self.placeholder_masks(input_ids, text_prefix)
+        return is_image | is_video
+
+    def encode_turn(self, input_ids: torch.Tensor, position_offset: int, mm_encoder_outputs: dict | None = None,
+                    image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                    pixel_values: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                    text_prefix: int = 0, vision_graphs=None, second_per_grid_ts: torch.Tensor | None = None,
+                    ) -> TurnInputs:
+        """Embed one turn's new tokens ``input_ids [L]`` and give them absolute 3-D positions from
+        ``position_offset`` on (the conversation's next position); see `TurnInputs` for the shapes."""
+        raise NotImplementedError
+
+    def turn_glue(self, tokenizer, last_token: int) -> list[int]:
+        """Token ids that close the previous answer (ending in ``last_token``) before the next user turn, as
+        the family's chat template writes a finished assistant turn."""
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        return ([] if int(last_token) == end else [end]) + list(newline)
+
+    # ---- one forward over arbitrary rows ------------------------------------------------------
+    def rows(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
+        """The given rows of a turn as a batch (``row_index`` indexes the turn's rows)."""
+        row_index = row_index.to(self.device)
+        vis = turn.visual_index[row_index]
+        visual = vis >= 0
+        deepstack = None if turn.deepstack is None else [d[vis[visual]] for d in turn.deepstack]
+        return RowBatch(turn.embeds[row_index], turn.positions[:, row_index], visual, deepstack)
+
+    def text_row(self, token_id: torch.Tensor, position: int) -> RowBatch:
+        """A single text token (a generated one) at M-RoPE position ``position`` on all three axes."""
+        device = self.device  # looked up once: it walks accelerate's hooks and the parameters (a decode step's host time)
+        ids = token_id.reshape(1).to(device)
+        pos = torch.full((3, 1), position, dtype=torch.long, device=device)
+        return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=device), None)
+
+    def pending_batch(self, pending) -> RowBatch:
+        """Deferred rows waiting in the cache (`cache_utils.PendingRows`) as a batch."""
+        return RowBatch(pending.embeds, pending.positions, torch.ones(len(pending), dtype=torch.bool,
+                        device=self.device), pending.deepstack)
+
+    def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
+        """Run ``batch`` through the text model on ``cache``; logits of its last row (``[1, V]``) or None.
+
+        ``visible`` is the ``[L, n_rows]`` visibility from `DeferredDynamicCache.add_rows`, passed as a 4-D
+        mask; None means plain causal (a single decode token that sees every stored row). ``kinds`` (``[L]``
+        INPUT / DEFERRED / GENERATED; deferred rows always come first) is not needed by attention layers.
+        This is the forward of a text model made of attention layers only; DeepStack arguments come from
+        `deepstack_kwargs`.
+        """
+        mask = None
+        if visible is not None:
+            mask = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
+        out = self.text_model(
+            inputs_embeds=batch.embeds[None],
+            position_ids=batch.positions[:, None, :],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            **self.deepstack_kwargs(batch.visual, batch.deepstack),
+        )
+        if not want_logits:
+            return None
+        return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+
+    # ---- which engine runs a call (the one place that decides) --------------------------------
+    def execution_path(self, config) -> str:
+        """``"fast"`` (static KV slots + CUDA graphs, `fast/`) or ``"eager"`` (`DeferredDynamicCache`) for a call.
+
+        ``fast_path=False``, a family without ``supports_fast_path``, a text model with non-attention layers
+        and an accelerate-split model take the eager engine; otherwise ``fast_path=True`` or a CUDA model
+        takes the fast path. ``fast_path=True`` on a split model of a fast-path family is a ValueError.
+        """
+        if config.fast_path is False or not self.supports_fast_path:
+            return "eager"
+        layer_types = getattr(self.text_model.config, "layer_types", None) or ["full_attention"]
+        if any(t != "full_attention" for t in layer_types):  # recurrent state does not live in KV slots
+            return "eager"
+        split = accelerate_split(self.model)
+        if split is not None:
+            # Static buffers and captured graphs live on one device and a graph replay skips accelerate's
+            # hooks (no weight loading, no cross-device copies).
+            if config.fast_path is True:
+                raise ValueError(
+                    f"RaincheckConfig.fast_path=True needs the whole model on one device with its weights resident "
+                    f"(static KV slots and CUDA graphs live on one device, and a graph replay skips accelerate's "
+                    f"hooks), but accelerate placed this model {split}. Use fast_path=False (the eager engine, which "
+                    "supports device_map splits and offload) or fast_path=None (auto: picks the eager engine here)."
+                )
+            return "eager"
+        return "fast" if (config.fast_path is True or self.device.type == "cuda") else "eager"
+
+    def use_vision_graphs(self, config) -> bool:
+        """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
+
+        Independent of the text side (Qwen3.5's text runs the eager engine, its tower can still be replayed).
+        Off for a family without ``supports_vision_graphs`` and under accelerate splits (a replay skips
+        accelerate's hooks); on CPU with ``fast_path=True`` the same precomputed tower call runs without graphs.
+        """
+        if config.fast_path is False or not self.supports_vision_graphs or accelerate_split(self.model) is not None:
+            return False
+        return config.fast_path is True or self.device.type == "cuda"
+
+    # ---- the vision tower, for the fast path (static: `fast.vision_graphs` keeps no model reference) --
+    @staticmethod
+    def vision_input_device(tower) -> torch.device:
+        """The device the tower's pixels go to."""
+        return next(tower.parameters()).device
+
+    @staticmethod
+    def vision_grid_kwargs(tower, grid_thw: torch.Tensor) -> dict:
+        """What the tower derives from ``grid_thw [N, 3]`` on the host, computed ahead, as the keyword
+        arguments the tower pops (transformers' ``vision_utils``), so a captured graph holds only kernels."""
+        raise NotImplementedError("this family's vision tower is not replayed from CUDA graphs")
+
+    # ---- the vision tower's last block, for VisionZip --------------------------------------------
+    @property
+    def vision_last_block(self):
+        """The tower's last transformer block (VisionZip recomputes its attention from its inputs)."""
+        return self.vision_tower.blocks[-1]
+
+    @property
+    def vision_merge_unit(self) -> int:
+        """Tower patches per LLM token (``spatial_merge_size ** 2``)."""
+        return int(self.config.vision_config.spatial_merge_size) ** 2
+
+    def vision_block_query_key(self, block, hidden_states: torch.Tensor, position_embeddings):
+        """``(q, k, scaling)``: the block's queries and keys after rotary, each ``[heads, P, head_dim]`` float32,
+        computed from its input ``hidden_states [P, C]`` exactly as the block does; ``scaling`` its softmax scale."""
+        raise NotImplementedError
+
+    def vision_merged_order(self, grid_thw: torch.Tensor) -> torch.Tensor | None:
+        """Permutation taking the tower's merged tokens (in the order its blocks hold them) to source order,
+        or None when the blocks already hold them in source order."""
+        return None
+
+    # ---- a text layer's attention, for FastV ---------------------------------------------------
+    def attention_query_key(self, layer: int):
+        """``(attention module, q source, k source, rotary)`` of text layer ``layer``: the outputs of the two
+        source modules, viewed as ``[B, L, heads, head_dim]``, are the per-head queries and keys right before
+        rotary; ``rotary(q, k, cos, sin)`` (``[B, H, L, d]``) applies the layer's position embedding."""
+        attn = self.text_model.layers[layer].self_attn
+        return attn, attn.q_norm, attn.k_norm, module_function(attn, "apply_rotary_pos_emb")
+
+
+def module_function(module, name: str):
+    """The function ``name`` of the modeling file that defines ``module``'s class (its own rotary, kernels)."""
+    fn = getattr(sys.modules.get(type(module).__module__), name, None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__}'s modeling module has no {name}")
+    return fn

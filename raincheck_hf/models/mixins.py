@@ -1,0 +1,246 @@
+"""Pieces of `ModelAdapter` that several families share (the families compose them; none inherits another's adapter).
+
+- `QwenVisionLanguageMixin`: Qwen's multimodal prompt (``<|image_pad|>`` / ``<|video_pad|>`` placeholder
+  rows, ``get_image_features`` / ``get_video_features``, the model's own 3-D rope index) and its vision
+  blocks (``norm1`` -> ``attn.qkv`` -> vision rotary). Every supported family.
+- `Qwen3VisionTowerMixin`: the Qwen3 vision tower (learned position embedding resampled per grid), whose
+  grid bookkeeping the fast path precomputes. Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE.
+- `DeepStackMixin`: DeepStack features added to the first text layers. Qwen3-VL, Qwen3-VL-MoE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..selection import Segment
+from .base import TurnInputs, module_function
+
+
+class QwenVisionLanguageMixin:
+    """Encoding of a Qwen vision-language prompt through the model's public methods."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.image_token_id = self.config.image_token_id
+        self.video_token_id = self.config.video_token_id
+        self._non_question_ids = torch.tensor(
+            [self.image_token_id, self.video_token_id, self.config.vision_start_token_id,
+             self.config.vision_end_token_id]
+        )
+
+    def placeholder_masks(self, input_ids: torch.Tensor, text_prefix: int = 0):
+        """``(is_image, is_video)`` over ``input_ids``, the first ``text_prefix`` rows counted as text."""
+        is_image, is_video = input_ids == self.image_token_id, input_ids == self.video_token_id
+        if text_prefix:
+            is_image[:text_prefix] = False
+            is_video[:text_prefix] = False
+        return is_image, is_video
+
+    # ---- encoding -------------------------------------------------------------------------
+    def _vision_outputs(self, modality, mm_encoder_outputs, pixel_values, grid, vision_graphs=None):
+        out = (mm_encoder_outputs or {}).get(modality)
+        if out is None and pixel_values is not None:
+            if vision_graphs is not None:  # the fast path's tower: same outputs, replayed per grid
+                return vision_graphs.encode(pixel_values, grid)
+            encode = self.model.model.get_image_features if modality == "image" else self.model.model.get_video_features
+            out = encode(pixel_values, grid, return_dict=True)
+        return out
+
+    def _rope_index(self, ids, mm_types, image_grid_thw, video_grid_thw, second_per_grid_ts):
+        """``[3, L]`` 3-D positions of one turn's rows from 0 (the model's own ``get_rope_index``)."""
+        positions, _ = self.model.model.get_rope_index(
+            ids[None], mm_types[None], image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw
+        )
+        return positions[:, 0]
+
+    def encode_turn(
+        self,
+        input_ids: torch.Tensor,
+        position_offset: int,
+        mm_encoder_outputs: dict | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        text_prefix: int = 0,
+        vision_graphs=None,
+        second_per_grid_ts: torch.Tensor | None = None,
+    ) -> TurnInputs:
+        """Embed one turn's new tokens ``input_ids [L]`` and compute their absolute 3-D positions.
+
+        The first ``text_prefix`` rows are text whatever their ids: the previous answer's last token
+        (generated, never fed back yet) is text even if a model happened to emit a placeholder id.
+        ``vision_graphs`` (a `fast.vision_graphs.VisionGraphs` of this model's tower) encodes the pixels
+        instead of ``get_image_features`` / ``get_video_features``. ``second_per_grid_ts`` (``[n_videos]``,
+        Qwen2.5-VL's processor) spaces video frames in time for families whose rope index reads it.
+        """
+        device = self.device
+        ids = input_ids.to(device)
+        embeds = self.text_model.embed_tokens(ids)
+        is_image, is_video = self.placeholder_masks(ids, text_prefix)
+        is_visual = is_image | is_video
+        n_visual = int(is_visual.sum())
+
+        # visual features in source order (images and videos may interleave)
+        feats = embeds.new_zeros(n_visual, embeds.shape[-1])
+        deepstack = None
+        image_pos = is_image[is_visual]
+        for modality, mask_rows, values, grid in (
+            ("image", is_image, pixel_values, image_grid_thw),
+            ("video", is_video, pixel_values_videos, video_grid_thw),
+        ):
+            n_rows = int(mask_rows.sum())
+            out = self._vision_outputs(modality, mm_encoder_outputs, values, grid, vision_graphs)
+            if out is None:
+                if n_rows:
+                    raise ValueError(
+                        f"the new tokens hold {n_rows} <|{modality}_pad|> placeholders but no {modality} "
+                        f"features were given (pass the processor's pixel_values{'' if modality == 'image' else '_videos'} "
+                        f"and {modality}_grid_thw for the {modality}s of this turn only)."
+                    )
+                continue
+            pooled = torch.cat(list(out.pooler_output)).to(device, embeds.dtype)
+            if pooled.shape[0] != n_rows:
+                raise ValueError(
+                    f"{modality} features ({pooled.shape[0]} rows) do not match the {n_rows} <|{modality}_pad|> "
+                    f"placeholders among the new tokens; pass only the {modality}s of the new turn."
+                )
+            where = image_pos if modality == "image" else ~image_pos
+            feats[where] = pooled
+            deepstack_features = getattr(out, "deepstack_features", None)
+            if deepstack_features is not None and self.has_deepstack:
+                if deepstack is None:
+                    deepstack = [embeds.new_zeros(n_visual, embeds.shape[-1]) for _ in deepstack_features]
+                for layer, feat in zip(deepstack, deepstack_features):
+                    layer[where] = torch.cat(list(feat)).to(device, embeds.dtype)
+        embeds = embeds.clone()
+        embeds[is_visual] = feats
+        visual_index = torch.full_like(ids, -1)
+        visual_index[is_visual] = torch.arange(n_visual, device=device)
+
+        # absolute 3-D positions: the model's own rope index on this turn, shifted to continue
+        mm_types = is_image.long() + 2 * is_video.long()
+        positions = self._rope_index(ids, mm_types, image_grid_thw, video_grid_thw, second_per_grid_ts)
+        positions = positions.to(device) + position_offset
+        next_position = int(positions.max()) + 1 if positions.numel() else position_offset
+
+        segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
+        question = ~torch.isin(ids, self._non_question_ids.to(device))
+        question[:text_prefix] = False
+        return TurnInputs(ids, embeds, positions, visual_index, deepstack, segments,
+                          question.nonzero().flatten(), next_position)
+
+    def _segments(self, ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw):
+        """One segment per image and per video temporal slice, in source order.
+
+        A slice is ``h * w`` merged tokens of its grid; placeholder runs are cut at slice boundaries (Qwen3's
+        processors write one run per slice, Qwen2.5-VL's one run per video) and where a run ends.
+        """
+        merge = self.config.vision_config.spatial_merge_size
+        grids = {"image": [], "video": []}
+        if image_grid_thw is not None:
+            grids["image"] = [(1, int(h) // merge, int(w) // merge) for t, h, w in image_grid_thw.tolist()
+                              for _ in range(int(t))]
+        if video_grid_thw is not None:
+            grids["video"] = [(1, int(h) // merge, int(w) // merge) for t, h, w in video_grid_thw.tolist()
+                              for _ in range(int(t))]
+        # on the host: one copy, not a device read per row (a 1,344-token image made 2,688 syncs)
+        rows = is_visual.nonzero().flatten().cpu()
+        row_is_image = is_image.cpu()[rows]
+        # a run starts where the rows stop being contiguous or the modality changes
+        starts = torch.ones(rows.numel(), dtype=torch.bool)
+        if rows.numel() > 1:
+            starts[1:] = (rows[1:] != rows[:-1] + 1) | (row_is_image[1:] != row_is_image[:-1])
+        bounds = starts.nonzero().flatten().tolist() + [rows.numel()]
+        segments = []
+        counters = {"image": 0, "video": 0}
+        for run_start, run_end in zip(bounds[:-1], bounds[1:]):
+            modality = "image" if bool(row_is_image[run_start]) else "video"
+            start = run_start
+            while start < run_end:
+                grid_list = grids[modality]
+                if counters[modality] < len(grid_list):
+                    grid = grid_list[counters[modality]]
+                    end = min(run_end, start + grid[1] * grid[2])
+                else:
+                    grid, end = (1, 1, run_end - start), run_end
+                counters[modality] += 1
+                vis = torch.arange(start, end, device=feats.device)
+                extras = {} if deepstack is None else {"deepstack": [d[vis] for d in deepstack]}
+                segments.append(Segment(len(segments), modality, feats[vis], grid, rows[start:end].clone(), extras))
+                start = end
+        return segments
+
+    # ---- the vision blocks (VisionZip) ------------------------------------------------------
+    @torch.no_grad()
+    def vision_block_query_key(self, block, hidden_states: torch.Tensor, position_embeddings):
+        """``(q, k, scaling)`` of a Qwen vision block: ``norm1`` -> ``attn.qkv`` -> the modeling file's
+        ``apply_rotary_pos_emb_vision``; ``q``, ``k`` ``[heads, P, head_dim]`` float32."""
+        attn = block.attn
+        x = block.norm1(hidden_states)
+        qkv = attn.qkv(x).reshape(x.shape[0], 3, attn.num_heads, -1)
+        cos, sin = position_embeddings
+        q, k = module_function(attn, "apply_rotary_pos_emb_vision")(qkv[:, 0], qkv[:, 1], cos, sin)
+        return q.float().transpose(0, 1), k.float().transpose(0, 1), float(attn.scaling)
+
+
+def _uses_flash_varlen(tower) -> bool:
+    return "flash" in str(getattr(tower.config, "_attn_implementation", "") or "")
+
+
+class Qwen3VisionTowerMixin:
+    """The Qwen3 vision tower (Qwen3-VL and Qwen3.5, dense and MoE): replayable per grid."""
+
+    supports_vision_graphs = True
+
+    @staticmethod
+    def vision_input_device(tower) -> torch.device:
+        return tower.patch_embed.proj.weight.device
+
+    @staticmethod
+    def vision_grid_kwargs(tower, grid_thw: torch.Tensor) -> dict:
+        """The resampled position embedding's taps and weights, rotary positions and window boundaries for
+        ``grid_thw``. ``cu_seqlens`` stays on the host for the SDPA / eager backends, which only read the
+        window lengths from it (a device tensor would be read back inside the graph)."""
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
+
+        device = tower.patch_embed.proj.weight.device
+        grid = grid_thw.to("cpu")
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
+        )
+        position_ids = get_vision_position_ids(grid, tower.spatial_merge_size)
+        cu_seqlens, _ = get_vision_attention_seqlens(grid, tower.config)
+        kwargs = {"interp_indices": indices.to(device), "interp_weights": weights.to(device),
+                  "position_ids": position_ids.to(device)}
+        if _uses_flash_varlen(tower):
+            kwargs["cu_seqlens"] = cu_seqlens.to(device)
+            kwargs["max_seqlen"] = get_max_seqlen(cu_seqlens, tower.config)
+        else:
+            kwargs["cu_seqlens"] = cu_seqlens
+        return kwargs
+
+
+class DeepStackMixin:
+    """DeepStack: the tower's intermediate features are added to the hidden states of the first text layers
+    (``visual_pos_masks`` / ``deepstack_visual_embeds`` of the text model)."""
+
+    has_deepstack = True
+
+    @property
+    def num_deepstack_layers(self) -> int:
+        return len(getattr(self.config.vision_config, "deepstack_visual_indexes", None) or [])
+
+    def deepstack_layers(self) -> list:
+        return list(self.text_model.layers[: self.num_deepstack_layers])
+
+    def deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
+        if deepstack is None or not bool(visual.any()):
+            return {}
+        return {"visual_pos_masks": visual[None], "deepstack_visual_embeds": deepstack}

@@ -1,0 +1,21 @@
+"""Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``): Qwen3.5 with mixture-of-experts MLPs (routed
+experts plus a gated shared expert).
+
+The text layers are Qwen3.5's (Gated DeltaNet + gated full attention, `models/qwen3_5.py`'s split
+forward, through `GatedDeltaNetMixin`); the GDN kernels checked for their state layout are the ones of
+``modeling_qwen3_5_moe``, the layer's own modeling file. The experts are per token (no capacity limit),
+so deferral changes nothing about routing. The text runs on the eager engine, like Qwen3.5; the vision
+tower (Qwen3's, without DeepStack) is replayed from CUDA graphs on the fast path.
+"""
+
+from __future__ import annotations
+
+from .base import ModelAdapter
+from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
+from .qwen3_5 import GatedDeltaNetMixin
+
+
+class Qwen3_5MoeAdapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
+    """Qwen3.5-MoE: Qwen3.5's hybrid text layers with MoE MLPs, the Qwen3 vision tower."""
+
+    model_classes = ("Qwen3_5MoeForConditionalGeneration",)

@@ -1,0 +1,128 @@
+"""Every supported family through the same conversation-level tests (CPU, fp32, tiny models).
+
+One shared list (`families.FAMILIES`): stock parity at retention 1 and ``full``, every mode against the
+family's slow reference over three turns (images, a video, a text follow-up, with leftovers riding on
+the next prefill), a `Conversation` with its background worker, and the fast path's code on CPU against
+the eager engine. Family-specific checks (the GDN join, DeepStack, windowed vision attention) live in
+the family's own test file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raincheck_hf import Conversation, RaincheckConfig
+from raincheck_hf.models import get_adapter
+from raincheck_hf.tiny import draw_test_image, draw_test_video
+
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from families import family_params
+from reference import TurnRecord
+
+TOL = 1e-4
+
+
+def greedy(model, inputs, n, **kw):
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=no_placeholder_ids(model),
+                          **kw)
+
+
+def record(inputs, out):
+    return TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"),
+                      inputs.get("second_per_grid_ts"))
+
+
+def follow_up(model, processor, sequences, **turn):
+    """The whole conversation for the next turn: earlier ``sequences``, the adapter's turn glue, the new turn."""
+    new = dict(make_inputs(processor, **turn))
+    glue = get_adapter(model).turn_glue(processor.tokenizer, int(sequences[0, -1]))
+    ids = torch.cat([sequences, torch.tensor([glue]), new["input_ids"]], dim=1)
+    new.update(input_ids=ids, attention_mask=torch.ones_like(ids))
+    new.pop("mm_token_type_ids", None)
+    return new
+
+
+def assert_matches(family, model, records):
+    refs = family.reference()(model, records)
+    for k, (rec, ref) in enumerate(zip(records, refs)):
+        assert len(rec.output.logits) == len(ref)
+        for i, (got, want) in enumerate(zip(rec.output.logits, ref)):
+            diff = (got[0] - want).abs().max().item()
+            assert diff <= TOL, f"{family.name}: turn {k} forward {i}: max abs logit diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("case", ["two_images", "video", "image_and_video"])
+def test_retention_one_and_full_are_stock(family, case):
+    _, model, processor = family
+    inputs = make_inputs(processor, **INPUT_CASES[case])
+    stock = greedy(model, inputs, n=8)
+    assert torch.equal(greedy(model, inputs, n=8, raincheck=RaincheckConfig(retention=1.0)), stock)
+    assert torch.equal(greedy(model, inputs, n=8, raincheck=RaincheckConfig(mode="full")), stock)
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("mode", ["raincheck", "serial", "hard", "post_answer"])
+def test_every_mode_matches_reference_over_three_turns(family, mode):
+    """Turn 1: an image and a video; turn 2: a four-frame video at 4 fps (two temporal slices) with turn 1's leftovers
+    in its prefill; turn 3: text only. Every forward's logits against the family's slow reference."""
+    fam, model, processor = family
+    cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=2, decode_guard=3)
+    kw = dict(raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    inputs = [make_inputs(processor, **INPUT_CASES["image_and_video"])]
+    outs = [greedy(model, inputs[0], n=5, **kw)]
+    assert outs[0].raincheck.deferred.numel() > 0
+    if mode == "raincheck":
+        assert outs[0].raincheck.restored_during_decode > 0
+    # 4 fps: half a second per temporal patch, so Qwen2.5-VL's rope index must be given second_per_grid_ts
+    inputs.append(follow_up(model, processor, outs[0].sequences, videos=(draw_test_video(4, 64, 96, seed=8),),
+                            text="What happens now?", video_fps=4.0))
+    outs.append(greedy(model, inputs[1], n=6, cache=outs[0].cache, **kw))
+    if mode != "hard":
+        assert outs[1].raincheck.restored_per_forward[0].numel() > 0  # turn 1's leftovers ride on the prefill
+    assert len(outs[1].raincheck.segments) == 2  # one segment per temporal slice
+    inputs.append(follow_up(model, processor, outs[1].sequences, text="And the colours?"))
+    outs.append(greedy(model, inputs[2], n=5, cache=outs[1].cache, **kw))
+    assert_matches(fam, model, [record(i, o) for i, o in zip(inputs, outs)])
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+def test_conversation_with_background_worker_matches_reference(family):
+    fam, model, processor = family
+    images = [draw_test_image(128, 96, seed=1), draw_test_image(64, 96, seed=9)]
+    with Conversation(model, processor, RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=4),
+                      max_new_tokens=6) as conv:
+        first = conv.ask("What is in this image?", images=images[:1], output_logits=True,
+                         suppress_tokens=no_placeholder_ids(model))
+        assert first.trace.deferred.numel() > 0
+        conv.ask("And this one?", images=images[1:], output_logits=True, suppress_tokens=no_placeholder_ids(model))
+    records = []
+    for turn, image in zip(conv.turns, images):
+        pixels = processor.image_processor(images=[image], return_tensors="pt")
+        ids = turn.output.sequences[:, : turn.output.sequences.shape[1] - turn.token_ids.numel()]
+        records.append(TurnRecord(ids, turn.output, pixels["pixel_values"], pixels["image_grid_thw"]))
+    assert_matches(fam, model, records)
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("mode", ["raincheck", "full"])
+def test_fast_path_code_matches_eager_engine(family, mode):
+    """``fast_path=True`` on CPU: static KV slots for families with ``supports_fast_path`` (no graphs on CPU),
+    the precomputed vision-tower call for every family; same tokens and logits as ``fast_path=False``."""
+    from raincheck_hf.fast import StaticDeferredCache
+
+    _, model, processor = family
+    inputs = make_inputs(processor, **INPUT_CASES["image_and_video"])
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    cfg = dict(mode=mode, chunk_size=4, decode_guard=2)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **kw)
+    assert isinstance(fast.cache, StaticDeferredCache) == get_adapter(model).supports_fast_path
+    assert torch.equal(slow.sequences, fast.sequences)
+    for a, b in zip(slow.logits, fast.logits):
+        assert (a - b).abs().max() <= 1e-5
+    assert [r.tolist() for r in slow.raincheck.restored_per_forward] == [
+        r.tolist() for r in fast.raincheck.restored_per_forward]
