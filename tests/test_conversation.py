@@ -185,14 +185,14 @@ def _assert_every_deferred_token_once(conv):
     assert sorted(restored + pending) == deferred  # each restored or pending, exactly once
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl-fast_path", "qwen3_5"])
 @pytest.mark.parametrize("how,streamed_turn", [("break", 0), ("close", 1), ("dropped", 0), ("conversation.cancel", 1)])
 def test_a_stopped_answer_keeps_what_was_generated_and_the_next_turn_goes_on(
         request, processor, family, how, streamed_turn):
-    model = request.getfixturevalue("model" if family == "qwen3_vl" else "qwen35")
+    model = request.getfixturevalue("qwen35" if family == "qwen3_5" else "model")
     image = draw_test_image(128, 96, seed=1)
     questions = [("What is in this image?", [image]), ("And the corner?", []), ("Anything else?", [])]
-    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=family.endswith("fast_path"))
     with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as conv:
         for question, images in questions[:streamed_turn]:
             conv.ask(question, images=images)

@@ -43,6 +43,7 @@ absolute positions; in a first turn they are exactly the full prefill's.
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -94,12 +95,16 @@ def layer_query_key(text_model, embeds, positions, layer: int, visual=None, deep
     block = text_model.layers[layer]
     attn = block.self_attn
     seen: dict = {}
+    owner = threading.get_ident()  # the hooks sit on shared modules: they act for this thread's pass only
 
     def pre_layer(_module, args, kwargs):
-        seen["position_embeddings"] = kwargs["position_embeddings"]
+        if threading.get_ident() == owner:
+            seen["position_embeddings"] = kwargs["position_embeddings"]
 
     def record(name):
         def hook(_module, _inputs, output):
+            if threading.get_ident() != owner:
+                return None
             seen[name] = output
             if "q" in seen and "k" in seen:
                 raise _StopScoringPass
