@@ -363,27 +363,28 @@ class Conversation:
                     self._failed = error
                 raise
             self.cache, self.sequences = out.cache, out.sequences.cpu()
-        wall = time.perf_counter() - start
-        if self.turns and previous_pending:
-            earlier = self.turns[-1]
-            earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
-            earlier.pending = 0
-        prompt_len = inputs["input_ids"].shape[1]
-        new_ids = out.sequences[0, prompt_len:].cpu()
-        times = clock.times
-        result = TurnResult(
-            text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
-            token_ids=new_ids,
-            trace=out.raincheck,
-            time_to_first_token=(times[0] - start) if times else float("nan"),
-            token_times=[b - a for a, b in zip(times, times[1:])],
-            restored_during_answer=out.raincheck.restored_during_decode,
-            pending=self.cache.num_pending,
-            wall_time=wall,
-            cancelled=request.stopped,
-            output=out,
-        )
-        self.turns.append(result)
+            # the turn's record is made under the lock too: the worker's next chunk counts for this turn
+            wall = time.perf_counter() - start
+            if self.turns and previous_pending:
+                earlier = self.turns[-1]
+                earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
+                earlier.pending = 0
+            prompt_len = inputs["input_ids"].shape[1]
+            new_ids = out.sequences[0, prompt_len:].cpu()
+            times = clock.times
+            result = TurnResult(
+                text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
+                token_ids=new_ids,
+                trace=out.raincheck,
+                time_to_first_token=(times[0] - start) if times else float("nan"),
+                token_times=[b - a for a, b in zip(times, times[1:])],
+                restored_during_answer=out.raincheck.restored_during_decode,
+                pending=self.cache.num_pending,
+                wall_time=wall,
+                cancelled=request.stopped,
+                output=out,
+            )
+            self.turns.append(result)
         with self._wake:
             self._wake.notify_all()
         return result
