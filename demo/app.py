@@ -752,7 +752,7 @@ class Session:
         self.live = {"number": number, "start": time.perf_counter(), "first": None}
         self.history.append({"role": "assistant", "content": "…"})
         yield Step(timer=False, textbox="lock")
-        reply, streaming = "", False
+        reply, streaming, streamed = "", False, None
         try:
             streamed = conversation.ask(asked, images=prepared.images, videos=prepared.videos, stream=True,
                                         video_fps=prepared.video_fps, **kwargs)
@@ -764,6 +764,9 @@ class Session:
                 self.history[-1]["content"] = reply or "…"
                 yield Step()
             result = streamed.result
+        except GeneratorExit:  # the page or an API client stopped this answer (Gradio closes the handler)
+            self._stopped(streamed, visual, reply)
+            raise
         except Exception as error:  # the processor refused the input, or the model failed
             self.answering = False
             if visual is not None:
@@ -791,6 +794,32 @@ class Session:
         self.answering = False
         self.live = None
         yield Step(picture="force", timer=True, textbox="clear")
+
+    def _stopped(self, streamed, visual, reply: str) -> None:
+        """Settle a turn whose answer was stopped: generation stops at its next step, the conversation keeps
+        what was generated until then (the next question goes on from it), the chat shows it."""
+        self.answering = False
+        self.live = None
+        if streamed is None:  # stopped before the question reached the model
+            if visual in self.visual_turns:
+                self.visual_turns.remove(visual)
+            self.history[-1]["content"] = "*(stopped before the model started)*"
+            return
+        streamed.close()
+        try:
+            result = streamed.result
+        except Exception as error:  # the model failed before it could stop
+            self.history[-1]["content"] = reply or "…"
+            self.note(f"**Problem:** the model failed on this turn ({type(error).__name__}: {error}). "
+                      "A new conversation starts with your next question.")
+            self.restart()
+            return
+        self.history[-1]["content"] = result.text.strip() or "…"
+        if result.cancelled:
+            self.note(f"*Stopped after {int(result.token_ids.numel())} tokens: the conversation keeps them, and "
+                      "the next question goes on from there.*")
+        if visual is not None:
+            visual.use_trace(result.trace)
 
     # -- what the page shows --
     def picture_and_counts(self, draw: bool = True, force: bool = False):
@@ -1137,11 +1166,15 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 session.note("Still answering the previous question; send this one when it is done.")
                 yield render(session, Step(picture=False))
                 return
+            turn = None
             try:
                 wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
-                for step in session.turn(message, wanted, max_new_tokens, slow_motion_ms):
+                turn = session.turn(message, wanted, max_new_tokens, slow_motion_ms)
+                for step in turn:
                     yield render(session, step)
             finally:
+                if turn is not None:
+                    turn.close()  # a stopped answer is settled before the session takes the next question
                 session.answering = False
                 session.live = None
                 session.lock.release()

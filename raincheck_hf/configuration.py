@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +18,14 @@ MODES = ("full", "hard", "post_answer", "raincheck", "serial")
 class RaincheckConfig:
     """How a prompt's multimodal tokens are split and when the deferred ones are prefilled.
 
+    Every setting is checked at construction, on every later assignment and again by each
+    ``generate(raincheck=...)`` call that uses the config (which works on its own copy): an invalid
+    value is a ValueError naming ``RaincheckConfig.<setting>`` and the value, before any compute.
+
     Args:
-        retention: fraction r of each image's / video slice's visual tokens prefilled first, in [0, 1].
+        retention: fraction r of each image's / video slice's visual tokens prefilled first, in [0, 1]:
+            ``round(r * n)`` of a slice's n tokens, at least one when r > 0; r = 0 selects none (every
+            multimodal token is deferred, which method.md §8 allows), r = 1 defers none.
         chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
@@ -47,19 +55,48 @@ class RaincheckConfig:
     fast_path: bool | None = None
 
     def __post_init__(self):
-        if self.fast_path not in (None, True, False):
+        self.validate()
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name, value):
+        """A setting changed after construction is checked at once (the old value stays on error)."""
+        if not self.__dict__.get("_checked", False) or name not in _FIELDS:  # __init__: __post_init__ checks
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self.validate()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
+
+    def validate(self) -> "RaincheckConfig":
+        """Check every setting (a ValueError naming it and its value); numbers are normalised in place.
+
+        Runs at construction, on every assignment and again at every use (`coerce`, i.e. every
+        ``generate(raincheck=...)`` call), which also catches a ``selector_kwargs`` dict or a keep-mask
+        changed in place. Returns the config.
+        """
+        if not (self.fast_path is None or isinstance(self.fast_path, bool)):
             raise ValueError(f"RaincheckConfig.fast_path={self.fast_path!r} must be None (auto: on CUDA), True or False.")
-        if isinstance(self.retention, bool) or not isinstance(self.retention, (int, float)) or not (
-            math.isfinite(self.retention) and 0.0 <= self.retention <= 1.0
+        retention = self.retention
+        if isinstance(retention, bool) or not isinstance(retention, numbers.Real) or not (
+            math.isfinite(retention) and 0.0 <= retention <= 1.0
         ):
-            raise ValueError(f"RaincheckConfig.retention={self.retention!r} must be a number in [0, 1].")
-        self.retention = float(self.retention)
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"RaincheckConfig.chunk_size={self.chunk_size!r} must be an integer >= 1.")
-        if isinstance(self.decode_guard, bool) or not isinstance(self.decode_guard, int) or self.decode_guard < 0:
-            raise ValueError(f"RaincheckConfig.decode_guard={self.decode_guard!r} must be an integer >= 0.")
-        if self.mode not in MODES:
+            raise ValueError(f"RaincheckConfig.retention={retention!r} must be a number in [0, 1] "
+                             "(0: every multimodal token deferred, 1: none).")
+        object.__setattr__(self, "retention", float(retention))
+        for name, low in (("chunk_size", 1), ("decode_guard", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"RaincheckConfig.{name}={value!r} must be an integer >= {low}.")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"RaincheckConfig.mode={self.mode!r} is not one of {list(MODES)}.")
+        if not isinstance(self.selector_kwargs, dict):
+            raise ValueError(f"RaincheckConfig.selector_kwargs={self.selector_kwargs!r} must be a dict of keyword "
+                             "arguments for the selector named by RaincheckConfig.selector.")
         if isinstance(self.selector, str):
             get_selector(self.selector, **self.selector_kwargs)  # raises a ValueError naming the selector
         elif isinstance(self.selector, torch.Tensor):
@@ -83,17 +120,29 @@ class RaincheckConfig:
                 f"RaincheckConfig.selector={self.selector!r} must be a registered name, a Selector instance "
                 "or a boolean keep-mask tensor."
             )
+        return self
 
     @classmethod
     def coerce(cls, value) -> "RaincheckConfig | None":
-        """What `generate(raincheck=...)` accepts: True, a config, a dict of fields, or False/None (off)."""
+        """What `generate(raincheck=...)` accepts: True, a config, a dict of fields, or False/None (off).
+
+        A config is checked again here and the call gets its own copy, so a setting changed after
+        construction (or while the call runs) is never used unchecked.
+        """
         if value is None or value is False:
             return None
         if value is True:
             return cls()
         if isinstance(value, cls):
-            return value
+            value.validate()
+            return dataclasses.replace(value, selector_kwargs=dict(value.selector_kwargs))
         if isinstance(value, dict):
+            unknown = [key for key in value if key not in _FIELDS]
+            if unknown:
+                raise ValueError(
+                    f"generate(raincheck={{...}}) got unknown RaincheckConfig setting(s) {unknown}; "
+                    f"valid settings are {list(_FIELDS)}."
+                )
             return cls(**value)
         raise ValueError(
             f"generate(raincheck={value!r}) must be True, False, a RaincheckConfig or a dict of its fields."
@@ -112,3 +161,6 @@ class RaincheckConfig:
     @property
     def restores_during_decode(self) -> bool:
         return self.mode in ("raincheck", "serial")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(RaincheckConfig))

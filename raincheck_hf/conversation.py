@@ -9,6 +9,13 @@ turn, ahead of it in physical order (method.md §7, "early follow-up without wai
 ``early_follow_up=False`` the conversation instead completes restoration first (the plain
 completion barrier). Both give the same logits: the leftovers never see the new turn either way.
 
+Turns run one at a time, in the order they were asked: `ask` waits for an answer still being
+generated (a streamed one included) before it reads the history. An answer stops early at its next
+step when it is cancelled (`Conversation.cancel`, `StreamingTurn.close` / ``cancel``, breaking out of
+the stream, or dropping it unread): a stopping criterion the conversation owns ends the decoding
+loop, the history keeps exactly the tokens generated up to there, pending deferred rows stay pending
+(none is lost or prefilled twice), and the next turn continues from that history as usual.
+
 Positions are never taken from ``model.rope_deltas``: the engine builds every turn's 3-D
 positions from the cache's own position counter.
 """
@@ -20,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .configuration import RaincheckConfig
@@ -42,6 +50,8 @@ class TurnResult:
         restored_after_answer: deferred tokens of this turn prefilled after it (updated live by the
             worker, or at the next turn's prefill).
         pending: deferred tokens of this turn not yet prefilled (live).
+        cancelled: the answer was stopped early (`Conversation.cancel`, `StreamingTurn.close`); ``text``
+            and ``token_ids`` hold what was generated until then, which is what the history keeps.
     """
 
     text: str
@@ -53,6 +63,7 @@ class TurnResult:
     restored_after_answer: int = 0
     pending: int = 0
     wall_time: float = 0.0
+    cancelled: bool = False
     output: object = field(default=None, repr=False)  # the RaincheckGenerateOutput (logits with output_logits=True)
 
     @property
@@ -78,17 +89,59 @@ class _TokenClock(BaseStreamer):
             self.inner.end()
 
 
-class StreamingTurn:
-    """Iterator over the text pieces of an answer; ``.result`` is the `TurnResult` once it ends."""
+class _CancelRequest(StoppingCriteria):
+    """The stopping criterion a conversation adds to each turn: once ``event`` is set, the decoding
+    loop stops at its next stopping check (after the token it just sampled)."""
 
-    def __init__(self, pieces, thread, holder):
-        self._pieces, self._thread, self._holder = pieces, thread, holder
+    def __init__(self):
+        self.event = threading.Event()
+        self.stopped = False  # the event ended the answer
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        cancelled = self.event.is_set()
+        self.stopped = self.stopped or cancelled
+        return torch.full((input_ids.shape[0],), cancelled, dtype=torch.bool, device=input_ids.device)
+
+
+class StreamingTurn:
+    """Iterator over the text pieces of an answer; ``.result`` is the `TurnResult` once it ends.
+
+    Stopping early cancels the answer at its next step: `close()` (waits until it has stopped),
+    `cancel()` (does not wait), breaking out of a ``for`` loop over it, or dropping it unread. The
+    conversation keeps what was generated until then (``result.cancelled``); the next `ask` goes on
+    from there.
+    """
+
+    def __init__(self, pieces, thread, holder, request: _CancelRequest):
+        self._pieces, self._thread, self._holder, self._request = pieces, thread, holder, request
 
     def __iter__(self):
-        yield from self._pieces
+        finished = False
+        try:
+            for piece in self._pieces:
+                yield piece
+            finished = True
+        finally:
+            if not finished:  # the reader stopped: break, close() of this iterator, an error, garbage collection
+                self.close()
         self._thread.join()
         if "error" in self._holder:
             raise self._holder["error"]
+
+    def cancel(self) -> None:
+        """Ask the answer to stop at its next step (returns at once)."""
+        self._request.event.set()
+
+    def close(self) -> None:
+        """Stop the answer at its next step and wait until it has stopped (``result`` is then ready)."""
+        self.cancel()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __del__(self):  # dropped unread: stop generating for nobody (never waits: any thread may collect it)
+        request = getattr(self, "_request", None)
+        if request is not None:
+            request.event.set()
 
     @property
     def result(self) -> TurnResult:
@@ -128,7 +181,11 @@ class Conversation:
         self.turns: list[TurnResult] = []
         self.cache = None
         self.sequences: torch.Tensor | None = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the cache and the history: one forward (or turn) at a time
+        self._ask_lock = threading.Lock()  # turns start in the order they were asked
+        self._in_flight: threading.Thread | None = None  # a streamed answer's thread
+        self._request: _CancelRequest | None = None  # the answer being generated
+        self._failed: BaseException | None = None  # a turn failed after it changed the cache
         self._wake = threading.Condition()
         self._closed = False
         self._worker = None
@@ -145,7 +202,8 @@ class Conversation:
         """Ask one question (with optional images / videos, this turn only).
 
         Returns a `TurnResult`, or with ``stream=True`` a `StreamingTurn` that yields text pieces.
-        ``generate_kwargs`` go to `generate` (sampling settings, logits processors, ...).
+        ``generate_kwargs`` go to `generate` (sampling settings, logits processors, stopping criteria,
+        ...). An answer still being generated (streamed, or in another thread) is waited for first.
         """
         if self._closed:
             raise RuntimeError("this Conversation is closed")
@@ -154,24 +212,51 @@ class Conversation:
         for name in ("input_ids", "cache", "raincheck", "return_dict_in_generate"):
             if name in generate_kwargs:
                 raise ValueError(f"Conversation.ask() sets {name} itself; do not pass it.")
-        inputs = self._turn_inputs(text, list(images), list(videos), video_fps)
-        if not stream:
-            return self._run(inputs, None, generate_kwargs)
-        from transformers import TextIteratorStreamer
+        self._check_config()
+        with self._ask_lock:
+            in_flight = self._in_flight
+            if in_flight is threading.current_thread():
+                raise RuntimeError("Conversation.ask() was called from inside the answer being generated.")
+            if in_flight is not None:
+                in_flight.join()  # a streamed answer (cancelled or not) finishes first: it writes the history
+            if self._failed is not None:
+                raise RuntimeError(
+                    f"an earlier turn of this Conversation failed while it was generating ({type(self._failed).__name__}: "
+                    f"{self._failed}), so its cache no longer matches its history; start a new Conversation."
+                ) from self._failed
+            with self._lock:
+                inputs = self._turn_inputs(text, list(images), list(videos), video_fps)
+            request = self._request = _CancelRequest()
+            if not stream:
+                return self._run(inputs, None, generate_kwargs, request)
+            from transformers import TextIteratorStreamer
 
-        pieces = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        holder: dict = {}
+            pieces = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+            holder: dict = {}
 
-        def work():
-            try:
-                holder["result"] = self._run(inputs, pieces, generate_kwargs)
-            except BaseException as error:  # surfaced to the reader of the stream
-                holder["error"] = error
-                pieces.end()
+            def work():
+                try:
+                    holder["result"] = self._run(inputs, pieces, generate_kwargs, request)
+                except BaseException as error:  # surfaced to the reader of the stream
+                    holder["error"] = error
+                    pieces.end()
 
-        thread = threading.Thread(target=work, name="raincheck-answer", daemon=True)
-        thread.start()
-        return StreamingTurn(pieces, thread, holder)
+            thread = threading.Thread(target=work, name="raincheck-answer", daemon=True)
+            self._in_flight = thread
+            thread.start()
+            return StreamingTurn(pieces, thread, holder, request)
+
+    def cancel(self) -> bool:
+        """Stop the answer being generated (streamed or not) at its next step; False when none is.
+
+        Does not wait: a later `ask` (or the stream's ``result``) does. The history keeps what was
+        generated until the answer stopped.
+        """
+        request = self._request
+        if request is None:
+            return False
+        request.event.set()
+        return True
 
     def complete(self) -> int:
         """Prefill every leftover deferred token now (chunk by chunk); returns how many."""
@@ -183,8 +268,13 @@ class Conversation:
             total += n
 
     def close(self) -> None:
-        """Stop the background worker (a chunk in progress finishes first)."""
+        """Cancel an answer being generated and wait for it; stop the background worker (a chunk in
+        progress finishes first)."""
         self._closed = True
+        self.cancel()
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight is not threading.current_thread():
+            in_flight.join()
         with self._wake:
             self._wake.notify_all()
         if self._worker is not None:
@@ -225,12 +315,30 @@ class Conversation:
             inputs["attention_mask"] = torch.ones_like(ids)
         return inputs
 
-    def _run(self, inputs, streamer, generate_kwargs) -> TurnResult:
+    def _check_config(self) -> None:
+        """The config as this conversation uses it, checked before every turn (it may have been changed)."""
+        if not isinstance(self.config, RaincheckConfig):
+            raise ValueError(f"Conversation.config={self.config!r} must be a RaincheckConfig.")
+        self.config.validate()
+        if isinstance(self.config.selector, torch.Tensor):
+            raise ValueError("Conversation(config=...) cannot pin a boolean selector mask: every turn has its own "
+                             "multimodal tokens. Use a selector name or object.")
+
+    def _run(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
+        try:
+            return self._generate_turn(inputs, streamer, generate_kwargs, request)
+        finally:
+            if self._request is request:
+                self._request = None
+
+    def _generate_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
         generate_kwargs = dict(generate_kwargs)
         generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         user_streamer = generate_kwargs.pop("streamer", None)
         if streamer is not None and user_streamer is not None:
             raise ValueError("Conversation.ask(stream=True) streams itself; do not pass a streamer as well.")
+        generate_kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), request])
         start = time.perf_counter()
         clock = _TokenClock(start, streamer if streamer is not None else user_streamer)
         with self._lock:
@@ -241,29 +349,39 @@ class Conversation:
             # accelerate offload); accelerate's hooks move the inputs on to each split part's device.
             device = get_adapter(self.model).device
             moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-            out = self.model.generate(**moved, cache=self.cache, raincheck=self.config, streamer=clock,
-                                      return_dict_in_generate=True, **generate_kwargs)
+            turn_before = None if self.cache is None else self.cache.turn
+            try:
+                out = self.model.generate(**moved, cache=self.cache, raincheck=self.config, streamer=clock,
+                                          return_dict_in_generate=True, **generate_kwargs)
+            except BaseException as error:
+                # Checks fail before the cache changes and leave the conversation as it was; a failure
+                # after the turn began (the cache's turn counter moved) leaves rows the history lacks.
+                if self.cache is not None and self.cache.turn != turn_before:
+                    self._failed = error
+                raise
             self.cache, self.sequences = out.cache, out.sequences.cpu()
-        wall = time.perf_counter() - start
-        if self.turns and previous_pending:
-            earlier = self.turns[-1]
-            earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
-            earlier.pending = 0
-        prompt_len = inputs["input_ids"].shape[1]
-        new_ids = out.sequences[0, prompt_len:].cpu()
-        times = clock.times
-        result = TurnResult(
-            text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
-            token_ids=new_ids,
-            trace=out.raincheck,
-            time_to_first_token=(times[0] - start) if times else float("nan"),
-            token_times=[b - a for a, b in zip(times, times[1:])],
-            restored_during_answer=out.raincheck.restored_during_decode,
-            pending=self.cache.num_pending,
-            wall_time=wall,
-            output=out,
-        )
-        self.turns.append(result)
+            # the turn's record is made under the lock too: the worker's next chunk counts for this turn
+            wall = time.perf_counter() - start
+            if self.turns and previous_pending:
+                earlier = self.turns[-1]
+                earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
+                earlier.pending = 0
+            prompt_len = inputs["input_ids"].shape[1]
+            new_ids = out.sequences[0, prompt_len:].cpu()
+            times = clock.times
+            result = TurnResult(
+                text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
+                token_ids=new_ids,
+                trace=out.raincheck,
+                time_to_first_token=(times[0] - start) if times else float("nan"),
+                token_times=[b - a for a, b in zip(times, times[1:])],
+                restored_during_answer=out.raincheck.restored_during_decode,
+                pending=self.cache.num_pending,
+                wall_time=wall,
+                cancelled=request.stopped,
+                output=out,
+            )
+            self.turns.append(result)
         with self._wake:
             self._wake.notify_all()
         return result

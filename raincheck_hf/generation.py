@@ -166,9 +166,13 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     Returns their source positions. Used after the answer (idle time) and by `Conversation`.
     """
     adapter = get_adapter(model)
-    rows = cache.take_pending(max_tokens)
-    if rows is None:
+    if cache.num_pending == 0:
         return torch.empty(0, dtype=torch.long)
+    if getattr(cache, "is_static", False) and max_tokens is not None:
+        from .fast.graphs import scratch_slots
+
+        cache.ensure_capacity(cache.num_rows, scratch_slots(max_tokens))  # a chunk is padded up to max_tokens
+    rows = cache.take_pending(max_tokens)
     with torch.no_grad():
         run_rows(adapter, cache, adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, want_logits=False,
                  pad_to=max_tokens)
@@ -180,7 +184,10 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
     cache = model_kwargs.get("cache")
     if isinstance(cache, DeferredDynamicCache):
         if getattr(cache, "is_static", False):
-            cache.ensure_capacity(cache.num_rows + rows_needed)
+            from .fast.graphs import scratch_slots
+
+            # room for this turn, and padding for its chunk size (which may have grown since the cache was made)
+            cache.ensure_capacity(cache.num_rows + rows_needed, scratch_slots(config.chunk_size))
         return cache
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(

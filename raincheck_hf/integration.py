@@ -10,7 +10,8 @@ criteria, vision encoding) and then calls `raincheck_sample` through its public
 A selector whose class sets ``needs_vision_attention = True`` (VisionZip) reads the vision tower's
 last block: for that one `generate` call only, forward pre-hooks on the tower and on its last block
 record what the block is given (see `VisionAttentionCapture`), and the record travels to
-`raincheck_sample` as ``raincheck_captures``. The hooks are removed when the call returns or fails.
+`raincheck_sample` as ``raincheck_captures``. The hooks are removed when the call returns or fails, and
+act only in the calling thread (a stock ``generate`` of the same model elsewhere passes untouched).
 Otherwise, where `ModelAdapter.use_vision_graphs` holds (CUDA, or ``fast_path=True``), the pixels skip
 HF's eager encoding and travel as ``raincheck_pixels``: the loop encodes them with the tower
 replayed from a CUDA graph per grid (`fast.vision_graphs`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -115,8 +117,10 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
         self.calls: dict[str, dict] = {}
         self._current = None
         self._handles = []
+        self._thread = None
 
     def __enter__(self):
+        self._thread = threading.get_ident()  # the hooks sit on the shared tower: they record this call only
         self._handles = [
             self.tower.register_forward_pre_hook(self._tower_hook, with_kwargs=True),
             self.block.register_forward_pre_hook(self._block_hook, with_kwargs=True),
@@ -136,6 +140,8 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
         return modality in self.calls
 
     def _tower_hook(self, module, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         self._current = None
         for modality in ("image", "video"):
@@ -150,7 +156,7 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
                 break
 
     def _block_hook(self, module, args, kwargs):
-        if self._current is None:
+        if threading.get_ident() != self._thread or self._current is None:
             return
         record = self.calls[self._current]
         record["hidden_states"] = kwargs.get("hidden_states", args[0] if args else None)

@@ -110,3 +110,133 @@ def test_unsupported_model_is_named():
                                         num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         raincheck_hf.enable(tiny)
+
+
+# ---- settings changed after construction -----------------------------------------------------------
+
+CHANGED = [
+    ("chunk_size", 0, "chunk_size=0"),
+    ("chunk_size", -3, "chunk_size=-3"),
+    ("chunk_size", 2.5, "chunk_size=2.5"),
+    ("decode_guard", -1, "decode_guard=-1"),
+    ("retention", float("nan"), "retention=nan"),
+    ("retention", "0.3", "retention='0.3'"),
+    ("retention", 1.5, "retention=1.5"),
+    ("mode", "fast", "mode='fast'"),
+    ("selector", torch.ones(4, dtype=torch.int64), "dtype=torch.int64"),
+    ("selector", torch.ones(4), "dtype=torch.float32"),
+    ("selector", "no-such-method", "selector='no-such-method'"),
+    ("selector_kwargs", {"x": 1}, "selector_kwargs={'x': 1}"),
+    ("selector_kwargs", "x", "selector_kwargs='x'"),
+    ("fast_path", "yes", "fast_path='yes'"),
+]
+
+
+@pytest.mark.parametrize("name,value,match", CHANGED, ids=[f"{n}={v!r}" for n, v, _ in CHANGED])
+def test_a_setting_changed_after_construction_is_checked(name, value, match):
+    cfg = RaincheckConfig(selector="uniform")
+    before = getattr(cfg, name)
+    with pytest.raises(ValueError, match=f"RaincheckConfig.{name}") as info:
+        setattr(cfg, name, value)
+    assert match in str(info.value)
+    assert getattr(cfg, name) is before  # the config keeps its valid value
+    cfg.chunk_size, cfg.mode, cfg.retention = 7, "hard", 0  # valid changes are taken (numbers normalised)
+    assert (cfg.chunk_size, cfg.mode, cfg.retention) == (7, "hard", 0.0) and isinstance(cfg.retention, float)
+
+
+def test_a_setting_changed_in_place_is_checked_when_used(model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = RaincheckConfig(selector="uniform")
+    cfg.selector_kwargs["no_such_option"] = 3  # a dict changed in place: no assignment to see it
+    counter = _CountVisionCalls(model)
+    try:
+        with pytest.raises(ValueError, match="RaincheckConfig.selector_kwargs"):
+            model.generate(**inputs, max_new_tokens=3, raincheck=cfg)
+        with pytest.raises(ValueError, match="RaincheckConfig.selector_kwargs"):
+            with raincheck_hf.Conversation(model, processor, RaincheckConfig(selector="uniform"),
+                                           background=False) as conv:
+                conv.config.selector_kwargs["no_such_option"] = 3
+                conv.ask("What is in this image?", images=[INPUT_CASES["one_image"]["images"][0]])
+        assert counter.calls == 0, "the vision tower ran before the request was rejected"
+    finally:
+        counter.handle.remove()
+
+
+def test_a_conversation_checks_its_config_before_every_turn(model, processor):
+    with raincheck_hf.Conversation(model, processor, RaincheckConfig(selector="uniform"), background=False,
+                                   max_new_tokens=3) as conv:
+        conv.config.selector = torch.ones(4, dtype=torch.bool)  # a valid config, but not for a conversation
+        with pytest.raises(ValueError, match="boolean selector mask"):
+            conv.ask("hi")
+        conv.config = {"mode": "hard"}
+        with pytest.raises(ValueError, match="Conversation.config"):
+            conv.ask("hi")
+        assert conv.turns == [] and conv.cache is None
+
+
+def test_each_call_uses_its_own_copy_of_the_config(model, processor):
+    """A config changed while a call runs (another thread) does not change that call."""
+    from transformers import LogitsProcessorList
+
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = RaincheckConfig(selector="uniform", chunk_size=2, decode_guard=1)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    want = model.generate(**inputs, raincheck=RaincheckConfig(selector="uniform", chunk_size=2, decode_guard=1), **kw)
+
+    def change(input_ids, scores):
+        cfg.chunk_size, cfg.mode = 5, "post_answer"
+        return scores
+
+    got = model.generate(**inputs, raincheck=cfg, logits_processor=LogitsProcessorList([change]), **kw)
+    assert [r.tolist() for r in got.raincheck.restored_per_forward] == [
+        r.tolist() for r in want.raincheck.restored_per_forward]
+    assert cfg.chunk_size == 5  # the caller's object did change
+
+
+def test_an_unknown_key_in_a_dict_config_is_named(model, processor):
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    counter = _CountVisionCalls(model)
+    try:
+        with pytest.raises(ValueError) as info:
+            model.generate(**inputs, max_new_tokens=3, raincheck={"retention": 0.5, "foo": 1})
+        assert counter.calls == 0
+    finally:
+        counter.handle.remove()
+    message = str(info.value)
+    assert "'foo'" in message and "retention" not in message.split("valid")[0]
+    assert all(name in message.split("valid")[1] for name in ("retention", "chunk_size", "decode_guard", "selector",
+                                                               "mode", "selector_kwargs", "fast_path"))
+
+
+# ---- retention 0: every multimodal token deferred (method.md allows r = 0) -------------------------------
+
+@pytest.mark.parametrize("selector", ["uniform", "mmtok", "fastv", "visionzip"])
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_retention_zero_defers_every_multimodal_token(model, processor, selector, fast_path):
+    from reference import TurnRecord, reference_logits
+
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    n_visual = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    out = model.generate(**inputs, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True, raincheck=RaincheckConfig(retention=0.0, selector=selector,
+                                                                        chunk_size=4, decode_guard=2,
+                                                                        fast_path=fast_path))
+    trace = out.raincheck
+    assert trace.selected.numel() == 0 and trace.deferred.numel() == n_visual
+    restored = torch.cat(trace.restored_per_forward).numel()
+    assert restored + trace.pending.numel() == n_visual and restored > 0
+    rec = TurnRecord(inputs["input_ids"], out, inputs["pixel_values"], inputs["image_grid_thw"])
+    with torch.no_grad():
+        for got, want in zip(out.logits, reference_logits(model, [rec])[0]):
+            assert (got[0] - want).abs().max() <= 1e-4
+
+
+def test_readme_and_docstrings_say_what_retention_zero_does():
+    from pathlib import Path
+
+    from raincheck_hf.selection.base import keep_count
+
+    assert keep_count(0.0, 50) == 0 and keep_count(0.01, 50) == 1 and keep_count(1.0, 50) == 50
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`retention=0` selects none" in readme  # not "at least one" without the exception
+    assert "r = 0 selects none" in RaincheckConfig.__doc__

@@ -119,3 +119,135 @@ def test_close_stops_the_worker(model, processor):
     assert not conv._worker.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         conv.ask("hi")
+
+
+# ---- stopping an answer early ----------------------------------------------------------------------
+
+class _Gate:
+    """A logits processor that holds the answer at its ``at``-th token until the conversation's answer is
+    cancelled: the reader stops while generation is mid-way, every time (no race with a fast model)."""
+
+    def __init__(self, conv, at: int):
+        import threading
+
+        self.conv, self.at, self.calls, self.reached = conv, at, 0, threading.Event()
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.at:
+            self.reached.set()
+            request = self.conv._request  # the answer being generated (what cancel() sets)
+            assert request is not None and request.event.wait(timeout=60), "the answer was never cancelled"
+        return scores
+
+
+def _cancel_turn(conv, how: str, question: str, images=(), at: int = 5):
+    """Ask ``question``, stop its answer at token ``at`` in one of the ways a user can; returns the TurnResult."""
+    import gc
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    gate = _Gate(conv, at)
+    kw = dict(images=images, logits_processor=LogitsProcessorList([gate]), max_new_tokens=40)
+    if how == "conversation.cancel":  # a plain ask in another thread, cancelled from this one
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("result", conv.ask(question, **kw)))
+        worker.start()
+        assert gate.reached.wait(timeout=60)
+        assert conv.cancel()
+        worker.join()
+        return box["result"]
+    streamed = conv.ask(question, stream=True, **kw)
+    if how == "break":
+        for i, _ in enumerate(streamed):
+            if i == 1:  # two pieces read; the answer waits at its 5th token, so it stops there
+                assert gate.reached.wait(timeout=60)
+                break
+    elif how == "close":
+        assert gate.reached.wait(timeout=60)
+        streamed.close()
+    elif how == "dropped":  # never read, garbage-collected
+        assert gate.reached.wait(timeout=60)
+        turns = len(conv.turns)
+        del streamed
+        gc.collect()
+        deadline = time.monotonic() + 60
+        while len(conv.turns) == turns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return conv.turns[-1]
+    return streamed.result
+
+
+def _assert_every_deferred_token_once(conv):
+    deferred = sorted(s for t in conv.turns for s in t.trace.deferred.tolist())
+    restored, pending = conv.cache.restored_sources().tolist(), conv.cache.pending_sources.tolist()
+    assert sorted(restored + pending) == deferred  # each restored or pending, exactly once
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl-fast_path", "qwen3_5"])
+@pytest.mark.parametrize("how,streamed_turn", [("break", 0), ("close", 1), ("dropped", 0), ("conversation.cancel", 1)])
+def test_a_stopped_answer_keeps_what_was_generated_and_the_next_turn_goes_on(
+        request, processor, family, how, streamed_turn):
+    model = request.getfixturevalue("qwen35" if family == "qwen3_5" else "model")
+    image = draw_test_image(128, 96, seed=1)
+    questions = [("What is in this image?", [image]), ("And the corner?", []), ("Anything else?", [])]
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=family.endswith("fast_path"))
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as conv:
+        for question, images in questions[:streamed_turn]:
+            conv.ask(question, images=images)
+        stopped = _cancel_turn(conv, how, *questions[streamed_turn])
+        assert stopped.cancelled and stopped.token_ids.numel() == 5  # stopped at the step after the cancel
+        assert conv.turns[-1] is stopped
+        assert torch.equal(conv.sequences[0, -5:], stopped.token_ids)  # the history holds exactly that
+        assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
+        _assert_every_deferred_token_once(conv)
+        following = conv.ask(*questions[streamed_turn + 1][:1], output_logits=True)
+        assert not following.cancelled and conv.pending == 0
+        _assert_every_deferred_token_once(conv)
+    # a fresh conversation whose history is the same: the stopped turn as an answer of 5 tokens
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
+        for question, images in questions[:streamed_turn]:
+            fresh.ask(question, images=images)
+        same = fresh.ask(questions[streamed_turn][0], images=questions[streamed_turn][1], max_new_tokens=5)
+        assert torch.equal(same.token_ids, stopped.token_ids)
+        want = fresh.ask(questions[streamed_turn + 1][0], output_logits=True)
+    assert torch.equal(following.token_ids, want.token_ids)
+    for a, b in zip(following.output.logits, want.output.logits):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_cancel_without_an_answer_and_close_cancels_the_answer(model, processor):
+    with Conversation(model, processor, CFG, background=False, max_new_tokens=8) as conv:
+        assert conv.cancel() is False
+        done = conv.ask("What is in this image?", images=[draw_test_image(64, 64, seed=2)])
+        assert not done.cancelled and conv.cancel() is False  # nothing running: the next turn is not affected
+        from transformers import LogitsProcessorList
+
+        gate = _Gate(conv, 3)
+        streamed = conv.ask("And now?", stream=True, logits_processor=LogitsProcessorList([gate]), max_new_tokens=40)
+        assert gate.reached.wait(timeout=60)
+    # leaving the block closed the conversation: the answer stopped, and close() waited for it
+    assert streamed.result.cancelled and streamed.result.token_ids.numel() == 3
+
+
+def test_a_turn_that_fails_mid_answer_says_so_on_the_next_ask(model, processor):
+    from transformers import LogitsProcessorList
+
+    class Failing:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyError("a logits processor failed")
+            return scores
+
+    with Conversation(model, processor, CFG, background=False, max_new_tokens=8) as conv:
+        conv.ask("What is in this image?", images=[draw_test_image(64, 64, seed=2)])
+        with pytest.raises(KeyError, match="failed"):
+            conv.ask("And now?", logits_processor=LogitsProcessorList([Failing()]))
+        with pytest.raises(RuntimeError, match="start a new Conversation") as info:
+            conv.ask("Still there?")
+        assert isinstance(info.value.__cause__, KeyError)

@@ -376,3 +376,60 @@ def test_demo_two_clients_in_parallel_do_not_share_state(app_url, files):
         answer, _ = answer_and_reference(second[CHAT])
         assert answer.split()[0] == d.turns[1].answer  # each session's references follow its own grid
     assert len(sessions) == 2
+
+
+def test_demo_a_stopped_answer_leaves_the_session_usable(app_url, files):
+    """The client stops the list answer mid-way (Gradio closes the handler): the turn keeps what was
+    generated, the session takes the next question at once and the follow-up goes on from that history."""
+    from gradio_client import handle_file
+
+    client = new_client(app_url)
+    first_turn, second_turn = LIST_FIRST.turns[:2]
+    job = client.submit({"text": first_turn.question, "files": [handle_file(files["list"])]}, api_name="/chat",
+                        slow_motion_ms=60)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until the answer streams
+        outputs = [o for o in job.outputs() if isinstance(o[CHAT], list) and o[CHAT]]
+        if len({texts(o[CHAT], "assistant")[-1] for o in outputs if o[CHAT][-1]["role"] == "assistant"}) >= 3:
+            break
+        time.sleep(0.02)
+    job.cancel()
+    status = status_when(client, lambda s: not s["answering"] and s["turns"] == 1)
+    assert not status["answering"] and status["turns"] == 1
+    stopped = status["turn_figures"][0]["answer_tokens"]
+    assert 0 < stopped < ANSWER_TOKENS - 5, stopped  # stopped well before the end (60 ms a token)
+    status = status_when(client, lambda s: s["pending"] == 0)
+    assert status["restored_once"] and status["restored"] == 70  # every deferred token restored, once
+
+    final, _ = ask(client, second_turn.question)  # the same session, right away: no "still answering"
+    notes = texts(final[CHAT], "assistant")
+    assert any(t.startswith(f"*Stopped after {stopped} tokens") for t in notes), notes
+    assert not any("Still answering" in t for t in notes)
+    assert final[STATUS]["conversation"] == 1 and final[STATUS]["turns"] == 2
+    answer, reference = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == second_turn.answer and reference.endswith("**right**.*")
+
+
+def test_demo_a_failed_turn_leaves_the_session_usable(client, files, monkeypatch):
+    """The model fails mid-answer (a decode forward raises): the chat says so, and the next question
+    starts a new conversation that answers normally."""
+    import raincheck_hf.generation as generation
+
+    run, calls = generation._DecodeForward.run, []
+
+    def failing(self, adapter, cache):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the device went away")
+        return run(self, adapter, cache)
+
+    monkeypatch.setattr(generation._DecodeForward, "run", failing)
+    final, _ = ask(client, LIST_FIRST.turns[0].question, files["list"])  # a long answer: it fails mid-way
+    notes = texts(final[CHAT], "assistant")
+    assert any("the model failed on this turn" in t and "the device went away" in t for t in notes), notes
+    assert not final[STATUS]["answering"]
+    first_turn = FACT_FIRST.turns[0]
+    final, _ = ask(client, first_turn.question, files["fact"])
+    assert final[STATUS]["conversation"] == 2 and final[STATUS]["turns"] == 1
+    answer, reference = answer_and_reference(final[CHAT])
+    assert answer.split()[0] == first_turn.answer and reference.endswith("**right**.*")

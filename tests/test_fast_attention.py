@@ -54,16 +54,27 @@ def test_many_rows_and_unsupported_masks_go_to_stock_sdpa():
                        sdpa_attention_forward(module, q, k, v, additive)[0])
 
 
-def test_the_backend_is_switched_only_inside_the_block(model, eager_model):
-    config = model.model.language_model.config
+def test_the_backend_is_switched_only_inside_the_step_and_only_for_its_thread(model, eager_model):
+    import threading
+
+    from raincheck_hf.fast.scoping import step_scope
+
+    text_model = model.model.language_model
+    attn = text_model.layers[0].self_attn
+    seen_elsewhere = []
     with pytest.raises(RuntimeError):
-        with attention.few_query_attention_for(config):
-            assert config._attn_implementation == attention.NAME
+        with step_scope(text_model, []):
+            assert attn.config._attn_implementation == attention.NAME  # what the layer reads in this thread
+            assert text_model.config._attn_implementation == "sdpa"  # the model's config is never switched
+            other = threading.Thread(target=lambda: seen_elsewhere.append(attn.config._attn_implementation))
+            other.start()
+            other.join()
             raise RuntimeError("a failing step")
-    assert config._attn_implementation == "sdpa"
-    eager = eager_model.model.language_model.config
-    with attention.few_query_attention_for(eager):
-        assert eager._attn_implementation == "eager"  # only sdpa models get the matmul form
+    assert seen_elsewhere == ["sdpa"]
+    assert attn.config is text_model.config  # the view is gone with the last step
+    eager = eager_model.model.language_model
+    with step_scope(eager, []):
+        assert eager.layers[0].self_attn.config._attn_implementation == "eager"  # only sdpa models get it
 
 
 def test_fast_path_steps_use_it_and_the_eager_engine_does_not(model, processor, monkeypatch):

@@ -290,3 +290,182 @@ def test_concurrent_conversations_never_lease_the_same_storage(monkeypatch):
 
 class _Owner:
     """Anything a storage can be leased to (it holds its user weakly)."""
+
+
+# ---- several chats on one model: nothing a step does is visible to another thread ------------------
+
+class _PauseInside:
+    """Holds one thread's forward inside decoder layer ``layer`` (a pre-hook) until released: another thread
+    then works on the same model while the first one's fast-path step is half done."""
+
+    def __init__(self, model, layer: int = 1):
+        import threading
+
+        self.thread, self.inside, self.release = None, threading.Event(), threading.Event()
+        self.handle = model.model.language_model.layers[layer].register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        import threading
+
+        if threading.get_ident() == self.thread and not self.inside.is_set():
+            self.inside.set()
+            assert self.release.wait(timeout=60), "the paused forward was never released"
+
+
+@pytest.mark.parametrize("other", ["fast_path_chat", "stock_generate", "eager_chat"])
+def test_a_half_done_fast_path_step_is_invisible_to_another_thread(model, processor, other):
+    """Thread A is paused inside a fast-path forward (its DeepStack addends and few-query attention in
+    effect); thread B meanwhile runs a whole request on the same model: both get what they get alone."""
+    import threading
+
+    a_inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    b_inputs = make_inputs(processor, **INPUT_CASES["one_image"])  # other shapes than A's rows
+    a_cfg = RaincheckConfig(fast_path=True, chunk_size=4, decode_guard=2)
+    b_kw = {"fast_path_chat": dict(raincheck=RaincheckConfig(fast_path=True, chunk_size=3, decode_guard=1)),
+            "eager_chat": dict(raincheck=RaincheckConfig(fast_path=False, chunk_size=3, decode_guard=1)),
+            "stock_generate": {}}[other]
+    want_a = model.generate(**a_inputs, raincheck=a_cfg, **KW)
+    want_b = model.generate(**b_inputs, **b_kw, **KW)
+    pause = _PauseInside(model)
+    got = {}
+
+    def run_a():
+        pause.thread = threading.get_ident()
+        got["a"] = model.generate(**a_inputs, raincheck=a_cfg, **KW)
+
+    a = threading.Thread(target=run_a)
+    try:
+        a.start()
+        assert pause.inside.wait(timeout=60)
+        got["b"] = model.generate(**b_inputs, **b_kw, **KW)  # while A's step is half done
+    finally:
+        pause.release.set()
+        a.join()
+        pause.handle.remove()
+    assert model.model.language_model.config._attn_implementation == "sdpa"
+    for key, want in (("a", want_a), ("b", want_b)):
+        assert torch.equal(got[key].sequences, want.sequences), key
+        for x, y in zip(got[key].logits, want.logits):
+            assert (x - y).abs().max() <= 1e-5, key
+
+
+def test_two_fast_path_conversations_in_two_threads_on_one_model(model, processor):
+    """Two chats interleaved step by step (each waits for the other at every token): both answer as alone."""
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    images = [draw_test_image(128, 96, seed=1), draw_test_image(64, 128, seed=3)]
+    cfg = RaincheckConfig(fast_path=True, chunk_size=3, decode_guard=2)
+
+    def chat(image, processors=()):
+        with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as conv:
+            first = conv.ask("What is in this image?", images=[image], logits_processor=LogitsProcessorList(processors))
+            second = conv.ask("And now?", logits_processor=LogitsProcessorList(processors))
+        return first.token_ids, second.token_ids
+
+    alone = [chat(image) for image in images]
+    barrier = threading.Barrier(2, timeout=60)
+
+    def lockstep(input_ids, scores):  # a token of one chat, then a token of the other, ...
+        barrier.wait()
+        return scores
+
+    results, errors = [None, None], []
+
+    def run(i):
+        try:
+            results[i] = chat(images[i], [lockstep])
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, want in zip(results, alone):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_graph_captures_never_overlap(model, processor, monkeypatch):
+    """Step and vision-tower captures from two threads run one at a time (CUDA's capture API replaced by
+    stand-ins that notice an overlap: each capture waits a moment for the other thread to start one)."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    import raincheck_hf.fast.graphs as graphs
+    from raincheck_hf.fast.vision_graphs import VisionGraphs, grid_kwargs
+    from raincheck_hf.models import get_adapter
+
+    state = {"capturing": 0, "overlaps": 0}
+    lock, entered = threading.Lock(), threading.Event()
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        with lock:
+            state["capturing"] += 1
+            state["overlaps"] += state["capturing"] > 1
+        if state["capturing"] == 1:
+            entered.wait(timeout=0.5)  # would see the other capture begin, if it could
+        entered.set()
+        try:
+            yield
+        finally:
+            with lock:
+                state["capturing"] -= 1
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    cuda = SimpleNamespace(Stream=lambda: stream, current_stream=lambda: stream,
+                           stream=lambda s: contextlib.nullcontext(), graph=fake_graph, synchronize=lambda: None,
+                           CUDAGraph=lambda: SimpleNamespace(pool=lambda: None))
+    monkeypatch.setattr(graphs.torch, "cuda", cuda)  # the torch module: restored after the test
+    adapter = get_adapter(model)
+    caches = [StaticDeferredCache(4, 256, 64, "cpu"), StaticDeferredCache(4, 256, 64, "cpu")]
+    steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]
+    towers = [VisionGraphs(model.model.visual, use_graphs=False) for _ in caches]
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    barrier, errors = threading.Barrier(2), []
+
+    def capture(i):
+        try:
+            barrier.wait()
+            steps[i]._capture(adapter, caches[i], 1, True, 0)
+            towers[i]._capture(model.model.visual, ("grid", i), inputs["pixel_values"], inputs["image_grid_thw"],
+                               grid_kwargs(model.model.visual, inputs["image_grid_thw"]))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with torch.no_grad():
+        threads = [threading.Thread(target=capture, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert state["overlaps"] == 0 and all(s._captured for s in steps) and all(t._captured for t in towers)
+
+
+def test_a_larger_chunk_size_in_a_later_turn_grows_the_padding_room(model, processor):
+    """The static cache's scratch slots were sized for the first turn's chunk; a config changed between turns
+    (chunk 3 -> 80, beyond the 64 scratch slots) moves the cache to a storage with room, for the idle-time
+    chunk and for the next turn, and the answers stay the eager engine's."""
+    results = {}
+    for fast in (False, True):
+        cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=6, fast_path=fast)
+        with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as conv:
+            conv.ask("What is in this image?", images=[draw_test_image(256, 256, seed=4)])
+            while conv.pending > 10:
+                restore_pending(model, conv.cache, max_tokens=3)
+            conv.config.chunk_size = 80  # the last <= 10 rows padded to 80: more padding than 64 scratch slots
+            restored = conv.complete()
+            second = conv.ask("And now?", images=[draw_test_image(256, 192, seed=5)], max_new_tokens=12)
+            if fast:
+                assert conv.cache.scratch >= 81
+            results[fast] = (restored, second.token_ids, second.trace.restored_per_forward)
+    assert results[False][0] == results[True][0] > 0
+    assert torch.equal(results[False][1], results[True][1])
+    assert [r.tolist() for r in results[False][2]] == [r.tolist() for r in results[True][2]]

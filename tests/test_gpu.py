@@ -261,3 +261,82 @@ def test_cuda_family_vision_graphs_replay_the_tower(family, case):
     for got in runs:
         for a, b in zip(want.pooler_output, got.pooler_output):
             assert torch.equal(a, b)
+
+
+def test_cuda_two_chats_and_a_stock_generate_share_one_model(cuda_model, processor):
+    """Two fast-path conversations in two threads (captures, replays and eager steps interleaved as they
+    come, plus forced lockstep tokens) and a stock generate in a third: each answers as it does alone."""
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    from raincheck_hf.fast import release_storage, release_vision_graphs
+    from raincheck_hf.tiny import draw_test_image
+
+    images = [draw_test_image(128, 96, seed=1), draw_test_image(64, 128, seed=3)]
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=2)
+    stock_inputs = _cuda(make_inputs(processor, **INPUT_CASES["image_and_video"]))
+
+    def chat(image, processors=()):
+        with raincheck_hf.Conversation(cuda_model, processor, cfg, background=False, max_new_tokens=10) as conv:
+            turns = [conv.ask("What is in this image?", images=[image], logits_processor=LogitsProcessorList(processors)),
+                     conv.ask("And now?", logits_processor=LogitsProcessorList(processors)),
+                     conv.ask("Again?", images=[image], logits_processor=LogitsProcessorList(processors))]
+        return [t.token_ids for t in turns]
+
+    def stock():
+        return cuda_model.generate(**stock_inputs, max_new_tokens=10, do_sample=False)
+
+    alone = [chat(image) for image in images]
+    stock_alone = stock()
+    for lockstep in (False, True):
+        release_storage(cuda_model)  # every step shape is captured again, from both threads at once
+        release_vision_graphs(cuda_model.model.visual)
+        barrier = threading.Barrier(2, timeout=120)
+
+        def step(input_ids, scores):
+            barrier.wait()
+            return scores
+
+        results, errors = {}, []
+
+        def run(key, fn):
+            try:
+                results[key] = fn()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+                barrier.abort()
+
+        jobs = {0: lambda: chat(images[0], [step] if lockstep else []),
+                1: lambda: chat(images[1], [step] if lockstep else []), "stock": stock}
+        threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert torch.equal(results["stock"], stock_alone)
+        for i in (0, 1):
+            assert all(torch.equal(a, b) for a, b in zip(results[i], alone[i])), (lockstep, i)
+
+
+def test_cuda_cancelled_stream_then_follow_up(cuda_model, processor):
+    from transformers import LogitsProcessorList
+
+    from raincheck_hf.tiny import draw_test_image
+    from test_conversation import _Gate
+
+    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=2),
+                                   max_new_tokens=200) as conv:
+        gate = _Gate(conv, 5)  # the answer waits at its 5th token until it is cancelled
+        streamed = conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)], stream=True,
+                            logits_processor=LogitsProcessorList([gate]))
+        for i, _ in enumerate(streamed):
+            if i == 1:
+                assert gate.reached.wait(timeout=60)
+                break
+        stopped = streamed.result
+        assert stopped.cancelled and stopped.token_ids.numel() == 5
+        assert torch.equal(conv.sequences[0, -5:].cpu(), stopped.token_ids)
+        follow = conv.ask("And now?", max_new_tokens=6)
+        assert follow.token_ids.numel() > 0 and not follow.cancelled

@@ -288,3 +288,54 @@ def test_mismatched_text_dimension():
 def test_unknown_selector_name():
     with pytest.raises(ValueError, match="selector"):
         get_selector("no-such-selector")
+
+
+# ---- selectors that hook the model act only for their own call's thread -------------------------------
+
+@pytest.mark.parametrize("selector,where", [("fastv", "text"), ("visionzip", "tower")])
+def test_a_selector_s_hooks_are_invisible_to_another_thread(model, processor, selector, where):
+    """Thread A is paused inside the forward its selector hooks (FastV's scoring pass, VisionZip's tower
+    call); thread B meanwhile runs a stock generate on the same model and image: both get what they get alone."""
+    import threading
+
+    from raincheck_hf import RaincheckConfig
+
+    from conftest import INPUT_CASES, make_inputs
+
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    cfg = RaincheckConfig(selector=selector, chunk_size=3, decode_guard=2, fast_path=False)
+    want_a, want_b = model.generate(**inputs, raincheck=cfg, **kw), model.generate(**inputs, **kw)
+    module = model.model.language_model.layers[0] if where == "text" else model.model.visual.blocks[0]
+    owner, inside, release = {}, threading.Event(), threading.Event()
+
+    def pause(_module, _args):  # A's first pass through the module: its selector's hooks are in place
+        if threading.get_ident() == owner.get("a") and not inside.is_set():
+            inside.set()
+            assert release.wait(timeout=60)
+
+    handle = module.register_forward_pre_hook(pause)
+    got, errors = {}, []
+
+    def run_a():
+        owner["a"] = threading.get_ident()
+        try:
+            got["a"] = model.generate(**inputs, raincheck=cfg, **kw)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    a = threading.Thread(target=run_a)
+    try:
+        a.start()
+        assert inside.wait(timeout=60)
+        got["b"] = model.generate(**inputs, **kw)
+    finally:
+        release.set()
+        a.join()
+        handle.remove()
+    assert not errors, errors
+    assert torch.equal(got["a"].raincheck.selected, want_a.raincheck.selected)
+    for key, want in (("a", want_a), ("b", want_b)):
+        assert torch.equal(got[key].sequences, want.sequences), key
+        for x, y in zip(got[key].logits, want.logits):
+            assert (x - y).abs().max() <= 1e-5, key

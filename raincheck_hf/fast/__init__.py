@@ -9,6 +9,9 @@
   step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
   chunk-only step and of prefills padded to 64-row buckets; DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
+- `scoping`: those hooks and the few-query attention act only for the thread running the step
+  (a context variable; the shared modules and config look stock to every other thread), and graph
+  captures are serialised (`CAPTURE_LOCK`), so chats in several threads can share one model.
 - `few_query_attention` (`attention`): inside captured steps of ``sdpa`` models, attention for a
   decode token or a fused chunk as two batched matmuls over the key/value heads (stock SDPA's
   masked kernel was ~2 ms of a 10 ms decode step on the H200); prefills keep stock SDPA.

@@ -8,8 +8,9 @@ queries the same attention is two small batched matmuls over the key/value heads
 of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots.
 
 `few_query_attention` is registered with transformers' `AttentionInterface` (on first use, not at
-import) and selected only inside a fast-path step (`few_query_attention_for`, which sets and then
-restores the text config's backend), and only when the model runs ``sdpa``. Rows above
+import) and selected only inside a fast-path step of the calling thread, and only when the model runs
+``sdpa``: `fast.scoping.step_scope` gives each attention module a view of its config that names it
+there, while the model's config itself keeps ``sdpa`` (other threads never see the switch). Rows above
 `FEW_QUERY_MAX` (prefills) and anything it does not handle go to stock `sdpa_attention_forward`,
 which is also its reference in the tests.
 
@@ -19,8 +20,6 @@ flash attention does.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -57,22 +56,9 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
     return out.reshape(b, hq, rows, d).transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
+def register() -> None:
+    """Make `NAME` a valid attention implementation (once; adding a name changes nothing for other models)."""
     from transformers import AttentionInterface
 
     if NAME not in AttentionInterface().valid_keys():
         AttentionInterface.register(NAME, few_query_attention)
-
-
-@contextlib.contextmanager
-def few_query_attention_for(config):
-    """Inside the block, attention layers reading ``config`` run `few_query_attention` (``sdpa`` models only)."""
-    if not ENABLED or getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
-        return
-    _register()
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"

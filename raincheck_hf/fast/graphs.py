@@ -20,7 +20,6 @@ device, and row counts come from host-side shapes.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 
 from ..cache_utils import DEFERRED, to_device
 from ..masking import visibility_to_attention_mask
-from .attention import few_query_attention_for
+from .scoping import CAPTURE_LOCK, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache
 
 PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
@@ -63,21 +62,6 @@ class StepBuffers:
             torch.zeros(rows, dtype=torch.long, device=device),
             [torch.zeros(1, rows, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)],
         )
-
-
-@contextlib.contextmanager
-def deepstack_hooks(layers, addends: list[torch.Tensor]):
-    """Add ``addends[i]`` to ``layers[i]``'s output (what DeepStack does, as a graph-safe add; the layers are
-    the adapter's ``deepstack_layers()``)."""
-    handles = [
-        layer.register_forward_hook(lambda module, args, output, a=a: output + a)
-        for layer, a in zip(layers, addends)
-    ]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: int, n_deferred: int,
@@ -172,7 +156,8 @@ class StepGraphs:
         visible = cache.slot_keys[None, :] <= buffers.query_keys[:, None]
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        with deepstack_hooks(adapter.deepstack_layers(), buffers.deepstack), few_query_attention_for(text_model.config):
+        # DeepStack addends and the few-query attention, for this thread's step only (`fast.scoping`)
+        with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
             hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                 attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         if want_logits:
@@ -191,17 +176,20 @@ class StepGraphs:
             return None  # not enough room without touching stored rows: this shape runs eagerly this time
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         torch.arange(first, cache.total_slots, out=buffers.slots)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
+        # One capture at a time in the process; other threads' own work on the device goes on meanwhile
+        # (thread_local: only this thread's unsafe calls would break the capture).
+        with CAPTURE_LOCK:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(adapter, cache, buffers, want_logits)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._step(adapter, cache, buffers, want_logits)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step(adapter, cache, buffers, want_logits)
-        self._pool = graph.pool()
-        torch.cuda.synchronize()
+            self._pool = graph.pool()
+            torch.cuda.synchronize()
         self._captured[(rows, want_logits)] = (graph, buffers)
         return graph, buffers
 

@@ -238,14 +238,17 @@ class StaticDeferredCache(DeferredDynamicCache):
         clone._move_to(storage, self.total_slots)  # ... and copy them (every slot) into the clone's storage
         return clone
 
-    def ensure_capacity(self, rows_needed: int) -> None:
+    def ensure_capacity(self, rows_needed: int, scratch: int | None = None) -> None:
         """Make room for ``rows_needed`` real rows (`round_capacity`: the next power-of-two multiple of
-        `SLOT_ROUNDING`), moving to a bigger storage; the old one goes back to the pool."""
-        if rows_needed <= self.capacity:
+        `SLOT_ROUNDING`) and at least ``scratch`` padding slots (a later turn may use a larger chunk size),
+        moving to a bigger storage; the old one goes back to the pool."""
+        scratch = self.scratch if scratch is None else max(int(scratch), self.scratch)
+        if rows_needed <= self.capacity and scratch == self.scratch:
             return
         old = self.storage
-        self._move_to(acquire_storage(self._pool_key, self, self.num_layers, round_capacity(rows_needed),
-                                      self.scratch, old.device), self.num_rows)
+        self._move_to(acquire_storage(self._pool_key, self, self.num_layers,
+                                      max(self.capacity, round_capacity(rows_needed)), scratch, old.device),
+                      self.num_rows)
         old.release()
 
     def assign_slots(self, keys: torch.Tensor, sources: torch.Tensor, kinds) -> int:

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from .scoping import CAPTURE_LOCK
+
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
 MAX_SIGHTINGS = 64  # grids remembered (seen, not captured yet)
@@ -95,15 +97,16 @@ class VisionGraphs:
 
     def _capture(self, tower, key, pixel_values, grid_thw, kwargs):
         static_pixels = pixel_values.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
-            self._forward(tower, static_pixels, grid_thw, kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
-        self._pool = graph.pool()
+        with CAPTURE_LOCK:  # one capture at a time in the process (`fast.scoping`)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
+                self._forward(tower, static_pixels, grid_thw, kwargs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
+            self._pool = graph.pool()
         return self._store(key, CapturedTower(graph, static_pixels, outputs, (kwargs, grid_thw)))
 
     def _store(self, key, entry: CapturedTower) -> CapturedTower:

@@ -43,6 +43,7 @@ absolute positions; in a first turn they are exactly the full prefill's.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,12 +97,16 @@ def layer_query_key(adapter, embeds, positions, layer: int, visual=None, deepsta
     block = text_model.layers[layer]
     attn, q_source, k_source, rope = adapter.attention_query_key(layer)
     seen: dict = {}
+    owner = threading.get_ident()  # the hooks sit on shared modules: they act for this thread's pass only
 
     def pre_layer(_module, args, kwargs):
-        seen["position_embeddings"] = kwargs["position_embeddings"]
+        if threading.get_ident() == owner:
+            seen["position_embeddings"] = kwargs["position_embeddings"]
 
     def record(name):
         def hook(_module, _inputs, output):
+            if threading.get_ident() != owner:
+                return None
             seen[name] = output
             if "q" in seen and "k" in seen:
                 raise _StopScoringPass

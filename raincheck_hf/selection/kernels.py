@@ -35,6 +35,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from ..fast.scoping import CAPTURE_LOCK
+
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
@@ -206,7 +208,8 @@ class _Captured:
         self.lock = threading.Lock()
 
 
-_CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process (two would share the capture stream state)
+# one capture at a time in the process, shared with the fast path's step and vision-tower captures
+_CAPTURE_LOCK = CAPTURE_LOCK
 _GRAPHS: dict[object, OrderedDict] = {}
 
 
@@ -229,7 +232,7 @@ def _capture(method: str, inputs: dict, k: int) -> _Captured:
         GreedyRun(method, static, min(k, 2)).launch()
     torch.cuda.current_stream(run.indices.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' device work goes on
         run.launch()
     return _Captured(graph, run)
 

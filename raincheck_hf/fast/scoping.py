@@ -1,0 +1,157 @@
+"""What a fast-path step changes on a shared model, visible only to the thread running the step.
+
+Several chats may share one model, each in its own thread (the demo serves its sessions that way),
+and a stock ``generate`` may run on the same model meanwhile. A fast-path step needs two things the
+stock modules do not do: the few-query attention (`fast.attention`) in an ``sdpa`` model's attention
+layers, and DeepStack addends added to the first decoder layers' outputs as a plain, graph-safe add.
+Neither may go through state that other threads read: not the text config's ``_attn_implementation``
+(one object, read by every attention layer and by a stock ``generate`` elsewhere), not hooks that
+act for every caller. So, as Qwen3.5's Gated DeltaNet dispatch does (`models.qwen3_5`):
+
+- per module *instance*, a dispatcher is installed while at least one step uses it (reference-counted,
+  removed by the last user, on error too): each attention module reads its config through a view
+  (`_AttentionConfigView`), each DeepStack decoder layer carries one forward hook (`_deepstack_hook`);
+- both act only for the `StepScope` that the calling thread set (a context variable, checked against
+  the thread that set it, since a new thread may inherit the context); for anyone else the view reads
+  the model's own config and the hook returns the output untouched.
+
+A CUDA graph records what the step ran while it was captured, so replays need neither; captures of
+step graphs and of vision-tower graphs are serialised by `CAPTURE_LOCK` (two threads capturing at once
+would record each other's kernels into their graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
+
+
+@dataclass(frozen=True)
+class StepScope:
+    """One fast-path step as the dispatchers see it: attention modules that run the few-query
+    attention (by id) and the addend of each DeepStack decoder layer (by id)."""
+
+    attention: frozenset
+    addends: dict
+    thread: int = field(default_factory=threading.get_ident)
+
+
+_ACTIVE: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("raincheck_fast_step", default=None)
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED: dict[int, list] = {}  # id(module) -> [users, undo callback]
+
+
+def active_scope() -> StepScope | None:
+    """The step scope of the calling thread, or None."""
+    scope = _ACTIVE.get()
+    return scope if scope is not None and scope.thread == threading.get_ident() else None
+
+
+class _AttentionConfigView:
+    """An attention module's ``config`` while steps may use it: the model's own config object for every
+    read and write, except that ``_attn_implementation`` names the few-query attention inside a step of
+    the calling thread that lists this module (and only where the model runs ``sdpa``)."""
+
+    __slots__ = ("_raincheck_config", "_raincheck_module")
+
+    def __init__(self, config, module_id: int):
+        object.__setattr__(self, "_raincheck_config", config)
+        object.__setattr__(self, "_raincheck_module", module_id)
+
+    @property
+    def _attn_implementation(self):
+        from .attention import ENABLED, NAME
+
+        implementation = self._raincheck_config._attn_implementation
+        scope = active_scope()
+        if ENABLED and implementation == "sdpa" and scope is not None and self._raincheck_module in scope.attention:
+            return NAME
+        return implementation
+
+    def __getattr__(self, name):
+        if name.startswith("_raincheck_"):  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self._raincheck_config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._raincheck_config, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._raincheck_config, name)
+
+
+def _view_config(module):
+    original = module.config
+    module.config = _AttentionConfigView(original, id(module))
+
+    def undo():
+        if isinstance(vars(module).get("config"), _AttentionConfigView):
+            module.config = original
+
+    return undo
+
+
+def _deepstack_hook(module, args, output):
+    scope = active_scope()
+    addend = None if scope is None else scope.addends.get(id(module))
+    return None if addend is None else output + addend
+
+
+def _hook_deepstack(module):
+    return module.register_forward_hook(_deepstack_hook).remove
+
+
+def _install(module, apply) -> None:
+    with _INSTALL_LOCK:
+        entry = _INSTALLED.get(id(module))
+        if entry is not None:
+            entry[0] += 1
+        else:
+            _INSTALLED[id(module)] = [1, apply(module)]
+
+
+def _uninstall(module) -> None:
+    with _INSTALL_LOCK:
+        entry = _INSTALLED.get(id(module))
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            entry[1]()
+            del _INSTALLED[id(module)]
+
+
+@contextlib.contextmanager
+def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None):
+    """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
+    ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), and with ``few_query`` the attention
+    layers of an ``sdpa`` model run `fast.attention.few_query_attention`. Other threads (and this one after the
+    block) see the stock modules' behaviour."""
+    attention = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")] if few_query else []
+    layers = list(text_model.layers[:len(addends)] if layers is None else layers)[:len(addends)]
+    if attention:
+        from .attention import register
+
+        register()
+    installed, token = [], None
+    try:
+        for module in attention:
+            _install(module, _view_config)
+            installed.append(module)
+        for module in layers:
+            _install(module, _hook_deepstack)
+            installed.append(module)
+        token = _ACTIVE.set(StepScope(frozenset(id(m) for m in attention),
+                                      {id(layer): a for layer, a in zip(layers, addends)}))
+        yield
+    finally:
+        if token is not None:
+            _ACTIVE.reset(token)
+        for module in reversed(installed):
+            _uninstall(module)
