@@ -398,7 +398,7 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
     from types import SimpleNamespace
 
     import raincheck_hf.fast.graphs as graphs
-    from raincheck_hf.fast.vision_graphs import VisionGraphs, grid_kwargs
+    from raincheck_hf.fast.vision_graphs import VisionGraphs
     from raincheck_hf.models import get_adapter
 
     state = {"capturing": 0, "overlaps": 0}
@@ -426,7 +426,7 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
     adapter = get_adapter(model)
     caches = [StaticDeferredCache(4, 256, 64, "cpu"), StaticDeferredCache(4, 256, 64, "cpu")]
     steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]
-    towers = [VisionGraphs(model.model.visual, use_graphs=False) for _ in caches]
+    towers = [VisionGraphs(adapter, use_graphs=False) for _ in caches]
     inputs = make_inputs(processor, **INPUT_CASES["one_image"])
     barrier, errors = threading.Barrier(2), []
 
@@ -435,7 +435,7 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
             barrier.wait()
             steps[i]._capture(adapter, caches[i], 1, True, 0)
             towers[i]._capture(model.model.visual, ("grid", i), inputs["pixel_values"], inputs["image_grid_thw"],
-                               grid_kwargs(model.model.visual, inputs["image_grid_thw"]))
+                               adapter.vision_grid_kwargs(model.model.visual, inputs["image_grid_thw"]))
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
