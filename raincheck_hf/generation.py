@@ -19,6 +19,8 @@ Only batch size 1 is supported (rows of different prompts would need different d
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +86,25 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
 
+_STEP_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STEP_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The model's step lock: each engine forward and each turn's encoding holds it.
+
+    Conversations on one model run in their own threads (a server's clients, the demo's chats);
+    their steps interleave one at a time, so one thread's kernel launches never land in the middle
+    of another's (a CUDA graph capture must see only its own). Uncontended, it costs nothing
+    measurable; it is held per step, never across a whole answer.
+    """
+    with _STEP_LOCKS_GUARD:
+        lock = _STEP_LOCKS.get(model)
+        if lock is None:
+            lock = _STEP_LOCKS[model] = threading.RLock()
+        return lock
+
+
 def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
              pad_to: int | None = None, prepared=None):
     """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
@@ -91,6 +112,11 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
     ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
     the shape its CUDA graph was captured at. ``prepared``: this forward from `prepare_rows`.
     """
+    with model_lock(adapter.model):
+        return _run_rows(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to, prepared)
+
+
+def _run_rows(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to, prepared):
     if prepared is not None:
         return cache.graphs.launch(cache, prepared)
     kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
@@ -241,6 +267,7 @@ def raincheck_sample(
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]
     vision_graphs = None
+    step_lock = model_lock(adapter.model)
     if raincheck_pixels is not None:
         from .fast.vision_graphs import vision_graphs_for
 
@@ -259,8 +286,8 @@ def raincheck_sample(
         second_per_grid_ts=grids.get("second_per_grid_ts"),
     )
 
-    # 2. selection and plan
-    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
+        # 2. selection and plan
+        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
     turn_index = cache.turn
     cache.turn += 1
     plan = build_plan(turn, keep, turn_index, start)
