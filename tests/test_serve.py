@@ -253,6 +253,8 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(client, served, glyp
         "bad raincheck value": (json.dumps({**good, "raincheck": {"retention": 1.5}}), 400),
         "unknown model": (json.dumps({**good, "model": "gpt-9"}), 400),
         "bad max_tokens": (json.dumps({**good, "max_tokens": 0}), 400),
+        "bad logit_bias": (json.dumps({**good, "logit_bias": {"99999999": 5}}), 400),
+        "tool role": (json.dumps({**good, "messages": [{"role": "tool", "content": "x"}]}), 400),
     }
     for name, (body, status) in cases.items():
         r = httpx.post(url, content=body, headers=headers, timeout=60)
@@ -290,6 +292,9 @@ def test_stop_seed_models_health_and_metrics(client, served, dialogues):
     assert streamed == cut
     sampled = [ask(client, messages, temperature=1.5, seed=7)[0] for _ in range(2)]
     assert sampled[0] == sampled[1]
+    dark = served[1].processor.tokenizer.convert_tokens_to_ids("dark")
+    biased, usage, _, finish = ask(client, messages, max_tokens=5, logit_bias={str(dark): 100})
+    assert biased.split() == ["dark"] * 5 and finish == "length" and usage.completion_tokens == 5
     assert [m.id for m in client.models.list().data] == ["glyph"]
     health = httpx.get(base + "/health").json()  # no key needed
     assert health["status"] == "ok" and health["conversations"] >= 1
@@ -390,3 +395,34 @@ def test_steps_of_concurrent_conversations_never_overlap(served, dialogues, monk
         t.join()
     assert not errors, errors
     assert state["steps"] >= 20 and state["most"] == 1
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    """`python -m raincheck_hf.bench serve` on the tiny model: the structure of its JSON and what must hold
+    whatever the timings (answers equal between server and library, reuse only where it should be)."""
+    from raincheck_hf.bench import serve as bench
+
+    path = tmp_path / "serve.json"
+    result = bench.run(model_name="tiny_qwen3_vl", answer_tokens=6, follow_up_tokens=3, reps=1, think_s=0.05,
+                       warmup=False, json_path=str(path), log=lambda *a: None)
+    assert json.loads(path.read_text())["benchmark"] == "serve" and result["hardware"]["torch"]
+    assert result["lengths_ok"]
+    variants = result["variants"]
+    assert list(variants) == list(bench.VARIANTS)
+    for name, entry in variants.items():
+        (rep,) = entry["reps"]
+        assert len(rep) == len(entry["median"]) == 3, name
+        for turn in entry["median"]:
+            assert turn["ttft_s"] > 0 and turn["tpot_s"] > 0 and turn["e2e_s"] >= turn["ttft_s"], name
+    for mode in ("raincheck", "full"):
+        assert [t["text"] for t in variants[f"server {mode}"]["reps"][0]] == \
+            [t["text"] for t in variants[f"library {mode}"]["reps"][0]]
+    for name in ("server raincheck", "server full"):
+        turns = variants[name]["reps"][0]
+        assert not turns[0]["reused"] and turns[1]["reused"] and turns[2]["reused"]
+        for before, after in zip(turns, turns[1:]):
+            assert after["cached_tokens"] == before["prompt_tokens"] + before["completion_tokens"] - 1
+    assert all(t["cached_tokens"] == 0 and not t["reused"] for t in variants["server full re-prefill"]["reps"][0])
+    assert all(v is not None for v in result["derived"].values())
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.run(variants=("server turbo",))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
 from .metrics import Metrics
@@ -41,6 +41,8 @@ class ServeSettings:
         api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>``.
         media_root: ``file://`` URLs are read only under this folder (None: file URLs refused).
         max_tokens: answer length limit when a request gives none.
+        reuse: continue held conversations (False: every request prefills its whole dialogue and
+            nothing is held, as a server without a conversation cache does; for comparisons).
     """
 
     model_name: str = "qwen3_vl"
@@ -49,6 +51,7 @@ class ServeSettings:
     api_key: str | None = None
     media_root: Path | None = None
     max_tokens: int = 256
+    reuse: bool = True
 
     def __post_init__(self):
         if self.max_cache_bytes is not None and self.max_cache_bytes < 0:
@@ -74,30 +77,64 @@ class _Cancel(StoppingCriteria):
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
-class _SeededSampling(LogitsProcessor):
-    """Draws the token from the warped distribution with the request's own generator and leaves only
-    it: ``seed`` reproduces an answer whatever other requests sample meanwhile (the global RNG is shared)."""
+class _Sampling(LogitsProcessor):
+    """Temperature, top-k, top-p and the draw, with the request's own generator; leaves only the drawn
+    token, which `generate` (run greedy) then takes. ``seed`` reproduces an answer whatever other
+    requests sample meanwhile (the global RNG is shared by every thread)."""
 
-    def __init__(self, seed: int, device):
+    def __init__(self, temperature: float, top_k: int | None, top_p: float | None, seed: int, device):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed % (1 << 63))
 
     def __call__(self, input_ids, scores):
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
         probs = torch.softmax(scores.float(), dim=-1)
         choice = torch.multinomial(probs.to(self.generator.device), 1, generator=self.generator).to(scores.device)
         return torch.full_like(scores, float("-inf")).scatter(-1, choice, 0.0)
 
 
-class _Pieces(TextStreamer):
-    """Hands each finalized text piece of the answer to ``emit`` (from the generating thread)."""
+class _LogitBias(LogitsProcessor):
+    """OpenAI's ``logit_bias``: a fixed value added to the logits of the given token ids."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids, self.values = torch.tensor(list(bias)), torch.tensor(list(bias.values()))
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, self.ids.to(scores.device)] += self.values.to(scores.device, scores.dtype)
+        return scores
+
+
+class _Pieces(BaseStreamer):
+    """Hands the answer's new text to ``emit`` after every token (from the generating thread); text that
+    ends inside a multi-byte character waits for the token that completes it."""
 
     def __init__(self, tokenizer, emit):
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.emit = emit
+        self.tokenizer, self.emit, self.ids, self.sent, self.prompt_seen = tokenizer, emit, [], 0, False
 
-    def on_finalized_text(self, text: str, stream_end: bool = False):
-        if text:
-            self.emit(("text", text))
+    def put(self, value):
+        if not self.prompt_seen:  # the prompt comes first
+            self.prompt_seen = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        self._flush(final=False)
+
+    def end(self):
+        self._flush(final=True)
+
+    def _flush(self, final: bool):
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if (final or not text.endswith("\ufffd")) and len(text) > self.sent:
+            self.emit(("text", text[self.sent:]))
+            self.sent = len(text)
 
 
 @dataclass
@@ -124,9 +161,10 @@ class Server:
 
     def __init__(self, model, processor, settings: ServeSettings):
         self.model, self.processor, self.settings = model, processor, settings
-        self.store = ConversationStore(model, processor, settings.max_cache_bytes)
+        self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse)
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
         tok = processor.tokenizer
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -136,7 +174,8 @@ class Server:
     def prepare(self, body) -> _Turn:
         arrived = time.perf_counter()
         request = parse_chat_request(body, model_names=(self.settings.model_name,), defaults=self.settings.config,
-                                     max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root)
+                                     max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root,
+                                     vocab_size=self.vocab_size)
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         kwargs = {}
         if request.images:
@@ -183,8 +222,7 @@ class Server:
         kwargs = dict(request.generate_kwargs)
         turn.stopper = _Cancel(turn.cancel, self.processor.tokenizer, turn.prompt_tokens, request.stop)
         kwargs["stopping_criteria"] = StoppingCriteriaList([turn.stopper])
-        if request.seed is not None and kwargs.get("do_sample", self.model.generation_config.do_sample):
-            kwargs["logits_processor"] = LogitsProcessorList([_SeededSampling(request.seed, self.model.device)])
+        kwargs["logits_processor"] = LogitsProcessorList(self._processors(request, kwargs))
         inputs = self._new_media_only(turn) if turn.reused else turn.inputs
 
         def work():
@@ -204,6 +242,22 @@ class Server:
         thread = threading.Thread(target=work, name=f"raincheck-serve-{turn.conversation.id}", daemon=True)
         thread.start()
         return thread
+
+    def _processors(self, request: ChatRequest, kwargs: dict) -> list:
+        """``logit_bias``, then sampling by `_Sampling` (the request's or the model's settings); pops
+        the sampling settings from ``kwargs``, so that `generate` runs greedy over the drawn token."""
+        processors = [_LogitBias(request.logit_bias)] if request.logit_bias else []
+        defaults = self.model.generation_config
+        sample = kwargs.pop("do_sample", defaults.do_sample)
+        temperature = kwargs.pop("temperature", defaults.temperature or 1.0)
+        top_p, top_k = kwargs.pop("top_p", defaults.top_p), kwargs.pop("top_k", defaults.top_k)
+        if sample:
+            seed = request.seed if request.seed is not None else secrets.randbits(63)
+            device = next(self.model.parameters()).device
+            device = device if device.type != "meta" else torch.device("cpu")
+            processors.append(_Sampling(temperature, top_k, top_p, seed, device))
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return processors
 
     def _count(self, turn: _Turn) -> None:
         result = turn.result
@@ -356,7 +410,6 @@ def create_app(model, processor, settings: ServeSettings | None = None):
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         # not streamed: wait for the end, cancelling if the client goes away meanwhile
-        pieces = []
         while True:
             try:
                 kind, value = await asyncio.wait_for(queue.get(), timeout=0.25)
@@ -364,13 +417,11 @@ def create_app(model, processor, settings: ServeSettings | None = None):
                 if await request.is_disconnected():
                     turn.cancel.set()
                 continue
-            if kind == "text":
-                pieces.append(value)
-            else:
+            if kind == "end":
                 break
         if turn.error is not None:
             return _error_response(_server_error(turn.error))
-        text = cut_at_stop("".join(pieces), turn.request.stop)
+        text = cut_at_stop(turn.result.text, turn.request.stop)
         return JSONResponse({
             "id": completion_id, "object": "chat.completion", "created": created, "model": name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

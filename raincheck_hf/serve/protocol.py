@@ -75,6 +75,7 @@ class ChatRequest:
     config: RaincheckConfig
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    logit_bias: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
 
@@ -168,6 +169,30 @@ def _generation(body: dict, max_tokens_default: int) -> tuple[dict, list[str], i
                   param="stop")
     seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)
     return kwargs, stop, seed
+
+
+MAX_LOGIT_BIAS = 1024
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    given = body.get("logit_bias")
+    if given is None:
+        return {}
+    if not isinstance(given, dict) or len(given) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias must be an object of up to {MAX_LOGIT_BIAS} token ids (as strings) to numbers in "
+                  f"[-100, 100], got {str(given)[:80]}.", param="logit_bias")
+    bias = {}
+    for key, value in given.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise bad(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1}).", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}.", param="logit_bias")
+        bias[token] = float(value)
+    return bias
 
 
 # ---- media ----------------------------------------------------------------------------------------
@@ -321,7 +346,7 @@ def _content(message: dict, i: int, media: list, media_root) -> list | str:
 
 
 def parse_chat_request(body, *, model_names: tuple[str, ...], defaults: RaincheckConfig, max_tokens_default: int,
-                       media_root: Path | None) -> ChatRequest:
+                       media_root: Path | None, vocab_size: int) -> ChatRequest:
     """Check a chat-completions body and decode its media; `APIError` (400) on anything wrong."""
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}.")
@@ -346,6 +371,7 @@ def parse_chat_request(body, *, model_names: tuple[str, ...], defaults: Rainchec
                   param=f"messages[{len(converted) - 1}].role")
     config = _config(body, defaults)
     generate_kwargs, stop, seed = _generation(body, max_tokens_default)
+    logit_bias = _logit_bias(body, vocab_size)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {stream!r}.", param="stream")
@@ -353,7 +379,7 @@ def parse_chat_request(body, *, model_names: tuple[str, ...], defaults: Rainchec
     if not isinstance(options, dict):
         raise bad(f"stream_options must be an object, got {options!r}.", param="stream_options")
     return ChatRequest(model=model, messages=converted, media=media, generate_kwargs=generate_kwargs, config=config,
-                       stop=stop, seed=seed, stream=stream, include_usage=bool(options.get("include_usage")))
+                       stop=stop, seed=seed, logit_bias=logit_bias, stream=stream, include_usage=bool(options.get("include_usage")))
 
 
 def media_root_from(path: str | os.PathLike | None) -> Path | None:

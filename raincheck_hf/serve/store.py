@@ -91,8 +91,8 @@ class Checkout:
 class ConversationStore:
     """Held conversations of one model, least recently used evicted first above ``max_bytes``."""
 
-    def __init__(self, model, processor, max_bytes: int | None):
-        self.model, self.processor, self.max_bytes = model, processor, max_bytes
+    def __init__(self, model, processor, max_bytes: int | None, reuse: bool = True):
+        self.model, self.processor, self.max_bytes, self.reuse = model, processor, max_bytes, reuse
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -104,7 +104,7 @@ class ConversationStore:
         """The held conversation to continue for a prompt (``[n]`` ids), or a new one."""
         with self._lock:
             best = None
-            for entry in self._entries.values():
+            for entry in self._entries.values() if self.reuse else ():
                 conv = entry.conversation
                 n = conv.length
                 if (entry.busy or n == 0 or n >= input_ids.shape[0] or conv.config != config
@@ -123,6 +123,9 @@ class ConversationStore:
 
     def checkin(self, conv: ServedConversation) -> None:
         """After a turn (also a cancelled one: the cache stays consistent), the conversation is matchable again."""
+        if not self.reuse:  # nothing is continued: nothing is kept
+            self.discard(conv)
+            return
         nbytes = conv.nbytes()
         with self._lock:
             entry = self._entries.get(conv.id)
