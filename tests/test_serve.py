@@ -426,3 +426,30 @@ def test_serve_benchmark_smoke(tmp_path):
     assert all(v is not None for v in result["derived"].values())
     with pytest.raises(ValueError, match="unknown variant"):
         bench.run(variants=("server turbo",))
+
+
+def test_video_as_frames_equals_conversation(client, glyph, dialogues):
+    """A video part (frames as image URLs, with their fps) answers as `Conversation.ask(videos=...)` does."""
+    import numpy as np
+
+    frames = [dialogues[0].image(), dialogues[0].image(), dialogues[1].image(), dialogues[1].image()]
+    question = dialogues[0].turns[1].question
+    part = {"type": "video", "video": [data_url(f) for f in frames], "fps": 2}
+    text, usage, rc, _ = ask(client, [{"role": "user", "content": [part, {"type": "text", "text": question}]}])
+    assert rc["selected"] + rc["deferred"] > 0
+    video = torch.from_numpy(np.stack([np.asarray(f) for f in frames])).permute(0, 3, 1, 2).contiguous()
+    model, processor = glyph
+    with raincheck_hf.Conversation(model, processor, raincheck_hf.RaincheckConfig(), background=False) as chat:
+        assert chat.ask(question, videos=[video], video_fps=2.0, max_new_tokens=MAX_TOKENS).text == text
+
+
+def test_client_gone_while_waiting_for_a_whole_answer_cancels_it(served, dialogues):
+    server = served[1]
+    before = server.metrics.counters["cancelled"]
+    body = {"model": "glyph", "max_tokens": 4000, "min_tokens": 4000, "temperature": 0,
+            "messages": [first_message(data_url(dialogues[0].image()), dialogues[0].turns[1].question)]}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
+        httpx.post(served[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=0.5)
+    _wait(lambda: server.metrics.counters["cancelled"] > before)
+    assert server.store.snapshot()["busy"] == 0

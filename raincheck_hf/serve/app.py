@@ -171,8 +171,8 @@ class Server:
         self.eos_ids.add(tok.convert_tokens_to_ids("<|im_end|>"))
 
     # ---- preparing a turn (CPU, before the model) ------------------------------------------------
-    def prepare(self, body) -> _Turn:
-        arrived = time.perf_counter()
+    def prepare(self, body, arrived: float) -> _Turn:
+        """Check the request and tokenize it (``arrived``: when the handler got it, `time.perf_counter`)."""
         request = parse_chat_request(body, model_names=(self.settings.model_name,), defaults=self.settings.config,
                                      max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root,
                                      vocab_size=self.vocab_size)
@@ -312,6 +312,40 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
+class _Guard:
+    """ASGI middleware: the API key and the request counter. (Plain ASGI, so that a handler still sees
+    the client's disconnect in ``receive``.)"""
+
+    def __init__(self, app, server: Server, routes: set):
+        self.app, self.server, self.routes = app, server, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in self.routes else "other"
+        key = self.server.settings.api_key
+        if key is not None and path != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {key}".encode()):
+                self.server.metrics.request(endpoint, 401)
+                response = _error_response(APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (the key given to the "
+                         "server's --api-key).", code="invalid_api_key"))
+                return await response(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.server.metrics.request(endpoint, status["code"])
+
+
 def _error_response(error: APIError):
     from fastapi.responses import JSONResponse
 
@@ -335,20 +369,7 @@ def create_app(model, processor, settings: ServeSettings | None = None):
     app.state.server = server
     routes = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        key = server.settings.api_key
-        if key is not None and path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                server.metrics.request(path if path in routes else "other", 401)
-                return _error_response(APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
-                                                     "(the key given to the server's --api-key).",
-                                                code="invalid_api_key"))
-        response = await call_next(request)
-        server.metrics.request(path if path in routes else "other", response.status_code)
-        return response
+    app.add_middleware(_Guard, server=server, routes=routes)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -381,12 +402,13 @@ def create_app(model, processor, settings: ServeSettings | None = None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        arrived = time.perf_counter()
         raw = await request.body()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise bad(f"the request body is not valid JSON ({error}).") from None
-        turn = await asyncio.to_thread(server.prepare, body)  # media decoding and the processor: off the loop
+        turn = await asyncio.to_thread(server.prepare, body, arrived)  # media decoding and the processor: off the loop
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -410,15 +432,18 @@ def create_app(model, processor, settings: ServeSettings | None = None):
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         # not streamed: wait for the end, cancelling if the client goes away meanwhile
+        checked = time.monotonic()
         while True:
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout=0.25)
+                kind, _ = await asyncio.wait_for(queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    turn.cancel.set()
-                continue
+                kind = None
             if kind == "end":
                 break
+            if time.monotonic() - checked >= 0.25:  # pieces arrive every token: look at the connection now and then
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    turn.cancel.set()
         if turn.error is not None:
             return _error_response(_server_error(turn.error))
         text = cut_at_stop(turn.result.text, turn.request.stop)
