@@ -222,7 +222,7 @@ def print_table(result: dict, log=print) -> None:
 
 def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tokens: int = 4, reps: int = 1,
         think_s: float = 1.0, warmup: bool = True, retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16,
-        selector: str = "uniform", variants=VARIANTS, device=None, threads: int | None = None,
+        selector: str | None = None, variants=VARIANTS, device=None, threads: int | None = None,
         json_path: str | None = None, command: str | None = None, log=print) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
     import httpx
@@ -237,6 +237,7 @@ def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tok
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}.")
+    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
     settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, selector=selector)
     configs = {mode: RaincheckConfig(mode=mode, **settings) for mode in ("raincheck", "full")}  # checked before compute
     if model_name not in shapes.MODELS:
@@ -324,7 +325,8 @@ def main(argv=None):
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--decode-guard", type=int, default=16)
-    parser.add_argument("--selector", default="uniform")
+    parser.add_argument("--selector", default=None,
+                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every conversation)")
