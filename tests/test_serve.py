@@ -453,3 +453,19 @@ def test_client_gone_while_waiting_for_a_whole_answer_cancels_it(served, dialogu
                    timeout=0.5)
     _wait(lambda: server.metrics.counters["cancelled"] > before)
     assert server.store.snapshot()["busy"] == 0
+
+
+def test_qwen3_5_through_the_server_equals_conversation(dialogues):
+    """The bundled glyph Qwen3.5 (Gated DeltaNet state continued across requests) served the same way."""
+    from raincheck_hf.quality import load_bundled
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    model, processor = load_bundled("qwen3_5")
+    raincheck_hf.enable(model)
+    d = dialogues[0]
+    questions = [t.question for t in d.turns[:2]]
+    with running(create_app(model, processor, ServeSettings(model_name="glyph"))) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = run_dialogue(c, data_url(d.image()), questions, stream=True)
+    assert got[1][2]["reused"] and got[1][1].prompt_tokens_details.cached_tokens > 0
+    assert [g[0] for g in got] == reference((model, processor), d.image(), questions)
