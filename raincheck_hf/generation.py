@@ -19,8 +19,6 @@ Only batch size 1 is supported (rows of different prompts would need different d
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -86,26 +84,6 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
 
-_STEP_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_STEP_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """The model's step lock, held for each engine step: a turn's first forward with everything before
-    it (cache, vision tower, selection, prefill), each decode step with its sampling, each idle-time chunk.
-
-    Conversations on one model run in their own threads (a server's clients, the demo's chats);
-    their steps interleave one at a time, so one thread's kernel launches never land in the middle
-    of another's step (a CUDA graph capture must see only its own). Uncontended, it costs nothing
-    measurable; it is never held across a whole answer.
-    """
-    with _STEP_LOCKS_GUARD:
-        lock = _STEP_LOCKS.get(model)
-        if lock is None:
-            lock = _STEP_LOCKS[model] = threading.RLock()
-        return lock
-
-
 def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
              pad_to: int | None = None, prepared=None):
     """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
@@ -113,11 +91,6 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
     ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
     the shape its CUDA graph was captured at. ``prepared``: this forward from `prepare_rows`.
     """
-    with model_lock(adapter.model):
-        return _run_rows(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to, prepared)
-
-
-def _run_rows(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to, prepared):
     if prepared is not None:
         return cache.graphs.launch(cache, prepared)
     kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
@@ -263,16 +236,13 @@ def raincheck_sample(
     start = given.source_length if isinstance(given, DeferredDynamicCache) else 0
     pending_before = given.num_pending if isinstance(given, DeferredDynamicCache) else 0
     rows_needed = input_ids.shape[1] - start + pending_before + generation_config.max_length - input_ids.shape[1]
-    # Everything up to the first token is one step under the model's lock (cache allocation, vision tower,
-    # selection, prefill): another conversation's launches never land inside it, e.g. during a graph capture.
-    with model_lock(adapter.model):
-        cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
+    cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
 
-        # 1. the new tokens of this turn
-        new_ids = input_ids[0, start:]
-        vision_graphs = None
-        if raincheck_pixels is not None:
-            from .fast.vision_graphs import vision_graphs_for
+    # 1. the new tokens of this turn
+    new_ids = input_ids[0, start:]
+    vision_graphs = None
+    if raincheck_pixels is not None:
+        from .fast.vision_graphs import vision_graphs_for
 
         model_kwargs = {**model_kwargs, **raincheck_pixels}
         vision_graphs = vision_graphs_for(adapter)
@@ -289,41 +259,41 @@ def raincheck_sample(
         second_per_grid_ts=grids.get("second_per_grid_ts"),
     )
 
-        # 2. selection and plan
-        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
-        turn_index = cache.turn
-        cache.turn += 1
-        plan = build_plan(turn, keep, turn_index, start)
-        trace = RaincheckTrace(
-            mode=config.mode,
-            selected=plan.sources(plan.selected_rows),
-            deferred=plan.sources(plan.deferred_rows),
-            segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments],
-        )
+    # 2. selection and plan
+    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
+    turn_index = cache.turn
+    cache.turn += 1
+    plan = build_plan(turn, keep, turn_index, start)
+    trace = RaincheckTrace(
+        mode=config.mode,
+        selected=plan.sources(plan.selected_rows),
+        deferred=plan.sources(plan.deferred_rows),
+        segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments],
+    )
 
-        # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
-        earlier = cache.take_pending()
-        parts, keys, sources, kinds = [], [], [], []
-        if earlier is not None:
-            parts.append(adapter.pending_batch(earlier))
-            # pending keys live on the model's device (PendingRows), the plan's on the host: one device for the cat
-            keys.append(earlier.keys.to(plan.input_keys.device))
-            sources.append(earlier.sources.cpu())
-            kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
-        parts.append(adapter.rows(turn, plan.input_rows))
-        keys.append(plan.input_keys)
-        sources.append(plan.sources(plan.input_rows))
-        kinds.append(torch.full((plan.input_rows.numel(),), INPUT, dtype=torch.int8))
-        if plan.deferred_rows.numel():
-            if config.defers:
-                cache.add_pending(_pending_rows(adapter, turn, plan))
-            else:  # hard: gone for good
-                cache.drop(plan.sources(plan.deferred_rows))
-                trace.dropped = plan.sources(plan.deferred_rows)
-        logits = run_rows(adapter, cache, RowBatch.concat(parts), torch.cat(keys), torch.cat(sources),
-                          torch.cat(kinds), want_logits=True)
-        cache.extend_source(new_ids, turn.next_position)
-        trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
+    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
+    earlier = cache.take_pending()
+    parts, keys, sources, kinds = [], [], [], []
+    if earlier is not None:
+        parts.append(adapter.pending_batch(earlier))
+        # pending keys live on the model's device (PendingRows), the plan's on the host: one device for the cat
+        keys.append(earlier.keys.to(plan.input_keys.device))
+        sources.append(earlier.sources.cpu())
+        kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
+    parts.append(adapter.rows(turn, plan.input_rows))
+    keys.append(plan.input_keys)
+    sources.append(plan.sources(plan.input_rows))
+    kinds.append(torch.full((plan.input_rows.numel(),), INPUT, dtype=torch.int8))
+    if plan.deferred_rows.numel():
+        if config.defers:
+            cache.add_pending(_pending_rows(adapter, turn, plan))
+        else:  # hard: gone for good
+            cache.drop(plan.sources(plan.deferred_rows))
+            trace.dropped = plan.sources(plan.deferred_rows)
+    logits = run_rows(adapter, cache, RowBatch.concat(parts), torch.cat(keys), torch.cat(sources),
+                      torch.cat(kinds), want_logits=True)
+    cache.extend_source(new_ids, turn.next_position)
+    trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
 
     # 4-5. decode, HF's way
     out = _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
@@ -351,41 +321,39 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
         pad_token_id = pad_token_id.to(input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     generated = 0
-    step_lock = model_lock(adapter.model)
     while True:
-        with step_lock:  # one decode step at a time per model (see model_lock)
-            next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
-            next_token_scores = logits_processor(input_ids, next_token_logits)
-            if scores is not None:
-                scores += (next_token_scores,)
-            if raw_logits is not None:
-                raw_logits += (next_token_logits,)
-            if generation_config.do_sample:
-                probs = nn.functional.softmax(next_token_scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-            else:
-                next_tokens = torch.argmax(next_token_scores, dim=-1)
-            if has_eos_stopping_criteria and pad_token_id is not None:
-                next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            generated += 1
-            # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
-            # stopping check, so that this host work overlaps the device's; nothing in the cache changes until `run`
-            step = _DecodeForward.build(adapter, cache, plan, config, next_tokens, generated, first_generated_position,
-                                        input_ids.shape[1])
-            # Everything so far was only launched and queues behind the last forward; the stopping check is
-            # launched too, then one wait for all of it. The token's host copy is taken after that wait (behind
-            # the next forward, `.cpu()` would wait for that forward as well).
-            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-            finished = bool(unfinished.max() == 0)
-            token_host = next_tokens.cpu()
-            if streamer is not None:
-                streamer.put(token_host)
-            if finished:
-                break
-            logits = step.run(adapter, cache)
-            cache.extend_source(token_host, step.position + 1)
-            trace.restored_per_forward.append(step.restored)
+        next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_token_scores = logits_processor(input_ids, next_token_logits)
+        if scores is not None:
+            scores += (next_token_scores,)
+        if raw_logits is not None:
+            raw_logits += (next_token_logits,)
+        if generation_config.do_sample:
+            probs = nn.functional.softmax(next_token_scores, dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_token_scores, dim=-1)
+        if has_eos_stopping_criteria and pad_token_id is not None:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        generated += 1
+        # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
+        # stopping check, so that this host work overlaps the device's; nothing in the cache changes until `run`
+        step = _DecodeForward.build(adapter, cache, plan, config, next_tokens, generated, first_generated_position,
+                                    input_ids.shape[1])
+        # Everything so far was only launched and queues behind the last forward; the stopping check is
+        # launched too, then one wait for all of it. The token's host copy is taken after that wait (behind
+        # the next forward, `.cpu()` would wait for that forward as well).
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        finished = bool(unfinished.max() == 0)
+        token_host = next_tokens.cpu()
+        if streamer is not None:
+            streamer.put(token_host)
+        if finished:
+            break
+        logits = step.run(adapter, cache)
+        cache.extend_source(token_host, step.position + 1)
+        trace.restored_per_forward.append(step.restored)
 
     if streamer is not None:
         streamer.end()

@@ -217,7 +217,7 @@ def test_disconnect_mid_stream_cancels_and_the_conversation_continues(client, se
     _wait(lambda: server.metrics.counters["cancelled"] > cancelled_before)
     (conv,) = [server.store.get(i) for i in server.store.ids() if i not in held_before]
     generated = conv.turns[0].token_ids
-    assert 2 <= generated.numel() < limit
+    assert 2 <= generated.numel() < limit and conv.turns[0].cancelled
     assert conv.cache.source_length == conv.sequences.shape[1] - 1  # consistent: the last token is not fed yet
     length = conv.length
     # what the server generated, special tokens included, so that the resent history has the same ids
@@ -357,44 +357,6 @@ def test_cli_rejects_bad_settings_before_loading():
     assert main(["serve", "--retention", "2"]) == 2
     assert main(["serve", "--max-cache-gb", "-1"]) == 2
     assert main(["serve", "--port", "0"]) == 2
-
-
-def test_steps_of_concurrent_conversations_never_overlap(served, dialogues, monkeypatch):
-    """Two clients at once: their engine forwards interleave one at a time under the model's step lock
-    (`generation.model_lock`), which a CUDA graph capture needs; a pause inside each forward invites overlap."""
-    from raincheck_hf import generation
-
-    inner, state, lock = generation._run_rows, {"now": 0, "most": 0, "steps": 0}, threading.Lock()
-
-    def observed(*args, **kwargs):
-        with lock:
-            state["now"] += 1
-            state["most"] = max(state["most"], state["now"])
-            state["steps"] += 1
-        try:
-            time.sleep(0.002)
-            return inner(*args, **kwargs)
-        finally:
-            with lock:
-                state["now"] -= 1
-
-    monkeypatch.setattr(generation, "_run_rows", observed)
-    errors = []
-
-    def run(i):
-        try:
-            c = openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
-            ask(c, [first_message(data_url(dialogues[i].image()), dialogues[i].turns[0].question)], max_tokens=24)
-        except BaseException as error:  # surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert state["steps"] >= 20 and state["most"] == 1
 
 
 def test_serve_benchmark_smoke(tmp_path):

@@ -4,10 +4,11 @@ Each request is checked (`protocol.parse_chat_request`), tokenized whole with th
 template, matched against the held conversations (`store.ConversationStore.checkout`) and answered
 by that conversation in a thread of its own: `Conversation`'s generate call continues the cache,
 so a follow-up prefills only its new tokens; after the answer the conversation's worker restores
-the deferred leftovers in idle time. Different conversations answer concurrently, their engine
-steps interleaving under the model's step lock (`generation.model_lock`). A client that goes away
-sets the request's cancel event, which a stopping criterion reads at the next step: generation
-stops between two forwards, so the cache stays consistent and the conversation stays held.
+the deferred leftovers in idle time. Different conversations answer concurrently on the one model
+(the engine is batch 1: their steps interleave on the device; the fast path keeps each thread's
+state apart and runs graph captures one at a time, `fast.scoping`). A client that goes away sets
+the turn's cancel event, `Conversation`'s own cancellation: generation stops at the next step,
+between two forwards, so the cache stays consistent and the conversation stays held.
 """
 
 import asyncio
@@ -62,19 +63,18 @@ class ServeSettings:
             raise ValueError("api_key must be a non-empty string (or None: no key)")
 
 
-class _Cancel(StoppingCriteria):
-    """Stops at the next step once ``event`` is set (the client went away), or at a stop string."""
+class _StopStrings(StoppingCriteria):
+    """Stops at the step whose token completes one of ``stop`` in the answer's text."""
 
-    def __init__(self, event: threading.Event, tokenizer, prompt_length: int, stop: list[str]):
-        self.event, self.tokenizer, self.prompt_length, self.stop = event, tokenizer, prompt_length, stop
-        self.stopped_by_string = False
+    def __init__(self, tokenizer, prompt_length: int, stop: list[str]):
+        self.tokenizer, self.prompt_length, self.stop = tokenizer, prompt_length, stop
+        self.stopped = False
 
     def __call__(self, input_ids, scores, **kwargs):
-        done = self.event.is_set()
-        if not done and self.stop:
+        if not self.stopped:
             text = self.tokenizer.decode(input_ids[0, self.prompt_length:], skip_special_tokens=True)
-            done = self.stopped_by_string = any(s in text for s in self.stop)
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+            self.stopped = any(s in text for s in self.stop)
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
 class _Sampling(LogitsProcessor):
@@ -152,7 +152,7 @@ class _Turn:
     reused: bool = False
     result: object = None
     error: BaseException | None = None
-    stopper: _Cancel | None = None
+    stopper: _StopStrings | None = None
     started: float = 0.0
 
 
@@ -220,8 +220,9 @@ class Server:
         turn.conversation, turn.cached, turn.reused = lent.conversation, lent.cached, lent.reused
         request = turn.request
         kwargs = dict(request.generate_kwargs)
-        turn.stopper = _Cancel(turn.cancel, self.processor.tokenizer, turn.prompt_tokens, request.stop)
-        kwargs["stopping_criteria"] = StoppingCriteriaList([turn.stopper])
+        turn.stopper = _StopStrings(self.processor.tokenizer, turn.prompt_tokens, request.stop)
+        if request.stop:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([turn.stopper])
         kwargs["logits_processor"] = LogitsProcessorList(self._processors(request, kwargs))
         inputs = self._new_media_only(turn) if turn.reused else turn.inputs
 
@@ -229,7 +230,8 @@ class Server:
             conv = turn.conversation
             try:
                 turn.started = time.perf_counter()
-                turn.result = conv.answer(inputs, turn.digests, _Pieces(self.processor.tokenizer, emit), kwargs)
+                turn.result = conv.answer(inputs, turn.digests, _Pieces(self.processor.tokenizer, emit), kwargs,
+                                          turn.cancel)
             except BaseException as error:  # reported to the client; the cache may be half-written: drop it
                 turn.error = error
                 self.store.discard(conv)
@@ -264,7 +266,7 @@ class Server:
         self.metrics.add(prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached,
                          completion_tokens=len(result.token_ids), restored_during_answer=result.restored_during_answer,
                          restored_at_prefill=int(result.trace.restored_per_forward[0].numel()),
-                         cancelled=int(turn.cancel.is_set()))
+                         cancelled=int(result.cancelled))
         self.metrics.turn(self.time_to_first_token(turn), result.token_times)
 
     def time_to_first_token(self, turn: _Turn) -> float:
@@ -274,7 +276,7 @@ class Server:
     # ---- the response -------------------------------------------------------------------------
     def finish_reason(self, turn: _Turn) -> str:
         ids = turn.result.token_ids
-        if turn.stopper.stopped_by_string or (len(ids) and int(ids[-1]) in self.eos_ids):
+        if turn.stopper.stopped or (len(ids) and int(ids[-1]) in self.eos_ids):
             return "stop"
         if len(ids) >= turn.request.generate_kwargs["max_new_tokens"]:
             return "length"

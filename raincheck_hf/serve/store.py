@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..configuration import RaincheckConfig
-from ..conversation import Conversation, TurnResult
+from ..conversation import Conversation, TurnResult, _CancelRequest
 
 
 class ServedConversation(Conversation):
@@ -34,9 +34,20 @@ class ServedConversation(Conversation):
         self.id = conversation_id
         self.digests: tuple[str, ...] = ()
 
-    def answer(self, inputs: dict, digests: tuple[str, ...], streamer, generate_kwargs: dict) -> TurnResult:
-        """One turn: ``inputs`` holds the whole dialogue's ``input_ids`` and this turn's new pixels only."""
-        result = self._run(inputs, streamer, generate_kwargs)
+    def answer(self, inputs: dict, digests: tuple[str, ...], streamer, generate_kwargs: dict,
+               cancel: threading.Event) -> TurnResult:
+        """One turn: ``inputs`` holds the whole dialogue's ``input_ids`` and this turn's new pixels only.
+
+        ``cancel`` is the turn's cancellation event (`Conversation.cancel` sets the same one): set,
+        even before the turn starts, it stops the answer at its next step.
+        """
+        with self._ask_lock:
+            if self._failed is not None:
+                raise RuntimeError(f"an earlier turn of this conversation failed: {self._failed}")
+            request = _CancelRequest()
+            request.event = cancel
+            self._request = request
+            result = self._run(inputs, streamer, generate_kwargs, request)
         self.digests = digests
         return result
 
