@@ -302,8 +302,17 @@ def main(argv=None) -> int:
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--idle-wait", type=float, default=5.0, help="seconds to let restoration run between turns")
     c.add_argument("--device", default=None)
+    from .serve.cli import DESCRIPTION as SERVE_DESCRIPTION, add_arguments as add_serve_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server that keeps each conversation's cache",
+                       description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(s)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            from .serve.cli import serve
+
+            return serve(args)
         return chat(args)
     except ValueError as error:  # bad settings: say what and stop, no traceback
         print(f"[raincheck] {error}", file=sys.stderr)

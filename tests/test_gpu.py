@@ -340,3 +340,56 @@ def test_cuda_cancelled_stream_then_follow_up(cuda_model, processor):
         assert torch.equal(conv.sequences[0, -5:].cpu(), stopped.token_ids)
         follow = conv.ask("And now?", max_new_tokens=6)
         assert follow.token_ids.numel() > 0 and not follow.cancelled
+
+
+def test_cuda_server_parallel_clients_equal_sequential_conversations():
+    """The OpenAI-compatible server on CUDA (fast path: graph captures on first use) with four clients at
+    once, each a three-turn dialogue: every answer equals `Conversation`'s, run alone, on the same model."""
+    import base64
+    import io
+    import threading
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from raincheck_hf.quality import load_bundled
+    from raincheck_hf.quality.glyphs import benchmark_split
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    model, processor = load_bundled("qwen3_vl", device="cuda")
+    raincheck_hf.enable(model)
+    dialogues = benchmark_split("dev", limit=4)
+    got, errors = {}, []
+
+    def data_url(image):
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    def run(i, base):
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+            d, messages, answers = dialogues[i], [], []
+            for k, turn in enumerate(d.turns[:3]):
+                content = [{"type": "image_url", "image_url": {"url": data_url(d.image())}}] if k == 0 else []
+                messages.append({"role": "user", "content": content + [{"type": "text", "text": turn.question}]})
+                reply = client.chat.completions.create(model="qwen3_vl", messages=messages, max_tokens=64, temperature=0)
+                answers.append(reply.choices[0].message.content)
+                assert k == 0 or reply.usage.prompt_tokens_details.cached_tokens > 0
+                messages.append({"role": "assistant", "content": answers[-1]})
+            got[i] = answers
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    with running(create_app(model, processor, ServeSettings())) as base:
+        threads = [threading.Thread(target=run, args=(i, base)) for i in range(len(dialogues))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for i, d in enumerate(dialogues):
+        with raincheck_hf.Conversation(model, processor, RaincheckConfig(), background=False) as chat:
+            want = [chat.ask(t.question, images=[d.image()] if k == 0 else [], max_new_tokens=64).text
+                    for k, t in enumerate(d.turns[:3])]
+        assert got[i] == want, i

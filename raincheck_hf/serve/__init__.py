@@ -1,0 +1,18 @@
+"""An OpenAI-compatible multi-turn server that keeps each conversation's Raincheck cache.
+
+``python -m raincheck_hf serve`` (needs the ``serve`` extra: FastAPI + uvicorn). A follow-up that
+resends the dialogue continues the held conversation whose token ids are its longest prefix
+(images and videos compared by content hash), so it prefills only its own new tokens; between
+requests each conversation's worker restores the deferred tokens in idle time. See
+``docs/serving.md``.
+
+Layout: `protocol` (the request, checked), `store` (held conversations: matching, eviction),
+`app` (the routes, streaming, cancellation), `metrics` (Prometheus text), `cli` (the command).
+"""
+
+from .app import ServeSettings, Server, create_app, running
+from .protocol import APIError, parse_chat_request
+from .store import ConversationStore, ServedConversation, cache_nbytes
+
+__all__ = ["APIError", "ConversationStore", "ServeSettings", "ServedConversation", "Server", "cache_nbytes",
+           "create_app", "parse_chat_request", "running"]

@@ -1,0 +1,102 @@
+"""``python -m raincheck_hf serve``: its options and the run (uvicorn in the foreground)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+DESCRIPTION = """\
+An OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics)
+that keeps each conversation's Raincheck cache between requests: a follow-up that resends the
+dialogue prefills only its new turn (usage.prompt_tokens_details.cached_tokens says how much was
+reused), and the deferred visual tokens are restored in idle time between requests.
+
+Models (--model): qwen3_vl (default, the bundled glyph Qwen3-VL, offline), qwen3_5, tiny (random
+weights), or a local Qwen3-VL / Qwen3.5 checkpoint folder. Needs the serve extra:
+pip install -e ".[serve]"."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="qwen3_vl (default) | qwen3_5 | tiny | a checkpoint folder")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the id clients send as `model` (default: the --model value)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network: set --api-key)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    parser.add_argument("--max-cache-gb", type=float, default=None,
+                        help="memory budget of the held conversations' caches; least recently used evicted first "
+                             "(default: unbounded)")
+    parser.add_argument("--media-root", default=None,
+                        help="allow file:// image / video URLs under this folder (default: file URLs refused)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="answer length when a request sets none")
+    parser.add_argument("--mode", default="raincheck", help="default mode: full | hard | post_answer | raincheck | serial")
+    parser.add_argument("--selector", default="mmtok")
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--log-level", default="info", help="uvicorn's log level (debug | info | warning | error)")
+
+
+def settings_from(args):
+    """`ServeSettings` from the parsed options; ValueError naming a bad one, before anything is loaded."""
+    from ..configuration import RaincheckConfig
+    from .app import ServeSettings
+    from .protocol import media_root_from
+
+    config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
+                             selector=args.selector, mode=args.mode)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_cache_gb is not None and args.max_cache_gb < 0:
+        raise ValueError(f"--max-cache-gb must be >= 0, got {args.max_cache_gb}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    if args.media_root is not None:
+        from pathlib import Path
+
+        if not Path(args.media_root).is_dir():
+            raise ValueError(f"--media-root must be an existing folder, got {args.media_root!r}")
+    return ServeSettings(
+        model_name=args.served_model_name or args.model or "qwen3_vl",
+        config=config,
+        max_cache_bytes=None if args.max_cache_gb is None else int(args.max_cache_gb * 2**30),
+        api_key=args.api_key,
+        media_root=media_root_from(args.media_root),
+        max_tokens=args.max_tokens,
+    )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(args) -> int:
+    settings = settings_from(args)
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as error:
+        raise SystemExit(f"[raincheck] serve needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"")
+    import torch
+
+    from ..__main__ import _load, _note_fallbacks
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, processor, _, _ = _load(args.model, device)
+    _note_fallbacks(model)
+    if not _loopback(args.host) and settings.api_key is None:
+        print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
+              file=sys.stderr)
+    print(f"[raincheck] OpenAI-compatible API at http://{args.host}:{args.port}/v1 (model id "
+          f"{settings.model_name!r})", file=sys.stderr)
+    uvicorn.run(create_app(model, processor, settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
