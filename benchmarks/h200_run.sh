@@ -12,6 +12,8 @@
 #                                     # selector (Qwen3-VL-8B image + 64-frame video); Qwen3-VL-8B image latency with
 #                                     # the default settings (selector mmtok)
 #   bash benchmarks/h200_run.sh selectors35  # the same for Qwen3.5-9B (image)
+#   bash benchmarks/h200_run.sh wave  # every GPU test, Qwen3.5-9B latency (default settings), the server against the
+#                                     # library, Qwen3-VL-30B-A3B latency (short): the last runs of issues 15, 18-20
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,6 +22,24 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+wave)
+    # this wave's GPU checks and runs in one device call, each part bounded so that the next still runs:
+    # every GPU test; Qwen3.5-9B image latency with the default settings; the server against the library
+    # (issue 19); Qwen3-VL-30B-A3B (MoE) image latency, short
+    timeout 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
+    tail -4 "$OUT/test_gpu_h200.log"
+    timeout 170 python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 64 \
+        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s 80 --variants stock_dynamic,full,hard,raincheck \
+        --json "$OUT/latency_qwen3_5_9b_image_mmtok_h200.json" > "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log"
+    timeout 110 python3 -m raincheck_hf.bench serve --model qwen3_vl_8b --answer-tokens 64 --follow-up-tokens 16 \
+        --reps 1 --think-s 1 --json "$OUT/serve_qwen3_vl_8b_h200.json" > "$OUT/serve_qwen3_vl_8b_h200.log" 2>&1
+    tail -14 "$OUT/serve_qwen3_vl_8b_h200.log"
+    timeout 100 python3 -m raincheck_hf.bench latency --model qwen3_vl_30b_a3b --input image --turns 1 --answer-tokens 32 \
+        --chunk-sizes 7 --reps 1 --budget-s 40 --variants stock_dynamic,full,hard,raincheck \
+        --json "$OUT/latency_qwen3_vl_30b_a3b_image_h200.json" > "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log"
+    ;;
 selectors)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
     tail -3 "$OUT/test_gpu_selectors_h200.log"
