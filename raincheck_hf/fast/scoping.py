@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..patching import CountedPatches
+
 CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
 
 
@@ -43,8 +45,7 @@ class StepScope:
 
 
 _ACTIVE: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("raincheck_fast_step", default=None)
-_INSTALL_LOCK = threading.Lock()
-_INSTALLED: dict[int, list] = {}  # id(module) -> [users, undo callback]
+_PATCHES = CountedPatches()  # attention config views and DeepStack hooks (counted per instance)
 
 
 def active_scope() -> StepScope | None:
@@ -107,26 +108,6 @@ def _hook_deepstack(module):
     return module.register_forward_hook(_deepstack_hook).remove
 
 
-def _install(module, apply) -> None:
-    with _INSTALL_LOCK:
-        entry = _INSTALLED.get(id(module))
-        if entry is not None:
-            entry[0] += 1
-        else:
-            _INSTALLED[id(module)] = [1, apply(module)]
-
-
-def _uninstall(module) -> None:
-    with _INSTALL_LOCK:
-        entry = _INSTALLED.get(id(module))
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            entry[1]()
-            del _INSTALLED[id(module)]
-
-
 @contextlib.contextmanager
 def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None):
     """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
@@ -142,10 +123,10 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
     installed, token = [], None
     try:
         for module in attention:
-            _install(module, _view_config)
+            _PATCHES.acquire(module, _view_config)
             installed.append(module)
         for module in layers:
-            _install(module, _hook_deepstack)
+            _PATCHES.acquire(module, _hook_deepstack)
             installed.append(module)
         token = _ACTIVE.set(StepScope(frozenset(id(m) for m in attention),
                                       {id(layer): a for layer, a in zip(layers, addends)}))
@@ -154,4 +135,4 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
         if token is not None:
             _ACTIVE.reset(token)
         for module in reversed(installed):
-            _uninstall(module)
+            _PATCHES.release(module)

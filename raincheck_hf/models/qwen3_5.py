@@ -59,6 +59,7 @@ import torch
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
 from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
+from ..patching import CountedPatches
 from .base import ModelAdapter, RowBatch
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
@@ -123,8 +124,7 @@ class _StreamContext:
 # The active engine forward of *this* thread (or task): the dispatchers below read it, so a stock
 # forward of the same model in another thread, while a Raincheck forward runs, is left untouched.
 _ACTIVE: contextvars.ContextVar[_StreamContext | None] = contextvars.ContextVar("raincheck_gdn_forward", default=None)
-_INSTALL_LOCK = threading.Lock()
-_INSTALLED: dict[int, list] = {}  # id(module) -> [users, restore callbacks]
+_PATCHES = CountedPatches()  # the GDN modules routed through the dispatchers (counted per instance)
 
 
 def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
@@ -231,30 +231,26 @@ def _swap_forward(module, new_forward):
     return restore
 
 
+def _patch(module):
+    """Route ``module``'s and its input projections' forwards through the dispatchers; returns the undo."""
+    restores = [_swap_forward(module, functools.partial(_dispatch_gdn, module, module.forward))]
+    for name in _IN_PROJECTIONS:
+        proj = getattr(module, name)
+        restores.append(_swap_forward(proj, functools.partial(_dispatch_projection, proj, proj.forward, name)))
+
+    def undo():
+        for restore in reversed(restores):
+            restore()
+
+    return undo
+
+
 def _install(module) -> None:
-    """Route ``module``'s and its input projections' forwards through the dispatchers (counted)."""
-    with _INSTALL_LOCK:
-        entry = _INSTALLED.get(id(module))
-        if entry is not None:
-            entry[0] += 1
-            return
-        restores = [_swap_forward(module, functools.partial(_dispatch_gdn, module, module.forward))]
-        for name in _IN_PROJECTIONS:
-            proj = getattr(module, name)
-            restores.append(_swap_forward(proj, functools.partial(_dispatch_projection, proj, proj.forward, name)))
-        _INSTALLED[id(module)] = [1, restores]
+    _PATCHES.acquire(module, _patch)
 
 
 def _uninstall(module) -> None:
-    with _INSTALL_LOCK:
-        entry = _INSTALLED.get(id(module))
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            for restore in reversed(entry[1]):
-                restore()
-            del _INSTALLED[id(module)]
+    _PATCHES.release(module)
 
 
 class _DeferredGDNStreams(contextlib.AbstractContextManager):
