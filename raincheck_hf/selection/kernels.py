@@ -18,9 +18,11 @@ One step, for every segment ``b`` of the batch and a block of candidate columns 
    first-maximum rule that the references use.
 
 State a step must not read while it is written (mmtok's coverage, cdpruner's residual gains) is
-double-buffered by step parity. The arithmetic is the references' (same formulas, float32); only the
-order of a few float32 sums differs, so indices agree except on candidates whose scores tie to the
-last bit, which tests with random inputs check.
+double-buffered by step parity. The arithmetic is the references': divprune's is exact (minima only);
+mmtok's gains are sums of many terms, so both sides sum them in float64 and round to float32 once (the
+order of the sum then moves a gain by ~1e-16, never across a float32 step in practice); cdpruner's
+Cholesky dot products are float32 in both, in another order, which tests with random inputs check
+(identical indices at the sizes used, ties to the lowest index).
 
 CPU tests run these kernels through Triton's interpreter (``TRITON_INTERPRET=1``); the CUDA graphs
 are tested on a GPU (`tests/test_gpu.py`).
