@@ -25,21 +25,21 @@ case "${1:-vl}" in
 wave)
     # this wave's GPU checks and runs in one device call, each part bounded so that the next still runs:
     # every GPU test; Qwen3.5-9B image latency with the default settings; the server against the library
-    # (issue 19); Qwen3-VL-30B-A3B (MoE) image latency, short
-    timeout 170 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
+    # (issue 19); then, if the call's time allows, the greedy selectors again and Qwen3-VL-30B-A3B (MoE)
+    timeout 140 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider > "$OUT/test_gpu_h200.log" 2>&1
     tail -4 "$OUT/test_gpu_h200.log"
-    timeout 140 python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 64 \
-        --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s 60 --variants stock_dynamic,full,hard,raincheck \
+    timeout 120 python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 --answer-tokens 48 \
+        --follow-up-tokens 16 --chunk-sizes 31 --reps 1 --budget-s 40 --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_5_9b_image_mmtok_h200.json" > "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_5_9b_image_mmtok_h200.log"
-    timeout 100 python3 -m raincheck_hf.bench serve --model qwen3_vl_8b --answer-tokens 64 --follow-up-tokens 16 \
+    timeout 90 python3 -m raincheck_hf.bench serve --model qwen3_vl_8b --answer-tokens 64 --follow-up-tokens 16 \
         --reps 1 --think-s 1 --json "$OUT/serve_qwen3_vl_8b_h200.json" > "$OUT/serve_qwen3_vl_8b_h200.log" 2>&1
     tail -14 "$OUT/serve_qwen3_vl_8b_h200.log"
-    timeout 50 python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video \
+    timeout "${MORE_S:-50}" python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video \
         --selectors uniform,mmtok,divprune,cdpruner --out "$OUT/selectors_greedy_qwen3_vl_8b_h200.json" 2>&1 \
         | grep -v Warn | tail -16
-    timeout 80 python3 -m raincheck_hf.bench latency --model qwen3_vl_30b_a3b --input image --turns 1 --answer-tokens 32 \
-        --chunk-sizes 7 --reps 1 --budget-s 40 --variants stock_dynamic,full,hard,raincheck \
+    timeout "${MORE_S:-80}" python3 -m raincheck_hf.bench latency --model qwen3_vl_30b_a3b --input image --turns 1 \
+        --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 40 --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_vl_30b_a3b_image_h200.json" > "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log"
     ;;
