@@ -12,7 +12,10 @@ Models (``--model``):
   qwen3_vl   the bundled glyph Qwen3-VL (default)
   qwen3_5    the bundled glyph Qwen3.5 (Gated DeltaNet + attention)
   tiny       a tiny Qwen3-VL built in code with RANDOM weights (gibberish; the mechanics are real)
-  PATH / ID  a real Qwen3-VL or Qwen3.5 checkpoint (a local folder; these machines cannot download)
+  PATH / ID  a real Qwen3-VL or Qwen3.5 checkpoint: a local folder (config.json, *.safetensors and the
+             processor's files, as `save_pretrained` writes them) or a Hub id, which is downloaded
+             when the Hub can be reached and fails within seconds when it cannot (see README.md,
+             "A real checkpoint")
 
 The bundled models know only the glyph task: n x n grids of 32 px cells, each a glyph g0..g11 in
 one of 10 colours over a grey background (dark, dim, pale, light), and a word-level vocabulary of
@@ -22,14 +25,17 @@ a few dozen words (any other word reads as <unk>). Ask them, e.g.:
 
 Interactive (``--interactive``, or an --image / --model checkpoint without --question): type a
 question; ``/image PATH`` attaches an image to the next question, ``/grid N`` attaches the grid of
-dev dialogue N (and shows its questions), ``/quit`` ends.
+dev dialogue N (and shows its questions), ``/help`` lists the commands, ``/quit`` ends. A command
+that fails (a missing or unreadable image, an unknown command) says why; the conversation goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import unicodedata
 
 from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid, words_of
 
@@ -52,6 +58,50 @@ def resolve_model(name: str | None) -> tuple[str, str]:
     if key.lower() in TINY_ALIASES:
         return "tiny", "tiny"
     return "checkpoint", key
+
+
+class CheckpointError(ValueError):
+    """A checkpoint name that cannot be loaded here; the message says why and what to do instead."""
+
+
+CHECKPOINT_HELP = ("Give a local folder holding the checkpoint (config.json, the *.safetensors weights and the "
+                   "processor's files, as `save_pretrained` writes them; README.md, \"A real checkpoint\"), or a "
+                   "bundled model: qwen3_vl or qwen3_5 (the glyph models, offline), or tiny (random weights).")
+
+
+def locate_checkpoint(name: str, timeout: float = 3.0) -> tuple[str, bool]:
+    """``(path_or_id, local_files_only)`` for a checkpoint, or a `CheckpointError` within seconds.
+
+    A local folder must hold ``config.json``. A Hub id is loaded from the local Hugging Face cache
+    when the Hub cannot be reached (``HF_HUB_OFFLINE=1``, or a ``timeout``-second probe fails), and
+    fails at once when it is not cached, instead of after ``from_pretrained``'s retries.
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"{name!r} is a folder without config.json, so it is not a checkpoint. "
+                                  + CHECKPOINT_HELP)
+        return path, True
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:  # a path, not "org/name"
+        raise CheckpointError(f"there is no folder {name!r}. " + CHECKPOINT_HELP)
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cached = isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return name, True
+        raise CheckpointError(f"{name!r} is not a local folder and not in the Hugging Face cache, and the Hub is "
+                              "off (HF_HUB_OFFLINE is set). " + CHECKPOINT_HELP)
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=timeout)
+    except Exception as error:  # no network, DNS, timeout, not found, gated
+        if cached:
+            return name, True
+        reason = " ".join(str(error).split())[:200]
+        raise CheckpointError(f"{name!r} is not a local folder, not in the Hugging Face cache, and the Hub did not "
+                              f"give it ({type(error).__name__}: {reason}). " + CHECKPOINT_HELP) from error
+    return name, False
 
 
 def count_parameters(model) -> int:
@@ -88,14 +138,19 @@ def _load(model_id: str | None, device: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     try:
-        processor = AutoProcessor.from_pretrained(name)
+        source, local_only = locate_checkpoint(name)
+    except CheckpointError as error:
+        raise SystemExit(f"[raincheck] could not load --model {name}: {error}")
+    print(f"[raincheck] loading {name}{'' if local_only else ' (downloading from the Hub if needed)'}...",
+          file=sys.stderr)
+    try:
+        processor = AutoProcessor.from_pretrained(source, local_files_only=local_only)
         model = AutoModelForImageTextToText.from_pretrained(
-            name, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, attn_implementation="sdpa"
+            source, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, attn_implementation="sdpa",
+            local_files_only=local_only,
         ).to(device)
     except OSError as error:
-        raise SystemExit(f"[raincheck] could not load {name!r}: {error}\n"
-                         "Pass a local directory (these machines cannot download from the Hub), or a bundled "
-                         f"model ({', '.join(BUNDLED_TITLES)}), or omit --model.")
+        raise SystemExit(f"[raincheck] could not load --model {name}: {error}\n{CHECKPOINT_HELP}")
     return model.eval(), processor, kind, name
 
 
@@ -121,12 +176,23 @@ def _note_fallbacks(model) -> None:
 
 
 def _open_image(path):
+    """The image at ``path`` as RGB, or a ValueError saying why not."""
     from PIL import Image, UnidentifiedImageError
 
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise ValueError(f"there is no file {path!r}")
     try:
-        return Image.open(path).convert("RGB")
-    except (OSError, UnidentifiedImageError) as error:
-        raise SystemExit(f"[raincheck] --image {path!r} is not a readable image: {error}")
+        with Image.open(os.path.expanduser(path)) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{path!r} is not a readable image ({error})") from error
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (other than newline and tab) escaped, e.g. ``\\x1b``: a
+    random-weight model's answer may hold any byte, which a terminal would otherwise act on."""
+    return "".join(c if c in "\n\t" or not unicodedata.category(c).startswith("C") else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
 
 
 def unknown_words(tokenizer, text: str) -> list[str]:
@@ -139,8 +205,16 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 
 # ---- the chat -------------------------------------------------------------------------------------
 
-def _print_turn(result):
-    tpot = result.time_per_output_token * 1e3
+COMMANDS = ("Commands: /image PATH (attach an image to the next question), /grid N (attach the glyph grid of dev "
+            "dialogue N and list its questions), /help (this list), /quit (end). Anything else is a question.")
+BANNER = "[raincheck] interactive chat: type a question and press Enter. " + COMMANDS
+
+def turn_summary(result) -> str:
+    """The figures line printed after each answer."""
+    tpot = result.time_per_output_token
+    tokens = int(result.token_ids.numel())
+    timing = (f"tpot {tpot * 1e3:.1f} ms" if tpot == tpot else  # nan: fewer than two tokens
+              f"{tokens} token{'s' if tokens != 1 else ''}, no tpot")
     trace = result.trace
     selected, deferred, dropped = len(trace.selected), len(trace.deferred), len(trace.dropped)
     if selected + deferred == 0:
@@ -152,7 +226,9 @@ def _print_turn(result):
     else:
         restoration = (f"restored during the answer {result.restored_during_answer}, "
                        f"after it {result.restored_after_answer}, pending {result.pending}")
-    print(f"  [ttft {result.time_to_first_token * 1e3:.1f} ms | tpot {tpot:.1f} ms | {visual} | {restoration}]")
+    ttft = result.time_to_first_token
+    first = f"ttft {ttft * 1e3:.1f} ms" if ttft == ttft else "no tokens"
+    return f"  [{first} | {timing} | {visual} | {restoration}]"
 
 
 def _dev_dialogue(index: int):
@@ -180,14 +256,20 @@ def chat(args) -> int:
     model, processor, kind, _ = _load(args.model, device)
     bundled = kind == "bundled"
     _note_fallbacks(model)
-    images = [_open_image(p) for p in args.image]
+    try:
+        images = [_open_image(p) for p in args.image]
+    except ValueError as error:
+        raise ValueError(f"--image: {error}") from error
+    attached = [os.path.basename(p) for p in args.image]  # names of the images waiting for the next question
     videos = list(args.video)
+    attached += [os.path.basename(p) for p in videos]
     questions = list(args.question)
     cells = read_glyph_grid(images[0]) if len(images) == 1 else None  # references for the user's own grid
     scripted = False  # replaying the dev dialogue's own questions
     if not images and not videos and kind != "checkpoint":
         if bundled or args.glyphs:
             images, cells = [dialogue.image()], dialogue.cells
+            attached = [f"the grid of {dialogue.uid}"]
             what = f"the {dialogue.grid}x{dialogue.grid} glyph grid of dev dialogue {dialogue.uid}"
             if not questions:
                 asked = dialogue.turns[:args.turns or None]
@@ -198,11 +280,14 @@ def chat(args) -> int:
             print(f"[raincheck] no --image given: using {what}.", file=sys.stderr)
         else:
             images = [draw_test_image(256, 192, seed=0)]
+            attached = ["a generated 256x192 test image"]
             print("[raincheck] no --image given: using a generated 256x192 test image.", file=sys.stderr)
     if args.save_image and images:
         images[0].save(args.save_image)
         print(f"[raincheck] the first image is saved to {args.save_image}", file=sys.stderr)
     interactive = args.interactive or not questions
+    if interactive:
+        print(BANNER + (f"\n[raincheck] attached to the first question: {', '.join(attached)}" if attached else ""))
     with Conversation(model, processor, config, max_new_tokens=args.max_new_tokens) as conversation:
         turn = 0
         while True:
@@ -214,25 +299,40 @@ def chat(args) -> int:
                     text = input("\nyou> ").strip()
                 except EOFError:
                     break
-                if text in ("/quit", "/exit"):
-                    break
-                if text.startswith("/image "):
-                    image = _open_image(text.split(" ", 1)[1].strip())
-                    images.append(image)
-                    cells = read_glyph_grid(image) if len(images) == 1 else None
-                    print(f"[raincheck] image attached to the next question ({len(images)} pending)")
-                    continue
-                if text.startswith("/grid"):
-                    try:
-                        grid = _dev_dialogue(int(text.split()[1]) if len(text.split()) > 1 else 0)
-                    except ValueError as error:
-                        print(f"[raincheck] /grid N: {error}")
-                        continue
-                    images, cells = [grid.image()], grid.cells
-                    print(f"[raincheck] the grid of {grid.uid} is attached to the next question; its questions:\n  "
-                          + "\n  ".join(t.question for t in grid.turns))
-                    continue
                 if not text:
+                    continue
+                if text.startswith("/"):
+                    command, _, rest = text.partition(" ")
+                    if command in ("/quit", "/exit"):
+                        break
+                    if command == "/help":
+                        print(COMMANDS)
+                    elif command == "/image" and rest.strip():
+                        path = rest.strip()
+                        try:
+                            image = _open_image(path)
+                        except ValueError as error:
+                            print(f"[raincheck] /image: {error}; nothing attached. "
+                                  + (f"Pending: {', '.join(attached)}." if attached else ""))
+                            continue
+                        images.append(image)
+                        attached.append(os.path.basename(path))
+                        cells = read_glyph_grid(image) if len(images) == 1 else None
+                        print(f"[raincheck] attached to the next question: {', '.join(attached)} "
+                              f"({len(attached)} pending)")
+                    elif command == "/grid":
+                        try:
+                            grid = _dev_dialogue(int(rest) if rest.strip() else 0)
+                        except ValueError as error:
+                            print(f"[raincheck] /grid N: {str(error).replace('--dialogue', 'N')}")
+                            continue
+                        images, videos, cells = [grid.image()], [], grid.cells
+                        attached = [f"the grid of {grid.uid}"]
+                        print(f"[raincheck] the grid of {grid.uid} is attached to the next question (it replaces "
+                              "anything attached before); its questions:\n  "
+                              + "\n  ".join(t.question for t in grid.turns))
+                    else:
+                        print(f"[raincheck] unknown command {printable(text)!r} (not sent to the model). {COMMANDS}")
                     continue
             else:
                 break
@@ -248,16 +348,18 @@ def chat(args) -> int:
             print("assistant> ", end="", flush=True)
             streamed = conversation.ask(asked, images=images, videos=videos, stream=True)
             for piece in streamed:
-                print(piece, end="", flush=True)
+                print(printable(piece), end="", flush=True)
             result = streamed.result
+            if not result.text.strip():
+                print("(empty answer)", end="")
             print()
             reference = glyph_reference(cells, asked)
             if reference is not None:
                 print(f"reference> {reference.answer}   [{judge(reference, result.text)}]")
             elif missing_from_grid(cells, asked):
                 print(f"reference> none: {missing_from_grid(cells, asked)}")
-            _print_turn(result)
-            images, videos = [], []
+            print(turn_summary(result))
+            images, videos, attached = [], [], []
             if conversation.pending:
                 start = time.perf_counter()
                 # the turn's own count is updated just after the cache's (a consistent read: wait for both)
@@ -273,35 +375,70 @@ def chat(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each option's default after its help (unless the help
+    already says it, or there is none: a flag, a list that starts empty)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        empty = action.default is None or action.default is False or action.default == [] or \
+            action.default == argparse.SUPPRESS
+        if "default" not in text and not empty:
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_chat_arguments(c) -> None:
+    """The ``chat`` subcommand's options (each with its help, default and choices)."""
+    from . import available_selectors
+    from .configuration import MODES, RaincheckConfig
+
+    defaults = RaincheckConfig()
+    c.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
+                   help="qwen3_vl or qwen3_5 (the bundled glyph models) | tiny (random weights) | "
+                        "a local checkpoint folder or a Hub id")
+    c.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="image file for the first question (repeatable; default: a glyph grid, or a generated "
+                        "test image for --model tiny)")
+    c.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="video file for the first question (repeatable)")
+    c.add_argument("--question", action="append", default=[], metavar="TEXT",
+                   help="ask these questions in order instead of reading from stdin (repeatable; default: the "
+                        "dev dialogue's questions with a bundled model)")
+    c.add_argument("--interactive", action="store_true",
+                   help="after the given (or default) questions, keep reading questions and /commands from stdin")
+    c.add_argument("--dialogue", type=int, default=0, metavar="N",
+                   help="without --image: the dev-split dialogue whose grid (and questions) to use")
+    c.add_argument("--turns", type=int, default=2, metavar="N",
+                   help="without --image and --question: how many of the dialogue's questions to ask (0: all)")
+    c.add_argument("--glyphs", action="store_true", help="with --model tiny: use the glyph grid as the default image")
+    c.add_argument("--save-image", default=None, metavar="FILE", help="save the first image (e.g. the default grid)")
+    c.add_argument("--mode", default=defaults.mode, choices=MODES,
+                   help="full: no pruning · hard: drop the deferred tokens · post_answer: restore them after the "
+                        "answer · raincheck: during and after it · serial: raincheck with each chunk in a forward "
+                        "of its own")
+    c.add_argument("--selector", default=defaults.selector, choices=available_selectors(),
+                   help="which visual tokens are prefilled first")
+    c.add_argument("--retention", type=float, default=defaults.retention, metavar="R",
+                   help="fraction of each image / video slice prefilled first, in [0, 1]")
+    c.add_argument("--chunk-size", type=int, default=defaults.chunk_size, metavar="C",
+                   help="deferred tokens prefilled per decode step and per idle-time step (>= 1)")
+    c.add_argument("--decode-guard", type=int, default=defaults.decode_guard, metavar="G",
+                   help="tokens generated before the first chunk rides along (>= 0)")
+    c.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit per question")
+    c.add_argument("--idle-wait", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to let idle-time restoration run between turns before the figures are printed")
+    c.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raincheck_hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("chat", help="multi-turn chat with Raincheck", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--model", default=None,
-                   help="qwen3_vl (default) | qwen3_5 (the bundled glyph models) | tiny (random weights) | "
-                        "a local checkpoint folder or Hub id")
-    c.add_argument("--image", action="append", default=[], help="image file for the first question (repeatable)")
-    c.add_argument("--video", action="append", default=[], help="video file for the first question (repeatable)")
-    c.add_argument("--question", action="append", default=[],
-                   help="ask these questions in order instead of reading from stdin (repeatable)")
-    c.add_argument("--interactive", action="store_true",
-                   help="after the given (or default) questions, keep reading questions from stdin")
-    c.add_argument("--dialogue", type=int, default=0,
-                   help="without --image: the dev-split dialogue whose grid (and questions) to use (default 0)")
-    c.add_argument("--turns", type=int, default=2,
-                   help="without --image and --question: how many of its questions to ask (0: all; default 2)")
-    c.add_argument("--glyphs", action="store_true", help="with --model tiny: use the glyph grid as the default image")
-    c.add_argument("--save-image", default=None, metavar="FILE", help="save the first image (e.g. the default grid)")
-    c.add_argument("--mode", default="raincheck", help="full | hard | post_answer | raincheck | serial")
-    c.add_argument("--selector", default="mmtok")
-    c.add_argument("--retention", type=float, default=0.3)
-    c.add_argument("--chunk-size", type=int, default=31)
-    c.add_argument("--decode-guard", type=int, default=16)
-    c.add_argument("--max-new-tokens", type=int, default=64)
-    c.add_argument("--idle-wait", type=float, default=5.0, help="seconds to let restoration run between turns")
-    c.add_argument("--device", default=None)
+                       formatter_class=_HelpFormatter)
+    add_chat_arguments(c)
     from .serve.cli import DESCRIPTION as SERVE_DESCRIPTION, add_arguments as add_serve_arguments
 
     s = sub.add_parser("serve", help="OpenAI-compatible server that keeps each conversation's cache",
