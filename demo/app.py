@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from raincheck_hf.__main__ import resolve_model, unknown_words
+from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, resolve_model, unknown_words
 from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
 
 TINY_MODEL = "tiny-random (built in code)"
@@ -53,6 +53,9 @@ MAX_VIDEO_FRAMES = 16  # longer videos are sampled evenly down to this many fram
 DECODE_MAX_SIDE = 896  # video frames are decoded at most this large (processors shrink them further)
 OPEN_MAX_SIDE = 4096  # larger images are shrunk on open; the processor shrinks them further anyway
 PICTURE_WIDTH = 640
+REPLAY_FRAME_S = 0.06  # the timeline's replay: pause per frame
+TIMELINE_WAITING = ("Timeline: when a turn's restoration is done, drag the slider (or press *Replay*) to see which "
+                    "deferred patch came back at which generated token, and which after the answer.")
 
 TINY_NOTE = (
     "**Note: this is `tiny`, a Qwen3-VL built in code with random weights.** Its answers are gibberish; "
@@ -69,8 +72,9 @@ BUNDLED_NOTE = (
     "pixels) follows the model's. It is not a general VLM: for photos, pick a real Qwen3-VL checkpoint under "
     "*Settings*."
 )
-LEGEND_LABELS = [("selected", "prefilled first"), ("deferred", "deferred"), ("restored", "restored"),
-                 ("dropped", "dropped"), ("waiting", "prefilling")]
+LEGEND_LABELS = [("selected", "prefilled first"), ("deferred", "deferred"), ("during", "restored during answer"),
+                 ("after", "restored after it"), ("dropped", "dropped"), ("waiting", "prefilling")]
+STATES = tuple(state for state, _ in LEGEND_LABELS)
 FIGURE_HEADERS = ["turn", "visual tokens", "prefilled first", "TTFT (ms)", "TPOT (ms)",
                   "restored during answer", "restored after answer", "pending", "dropped"]
 
@@ -124,6 +128,14 @@ def model_choices(*first) -> list[tuple[str, str]]:
     return [(MODEL_LABELS.get(k, k), k) for k in keys]
 
 
+def is_loaded(name: str | None) -> bool:
+    """Whether `load_model` has ``name`` already (it returns at once)."""
+    try:
+        return model_key(name) in _MODELS
+    except ValueError:
+        return False
+
+
 def load_model(name: str | None) -> LoadedModel:
     """The model and processor for ``name`` (a bundled model, the tiny one, a Hub id or a local folder), cached.
 
@@ -155,13 +167,15 @@ def _load_uncached(key: str) -> LoadedModel:
         except (FileNotFoundError, OSError) as error:
             raise ModelLoadError(f"Could not load the bundled model **{key}**: {error}") from error
         return LoadedModel(key, raincheck_hf.enable(model), processor, is_tiny=False, bundled=True)
-    if key.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(key)):
-        raise ModelLoadError(f"Could not load model **{key}**: there is no such folder. Give a local folder with a "
-                             "Qwen3-VL checkpoint (config, weights and processor files), or a Hub id.")
+    try:  # within seconds: a folder without a checkpoint, or a Hub id neither cached nor reachable
+        source, local_only = locate_checkpoint(key)
+    except CheckpointError as error:
+        raise ModelLoadError(f"Could not load model **{key}**: {error}") from error
     try:
-        processor = AutoProcessor.from_pretrained(key)
+        processor = AutoProcessor.from_pretrained(source, local_files_only=local_only)
         model = AutoModelForImageTextToText.from_pretrained(
-            key, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa"
+            source, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa",
+            local_files_only=local_only,
         ).to(device).eval()
         raincheck_hf.enable(model)  # unsupported model classes fail here, naming the supported ones
     except Exception as error:  # OSError (not found / offline), ValueError (unsupported), ...
@@ -169,7 +183,8 @@ def _load_uncached(key: str) -> LoadedModel:
         detail = detail if len(detail) <= 400 else detail[:400] + " …"
         raise ModelLoadError(
             f"Could not load model **{key}**: {type(error).__name__}: {detail} — give a local folder with a "
-            "Qwen3-VL checkpoint (config, weights and processor files), or a Hub id this machine can download."
+            "Qwen3-VL or Qwen3.5 checkpoint (config.json, the *.safetensors weights and the processor's files; "
+            "demo/README.md, *A real checkpoint*), or a bundled model: qwen3_vl, qwen3_5."
         ) from error
     return LoadedModel(key, model, processor, is_tiny=False)
 
@@ -417,6 +432,8 @@ class VisualTurn:
     views: list  # SegmentView per trace segment, in source order
     start: int  # source position where the turn's new tokens begin (after the previous sequences)
     positions: list | None = None  # per view: source positions (from the trace once the turn ended)
+    during: set | None = None  # positions restored during the answer (from the trace once the turn ended)
+    result: object = None  # the turn's TurnResult once it ended
 
     def locate(self, cache, image_token_id: int, video_token_id: int) -> bool:
         """Find the views' source positions in the cache's token ids (once the turn is prefilled).
@@ -444,6 +461,7 @@ class VisualTurn:
         return True
 
     def use_trace(self, trace) -> None:
+        self.during = {int(p) for r in trace.restored_per_forward[1:] for p in r.tolist()}
         segments = list(trace.segments)
         if len(segments) == len(self.views) and all(
             tuple(grid) == tuple(view.grid) for (_, grid, _), view in zip(segments, self.views)
@@ -451,7 +469,11 @@ class VisualTurn:
             self.positions = [list(map(int, pos)) for _, _, pos in segments]
 
     def states(self, live: LiveStatus) -> list[list[str]]:
-        """Per view, per merged token (row-major): selected / deferred / restored / dropped / waiting."""
+        """Per view, per merged token (row-major): selected / deferred / during / after / dropped / waiting.
+
+        ``during`` and ``after``: restored during the answer, or after it (idle time, or the next
+        question's prefill). While the answer streams, everything restored so far is ``during``.
+        """
         if self.positions is None:
             return [["waiting"] * (v.grid[1] * v.grid[2]) for v in self.views]
         out = []
@@ -461,7 +483,7 @@ class VisualTurn:
                 if p in live.dropped:
                     row.append("dropped")
                 elif p in live.restored:
-                    row.append("restored")
+                    row.append("during" if self.during is None or p in self.during else "after")
                 elif p in live.pending or p not in live.in_cache:  # pending, or a chunk in flight
                     row.append("deferred")
                 else:
@@ -473,7 +495,8 @@ class VisualTurn:
 _FILL = {
     "selected": ((59, 130, 246, 70), (37, 99, 235, 255)),
     "deferred": ((15, 23, 42, 215), (51, 65, 85, 255)),
-    "restored": ((34, 197, 94, 120), (21, 128, 61, 255)),
+    "during": ((34, 197, 94, 120), (21, 128, 61, 255)),
+    "after": ((168, 85, 247, 110), (126, 34, 206, 255)),
     "dropped": ((239, 68, 68, 150), (185, 28, 28, 255)),
     "waiting": ((148, 163, 184, 110), None),
 }
@@ -517,7 +540,8 @@ def draw_picture(views, states, width: int = PICTURE_WIDTH, max_height: int = 48
             label.text((4, 3), view.label, fill=(15, 23, 42, 255), font=font)
         tiles.append(tile.convert("RGB"))
     rows = [tiles[i:i + cols] for i in range(0, n, cols)]
-    legend_h = 34
+    flat_states = [s for view in states for s in view]
+    legend_h = 8 + 22 * len(_legend_lines(flat_states, width))
     height = sum(max(t.height for t in row) for row in rows) + gap * (len(rows) - 1) + legend_h
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     x0 = (width - tile_w) // 2 if n == 1 else 0
@@ -526,8 +550,28 @@ def draw_picture(views, states, width: int = PICTURE_WIDTH, max_height: int = 48
         for j, tile in enumerate(row):
             canvas.paste(tile, (x0 + j * (tile_w + gap), y))
         y += max(t.height for t in row) + gap
-    _draw_legend(canvas, y + 4, [s for view in states for s in view])
+    _draw_legend(canvas, y + 4, flat_states)
     return canvas
+
+
+def _legend_lines(flat_states, width: int) -> list[list[tuple[str, str, int]]]:
+    """The legend's entries ``(state, text, x)``, wrapped into lines that fit ``width``."""
+    from PIL import ImageFont
+
+    font = ImageFont.load_default(size=14)
+    lines, x = [[]], 2
+    for state, label in LEGEND_LABELS:
+        count = flat_states.count(state)
+        if state in ("waiting", "during", "after") and not count:  # shown only when they occur
+            continue
+        text = f"{label} {count}"
+        size = 22 + int(font.getlength(text)) + 16
+        if x > 2 and x + size - 16 > width:
+            lines.append([])
+            x = 2
+        lines[-1].append((state, text, x))
+        x += size
+    return lines
 
 
 def _draw_legend(canvas, y: int, flat_states) -> None:
@@ -536,16 +580,128 @@ def _draw_legend(canvas, y: int, flat_states) -> None:
 
     draw = ImageDraw.Draw(canvas)
     font = ImageFont.load_default(size=14)
-    x = 2
-    for state, label in LEGEND_LABELS:
-        count = flat_states.count(state)
-        if state == "waiting" and not count:
+    for line in _legend_lines(flat_states, canvas.width):
+        for state, text, x in line:
+            fill, outline = _FILL[state]
+            draw.rectangle((x, y + 3, x + 16, y + 19), fill=fill[:3], outline=outline[:3] if outline else None,
+                           width=2)
+            draw.text((x + 22, y + 3), text, fill=(15, 23, 42), font=font)
+        y += 22
+
+
+# ---- the restoration timeline -------------------------------------------------------------------
+
+@dataclass
+class TimelineStep:
+    """One step of a turn's restoration: the deferred positions that came back in it."""
+
+    label: str  # "first token", "token 17", "idle chunk 2", "next question's prefill"
+    phase: str  # "prefill" (nothing restored yet), "during" (fused into a decode step), "after"
+    restored: list  # source positions restored at this step, in order
+
+
+def build_timeline(turn: VisualTurn, cache, chunk_size: int, next_result=None) -> list[TimelineStep]:
+    """Which of ``turn``'s deferred patches came back at which step, from its trace and the cache.
+
+    Step 0 is the first token (nothing restored: what the answer starts from). Step ``i`` (from 1)
+    is the decode step that consumed generated token ``i``, with the chunk fused into it (the trace's
+    ``restored_per_forward[i]``); then the chunks restored after the answer: idle-time chunks (the
+    cache stores them in restoration order, ``chunk_size`` at a time) and, when a follow-up came
+    first, the rest at the next question's prefill (``next_result``'s forward 0).
+    """
+    result = turn.result
+    if result is None or turn.positions is None:
+        return []
+    mine = {p for positions in turn.positions for p in positions}
+    steps = [TimelineStep("first token", "prefill", [])]
+    forwards = result.trace.restored_per_forward
+    for i, rows in enumerate(forwards[1:], 1):
+        steps.append(TimelineStep(f"token {i}", "during", [p for p in rows.tolist() if p in mine]))
+    during = {p for step in steps for p in step.restored}
+    at_next = []
+    if next_result is not None and next_result.trace.restored_per_forward:
+        at_next = [p for p in next_result.trace.restored_per_forward[0].tolist() if p in mine]
+    later = set(at_next)
+    after = [p for p in live_restored_order(cache) if p in mine and p not in during and p not in later]
+    for j in range(0, len(after), max(1, chunk_size)):
+        steps.append(TimelineStep(f"idle chunk {j // max(1, chunk_size) + 1}", "after", after[j:j + chunk_size]))
+    if at_next:
+        steps.append(TimelineStep("next question's prefill", "after", at_next))
+    return steps
+
+
+def live_restored_order(cache) -> list[int]:
+    """The restored deferred positions in the order they entered the cache (a consistent read)."""
+    for _ in range(100):
+        try:
+            return cache.restored_sources().tolist() if cache is not None else []
+        except (IndexError, RuntimeError):  # read while a forward appends rows; read again
+            time.sleep(0.001)
+    return []
+
+
+def timeline_states(turn: VisualTurn, steps: list[TimelineStep], upto: int, dropped=()) -> list[list[str]]:
+    """Per view, per merged token: the state after step ``upto`` of ``steps``."""
+    phase = {}
+    for step in steps[:upto + 1]:
+        for p in step.restored:
+            phase[p] = step.phase
+    deferred = {p for step in steps for p in step.restored}
+    dropped = set(dropped)
+    return [["dropped" if p in dropped else phase[p] if p in phase else "deferred" if p in deferred else "selected"
+             for p in positions] for positions in turn.positions]
+
+
+def describe_step(steps: list[TimelineStep], upto: int) -> str:
+    """One line for the scrubber: where it is and how much has come back by then."""
+    total = sum(len(s.restored) for s in steps)
+    answer = sum(1 for s in steps if s.phase != "after")  # the first token and the decode steps
+    step = steps[upto]
+    done = sum(len(s.restored) for s in steps[:upto + 1])
+    during = sum(len(s.restored) for s in steps[:upto + 1] if s.phase == "during")
+    if step.phase == "after":
+        where = f"**after the answer, {step.label}**"
+    elif upto == 0:
+        where = "**the first token** (the answer starts from the patches prefilled first)"
+    else:
+        where = f"**generated token {upto + 1} of {answer}** (decode step {upto})"
+    came = f"{len(step.restored)} came back in this step" if step.restored else "nothing came back in this step"
+    return (f"Timeline: {where}: {came}; {done} of {total} deferred patches restored so far "
+            f"({during} during the answer, {done - during} after it).")
+
+
+def draw_timeline(steps: list[TimelineStep], upto: int, width: int = PICTURE_WIDTH, height: int = 86):
+    """A strip: one bar per step (its height: patches restored then), green during the answer,
+    violet after it; a marker at step ``upto``."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    font = ImageFont.load_default(size=12)
+    left, right, top, bottom = 6, width - 6, 6, height - 22
+    n = len(steps)
+    most = max([len(s.restored) for s in steps] + [1])
+    step_w = (right - left) / max(n, 1)
+    answer_end = left + step_w * sum(1 for s in steps if s.phase != "after")
+    draw.rectangle((left, top, answer_end, bottom), fill=(240, 253, 244))
+    draw.rectangle((answer_end, top, right, bottom), fill=(250, 245, 255))
+    for i, step in enumerate(steps):
+        if not step.restored:
             continue
-        fill, outline = _FILL[state]
-        draw.rectangle((x, y + 3, x + 16, y + 19), fill=fill[:3], outline=outline[:3] if outline else None, width=2)
-        text = f"{label} {count}"
-        draw.text((x + 22, y + 3), text, fill=(15, 23, 42), font=font)
-        x += 22 + int(draw.textlength(text, font=font)) + 16
+        fill, outline = _FILL[step.phase]
+        h = max(2, round((bottom - top) * len(step.restored) / most))
+        x0 = left + step_w * i
+        draw.rectangle((x0 + (1 if step_w > 3 else 0), bottom - h, x0 + max(step_w - 1, 1), bottom),
+                       fill=outline[:3])
+    x = left + step_w * (upto + 0.5)
+    draw.line((x, top - 4, x, bottom + 2), fill=(15, 23, 42), width=2)
+    answer = sum(1 for s in steps if s.phase != "after")
+    draw.text((left, bottom + 5), f"answer: {answer} tokens", fill=(21, 128, 61), font=font)
+    if n > answer:
+        text = f"after the answer: {n - answer} step{'s' if n - answer != 1 else ''}"
+        draw.text((max(answer_end + 4, right - draw.textlength(text, font=font)), bottom + 5), text,
+                  fill=(126, 34, 206), font=font)
+    return canvas
 
 
 # ---- a browser session --------------------------------------------------------------------------
@@ -618,6 +774,8 @@ class Session:
         self.live: dict | None = None  # the turn being answered: number, start time, first-token time
         self.slow_motion_ms = 0
         self._drawn = None  # signature of the picture last sent
+        self._timeline_shown = None  # signature of the timeline last sent
+        self.busy = None  # what holds the lock: "answering", or "loading model X"
         self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
 
     # -- conversation lifecycle --
@@ -664,6 +822,15 @@ class Session:
         self.history.append({"role": "assistant", "content": text})
 
     # -- a turn --
+    def loading_step(self, wanted: Settings) -> Step | None:
+        """A note, shown at once, when ``wanted`` needs a model that is not loaded yet (it may take a while)."""
+        if wanted.model == self.settings.model and self.loaded is not None or is_loaded(wanted.model):
+            return None
+        self.busy = f"loading model {wanted.model}"
+        self.note(f"*Loading model **{wanted.model}**… A Hub id that is not on this machine is downloaded first "
+                  "(minutes for a large checkpoint); one that cannot be found fails within seconds.*")
+        return Step(picture=False, model_note=f"Loading model **{wanted.model}**…")
+
     def apply(self, wanted: Settings) -> Step | None:
         """Start a new conversation for changed settings; a model that cannot be loaded keeps the old one."""
         if wanted == self.settings:
@@ -686,6 +853,9 @@ class Session:
 
         Bad input gets a message in the chat and leaves the conversation as it was.
         """
+        loading = self.loading_step(wanted)
+        if loading is not None:
+            yield loading
         setup = self.apply(wanted)
         if setup is not None:
             yield setup
@@ -791,6 +961,7 @@ class Session:
             self.note(f"*No reference: {missing_from_grid(self.grid_cells, asked)}.*")
         if visual is not None:
             visual.use_trace(result.trace)
+            visual.result = result
         self.answering = False
         self.live = None
         yield Step(picture="force", timer=True, textbox="clear")
@@ -835,13 +1006,42 @@ class Session:
             turn.locate(self.cache, config.image_token_id, config.video_token_id)
         states = turn.states(live_status(self.cache))
         flat = [s for view in states for s in view]
-        counts = {name: flat.count(name) for name in ("selected", "deferred", "restored", "dropped", "waiting")}
+        counts = {name: flat.count(name) for name in STATES}
         signature = (id(turn), tuple(flat))
         changed = force or signature != self._drawn
         if not (draw and changed):
             return None, counts, changed
         self._drawn = signature
         return draw_picture(turn.views, states), counts, True
+
+    def timeline(self):
+        """``(turn, steps)``: the latest visual turn and its `build_timeline` once its restoration is
+        over (``steps`` is None while it answers or restores)."""
+        if not self.visual_turns:
+            return None, None
+        turn = self.visual_turns[-1]
+        if self.answering or turn.result is None or self.pending:
+            return turn, None
+        turns = self.conversation.turns if self.conversation is not None else []
+        following = turns[turn.number] if len(turns) > turn.number else None
+        return turn, build_timeline(turn, self.cache, self.settings.chunk_size, following)
+
+    def timeline_view(self, upto: int | None = None):
+        """``(picture, strip, text, upto, steps)`` for the timeline at step ``upto`` (default: the last)."""
+        turn, steps = self.timeline()
+        if not steps:
+            return None, None, None, 0, steps
+        upto = len(steps) - 1 if upto is None else max(0, min(int(upto), len(steps) - 1))
+        dropped = turn.result.trace.dropped.tolist()
+        picture = draw_picture(turn.views, timeline_states(turn, steps, upto, dropped))
+        if dropped:
+            text = (f"Timeline: mode `hard` dropped the {len(dropped)} deferred patches for good: nothing comes "
+                    "back, at any token.")
+        elif len(steps) == 1 or not any(step.restored for step in steps):
+            text = "Timeline: nothing was deferred in this turn, so nothing had to come back."
+        else:
+            text = describe_step(steps, upto)
+        return picture, draw_timeline(steps, upto), text, upto, steps
 
     def caption(self, counts) -> str:
         s = self.settings
@@ -850,10 +1050,13 @@ class Session:
             head += f" · slow motion {self.slow_motion_ms} ms/token (in the timings too)"
         if counts is None:
             return (f"{head}\n\nAttach an image or a video and ask about it: this panel shows which of its patches "
-                    "the model read first (blue), which it deferred (dark), and when they were restored (green); "
-                    "`hard` drops them for good (red).")
+                    "the model read first (blue), which it deferred (dark), which were restored while it answered "
+                    "(green) and which after the answer (violet); `hard` drops them for good (red). The timeline "
+                    "under it replays the restoration token by token.")
         if self.answering:
             state = "answering…"
+        elif self.busy and self.busy.startswith("loading"):
+            state = self.busy + "…"
         elif self.pending:
             state = f"answer done · restoring in idle time ({self.pending} pending)"
         elif counts["dropped"]:
@@ -865,7 +1068,8 @@ class Session:
             numbers = "prefilling the first tokens…"
         else:
             numbers = (f"{counts['selected']} prefilled first · {counts['deferred']} deferred · "
-                       f"{counts['restored']} restored · {counts['dropped']} dropped")
+                       f"{counts['during']} restored during the answer · {counts['after']} after it · "
+                       f"{counts['dropped']} dropped")
         return f"{head}\n\n**Turn {self.visual_turns[-1].number}** ({total} visual tokens): **{state}** — {numbers}"
 
     def figures(self):
@@ -874,9 +1078,13 @@ class Session:
         rows = []
         for i, r in enumerate(self.conversation.turns if self.conversation is not None else [], 1):
             tpot = r.time_per_output_token
-            rows.append([i, len(r.trace.selected) + len(r.trace.deferred), len(r.trace.selected),
-                         f"{r.time_to_first_token * 1e3:.1f}", "–" if math.isnan(tpot) else f"{tpot * 1e3:.1f}",
-                         r.restored_during_answer, r.restored_after_answer, r.pending, len(r.trace.dropped)])
+            ttft, tpot = (("–" if math.isnan(t) else f"{t * 1e3:.1f}") for t in (r.time_to_first_token, tpot))
+            visual = len(r.trace.selected) + len(r.trace.deferred)
+            if visual == 0:  # a follow-up without a new image: nothing of its own to defer or restore
+                rows.append([i, "no new visual tokens", "–", ttft, tpot, "–", "–", "–", "–"])
+                continue
+            rows.append([i, visual, len(r.trace.selected), ttft, tpot, r.restored_during_answer,
+                         r.restored_after_answer, r.pending, len(r.trace.dropped)])
         if self.live is not None:  # the turn being answered, from the live picture
             first = self.live["first"]
             ttft = "…" if first is None else f"{(first - self.live['start']) * 1e3:.1f}"
@@ -885,7 +1093,7 @@ class Session:
                 _, counts, _ = self.picture_and_counts(draw=False)
                 if not counts["waiting"]:
                     row[1:3] = [sum(counts.values()), counts["selected"]]
-                    row[5], row[7], row[8] = counts["restored"], counts["deferred"], counts["dropped"]
+                    row[5], row[7], row[8] = counts["during"], counts["deferred"], counts["dropped"]
             rows.append(row)
         return pd.DataFrame(rows, columns=FIGURE_HEADERS).astype(str)
 
@@ -910,6 +1118,11 @@ class Session:
                 for i, r in enumerate(turns, 1)
             ],
         }
+        _, steps = self.timeline()
+        if steps:  # the latest visual turn's restoration, step by step (steps where something came back)
+            out["timeline"] = {"steps": len(steps), "restored": [
+                {"step": i, "label": step.label, "phase": step.phase, "count": len(step.restored)}
+                for i, step in enumerate(steps) if step.restored]}
         if self.visual_turns:
             turn = self.visual_turns[-1]
             out["picture"] = {"turn": turn.number, "located": turn.positions is not None, "segments": [
@@ -930,9 +1143,129 @@ def _restored_once(cache) -> bool:
     return True
 
 
+def _compare_frame(rows):
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=COMPARE_HEADERS)
+
+
 def _close_session(session) -> None:
     if isinstance(session, Session):
         session.close()
+
+
+# ---- the four modes side by side ----------------------------------------------------------------
+
+COMPARE_MODES = ("full", "hard", "post_answer", "raincheck")
+COMPARE_HEADERS = ["mode", "answer", "follow-up", "T1 (ms)", "TPOT (ms)", "restored during answer",
+                   "restored after it", "dropped"]
+COMPARE_PICTURE_WIDTH = 320
+_WARM: set = set()  # (model, settings) pairs whose one-time costs (CUDA graph capture, ...) are paid
+_WARM_LOCK = threading.Lock()
+
+
+@dataclass
+class ModeRun:
+    """One mode's run of the comparison: its map, answer(s), scores and timings."""
+
+    mode: str
+    answer: str
+    score: str  # against the reference read off the grid ("18/20 facts right", "right"), or why there is none
+    reference: str | None
+    ttft: float
+    tpot: float
+    during: int
+    after: int
+    dropped: int
+    picture: object
+    follow_up: str | None = None
+    follow_up_score: str | None = None
+    follow_up_reference: str | None = None
+
+    def row(self) -> list[str]:
+        ms = ["–" if math.isnan(t) else f"{t * 1e3:.1f}" for t in (self.ttft, self.tpot)]
+        return [self.mode, self.score, self.follow_up_score or "–", *ms, str(self.during), str(self.after),
+                str(self.dropped)]
+
+    def markdown(self) -> str:
+        ms = ["–" if math.isnan(t) else f"{t * 1e3:.1f} ms" for t in (self.ttft, self.tpot)]
+        def said(answer, score, reference):
+            return (f"> {answer or '*(empty answer)*'}\n\n**{score}**"
+                    + (f" · reference: {reference}" if reference is not None else ""))
+
+        text = f"**{self.mode}** · T1 {ms[0]} · TPOT {ms[1]}\n\n{said(self.answer, self.score, self.reference)}"
+        if self.follow_up is not None:
+            text += "\n\nFollow-up:\n\n" + said(self.follow_up, self.follow_up_score, self.follow_up_reference)
+        return text
+
+
+def _score(cells, question: str, answer: str) -> tuple[str, str | None]:
+    """``(score, reference answer or None)`` for an answer to ``question`` about the grid ``cells``."""
+    reference = glyph_reference(cells, question)
+    if reference is not None:
+        return judge(reference, answer), reference.answer
+    missing = missing_from_grid(cells, question)
+    return (f"no reference: {missing}" if missing else "no reference (not a glyph-grid question)"), None
+
+
+def compare_modes(loaded: LoadedModel, path: str, question: str, follow_up: str, settings: Settings,
+                  max_new_tokens: int = 64):
+    """Run ``question`` (then ``follow_up``, if any) on the image or video at ``path`` in each of
+    `COMPARE_MODES`, one fresh `Conversation` each; yields a `ModeRun` per mode, in order.
+
+    Every mode gets the same settings, so ``hard``, ``post_answer`` and ``raincheck`` select the
+    same tokens. A mode's map shows where each patch ended up once its restoration was done:
+    prefilled first, restored during the answer, restored after it, or dropped. Before the first
+    comparison of a model and settings, a short unshown pass of each mode pays the one-time costs
+    (the CUDA fast path captures its graphs on first use), so that T1 and TPOT compare the modes.
+    Raises ValueError (a message for the visitor) for a file the model cannot take.
+    """
+    from raincheck_hf import Conversation
+
+    if not str(question or "").strip():
+        raise ValueError("Type a question to compare the modes on.")
+    if not path:
+        raise ValueError("Choose an image (or click the example) to compare the modes on.")
+    prepared = prepare_turn([path], loaded.processor)
+    if prepared.problems:
+        raise ValueError(" ".join(prepared.problems))
+    asked, follow = question.strip(), str(follow_up or "").strip() or None
+    if loaded.bundled:
+        asked, follow = asked.lower(), follow.lower() if follow else None
+    single = len(prepared.images) == 1 and not prepared.videos
+    cells = read_glyph_grid(prepared.images[0]) if single else None
+    config = loaded.model.config
+    vision_ids = [getattr(config, name, None) for name in
+                  ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")]
+    kwargs = {"suppress_tokens": [i for i in vision_ids if i is not None]}
+    media = {"images": prepared.images, "videos": prepared.videos, "video_fps": prepared.video_fps}
+    with _WARM_LOCK:
+        warm = (loaded.name, replace(settings, mode="raincheck")) in _WARM
+        _WARM.add((loaded.name, replace(settings, mode="raincheck")))
+    if not warm:
+        for mode in COMPARE_MODES:
+            with Conversation(loaded.model, loaded.processor, replace(settings, mode=mode).config(),
+                              background=False) as conversation:
+                conversation.ask(asked, max_new_tokens=settings.decode_guard + 2, **media, **kwargs)
+                conversation.complete()
+    for mode in COMPARE_MODES:
+        with Conversation(loaded.model, loaded.processor, replace(settings, mode=mode).config(),
+                          background=False) as conversation:
+            result = conversation.ask(asked, max_new_tokens=int(max_new_tokens), **media, **kwargs)
+            conversation.complete()  # what post_answer and raincheck restore after the answer
+            turn = VisualTurn(1, prepared.views, 0)
+            turn.use_trace(result.trace)
+            turn.locate(conversation.cache, config.image_token_id, config.video_token_id)
+            states = turn.states(live_status(conversation.cache))
+            picture = draw_picture(turn.views, states, width=COMPARE_PICTURE_WIDTH, max_height=260)
+            run = ModeRun(mode, result.text, *_score(cells, asked, result.text), result.time_to_first_token,
+                          result.time_per_output_token, result.restored_during_answer, result.restored_after_answer,
+                          len(result.trace.dropped), picture)
+            if follow:
+                second = conversation.ask(follow, max_new_tokens=int(max_new_tokens), **kwargs)
+                run.follow_up = second.text
+                run.follow_up_score, run.follow_up_reference = _score(cells, follow, second.text)
+        yield run
 
 
 # ---- examples -----------------------------------------------------------------------------------
@@ -1057,6 +1390,8 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                    ("Video: follow-up", "What changes between the first and the last frame?", None),
                    ("Tall image: one sentence", "Describe the picture in one sentence.", examples["tall"])]
         samples = [s for s in samples if not s[0].startswith("Video") or "video" in examples]
+    # the comparison's starting image and questions: the first example and its follow-up
+    compare_default = (samples[0][2], samples[0][1], samples[1][1])
     ChatTextbox = _chat_textbox_class()
 
     # sessions by Gradio's session hash, so that closing the tab closes its conversation right away
@@ -1080,40 +1415,85 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             "# Raincheck: deferred multimodal prefill\n"
             "The model reads only some of an image's tokens before it starts to answer (*prefilled first*). "
             "The rest are **deferred**: restored into the cache while it answers and in idle time afterwards, "
-            "so a follow-up question sees the whole image. Ask about an image or a video, then ask a follow-up."
+            "so a follow-up question sees the whole image. Ask about an image or a video, then ask a follow-up; "
+            "or open *Compare modes* to run one question through `full`, `hard`, `post_answer` and `raincheck` "
+            "side by side. How it works: `docs/method.md`."
             + (" With the bundled glyph model, click a grid's first question below, then its follow-up."
                if glyph_examples else "")
         )
         model_note = gr.Markdown(model_text, elem_id="rc-model-note")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=5, min_width=360):
-                chatbot = gr.Chatbot(label="Chat", elem_id="rc-chat", height=500, buttons=["copy"],
-                                     group_consecutive_messages=False,
-                                     placeholder=("Click an example below (a glyph grid and a benchmark question), "
-                                                  "or attach a grid and ask about it." if glyph_examples else
-                                                  "Attach an image or a video (or click an example below) and ask "
-                                                  "about it."))
-                textbox = ChatTextbox(file_types=["image", "video"], file_count="multiple", sources=["upload"],
-                                      placeholder=("e.g. what is the background of the red g3 ?" if glyph_examples
-                                                   else "Ask about an image or a video…"), show_label=False,
-                                      elem_id="rc-input", autofocus=True)
-                gr.Examples(examples=[[{"text": text, "files": [path] if path else []}] for _, text, path in samples],
-                            inputs=[textbox], example_labels=[label for label, _, _ in samples],
-                            label="Examples: a first question, then its follow-up")
-            with gr.Column(scale=4, min_width=320):
-                gr.Markdown("**What the model has in its cache**, patch by patch")
-                picture = gr.Image(label="What the model has in its cache", show_label=False, type="pil",
-                                   format="png", interactive=False, elem_id="rc-picture", buttons=["fullscreen"],
-                                   placeholder="The patches of your image appear here.")
-                caption = gr.Markdown(Session(start).caption(None), elem_id="rc-caption")
-        figures = gr.Dataframe(headers=FIGURE_HEADERS, label="Per turn: timings and restoration", interactive=False,
-                               elem_id="rc-figures")
+        with gr.Tabs(elem_id="rc-tabs"):
+            with gr.Tab("Chat", id="chat", elem_id="rc-tab-chat"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=5, min_width=360):
+                        chatbot = gr.Chatbot(label="Chat", elem_id="rc-chat", height=500, buttons=["copy"],
+                                             group_consecutive_messages=False,
+                                             placeholder=("Click an example below (a glyph grid and a benchmark "
+                                                          "question), or attach a grid and ask about it."
+                                                          if glyph_examples else
+                                                          "Attach an image or a video (or click an example below) "
+                                                          "and ask about it."))
+                        # any file type: the server reads each file itself and explains in the chat why one
+                        # that is not an image or a video cannot be used (the browser would only show a toast)
+                        textbox = ChatTextbox(file_types=None, file_count="multiple", sources=["upload"],
+                                              placeholder=("e.g. what is the background of the red g3 ?"
+                                                           if glyph_examples else "Ask about an image or a video…"),
+                                              show_label=False, elem_id="rc-input", autofocus=True)
+                        gr.Examples(examples=[[{"text": text, "files": [path] if path else []}]
+                                              for _, text, path in samples],
+                                    inputs=[textbox], example_labels=[label for label, _, _ in samples],
+                                    label="Examples: a first question, then its follow-up")
+                    with gr.Column(scale=4, min_width=320):
+                        gr.Markdown("**What the model has in its cache**, patch by patch")
+                        picture = gr.Image(label="What the model has in its cache", show_label=False, type="pil",
+                                           format="png", interactive=False, elem_id="rc-picture",
+                                           buttons=["fullscreen"], placeholder="The patches of your image appear here.")
+                        caption = gr.Markdown(Session(start).caption(None), elem_id="rc-caption")
+                        scrub = gr.Slider(0, 1, value=0, step=1, label="Timeline", interactive=False,
+                                          elem_id="rc-scrub",
+                                          info="drag to see which patch came back at which generated token")
+                        strip = gr.Image(show_label=False, type="pil", format="png", interactive=False,
+                                         elem_id="rc-timeline", buttons=[], height=96,
+                                         placeholder="The restoration timeline appears when a turn's is done.")
+                        with gr.Row():
+                            scrub_text = gr.Markdown(TIMELINE_WAITING, elem_id="rc-scrub-text")
+                            replay = gr.Button("▶ Replay", elem_id="rc-replay", scale=0, min_width=110, size="sm")
+                figures = gr.Dataframe(headers=FIGURE_HEADERS, label="Per turn: timings and restoration",
+                                       interactive=False, elem_id="rc-figures")
+            with gr.Tab("Compare modes", id="compare", elem_id="rc-tab-compare"):
+                gr.Markdown(
+                    "One question on one image through each mode, with the settings below (model, selector, "
+                    "retention, chunk size, decode guard, answer length; the *Mode* setting is what this varies). "
+                    "`hard`, `post_answer` and `raincheck` prefill the same selected patches first. Each map shows "
+                    "where every patch ended up: prefilled first (blue), restored during the answer (green), after "
+                    "it (violet), dropped (red). T1 is the time to the first token, TPOT the time per output token "
+                    "after it, measured here, one run each.")
+                with gr.Row(equal_height=False):
+                    compare_image = gr.Image(value=compare_default[0], type="filepath", label="Image",
+                                             sources=["upload"], height=260, elem_id="rc-cmp-image")
+                    with gr.Column():
+                        compare_question = gr.Textbox(compare_default[1], label="Question", elem_id="rc-cmp-question")
+                        compare_follow = gr.Textbox(compare_default[2], label="Follow-up (optional)",
+                                                    elem_id="rc-cmp-follow-up",
+                                                    info="asked next in each mode, after its restoration")
+                        compare_button = gr.Button("Compare the four modes", variant="primary", elem_id="rc-cmp-run")
+                        compare_note = gr.Markdown(elem_id="rc-cmp-note")
+                compare_table = gr.Dataframe(headers=COMPARE_HEADERS, label="Side by side", interactive=False,
+                                             elem_id="rc-cmp-table", wrap=True)
+                compare_pictures, compare_texts = {}, {}
+                with gr.Row(equal_height=False):
+                    for name in COMPARE_MODES:
+                        with gr.Column(min_width=220):
+                            compare_pictures[name] = gr.Image(label=name, type="pil", format="png",
+                                                              interactive=False, elem_id=f"rc-cmp-map-{name}",
+                                                              buttons=["fullscreen"])
+                            compare_texts[name] = gr.Markdown(f"**{name}**", elem_id=f"rc-cmp-text-{name}")
         with gr.Accordion("Settings (changing one starts a new conversation)", open=True):
             with gr.Row():
                 model_box = gr.Dropdown(model_choices(start.model), value=start.model, allow_custom_value=True,
                                         label="Model", elem_id="rc-model",
                                         info="a bundled glyph model (trained on the glyph task only), the tiny "
-                                             "random one, a Hub id or a local folder")
+                                             "random one, a local checkpoint folder or a Hub id")
                 mode_box = gr.Radio(list(MODES_SHOWN), value=start.mode, label="Mode", elem_id="rc-mode",
                                     info="raincheck: restore during and after the answer · post_answer: after it · "
                                          "hard: drop the deferred tokens · full: no pruning")
@@ -1157,17 +1537,34 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                                                                                            start.model))
             if step.model_note is not None:
                 out[model_note] = step.model_note
+            out.update(render_timeline(session))
             return out
+
+        def render_timeline(session: Session) -> dict:
+            """The timeline's controls, when the latest turn's timeline appeared or went away."""
+            turn, steps = session.timeline()
+            signature = (id(turn), len(steps)) if steps else None
+            if signature == session._timeline_shown:
+                return {}
+            session._timeline_shown = signature
+            if not steps:
+                return {scrub: gr.update(value=0, maximum=1, interactive=False), strip: None,
+                        scrub_text: TIMELINE_WAITING}
+            _, strip_image, text, upto, _ = session.timeline_view()
+            return {scrub: gr.update(value=upto, maximum=max(1, upto), interactive=upto > 0), strip: strip_image,
+                    scrub_text: text}
 
         def chat(message, model, mode, selector, retention, chunk_size, decode_guard, max_new_tokens,
                  slow_motion_ms, session, request: gr.Request):
             session = session or new_session(request)
             if not session.lock.acquire(blocking=False):
-                session.note("Still answering the previous question; send this one when it is done.")
+                session.note(f"Still {session.busy or 'answering the previous question'}; send this one when it "
+                             "is done.")
                 yield render(session, Step(picture=False))
                 return
             turn = None
             try:
+                session.busy = "answering the previous question"
                 wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
                 turn = session.turn(message, wanted, max_new_tokens, slow_motion_ms)
                 for step in turn:
@@ -1177,15 +1574,28 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                     turn.close()  # a stopped answer is settled before the session takes the next question
                 session.answering = False
                 session.live = None
+                session.busy = None
                 session.lock.release()
 
         def change_settings(model, mode, selector, retention, chunk_size, decode_guard, session,
                             request: gr.Request):
             session = session or new_session(request)
-            with session.lock:  # waits for an answer in progress
-                step = session.apply(Settings.from_controls(model, mode, selector, retention, chunk_size,
-                                                            decode_guard))
-            return render(session, step or Step(picture=False))
+            wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
+            if not session.lock.acquire(blocking=False):
+                if session.answering:
+                    session.note(f"*Settings changed ({session.settings.changes(wanted) or 'none'}) while the model "
+                                 "answers: they apply when this answer is done, with a new conversation.*")
+                    yield render(session, Step(picture=False))
+                session.lock.acquire()  # waits for the answer (or a model load) in progress
+            try:
+                loading = session.loading_step(wanted)
+                if loading is not None:
+                    yield render(session, loading)
+                step = session.apply(wanted)
+                yield render(session, step or Step(picture=False))
+            finally:
+                session.busy = None
+                session.lock.release()
 
         def new_conversation(session, request: gr.Request):
             session = session or new_session(request)
@@ -1201,17 +1611,92 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 return {state: session}  # (an empty dict would read as one output value)
             return render(session, Step(timer=session.pending > 0))
 
+        def scrub_to(value, session):
+            """The picture and the strip at one step of the latest turn's timeline."""
+            if session is None:
+                return {scrub_text: TIMELINE_WAITING}
+            image, strip_image, text, upto, steps = session.timeline_view(value)
+            if not steps:
+                return {scrub_text: TIMELINE_WAITING}
+            session._drawn = ("timeline", upto)  # the live picture redraws when the cache next changes
+            return {picture: image, strip: strip_image, scrub_text: text}
+
+        def replay_timeline(session):
+            """Step through the latest turn's timeline (at most ~120 frames), then stay at its end."""
+            _, steps = session.timeline() if session is not None else (None, None)
+            if not steps:
+                yield {scrub_text: TIMELINE_WAITING}
+                return
+            stride = max(1, math.ceil(len(steps) / 120))
+            frames = list(range(0, len(steps), stride))
+            if frames[-1] != len(steps) - 1:
+                frames.append(len(steps) - 1)
+            for k in frames:
+                update = scrub_to(k, session)
+                update[scrub] = gr.update(value=k)
+                yield update
+                time.sleep(REPLAY_FRAME_S)
+
+        def compare(path, question, follow_up, model, mode, selector, retention, chunk_size, decode_guard,
+                    max_new_tokens, session, request: gr.Request):
+            session = session or new_session(request)
+            blank = {compare_table: None, **{p: None for p in compare_pictures.values()},
+                     **{t: f"**{name}**" for name, t in compare_texts.items()}, state: session}
+            if not session.lock.acquire(blocking=False):
+                yield {**blank, compare_note: f"*Still {session.busy or 'busy'}: compare when it is done.*"}
+                return
+            try:
+                wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
+                try:
+                    wanted.config()
+                    if not is_loaded(wanted.model):
+                        session.busy = f"loading model {wanted.model}"
+                        yield {**blank, compare_note: f"*Loading model **{wanted.model}**…*"}
+                    loaded = load_model(wanted.model)
+                except (ValueError, ModelLoadError) as error:
+                    yield {**blank, compare_note: f"**Problem:** {error}"}
+                    return
+                session.busy = "comparing the modes"
+                rows, shown_so_far = [], dict(blank)
+                yield {**blank, compare_note: f"*Running `{COMPARE_MODES[0]}` (1 of {len(COMPARE_MODES)})…*"}
+                try:
+                    for i, run in enumerate(compare_modes(loaded, path, question, follow_up, wanted, max_new_tokens)):
+                        rows.append(run.row())
+                        following = (f"*Running `{COMPARE_MODES[i + 1]}` ({i + 2} of {len(COMPARE_MODES)})…*"
+                                     if i + 1 < len(COMPARE_MODES) else
+                                     f"*Done: {loaded.name}, selector `{wanted.selector}`, retention "
+                                     f"{wanted.retention:g}, chunk size {wanted.chunk_size}, decode guard "
+                                     f"{wanted.decode_guard}.*")
+                        shown_so_far.update({compare_pictures[run.mode]: run.picture,
+                                             compare_texts[run.mode]: run.markdown()})
+                        yield {**shown_so_far, compare_table: _compare_frame(rows), compare_note: following}
+                except ValueError as error:
+                    yield {**blank, compare_note: f"**Problem:** {error}"}
+            finally:
+                session.busy = None
+                session.lock.release()
+
         controls = [model_box, mode_box, selector_box, retention_box, chunk_box, guard_box]
-        shown = [chatbot, picture, caption, figures, status, timer, model_box, model_note, state]
+        shown = [chatbot, picture, caption, figures, status, timer, model_box, model_note, state, scrub, strip,
+                 scrub_text]
         textbox.submit(chat, [textbox, *controls, max_new_box, slow_box, state], shown + [textbox], api_name="chat",
                        concurrency_limit=concurrency, show_progress="hidden")
         for control in (model_box, mode_box, selector_box):
-            control.input(change_settings, controls + [state], shown, api_visibility="private", show_progress="hidden")
+            control.input(change_settings, controls + [state], shown, api_visibility="private", show_progress="hidden",
+                          concurrency_limit=concurrency)
         for slider in (retention_box, chunk_box, guard_box):
             slider.release(change_settings, controls + [state], shown, api_visibility="private",
-                           show_progress="hidden")
+                           show_progress="hidden", concurrency_limit=concurrency)
         new_button.click(new_conversation, [state], shown, api_name="new_conversation", show_progress="hidden")
         timer.tick(refresh, [state], shown, api_name="status", concurrency_limit=None, show_progress="hidden")
+        scrub.input(scrub_to, [scrub, state], [picture, strip, scrub_text], api_name="timeline",
+                    trigger_mode="always_last", concurrency_limit=None, show_progress="hidden")
+        replay.click(replay_timeline, [state], [picture, strip, scrub_text, scrub], api_visibility="private",
+                     concurrency_limit=None, show_progress="hidden")
+        compare_button.click(
+            compare, [compare_image, compare_question, compare_follow, *controls, max_new_box, state],
+            [compare_table, *compare_pictures.values(), *compare_texts.values(), compare_note, state],
+            api_name="compare", concurrency_limit=concurrency, show_progress="hidden")
         demo.unload(end_session)
     return demo
 

@@ -433,3 +433,76 @@ def test_demo_a_failed_turn_leaves_the_session_usable(client, files, monkeypatch
     assert final[STATUS]["conversation"] == 2 and final[STATUS]["turns"] == 1
     answer, reference = answer_and_reference(final[CHAT])
     assert answer.split()[0] == first_turn.answer and reference.endswith("**right**.*")
+
+
+# ---- what Raincheck does, shown: the four modes side by side, the restoration timeline ---------------
+
+# outputs of /compare: the table, the four maps, the four texts, the note
+COMPARE_TABLE, COMPARE_MAPS, COMPARE_TEXTS, COMPARE_NOTE = 0, slice(1, 5), slice(5, 9), 9
+
+
+def test_demo_compare_runs_the_four_modes_on_one_selection(client, files):
+    from gradio_client import handle_file
+
+    first, follow_up = LIST_FIRST.turns[:2]
+    job = client.submit(handle_file(files["list"]), first.question, follow_up.question, api_name="/compare")
+    final = job.result(timeout=300)
+    assert len(job.outputs()) >= 5, "the comparison did not show each mode as it finished"
+    table = final[COMPARE_TABLE]
+    assert table["headers"][:3] == ["mode", "answer", "follow-up"]
+    rows = {row[0]: dict(zip(table["headers"], row)) for row in table["data"]}
+    assert list(rows) == ["full", "hard", "post_answer", "raincheck"]
+    assert rows["full"]["answer"] == f"{len(first.facts)}/{len(first.facts)} facts right"
+    assert rows["hard"]["dropped"] == "70" and rows["hard"]["follow-up"] == "wrong"  # pruning lost the cell
+    assert rows["post_answer"]["restored after it"] == "70" and rows["post_answer"]["restored during answer"] == "0"
+    assert rows["raincheck"]["restored during answer"] == "70"  # a 60-word answer restores as it goes
+    for mode in ("full", "post_answer", "raincheck"):
+        assert rows[mode]["follow-up"] == "right", rows
+    correct = {mode: int(rows[mode]["answer"].split("/")[0]) for mode in rows}
+    assert correct["raincheck"] > correct["hard"] == correct["post_answer"]  # the same selection, then restored
+    assert all(float(rows[mode]["T1 (ms)"]) > 0 and float(rows[mode]["TPOT (ms)"]) > 0 for mode in rows)
+    assert all(m and Path(m["path"]).is_file() for m in final[COMPARE_MAPS])
+    texts_ = final[COMPARE_TEXTS]
+    assert texts_[1].startswith("**hard** · T1 ") and "reference: " in texts_[1] and "Follow-up" in texts_[1]
+    assert final[COMPARE_NOTE].startswith("*Done")
+
+    final = client.predict(handle_file(files["list"]), "  ", "", api_name="/compare")
+    assert "Type a question" in final[COMPARE_NOTE]
+
+
+def test_demo_timeline_says_which_patch_came_back_at_which_token(client, files):
+    first, second = LIST_FIRST.turns[:2]
+    ask(client, first.question, files["list"])
+    status = status_when(client, lambda s: "timeline" in s)
+    timeline = status["timeline"]
+    steps = [step for step in timeline["restored"]]
+    assert sum(s["count"] for s in steps) == 70
+    during = [s for s in steps if s["phase"] == "during"]
+    assert during and during[0]["label"] == f"token {GUARD}" and during[0]["count"] == 31  # after the guard, a chunk
+    answer_tokens = status["turn_figures"][0]["answer_tokens"]
+    assert timeline["steps"] == answer_tokens + sum(s["phase"] == "after" for s in steps)
+    picture, strip, text = client.predict(0, api_name="/timeline")
+    assert "the first token" in text and "0 of 70" in text
+    assert Path(picture["path"]).is_file() and Path(strip["path"]).is_file()
+    _, _, text = client.predict(GUARD, api_name="/timeline")
+    assert f"generated token {GUARD + 1} of {answer_tokens}" in text and "31 came back in this step" in text
+    _, _, text = client.predict(timeline["steps"] - 1, api_name="/timeline")  # the last step
+    assert "70 of 70" in text
+
+    final, _ = ask(client, second.question)  # a follow-up without an image: its row says so
+    rows = final[FIGURES]["data"]
+    assert rows[1][:3] == ["2", "no new visual tokens", "–"] and rows[1][5:] == ["–"] * 4
+
+
+def test_demo_a_hub_id_that_is_not_here_fails_fast_with_what_to_do(client, files, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the server runs in this process
+    final, outputs = ask(client, SMALL.turns[0].question, files["small"], model="raincheck-tests/not-a-model")
+    notes = [texts(o[CHAT], "assistant") for o in outputs if isinstance(o[CHAT], list)]
+    assert any(n and n[-1].startswith("*Loading model **raincheck-tests/not-a-model**") for n in notes)
+    said = texts(final[CHAT], "assistant")
+    problem = next(t for t in said if t.startswith("**Problem:**"))
+    assert "not in the Hugging Face cache" in problem and "HF_HUB_OFFLINE" in problem
+    assert "qwen3_vl" in problem and "local folder" in problem
+    assert final[STATUS]["settings"]["model"] == "qwen3_vl" and final[STATUS]["turns"] == 1  # the turn went on
