@@ -776,6 +776,7 @@ class Session:
         self._drawn = None  # signature of the picture last sent
         self._timeline_shown = None  # signature of the timeline last sent
         self.busy = None  # what holds the lock: "answering", or "loading model X"
+        self.requested: Settings | None = None  # settings asked for while an answer runs (applied after it)
         self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
 
     # -- conversation lifecycle --
@@ -920,7 +921,9 @@ class Session:
             kwargs["logits_processor"] = LogitsProcessorList([_Pause(self.slow_motion_ms / 1e3)])
         self.answering = True
         self.live = {"number": number, "start": time.perf_counter(), "first": None}
-        self.history.append({"role": "assistant", "content": "…"})
+        # the answer's own message: a note added meanwhile (a settings change) goes after it
+        answer = {"role": "assistant", "content": "…"}
+        self.history.append(answer)
         yield Step(timer=False, textbox="lock")
         reply, streaming, streamed = "", False, None
         try:
@@ -931,7 +934,7 @@ class Session:
                 if self.live["first"] is None:
                     self.live["first"] = time.perf_counter()
                 reply += piece
-                self.history[-1]["content"] = reply or "…"
+                answer["content"] = reply or "…"
                 yield Step()
             result = streamed.result
         except GeneratorExit:  # the page or an API client stopped this answer (Gradio closes the handler)
@@ -942,17 +945,17 @@ class Session:
             if visual is not None:
                 self.visual_turns.remove(visual)
             if not streaming:  # nothing reached the model: the conversation is as it was
-                self.history[-1]["content"] = (f"**Problem:** the processor could not prepare this turn "
-                                               f"({type(error).__name__}: {error}). The conversation is unchanged.")
+                answer["content"] = (f"**Problem:** the processor could not prepare this turn "
+                                     f"({type(error).__name__}: {error}). The conversation is unchanged.")
             else:
-                self.history[-1]["content"] = reply or "…"
+                answer["content"] = reply or "…"
                 self.note(f"**Problem:** the model failed on this turn ({type(error).__name__}: {error}). "
                           "A new conversation starts with your next question.")
                 self.restart()
             yield Step(picture="force", timer=False, textbox="clear")
             return
         if not result.text.strip():
-            self.history[-1]["content"] = "*(empty answer)*"
+            answer["content"] = "*(empty answer)*"
         reference = glyph_reference(self.grid_cells, asked)
         if reference is not None:
             self.note(f"*Reference (read off the grid's pixels): {reference.answer} — "
@@ -1581,13 +1584,17 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                             request: gr.Request):
             session = session or new_session(request)
             wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
+            session.requested = wanted  # several changes while waiting: the latest wins
             if not session.lock.acquire(blocking=False):
                 if session.answering:
-                    session.note(f"*Settings changed ({session.settings.changes(wanted) or 'none'}) while the model "
-                                 "answers: they apply when this answer is done, with a new conversation.*")
+                    session.note(f"*Settings changed ({session.settings.changes(wanted) or 'back as they were'}) "
+                                 "while the model answers: they apply when this answer is done, with a new "
+                                 "conversation.*")
                     yield render(session, Step(picture=False))
                 session.lock.acquire()  # waits for the answer (or a model load) in progress
             try:
+                wanted = session.requested or wanted
+                session.requested = None
                 loading = session.loading_step(wanted)
                 if loading is not None:
                     yield render(session, loading)
@@ -1683,10 +1690,10 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                        concurrency_limit=concurrency, show_progress="hidden")
         for control in (model_box, mode_box, selector_box):
             control.input(change_settings, controls + [state], shown, api_visibility="private", show_progress="hidden",
-                          concurrency_limit=concurrency)
+                          concurrency_limit=concurrency, trigger_mode="always_last")
         for slider in (retention_box, chunk_box, guard_box):
             slider.release(change_settings, controls + [state], shown, api_visibility="private",
-                           show_progress="hidden", concurrency_limit=concurrency)
+                           show_progress="hidden", concurrency_limit=concurrency, trigger_mode="always_last")
         new_button.click(new_conversation, [state], shown, api_name="new_conversation", show_progress="hidden")
         timer.tick(refresh, [state], shown, api_name="status", concurrency_limit=None, show_progress="hidden")
         scrub.input(scrub_to, [scrub, state], [picture, strip, scrub_text], api_name="timeline",

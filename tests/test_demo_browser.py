@@ -3,7 +3,10 @@
 The app runs its default, the bundled glyph Qwen3-VL. The test uploads a glyph grid of the
 benchmark's dev split, asks its list question and its follow-up, watches the answer stream and
 the restoration picture change, checks the answers against the references the page shows, and
-saves a screenshot to ``artifacts/demo_browser.png``.
+saves a screenshot to ``artifacts/demo_browser.png``. Two more tests drive the *Compare modes* tab
+(the four modes on the example grid: ``artifacts/demo_compare.png``) and the restoration timeline
+(scrubbed to a step, replayed: ``artifacts/demo_timeline.png``), with a settings change during an
+answer and a ``.txt`` attachment on the way.
 """
 
 from __future__ import annotations
@@ -129,8 +132,10 @@ def test_upload_a_grid_ask_two_questions_stream_and_the_picture_changes(app_url,
     assert bots.count() == 4  # two answers, each followed by its reference
     assert "Reference" in bots.nth(3).inner_text() and "right" in bots.nth(3).inner_text()
     assert page.locator("#rc-chat [data-testid='user']").count() >= 2
-    cells = page.inner_text("#rc-figures").split("dropped", 1)[1].split()  # the table's cells, row by row
+    cells = page.inner_text("#rc-figures").split("dropped", 1)[1].split("\n")  # the table's cells, row by row
+    cells = [c.strip() for c in cells if c.strip()]
     assert len(cells) == 2 * 9 and cells[0] == "1" and cells[9] == "2", cells
+    assert cells[10] == "no new visual tokens", cells  # the follow-up has no image of its own
     page.wait_for_timeout(300)  # let the last image and table render
     page.screenshot(path=str(ARTIFACT), full_page=True)
     assert ARTIFACT.stat().st_size > 10_000
@@ -148,3 +153,91 @@ def test_upload_a_grid_ask_two_questions_stream_and_the_picture_changes(app_url,
 
 def restore_workers() -> int:
     return sum(t.name == "raincheck-restore" and t.is_alive() for t in threading.enumerate())
+
+
+COMPARE_ARTIFACT = ROOT / "artifacts" / "demo_compare.png"
+TIMELINE_ARTIFACT = ROOT / "artifacts" / "demo_timeline.png"
+
+
+def test_compare_the_four_modes_side_by_side(app_url, page):
+    page.goto(app_url)
+    page.get_by_role("tab", name="Compare modes").click()
+    page.wait_for_selector("#rc-cmp-image img")  # the example grid is there to start with
+    assert "list the" in page.input_value("#rc-cmp-question textarea")
+    page.click("#rc-cmp-run")
+    page.wait_for_function("() => document.querySelector('#rc-cmp-note')?.innerText.includes('Done')",
+                           timeout=240_000)
+    table = page.inner_text("#rc-cmp-table")
+    for mode in ("full", "hard", "post_answer", "raincheck"):
+        assert mode in table
+        page.wait_for_selector(f"#rc-cmp-map-{mode} img")
+        assert f"**{mode}**" not in page.inner_text(f"#rc-cmp-text-{mode}")  # rendered, not raw markdown
+        assert "T1 " in page.inner_text(f"#rc-cmp-text-{mode}")
+    assert "facts right" in table and "wrong" in table  # hard loses the follow-up's cell
+    page.wait_for_timeout(300)
+    COMPARE_ARTIFACT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(COMPARE_ARTIFACT), full_page=True)
+    toasts = page.locator("[data-testid='toast-body']")
+    assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
+
+
+def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(app_url, page, tmp_path):
+    from raincheck_hf.quality.glyphs import benchmark_split
+
+    grid = benchmark_split("dev", limit=1)[0]
+    image, notes = tmp_path / "grid.png", tmp_path / "notes.txt"
+    grid.image().save(image)
+    notes.write_text("not a picture")
+    page.goto(app_url)
+    page.wait_for_selector("#rc-input textarea")
+
+    # a text file reaches the server, which explains in the chat (not only a toast), and nothing is sent
+    page.set_input_files("#rc-input input[data-testid='file-upload']", str(notes))
+    page.wait_for_selector("#rc-input .thumbnail-item")  # uploaded (a file icon): no toast, no refusal
+    page.locator("#rc-input textarea").fill("what is this ?")
+    page.locator("#rc-input textarea").press("Enter")
+    page.wait_for_function("() => document.querySelector('#rc-chat')?.innerText.includes('is not an image or a video')")
+
+    ask(page, grid.turns[0].question, str(image))
+    page.wait_for_function("() => document.querySelector('#rc-caption')?.innerText.includes('answering')")
+    # a settings change while the model answers: said at once, applied after the answer
+    page.locator("#rc-mode").get_by_text("hard", exact=True).click()
+    page.wait_for_function("() => document.querySelector('#rc-chat')?.innerText.includes('apply when this answer')")
+    assert "answering" in page.inner_text("#rc-caption")
+    page.wait_for_function("() => document.querySelector('#rc-chat')?.innerText.includes("
+                           "'New conversation (mode → hard)')", timeout=120_000)
+    page.locator("#rc-mode").get_by_text("raincheck", exact=True).click()
+    page.wait_for_function("() => document.querySelector('#rc-chat')?.innerText.includes("
+                           "'New conversation (mode → raincheck)')")
+
+    again = tmp_path / "grid-again.png"  # another name: the browser ignores the same file chosen twice
+    grid.image().save(again)
+    ask(page, grid.turns[0].question, str(again))
+    page.wait_for_function("() => document.querySelector('#rc-scrub-text')?.innerText.includes('70 of 70')",
+                           timeout=120_000)
+    assert "restored during the answer" in page.inner_text("#rc-caption")
+    slider = page.locator("#rc-scrub input[type='range']")
+    assert slider.is_enabled()
+    last = int(slider.get_attribute("max"))
+    pictures = set()
+    for step, expected in ((0, "0 of 70"), (16, "31 came back in this step"), (last, "70 of 70")):
+        slider.fill(str(step))
+        page.wait_for_function("(t) => document.querySelector('#rc-scrub-text')?.innerText.includes(t)", arg=expected)
+        page.wait_for_timeout(200)
+        pictures.add(page.evaluate("() => document.querySelector('#rc-picture img')?.src || ''"))
+        if step == 16:
+            TIMELINE_ARTIFACT.parent.mkdir(exist_ok=True)
+            page.locator("#rc-picture").scroll_into_view_if_needed()
+            page.screenshot(path=str(TIMELINE_ARTIFACT), full_page=True)
+    assert len(pictures) == 3, "the picture did not follow the scrubber"
+    seen = set()
+    page.click("#rc-replay")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen.add(page.inner_text("#rc-scrub-text"))
+        if len(seen) > 5 and "70 of 70" in page.inner_text("#rc-scrub-text"):
+            break
+        time.sleep(0.02)
+    assert len(seen) > 5, f"the replay did not step through the timeline: {seen}"
+    toasts = page.locator("[data-testid='toast-body']")
+    assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
