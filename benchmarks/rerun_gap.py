@@ -1,4 +1,4 @@
-"""Gap between Raincheck's fixed-factor GDN join and a full re-run (method.md §4: reported, not asserted).
+"""Gap between Raincheck's fixed-factor GDN join and a full re-run (docs/method.md §4: reported, not asserted).
 
 Runs `generate(raincheck=...)` on a Qwen3.5 model (the 9B shape with random bf16 weights on CUDA,
 or the tiny fp32 model on CPU), then re-prefills the final logical sequence (kept rows in key

@@ -5,7 +5,7 @@
 Each browser session gets its own `raincheck_hf.Conversation` (held in a `gr.State`, closed when
 the session ends). An answer streams token by token from ``Conversation.ask(stream=True)``; the
 conversation's background worker restores what is left after the answer, and a follow-up that
-arrives early is handled by the conversation itself (method.md §6-7).
+arrives early is handled by the conversation itself (docs/method.md §6).
 
 The picture beside the chat is the turn's image (a video: one frame per temporal slice) at the
 size the processor resized it to, with every merged vision token (patch 16 px × merge 2 = one

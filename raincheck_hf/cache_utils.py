@@ -214,7 +214,7 @@ class DeferredDynamicCache(DynamicCache):
         )
 
 
-# ==== Gated DeltaNet layers (Qwen3.5 "linear_attention"), method.md §4 ==========================
+# ==== Gated DeltaNet layers (Qwen3.5 "linear_attention"), docs/method.md §4 ==========================
 #
 # HF keeps a GDN layer's *live* state in its `LinearAttentionLayer`: the recurrent state
 # ``[B, HV, K, V]`` (fp32) and the conv window ``[B, C, Kc]`` of pre-conv inputs. Those stay where

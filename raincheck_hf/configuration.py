@@ -29,7 +29,7 @@ class RaincheckConfig:
         chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
-            ``"mmtok"``, the query-aware coverage selector of method.md §8), a `Selector` instance,
+            ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,
             or a boolean tensor over the prompt's multimodal tokens in source order
             (True = keep), which pins the selection exactly.
         mode: ``full`` (prefill everything), ``hard`` (drop the deferred tokens for good),

@@ -5,7 +5,7 @@ conversation as ``input_ids`` (HF's convention for continuing from a cache) and 
 images only. Between turns a background worker prefills the leftover deferred rows one chunk at
 a time, taking the model lock per chunk, so a follow-up waits at most one chunk. When a follow-up
 arrives before restoration is done, the leftovers are prefilled in the same forward as the new
-turn, ahead of it in physical order (method.md §7, "early follow-up without waiting"); with
+turn, ahead of it in physical order (docs/method.md §6, "early follow-up"); with
 ``early_follow_up=False`` the conversation instead completes restoration first (the plain
 completion barrier). Both give the same logits: the leftovers never see the new turn either way.
 

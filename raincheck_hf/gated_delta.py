@@ -1,4 +1,4 @@
-"""Gated DeltaNet state algebra for deferred prefill (method.md section 4), pure PyTorch.
+"""Gated DeltaNet state algebra for deferred prefill (docs/method.md section 4), pure PyTorch.
 
 Qwen3.5's linear-attention layers (``Qwen3_5GatedDeltaNet``) carry, per value head, a state
 ``S`` of shape ``[dk, dv]``. Raincheck inserts deferred tokens *before* a suffix ``y1 .. yt``
@@ -636,7 +636,7 @@ def repair_leading_segment(
 
 
 class SuffixStateMap:
-    """Per-layer bookkeeping for the join of method.md section 4 (see the module docstring).
+    """Per-layer bookkeeping for the join of docs/method.md section 4 (see the module docstring).
 
     Holds the boundary state ``S_b`` (fp32), the boundary conv history ``h_b``, the leading
     segment's record and its state ``S_L`` (old factors), the rest's map ``M_R`` and the last

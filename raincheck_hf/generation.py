@@ -7,7 +7,7 @@ One call, top to bottom:
 1. encode the turn's new tokens (embeddings, DeepStack rows, absolute 3-D positions);
 2. select the visual rows that go first (a `DeferredPlan`);
 3. forward 0 (prefill): pending deferred rows of earlier turns (they precede this turn in physical
-   order, method.md §7 "early follow-up") and then T ∪ S;
+   order, docs/method.md §6 "early follow-up") and then T ∪ S;
 4. each decode forward i >= 1 consumes generated token i; the scheduler (`chunk_size_for_forward`,
    the only place that decides *when* deferred rows run) lets one chunk ride along after the guard:
    fused into the same forward (``raincheck``) or in a forward of its own just before (``serial``);

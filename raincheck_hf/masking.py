@@ -1,4 +1,4 @@
-"""Visibility (method.md §3) as the 4-D masks each attention backend expects.
+"""Visibility (docs/method.md §3) as the 4-D masks each attention backend expects.
 
 `DeferredDynamicCache.add_rows` gives a boolean ``[q, k]`` visibility (True = may attend). The
 model's attention functions read the mask differently per backend, and transformers returns a
@@ -26,7 +26,7 @@ def check_attention_implementation(impl: str | None) -> str:
             f"Raincheck needs an attention backend that accepts arbitrary masks; the model uses "
             f"attn_implementation={impl!r}. Load it with attn_implementation='sdpa' (or call "
             "model.set_attn_implementation('sdpa')); 'eager' works too. flash_attention_2 cannot express "
-            "deferred-token visibility and is not installable on these machines."
+            "deferred-token visibility."
         )
     return impl
 

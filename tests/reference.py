@@ -1,4 +1,4 @@
-"""The slow, obviously correct reference of method.md §3 for whole conversations.
+"""The slow, obviously correct reference of docs/method.md §3 for whole conversations.
 
 Given what each `generate` call returned, rebuild every row of the conversation the way stock
 transformers would for a full re-tokenised conversation (embeddings with all images scattered in,

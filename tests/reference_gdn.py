@@ -5,7 +5,7 @@ rebuilt the way stock transformers would (embeddings with all images and videos 
 `get_rope_index` over the whole conversation), and given
 
 - its **order key** ``(turn, segment, source)`` with segment 0 = input (T ∪ S), 1 = deferred,
-  2 = generated: its place in the logical physical order of method.md §3;
+  2 = generated: its place in the logical physical order of docs/method.md §3;
 - its **forward**: when it was computed (turn k's prefill, decode step i, or idle time), read
   from the traces.
 
@@ -20,7 +20,7 @@ the per-layer inputs those rows had *when they were computed* (nothing is recomp
   in key order (zeros before the first row), then the delta rule token by token,
   ``S <- exp(g) S;  S <- S + k (beta (v - k^T S))^T;  o = q^T S / sqrt(dk)``, from a zero state.
 
-For a GDN layer this *is* method.md §4's join with recorded factors, applied directly: the
+For a GDN layer this *is* docs/method.md §4's join with recorded factors, applied directly: the
 suffix's inputs are fixed when they are computed, inserted deferred rows change the state at the
 boundary and the conv windows of the first ``Kc - 1`` suffix rows, and everything is rerun
 tokenwise from the start instead of through ``M``. (It differs from a *full re-run*, in which the

@@ -1,4 +1,4 @@
-"""Parity tests for raincheck_hf.gated_delta (method.md section 4), CPU, deterministic.
+"""Parity tests for raincheck_hf.gated_delta (docs/method.md section 4), CPU, deterministic.
 
 Two paths, same answer: the naive affine-map reference against transformers' own torch
 fallbacks, the online suffix map against the explicit product, the join against direct

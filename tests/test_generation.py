@@ -68,7 +68,7 @@ def test_without_keyword_generate_is_untouched(processor):
         greedy(plain, inputs, raincheck=True)  # HF rejects the unknown kwarg once disabled
 
 
-# ---- the reference semantics of method.md §3 --------------------------------------------------
+# ---- the reference semantics of docs/method.md §3 --------------------------------------------------
 
 SETTINGS = [
     pytest.param(0.3, 5, 2, id="r0.3-c5-g2"),

@@ -6,7 +6,7 @@ CPU, fp32, deterministic. Three references, from strict to loose:
 - the stock model on the physically reordered sequence ``[kept input, deferred, generated]`` at
   original positions: exact when one chunk holds every deferred row and the guard is 0 (the
   chunk then joins an empty suffix, so nothing is approximated);
-- `reference_gdn.gdn_reference_logits`: tokenwise recurrences with the recorded factors (method.md
+- `reference_gdn.gdn_reference_logits`: tokenwise recurrences with the recorded factors (docs/method.md
   §4's join applied directly) and masked attention, at every forward, over two turns. Its gap
   to a full re-run is printed, not asserted.
 """
@@ -329,7 +329,7 @@ def test_row_split_validation():
 
 
 def test_fused_forward_runs_each_gdn_input_projection_once(qwen35, processor):
-    """Fusion (method.md §5) in the GDN layers: each ``in_proj_*`` multiplies ``[chunk, token]`` once
+    """Fusion (docs/method.md §5) in the GDN layers: each ``in_proj_*`` multiplies ``[chunk, token]`` once
     (counted at ``F.linear`` with that projection's weight), not once per stream."""
     from torch.overrides import TorchFunctionMode
 

@@ -270,7 +270,7 @@ def test_fastv_runs_one_scoring_pass_per_turn(model, processor):
 @pytest.mark.parametrize("name", ["visionzip", "fastv"])
 def test_second_turn_matches_reference(model, processor, name):
     """A follow-up turn with a new image: the capture holds only that turn's image, FastV's scoring pass
-    runs at the turn's absolute positions, and the logits still match method.md §3's reference."""
+    runs at the turn's absolute positions, and the logits still match docs/method.md §3's reference."""
     cfg = RaincheckConfig(selector=name, retention=0.3, chunk_size=3, decode_guard=2)
     first = make_inputs(processor, **INPUT_CASES["one_image"])
     out1 = greedy(model, first, n=4, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
@@ -340,7 +340,7 @@ def test_every_selector_through_generate(family, case, name):
     for mode in ("hard", "post_answer"):
         assert torch.equal(traces[mode].selected, trace.selected), mode
         assert torch.equal(traces[mode].deferred, trace.deferred), mode
-    if not linear:  # method.md §3's reference (attention-only text; Qwen3.5's GDN reference is in test_families)
+    if not linear:  # docs/method.md §3's reference (attention-only text; Qwen3.5's GDN reference is in test_families)
         rec = TurnRecord(inputs["input_ids"], outs["raincheck"], inputs.get("pixel_values"),
                          inputs.get("image_grid_thw"), inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"),
                          inputs.get("second_per_grid_ts"))

@@ -1,4 +1,4 @@
-"""Cost of the Gated DeltaNet state map (method.md §4) at the Qwen3.5-9B shape.
+"""Cost of the Gated DeltaNet state map (docs/method.md §4) at the Qwen3.5-9B shape.
 
 Per GDN layer (32 value heads, dk = dv = 128, fp32 state map): the join
 ``S_live + M (S_b' - S_b)`` and the online update ``M <- A_t M`` of one suffix token, timed with

@@ -40,7 +40,7 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
 - ``e2e<k>``: wall time of turn k's `generate` call; ``e2e_total``: the sum over turns.
 - ``t<k>`` (k >= 2): time to first token of follow-up k sent right after turn k-1's answer: for
   Raincheck variants the deferred tokens still pending ride along with the follow-up's prefill
-  (method.md section 7).
+  (docs/method.md §6, "early follow-up").
 - ``t2_idle``: time to first token of the same follow-up 2 after an idle gap in which restoration
   finished: on a deep copy of the cache after turn 1, the pending deferred tokens are restored
   chunk by chunk with `raincheck_hf.restore_pending` exactly as `Conversation.complete()` does

@@ -6,11 +6,11 @@ vision tower API and rope index: `QwenVisionLanguageMixin`, `Qwen3VisionTowerMix
 - **No DeepStack.** Qwen3.5's vision tower returns only ``pooler_output``; the text model takes no
   ``visual_pos_masks`` / ``deepstack_visual_embeds``.
 - **Masks per layer type.** The text model accepts a ``{layer_type: mask}`` mapping: the
-  ``full_attention`` layers get the 4-D visibility mask of method.md §3 (sdpa: boolean, eager:
+  ``full_attention`` layers get the 4-D visibility mask of docs/method.md §3 (sdpa: boolean, eager:
   additive, exactly as for Qwen3-VL; HF's gated attention passes it to the attention function
   untouched and only gates the output), the ``linear_attention`` layers get None (they have no
   padding to zero; their "visibility" is the recurrent state itself).
-- **Gated DeltaNet deferral** (method.md §4, §5). Every forward's rows are ``[deferred chunk
+- **Gated DeltaNet deferral** (docs/method.md §4, §5). Every forward's rows are ``[deferred chunk
   (optional), rest]`` where the rest is a turn's input rows, one generated row, or nothing
   (``kinds`` says which). For the duration of one engine forward, `_DeferredGDNStreams` swaps the
   ``forward`` of each ``Qwen3_5GatedDeltaNet`` *instance* (and of its four input projections) for a
@@ -32,7 +32,7 @@ vision tower API and rope index: `QwenVisionLanguageMixin`, `Qwen3VisionTowerMix
   only extra arithmetic is the join (one ``[dk, dk] @ [dk, dv]`` matmul per head plus at most
   ``Kc - 1`` rank-1 updates) and ``M_R <- A_t M_R`` for the generated row.
 
-  Weights are read once per fused forward, as method.md §5 wants, for the attention layers, the
+  Weights are read once per fused forward, as docs/method.md §5 wants, for the attention layers, the
   MLPs, the LM head and the GDN input projections (``in_proj_*`` run once over ``[chunk, token]``
   and the projection dispatchers hand each stream its rows). Only a GDN layer's ``out_proj`` and its
   conv / delta-rule kernels run once per stream: they sit after the join, inside the module forward.
