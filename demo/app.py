@@ -5,7 +5,9 @@
 Each browser session gets its own `raincheck_hf.Conversation` (held in a `gr.State`, closed when
 the session ends). An answer streams token by token from ``Conversation.ask(stream=True)``; the
 conversation's background worker restores what is left after the answer, and a follow-up that
-arrives early is handled by the conversation itself (docs/method.md §6).
+arrives early is handled by the conversation itself (docs/method.md §6). A second tab runs one
+question through the four modes side by side (`compare_modes`); under the picture, a timeline
+replays which patch came back at which generated token (`build_timeline`).
 
 The picture beside the chat is the turn's image (a video: one frame per temporal slice) at the
 size the processor resized it to, with every merged vision token (patch 16 px × merge 2 = one
@@ -1711,15 +1713,19 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                         help="qwen3_vl (default: the bundled glyph Qwen3-VL) | qwen3_5 (the bundled glyph Qwen3.5) | "
-                             "tiny (random weights) | a local folder or Hub id")
+                             "tiny (random weights) | a local checkpoint folder or Hub id (demo/README.md, "
+                             "\"A real checkpoint\")")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=None, help="port (default 7860, or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    parser.add_argument("--mode", default="raincheck", choices=MODES_SHOWN)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--slow-motion-ms", type=int, default=0, help="pause per generated token (to watch)")
+    parser.add_argument("--mode", default="raincheck", choices=MODES_SHOWN,
+                        help="the chat's starting mode (default raincheck; the page can change it)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="the starting answer length (default 64; the page can change it)")
+    parser.add_argument("--slow-motion-ms", type=int, default=0, metavar="MS",
+                        help="the starting pause per generated token, to watch the picture fill in (default 0)")
     args = parser.parse_args(argv)
     demo = build_demo(args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
                       slow_motion_ms=args.slow_motion_ms)
