@@ -860,6 +860,7 @@ class Session:
         if loading is not None:
             yield loading
         setup = self.apply(wanted)
+        self.busy = "answering the previous question"
         if setup is not None:
             yield setup
         text = str((message or {}).get("text") or "").strip()

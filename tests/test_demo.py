@@ -506,3 +506,35 @@ def test_demo_a_hub_id_that_is_not_here_fails_fast_with_what_to_do(client, files
     assert "not in the Hugging Face cache" in problem and "HF_HUB_OFFLINE" in problem
     assert "qwen3_vl" in problem and "local folder" in problem
     assert final[STATUS]["settings"]["model"] == "qwen3_vl" and final[STATUS]["turns"] == 1  # the turn went on
+
+
+def test_demo_a_question_asked_while_a_model_loads_is_told_so(client, files, monkeypatch):
+    from dataclasses import replace
+
+    import demo.app as app
+
+    release, started = threading.Event(), threading.Event()
+    real = app._load_uncached
+
+    def slow_load(key):  # a checkpoint that takes a while: held until the second question was answered
+        if key == "slow-checkpoint":
+            started.set()
+            assert release.wait(60)
+            return replace(real(app.TINY_MODEL), name=key)
+        return real(key)
+
+    monkeypatch.setattr(app, "_load_uncached", slow_load)
+    try:
+        first = client.submit({"text": "What is in this image?", "files": []}, api_name="/chat",
+                              model="slow-checkpoint")
+        assert started.wait(60)
+        final, _ = ask(client, "And now?")  # the same session, while the model loads
+        said = texts(final[CHAT], "assistant")
+        assert any(t.startswith("*Loading model **slow-checkpoint**") for t in said), said
+        assert said[-1] == "Still loading model slow-checkpoint; send this one when it is done."
+        release.set()
+        final = first.result(timeout=120)
+        assert final[STATUS]["settings"]["model"] == "slow-checkpoint" and final[STATUS]["turns"] == 1
+    finally:
+        release.set()
+        app._MODELS.pop("slow-checkpoint", None)
