@@ -1628,7 +1628,8 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             image, strip_image, text, upto, steps = session.timeline_view(value)
             if not steps:
                 return {scrub_text: TIMELINE_WAITING}
-            session._drawn = ("timeline", upto)  # the live picture redraws when the cache next changes
+            # the live picture is left as drawn (``session._drawn``): a timer tick redraws it only when
+            # the cache changes, so that it does not undo the scrubbing
             return {picture: image, strip: strip_image, scrub_text: text}
 
         def replay_timeline(session):
