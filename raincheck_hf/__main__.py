@@ -12,10 +12,10 @@ Models (``--model``):
   qwen3_vl   the bundled glyph Qwen3-VL (default)
   qwen3_5    the bundled glyph Qwen3.5 (Gated DeltaNet + attention)
   tiny       a tiny Qwen3-VL built in code with RANDOM weights (gibberish; the mechanics are real)
-  PATH / ID  a real Qwen3-VL or Qwen3.5 checkpoint: a local folder (config.json, *.safetensors and the
-             processor's files, as `save_pretrained` writes them) or a Hub id, which is downloaded
-             when the Hub can be reached and fails within seconds when it cannot (see README.md,
-             "A real checkpoint")
+  PATH / ID  a real checkpoint of a supported family (Qwen3-VL, Qwen3.5, their MoE variants,
+             Qwen2.5-VL): a local folder (config.json, *.safetensors and the processor's files, as
+             `save_pretrained` writes them) or a Hub id, which is downloaded when the Hub can be
+             reached and fails within seconds when it cannot (README.md, "A real checkpoint")
 
 The bundled models know only the glyph task: n x n grids of 32 px cells, each a glyph g0..g11 in
 one of 10 colours over a grey background (dark, dim, pale, light), and a word-level vocabulary of

@@ -25,7 +25,7 @@ class RaincheckConfig:
     Args:
         retention: fraction r of each image's / video slice's visual tokens prefilled first, in [0, 1]:
             ``round(r * n)`` of a slice's n tokens, at least one when r > 0; r = 0 selects none (every
-            multimodal token is deferred, which method.md §8 allows), r = 1 defers none.
+            multimodal token is deferred, which docs/method.md §8 allows), r = 1 defers none.
         chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default

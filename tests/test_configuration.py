@@ -208,7 +208,7 @@ def test_an_unknown_key_in_a_dict_config_is_named(model, processor):
                                                                "mode", "selector_kwargs", "fast_path"))
 
 
-# ---- retention 0: every multimodal token deferred (method.md allows r = 0) -------------------------------
+# ---- retention 0: every multimodal token deferred (docs/method.md allows r = 0) -------------------------------
 
 @pytest.mark.parametrize("selector", ["uniform", "mmtok", "fastv", "visionzip"])
 @pytest.mark.parametrize("fast_path", [False, True])
