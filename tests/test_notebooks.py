@@ -105,10 +105,21 @@ def test_notebook_is_committed_with_its_outputs(path: Path):
 
 def clean(nb):
     """``nb`` without what changes on every run besides its results: per-cell execution timestamps,
-    and the absolute folder it ran in (printed paths read relative to the repository)."""
+    where the kernel happened to split a cell's printed text, and the absolute folder it ran in
+    (printed paths read relative to the repository)."""
     root = str(NOTEBOOKS.parent)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        merged = []
+        for output in cell.outputs:  # consecutive pieces of one stream: one output
+            if (merged and output.get("output_type") == "stream" and merged[-1].get("output_type") == "stream"
+                    and merged[-1].get("name") == output.get("name")):
+                merged[-1]["text"] += output["text"]
+            else:
+                merged.append(output)
+        cell.outputs = merged
         for output in cell.get("outputs", []):
             if output.get("output_type") == "stream":
                 output["text"] = output["text"].replace(root + "/", "").replace(root, ".")
