@@ -431,3 +431,35 @@ def test_qwen3_5_through_the_server_equals_conversation(dialogues):
         got = run_dialogue(c, data_url(d.image()), questions, stream=True)
     assert got[1][2]["reused"] and got[1][1].prompt_tokens_details.cached_tokens > 0
     assert [g[0] for g in got] == reference((model, processor), d.image(), questions)
+
+
+def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
+    """A follow-up resends the conversation's images: the same bytes are decoded and hashed once; another
+    encoding of the same picture is decoded again and gets the same pixel hash; the oldest entry goes first."""
+    import io
+
+    from raincheck_hf.serve import protocol
+    from raincheck_hf.tiny import draw_test_image
+
+    calls = []
+    real = protocol.decode_image
+    monkeypatch.setattr(protocol, "decode_image", lambda data, param: calls.append(param) or real(data, param))
+
+    def encoded(image, fmt):
+        buf = io.BytesIO()
+        image.save(buf, format=fmt)
+        return buf.getvalue()
+
+    a, b = draw_test_image(64, 48, seed=1), draw_test_image(64, 48, seed=2)
+    cache = protocol.DecodedImages(capacity=2)
+    first = cache.decode(encoded(a, "PNG"), "p")
+    again = cache.decode(encoded(a, "PNG"), "p")
+    assert len(calls) == 1 and again[1] == first[1] and again[0] is first[0]
+    as_bmp = cache.decode(encoded(a, "BMP"), "p")
+    assert len(calls) == 2 and as_bmp[1] == first[1]
+    cache.decode(encoded(b, "PNG"), "p")  # a third entry: the PNG of `a`, least recently used, goes
+    cache.decode(encoded(a, "PNG"), "p")
+    assert len(calls) == 4 and len(cache) == 2
+    with pytest.raises(protocol.APIError):
+        cache.decode(b"not an image", "p")
+    assert len(cache) == 2

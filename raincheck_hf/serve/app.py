@@ -27,7 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, bad, parse_chat_request
+from .protocol import APIError, ChatRequest, DecodedImages, bad, parse_chat_request
 from .store import ConversationStore, ServedConversation
 
 
@@ -163,6 +163,7 @@ class Server:
         self.model, self.processor, self.settings = model, processor, settings
         self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse)
         self.metrics = Metrics()
+        self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         self.vocab_size = int(model.config.get_text_config().vocab_size)
         tok = processor.tokenizer
@@ -175,7 +176,7 @@ class Server:
         """Check the request and tokenize it (``arrived``: when the handler got it, `time.perf_counter`)."""
         request = parse_chat_request(body, model_names=(self.settings.model_name,), defaults=self.settings.config,
                                      max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root,
-                                     vocab_size=self.vocab_size)
+                                     vocab_size=self.vocab_size, images=self.images)
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         kwargs = {}
         if request.images:
