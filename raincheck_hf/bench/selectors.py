@@ -8,7 +8,8 @@ and VisionZip's attention recompute included) is timed with the device synchroni
 after, warm-up calls first (CUDA graphs of the greedy selectors are captured there), median of
 ``--reps``. The greedy selectors also run their reference loops (``fast_path=False``) as rows of
 variant ``reference``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
-max_new_tokens=1)``, synchronised wall time, for every selector, ``full`` and stock ``generate``.
+max_new_tokens=1)``, synchronised wall time, for every selector, ``full`` and stock ``generate``, every
+variant warmed up first, then the repetitions in round robin over the variants.
 
 Models: the real shapes on a GPU (``qwen3_vl_8b``, ``qwen3_5_9b``: random bf16 weights, the
 1,344-token image and 6,144-token video of `bench.shapes`); on a CPU a tiny model at those input
@@ -131,17 +132,26 @@ def t1_rows(model, inputs: dict, kind: str, selectors, reps: int, warmup: int) -
     common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     variants = [("stock", None)] + [("full", RaincheckConfig(mode="full"))]
     variants += [(name, RaincheckConfig(selector=name)) for name in selectors]
-    rows = []
-    for name, config in variants:
+    def runner(config):
         def run():
             with torch.no_grad():
                 if config is None:
                     return model.generate(**inputs, **common)
                 return model.generate(**inputs, **common, raincheck=config)
 
-        times = _timed(run, device, warmup, reps)
-        rows.append({"variant": name, "input": kind, "device": device.type, "median_ms": statistics.median(times),
-                     "reps_ms": times})
+        return run
+
+    runs = {name: runner(config) for name, config in variants}
+    for run in runs.values():  # every variant warm (graphs captured, kernels compiled) before any timing
+        _timed(run, device, warmup, 0)
+    # repetitions interleaved (round robin over the variants), so that a drift in the machine's state over
+    # the run lands on every variant alike instead of on whichever ran at that time
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            times[name] += _timed(run, device, 0, 1)
+    rows = [{"variant": name, "input": kind, "device": device.type, "median_ms": statistics.median(t), "reps_ms": t}
+            for name, t in times.items()]
     by = {r["variant"]: r["median_ms"] for r in rows}
     for r in rows:
         r["x_full"] = r["median_ms"] / by["full"]
