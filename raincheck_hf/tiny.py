@@ -1,7 +1,7 @@
 """Tiny Qwen3-VL models and a matching processor, built entirely in code.
 
-These machines cannot download weights, so tests, the CLI's offline default and the demo's
-fallback build their model here: a byte-level BPE tokenizer trained on a fixed in-code corpus
+Nothing is downloaded: tests, the CLI's offline default and the demo's fallback build their model
+here: a byte-level BPE tokenizer trained on a fixed in-code corpus
 (deterministic), Qwen's special tokens, a Qwen-style chat template, the real Qwen3-VL image and
 video processors at small resolutions, and a Qwen3-VL model with a few layers and random weights.
 

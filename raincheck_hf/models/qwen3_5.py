@@ -42,7 +42,7 @@ fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_d
 ``fla`` (or a hub kernel) is importable transformers uses it instead; `_check_gdn_state_layout`
 checks once per device type, numerically, that the state is still ``[B, HV, K, V]`` (a transposed
 state would pass every shape check when ``dk == dv``, as in real Qwen3.5) and refuses otherwise.
-The fla path itself is not exercised here (fla is not installed on these machines).
+The CPU tests exercise the torch fallbacks; the fla path runs in the GPU tests and benchmarks.
 """
 
 from __future__ import annotations
