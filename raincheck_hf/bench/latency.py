@@ -419,7 +419,7 @@ def hardware_info(device: torch.device) -> dict:
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> dict:
     """Memory bandwidth as a large device-to-device copy moves it (bytes read + written per second), the
-    yardstick of the issue's decode floor (`shared/docs/baselines.md`: a 4 GiB copy on the H200)."""
+    yardstick of the decode floor (a 4 GiB copy on a GPU, 256 MiB on a CPU)."""
     nbytes = int(nbytes or (4 * 2**30 if device.type == "cuda" else 256 * 2**20))
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
