@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -98,8 +99,7 @@ class Selector(abc.ABC):
         for segment in segments:
             n = segment.num_tokens
             k = keep_count(retention, n)
-            if groups and groups[-1][0] == k and groups[-1][1][0].num_tokens == n and 0 < k < n \
-                    and groups[-1][1][0].features.shape == segment.features.shape:
+            if groups and groups[-1][0] == k and 0 < k < n and groups[-1][1][0].features.shape == segment.features.shape:
                 groups[-1][1].append(segment)
             else:
                 groups.append((k, [segment]))
@@ -127,16 +127,24 @@ class Selector(abc.ABC):
         return masks
 
 
-def use_kernels(segments: list[Segment], context: SelectionContext) -> bool:
-    """Whether a greedy selector runs its Triton step kernels (`selection.kernels`) for these segments:
-    on CUDA where Triton is present, unless the call asked for the eager engine (``fast_path=False``)."""
-    if context.extras.get("fast_path") is False or segments[0].features.device.type != "cuda":
-        return False
-    from .kernels import triton_available
+class GreedySelector(Selector):
+    """A selector that picks one token at a time (`mmtok`, `divprune`, `cdpruner`). On CUDA, unless the call
+    asked for the eager engine (``fast_path=False``), its segments of one size go through the Triton step
+    kernels of `selection.kernels` together; elsewhere :meth:`select_segment` (the reference loop) runs.
+    A subclass names its kernel and builds the kernel's inputs."""
 
-    return triton_available()
+    #: the step kernel of `selection.kernels` (``"mmtok"``, ``"divprune"``, ``"cdpruner"``)
+    kernel: ClassVar[str]
 
+    @abc.abstractmethod
+    def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
+        """The kernel's input tensors for ``features [B, n, D]`` (`selection.kernels`' ``*_inputs``)."""
 
-def stacked_features(segments: list[Segment]) -> torch.Tensor:
-    """``[B, n, D]``: the segments' features, one batch."""
-    return torch.stack([segment.features for segment in segments])
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if context.extras.get("fast_path") is not False and segments[0].features.device.type == "cuda":
+            from .kernels import greedy_select, triton_available
+
+            if triton_available():
+                features = torch.stack([segment.features for segment in segments])
+                return list(greedy_select(self.kernel, self.kernel_inputs(features, context), k))
+        return super().select_group(segments, k, context)

@@ -28,24 +28,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
+from .base import GreedySelector, Segment, SelectionContext
 
 #: a residual gain ``d_i^2`` at or below ``_RANK_TOL * max_i L_ii`` counts as zero (float32 round-off)
 _RANK_TOL = 1e-5
 
 
 def relevance_scores(features: torch.Tensor, text_embeds: torch.Tensor | None) -> torch.Tensor:
-    """``[n]`` float32 min-max-normalised mean cosine similarity of each visual row to the text rows.
+    """``[..., n]`` float32 min-max-normalised mean cosine similarity of each visual row of ``features
+    [..., n, D]`` (leading dimensions: a batch of segments) to the text rows, per segment.
 
     All ones when there is no text (None or zero rows) or when every row is equally relevant.
     """
-    n, dim = int(features.shape[0]), int(features.shape[1])
+    dim = int(features.shape[-1])
     device = features.device
-    ones = torch.ones(n, dtype=torch.float32, device=device)
+    ones = torch.ones(features.shape[:-1], dtype=torch.float32, device=device)
     if text_embeds is None:
         return ones
     text = torch.as_tensor(text_embeds).detach()
@@ -60,28 +62,30 @@ def relevance_scores(features: torch.Tensor, text_embeds: torch.Tensor | None) -
         return ones
     v = F.normalize(features.detach().float(), dim=-1, eps=1e-12)
     t = F.normalize(text.to(device=device, dtype=torch.float32), dim=-1, eps=1e-12)
-    rel = (v @ t.T).mean(dim=1)
-    lo, hi = rel.min(), rel.max()
+    rel = (v @ t.T).mean(dim=-1)
+    lo, hi = rel.amin(dim=-1, keepdim=True), rel.amax(dim=-1, keepdim=True)
     span = hi - lo
     # all rows equally relevant (or a single row): uniform relevance, no division by ~0
     return torch.where(span > 1e-6, (rel - lo) / span.clamp(min=1e-6), ones)
 
 
 def conditional_kernel(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float):
-    """``(L [n, n], q [n])``: the conditional DPP kernel ``diag(q) S diag(q)`` and the qualities ``q``."""
+    """``(L [..., n, n], q [..., n])``: the conditional DPP kernel ``diag(q) S diag(q)`` and the qualities ``q``
+    of ``features [..., n, D]`` (leading dimensions: a batch of segments)."""
     v = F.normalize(features.detach().float(), dim=-1, eps=1e-12)
-    similarity = v @ v.T
+    similarity = v @ v.mT
     rel = relevance_scores(features, text_embeds)
     if theta >= 1.0:
         quality = rel
     else:
         quality = torch.exp((theta / (2.0 * (1.0 - theta))) * rel)
-    return quality[:, None] * similarity * quality[None, :], quality
+    return quality[..., :, None] * similarity * quality[..., None, :], quality
 
 
 def fallback_scores(score: torch.Tensor) -> torch.Tensor:
-    """``score [n]`` mapped into ``[-2, -1]``: below every live gain (``> tol > 0``), above -inf (taken)."""
-    lo, hi = score.min(), score.max()
+    """``score [..., n]`` mapped into ``[-2, -1]`` per segment: below every live gain (``> tol > 0``), above -inf
+    (taken)."""
+    lo, hi = score.amin(dim=-1, keepdim=True), score.amax(dim=-1, keepdim=True)
     return -2.0 + (score - lo) / (hi - lo).clamp(min=1e-30)
 
 
@@ -128,7 +132,7 @@ def dpp_greedy_map(kernel: torch.Tensor, k: int, fallback_score: torch.Tensor | 
 
 
 @dataclass
-class CDPrunerSelector(Selector):
+class CDPrunerSelector(GreedySelector):
     """Conditional-DPP greedy MAP over the segment's visual tokens (CDPruner); query-aware.
 
     Relevance to the question comes from ``context.text_embeds`` (``[m, D]``, the features' space);
@@ -140,6 +144,7 @@ class CDPrunerSelector(Selector):
     """
 
     name: str = "cdpruner"
+    kernel: ClassVar[str] = "cdpruner"
     theta: float = 0.5
 
     def __post_init__(self) -> None:
@@ -152,10 +157,7 @@ class CDPrunerSelector(Selector):
         kernel, quality = conditional_kernel(segment.features, context.text_embeds, float(self.theta))
         return dpp_greedy_map(kernel, k, fallback_score=quality).cpu()
 
-    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
-        if not use_kernels(segments, context):
-            return super().select_group(segments, k, context)
-        from .kernels import cdpruner_inputs, greedy_select
+    def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
+        from .kernels import cdpruner_inputs
 
-        inputs = cdpruner_inputs(stacked_features(segments), context.text_embeds, float(self.theta))
-        return list(greedy_select("cdpruner", inputs, k))
+        return cdpruner_inputs(features, context.text_embeds, float(self.theta))

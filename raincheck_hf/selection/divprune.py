@@ -15,17 +15,19 @@ Each step is one vectorised update of a running ``[n]`` vector of minimum distan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
+from .base import GreedySelector, Segment, SelectionContext
 
 
 def cosine_distance_matrix(features: torch.Tensor) -> torch.Tensor:
-    """``[n, n]`` float32 matrix ``1 - cos(x_i, x_j)`` on the features' device (zero rows have cos 0)."""
+    """``[..., n, n]`` float32 matrix ``1 - cos(x_i, x_j)`` of ``features [..., n, D]`` on their device (zero
+    rows have cos 0); leading dimensions are a batch of segments."""
     x = F.normalize(features.detach().float(), dim=-1, eps=1e-12)
-    return 1.0 - x @ x.T
+    return 1.0 - x @ x.mT
 
 
 def divprune_greedy(features: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,20 +61,19 @@ def divprune_greedy(features: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass
-class DivPruneSelector(Selector):
+class DivPruneSelector(GreedySelector):
     """Greedy max-min cosine diversity of the segment's visual tokens (DivPrune); ignores the question.
 
     Ties go to the lowest row index, so the selection is deterministic. No settings.
     """
 
     name: str = "divprune"
+    kernel: ClassVar[str] = "divprune"
 
     def select_segment(self, segment: Segment, k: int, context: SelectionContext) -> torch.Tensor:
         return divprune_greedy(segment.features, k).cpu()
 
-    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
-        if not use_kernels(segments, context):
-            return super().select_group(segments, k, context)
-        from .kernels import divprune_inputs, greedy_select
+    def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
+        from .kernels import divprune_inputs
 
-        return list(greedy_select("divprune", divprune_inputs(stacked_features(segments)), k))
+        return divprune_inputs(features)

@@ -35,7 +35,6 @@ import threading
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
 from ..fast.scoping import CAPTURE_LOCK
 
@@ -129,22 +128,6 @@ class GreedyRun:
 
 # ---- the methods' inputs, batched ----------------------------------------------------------------
 
-def _unit(features: torch.Tensor) -> torch.Tensor:
-    return F.normalize(features.detach().float(), dim=-1, eps=1e-12)
-
-
-def _text(features: torch.Tensor, text_embeds, method: str) -> torch.Tensor | None:
-    """Text rows as float32 ``[m, D]`` on the features' device, None without text (as the references read it)."""
-    if text_embeds is None:
-        return None
-    text = torch.as_tensor(text_embeds).detach()
-    text = text.unsqueeze(0) if text.dim() == 1 else text
-    if text.dim() != 2 or (text.shape[0] > 0 and text.shape[1] != features.shape[-1]):
-        raise ValueError(f"SelectionContext.text_embeds has shape {tuple(text.shape)}; {method} needs "
-                         f"[m, {features.shape[-1]}] (the same embedding space as the segment's features)")
-    return text.to(device=features.device, dtype=torch.float32) if text.shape[0] else None
-
-
 def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
                  tau_v: float) -> dict:
     """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
@@ -170,35 +153,23 @@ def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha
 
 
 def divprune_inputs(features: torch.Tensor) -> dict:
-    """``{"D": [B, n, n], "first": [B, n]}``: cosine distances (`divprune.cosine_distance_matrix` per segment)
-    and each token's distance to its nearest other token."""
-    x = _unit(features)
-    D = 1.0 - x @ x.mT
+    """``{"D": [B, n, n], "first": [B, n]}``: the cosine distances of `divprune.cosine_distance_matrix` for
+    ``features [B, n, D]`` and each token's distance to its nearest other token (the reference's first pick)."""
+    from .divprune import cosine_distance_matrix
+
+    D = cosine_distance_matrix(features)
     eye = torch.eye(D.shape[-1], dtype=torch.bool, device=D.device)
     return {"D": D, "first": D.masked_fill(eye, float("inf")).amin(dim=2)}
 
 
 def cdpruner_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float) -> dict:
-    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for each segment (the kernel of
-    `cdpruner.conditional_kernel`, the qualities as fallback scores), batched over ``features [B, n, D]``."""
-    from .cdpruner import _RANK_TOL
+    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for ``features [B, n, D]``: the kernels
+    of `cdpruner.conditional_kernel`, their diagonals, the qualities as fallback scores, the rank tolerances."""
+    from .cdpruner import _RANK_TOL, conditional_kernel, fallback_scores
 
-    v = _unit(features)
-    similarity = v @ v.mT
-    text = _text(features, text_embeds, "cdpruner")
-    ones = torch.ones(v.shape[:2], dtype=torch.float32, device=v.device)
-    if text is None:
-        rel = ones
-    else:
-        rel = (v @ F.normalize(text, dim=-1, eps=1e-12).T).mean(dim=-1)
-        lo, hi = rel.amin(dim=-1, keepdim=True), rel.amax(dim=-1, keepdim=True)
-        span = hi - lo
-        rel = torch.where(span > 1e-6, (rel - lo) / span.clamp(min=1e-6), ones)
-    quality = rel if theta >= 1.0 else torch.exp((theta / (2.0 * (1.0 - theta))) * rel)
-    L = quality[:, :, None] * similarity * quality[:, None, :]
+    L, quality = conditional_kernel(features, text_embeds, theta)
     diag = torch.diagonal(L, dim1=1, dim2=2).clone()
-    q_lo, q_hi = quality.amin(dim=-1, keepdim=True), quality.amax(dim=-1, keepdim=True)
-    return {"L": L, "diag": diag, "fallback": -2.0 + (quality - q_lo) / (q_hi - q_lo).clamp(min=1e-30),
+    return {"L": L, "diag": diag, "fallback": fallback_scores(quality),
             "tol": _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)}
 
 
@@ -210,9 +181,8 @@ class _Captured:
         self.lock = threading.Lock()
 
 
-# one capture at a time in the process, shared with the fast path's step and vision-tower captures
-_CAPTURE_LOCK = CAPTURE_LOCK
-_GRAPHS: dict[object, OrderedDict] = {}
+_GRAPHS: dict[object, OrderedDict] = {}  # device -> key -> _Captured, least recently used first
+_TABLE_LOCK = threading.Lock()  # the tables above (captures themselves run under the fast path's CAPTURE_LOCK)
 
 
 def _key(method: str, inputs: dict, k: int) -> tuple:
@@ -221,7 +191,7 @@ def _key(method: str, inputs: dict, k: int) -> tuple:
 
 def release_selection_graphs() -> None:
     """Drop every captured selection graph (and its buffers)."""
-    with _CAPTURE_LOCK:
+    with _TABLE_LOCK:
         _GRAPHS.clear()
 
 
@@ -252,17 +222,21 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
     if not use_graphs:
         return GreedyRun(method, inputs, k).launch().clone()
     key = _key(method, inputs, k)
-    graphs = _GRAPHS.setdefault(device, OrderedDict())
-    captured = graphs.get(key)
+    with _TABLE_LOCK:
+        graphs = _GRAPHS.setdefault(device, OrderedDict())
+        captured = graphs.get(key)
+        if captured is not None:
+            graphs.move_to_end(key)
     if captured is None:
-        with _CAPTURE_LOCK:
-            captured = graphs.get(key)
+        with CAPTURE_LOCK:  # one capture at a time in the process (step, tower and selection graphs)
+            with _TABLE_LOCK:
+                captured = graphs.get(key)
             if captured is None:
-                captured = graphs[key] = _capture(method, inputs, k)
-                while len(graphs) > MAX_GRAPHS:
-                    graphs.popitem(last=False)
-    if key in graphs:
-        graphs.move_to_end(key)
+                captured = _capture(method, inputs, k)
+                with _TABLE_LOCK:
+                    graphs[key] = captured
+                    while len(graphs) > MAX_GRAPHS:
+                        graphs.popitem(last=False)
     # copy in, replay and copy out as one unit: two threads selecting at one shape share the buffers
     with captured.lock:
         for name, t in inputs.items():

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .base import Segment, SelectionContext, Selector, stacked_features, use_kernels
+from .base import GreedySelector, Segment, SelectionContext
 
 
 def _as_text(features: torch.Tensor, text_embeds: torch.Tensor | None) -> torch.Tensor | None:
@@ -147,7 +148,7 @@ def _check_positive(owner: str, setting: str, value) -> None:
 
 
 @dataclass
-class MMTokSelector(Selector):
+class MMTokSelector(GreedySelector):
     """Greedy multimodal coverage maximisation (MMTok); query-aware.
 
     Covers the question's text tokens (``context.text_embeds``, ``[m, D]`` in the features' space) and
@@ -161,6 +162,7 @@ class MMTokSelector(Selector):
     """
 
     name: str = "mmtok"
+    kernel: ClassVar[str] = "mmtok"
     alpha: float = 0.5
     text_temperature: float = 0.02
     vision_temperature: float = 0.2
@@ -179,11 +181,7 @@ class MMTokSelector(Selector):
         return mmtok_greedy(segment.features, context.text_embeds, k, self.alpha, self.text_temperature,
                             self.vision_temperature).cpu()
 
-    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
-        if not use_kernels(segments, context):
-            return super().select_group(segments, k, context)
-        from .kernels import greedy_select, mmtok_inputs
+    def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
+        from .kernels import mmtok_inputs
 
-        inputs = mmtok_inputs(stacked_features(segments), context.text_embeds, self.alpha, self.text_temperature,
-                              self.vision_temperature)
-        return list(greedy_select("mmtok", inputs, k))
+        return mmtok_inputs(features, context.text_embeds, self.alpha, self.text_temperature, self.vision_temperature)
