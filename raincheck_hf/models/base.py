@@ -249,6 +249,11 @@ class ModelAdapter:
         mask = None
         if visible is not None:
             mask = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
+        return self.run_text_model(cache, batch, mask, want_logits)
+
+    def run_text_model(self, cache, batch: RowBatch, mask, want_logits: bool):
+        """The text model's own forward over ``batch`` on ``cache`` with the attention ``mask`` as built by
+        `forward` (DeepStack arguments from `deepstack_kwargs`); logits of the last row (``[1, V]``) or None."""
         out = self.text_model(
             inputs_embeds=batch.embeds[None],
             position_ids=batch.positions[:, None, :],

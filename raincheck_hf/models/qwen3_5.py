@@ -356,16 +356,7 @@ class GatedDeltaNetMixin:
             full = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
             mask = {"full_attention": full, "linear_attention": None}
         with _DeferredGDNStreams(self._gdn_modules, cache, split):
-            out = self.text_model(
-                inputs_embeds=batch.embeds[None],
-                position_ids=batch.positions[:, None, :],
-                attention_mask=mask,
-                cache=cache,
-                use_cache=True,
-            )
-        if not want_logits:
-            return None
-        return self.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+            return self.run_text_model(cache, batch, mask, want_logits)
 
 
 class Qwen3_5Adapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
