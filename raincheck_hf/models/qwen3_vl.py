@@ -10,7 +10,7 @@ forward (so DeepStack features are added only for the visual rows actually prefi
 
 from __future__ import annotations
 
-from .base import ModelAdapter, RowBatch, TurnInputs, accelerate_split, execution_device  # noqa: F401 (older imports)
+from .base import ModelAdapter
 from .mixins import DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
 
