@@ -22,6 +22,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+families)
+    # the GPU tests of issues 18-20 (every family, shared model across threads, cancellation, server) with full
+    # reports, then Qwen3.5-MoE (35B-A3B shape) latency, short
+    timeout "${TESTS_S:-330}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k "family or two_chats or cancelled or server" > "$OUT/test_gpu_families_h200.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/test_gpu_families_h200.log" | tail -30
+    timeout "${MORE_S:-200}" python3 -m raincheck_hf.bench latency --model qwen3_5_35b_a3b --input image --turns 1 \
+        --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 60 --variants stock_dynamic,full,hard,raincheck \
+        --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_5_35b_a3b_image_h200.log"
+    ;;
 wave)
     # this wave's GPU checks and runs in one device call, each part bounded so that the next still runs:
     # every GPU test; Qwen3.5-9B image latency with the default settings; the server against the library
