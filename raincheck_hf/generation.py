@@ -98,7 +98,7 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
         if cache.graphs is None:
             from .fast.graphs import StepGraphs
 
-            cache.graphs = StepGraphs(adapter, use_graphs=True)
+            cache.graphs = StepGraphs(adapter, use_graphs=adapter.step_graph_blocker() is None)
         return cache.graphs.run(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())

@@ -126,3 +126,27 @@ def test_fast_path_code_matches_eager_engine(family, mode):
         assert (a - b).abs().max() <= 1e-5
     assert [r.tolist() for r in slow.raincheck.restored_per_forward] == [
         r.tolist() for r in fast.raincheck.restored_per_forward]
+
+
+def test_moe_experts_decide_whether_steps_can_be_captured(monkeypatch):
+    """transformers' grouped_mm experts are one device kernel in bfloat16 only; in fp32, or with the eager
+    experts, a step reads the device back to the host: auto picks the eager engine on CUDA then, and
+    `fast_path=True` keeps the static slots without captures."""
+    from families import BY_NAME
+
+    import raincheck_hf
+
+    model = raincheck_hf.enable(BY_NAME["qwen3_vl_moe"].build(seed=0))
+    adapter = get_adapter(model)
+    monkeypatch.setattr(type(adapter), "device", property(lambda self: torch.device("cuda")))
+    assert "bfloat16" in adapter.step_graph_blocker()
+    assert adapter.execution_path(RaincheckConfig()) == "eager"
+    assert adapter.execution_path(RaincheckConfig(fast_path=True)) == "fast"
+    model.to(torch.bfloat16)
+    assert adapter.step_graph_blocker() is None
+    assert adapter.execution_path(RaincheckConfig()) == "fast"
+    model.set_experts_implementation("eager")
+    assert "'eager'" in adapter.step_graph_blocker()
+    assert adapter.execution_path(RaincheckConfig()) == "eager"
+    dense = get_adapter(raincheck_hf.enable(BY_NAME["qwen3_vl"].build(seed=0)))
+    assert dense.step_graph_blocker() is None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 
 import pytest
 import torch
@@ -229,18 +231,51 @@ def test_cuda_family_fast_path_matches_eager_engine_and_reference(family, case):
     slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
     fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
     adapter = get_adapter(model)
-    assert isinstance(fast.cache, StaticDeferredCache) == adapter.supports_fast_path
-    if adapter.supports_fast_path:
+    # fp32 MoE experts cannot be captured (`ExpertsMixin`): auto picks the eager engine for them
+    captures = adapter.supports_fast_path and adapter.step_graph_blocker() is None
+    assert isinstance(fast.cache, StaticDeferredCache) == captures
+    if captures:
         assert fast.cache.graphs.use_graphs and fast.cache.graphs._captured, "a step's CUDA-graph capture failed"
     assert torch.equal(slow.sequences, fast.sequences)
     for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
         assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
     rec = TurnRecord(inputs["input_ids"], slow, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"), inputs.get("second_per_grid_ts"))
+    ref_model = model
+    if fam.linear_attention:  # the GDN reference is written for the CPU: the same weights there (seed 0)
+        ref_model = fam.build(seed=0)
+        cpu = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in cpu.items()}
+        out = slow
+        cpu["output"] = types.SimpleNamespace(sequences=out.sequences.cpu(), logits=out.logits, raincheck=out.raincheck)
+        rec = TurnRecord(**cpu)
     with torch.no_grad():
-        ref = fam.reference()(model, [rec])[0]
+        ref = fam.reference()(ref_model, [rec])[0]
     for i, (got, want) in enumerate(zip(slow.logits, ref)):
-        assert (got[0] - want).abs().max().item() <= 1e-3, f"reference, forward {i}"
+        assert (got[0].to(want.device) - want).abs().max().item() <= 1e-3, f"reference, forward {i}"
+
+
+@pytest.mark.parametrize("family", family_params(["qwen3_vl_moe"]))
+def test_cuda_moe_bf16_steps_are_captured(family):
+    """In bfloat16 transformers' grouped_mm experts run on the device only: the fast path captures the MoE
+    family's steps, and they give what the same steps give eagerly on the static slots."""
+    from raincheck_hf.fast import StaticDeferredCache
+
+    model = raincheck_hf.enable(BY_NAME[family].build(seed=0).to(device="cuda", dtype=torch.bfloat16))
+    assert get_adapter(model).step_graph_blocker() is None
+    inputs = _cuda(make_inputs(family_processor(family), **INPUT_CASES["two_images"]))
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2), **kw)
+    assert isinstance(fast.cache, StaticDeferredCache)
+    assert fast.cache.graphs.use_graphs and fast.cache.graphs._captured, "a step's CUDA-graph capture failed"
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, fast_path=False), **kw)
+    same = int((fast.sequences == slow.sequences).long().cumprod(-1).sum())  # the common prefix
+    n_prompt = inputs["input_ids"].shape[1]
+    assert same > n_prompt, "the first answer token differs"
+    for i in range(same - n_prompt):
+        a, b = fast.logits[i].float(), slow.logits[i].float()
+        assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"forward {i}"
 
 
 @pytest.mark.parametrize("family", family_params())

@@ -291,7 +291,15 @@ class ModelAdapter:
                     "supports device_map splits and offload) or fast_path=None (auto: picks the eager engine here)."
                 )
             return "eager"
+        if config.fast_path is None and self.step_graph_blocker() is not None:
+            return "eager"  # auto: static slots without captured steps buy nothing over the eager engine
         return "fast" if (config.fast_path is True or self.device.type == "cuda") else "eager"
+
+    def step_graph_blocker(self) -> str | None:
+        """Why this model's text steps cannot be captured as CUDA graphs (some layer reads the device back to
+        the host), or None. ``fast_path=None`` then picks the eager engine; ``fast_path=True`` runs the fast
+        path's steps eagerly on the static slots."""
+        return None
 
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).

@@ -244,3 +244,24 @@ class DeepStackMixin:
         if deepstack is None or not bool(visual.any()):
             return {}
         return {"visual_pos_masks": visual[None], "deepstack_visual_embeds": deepstack}
+
+
+class ExpertsMixin:
+    """Text models with transformers' mixture-of-experts MLPs (``@use_experts_implementation``).
+
+    A captured step needs experts without host synchronisation. transformers' default ``grouped_mm``
+    computes the expert offsets on the device (``histc``) and runs one grouped GEMM, but that kernel takes
+    bfloat16 only: in another dtype transformers falls back to a loop over the experts that reads the
+    offsets back to the host, and ``experts_implementation="eager"`` reads the experts hit (``nonzero``).
+    Both still run (and give the same tokens) on the eager engine.
+    """
+
+    def step_graph_blocker(self) -> str | None:
+        implementation = getattr(self.text_model.config, "_experts_implementation", None) or "grouped_mm"
+        if implementation != "grouped_mm":
+            return (f"experts_implementation={implementation!r} reads the experts hit back to the host; "
+                    "'grouped_mm' (transformers' default) captures")
+        if self.dtype != torch.bfloat16:
+            return (f"transformers' grouped_mm experts run as one kernel in bfloat16 only; in {self.dtype} they loop "
+                    "over the experts with a host read")
+        return super().step_graph_blocker()

@@ -11,11 +11,11 @@ tower (Qwen3's, without DeepStack) is replayed from CUDA graphs on the fast path
 from __future__ import annotations
 
 from .base import ModelAdapter
-from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
+from .mixins import ExpertsMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 from .qwen3_5 import GatedDeltaNetMixin
 
 
-class Qwen3_5MoeAdapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
+class Qwen3_5MoeAdapter(ExpertsMixin, GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
     """Qwen3.5-MoE: Qwen3.5's hybrid text layers with MoE MLPs, the Qwen3 vision tower."""
 
     model_classes = ("Qwen3_5MoeForConditionalGeneration",)

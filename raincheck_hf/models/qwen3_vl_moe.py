@@ -7,20 +7,18 @@ nothing: routing is per token (top-k of the token's own router logits, no capaci
 output does not depend on which other rows share its forward, and deferred rows, fused chunks and
 padding rows route exactly as in a full prefill.
 
-Fast path: all text layers are attention, so the static KV slots and graph replay apply. A captured step
-needs an experts implementation without host synchronisation: transformers' default ``grouped_mm``
-(offsets by ``histc`` on the device) captures; ``experts_implementation="eager"`` loops over the experts
-hit (a ``nonzero`` read back to the host), its capture fails and the step runs eagerly on the static
-cache instead (with a warning).
+Fast path: all text layers are attention, so the static KV slots and graph replay apply when the experts
+run without host synchronisation: transformers' default ``grouped_mm`` in bfloat16 (`ExpertsMixin`). In
+another dtype or with ``experts_implementation="eager"``, ``fast_path=None`` picks the eager engine.
 """
 
 from __future__ import annotations
 
 from .base import ModelAdapter
-from .mixins import DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
+from .mixins import DeepStackMixin, ExpertsMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
 
-class Qwen3VLMoeAdapter(DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
+class Qwen3VLMoeAdapter(ExpertsMixin, DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
     """Qwen3-VL-MoE: full-attention text layers with MoE MLPs and DeepStack, the Qwen3 vision tower."""
 
     model_classes = ("Qwen3VLMoeForConditionalGeneration",)
