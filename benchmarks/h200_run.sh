@@ -26,8 +26,9 @@ families)
     # the GPU tests of issues 18-20 (every family, shared model across threads, cancellation, server) with full
     # reports, then Qwen3.5-MoE (35B-A3B shape) latency, short
     timeout "${TESTS_S:-330}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
-        -k "family or two_chats or cancelled or server" > "$OUT/test_gpu_families_h200.log" 2>&1
+        -k "${TESTS_K:-family or moe or two_chats or cancelled or server}" > "$OUT/test_gpu_families_h200.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/test_gpu_families_h200.log" | tail -30
+    [ -n "${TESTS_ONLY:-}" ] && exit 0
     timeout "${MORE_S:-200}" python3 -m raincheck_hf.bench latency --model qwen3_5_35b_a3b --input image --turns 1 \
         --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 60 --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
