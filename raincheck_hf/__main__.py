@@ -47,6 +47,11 @@ DEFAULT_MODEL = "qwen3_vl"
 BUNDLED_TITLES = {"qwen3_vl": "glyph Qwen3-VL", "qwen3_5": "glyph Qwen3.5"}
 
 
+def _chunk_size_arg(text: str):
+    """``--chunk-size``: an integer or ``auto`` (RaincheckConfig checks the value)."""
+    return text if text == "auto" else int(text)
+
+
 def resolve_model(name: str | None) -> tuple[str, str]:
     """``(kind, name)``: ``("bundled", "qwen3_vl" | "qwen3_5")``, ``("tiny", "tiny")`` or ``("checkpoint", path_or_id)``.
 
@@ -248,7 +253,7 @@ def chat(args) -> int:
 
     # settings are validated before anything is loaded
     config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                             selector=args.selector, mode=args.mode)
+                             tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode)
     if args.turns < 0:
         raise ValueError(f"--turns must be >= 0 (0: all of the dialogue's questions), got {args.turns}")
     dialogue = _dev_dialogue(args.dialogue)
@@ -421,8 +426,12 @@ def add_chat_arguments(c) -> None:
                    help="which visual tokens are prefilled first")
     c.add_argument("--retention", type=float, default=defaults.retention, metavar="R",
                    help="fraction of each image / video slice prefilled first, in [0, 1]")
-    c.add_argument("--chunk-size", type=int, default=defaults.chunk_size, metavar="C",
-                   help="deferred tokens prefilled per decode step and per idle-time step (>= 1)")
+    c.add_argument("--chunk-size", type=_chunk_size_arg, default=defaults.chunk_size, metavar="C",
+                   help="deferred tokens prefilled per decode step and per idle-time step (>= 1), or 'auto' "
+                   "(sized per step from measured step costs, within --tpot-slack of plain decode)")
+    c.add_argument("--tpot-slack", type=float, default=defaults.tpot_slack, metavar="S",
+                   help="with --chunk-size auto: how much the answer's mean time per token may exceed plain "
+                   "decode's (default 0.02)")
     c.add_argument("--decode-guard", type=int, default=defaults.decode_guard, metavar="G",
                    help="tokens generated before the first chunk rides along (>= 0)")
     c.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit per question")

@@ -12,6 +12,9 @@ import torch
 from .selection import Selector, get_selector
 
 MODES = ("full", "hard", "post_answer", "raincheck", "serial")
+AUTO = "auto"
+# chunk sizes `chunk_size="auto"` chooses from (padded rows; with the decode token a fused step has 8 .. 64 rows)
+CHUNK_LADDER = (7, 15, 31, 63)
 
 
 @dataclass
@@ -26,8 +29,18 @@ class RaincheckConfig:
         retention: fraction r of each image's / video slice's visual tokens prefilled first, in [0, 1]:
             ``round(r * n)`` of a slice's n tokens, at least one when r > 0; r = 0 selects none (every
             multimodal token is deferred, which docs/method.md §8 allows), r = 1 defers none.
-        chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1.
+        chunk_size: c, deferred tokens prefilled per decode step (and per idle-time step), >= 1; or
+            ``"auto"``: each decode step takes the chunk size (from `CHUNK_LADDER`, or none) that keeps the
+            answer's mean time per token within ``tpot_slack`` of plain decode steps, by the step costs
+            measured on the running device, and finishes restoration earliest under that budget
+            (`generation.auto_chunk_size`); idle-time restoration then uses the largest ladder size.
+            Without measured costs (the eager engine, or a CPU) it takes the smallest ladder size
+            every step. With ``"auto"`` the restoration schedule depends on timings, so which chunks a
+            token saw (and, under greedy decoding, possibly the tokens while restoration runs) may
+            differ between runs; a fixed size gives reproducible runs.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
+        tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
+            that of plain decode steps (0.02: 2%), a number >= 0; unused with a fixed chunk size.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
             ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,
             or a boolean tensor over the prompt's multimodal tokens in source order
@@ -47,12 +60,13 @@ class RaincheckConfig:
     """
 
     retention: float = 0.3
-    chunk_size: int = 31
+    chunk_size: int | str = 31
     decode_guard: int = 16
     selector: str | Selector | torch.Tensor = "mmtok"
     mode: str = "raincheck"
     selector_kwargs: dict = field(default_factory=dict)
     fast_path: bool | None = None
+    tpot_slack: float = 0.02
 
     def __post_init__(self):
         self.validate()
@@ -89,9 +103,19 @@ class RaincheckConfig:
         object.__setattr__(self, "retention", float(retention))
         for name, low in (("chunk_size", 1), ("decode_guard", 0)):
             value = getattr(self, name)
+            if name == "chunk_size" and isinstance(value, str) and value == AUTO:
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"RaincheckConfig.{name}={value!r} must be an integer >= {low}.")
+                extra = ' or "auto"' if name == "chunk_size" else ""
+                raise ValueError(f"RaincheckConfig.{name}={value!r} must be an integer >= {low}{extra}.")
             object.__setattr__(self, name, int(value))
+        slack = self.tpot_slack
+        if isinstance(slack, bool) or not isinstance(slack, numbers.Real) or not (
+            math.isfinite(slack) and slack >= 0.0
+        ):
+            raise ValueError(f"RaincheckConfig.tpot_slack={slack!r} must be a finite number >= 0 (0.02: the "
+                             "answer's mean time per token within 2% of plain decode steps).")
+        object.__setattr__(self, "tpot_slack", float(slack))
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"RaincheckConfig.mode={self.mode!r} is not one of {list(MODES)}.")
         if not isinstance(self.selector_kwargs, dict):
@@ -161,6 +185,23 @@ class RaincheckConfig:
     @property
     def restores_during_decode(self) -> bool:
         return self.mode in ("raincheck", "serial")
+
+    @property
+    def auto_chunk(self) -> bool:
+        """``chunk_size="auto"``: the decode loop picks each step's chunk size (`generation.auto_chunk_size`)."""
+        return self.chunk_size == AUTO
+
+    @property
+    def max_chunk_size(self) -> int:
+        """The largest chunk a decode step may carry: the fixed size, or the ladder's largest with ``"auto"``
+        (what the fast path's scratch slots are sized for)."""
+        return max(CHUNK_LADDER) if self.auto_chunk else self.chunk_size
+
+    @property
+    def idle_chunk_size(self) -> int:
+        """Rows per idle-time restoration forward: the fixed size, or the ladder's largest with ``"auto"``
+        (idle time has no time per token to protect)."""
+        return self.max_chunk_size
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RaincheckConfig))

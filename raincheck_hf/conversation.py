@@ -390,7 +390,7 @@ class Conversation:
         with self._lock:
             if self.cache is None or self.cache.num_pending == 0:
                 return 0
-            restored = restore_pending(self.model, self.cache, max_tokens=self.config.chunk_size)
+            restored = restore_pending(self.model, self.cache, max_tokens=self.config.idle_chunk_size)
             if self.turns:
                 self.turns[-1].restored_after_answer += int(restored.numel())
                 self.turns[-1].pending = self.cache.num_pending

@@ -8,9 +8,10 @@ One call, top to bottom:
 2. select the visual rows that go first (a `DeferredPlan`);
 3. forward 0 (prefill): pending deferred rows of earlier turns (they precede this turn in physical
    order, docs/method.md §6 "early follow-up") and then T ∪ S;
-4. each decode forward i >= 1 consumes generated token i; the scheduler (`chunk_size_for_forward`,
-   the only place that decides *when* deferred rows run) lets one chunk ride along after the guard:
-   fused into the same forward (``raincheck``) or in a forward of its own just before (``serial``);
+4. each decode forward i >= 1 consumes generated token i; the scheduler (`ChunkScheduler`, the only
+   place that decides *when* deferred rows run) lets one chunk ride along after the guard: fused into
+   the same forward (``raincheck``) or in a forward of its own just before (``serial``); with
+   ``chunk_size="auto"`` its size comes from the measured step costs (`auto_chunk_size`);
 5. logits processors, sampling, stopping criteria and the streamer exactly as HF's `_sample`;
 6. return HF's output plus the cache and a `RaincheckTrace`; pending rows stay with the cache.
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key, to_device
-from .configuration import RaincheckConfig
+from .configuration import CHUNK_LADDER, RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
 from .plan import DeferredPlan, build_plan, select_visual_rows
@@ -44,6 +47,9 @@ class RaincheckTrace:
         deferred: ``[d]`` visual positions deferred (``hard``: dropped), source order.
         restored_per_forward: one LongTensor per forward: forward 0 is the prefill (it restores
             deferred rows left over from earlier turns), forward i >= 1 consumes generated token i.
+        chunk_size_per_forward: per forward (same indexing), the chunk size the scheduler chose for
+            it: the rows its chunk step was padded to (``chunk_size``, or the ladder size
+            ``chunk_size="auto"`` picked), 0 when it carried no chunk (always 0 for forward 0).
         pending: deferred positions not yet restored when `generate` returned.
         dropped: positions removed for good (``hard`` mode).
         segments: ``(modality, (t, h, w), source_positions)`` per image / video slice, for drawing.
@@ -53,6 +59,7 @@ class RaincheckTrace:
     selected: torch.Tensor
     deferred: torch.Tensor
     restored_per_forward: list[torch.Tensor] = field(default_factory=list)
+    chunk_size_per_forward: list[int] = field(default_factory=list)
     pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     segments: list = field(default_factory=list)
@@ -70,16 +77,123 @@ class RaincheckGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pending: int) -> int:
-    """How many deferred rows ride along with decode forward ``forward_index`` (>= 1).
+    """How many deferred rows ride along with decode forward ``forward_index`` (>= 1), fixed chunk size.
 
     Forward i consumes generated token i, so i tokens have been generated when it runs; the guard
     holds chunks back until ``i >= decode_guard`` (and never before the first decode forward).
+    ``chunk_size="auto"`` goes through `ChunkScheduler` instead (this returns the ladder's largest).
     """
     if not config.restores_during_decode or num_pending == 0:
         return 0
     if forward_index < max(config.decode_guard, 1):
         return 0
-    return min(config.chunk_size, num_pending)
+    return min(config.max_chunk_size, num_pending)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured seconds of a plain decode step (``decode``) and of a decode step carrying a chunk padded
+    to ``c`` rows (``chunk[c]``: the fused forward, or in ``serial`` mode the chunk's forward plus the
+    token's), for the ladder sizes measured so far."""
+
+    decode: float
+    chunk: dict
+
+
+def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: int, spent: float,
+                    ladder=CHUNK_LADDER) -> int:
+    """The chunk size (a ladder size, or 0: none) that decode step ``steps`` carries with ``chunk_size="auto"``.
+
+    A pure function. The budget: after ``steps`` decode steps the answer may have cost
+    ``(1 + slack) * steps * costs.decode``, i.e. ``slack * costs.decode`` of extra time accrues per
+    step and what earlier steps' chunks cost beyond a plain step (``spent``, seconds) is taken off;
+    accumulated slack may be spent at once. A chunk of ``c`` costs ``costs.chunk[c] - costs.decode``
+    extra, whatever the rows it really holds (a short last chunk is padded to ``c``).
+
+    Which size: the one whose chunks would restore the ``pending`` rows earliest under that budget
+    (``ceil(pending / c)`` chunks, the k-th affordable ``(k * extra - allowance) / (slack * decode)``
+    steps from now, at most one per step; ties go to the cheaper total, then the larger size). It
+    runs now if this step's allowance pays for it, else the step carries nothing and the budget
+    grows. Larger chunks cost less per row, so waiting for one can finish sooner than spending every
+    step's slack on the smallest; near the end, the smallest size that holds the rest wins.
+
+    Without measurements (``costs`` None or no ladder size measured: the eager engine, a CPU, or no
+    graph yet) it returns the smallest ladder size (documented fallback: a bounded cost per step
+    that restores everything).
+
+    Args:
+        costs: measured step costs, or None.
+        slack: `RaincheckConfig.tpot_slack` (>= 0).
+        pending: deferred rows waiting.
+        steps: decode steps of the answer so far, this one included (forward index).
+        spent: extra seconds that earlier steps' chunks cost (``costs.chunk[c] - costs.decode`` when taken).
+    """
+    if pending <= 0:
+        return 0
+    measured = {c: t for c, t in (costs.chunk.items() if costs is not None else ()) if c in ladder and t is not None}
+    if not measured:
+        return min(ladder)
+    rate = slack * costs.decode  # allowance gained per step
+    allowance = rate * steps - spent
+    best, best_rank = 0, None
+    for c, cost in measured.items():
+        extra = max(cost - costs.decode, 0.0)
+        n = -(-pending // c)
+        need = n * extra - allowance
+        if need <= 0:
+            finish = n - 1
+        elif rate > 0:
+            finish = max(n - 1, math.ceil(need / rate))
+        else:
+            continue  # no slack: only chunks already paid for
+        rank = (finish, n * extra, -c)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = c, rank
+    if best and max(measured[best] - costs.decode, 0.0) <= allowance + 1e-12:
+        return best
+    return 0
+
+
+class ChunkScheduler:
+    """When a deferred chunk rides along with a decode step, and how large (one per `generate` call).
+
+    Fixed ``chunk_size``: `chunk_size_for_forward`. ``"auto"``: after the guard, `auto_chunk_size` with the
+    costs the fast path measured for this cache's steps (`StepGraphs.step_cost`; none on the eager
+    engine), keeping the extra time its chosen chunks cost (``spent``).
+    """
+
+    def __init__(self, config: RaincheckConfig):
+        self.config = config
+        self.spent = 0.0
+
+    def step_costs(self, adapter, cache) -> StepCosts | None:
+        graphs = getattr(cache, "graphs", None) if getattr(cache, "is_static", False) else None
+        if graphs is None:
+            return None
+        decode = graphs.step_cost(adapter, cache, 1, True)
+        if decode is None:
+            return None
+        chunk = {}
+        for c in CHUNK_LADDER:
+            if self.config.mode == "serial":
+                own = graphs.step_cost(adapter, cache, c, False)
+                chunk[c] = None if own is None else own + decode
+            else:
+                chunk[c] = graphs.step_cost(adapter, cache, c + 1, True)
+        return StepCosts(decode, chunk)
+
+    def chunk_size(self, adapter, cache, forward_index: int) -> int:
+        """The padded chunk size decode forward ``forward_index`` carries (0: none); counts it as spent."""
+        config = self.config
+        if not config.auto_chunk:
+            return config.chunk_size if chunk_size_for_forward(forward_index, config, cache.num_pending) else 0
+        if chunk_size_for_forward(forward_index, config, cache.num_pending) == 0:
+            return 0
+        costs = self.step_costs(adapter, cache)
+        c = auto_chunk_size(costs, config.tpot_slack, cache.num_pending, forward_index, self.spent)
+        if c and costs is not None and costs.chunk.get(c) is not None:
+            self.spent += max(costs.chunk[c] - costs.decode, 0.0)
+        return c
 
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
@@ -121,34 +235,35 @@ class _DecodeForward:
 
     forwards: list[tuple]  # run_rows arguments after (adapter, cache)
     n_chunk: int
+    chunk_size: int  # the chunk's padded size (0: no chunk)
     position: int  # the token's M-RoPE position
     restored: torch.Tensor  # sources of the chunk's deferred rows
     prepared: object = None  # the first forward, prepared (fast path)
 
     @classmethod
-    def build(cls, adapter, cache, plan, config, next_tokens, forward_index: int, first_generated_position: int,
-              sequence_length: int) -> "_DecodeForward":
+    def build(cls, adapter, cache, plan, config, scheduler: ChunkScheduler, next_tokens, forward_index: int,
+              first_generated_position: int, sequence_length: int) -> "_DecodeForward":
         token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
         position = first_generated_position + forward_index - 1
         token_source = torch.tensor([sequence_length - 1])
         batch = adapter.text_row(next_tokens, position)
         token = (batch, token_key, token_source, GENERATED, True, None)
-        n_chunk = chunk_size_for_forward(forward_index, config, cache.num_pending)
-        chunk = cache.peek_pending(n_chunk) if n_chunk else None
+        size = scheduler.chunk_size(adapter, cache, forward_index)
+        chunk = cache.peek_pending(min(size, cache.num_pending)) if size else None
         if chunk is None:
-            return cls([token], 0, position, torch.empty(0, dtype=torch.long),
+            return cls([token], 0, 0, position, torch.empty(0, dtype=torch.long),
                        prepare_rows(adapter, cache, *token))
         chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
         if config.mode == "serial":
-            forwards = [(adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds, False, config.chunk_size),
-                        token]
+            forwards = [(adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds, False, size), token]
         else:  # fused: one forward over [chunk, decode token]
             forwards = [(RowBatch.concat([adapter.pending_batch(chunk), batch]),
                          torch.cat([chunk.keys, to_device(token_key, chunk.keys.device)]),
                          torch.cat([chunk.sources.cpu(), token_source]),
                          torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
-                         True, config.chunk_size)]
-        return cls(forwards, len(chunk), position, chunk.sources.cpu(), prepare_rows(adapter, cache, *forwards[0]))
+                         True, size)]
+        return cls(forwards, len(chunk), size, position, chunk.sources.cpu(),
+                   prepare_rows(adapter, cache, *forwards[0]))
 
     def run(self, adapter, cache):
         """Take the chunk from the pending rows and run the forward(s); the token's logits."""
@@ -187,7 +302,7 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
             from .fast.graphs import scratch_slots
 
             # room for this turn, and padding for its chunk size (which may have grown since the cache was made)
-            cache.ensure_capacity(cache.num_rows + rows_needed, scratch_slots(config.chunk_size))
+            cache.ensure_capacity(cache.num_rows + rows_needed, scratch_slots(config.max_chunk_size))
         return cache
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
@@ -200,7 +315,7 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
 
         # pooled per text model: a later conversation of the same size reuses the slots and their captured graphs
         return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
-                                   scratch_slots(config.chunk_size), adapter.device, pool_key=adapter.text_model)
+                                   scratch_slots(config.max_chunk_size), adapter.device, pool_key=adapter.text_model)
     # adapter.device, not model.device: the latter is a parameter's device, `meta` under accelerate offload
     # (order keys must live where the masks are built).
     return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
@@ -294,6 +409,7 @@ def raincheck_sample(
                       torch.cat(kinds), want_logits=True)
     cache.extend_source(new_ids, turn.next_position)
     trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
+    trace.chunk_size_per_forward.append(0)
 
     # 4-5. decode, HF's way
     out = _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
@@ -320,6 +436,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    scheduler = ChunkScheduler(config)
     generated = 0
     while True:
         next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
@@ -339,8 +456,8 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
         generated += 1
         # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
         # stopping check, so that this host work overlaps the device's; nothing in the cache changes until `run`
-        step = _DecodeForward.build(adapter, cache, plan, config, next_tokens, generated, first_generated_position,
-                                    input_ids.shape[1])
+        step = _DecodeForward.build(adapter, cache, plan, config, scheduler, next_tokens, generated,
+                                    first_generated_position, input_ids.shape[1])
         # Everything so far was only launched and queues behind the last forward; the stopping check is
         # launched too, then one wait for all of it. The token's host copy is taken after that wait (behind
         # the next forward, `.cpu()` would wait for that forward as well).
@@ -354,6 +471,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
         logits = step.run(adapter, cache)
         cache.extend_source(token_host, step.position + 1)
         trace.restored_per_forward.append(step.restored)
+        trace.chunk_size_per_forward.append(step.chunk_size)
 
     if streamer is not None:
         streamer.end()

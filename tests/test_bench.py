@@ -238,3 +238,25 @@ def test_bench_selectors_json(tmp_path):
     t1 = {r["variant"]: r for r in result["t1_rows"]}
     assert set(t1) == {"stock", "full", *selectors.SELECTORS}
     assert t1["full"]["x_full"] == 1.0 and t1["stock"]["x_stock"] == 1.0
+
+
+def test_auto_chunk_size_in_the_sweep(tmp_path):
+    """``--chunk-sizes ...,auto`` runs chunk_size="auto" beside the fixed sizes; the JSON says which sizes it chose."""
+    lines = []
+    out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=2, answer_tokens=ANSWER, reps=1,
+                      chunk_sizes=(7, latency._chunk_size(" auto")), decode_guard=1,
+                      warmup_tokens=2, strict=True, device="cpu", variants=["raincheck"], tpot_slack=0.05,
+                      json_path=str(tmp_path / "auto.json"), log=lines.append)
+    variants = out["runs"][0]["variants"]
+    assert set(variants) == {"raincheck c=7", "raincheck c=auto"}
+    auto = variants["raincheck c=auto"]
+    assert auto["chunk_size"] == "auto" and auto["config"]["chunk_size"] == "auto"
+    assert out["settings"]["tpot_slack"] == 0.05
+    turn = auto["reps"][0]["turns"][0]
+    # no timings on a CPU: the smallest ladder size every step after the guard
+    assert turn["chunk_sizes_chosen"] == {"7": turn["steps_with_chunk"]} and turn["steps_with_chunk"] > 0
+    assert variants["raincheck c=7"]["reps"][0]["turns"][0]["chunk_sizes_chosen"] == {"7": turn["steps_with_chunk"]}
+    assert any("chunk sizes chosen" in line for line in lines)
+    assert any(line.startswith("warm-up (first call") and "raincheck c=auto" in line for line in lines)
+    with pytest.raises(ValueError):
+        latency._chunk_size("big")

@@ -87,6 +87,35 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
                        torch.arange(inputs["input_ids"].shape[1]))
 
 
+@pytest.mark.parametrize("mode", ["raincheck", "serial"])
+def test_cuda_auto_chunk_size_measures_its_steps_and_matches_the_reference(cuda_model, processor, mode):
+    """chunk_size="auto" on the captured path: every ladder shape and the decode step have measured costs
+    (capture-time replays, then lazily read events), the trace holds ladder sizes only, every step's logits
+    match the reference for the chunks the policy chose, and everything comes back."""
+    from raincheck_hf.configuration import CHUNK_LADDER
+    from raincheck_hf.generation import ChunkScheduler
+    from raincheck_hf.tiny import draw_test_image
+
+    inputs = _cuda(make_inputs(processor, images=[draw_test_image(256, 256, seed=s) for s in (4, 5, 6)],
+                               text="Describe it."))
+    cfg = RaincheckConfig(mode=mode, chunk_size="auto", decode_guard=2, retention=0.2, tpot_slack=0.5)
+    out = cuda_model.generate(**inputs, max_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+                              output_logits=True, raincheck=cfg)
+    costs = ChunkScheduler(cfg).step_costs(get_adapter(cuda_model), out.cache)
+    assert costs is not None and costs.decode > 0 and all(costs.chunk[c] > 0 for c in CHUNK_LADDER)
+    sizes = out.raincheck.chunk_size_per_forward
+    assert set(sizes) <= {0, *CHUNK_LADDER} and any(sizes)
+    rec = TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"))
+    with torch.no_grad():
+        ref = reference_logits(cuda_model, [rec])[0]
+    for i, (got, want) in enumerate(zip(out.logits, ref)):
+        assert (got[0] - want).abs().max().item() <= 1e-3, f"forward {i}"
+    while out.cache.num_pending:
+        raincheck_hf.restore_pending(cuda_model, out.cache, max_tokens=cfg.idle_chunk_size)
+    restored = torch.cat(out.raincheck.restored_per_forward + [out.raincheck.pending])
+    assert torch.equal(torch.sort(restored).values, out.raincheck.deferred)
+
+
 @pytest.mark.parametrize("mode", ["post_answer", "raincheck"])
 def test_cuda_follow_up_prefills_leftovers(cuda_model, processor, mode):
     """A follow-up before restoration is done carries the leftovers in its own prefill (pending keys on

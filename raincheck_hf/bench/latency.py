@@ -22,6 +22,9 @@ Variants (all on the same model instance, the same prompt, the same answer lengt
 - ``full``, ``hard``, ``post_answer``: ``generate(..., raincheck=RaincheckConfig(mode=...))``.
 - ``raincheck c=<c>`` (fused) and ``serial c=<c>`` for every chunk size of the sweep. The primary
   chunk size (31 when swept) runs all turns; the other sizes run ``--sweep-turns`` turns (default 1).
+  ``auto`` in the sweep (``--chunk-sizes 7,15,31,63,auto``) runs ``chunk_size="auto"`` with
+  ``--tpot-slack``; its idle-time restoration (the idle probe) uses the largest ladder size, as
+  `Conversation` does.
 
 Every answer has exactly ``--answer-tokens`` tokens (follow-ups: ``--follow-up-tokens``): greedy,
 ``min_new_tokens = max_new_tokens``, and every special token (EOS included) suppressed, the same
@@ -35,7 +38,8 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
   ``put`` after the prompt (vision encoding + selection + prefill + first sampling included).
 - ``tpot<k>``: mean time per output token of turn k, (last token time - first token time) / (n - 1).
   ``tpot1_restoring`` / ``tpot1_plain``: the same over the decode steps of turn 1 that did / did not
-  carry a deferred chunk (from the trace; Raincheck variants only). ``tpot1_median_interval``: the
+  carry a deferred chunk (from the trace; Raincheck variants only); ``chunk_sizes_chosen``: how many
+  decode steps carried a chunk of each (padded) size, from the trace. ``tpot1_median_interval``: the
   median gap between consecutive tokens (robust to one-time stalls such as a CUDA-graph re-record).
 - ``e2e<k>``: wall time of turn k's `generate` call; ``e2e_total``: the sum over turns.
 - ``t<k>`` (k >= 2): time to first token of follow-up k sent right after turn k-1's answer: for
@@ -47,6 +51,8 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
   (timed: ``idle_restore``), then the follow-up's first token is timed (``max_new_tokens=1``).
   ``t2_barrier`` = ``idle_restore + t2_idle`` (derived): a follow-up that arrives at once and waits
   at a completion barrier, as ``Conversation(early_follow_up=False)`` does.
+- ``warmup`` (per run): the wall time of each variant's first (warm-up) conversation, which pays its
+  one-time costs (graph captures, compiles, kernel autotuning); printed under the table.
 - ``peak_mem``: `torch.cuda.max_memory_allocated` over the variant's turns, its counter reset before
   each turn (weights included; None on CPU).
 - Medians over repetitions; ``ratio_to_stock_dynamic`` / ``ratio_to_full`` divide medians.
@@ -97,7 +103,7 @@ class Variant:
     kind: str  # "stock" | "raincheck"
     turns: int
     mode: str | None = None
-    chunk_size: int | None = None
+    chunk_size: int | str | None = None  # "auto": chunk_size="auto"
     cache: str | None = None  # stock: "dynamic" | "static" | "static_reused"
     family: str = ""  # "raincheck" / "serial" for the sweep, else the name
 
@@ -107,7 +113,7 @@ class Variant:
         # fast_path=None: the CUDA fast path where the family supports it (Qwen3-VL), else the eager engine
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
-                               fast_path=settings.get("fast_path"))
+                               fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02))
 
 
 def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:
@@ -206,6 +212,10 @@ def _trace_fields(out, record: dict) -> dict:
     if trace is None:
         return {}
     per_forward = [int(r.numel()) for r in trace.restored_per_forward]
+    chosen = {}
+    for size in getattr(trace, "chunk_size_per_forward", [])[1:]:
+        if size:
+            chosen[str(size)] = chosen.get(str(size), 0) + 1
     intervals = record["_intervals"]  # intervals[k - 1] is decode forward k
     carrying = [intervals[k - 1] for k in range(1, len(per_forward)) if per_forward[k] and k - 1 < len(intervals)]
     plain = [intervals[k - 1] for k in range(1, len(per_forward)) if not per_forward[k] and k - 1 < len(intervals)]
@@ -215,6 +225,7 @@ def _trace_fields(out, record: dict) -> dict:
         "restored_in_prefill": per_forward[0] if per_forward else 0,
         "restored_during_answer": int(sum(per_forward[1:])),
         "steps_with_chunk": len(carrying),
+        "chunk_sizes_chosen": chosen,
         "pending_after": int(trace.pending.numel()),
         "dropped_tokens": int(trace.dropped.numel()),
         "tpot_restoring_s": statistics.fmean(carrying) if carrying else None,
@@ -287,7 +298,7 @@ def run_conversation(ctx: Context, variant: Variant, answer_tokens: int, follow_
         start = time.perf_counter()
         if getattr(cache, "num_pending", 0):
             while True:
-                r = restore_pending(model, cache, max_tokens=variant.chunk_size)
+                r = restore_pending(model, cache, max_tokens=variant.config(ctx.settings).idle_chunk_size)
                 if r.numel() == 0:
                     break
                 restored, chunks = restored + int(r.numel()), chunks + 1
@@ -495,8 +506,8 @@ def _write(result: dict, path: str | None):
 
 def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
         follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
-        primary_chunk: int | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
-        decode_guard: int = 16, selector: str | None = None, warmup: bool = True, warmup_tokens: int | None = None,
+        primary_chunk: int | str | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
+        decode_guard: int = 16, tpot_slack: float = 0.02, selector: str | None = None, warmup: bool = True, warmup_tokens: int | None = None,
         idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
         image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
         json_path: str | None = None, strict: bool = False, keep_intervals: bool = True, command: str | None = None,
@@ -511,15 +522,16 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
     started = time.perf_counter()
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     follow_up_tokens = answer_tokens if follow_up_tokens is None else follow_up_tokens
-    chunk_sizes = tuple(int(c) for c in chunk_sizes)
+    chunk_sizes = tuple(_chunk_size(c) for c in chunk_sizes)
     if turns < 1 or answer_tokens < 1 or follow_up_tokens < 1 or reps < 1 or not chunk_sizes:
         raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
     selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
-    primary_chunk = primary_chunk or (31 if 31 in chunk_sizes else chunk_sizes[0])
+    primary_chunk = _chunk_size(primary_chunk) if primary_chunk else (31 if 31 in chunk_sizes else chunk_sizes[0])
     if primary_chunk not in chunk_sizes:
         raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
     for c in chunk_sizes:  # invalid settings fail here, before any model is built
-        RaincheckConfig(retention=retention, chunk_size=c, decode_guard=decode_guard, selector=selector)
+        RaincheckConfig(retention=retention, chunk_size=c, decode_guard=decode_guard, selector=selector,
+                        tpot_slack=tpot_slack)
     for name in models:
         if name not in shapes.MODELS:
             raise ValueError(f"unknown model {name!r}; choose from {sorted(shapes.MODELS)}.")
@@ -533,7 +545,7 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
         torch.set_num_threads(threads or 1)
     try:
         return _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes,
-                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, selector, warmup,
+                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, tpot_slack, selector, warmup,
                     warmup_tokens, idle_probe, budget_s, dtype, image_size, video_frames, video_size,
                     static_max_cache_len, json_path, strict, keep_intervals, command, log)
     finally:
@@ -541,10 +553,10 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
 
 
 def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes, primary_chunk,
-         sweep_turns, variant_list, retention, decode_guard, selector, warmup, warmup_tokens, idle_probe, budget_s,
-         dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict, keep_intervals,
+         sweep_turns, variant_list, retention, decode_guard, tpot_slack, selector, warmup, warmup_tokens, idle_probe,
+         budget_s, dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict, keep_intervals,
          command, log):
-    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector)
+    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector, tpot_slack=tpot_slack)
     result = {
         "benchmark": "latency",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -707,6 +719,9 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
                        if k not in ("other_s", "other_repeated_s")}
         log(f"[latency]   warm-up done at {time.perf_counter() - started:.1f} s; static (first call s, compiled): "
             f"{static_info}")
+        others = run_entry["warmup"].get("other_s", {})
+        if others:
+            log("[latency]   warm-up, first call s: " + ", ".join(f"{k} {w:.2f}" for k, w in others.items()))
 
     def expected_s(v) -> float:
         # from the variant's warm-up (or measured) first turn: a prefill per turn plus every token's step; the
@@ -795,6 +810,24 @@ def print_table(run_entry: dict, log=print) -> None:
                  "-" if peak is None else f"{peak / 2**30:.2f}", _ratio(rs.get("t1_s")), _ratio(rs.get("tpot1_s")),
                  _ratio(rf.get("t1_s")), _ratio(entry.get("tpot_plain_over_floor"))]
         log("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    warm = run_entry.get("warmup") or {}
+    firsts = {**{k: w["calls_s"][0] for k, w in warm.items() if isinstance(w, dict) and "calls_s" in w},
+              **warm.get("other_s", {})}
+    if firsts:
+        log("warm-up (first call, s; graph captures / compiles included): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in firsts.items()))
+    for name, entry in run_entry["variants"].items():
+        chosen = [t.get("chunk_sizes_chosen") for r in entry.get("reps", []) for t in r["turns"][:1]]
+        if entry.get("chunk_size") == "auto" and chosen:
+            log(f"{name}: chunk sizes chosen in turn 1 (steps per size, per repetition): {chosen}")
+
+
+def _chunk_size(value) -> int | str:
+    """A sweep entry: an integer chunk size or ``"auto"``."""
+    if isinstance(value, str):
+        value = value.strip()
+        return value if value == "auto" else int(value)
+    return int(value)
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -813,9 +846,12 @@ def main(argv=None):
     parser.add_argument("--follow-up-tokens", type=int, default=None, help="tokens of follow-up answers "
                         "(default: --answer-tokens)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk-sizes", default="7,15,31,63", help="chunk sizes swept for raincheck and serial")
-    parser.add_argument("--primary-chunk", type=int, default=None, help="the chunk size that runs every turn "
-                        "(default 31 when swept, else the first)")
+    parser.add_argument("--chunk-sizes", default="7,15,31,63", help="chunk sizes swept for raincheck and serial; "
+                        "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto)")
+    parser.add_argument("--primary-chunk", type=_chunk_size, default=None, help="the chunk size that runs every "
+                        "turn (default 31 when swept, else the first)")
+    parser.add_argument("--tpot-slack", type=float, default=0.02, help="RaincheckConfig.tpot_slack of the auto "
+                        "variants (default 0.02)")
     parser.add_argument("--sweep-turns", type=int, default=1, help="turns run by the other chunk sizes (default 1)")
     parser.add_argument("--variants", default=None, help="comma-separated subset: names (e.g. 'raincheck c=31') or "
                         "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial)")
@@ -843,7 +879,8 @@ def main(argv=None):
         models=[m.strip() for m in args.model.split(",") if m.strip()],
         inputs=[i.strip() for i in args.input.split(",") if i.strip()],
         turns=args.turns, answer_tokens=args.answer_tokens, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
-        chunk_sizes=[int(c) for c in args.chunk_sizes.split(",") if c.strip()], primary_chunk=args.primary_chunk,
+        chunk_sizes=[_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
+        primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack,
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,
         retention=args.retention, decode_guard=args.decode_guard, selector=args.selector,

@@ -90,7 +90,8 @@ def _bars(ax, run: dict, key: str, label: str, hatch_key: str | None = None):
 
 def _sweep(run: dict, family: str, key: str):
     points = sorted((e["chunk_size"], _median(e, key)) for e in run["variants"].values()
-                    if e.get("family") == family and _median(e, key) is not None)
+                    if e.get("family") == family and isinstance(e.get("chunk_size"), int)
+                    and _median(e, key) is not None)
     return [c for c, _ in points], [v * 1e3 for _, v in points]
 
 
@@ -128,8 +129,14 @@ def plot_chunk_sweep(plt, runs, path):
             if value is not None:
                 ax.axhline(value * 1e3, color="#555555", linestyle=style, linewidth=1, label=f"{ref} TPOT")
         ax.set_xscale("log", base=2)
+        for family, (colour, label) in styles.items():  # chunk_size="auto": a level, not a point of the sweep
+            auto = [_median(e, "tpot1_s") for e in run["variants"].values()
+                    if e.get("family") == family and e.get("chunk_size") == "auto"]
+            if auto and auto[0] is not None:
+                ax.axhline(auto[0] * 1e3, color=colour, linestyle=(0, (1, 1)), linewidth=1,
+                           label=f"{label} chunk_size=auto: TPOT over the answer")
         sizes = sorted({e["chunk_size"] for e in run["variants"].values()
-                        if e.get("family") in styles and e.get("median")})
+                        if e.get("family") in styles and e.get("median") and isinstance(e.get("chunk_size"), int)})
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(c) for c in sizes])
         ax.minorticks_off()

@@ -29,6 +29,7 @@ from ..cache_utils import DEFERRED, to_device
 from ..masking import visibility_to_attention_mask
 from .scoping import CAPTURE_LOCK, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache
+from .timing import StepTimings
 
 PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
 
@@ -124,6 +125,7 @@ class PreparedStep:
     """A captured forward whose buffers are filled, waiting for `StepGraphs.launch`."""
 
     graph: torch.cuda.CUDAGraph
+    key: tuple  # the graph's key in `StepGraphs._captured` (and in its timings)
     buffers: StepBuffers
     want_logits: bool
     start: int  # the first slot its rows take (the cache's row count when it was prepared)
@@ -147,6 +149,7 @@ class StepGraphs:
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self._captured: dict[tuple[int, bool], tuple] = {}
         self._pool = None
+        self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
 
     # the step itself: identical in eager and captured form
     def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool):
@@ -190,8 +193,28 @@ class StepGraphs:
                 self._step(adapter, cache, buffers, want_logits)
             self._pool = graph.pool()
             torch.cuda.synchronize()
+            # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
+            self.timings.time_replays((rows, want_logits), graph)
         self._captured[(rows, want_logits)] = (graph, buffers)
         return graph, buffers
+
+    def step_cost(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool) -> float | None:
+        """Measured device seconds of a ``rows``-row step (`fast.timing`), capturing the shape first when it
+        is not yet (and there is room); None without graphs or before any measurement."""
+        if not self.use_graphs:
+            return None
+        if (rows, want_logits) not in self._captured:
+            if rows > cache.scratch:  # its warm-up would reach below the scratch slots
+                return None
+            try:
+                if self._capture(adapter, cache, rows, want_logits, cache.num_rows) is None:
+                    return None
+            except RuntimeError as error:
+                warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
+                              "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
+                self.use_graphs = self.pad_prefill = False
+                return None
+        return self.timings.cost((rows, want_logits))
 
     def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
         """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);
@@ -206,6 +229,7 @@ class StepGraphs:
         if adapter.attn_implementation != self.attn_implementation:
             # the model was switched to another attention backend: graphs captured with the old one are stale
             self._captured, self._pool = {}, None
+            self.timings.clear()
             self.attn_implementation = adapter.attn_implementation
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
@@ -237,7 +261,7 @@ class StepGraphs:
         graph, buffers = captured
         keys = to_device(keys, cache.slot_keys.device)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-        return PreparedStep(graph, buffers, want_logits, start, keys, sources, kinds)
+        return PreparedStep(graph, (rows, want_logits), buffers, want_logits, start, keys, sources, kinds)
 
     def launch(self, cache: StaticDeferredCache, step: PreparedStep):
         """Register a prepared step's rows and replay its graph; logits of its last real row or None."""
@@ -245,7 +269,7 @@ class StepGraphs:
         if start != step.start:
             raise RuntimeError(f"a step prepared for slot {step.start} was launched at slot {start}: rows were "
                                "added to the cache in between")
-        step.graph.replay()
+        self.timings.replay(step.key, step.graph)
         return step.buffers.logits.clone() if step.want_logits else None
 
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
@@ -266,7 +290,7 @@ class StepGraphs:
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-                graph.replay()
+                self.timings.replay((rows, want_logits), graph)
                 return buffers.logits.clone() if want_logits else None
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)

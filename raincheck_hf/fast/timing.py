@@ -1,0 +1,79 @@
+"""Device time of captured steps, measured with CUDA events and read without waiting.
+
+`chunk_size="auto"` (`generation.auto_chunk_size`) needs what a plain decode step and a step carrying
+a chunk of each ladder size cost on the running device. A graph's replay is bracketed by two
+timing events on the stream; the events are read later (`torch.cuda.Event.query`, which never
+blocks), when the device has passed them, typically one step later. A shape's first figures
+come from its capture, which synchronises anyway: the captured graph is replayed a few times there
+and timed.
+
+Each shape keeps its last `WINDOW` samples; its cost is their median (one slow replay, e.g. behind
+another thread's work, does not move it).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+import torch
+
+WINDOW = 15  # samples kept per shape
+MAX_IN_FLIGHT = 64  # unread event pairs kept; beyond that new replays go unmeasured until the device catches up
+CAPTURE_REPLAYS = 3  # timed replays right after a capture
+
+
+class StepTimings:
+    """Per graph key, recent device seconds of its replays (`record` around a replay, `cost` to read)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled  # False (no CUDA graphs): replays run untimed and nothing is measured
+        self._samples: dict = {}
+        self._in_flight: collections.deque = collections.deque()
+
+    def add(self, key, seconds: float) -> None:
+        self._samples.setdefault(key, collections.deque(maxlen=WINDOW)).append(float(seconds))
+
+    def replay(self, key, graph) -> None:
+        """``graph.replay()`` between two timing events (read later by `poll`); never waits for the device."""
+        if not self.enabled:
+            graph.replay()
+            return
+        self.poll()
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            graph.replay()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        self._in_flight.append((key, start, end))
+
+    def poll(self) -> None:
+        """Take the samples of every replay the device has finished (in order; stops at the first unfinished)."""
+        while self._in_flight and self._in_flight[0][2].query():
+            key, start, end = self._in_flight.popleft()
+            self.add(key, start.elapsed_time(end) / 1e3)
+
+    def time_replays(self, key, graph, replays: int = CAPTURE_REPLAYS) -> None:
+        """Replay ``graph`` ``replays`` times and wait for it (capture time only: it synchronises)."""
+        if not self.enabled:
+            return
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        events[0].record()
+        for i in range(replays):
+            graph.replay()
+            events[i + 1].record()
+        events[-1].synchronize()
+        for a, b in zip(events, events[1:]):
+            self.add(key, a.elapsed_time(b) / 1e3)
+
+    def cost(self, key) -> float | None:
+        """Median device seconds of ``key``'s recent replays, or None before any was measured."""
+        self.poll()
+        samples = self._samples.get(key)
+        return statistics.median(samples) if samples else None
+
+    def clear(self) -> None:
+        self._samples.clear()
+        self._in_flight.clear()
