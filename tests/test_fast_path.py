@@ -205,20 +205,21 @@ def cpu_graphs(monkeypatch):
 
     current = {}  # the cache a replay works on: a real graph holds the storage's tensors, not the cache object
 
-    def capture(self, adapter, cache, rows, want_logits, start):
+    def capture(self, adapter, cache, rows, want_logits, start, bucket=None):
+        bucket = cache.capacity if bucket is None else bucket
         first = cache.total_slots - rows
         if first < start:
             return None
         buffers = graphs.StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         torch.arange(first, cache.total_slots, out=buffers.slots)
-        self._step(adapter, cache, buffers, want_logits)  # the real capture's warm-up writes these slots too
+        self._step(adapter, cache, buffers, want_logits, bucket)  # the real capture's warm-up writes these slots too
 
         def replay():
             log.append((rows, want_logits, current["prepared"]))
-            self._step(current["adapter"], current["cache"](), buffers, want_logits)
+            self._step(current["adapter"], current["cache"](), buffers, want_logits, bucket)
 
-        self._captured[(rows, want_logits)] = (_EagerReplay(replay), buffers)
-        return self._captured[(rows, want_logits)]
+        self._captured[(rows, want_logits, bucket)] = (_EagerReplay(replay), buffers)
+        return self._captured[(rows, want_logits, bucket)]
 
     run, launch = graphs.StepGraphs.run, graphs.StepGraphs.launch
 
@@ -469,3 +470,66 @@ def test_a_larger_chunk_size_in_a_later_turn_grows_the_padding_room(model, proce
     assert results[False][0] == results[True][0] > 0
     assert torch.equal(results[False][1], results[True][1])
     assert [r.tolist() for r in results[False][2]] == [r.tolist() for r in results[True][2]]
+
+
+@pytest.mark.parametrize("bucket", [16, 48, 10**6])
+def test_attention_over_the_used_slots_only(model, processor, monkeypatch, bucket):
+    """Steps attend over their slot bucket (the used slots rounded up), not the whole storage: outputs equal the
+    eager engine's whatever the bucket (10**6: every slot, as before buckets), and a step's attention and mask
+    are as long as its bucket."""
+    import raincheck_hf.fast.static_cache as static_cache
+    from test_generation import second_turn
+
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", bucket)
+    seen = []
+    update = static_cache.StaticDeferredLayer.update
+
+    def spy(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        owner = self.owner
+        if self.layer_idx == 0:
+            seen.append((keys.shape[2], owner.attention_slots, owner.num_rows, owner.capacity))
+        return keys, values
+
+    monkeypatch.setattr(static_cache.StaticDeferredLayer, "update", spy)
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(chunk_size=4, decode_guard=2, retention=0.3)
+    slow, fast = _pair(model, inputs, **cfg)
+    _assert_same(slow, fast)
+    second = second_turn(processor, slow.sequences)
+    slow2 = model.generate(**second, cache=slow.cache, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
+    fast2 = model.generate(**second, cache=fast.cache, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)
+    _assert_same(slow2, fast2)
+    for length, attended, used, capacity in seen:
+        assert length == attended == static_cache.slot_bucket(used, capacity) and used <= attended
+    if bucket < 256:
+        lengths = sorted({length for length, *_ in seen})
+        assert len(lengths) >= 2 and lengths[0] < seen[-1][3]  # several buckets, the first below the capacity
+    else:
+        assert {length for length, *_ in seen} == {seen[-1][3]}
+
+
+def test_slot_bucket():
+    from raincheck_hf.fast.static_cache import SLOT_BUCKET, slot_bucket
+
+    assert slot_bucket(1, 4096) == SLOT_BUCKET
+    assert slot_bucket(SLOT_BUCKET + 1, 4096) == 2 * SLOT_BUCKET
+    assert slot_bucket(2 * SLOT_BUCKET, 4096) == 2 * SLOT_BUCKET
+    assert slot_bucket(4000, 4096) == 4096 and slot_bucket(100, 64) == 64
+
+
+def test_prepared_steps_across_slot_buckets(model, processor, cpu_graphs, monkeypatch):
+    """Prepared-ahead steps pick the graph of the bucket their rows will be in (small buckets: several per answer)."""
+    import raincheck_hf.fast.static_cache as static_cache
+
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", 16)
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(mode="raincheck", chunk_size=4, decode_guard=2)
+    first = _pair(model, inputs, **cfg)[1]
+    buckets = {key[2] for key in first.cache.graphs._captured}
+    assert len(buckets) >= 2
+    del first
+    gc.collect()
+    cpu_graphs.clear()
+    _assert_same(*_pair(model, inputs, **cfg))
+    assert sum(entry[2] for entry in cpu_graphs) >= 10

@@ -87,6 +87,25 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
                        torch.arange(inputs["input_ids"].shape[1]))
 
 
+def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, monkeypatch):
+    """Captured steps attend over their slot bucket only (16-slot buckets here: several per answer); the answer
+    and every step's logits equal the eager engine's."""
+    import raincheck_hf.fast.static_cache as static_cache
+
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", 16)
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
+    kw = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    cfg = dict(chunk_size=4, decode_guard=2)
+    slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    for _ in range(2):  # the second run replays graphs captured (and prepared ahead) in the first
+        fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
+        assert fast.cache.graphs.use_graphs and len({key[2] for key in fast.cache.graphs._captured}) >= 3
+        assert torch.equal(slow.sequences, fast.sequences)
+        for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+        del fast
+
+
 @pytest.mark.parametrize("mode", ["raincheck", "serial"])
 def test_cuda_auto_chunk_size_measures_its_steps_and_matches_the_reference(cuda_model, processor, mode):
     """chunk_size="auto" on the captured path: every ladder shape and the decode step have measured costs

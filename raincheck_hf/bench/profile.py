@@ -154,8 +154,8 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
         from ..models import get_adapter
 
         graphs = getattr(out.cache, "graphs", None)
-        replay = {f"rows={rows},logits={want_logits}": _replay_seconds(graph, device, replays)
-                  for (rows, want_logits), (graph, _buffers)
+        replay = {f"rows={rows},logits={want_logits},slots={bucket}": _replay_seconds(graph, device, replays)
+                  for (rows, want_logits, bucket), (graph, _buffers)
                   in sorted((getattr(graphs, "_captured", None) or {}).items())}
         for key, captured in vision_graphs_for(get_adapter(model))._captured.items():
             replay[f"vision_tower,grid={list(map(list, key[0]))}"] = _replay_seconds(captured.graph, device, replays)

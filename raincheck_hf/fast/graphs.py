@@ -10,8 +10,12 @@ Rows are laid out ``[deferred rows, padding, the rest]``; padding rows write to 
 the maximum key, so no real query sees them, and they see every real row (so they never attend to
 nothing). Shapes captured on CUDA: ``L = 1`` (decode), ``L = c + 1`` (a chunk of ``c`` padded
 rows fused with the decode token), ``L = c`` (an idle-time chunk) and prefills padded up to a
-multiple of `PREFILL_BUCKET`. Graphs belong to the cache's `SlotStorage`, which later conversations
-of the same size reuse, so each shape is captured once per storage.
+multiple of `PREFILL_BUCKET`, each per *slot bucket*: a step attends over the first ``B`` slots
+only, ``B`` = the used slots (this step's rows included) rounded up to a multiple of
+`static_cache.SLOT_BUCKET` (`slot_bucket`), so its attention and mask grow with the conversation,
+not with the storage's capacity. The scratch slots lie beyond every bucket: padding rows write
+there, nobody reads them. Graphs belong to the cache's `SlotStorage`, which later conversations
+of the same size reuse, so each (shape, bucket) is captured once per storage.
 
 Nothing here reads device memory back to the host on the decode path: keys built on the host go
 to the device through pinned memory without waiting, slots are written by ``arange`` on the
@@ -28,7 +32,7 @@ import torch
 from ..cache_utils import DEFERRED, to_device
 from ..masking import visibility_to_attention_mask
 from .scoping import CAPTURE_LOCK, step_scope
-from .static_cache import MAX_KEY, StaticDeferredCache
+from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
 from .timing import StepTimings
 
 PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
@@ -147,16 +151,20 @@ class StepGraphs:
         self.num_deepstack = adapter.num_deepstack_layers
         self.hidden = adapter.text_model.config.hidden_size
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
-        self._captured: dict[tuple[int, bool], tuple] = {}
+        self._captured: dict[tuple[int, bool, int], tuple] = {}  # (rows, want_logits, slot bucket) -> graph, buffers
         self._pool = None
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
 
     # the step itself: identical in eager and captured form
-    def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool):
+    def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool,
+              bucket: int | None = None):
+        """``bucket``: the slots ``[0, bucket)`` attended over (every real row of the step lies there;
+        None: all slots)."""
         cache.current_slots = buffers.slots
+        cache.attention_slots = bucket
         # the rows' own keys first: a row sees itself (padding rows write the maximum key to scratch slots)
         cache.slot_keys.index_copy_(0, buffers.slots, buffers.query_keys)
-        visible = cache.slot_keys[None, :] <= buffers.query_keys[:, None]
+        visible = cache.slot_keys[None, :bucket] <= buffers.query_keys[:, None]
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
         # DeepStack addends and the few-query attention, for this thread's step only (`fast.scoping`)
@@ -171,7 +179,9 @@ class StepGraphs:
                 buffers.logits.copy_(logits)
         return buffers.logits
 
-    def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int):
+    def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
+                 bucket: int | None = None):
+        bucket = cache.capacity if bucket is None else bucket
         # warm-up runs execute: they write the last `rows` slots with the maximum key, which no query sees; those
         # are scratch, free slots and this forward's own slots from `start` on, which its real run then writes
         first = cache.total_slots - rows
@@ -186,35 +196,42 @@ class StepGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(adapter, cache, buffers, want_logits)
+                    self._step(adapter, cache, buffers, want_logits, bucket)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(adapter, cache, buffers, want_logits)
+                self._step(adapter, cache, buffers, want_logits, bucket)
             self._pool = graph.pool()
             torch.cuda.synchronize()
             # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
-            self.timings.time_replays((rows, want_logits), graph)
-        self._captured[(rows, want_logits)] = (graph, buffers)
+            self.timings.time_replays((rows, want_logits, bucket), graph)
+        self._captured[(rows, want_logits, bucket)] = (graph, buffers)
         return graph, buffers
 
     def step_cost(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool) -> float | None:
-        """Measured device seconds of a ``rows``-row step (`fast.timing`), capturing the shape first when it
-        is not yet (and there is room); None without graphs or before any measurement."""
+        """Measured device seconds of a ``rows``-row step at the cache's next slot bucket (`fast.timing`); a
+        shape not measured at that bucket takes its figure from the nearest bucket measured, else it is
+        captured (and timed) now when there is room. None without graphs or before any measurement."""
         if not self.use_graphs:
             return None
-        if (rows, want_logits) not in self._captured:
+        bucket = slot_bucket(cache.num_rows + rows, cache.capacity)
+        cost = self.timings.cost((rows, want_logits, bucket))
+        if cost is None:
+            cost = self.timings.nearest_cost((rows, want_logits, bucket))
+        if cost is not None:
+            return cost
+        if (rows, want_logits, bucket) not in self._captured:
             if rows > cache.scratch:  # its warm-up would reach below the scratch slots
                 return None
             try:
-                if self._capture(adapter, cache, rows, want_logits, cache.num_rows) is None:
+                if self._capture(adapter, cache, rows, want_logits, cache.num_rows, bucket) is None:
                     return None
             except RuntimeError as error:
                 warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                               "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
                 self.use_graphs = self.pad_prefill = False
                 return None
-        return self.timings.cost((rows, want_logits))
+        return self.timings.cost((rows, want_logits, bucket))
 
     def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
         """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);
@@ -239,7 +256,8 @@ class StepGraphs:
             raise RuntimeError(f"padding {padding} exceeds the cache's scratch slots {cache.scratch}")
         if want_logits and padding and n == n_deferred:
             raise RuntimeError("a padded forward of deferred rows only has no last real row to take logits from")
-        return n, n_deferred, rows, padding
+        # before the rows are registered: the slots in use once they are
+        return n, n_deferred, rows, padding, slot_bucket(cache.num_rows + n, cache.capacity)
 
     def prepare(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
                 pad_to: int | None = None) -> PreparedStep | None:
@@ -253,15 +271,15 @@ class StepGraphs:
         """
         if not self.use_graphs:
             return None
-        n, n_deferred, rows, padding = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
-        captured = self._captured.get((rows, want_logits))
+        n, n_deferred, rows, padding, bucket = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
+        captured = self._captured.get((rows, want_logits, bucket))
         start = cache.num_rows
         if captured is None or start + n > cache.capacity:
             return None
         graph, buffers = captured
         keys = to_device(keys, cache.slot_keys.device)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-        return PreparedStep(graph, (rows, want_logits), buffers, want_logits, start, keys, sources, kinds)
+        return PreparedStep(graph, (rows, want_logits, bucket), buffers, want_logits, start, keys, sources, kinds)
 
     def launch(self, cache: StaticDeferredCache, step: PreparedStep):
         """Register a prepared step's rows and replay its graph; logits of its last real row or None."""
@@ -275,14 +293,14 @@ class StepGraphs:
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
             pad_to: int | None = None):
         """One forward; logits of its last real row (``[1, V]``) or None."""
-        n, n_deferred, rows, padding = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
+        n, n_deferred, rows, padding, bucket = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
         keys = to_device(keys, cache.slot_keys.device)
         start = cache.assign_slots(keys, sources, kinds)
         if self.use_graphs:
-            captured = self._captured.get((rows, want_logits))
+            captured = self._captured.get((rows, want_logits, bucket))
             if captured is None:
                 try:
-                    captured = self._capture(adapter, cache, rows, want_logits, start)
+                    captured = self._capture(adapter, cache, rows, want_logits, start, bucket)
                 except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                                   "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
@@ -290,9 +308,9 @@ class StepGraphs:
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-                self.timings.replay((rows, want_logits), graph)
+                self.timings.replay((rows, want_logits, bucket), graph)
                 return buffers.logits.clone() if want_logits else None
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-        logits = self._step(adapter, cache, buffers, want_logits)
+        logits = self._step(adapter, cache, buffers, want_logits, bucket)
         return logits if want_logits else None

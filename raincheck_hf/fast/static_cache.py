@@ -5,7 +5,10 @@ slots ``0, 1, 2, ...`` in the order forwards append them (the same storage order
 `DeferredDynamicCache`, whose bookkeeping this class inherits); the last ``scratch`` slots take
 the padding rows of a padded forward (and graph warm-up), and their key stays at the maximum, so no
 real query ever sees them. ``slot_keys`` holds each slot's order key; visibility of a forward's
-queries is ``slot_keys[None, :] <= query_keys[:, None]``, computed on the device inside the step.
+queries is ``slot_keys[None, :B] <= query_keys[:, None]``, computed on the device inside the step,
+over the first ``B`` slots only (``attention_slots``, the step's slot bucket, `slot_bucket`): the
+layers hand attention views of their first ``B`` slots, so a step's attention costs what the
+conversation holds, not what the storage could hold.
 
 The tensors live in a `SlotStorage`, together with the CUDA graphs captured on them (a graph reads
 and writes its tensors by address). A storage whose cache has been garbage-collected is handed to
@@ -26,6 +29,7 @@ from ..cache_utils import DeferredDynamicCache
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
+SLOT_BUCKET = 256  # a step attends over its used slots rounded up to a multiple of this (a graph per bucket)
 POOLED_PER_MODEL = 4  # storages (with their graphs) kept per model for later conversations
 
 
@@ -36,6 +40,13 @@ def round_capacity(rows: int) -> int:
     while capacity < int(rows):
         capacity *= 2
     return capacity
+
+
+def slot_bucket(rows: int, capacity: int) -> int:
+    """Slots a step attends over when ``rows`` slots are in use (the step's own included): ``rows`` rounded up
+    to a multiple of `SLOT_BUCKET`, at most ``capacity``. Each bucket is a captured shape of its own: a finer
+    bucket wastes less attention and captures more graphs as a conversation grows."""
+    return min(int(capacity), max(SLOT_BUCKET, -(-int(rows) // SLOT_BUCKET) * SLOT_BUCKET))
 
 
 class SlotStorage:
@@ -139,16 +150,19 @@ class StaticDeferredLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        slots = self.owner.current_slots
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
-        return self.keys, self.values
+        owner = self.owner
+        self.keys.index_copy_(2, owner.current_slots, key_states)
+        self.values.index_copy_(2, owner.current_slots, value_states)
+        n = owner.attention_slots  # the step's slot bucket: attention reads its first n slots (views, no copy)
+        if n is None:
+            return self.keys, self.values
+        return self.keys[:, :, :n], self.values[:, :, :n]
 
     def get_seq_length(self) -> int:
         return self.owner.num_rows
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.total_slots, 0
+        return self.owner.attention_slots or self.owner.total_slots, 0
 
     def get_max_length(self) -> int:
         return self.owner.capacity
@@ -185,6 +199,7 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.layers = [StaticDeferredLayer(self, i) for i in range(num_layers)]
         self.layer_class_to_replicate = None
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
+        self.attention_slots: int | None = None  # the running step's slot bucket (None: every slot)
 
     @property
     def _pool_key(self):

@@ -74,6 +74,15 @@ class StepTimings:
         samples = self._samples.get(key)
         return statistics.median(samples) if samples else None
 
+    def nearest_cost(self, key) -> float | None:
+        """`cost` of the measured key that differs from ``key`` only in its last entry (a slot bucket), the
+        nearest one; None when there is none."""
+        self.poll()
+        near = [k for k, v in self._samples.items() if v and k[:-1] == key[:-1]]
+        if not near:
+            return None
+        return statistics.median(self._samples[min(near, key=lambda k: abs(k[-1] - key[-1]))])
+
     def clear(self) -> None:
         self._samples.clear()
         self._in_flight.clear()
