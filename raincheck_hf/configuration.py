@@ -41,6 +41,10 @@ class RaincheckConfig:
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
             that of plain decode steps (0.02: 2%), a number >= 0; unused with a fixed chunk size.
+        compile_steps: run the fast path's steps with their element-wise work (RMSNorms, the SwiGLU
+            activation, the few-query attention's softmax) fused by ``torch.compile`` inside the captured
+            graphs (`raincheck_hf.fast.compiled`); the first steps of a model pay the compile (warm-up).
+            Only the fast path's steps (on CPU with ``fast_path=True`` too); the eager engine ignores it.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
             ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,
             or a boolean tensor over the prompt's multimodal tokens in source order
@@ -67,6 +71,7 @@ class RaincheckConfig:
     selector_kwargs: dict = field(default_factory=dict)
     fast_path: bool | None = None
     tpot_slack: float = 0.02
+    compile_steps: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -92,6 +97,8 @@ class RaincheckConfig:
         ``generate(raincheck=...)`` call), which also catches a ``selector_kwargs`` dict or a keep-mask
         changed in place. Returns the config.
         """
+        if not isinstance(self.compile_steps, bool):
+            raise ValueError(f"RaincheckConfig.compile_steps={self.compile_steps!r} must be True or False.")
         if not (self.fast_path is None or isinstance(self.fast_path, bool)):
             raise ValueError(f"RaincheckConfig.fast_path={self.fast_path!r} must be None (auto: on CUDA), True or False.")
         retention = self.retention

@@ -352,6 +352,8 @@ def raincheck_sample(
     pending_before = given.num_pending if isinstance(given, DeferredDynamicCache) else 0
     rows_needed = input_ids.shape[1] - start + pending_before + generation_config.max_length - input_ids.shape[1]
     cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
+    if getattr(cache, "is_static", False):
+        cache.compile_steps = config.compile_steps  # its steps (and idle-time chunks after the call) run so
 
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]

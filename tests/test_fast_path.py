@@ -4,6 +4,7 @@ eager engine computes. On CPU it runs without CUDA graphs; tests/test_gpu.py che
 from __future__ import annotations
 
 import gc
+import shutil
 import weakref
 
 import pytest
@@ -533,3 +534,42 @@ def test_prepared_steps_across_slot_buckets(model, processor, cpu_graphs, monkey
     cpu_graphs.clear()
     _assert_same(*_pair(model, inputs, **cfg))
     assert sum(entry[2] for entry in cpu_graphs) >= 10
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_steps_match_the_eager_engine(model, processor):
+    """compile_steps=True: the fast path's steps run the compiled norms, MLPs and few-query attention (Inductor on
+    CPU here) and compute what the eager engine computes; the compiled forms act only inside those steps."""
+    from raincheck_hf.fast import compiled as compiled_module
+    from raincheck_hf.models import get_adapter
+
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(chunk_size=4, decode_guard=2)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
+    calls = []
+    real = compiled_module.compiled
+
+    def counting(fn):
+        out = real(fn)
+
+        def call(*args, **kwargs):
+            calls.append(fn)
+            return out(*args, **kwargs)
+
+        return call
+
+    compiled_module.compiled = counting
+    try:
+        fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, compile_steps=True, **cfg), **KW)
+    finally:
+        compiled_module.compiled = real
+    _assert_same(slow, fast)
+    targets = get_adapter(model).compile_targets()
+    layers = len(model.model.language_model.layers)
+    assert len(targets) == 5 * layers  # 4 RMSNorms and the MLP per layer
+    assert len({fn for fn in calls}) >= 3 and len(calls) > 5 * layers  # norms, MLPs and the attention, every step
+    assert all("forward" not in vars(m) for m in targets)  # the dispatchers are gone after the steps
+    stock = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)  # graphs recaptured
+    _assert_same(slow, stock)
+    assert not stock.cache.graphs.compiled

@@ -87,6 +87,23 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
                        torch.arange(inputs["input_ids"].shape[1]))
 
 
+@pytest.mark.parametrize("mode", ["raincheck", "full"])
+def test_cuda_compiled_steps_match_eager_engine(cuda_model, processor, mode):
+    """compile_steps=True: graphs captured around the Inductor-compiled norms, MLPs and few-query attention replay
+    what the eager engine computes (twice: the second call replays graphs captured in the first)."""
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
+    kw = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    cfg = dict(mode=mode, chunk_size=4, decode_guard=2)
+    slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    for _ in range(2):
+        fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(compile_steps=True, **cfg), **kw)
+        assert fast.cache.graphs.use_graphs and fast.cache.graphs.compiled and fast.cache.graphs._captured
+        assert torch.equal(slow.sequences, fast.sequences)
+        for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+        del fast
+
+
 def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, monkeypatch):
     """Captured steps attend over their slot bucket only (16-slot buckets here: several per answer); the answer
     and every step's logits equal the eager engine's."""

@@ -113,7 +113,8 @@ class Variant:
         # fast_path=None: the CUDA fast path where the family supports it (Qwen3-VL), else the eager engine
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
-                               fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02))
+                               fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02),
+                               compile_steps=settings.get("compile_steps", False))
 
 
 def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:
@@ -507,7 +508,8 @@ def _write(result: dict, path: str | None):
 def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
         follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
         primary_chunk: int | str | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
-        decode_guard: int = 16, tpot_slack: float = 0.02, selector: str | None = None, warmup: bool = True, warmup_tokens: int | None = None,
+        decode_guard: int = 16, tpot_slack: float = 0.02, compile_steps: bool = False, selector: str | None = None,
+        warmup: bool = True, warmup_tokens: int | None = None,
         idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
         image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
         json_path: str | None = None, strict: bool = False, keep_intervals: bool = True, command: str | None = None,
@@ -531,7 +533,7 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
         raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
     for c in chunk_sizes:  # invalid settings fail here, before any model is built
         RaincheckConfig(retention=retention, chunk_size=c, decode_guard=decode_guard, selector=selector,
-                        tpot_slack=tpot_slack)
+                        tpot_slack=tpot_slack, compile_steps=compile_steps)
     for name in models:
         if name not in shapes.MODELS:
             raise ValueError(f"unknown model {name!r}; choose from {sorted(shapes.MODELS)}.")
@@ -545,7 +547,8 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
         torch.set_num_threads(threads or 1)
     try:
         return _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes,
-                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, tpot_slack, selector, warmup,
+                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, tpot_slack, compile_steps,
+                    selector, warmup,
                     warmup_tokens, idle_probe, budget_s, dtype, image_size, video_frames, video_size,
                     static_max_cache_len, json_path, strict, keep_intervals, command, log)
     finally:
@@ -553,10 +556,11 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
 
 
 def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes, primary_chunk,
-         sweep_turns, variant_list, retention, decode_guard, tpot_slack, selector, warmup, warmup_tokens, idle_probe,
-         budget_s, dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict, keep_intervals,
-         command, log):
-    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector, tpot_slack=tpot_slack)
+         sweep_turns, variant_list, retention, decode_guard, tpot_slack, compile_steps, selector, warmup, warmup_tokens,
+         idle_probe, budget_s, dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict,
+         keep_intervals, command, log):
+    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector, tpot_slack=tpot_slack,
+                    compile_steps=compile_steps)
     result = {
         "benchmark": "latency",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -850,6 +854,9 @@ def main(argv=None):
                         "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto)")
     parser.add_argument("--primary-chunk", type=_chunk_size, default=None, help="the chunk size that runs every "
                         "turn (default 31 when swept, else the first)")
+    parser.add_argument("--compile-steps", action="store_true", help="RaincheckConfig.compile_steps=True for every "
+                        "Raincheck variant (torch.compile of the fast path's element-wise work; the compile is paid "
+                        "in each storage's first captures, reported under warm-up)")
     parser.add_argument("--tpot-slack", type=float, default=0.02, help="RaincheckConfig.tpot_slack of the auto "
                         "variants (default 0.02)")
     parser.add_argument("--sweep-turns", type=int, default=1, help="turns run by the other chunk sizes (default 1)")
@@ -880,7 +887,7 @@ def main(argv=None):
         inputs=[i.strip() for i in args.input.split(",") if i.strip()],
         turns=args.turns, answer_tokens=args.answer_tokens, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
         chunk_sizes=[_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
-        primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack,
+        primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack, compile_steps=args.compile_steps,
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,
         retention=args.retention, decode_guard=args.decode_guard, selector=args.selector,

@@ -43,8 +43,22 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
     if not usable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    group = hq // hkv
     scale = d ** -0.5 if scaling is None else scaling
+    from .scoping import active_scope
+
+    scope = active_scope()
+    if scope is not None and scope.compiled:  # RaincheckConfig.compile_steps: the same function, fused by Inductor
+        from .compiled import compiled
+
+        return compiled(_few_query)(query, key, value, attention_mask, scale), None
+    return _few_query(query, key, value, attention_mask, scale), None
+
+
+def _few_query(query, key, value, attention_mask, scale: float):
+    """The matmul form (see `few_query_attention`); ``[B, L, Hq, D]``."""
+    b, hq, rows, d = query.shape
+    hkv = key.shape[1]
+    group = hq // hkv
     # query head h reads key/value head h // group: stack a group's queries as rows of its key/value head
     q = query.reshape(b, hkv, group * rows, d).float()
     scores = torch.matmul(q * scale, key.float().transpose(-1, -2))  # [B, Hkv, group * L, S]
@@ -53,7 +67,7 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, group * L, D]
-    return out.reshape(b, hq, rows, d).transpose(1, 2).contiguous(), None
+    return out.reshape(b, hq, rows, d).transpose(1, 2).contiguous()
 
 
 def register() -> None:

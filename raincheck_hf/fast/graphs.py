@@ -151,6 +151,7 @@ class StepGraphs:
         self.num_deepstack = adapter.num_deepstack_layers
         self.hidden = adapter.text_model.config.hidden_size
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
+        self.compiled = False  # the captured graphs run the compiled modules (RaincheckConfig.compile_steps)
         self._captured: dict[tuple[int, bool, int], tuple] = {}  # (rows, want_logits, slot bucket) -> graph, buffers
         self._pool = None
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
@@ -168,7 +169,8 @@ class StepGraphs:
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
         # DeepStack addends and the few-query attention, for this thread's step only (`fast.scoping`)
-        with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
+        with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
+                        compile_targets=adapter.compile_targets() if self.compiled else ()):
             hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                 attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         if want_logits:
@@ -243,11 +245,13 @@ class StepGraphs:
         return n
 
     def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None):
-        if adapter.attn_implementation != self.attn_implementation:
-            # the model was switched to another attention backend: graphs captured with the old one are stale
+        compiled = bool(getattr(cache, "compile_steps", False))
+        if adapter.attn_implementation != self.attn_implementation or compiled != self.compiled:
+            # the model was switched to another attention backend, or compile_steps changed: graphs captured
+            # the other way are stale
             self._captured, self._pool = {}, None
             self.timings.clear()
-            self.attn_implementation = adapter.attn_implementation
+            self.attn_implementation, self.compiled = adapter.attn_implementation, compiled
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
         rows = self.step_rows(n, n_deferred, pad_to)

@@ -41,11 +41,13 @@ class StepScope:
 
     attention: frozenset
     addends: dict
+    compiled: bool = False  # run the compiled forms of `fast.compiled` (RaincheckConfig.compile_steps)
     thread: int = field(default_factory=threading.get_ident)
 
 
 _ACTIVE: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("raincheck_fast_step", default=None)
 _PATCHES = CountedPatches()  # attention config views and DeepStack hooks (counted per instance)
+_COMPILE_PATCHES = CountedPatches()  # compiled-forward dispatchers (`fast.compiled`), a module may also hold a hook
 
 
 def active_scope() -> StepScope | None:
@@ -109,18 +111,19 @@ def _hook_deepstack(module):
 
 
 @contextlib.contextmanager
-def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None):
+def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None, compile_targets=()):
     """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
-    ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), and with ``few_query`` the attention
-    layers of an ``sdpa`` model run `fast.attention.few_query_attention`. Other threads (and this one after the
-    block) see the stock modules' behaviour."""
+    ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), with ``few_query`` the attention
+    layers of an ``sdpa`` model run `fast.attention.few_query_attention`, and the modules ``compile_targets``
+    (with the few-query attention's core) run compiled (`fast.compiled`). Other threads (and this one after
+    the block) see the stock modules' behaviour."""
     attention = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")] if few_query else []
     layers = list(text_model.layers[:len(addends)] if layers is None else layers)[:len(addends)]
     if attention:
         from .attention import register
 
         register()
-    installed, token = [], None
+    installed, installed_compiled, token = [], [], None
     try:
         for module in attention:
             _PATCHES.acquire(module, _view_config)
@@ -128,11 +131,19 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
         for module in layers:
             _PATCHES.acquire(module, _hook_deepstack)
             installed.append(module)
+        if compile_targets:
+            from .compiled import install_dispatch
+
+            for module in compile_targets:
+                _COMPILE_PATCHES.acquire(module, install_dispatch)
+                installed_compiled.append(module)
         token = _ACTIVE.set(StepScope(frozenset(id(m) for m in attention),
-                                      {id(layer): a for layer, a in zip(layers, addends)}))
+                                      {id(layer): a for layer, a in zip(layers, addends)}, bool(compile_targets)))
         yield
     finally:
         if token is not None:
             _ACTIVE.reset(token)
         for module in reversed(installed):
             _PATCHES.release(module)
+        for module in reversed(installed_compiled):
+            _COMPILE_PATCHES.release(module)

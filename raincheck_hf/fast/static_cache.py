@@ -200,6 +200,7 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.layer_class_to_replicate = None
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
         self.attention_slots: int | None = None  # the running step's slot bucket (None: every slot)
+        self.compile_steps = False  # RaincheckConfig.compile_steps of the call using the cache (`fast.compiled`)
 
     @property
     def _pool_key(self):

@@ -186,6 +186,21 @@ class ModelAdapter:
         """The decoder layers whose outputs receive DeepStack feature ``i`` (the fast path adds them by hooks)."""
         return []
 
+    def compile_targets(self) -> list:
+        """Modules of the text model that `RaincheckConfig.compile_steps` runs compiled (`fast.compiled`): pure
+        per-row functions of their input, no cache, no hooks. Default: every RMSNorm of the decoder layers (the
+        attention's query / key norms included) and each dense SwiGLU MLP (``gate_proj``, ``up_proj``,
+        ``down_proj``; a mixture of experts routes tokens and stays as it is)."""
+        targets = []
+        for layer in self.text_model.layers:
+            for module in layer.modules():
+                if type(module).__name__.endswith("RMSNorm"):
+                    targets.append(module)
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                targets.append(mlp)
+        return targets
+
     def deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
         """Text-model keyword arguments that add ``deepstack`` (one ``[n_visual, D]`` per layer) to the rows
         where ``visual [L]`` is True; ``{}`` for a family without DeepStack."""

@@ -1,0 +1,59 @@
+"""`RaincheckConfig.compile_steps`: the fast path's steps with their element-wise work fused by `torch.compile`.
+
+A decode step of the stock modules launches dozens of small kernels per decoder layer (RMSNorm alone is
+about six: the cast, square, mean, rsqrt, two products), each reading and writing a few KiB. With
+``compile_steps`` the step runs, for every decoder layer, a compiled form of the modules that are pure
+per-row functions of their input (`ModelAdapter.compile_targets`: the RMSNorms, the dense SwiGLU MLP) and
+of the few-query attention's softmax part; Inductor fuses each into a few kernels (the matrix products
+stay the library's). What is compiled is each module class's own ``forward`` (one compiled function per
+class, shared by all layers: the weights are inputs, so the 36 layers of an 8B model compile once per
+shape family, not 36 times); the step graph is then captured around those kernels as usual.
+
+Like the few-query attention (`fast.scoping`), the compiled forms act only inside a fast-path step of the
+calling thread whose scope asks for them; every other caller of the same modules gets their stock
+``forward``. The compile happens in the first capture's warm-up (and again, once, when a second shape
+makes Dynamo compile a size-generic version); a captured graph replays without any Python.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_LOCK = threading.Lock()
+_COMPILED: dict = {}  # module class (or function) -> its torch.compile'd form, made on first use
+
+
+def compiled(fn):
+    """The `torch.compile`d form of ``fn`` (a module class's ``forward``, or a function), made once."""
+    with _LOCK:
+        out = _COMPILED.get(fn)
+        if out is None:
+            out = _COMPILED[fn] = torch.compile(fn, dynamic=None)
+        return out
+
+
+def install_dispatch(module):
+    """Make ``module`` run its class's compiled ``forward`` inside a compiling step of the calling thread and its
+    own ``forward`` everywhere else; returns the undo callable (`patching.CountedPatches`)."""
+    from .scoping import active_scope
+
+    if "forward" in vars(module):  # already patched by someone else: leave it alone
+        return lambda: None
+    stock = module.forward
+    fast = compiled(type(module).forward)
+
+    def forward(*args, **kwargs):
+        scope = active_scope()
+        if scope is not None and scope.compiled:
+            return fast(module, *args, **kwargs)
+        return stock(*args, **kwargs)
+
+    module.forward = forward
+
+    def undo():
+        if vars(module).get("forward") is forward:
+            del module.forward
+
+    return undo
