@@ -513,10 +513,13 @@ def test_attention_over_the_used_slots_only(model, processor, monkeypatch, bucke
 def test_slot_bucket():
     from raincheck_hf.fast.static_cache import SLOT_BUCKET, slot_bucket
 
-    assert slot_bucket(1, 4096) == SLOT_BUCKET
-    assert slot_bucket(SLOT_BUCKET + 1, 4096) == 2 * SLOT_BUCKET
-    assert slot_bucket(2 * SLOT_BUCKET, 4096) == 2 * SLOT_BUCKET
+    assert SLOT_BUCKET == 256
+    assert [slot_bucket(n, 8192) for n in (1, 256, 257, 1024, 1025, 1402, 1914, 2048, 2049, 2100, 6541)] == [
+        256, 256, 512, 1024, 1280, 1536, 2048, 2048, 2560, 2560, 7168]
     assert slot_bucket(4000, 4096) == 4096 and slot_bucket(100, 64) == 64
+    for n in range(1, 20000, 37):  # never below the rows; above by less than a quarter of them or one SLOT_BUCKET
+        b = slot_bucket(n, 1 << 15)
+        assert n <= b < n + max(n / 4, SLOT_BUCKET) and b % SLOT_BUCKET == 0
 
 
 def test_prepared_steps_across_slot_buckets(model, processor, cpu_graphs, monkeypatch):

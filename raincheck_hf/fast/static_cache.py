@@ -29,7 +29,8 @@ from ..cache_utils import DeferredDynamicCache
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
-SLOT_BUCKET = 256  # a step attends over its used slots rounded up to a multiple of this (a graph per bucket)
+SLOT_BUCKET = 256  # the smallest slot bucket, and the bucket step below 2 * SLOT_BUCKET * BUCKETS_PER_DOUBLING
+BUCKETS_PER_DOUBLING = 4  # slot buckets between n and 2n (n >= SLOT_BUCKET * BUCKETS_PER_DOUBLING): at most 25% waste
 POOLED_PER_MODEL = 4  # storages (with their graphs) kept per model for later conversations
 
 
@@ -43,10 +44,14 @@ def round_capacity(rows: int) -> int:
 
 
 def slot_bucket(rows: int, capacity: int) -> int:
-    """Slots a step attends over when ``rows`` slots are in use (the step's own included): ``rows`` rounded up
-    to a multiple of `SLOT_BUCKET`, at most ``capacity``. Each bucket is a captured shape of its own: a finer
-    bucket wastes less attention and captures more graphs as a conversation grows."""
-    return min(int(capacity), max(SLOT_BUCKET, -(-int(rows) // SLOT_BUCKET) * SLOT_BUCKET))
+    """Slots a step attends over when ``rows`` slots are in use (the step's own included), at most ``capacity``:
+    ``rows`` rounded up to a multiple of ``max(SLOT_BUCKET, p / BUCKETS_PER_DOUBLING)``, ``p`` the largest power
+    of two <= ``rows`` (1,402 -> 1,536; 2,100 -> 2,560; 6,541 -> 7,168 with the defaults). Each bucket is a
+    captured shape of its own, so the ladder is geometric: a bounded share of wasted attention (< 25% above
+    ``SLOT_BUCKET * BUCKETS_PER_DOUBLING`` rows) for a number of graphs that grows with the log of the length."""
+    rows = max(int(rows), 1)
+    step = max(SLOT_BUCKET, (1 << (rows.bit_length() - 1)) // BUCKETS_PER_DOUBLING)
+    return min(int(capacity), -(-rows // step) * step)
 
 
 class SlotStorage:
