@@ -7,8 +7,14 @@
   conversation of the same size reuses them instead of capturing again (`release_storage` frees them).
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
-  chunk-only step and of prefills padded to 64-row buckets; DeepStack features enter through forward hooks on the first decoder layers
+  chunk-only step and of prefills padded to 64-row buckets, each per slot bucket (a step attends over
+  the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over the whole
+  storage); DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
+- `timing`: the captured steps' device times (CUDA events, read without waiting), the costs
+  `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
+- `compiled`: ``compile_steps=True`` runs the decoder layers' norms and MLPs and the few-query
+  attention's core as `torch.compile`d functions inside the captured steps (element-wise work fused).
 - `scoping`: those hooks and the few-query attention act only for the thread running the step
   (a context variable; the shared modules and config look stock to every other thread), and graph
   captures are serialised (`CAPTURE_LOCK`), so chats in several threads can share one model.
