@@ -463,3 +463,14 @@ def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
     with pytest.raises(protocol.APIError):
         cache.decode(b"not an image", "p")
     assert len(cache) == 2
+
+
+def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting():
+    from raincheck_hf import RaincheckConfig
+    from raincheck_hf.serve import protocol
+
+    defaults = RaincheckConfig(compile_steps=True)
+    config = protocol._config({"raincheck": {"chunk_size": "auto", "tpot_slack": 0.05}}, defaults)
+    assert (config.chunk_size, config.tpot_slack, config.compile_steps) == ("auto", 0.05, True)
+    with pytest.raises(protocol.APIError, match="tpot_slack=-1"):
+        protocol._config({"raincheck": {"tpot_slack": -1}}, defaults)

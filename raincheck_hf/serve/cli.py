@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="raincheck", help="default mode: full | hard | post_answer | raincheck | serial")
     parser.add_argument("--selector", default="mmtok")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--chunk-size", type=lambda text: text if text == "auto" else int(text), default=31,
+                        help="deferred tokens per decode step, or 'auto' (sized from measured step costs)")
+    parser.add_argument("--tpot-slack", type=float, default=0.02, help="with --chunk-size auto (default 0.02)")
+    parser.add_argument("--compile-steps", action="store_true",
+                        help="torch.compile the fast path's element-wise work (RaincheckConfig.compile_steps)")
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (debug | info | warning | error)")
@@ -47,7 +51,8 @@ def settings_from(args):
     from .protocol import media_root_from
 
     config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                             selector=args.selector, mode=args.mode)
+                             selector=args.selector, mode=args.mode, tpot_slack=args.tpot_slack,
+                             compile_steps=args.compile_steps)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_cache_gb is not None and args.max_cache_gb < 0:

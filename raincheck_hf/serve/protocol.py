@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 from ..configuration import RaincheckConfig
 
 ROLES = ("system", "developer", "user", "assistant")
-RAINCHECK_FIELDS = ("mode", "retention", "chunk_size", "decode_guard", "selector")
+RAINCHECK_FIELDS = ("mode", "retention", "chunk_size", "decode_guard", "selector", "tpot_slack")
 MAX_STOP = 4
 MAX_VIDEO_FRAMES = 64
 
@@ -112,7 +112,7 @@ def _config(body: dict, defaults: RaincheckConfig) -> RaincheckConfig:
                   param=f"raincheck.{unknown[0]}")
     if "selector" in given and not isinstance(given["selector"], str):
         raise bad(f"raincheck.selector must be a selector name, got {given['selector']!r}.", param="raincheck.selector")
-    settings = {name: getattr(defaults, name) for name in (*RAINCHECK_FIELDS, "fast_path")}
+    settings = {name: getattr(defaults, name) for name in (*RAINCHECK_FIELDS, "fast_path", "compile_steps")}
     settings.update(given)
     try:
         return RaincheckConfig(**settings)
