@@ -576,3 +576,39 @@ def test_compiled_steps_match_the_eager_engine(model, processor):
     stock = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)  # graphs recaptured
     _assert_same(slow, stock)
     assert not stock.cache.graphs.compiled
+
+
+def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
+    """The compiled-forward dispatchers are per module instance and act only for the thread whose step scope asks
+    for them; another thread calling the same module meanwhile runs its stock forward; the block undoes them."""
+    import threading
+
+    from raincheck_hf.fast import compiled as compiled_module
+    from raincheck_hf.fast.scoping import step_scope
+    from raincheck_hf.models import get_adapter
+
+    calls = []
+
+    def fake_compiled(fn):  # stands in for torch.compile: records who ran the "compiled" form
+        def run(*args, **kwargs):
+            calls.append(threading.get_ident())
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(compiled_module, "compiled", fake_compiled)
+    targets = get_adapter(model).compile_targets()
+    norm = targets[0]
+    x = torch.randn(1, 3, norm.weight.shape[0])
+    want = norm(x)
+    got = {}
+    with step_scope(model.model.language_model, [], few_query=False, compile_targets=targets):
+        got["inside"] = norm(x)
+        other = threading.Thread(target=lambda: got.setdefault("other", norm(x)))
+        other.start()
+        other.join()
+    assert calls == [threading.get_ident()]
+    assert torch.equal(got["inside"], want) and torch.equal(got["other"], want)
+    assert all("forward" not in vars(m) for m in targets)
+    with step_scope(model.model.language_model, [], few_query=False):  # a step without compile_steps
+        norm(x)
+    assert calls == [threading.get_ident()]
