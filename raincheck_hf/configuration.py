@@ -41,9 +41,11 @@ class RaincheckConfig:
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
             that of plain decode steps (0.02: 2%), a number >= 0; unused with a fixed chunk size.
-        compile_steps: run the fast path's steps with their element-wise work (RMSNorms, the SwiGLU
-            activation, the few-query attention's softmax) fused by ``torch.compile`` inside the captured
-            graphs (`raincheck_hf.fast.compiled`); the first steps of a model pay the compile (warm-up).
+        compile_steps: run the fast path's steps with their element-wise work fused by ``torch.compile``
+            inside the captured graphs (`raincheck_hf.fast.compiled`): Qwen3-VL's decoder layers whole but
+            for the cache write and the attention (norms, rotary embedding, activation, residual adds), other
+            families' RMSNorms and dense MLPs, and the few-query attention's softmax; the first steps of a
+            model pay the compile (warm-up).
             Only the fast path's steps (on CPU with ``fast_path=True`` too); the eager engine ignores it.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
             ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,

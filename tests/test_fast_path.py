@@ -541,11 +541,19 @@ def test_prepared_steps_across_slot_buckets(model, processor, cpu_graphs, monkey
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile's CPU backend needs a C++ compiler")
-def test_compiled_steps_match_the_eager_engine(model, processor):
-    """compile_steps=True: the fast path's steps run the compiled norms, MLPs and few-query attention (Inductor on
-    CPU here) and compute what the eager engine computes; the compiled forms act only inside those steps."""
+@pytest.mark.parametrize("targets", ["fused_layers", "modules"])
+def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, targets):
+    """compile_steps=True: the fast path's steps run compiled code (Inductor on CPU here): Qwen3-VL's decoder
+    layers fused around their cache write and attention (``fused_layers``), or the default of other families,
+    the compiled norms and MLPs (``modules``), with the few-query attention's core; they compute what the eager
+    engine computes, and the compiled forms act only inside those steps."""
     from raincheck_hf.fast import compiled as compiled_module
     from raincheck_hf.models import get_adapter
+    from raincheck_hf.models.base import ModelAdapter
+    from raincheck_hf.models.qwen3_vl import Qwen3VLAdapter, fused_decoder_layer
+
+    if targets == "modules":
+        monkeypatch.setattr(Qwen3VLAdapter, "compile_targets", ModelAdapter.compile_targets)
 
     inputs = make_inputs(processor, **INPUT_CASES["two_images"])
     cfg = dict(chunk_size=4, decode_guard=2)
@@ -568,11 +576,15 @@ def test_compiled_steps_match_the_eager_engine(model, processor):
     finally:
         compiled_module.compiled = real
     _assert_same(slow, fast)
-    targets = get_adapter(model).compile_targets()
+    pairs = get_adapter(model).compile_targets()
     layers = len(model.model.language_model.layers)
-    assert len(targets) == 5 * layers  # 4 RMSNorms and the MLP per layer
-    assert len({fn for fn in calls}) >= 3 and len(calls) > 5 * layers  # norms, MLPs and the attention, every step
-    assert all("forward" not in vars(m) for m in targets)  # the dispatchers are gone after the steps
+    if targets == "modules":
+        assert len(pairs) == 5 * layers and all(impl is None for _, impl in pairs)  # 4 RMSNorms and the MLP
+        assert len(set(calls)) >= 3 and len(calls) > 5 * layers  # norms, MLPs and the attention, every step
+    else:
+        assert [impl for _, impl in pairs] == [fused_decoder_layer] * layers
+        assert len(set(calls)) == 3 and len(calls) > 2 * layers  # the two regions per layer, and the attention
+    assert all("forward" not in vars(m) for m, _ in pairs)  # the dispatchers are gone after the steps
     stock = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)  # graphs recaptured
     _assert_same(slow, stock)
     assert not stock.cache.graphs.compiled
@@ -586,6 +598,7 @@ def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
     from raincheck_hf.fast import compiled as compiled_module
     from raincheck_hf.fast.scoping import step_scope
     from raincheck_hf.models import get_adapter
+    from raincheck_hf.models.base import ModelAdapter
 
     calls = []
 
@@ -596,8 +609,8 @@ def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
         return run
 
     monkeypatch.setattr(compiled_module, "compiled", fake_compiled)
-    targets = get_adapter(model).compile_targets()
-    norm = targets[0]
+    targets = ModelAdapter.compile_targets(get_adapter(model))  # the modules' own forwards, compiled
+    norm = targets[0][0]
     x = torch.randn(1, 3, norm.weight.shape[0])
     want = norm(x)
     got = {}
@@ -608,7 +621,7 @@ def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
         other.join()
     assert calls == [threading.get_ident()]
     assert torch.equal(got["inside"], want) and torch.equal(got["other"], want)
-    assert all("forward" not in vars(m) for m in targets)
+    assert all("forward" not in vars(m) for m, _ in targets)
     with step_scope(model.model.language_model, [], few_query=False):  # a step without compile_steps
         norm(x)
     assert calls == [threading.get_ident()]

@@ -2,12 +2,15 @@
 
 A decode step of the stock modules launches dozens of small kernels per decoder layer (RMSNorm alone is
 about six: the cast, square, mean, rsqrt, two products), each reading and writing a few KiB. With
-``compile_steps`` the step runs, for every decoder layer, a compiled form of the modules that are pure
-per-row functions of their input (`ModelAdapter.compile_targets`: the RMSNorms, the dense SwiGLU MLP) and
-of the few-query attention's softmax part; Inductor fuses each into a few kernels (the matrix products
-stay the library's). What is compiled is each module class's own ``forward`` (one compiled function per
-class, shared by all layers: the weights are inputs, so the 36 layers of an 8B model compile once per
-shape family, not 36 times); the step graph is then captured around those kernels as usual.
+``compile_steps`` the step runs compiled code for what `ModelAdapter.compile_targets` names: by default
+the modules that are pure per-row functions of their input (the RMSNorms, the dense SwiGLU MLP), each
+module class's own ``forward`` compiled; Qwen3-VL's adapter names whole decoder layers, run as two
+compiled regions around the cache write and the attention (`models.qwen3_vl.fused_decoder_layer`); and
+the few-query attention's softmax part. Inductor fuses each region into a few kernels (the matrix
+products stay the library's). One compiled function per region, shared by all layers (the weights are
+inputs: the 36 layers of an 8B model compile once, not 36 times), with dynamic row and slot counts (one
+graph for every row count, another for a single row); the step graph is then captured around those
+kernels as usual.
 
 Like the few-query attention (`fast.scoping`), the compiled forms act only inside a fast-path step of the
 calling thread whose scope asks for them; every other caller of the same modules gets their stock
@@ -30,19 +33,25 @@ def compiled(fn):
     with _LOCK:
         out = _COMPILED.get(fn)
         if out is None:
-            out = _COMPILED[fn] = torch.compile(fn, dynamic=None)
+            out = _COMPILED[fn] = torch.compile(fn, dynamic=True)  # one graph for every row count (1 apart)
         return out
 
 
-def install_dispatch(module):
-    """Make ``module`` run its class's compiled ``forward`` inside a compiling step of the calling thread and its
-    own ``forward`` everywhere else; returns the undo callable (`patching.CountedPatches`)."""
+def dispatcher(impl=None):
+    """The install function (`patching.CountedPatches`) that makes a module run ``impl(module, *args, **kwargs)``
+    (None: its class's compiled ``forward``) inside a compiling step of the calling thread and its own
+    ``forward`` everywhere else."""
+    return lambda module: install_dispatch(module, impl)
+
+
+def install_dispatch(module, impl=None):
+    """See `dispatcher`; returns the undo callable."""
     from .scoping import active_scope
 
     if "forward" in vars(module):  # already patched by someone else: leave it alone
         return lambda: None
     stock = module.forward
-    fast = compiled(type(module).forward)
+    fast = compiled(type(module).forward) if impl is None else impl
 
     def forward(*args, **kwargs):
         scope = active_scope()

@@ -114,9 +114,9 @@ def _hook_deepstack(module):
 def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None, compile_targets=()):
     """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
     ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), with ``few_query`` the attention
-    layers of an ``sdpa`` model run `fast.attention.few_query_attention`, and the modules ``compile_targets``
-    (with the few-query attention's core) run compiled (`fast.compiled`). Other threads (and this one after
-    the block) see the stock modules' behaviour."""
+    layers of an ``sdpa`` model run `fast.attention.few_query_attention`, and the ``(module, forward)`` pairs
+    ``compile_targets`` (`ModelAdapter.compile_targets`; with the few-query attention's core) run compiled
+    (`fast.compiled`). Other threads (and this one after the block) see the stock modules' behaviour."""
     attention = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")] if few_query else []
     layers = list(text_model.layers[:len(addends)] if layers is None else layers)[:len(addends)]
     if attention:
@@ -132,10 +132,10 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
             _PATCHES.acquire(module, _hook_deepstack)
             installed.append(module)
         if compile_targets:
-            from .compiled import install_dispatch
+            from .compiled import dispatcher
 
-            for module in compile_targets:
-                _COMPILE_PATCHES.acquire(module, install_dispatch)
+            for module, impl in compile_targets:
+                _COMPILE_PATCHES.acquire(module, dispatcher(impl))
                 installed_compiled.append(module)
         token = _ACTIVE.set(StepScope(frozenset(id(m) for m in attention),
                                       {id(layer): a for layer, a in zip(layers, addends)}, bool(compile_targets)))

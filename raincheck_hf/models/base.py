@@ -187,18 +187,18 @@ class ModelAdapter:
         return []
 
     def compile_targets(self) -> list:
-        """Modules of the text model that `RaincheckConfig.compile_steps` runs compiled (`fast.compiled`): pure
-        per-row functions of their input, no cache, no hooks. Default: every RMSNorm of the decoder layers (the
+        """``(module, forward)`` pairs that `RaincheckConfig.compile_steps` runs inside the fast path's steps
+        (`fast.compiled`): ``forward(module, *args, **kwargs)`` replaces the module's own forward there, None
+        meaning the module class's ``forward`` compiled. Default: every RMSNorm of the decoder layers (the
         attention's query / key norms included) and each dense SwiGLU MLP (``gate_proj``, ``up_proj``,
-        ``down_proj``; a mixture of experts routes tokens and stays as it is)."""
+        ``down_proj``; a mixture of experts routes tokens and stays as it is): pure per-row functions of
+        their input, no cache, no hooks. A family may fuse more (`models.qwen3_vl`)."""
         targets = []
         for layer in self.text_model.layers:
-            for module in layer.modules():
-                if type(module).__name__.endswith("RMSNorm"):
-                    targets.append(module)
+            targets += [(m, None) for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
             mlp = getattr(layer, "mlp", None)
             if mlp is not None and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-                targets.append(mlp)
+                targets.append((mlp, None))
         return targets
 
     def deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
