@@ -15,6 +15,7 @@ from raincheck_hf.fast import StaticDeferredCache
 from raincheck_hf.tiny import draw_test_image
 
 from conftest import INPUT_CASES, make_inputs
+from families import family_model, family_params, family_processor
 
 KW = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
@@ -625,3 +626,20 @@ def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
     with step_scope(model.model.language_model, [], few_query=False):  # a step without compile_steps
         norm(x)
     assert calls == [threading.get_ident()]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("family", family_params(["qwen3_vl_moe", "qwen2_5_vl"]))
+def test_compiled_steps_of_other_families_match_the_eager_engine(family):
+    """The default compile targets (RMSNorms, dense MLPs) on the other fast-path families."""
+    from conftest import no_placeholder_ids
+
+    model, processor = family_model(family), family_processor(family)
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    kw = dict(KW, suppress_tokens=no_placeholder_ids(model))
+    cfg = dict(chunk_size=4, decode_guard=2)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, compile_steps=True, **cfg), **kw)
+    assert fast.cache.graphs.compiled
+    _assert_same(slow, fast)
