@@ -99,7 +99,8 @@ def _kwargs(mode, tokens, suppress, settings):
                 return_dict_in_generate=True,
                 raincheck=RaincheckConfig(mode=mode, retention=settings["retention"], chunk_size=settings["chunk_size"],
                                           decode_guard=settings["decode_guard"], fast_path=settings["fast_path"],
-                                          selector=settings["selector"]))
+                                          selector=settings["selector"],
+                                          compile_steps=settings.get("compile_steps", False)))
 
 
 def _replay_seconds(graph, device, replays: int) -> float:
@@ -182,7 +183,8 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
 
 
 def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
-        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector=None, json_path=None, log=print):
+        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector=None, json_path=None, log=print,
+        compile_steps: bool = False):
     from .latency import hardware_info
 
     from ..configuration import RaincheckConfig
@@ -200,7 +202,7 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
     inputs = {k: v.to(device) for k, v in first.items()}
     suppress = shapes.special_token_ids(processor)
     settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, fast_path=fast_path,
-                    selector=selector)
+                    selector=selector, compile_steps=compile_steps)
     result = {"benchmark": "profile", "hardware": hardware_info(device), "model": info, "prompt": prompt,
               "settings": dict(settings, tokens=tokens, replays=replays), "modes": {}}
     for mode in modes:
@@ -230,8 +232,9 @@ def main(argv=None):
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
+    parser.add_argument("--compile-steps", action="store_true", help="RaincheckConfig.compile_steps=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     return run(args.model, args.input, [m for m in args.modes.split(",") if m], args.tokens, args.replays, args.top,
                args.retention, args.chunk_size, args.decode_guard, False if args.eager else None, args.selector,
-               args.json)
+               args.json, compile_steps=args.compile_steps)
