@@ -194,3 +194,64 @@ def test_invalid_tpot_slack_is_named(value):
 def test_chunk_size_names_auto(value):
     with pytest.raises(ValueError, match=r"chunk_size=.*\"auto\""):
         RaincheckConfig(chunk_size=value)
+
+
+class _FakeEvent:
+    """Stands in for a CUDA timing event: `record` stamps the fake device clock, `query` says whether the fake
+    device has passed it."""
+
+    clock = 0.0  # device time (ms) of the last recorded event
+    done_until = 0.0  # the device has finished everything recorded up to this time
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.clock
+
+    def query(self):
+        return self.t is not None and self.t <= _FakeEvent.done_until
+
+    def synchronize(self):
+        _FakeEvent.done_until = max(_FakeEvent.done_until, self.t)
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+class _FakeGraph:
+    def __init__(self, ms):
+        self.ms = ms
+
+    def replay(self):
+        _FakeEvent.clock += self.ms
+
+
+def test_step_timings_are_read_lazily_and_never_waited_for():
+    from raincheck_hf.fast import timing
+    from raincheck_hf.fast.timing import StepTimings
+
+    _FakeEvent.clock = _FakeEvent.done_until = 0.0
+    t = StepTimings(event=_FakeEvent)
+    decode, fused = (1, True, 2048), (32, True, 2048)
+    t.time_replays(fused, _FakeGraph(13.0))  # capture time: synchronised, so measured at once
+    assert t.cost(fused) == pytest.approx(0.013)
+    for _ in range(3):
+        t.replay(decode, _FakeGraph(10.0))
+    assert t.cost(decode) is None  # the device has not passed the events yet: nothing read, nothing waited for
+    _FakeEvent.done_until = _FakeEvent.clock - 10.0  # the first two replays are done, the third runs
+    assert t.cost(decode) == pytest.approx(0.010) and len(t._samples[decode]) == 2
+    # a shape measured at another slot bucket only: the nearest bucket's figure
+    assert t.nearest_cost((1, True, 2304)) == pytest.approx(0.010) and t.nearest_cost((8, True, 2048)) is None
+    # at most MAX_IN_FLIGHT unread pairs; the rest run unmeasured
+    _FakeEvent.done_until = -1.0
+    for _ in range(timing.MAX_IN_FLIGHT + 5):
+        t.replay(decode, _FakeGraph(10.0))
+    assert len(t._in_flight) == timing.MAX_IN_FLIGHT
+    _FakeEvent.done_until = _FakeEvent.clock
+    t.poll()
+    assert not t._in_flight and len(t._samples[decode]) == timing.WINDOW
+    disabled = StepTimings(enabled=False, event=_FakeEvent)
+    disabled.replay(decode, _FakeGraph(10.0))
+    disabled.time_replays(decode, _FakeGraph(10.0))
+    assert disabled.cost(decode) is None

@@ -26,8 +26,9 @@ CAPTURE_REPLAYS = 3  # timed replays right after a capture
 class StepTimings:
     """Per graph key, recent device seconds of its replays (`record` around a replay, `cost` to read)."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, event=None):
         self.enabled = enabled  # False (no CUDA graphs): replays run untimed and nothing is measured
+        self._event = event  # the event class (tests pass a stand-in); None: torch.cuda.Event
         self._samples: dict = {}
         self._in_flight: collections.deque = collections.deque()
 
@@ -43,11 +44,14 @@ class StepTimings:
         if len(self._in_flight) >= MAX_IN_FLIGHT:
             graph.replay()
             return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = self._new_event(), self._new_event()
         start.record()
         graph.replay()
         end.record()
         self._in_flight.append((key, start, end))
+
+    def _new_event(self):
+        return (self._event or torch.cuda.Event)(enable_timing=True)
 
     def poll(self) -> None:
         """Take the samples of every replay the device has finished (in order; stops at the first unfinished)."""
@@ -59,7 +63,7 @@ class StepTimings:
         """Replay ``graph`` ``replays`` times and wait for it (capture time only: it synchronises)."""
         if not self.enabled:
             return
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        events = [self._new_event() for _ in range(replays + 1)]
         events[0].record()
         for i in range(replays):
             graph.replay()
