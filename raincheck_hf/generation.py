@@ -20,9 +20,8 @@ Only batch size 1 is supported (rows of different prompts would need different d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn

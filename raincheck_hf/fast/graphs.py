@@ -11,9 +11,9 @@ the maximum key, so no real query sees them, and they see every real row (so the
 nothing). Shapes captured on CUDA: ``L = 1`` (decode), ``L = c + 1`` (a chunk of ``c`` padded
 rows fused with the decode token), ``L = c`` (an idle-time chunk) and prefills padded up to a
 multiple of `PREFILL_BUCKET`, each per *slot bucket*: a step attends over the first ``B`` slots
-only, ``B`` = the used slots (this step's rows included) rounded up to a multiple of
-`static_cache.SLOT_BUCKET` (`slot_bucket`), so its attention and mask grow with the conversation,
-not with the storage's capacity. The scratch slots lie beyond every bucket: padding rows write
+only, ``B`` = the used slots (this step's rows included) rounded up on a geometric ladder
+(`static_cache.slot_bucket`), so its attention and mask grow with the conversation, not with the
+storage's capacity. The scratch slots lie beyond every bucket: padding rows write
 there, nobody reads them. Graphs belong to the cache's `SlotStorage`, which later conversations
 of the same size reuse, so each (shape, bucket) is captured once per storage.
 
@@ -205,8 +205,9 @@ class StepGraphs:
                 self._step(adapter, cache, buffers, want_logits, bucket)
             self._pool = graph.pool()
             torch.cuda.synchronize()
-            # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
-            self.timings.time_replays((rows, want_logits, bucket), graph)
+            if rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs), not a prefill
+                # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
+                self.timings.time_replays((rows, want_logits, bucket), graph)
         self._captured[(rows, want_logits, bucket)] = (graph, buffers)
         return graph, buffers
 
