@@ -154,6 +154,7 @@ class StepGraphs:
         self.compiled = False  # the captured graphs run the compiled modules (RaincheckConfig.compile_steps)
         self._captured: dict[tuple[int, bool, int], tuple] = {}  # (rows, want_logits, slot bucket) -> graph, buffers
         self._pool = None
+        self._warmup_stream = None  # one side stream for every capture's warm-up (per-stream library state is kept)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
 
     # the step itself: identical in eager and captured form
@@ -193,11 +194,16 @@ class StepGraphs:
         torch.arange(first, cache.total_slots, out=buffers.slots)
         # One capture at a time in the process; other threads' own work on the device goes on meanwhile
         # (thread_local: only this thread's unsafe calls would break the capture).
+        # a row count already captured at another slot bucket has done its lazy initialisation (library handles,
+        # kernel tuning, compiles): one warm-up run then, two for a new one
+        warmups = 1 if any(key[:2] == (rows, want_logits) for key in self._captured) else 2
         with CAPTURE_LOCK:
-            stream = torch.cuda.Stream()
+            if self._warmup_stream is None:
+                self._warmup_stream = torch.cuda.Stream()
+            stream = self._warmup_stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):
+                for _ in range(warmups):
                     self._step(adapter, cache, buffers, want_logits, bucket)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
