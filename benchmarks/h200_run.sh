@@ -14,6 +14,9 @@
 #   bash benchmarks/h200_run.sh selectors35  # the same for Qwen3.5-9B (image)
 #   bash benchmarks/h200_run.sh wave  # every GPU test, Qwen3.5-9B latency (default settings), the server against the
 #                                     # library, Qwen3-VL-30B-A3B latency (short): the last runs of issues 15, 18-20
+#   bash benchmarks/h200_run.sh tpot  # issue 17: its GPU tests, then Qwen3-VL-8B image latency with chunk sizes
+#                                     # 7/15/31/63 and "auto" (512-token answer), then full / c=31 / auto with
+#                                     # compile_steps (COMPILE=0 skips that part)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -22,6 +25,22 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+tpot)
+    timeout "${TESTS_S:-240}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k "${TESTS_K:-auto or bucket or compiled}" > "$OUT/test_gpu_tpot_h200.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/test_gpu_tpot_h200.log" | tail -20
+    timeout "${SWEEP_S:-330}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 \
+        --answer-tokens 512 --follow-up-tokens 128 --chunk-sizes 7,15,31,63,auto --reps 3 --budget-s 300 \
+        --variants full,raincheck --json "$OUT/latency_qwen3_vl_8b_image_auto_h200.json" \
+        > "$OUT/latency_qwen3_vl_8b_image_auto_h200.log" 2>&1
+    tail -16 "$OUT/latency_qwen3_vl_8b_image_auto_h200.log"
+    [ "${COMPILE:-1}" = 0 ] && exit 0
+    timeout "${COMPILE_S:-500}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 \
+        --answer-tokens 512 --follow-up-tokens 128 --chunk-sizes 31,auto --reps 3 --budget-s 460 --compile-steps \
+        --variants stock_static_reused,full,raincheck --json "$OUT/latency_qwen3_vl_8b_image_compiled_h200.json" \
+        > "$OUT/latency_qwen3_vl_8b_image_compiled_h200.log" 2>&1
+    tail -16 "$OUT/latency_qwen3_vl_8b_image_compiled_h200.log"
+    ;;
 families)
     # the GPU tests of issues 18-20 (every family, shared model across threads, cancellation, server) with full
     # reports, then Qwen3.5-MoE (35B-A3B shape) latency, short
