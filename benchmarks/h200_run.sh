@@ -15,8 +15,8 @@
 #   bash benchmarks/h200_run.sh wave  # every GPU test, Qwen3.5-9B latency (default settings), the server against the
 #                                     # library, Qwen3-VL-30B-A3B latency (short): the last runs of issues 15, 18-20
 #   bash benchmarks/h200_run.sh tpot  # issue 17: its GPU tests, then Qwen3-VL-8B image latency with chunk sizes
-#                                     # 7/15/31/63 and "auto" (512-token answer), then full / c=31 / auto with
-#                                     # compile_steps (COMPILE=0 skips that part)
+#                                     # 7/15/31/63 and "auto" (512-token answer)
+#   bash benchmarks/h200_run.sh tpot_compile  # issue 17: stock static, full, c=31 and auto with compile_steps
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -34,7 +34,8 @@ tpot)
         --variants full,raincheck --json "$OUT/latency_qwen3_vl_8b_image_auto_h200.json" \
         > "$OUT/latency_qwen3_vl_8b_image_auto_h200.log" 2>&1
     tail -16 "$OUT/latency_qwen3_vl_8b_image_auto_h200.log"
-    [ "${COMPILE:-1}" = 0 ] && exit 0
+    ;;
+tpot_compile)
     timeout "${COMPILE_S:-500}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 2 \
         --answer-tokens 512 --follow-up-tokens 128 --chunk-sizes 31,auto --reps 3 --budget-s 460 --compile-steps \
         --variants stock_static_reused,full,raincheck --json "$OUT/latency_qwen3_vl_8b_image_compiled_h200.json" \
