@@ -314,7 +314,8 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
 
         # pooled per text model: a later conversation of the same size reuses the slots and their captured graphs
         return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
-                                   scratch_slots(config.max_chunk_size), adapter.device, pool_key=adapter.text_model)
+                                   scratch_slots(config.max_chunk_size), adapter.device, pool_key=adapter.text_model,
+                                   recurrent=adapter.static_recurrent_layout())
     # adapter.device, not model.device: the latter is a parameter's device, `meta` under accelerate offload
     # (order keys must live where the masks are built).
     return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)

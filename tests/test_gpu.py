@@ -320,7 +320,7 @@ def test_cuda_family_fast_path_matches_eager_engine_and_reference(family, case):
         assert (got[0].to(want.device) - want).abs().max().item() <= 1e-3, f"reference, forward {i}"
 
 
-@pytest.mark.parametrize("family", family_params(["qwen3_vl_moe"]))
+@pytest.mark.parametrize("family", family_params(["qwen3_vl_moe", "qwen3_5_moe"]))
 def test_cuda_moe_bf16_steps_are_captured(family):
     """In bfloat16 transformers' grouped_mm experts run on the device only: the fast path captures the MoE
     family's steps, and they give what the same steps give eagerly on the static slots."""
@@ -361,6 +361,43 @@ def test_cuda_family_compiled_steps_match_eager_engine(family):
         for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
             assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
         del fast
+
+
+@pytest.mark.parametrize("family", family_params(["qwen3_5"]))  # fp32 MoE experts are not captured (`ExpertsMixin`)
+def test_cuda_gdn_conversation_streams_the_eager_engines_answers(family):
+    """Qwen3.5 on the CUDA fast path (GDN states in static buffers, decode / fused / idle-time chunk steps
+    captured, prefills eager): a streamed two-turn `Conversation` (the second turn's prefill carries the first's
+    leftovers, then `complete()` restores the rest through the idle-time chunk step) answers as the eager
+    engine does."""
+    from raincheck_hf.fast import StaticDeferredCache
+    from raincheck_hf.tiny import draw_test_image
+
+    model = _cuda_family_model(family)
+    processor = family_processor(family)
+    answers, captured = {}, None
+    for fast_path in (False, None):
+        cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=fast_path)
+        with raincheck_hf.Conversation(model, processor, cfg, background=False, max_new_tokens=12) as conv:
+            kw = dict(suppress_tokens=no_placeholder_ids(model), output_logits=True)
+            first = conv.ask("What is in this image?", images=[draw_test_image(256, 192, seed=1)], stream=True, **kw)
+            text = "".join(first)
+            assert text == first.result.text and conv.pending > 0
+            second = conv.ask("And this one?", images=[draw_test_image(256, 256, seed=2)], stream=True,
+                              max_new_tokens=6, **kw)
+            "".join(second)
+            assert second.result.trace.restored_per_forward[0].numel() > 0  # the leftovers rode on its prefill
+            restored = conv.complete()
+            assert isinstance(conv.cache, StaticDeferredCache) == (fast_path is None)
+            if fast_path is None:
+                captured = conv.cache.graphs
+            answers[fast_path] = (first.result, second.result, restored)
+    assert captured is not None and captured.use_graphs and captured._captured, "a step's CUDA-graph capture failed"
+    slow, fast = answers[False], answers[None]
+    for a, b in zip(slow[:2], fast[:2]):
+        assert torch.equal(a.token_ids, b.token_ids)
+        for i, (x, y) in enumerate(zip(a.output.logits, b.output.logits)):
+            assert (x - y).abs().max().item() <= 1e-3, f"forward {i}"
+    assert slow[2] == fast[2] > 0  # the second turn's leftovers went through the idle-time chunk step
 
 
 @pytest.mark.parametrize("family", family_params())

@@ -110,7 +110,7 @@ class Variant:
     def config(self, settings: dict):
         from ..configuration import RaincheckConfig
 
-        # fast_path=None: the CUDA fast path where the family supports it (Qwen3-VL), else the eager engine
+        # fast_path=None: the CUDA fast path where the family supports it (every family now), else the eager engine
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
                                fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02),

@@ -3,13 +3,18 @@
 - `StaticDeferredCache`: KV buffers preallocated for the whole conversation (every deferred row
   has its slot reserved, so restoring it allocates nothing) plus a scratch region for padding;
   visibility is computed on the device from a per-slot key buffer.
-- `SlotStorage`: the KV tensors, slot keys and captured graphs; pooled per model, so a later
-  conversation of the same size reuses them instead of capturing again (`release_storage` frees them).
+- `SlotStorage`: the KV tensors, slot keys, Gated DeltaNet state buffers (`StaticGDNState`: live,
+  boundary and leading-segment states, the suffix map, conv histories; Qwen3.5) and captured graphs;
+  pooled per model, so a later conversation of the same size reuses them instead of capturing again
+  (`release_storage` frees them).
+- `gdn_ops`: the per-step GDN operations (recurrent step, suffix-map update, join, short convolution),
+  in place on those buffers, with one signature for the torch versions here and fused kernels.
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
-  step at a fixed chunk shape (the last chunk is padded, the padding masked), of the idle-time
-  chunk-only step and of prefills padded to 64-row buckets, each per slot bucket (a step attends over
-  the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over the whole
-  storage); DeepStack features enter through forward hooks on the first decoder layers
+  step at a fixed chunk shape (the last chunk is padded, the padding masked; GDN layers gate it off
+  by a real-row count on the device), of the idle-time chunk-only step and of prefills padded to
+  64-row buckets (Qwen3.5's prefills run eagerly on the static cache), each per slot bucket (a step
+  attends over the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over
+  the whole storage); DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
 - `timing`: the captured steps' device times (CUDA events, read without waiting), the costs
   `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
@@ -28,8 +33,15 @@
 The eager engine stays the reference: tests compare the two step by step.
 """
 
-from .static_cache import SlotStorage, StaticDeferredCache, StaticDeferredLayer, release_storage
+from .static_cache import (
+    RecurrentLayout,
+    SlotStorage,
+    StaticDeferredCache,
+    StaticDeferredLayer,
+    StaticGDNState,
+    release_storage,
+)
 from .vision_graphs import VisionGraphs, release_vision_graphs, vision_graphs_for
 
-__all__ = ["SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "VisionGraphs", "release_storage",
-           "release_vision_graphs", "vision_graphs_for"]
+__all__ = ["RecurrentLayout", "SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "StaticGDNState",
+           "VisionGraphs", "release_storage", "release_vision_graphs", "vision_graphs_for"]

@@ -17,6 +17,14 @@ storage's capacity. The scratch slots lie beyond every bucket: padding rows writ
 there, nobody reads them. Graphs belong to the cache's `SlotStorage`, which later conversations
 of the same size reuse, so each (shape, bucket) is captured once per storage.
 
+A family whose text layers do more than attention (Qwen3.5's Gated DeltaNet) says per forward what its
+step runs beyond the shape (`ModelAdapter.static_step_variant`: e.g. whether a generated row is recorded
+in the suffix map), which is part of a graph's key, and gets the step's device scalars ``step_info``
+(real deferred rows among the padded ones, the suffix length) to mask with; the adapter's
+`ModelAdapter.static_step` scope routes its layers to their static-buffer forwards inside the step. A
+family may also refuse to pad and capture prefills (``ModelAdapter.bucketed_prefill``): those then run
+eagerly, unpadded, on the same static cache.
+
 Nothing here reads device memory back to the host on the decode path: keys built on the host go
 to the device through pinned memory without waiting, slots are written by ``arange`` on the
 device, and row counts come from host-side shapes.
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache_utils import DEFERRED, to_device
+from ..cache_utils import DEFERRED, GENERATED, to_device
 from ..masking import visibility_to_attention_mask
 from .scoping import CAPTURE_LOCK, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
@@ -50,6 +58,7 @@ class StepBuffers:
     query_keys: torch.Tensor
     slots: torch.Tensor
     deepstack: list[torch.Tensor]
+    step_info: torch.Tensor  # [2] long: real deferred rows of the forward, the cache's suffix length before it
     logits: torch.Tensor | None = None
     deepstack_written: bool = False  # some row holds DeepStack features
     deepstack_scattered: bool = False  # rows outside the leading deferred block may hold features
@@ -66,15 +75,17 @@ class StepBuffers:
             torch.full((rows,), MAX_KEY, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
             [torch.zeros(1, rows, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)],
+            torch.zeros(2, dtype=torch.long, device=device),
         )
 
 
 def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: int, n_deferred: int,
-         padding: int) -> None:
+         padding: int, suffix_length: int = 0) -> None:
     """Copy a forward's rows into ``buffers`` as ``[deferred rows, padding, rest]``.
 
     ``keys`` are on the buffers' device; real rows take slots ``start, start + 1, ...`` in batch order,
-    padding rows the scratch slots ``capacity, capacity + 1, ...``.
+    padding rows the scratch slots ``capacity, capacity + 1, ...``. ``step_info`` gets ``n_deferred`` and
+    ``suffix_length`` (the cache's, before this forward).
     """
     n = int(batch.embeds.shape[0])
     lo, hi = n_deferred, n_deferred + padding
@@ -96,6 +107,8 @@ def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: 
         query_keys[hi:].copy_(keys[lo:])
         torch.arange(start + lo, start + n, out=slots[hi:])
     _fill_deepstack(buffers, batch, lo, hi)
+    buffers.step_info[0].fill_(lo)  # a scalar fill: queued, no host wait
+    buffers.step_info[1].fill_(int(suffix_length))
 
 
 def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
@@ -138,6 +151,17 @@ class PreparedStep:
     kinds: torch.Tensor
 
 
+def _recurrent_snapshot(cache: StaticDeferredCache) -> list[torch.Tensor]:
+    """Copies of the cache's GDN buffers (a capture's warm-up and timed replays run the step for real)."""
+    return [t.clone() for state in cache.storage.gdn.values() for t in state.tensors()]
+
+
+def _recurrent_restore(cache: StaticDeferredCache, saved: list[torch.Tensor]) -> None:
+    tensors = [t for state in cache.storage.gdn.values() for t in state.tensors()]
+    for t, s in zip(tensors, saved):
+        t.copy_(s)
+
+
 class StepGraphs:
     """Captured steps of one `SlotStorage` (the graphs point at its tensors and at their own buffers).
 
@@ -147,21 +171,24 @@ class StepGraphs:
 
     def __init__(self, adapter, use_graphs: bool):
         self.use_graphs = use_graphs and torch.cuda.is_available() and adapter.device.type == "cuda"
-        self.pad_prefill = self.use_graphs  # bucketed prefill shapes: only worth it when they are captured
+        # bucketed prefill shapes: only worth it when they are captured, and only for families that can
+        self.pad_prefill = self.use_graphs and adapter.bucketed_prefill
         self.num_deepstack = adapter.num_deepstack_layers
         self.hidden = adapter.text_model.config.hidden_size
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self.compiled = False  # the captured graphs run the compiled modules (RaincheckConfig.compile_steps)
-        self._captured: dict[tuple[int, bool, int], tuple] = {}  # (rows, want_logits, slot bucket) -> graph, buffers
+        # (rows, want_logits, the adapter's step variant, slot bucket) -> (graph, buffers); the bucket last
+        # (`StepTimings.nearest_cost` reads a key's last entry as its bucket)
+        self._captured: dict[tuple, tuple] = {}
         self._pool = None
         self._warmup_stream = None  # one side stream for every capture's warm-up (per-stream library state is kept)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
 
     # the step itself: identical in eager and captured form
     def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool,
-              bucket: int | None = None):
+              bucket: int | None = None, variant=None):
         """``bucket``: the slots ``[0, bucket)`` attended over (every real row of the step lies there;
-        None: all slots)."""
+        None: all slots); ``variant``: the adapter's `ModelAdapter.static_step_variant` of the step."""
         cache.current_slots = buffers.slots
         cache.attention_slots = bucket
         # the rows' own keys first: a row sees itself (padding rows write the maximum key to scratch slots)
@@ -169,11 +196,14 @@ class StepGraphs:
         visible = cache.slot_keys[None, :bucket] <= buffers.query_keys[:, None]
         mask = visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        # DeepStack addends and the few-query attention, for this thread's step only (`fast.scoping`)
+        # DeepStack addends and the few-query attention, for this thread's step only (`fast.scoping`), and the
+        # family's static-buffer layers (GDN), also for this thread only
         with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
-                        compile_targets=adapter.compile_targets() if self.compiled else ()):
+                        compile_targets=adapter.compile_targets() if self.compiled else ()), \
+                adapter.static_step(cache, buffers.step_info, variant):
             hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
-                                attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+                                attention_mask=adapter.text_attention_mask(mask), cache=cache,
+                                use_cache=True).last_hidden_state
         if want_logits:
             logits = adapter.lm_head(hidden[:, -1])
             if buffers.logits is None:
@@ -183,8 +213,9 @@ class StepGraphs:
         return buffers.logits
 
     def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
-                 bucket: int | None = None):
+                 bucket: int | None = None, variant=None):
         bucket = cache.capacity if bucket is None else bucket
+        key = (rows, want_logits, variant, bucket)
         # warm-up runs execute: they write the last `rows` slots with the maximum key, which no query sees; those
         # are scratch, free slots and this forward's own slots from `start` on, which its real run then writes
         first = cache.total_slots - rows
@@ -196,51 +227,67 @@ class StepGraphs:
         # (thread_local: only this thread's unsafe calls would break the capture).
         # a row count already captured at another slot bucket has done its lazy initialisation (library handles,
         # kernel tuning, compiles): one warm-up run then, two for a new one
-        warmups = 1 if any(key[:2] == (rows, want_logits) for key in self._captured) else 2
+        warmups = 1 if any(k[:3] == key[:3] for k in self._captured) else 2
         with CAPTURE_LOCK:
             if self._warmup_stream is None:
                 self._warmup_stream = torch.cuda.Stream()
             stream = self._warmup_stream
+            # the warm-up runs (and the timed replays) change the cache's recurrent (GDN) state too: kept aside
+            # before the side stream starts, put back after, also when the capture fails (the step then runs
+            # eagerly from the state it should see)
+            saved = _recurrent_snapshot(cache)
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(warmups):
-                    self._step(adapter, cache, buffers, want_logits, bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(adapter, cache, buffers, want_logits, bucket)
-            self._pool = graph.pool()
-            torch.cuda.synchronize()
-            if rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs), not a prefill
-                # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
-                self.timings.time_replays((rows, want_logits, bucket), graph)
-        self._captured[(rows, want_logits, bucket)] = (graph, buffers)
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(warmups):
+                        self._step(adapter, cache, buffers, want_logits, bucket, variant)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    self._step(adapter, cache, buffers, want_logits, bucket, variant)
+                self._pool = graph.pool()
+                torch.cuda.synchronize()
+                if rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs), not a prefill
+                    # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
+                    self.timings.time_replays(key, graph)
+            finally:
+                torch.cuda.current_stream().wait_stream(stream)
+                _recurrent_restore(cache, saved)
+        self._captured[key] = (graph, buffers)
         return graph, buffers
 
     def step_cost(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool) -> float | None:
         """Measured device seconds of a ``rows``-row step at the cache's next slot bucket (`fast.timing`); a
         shape not measured at that bucket takes its figure from the nearest bucket measured, else it is
-        captured (and timed) now when there is room. None without graphs or before any measurement."""
+        captured (and timed) now when there is room. None without graphs or before any measurement.
+
+        The step is a decode token (``rows = 1``), a chunk of ``rows - 1`` deferred rows fused with it, or an
+        idle-time chunk of ``rows`` rows (``want_logits`` False), with deferred rows still pending after it
+        (`ModelAdapter.static_step_variant` of that forward)."""
         if not self.use_graphs:
             return None
         bucket = slot_bucket(cache.num_rows + rows, cache.capacity)
-        cost = self.timings.cost((rows, want_logits, bucket))
+        n_chunk = rows - 1 if want_logits else rows
+        kinds = torch.tensor([DEFERRED] * n_chunk + [GENERATED] * (rows - n_chunk), dtype=torch.int8)
+        variant = adapter.static_step_variant(kinds, 1, cache.suffix_length)
+        key = (rows, want_logits, variant, bucket)
+        cost = self.timings.cost(key)
         if cost is None:
-            cost = self.timings.nearest_cost((rows, want_logits, bucket))
+            cost = self.timings.nearest_cost(key)
         if cost is not None:
             return cost
-        if (rows, want_logits, bucket) not in self._captured:
-            if rows > cache.scratch:  # its warm-up would reach below the scratch slots
+        if key not in self._captured:
+            if rows > cache.scratch or not adapter.capturable(variant, rows):  # warm-up below the scratch slots
                 return None
             try:
-                if self._capture(adapter, cache, rows, want_logits, cache.num_rows, bucket) is None:
+                if self._capture(adapter, cache, rows, want_logits, cache.num_rows, bucket, variant) is None:
                     return None
             except RuntimeError as error:
                 warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                               "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
                 self.use_graphs = self.pad_prefill = False
                 return None
-        return self.timings.cost((rows, want_logits, bucket))
+        return self.timings.cost(key)
 
     def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
         """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);
@@ -251,7 +298,10 @@ class StepGraphs:
             return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
         return n
 
-    def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None):
+    def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None,
+               pending_after: int):
+        """``(n, n_deferred, rows, padding, key)`` of a forward; ``pending_after``: deferred rows still pending
+        after it (for the adapter's step variant)."""
         compiled = bool(getattr(cache, "compile_steps", False))
         if adapter.attn_implementation != self.attn_implementation or compiled != self.compiled:
             # the model was switched to another attention backend, or compile_steps changed: graphs captured
@@ -267,8 +317,9 @@ class StepGraphs:
             raise RuntimeError(f"padding {padding} exceeds the cache's scratch slots {cache.scratch}")
         if want_logits and padding and n == n_deferred:
             raise RuntimeError("a padded forward of deferred rows only has no last real row to take logits from")
-        # before the rows are registered: the slots in use once they are
-        return n, n_deferred, rows, padding, slot_bucket(cache.num_rows + n, cache.capacity)
+        variant = adapter.static_step_variant(kinds, pending_after, cache.suffix_length)
+        # the bucket before the rows are registered: the slots in use once they are
+        return n, n_deferred, rows, padding, (rows, want_logits, variant, slot_bucket(cache.num_rows + n, cache.capacity))
 
     def prepare(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
                 pad_to: int | None = None) -> PreparedStep | None:
@@ -282,15 +333,18 @@ class StepGraphs:
         """
         if not self.use_graphs:
             return None
-        n, n_deferred, rows, padding, bucket = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
-        captured = self._captured.get((rows, want_logits, bucket))
+        # the forward's deferred rows are still pending (`_DecodeForward.run` takes them before launching)
+        n_chunk = int((kinds == DEFERRED).sum())
+        n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
+                                                        cache.num_pending - n_chunk)
+        captured = self._captured.get(key)
         start = cache.num_rows
         if captured is None or start + n > cache.capacity:
             return None
         graph, buffers = captured
         keys = to_device(keys, cache.slot_keys.device)
-        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-        return PreparedStep(graph, (rows, want_logits, bucket), buffers, want_logits, start, keys, sources, kinds)
+        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, cache.suffix_length)
+        return PreparedStep(graph, key, buffers, want_logits, start, keys, sources, kinds)
 
     def launch(self, cache: StaticDeferredCache, step: PreparedStep):
         """Register a prepared step's rows and replay its graph; logits of its last real row or None."""
@@ -304,24 +358,27 @@ class StepGraphs:
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
             pad_to: int | None = None):
         """One forward; logits of its last real row (``[1, V]``) or None."""
-        n, n_deferred, rows, padding, bucket = self._shape(adapter, cache, batch, kinds, want_logits, pad_to)
+        n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
+                                                        cache.num_pending)
+        _, _, variant, bucket = key
         keys = to_device(keys, cache.slot_keys.device)
+        suffix_length = cache.suffix_length  # before this forward's rows count
         start = cache.assign_slots(keys, sources, kinds)
-        if self.use_graphs:
-            captured = self._captured.get((rows, want_logits, bucket))
+        if self.use_graphs and adapter.capturable(variant, rows):
+            captured = self._captured.get(key)
             if captured is None:
                 try:
-                    captured = self._capture(adapter, cache, rows, want_logits, start, bucket)
+                    captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
                 except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
                                   "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
                     self.use_graphs = self.pad_prefill = False  # this forward keeps its (valid) padded shape
             if captured is not None:
                 graph, buffers = captured
-                fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-                self.timings.replay((rows, want_logits, bucket), graph)
+                fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)
+                self.timings.replay(key, graph)
                 return buffers.logits.clone() if want_logits else None
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
-        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding)
-        logits = self._step(adapter, cache, buffers, want_logits, bucket)
+        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)
+        logits = self._step(adapter, cache, buffers, want_logits, bucket, variant)
         return logits if want_logits else None

@@ -14,6 +14,12 @@ The tensors live in a `SlotStorage`, together with the CUDA graphs captured on t
 and writes its tensors by address). A storage whose cache has been garbage-collected is handed to
 the next cache of the same size for the same model (`acquire_storage`), graphs included, so a new
 conversation does not capture again; `release_storage` frees what a model keeps.
+
+Gated DeltaNet layers (Qwen3.5) keep no KV rows: their state lives in `StaticGDNState` buffers of the same
+storage (the live recurrent state and conv history, the insertion boundary, the suffix map and the leading
+segment's record of docs/method.md §4), allocated with the storage, carried over on growth and deep copies,
+and changed in place by the fast path's GDN steps (`StaticGDNState.run_chunk` / ``join`` / ``run_rest`` /
+``record`` / ``reset_boundary``), so a captured step holds their addresses.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-from ..cache_utils import DeferredDynamicCache
+from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
+from ..gated_delta import GDNLayerParams, l2norm
+from . import gdn_ops
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
@@ -54,16 +64,193 @@ def slot_bucket(rows: int, capacity: int) -> int:
     return min(int(capacity), -(-rows // step) * step)
 
 
+@dataclass(frozen=True)
+class RecurrentLayout:
+    """The Gated DeltaNet layers of a text model, as the static cache reserves them.
+
+    Attributes:
+        layers: indices of the GDN (``linear_attention``) layers.
+        num_k_heads, num_v_heads, head_k_dim, head_v_dim: the head split (Qwen3.5-9B: 16, 32, 128, 128).
+        kernel_size: the short convolution's width ``Kc`` (4).
+        dtype: the pre-conv inputs' dtype (the model's).
+    """
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    kernel_size: int
+    dtype: torch.dtype
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+class StaticGDNState:
+    """One GDN layer's state of docs/method.md §4 in fixed buffers (batch 1), changed only in place.
+
+    Buffers (fp32 states, pre-conv inputs in the model's dtype):
+        state ``[1, HV, K, V]`` and conv ``[1, Kc - 1, C]``: the live recurrent state and conv history;
+        boundary_state / boundary_conv: S_b and h_b, where deferred rows are inserted;
+        leading_state ``[1, HV, K, V]``: S_L, the first ``l <= Kc - 1`` suffix tokens applied to S_b;
+        leading_qkv ``[1, Kc - 1, C]``, leading_a / leading_b ``[1, Kc - 1, HV]``: those tokens' pre-conv
+            and gate inputs (slot ``j`` holds suffix token ``j``);
+        rest_map ``[1, HV, K, K]``: M, the product of the later suffix tokens' transitions.
+
+    The suffix length ``t`` (and how many rows of a padded chunk are real) come with each step as device
+    scalars, so one captured step serves every value; padding rows get ``g = 0, beta = 0`` (no change to
+    any state) and never enter a conv history.
+    """
+
+    _NAMES = ("state", "conv", "boundary_state", "boundary_conv", "leading_state", "leading_qkv", "leading_a",
+              "leading_b", "rest_map")
+
+    def __init__(self, layout: RecurrentLayout, device):
+        hv, dk, dv, width = layout.num_v_heads, layout.head_k_dim, layout.head_v_dim, layout.kernel_size - 1
+        f32 = dict(dtype=torch.float32, device=device)
+        own = dict(dtype=layout.dtype, device=device)
+        self.state = torch.zeros(1, hv, dk, dv, **f32)
+        self.conv = torch.zeros(1, width, layout.conv_dim, **own)
+        self.boundary_state = torch.zeros(1, hv, dk, dv, **f32)
+        self.boundary_conv = torch.zeros(1, width, layout.conv_dim, **own)
+        self.leading_state = torch.zeros(1, hv, dk, dv, **f32)
+        self.leading_qkv = torch.zeros(1, width, layout.conv_dim, **own)
+        self.leading_a = torch.zeros(1, width, hv, **own)
+        self.leading_b = torch.zeros(1, width, hv, **own)
+        self.rest_map = torch.zeros(1, hv, dk, dk, **f32)
+        self.width = width
+        self._eye = torch.eye(dk, **f32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self._NAMES]
+
+    def copy_from(self, other: "StaticGDNState") -> None:
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs)
+
+    def zero_(self) -> None:
+        for t in self.tensors():
+            t.zero_()
+
+    # ---- the steps (params: the layer's `GDNLayerParams`) -------------------------------------
+    def run_chunk(self, qkv, g, beta, n_real: torch.Tensor, params: GDNLayerParams, chunk_rule=None) -> torch.Tensor:
+        """Deferred rows from the boundary: ``S_b <- S_b'``, ``h_b <- h_b'``; their core outputs ``[1, R, HV, V]``.
+
+        ``qkv [1, R, C]``, ``g, beta [1, R, HV]``: the first ``n_real`` (a device scalar ``[1]``) rows are
+        real, the rest padding (gated to no-ops; they follow the real rows, so no real row's conv reads them).
+        The recurrent rule runs them token by token, or ``chunk_rule`` (transformers' chunked rule, exact for
+        gated-off rows too) in one call.
+        """
+        rows = qkv.shape[1]
+        real = torch.arange(rows, device=qkv.device) < n_real  # [R]
+        # the conv on a copy of h_b (it rolls past the padding too); h_b' is gathered below
+        y = gdn_ops.conv_update_(self.boundary_conv.clone(), qkv, params.conv_weight, params.conv_bias,
+                                 params.activation)
+        q, k, v = _split_heads(y, params)
+        real_f = real[None, :, None]
+        g, beta = torch.where(real_f, g, 0.0), torch.where(real_f, beta, torch.zeros_like(beta))
+        if chunk_rule is None:
+            out = gdn_ops.recurrent_step_(self.boundary_state, q, k, v, g, beta)
+        else:
+            out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.boundary_state,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+            self.boundary_state.copy_(final)
+        # h_b' = the last Kc - 1 of [h_b, real rows]: positions n_real .. n_real + Kc - 2 of that concatenation
+        joined = torch.cat([self.boundary_conv, qkv.to(self.boundary_conv.dtype)], dim=1)
+        index = n_real + torch.arange(self.width, device=qkv.device)
+        self.boundary_conv.copy_(joined.index_select(1, index))
+        return out
+
+    def join(self, suffix_length: torch.Tensor, params: GDNLayerParams) -> None:
+        """After `run_chunk`: ``S_live += M (S_L' - S_L)``, S_L' the leading segment (``min(t, Kc - 1)``
+        recorded tokens, ``t = suffix_length``, a device scalar ``[1]``) recomputed from the new h_b and
+        applied to the new S_b; the live conv history follows h_b while ``t < Kc - 1``."""
+        t = suffix_length
+        recorded = (torch.arange(self.width, device=t.device) < t)[None, :, None]  # [1, Kc - 1, 1]
+        g, beta = _gates(self.leading_a, self.leading_b, params)
+        y = gdn_ops.conv_update_(self.boundary_conv.clone(), self.leading_qkv, params.conv_weight, params.conv_bias,
+                                 params.activation)
+        q, k, v = _split_heads(y, params)
+        repaired = self.boundary_state.clone()
+        gdn_ops.recurrent_step_(repaired, q, k, v, torch.where(recorded, g, 0.0),
+                                torch.where(recorded, beta, torch.zeros_like(beta)))
+        gdn_ops.join_(self.state, self.rest_map, repaired, self.leading_state)
+        self.leading_state.copy_(repaired)
+        # the live window is the last Kc - 1 of [h_b', suffix]: rows t .. t + Kc - 2 of [h_b', leading record]
+        # while t < Kc - 1; otherwise it holds suffix tokens only and does not change
+        window = torch.cat([self.boundary_conv, self.leading_qkv], dim=1)
+        index = torch.clamp(t, max=self.width) + torch.arange(self.width, device=t.device)
+        self.conv.copy_(torch.where(t < self.width, window.index_select(1, index), self.conv))
+
+    def run_rest(self, qkv, g, beta, params: GDNLayerParams, chunk_rule=None):
+        """Rows after the boundary (a generated token, or a turn's input) from the live state.
+
+        One row runs the recurrent rule; several (a prefill, never captured) ``chunk_rule`` (transformers'
+        chunked gated delta rule of the layer's modeling file), as the stock module does. Returns the core
+        outputs ``[1, T, HV, V]`` and the rows' keys ``[1, T, HK, K]`` and values (raw) for `record`.
+        """
+        y = gdn_ops.conv_update_(self.conv, qkv, params.conv_weight, params.conv_bias, params.activation)
+        q, k, v = _split_heads(y, params)
+        if qkv.shape[1] == 1 or chunk_rule is None:
+            return gdn_ops.recurrent_step_(self.state, q, k, v, g, beta), k, v
+        out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        self.state.copy_(final)
+        return out, k, v
+
+    def record(self, qkv, a, b, k, v, g, beta, suffix_length: torch.Tensor, leading: bool) -> None:
+        """Extend the suffix by the generated token that just ran: its pre-conv and gate inputs ``qkv [1, 1, C]``,
+        ``a, b [1, 1, HV]`` and its factors from `run_rest` (``k`` raw, ``v``, ``g``, ``beta``). With
+        ``leading`` (``t < Kc - 1``, known on the host) it fills leading-record slot ``t`` and S_L advances by
+        it; otherwise ``M <- A_t M``."""
+        if leading:
+            self.leading_qkv.index_copy_(1, suffix_length, qkv.to(self.leading_qkv.dtype))
+            self.leading_a.index_copy_(1, suffix_length, a.to(self.leading_a.dtype))
+            self.leading_b.index_copy_(1, suffix_length, b.to(self.leading_b.dtype))
+            gdn_ops.recurrent_step_(self.leading_state, k, k, v, g, beta)  # the output is not needed
+            return
+        gdn_ops.suffix_map_update_(self.rest_map, l2norm(k.float()), g, beta)
+
+    def reset_boundary(self) -> None:
+        """The boundary moves to the live state (after a turn's input rows): ``S_b = S_L = S_live``,
+        ``h_b`` = the live conv history, ``M = I``; the leading record is emptied by the suffix length 0."""
+        self.boundary_state.copy_(self.state)
+        self.leading_state.copy_(self.state)
+        self.boundary_conv.copy_(self.conv)
+        self.rest_map.copy_(self._eye.expand_as(self.rest_map))
+
+
+def _split_heads(y: torch.Tensor, params: GDNLayerParams):
+    """Conv outputs ``[1, T, C]`` -> ``q, k [1, T, HK, K]`` and ``v [1, T, HV, V]`` (channels ``[q | k | v]``)."""
+    bsz, seq, _ = y.shape
+    q, k, v = torch.split(y, [params.key_dim, params.key_dim, params.value_dim], dim=-1)
+    return (q.reshape(bsz, seq, params.num_k_heads, params.head_k_dim),
+            k.reshape(bsz, seq, params.num_k_heads, params.head_k_dim),
+            v.reshape(bsz, seq, params.num_v_heads, params.head_v_dim))
+
+
+def _gates(a: torch.Tensor, b: torch.Tensor, params: GDNLayerParams):
+    """``(g, beta)`` from the gate inputs, as the module computes them (``g`` fp32, ``beta`` in the model dtype)."""
+    g = -params.A_log.float().exp() * F.softplus(a.float() + params.dt_bias)
+    return g, b.sigmoid()
+
+
 class SlotStorage:
-    """KV tensors of ``capacity + scratch`` slots for every attention layer, their keys, and the graphs
+    """KV tensors of ``capacity + scratch`` slots for every attention layer, their keys, the GDN layers'
+    `StaticGDNState` (``recurrent``: their `RecurrentLayout`, None for attention-only models) and the graphs
     captured on them (``graphs``, a `StepGraphs` or None). One cache uses a storage at a time."""
 
-    def __init__(self, num_layers: int, capacity: int, scratch: int, device):
+    def __init__(self, num_layers: int, capacity: int, scratch: int, device, recurrent: RecurrentLayout | None = None):
         self.num_layers, self.capacity, self.scratch = int(num_layers), int(capacity), int(scratch)
         self.device = torch.device(device)
+        self.recurrent = recurrent
         self.keys: list[torch.Tensor | None] = [None] * self.num_layers
         self.values: list[torch.Tensor | None] = [None] * self.num_layers
         self.slot_keys = torch.full((self.total_slots,), MAX_KEY, dtype=torch.long, device=self.device)
+        self.gdn: dict[int, StaticGDNState] = {} if recurrent is None else {
+            i: StaticGDNState(recurrent, self.device) for i in recurrent.layers}
         self.graphs = None
         self._user = None
 
@@ -71,9 +258,9 @@ class SlotStorage:
     def total_slots(self) -> int:
         return self.capacity + self.scratch
 
-    def matches(self, num_layers, capacity, scratch, device) -> bool:
-        return (self.num_layers, self.capacity, self.scratch, self.device) == (
-            int(num_layers), int(capacity), int(scratch), torch.device(device))
+    def matches(self, num_layers, capacity, scratch, device, recurrent=None) -> bool:
+        return (self.num_layers, self.capacity, self.scratch, self.device, self.recurrent) == (
+            int(num_layers), int(capacity), int(scratch), torch.device(device), recurrent)
 
     @property
     def busy(self) -> bool:
@@ -82,6 +269,8 @@ class SlotStorage:
     def lease(self, cache) -> "SlotStorage":
         # every slot invisible again: what an earlier conversation left in the KV tensors is unreachable
         self.slot_keys.fill_(MAX_KEY)
+        for state in self.gdn.values():  # a new conversation starts from zero states, as on a fresh cache
+            state.zero_()
         self._user = weakref.ref(cache)
         return self
 
@@ -101,16 +290,17 @@ _POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, list[SlotStorage]]" = weakre
 _POOL_LOCK = threading.Lock()
 
 
-def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: int, device) -> SlotStorage:
+def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: int, device,
+                    recurrent: RecurrentLayout | None = None) -> SlotStorage:
     """A free pooled storage of this size for ``pool_key`` (the text model), else a new one (pooled while
     fewer than `POOLED_PER_MODEL` are kept, evicting the oldest free one of another size when full)."""
     with _POOL_LOCK:  # two conversations starting at once (the demo's concurrent chats) must not lease one storage
         pool = None if pool_key is None else _POOLS.setdefault(pool_key, [])
         if pool is not None:
             for storage in pool:
-                if not storage.busy and storage.matches(num_layers, capacity, scratch, device):
+                if not storage.busy and storage.matches(num_layers, capacity, scratch, device, recurrent):
                     return storage.lease(cache)
-        storage = SlotStorage(num_layers, capacity, scratch, device)
+        storage = SlotStorage(num_layers, capacity, scratch, device, recurrent)
         if pool is not None:
             if len(pool) >= POOLED_PER_MODEL:
                 free = [s for s in pool if not s.busy]
@@ -192,15 +382,23 @@ class StaticDeferredCache(DeferredDynamicCache):
         device: where the slots live.
         pool_key: the text model, whose pool of storages (and captured graphs) this cache draws from;
             None: a private storage.
+        recurrent: the text model's Gated DeltaNet layers (`RecurrentLayout`), None when every layer is
+            attention. Their layers in ``layers`` stay unused: the GDN state lives in `gdn_state`.
+
+    ``suffix_length`` counts the generated rows since the last forward with input rows (the suffix whose
+    transitions the GDN layers record while deferred rows are pending).
     """
 
     is_static = True
 
-    def __init__(self, num_layers: int, capacity: int, scratch: int, device, pool_key=None):
+    def __init__(self, num_layers: int, capacity: int, scratch: int, device, pool_key=None,
+                 recurrent: RecurrentLayout | None = None):
         super().__init__(config=None, device=device)
         self._pool_ref = None if pool_key is None else weakref.ref(pool_key)
         self.num_layers = int(num_layers)
-        self.storage = acquire_storage(pool_key, self, num_layers, capacity, scratch, device)
+        self.recurrent = recurrent
+        self.suffix_length = 0
+        self.storage = acquire_storage(pool_key, self, num_layers, capacity, scratch, device, recurrent)
         self.layers = [StaticDeferredLayer(self, i) for i in range(num_layers)]
         self.layer_class_to_replicate = None
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
@@ -235,11 +433,17 @@ class StaticDeferredCache(DeferredDynamicCache):
     def graphs(self, value):
         self.storage.graphs = value
 
+    def gdn_state(self, layer_idx: int) -> StaticGDNState:
+        """GDN layer ``layer_idx``'s `StaticGDNState` (in the current storage: fetch it per step)."""
+        return self.storage.gdn[layer_idx]
+
     def _move_to(self, storage: SlotStorage, rows: int) -> None:
-        """Carry the first ``rows`` slots (keys and KV) over to ``storage`` and use it from now on."""
+        """Carry the first ``rows`` slots (keys and KV) and the GDN states over to ``storage`` and use it from now on."""
         storage.slot_keys[:rows].copy_(self.storage.slot_keys[:rows])
         for layer in self.layers:
             layer.move_to(storage, rows)
+        for idx, state in self.storage.gdn.items():
+            storage.gdn[idx].copy_from(state)
         self.storage = storage
 
     def __deepcopy__(self, memo):
@@ -254,7 +458,7 @@ class StaticDeferredCache(DeferredDynamicCache):
             if src.is_initialized:
                 dst.keys, dst.values, dst.is_initialized = src.keys, src.values, True
         storage = acquire_storage(self._pool_key, clone, self.num_layers, self.capacity, self.scratch,
-                                  self.storage.device)
+                                  self.storage.device, self.recurrent)
         clone.storage = self.storage
         clone._move_to(storage, self.total_slots)  # ... and copy them (every slot) into the clone's storage
         return clone
@@ -268,7 +472,8 @@ class StaticDeferredCache(DeferredDynamicCache):
             return
         old = self.storage
         self._move_to(acquire_storage(self._pool_key, self, self.num_layers,
-                                      max(self.capacity, round_capacity(rows_needed)), scratch, old.device),
+                                      max(self.capacity, round_capacity(rows_needed)), scratch, old.device,
+                                      self.recurrent),
                       self.num_rows)
         old.release()
 
@@ -282,6 +487,11 @@ class StaticDeferredCache(DeferredDynamicCache):
         if start + n > self.capacity:
             raise RuntimeError(f"StaticDeferredCache capacity {self.capacity} exceeded ({start + n} rows)")
         self.register_rows(keys, sources, kinds)
+        kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(n)
+        if bool((kinds == INPUT).any()):
+            self.suffix_length = 0
+        else:
+            self.suffix_length += int((kinds == GENERATED).sum())
         return start
 
     def add_rows(self, keys, sources, kinds):
@@ -290,3 +500,6 @@ class StaticDeferredCache(DeferredDynamicCache):
     def reset(self) -> None:
         super().reset()
         self.storage.slot_keys.fill_(MAX_KEY)
+        for state in self.storage.gdn.values():
+            state.zero_()
+        self.suffix_length = 0

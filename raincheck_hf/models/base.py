@@ -7,6 +7,7 @@ adapter: the rows of a turn (`TurnInputs`), the rows of one forward (`RowBatch`)
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -131,7 +132,11 @@ class ModelAdapter:
         has_linear_attention: some text layers keep a recurrent state (Gated DeltaNet) instead of KV rows;
             `forward` needs the row kinds to place deferred rows (``kinds``).
         supports_fast_path: the CUDA fast path (static KV slots, graph replay of the text steps) can run
-            this family: every text layer is attention, so all state fits `fast.StaticDeferredCache`.
+            this family: every text layer keeps its state in `fast.StaticDeferredCache` (attention layers in
+            KV slots; a recurrent family reserves its layers' buffers through `static_recurrent_layout` and
+            runs them through `static_step`). Which layer types that covers: ``static_layer_types``.
+        bucketed_prefill: on CUDA the fast path pads prefills to 64-row buckets and captures them; False:
+            prefills run eagerly, unpadded, on the static cache (decode and chunk steps are still captured).
         supports_vision_graphs: `fast.vision_graphs` can replay this family's vision tower per grid
             (`vision_grid_kwargs` precomputes what the tower derives from ``grid_thw``).
     """
@@ -141,6 +146,8 @@ class ModelAdapter:
     has_linear_attention: bool = False
     supports_fast_path: bool = False
     supports_vision_graphs: bool = False
+    bucketed_prefill: bool = True
+    static_layer_types: tuple[str, ...] = ("full_attention",)
 
     def __init__(self, model):
         self.model = model
@@ -285,14 +292,15 @@ class ModelAdapter:
     def execution_path(self, config) -> str:
         """``"fast"`` (static KV slots + CUDA graphs, `fast/`) or ``"eager"`` (`DeferredDynamicCache`) for a call.
 
-        ``fast_path=False``, a family without ``supports_fast_path``, a text model with non-attention layers
-        and an accelerate-split model take the eager engine; otherwise ``fast_path=True`` or a CUDA model
-        takes the fast path. ``fast_path=True`` on a split model of a fast-path family is a ValueError.
+        ``fast_path=False``, a family without ``supports_fast_path``, a text model with layers outside the
+        family's ``static_layer_types`` and an accelerate-split model take the eager engine; otherwise
+        ``fast_path=True`` or a CUDA model takes the fast path. ``fast_path=True`` on a split model of a
+        fast-path family is a ValueError.
         """
         if config.fast_path is False or not self.supports_fast_path:
             return "eager"
         layer_types = getattr(self.text_model.config, "layer_types", None) or ["full_attention"]
-        if any(t != "full_attention" for t in layer_types):  # recurrent state does not live in KV slots
+        if any(t not in self.static_layer_types for t in layer_types):  # state the static cache cannot hold
             return "eager"
         split = accelerate_split(self.model)
         if split is not None:
@@ -316,10 +324,37 @@ class ModelAdapter:
         path's steps eagerly on the static slots."""
         return None
 
+    # ---- the text model on the fast path's static cache (`fast.graphs`) -------------------------
+    def static_recurrent_layout(self):
+        """The recurrent layers the static cache reserves buffers for (`fast.static_cache.RecurrentLayout`),
+        or None when every text layer is attention."""
+        return None
+
+    def text_attention_mask(self, mask):
+        """The text model's ``attention_mask`` argument for the attention layers' 4-D ``mask``."""
+        return mask
+
+    def static_step_variant(self, kinds: torch.Tensor, pending_after: int, suffix_length: int):
+        """What a fast-path step over rows of ``kinds`` (``[L]`` on the host) runs beyond its shape, as a hashable
+        (part of its captured graph's key), or None. ``pending_after``: deferred rows still pending after it;
+        ``suffix_length``: the cache's generated rows since the last input rows."""
+        return None
+
+    def capturable(self, variant, rows: int) -> bool:
+        """Whether a step of this variant and ``rows`` rows (padding included) may be captured as a CUDA graph
+        (else it runs eagerly)."""
+        return True
+
+    def static_step(self, cache, step_info: torch.Tensor, variant):
+        """A context manager around one fast-path step's text-model call (captured or not): the family's
+        layers that keep state outside KV slots run on ``cache``'s static buffers. ``step_info [2]`` (device,
+        long): real deferred rows of the step, the suffix length before it."""
+        return contextlib.nullcontext()
+
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
 
-        Independent of the text side (Qwen3.5's text runs the eager engine, its tower can still be replayed).
+        Decided apart from the text side (a family whose text cannot take the fast path may still replay its tower).
         Off for a family without ``supports_vision_graphs`` and under accelerate splits (a replay skips
         accelerate's hooks); on CPU with ``fast_path=True`` the same precomputed tower call runs without graphs.
         """

@@ -37,6 +37,20 @@ vision tower API and rope index: `QwenVisionLanguageMixin`, `Qwen3VisionTowerMix
   and the projection dispatchers hand each stream its rows). Only a GDN layer's ``out_proj`` and its
   conv / delta-rule kernels run once per stream: they sit after the join, inside the module forward.
 
+**The fast path** (`GatedDeltaNetMixin`'s ``static_*`` methods; `fast.graphs` runs the steps). The GDN
+layers' states of docs/method.md §4 live in `fast.static_cache.StaticGDNState` buffers of the static
+cache, the gated attention layers in its KV slots. Inside a fast-path step the same dispatchers route
+each GDN layer to `_static_gdn_forward`, which runs the split forward above on those buffers for rows
+``[deferred rows, padding, rest]``: the chunk from the boundary (how many rows are real is a device
+scalar, so padding gets ``g = 0, beta = 0`` and stays out of the conv history), the join, the rest from
+the corrected live state, then ``M <- A_t M`` (or the leading segment's record for the first ``Kc - 1``
+suffix tokens) for a generated row while deferred rows are pending, or the boundary reset after input
+rows. What the host decides (is the row recorded, as a leading token or into M) is part of the step's
+captured-graph key (`StaticSplit`); the suffix length comes as a device scalar. Decode, fused and
+idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, token by token through
+`fast.gdn_ops`) are captured; prefills run eagerly, unpadded (a bucket's padding would sit among the
+input rows, where the chunked rule cannot skip it), and so do longer chunks (the chunked rule).
+
 Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
 fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_delta` uses. When
 ``fla`` (or a hub kernel) is importable transformers uses it instead; `_check_gdn_state_layout`
@@ -55,12 +69,13 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
 from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
 from ..patching import CountedPatches
-from .base import ModelAdapter, RowBatch
+from .base import ModelAdapter, RowBatch, module_function
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
 __all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter", "RowSplit"]
@@ -133,6 +148,8 @@ def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
         return original(hidden_states, *args, **kwargs)
     if args:  # the decoder layer passes everything by keyword; be strict rather than guess
         raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
+    if isinstance(ctx, _StaticStepContext):
+        return _static_gdn_forward(module, ctx, hidden_states, **kwargs)
     return _split_gdn_forward(module, original, ctx, hidden_states, **kwargs)
 
 
@@ -217,6 +234,82 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+# ---- the fast path: the same split forward on the static cache's buffers ------------------------------
+
+# Deferred rows of a fast-path step up to this many run the recurrent rule token by token (a captured
+# chunk step: c = 31 by default); longer ones (an idle-time restore of everything at once, a large chunk
+# size) the chunked rule, eagerly.
+RECURRENT_CHUNK_MAX = 64
+
+@dataclass(frozen=True)
+class StaticSplit:
+    """What a fast-path step's GDN layers run (part of its captured graph's key): the last ``n_rest`` rows
+    are of kind ``rest_kind`` (INPUT, GENERATED or None), the rows before them are deferred rows and
+    padding; a generated row is recorded as a ``"lead"`` token (the suffix's first ``Kc - 1``), into the
+    suffix map (``"map"``), or not at all (None: nothing is pending any more, so no join can follow before
+    the next turn's input moves the boundary)."""
+
+    n_rest: int
+    rest_kind: int | None
+    record: str | None = None
+
+
+@dataclass
+class _StaticStepContext:
+    """One fast-path step, as the GDN dispatchers see it (the projections run unchanged)."""
+
+    cache: object
+    step_info: torch.Tensor  # [2] long on the device: real deferred rows, suffix length before the step
+    split: StaticSplit
+    modules: frozenset
+    serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
+    recorded: dict = dataclasses.field(default_factory=dict)
+    thread: int = dataclasses.field(default_factory=threading.get_ident)
+
+    def applies(self) -> bool:
+        return self.thread == threading.get_ident()
+
+
+def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs):
+    """``Qwen3_5GatedDeltaNet.forward`` for a fast-path step ``[deferred rows, padding, rest]`` on the static
+    cache (`fast.static_cache.StaticGDNState`): the chunk from the boundary (padding gated off by the real
+    row count in ``step_info``), the join, the rest from the corrected live state, then the record of a
+    generated row or the boundary reset after input rows. Projections, gates, the gated norm and
+    ``out_proj`` are the module's own, each run once over all rows."""
+    cache = kwargs.get("cache")
+    if cache is not ctx.cache:
+        raise RuntimeError("a Gated DeltaNet layer ran on another cache than the fast-path step's own.")
+    state = cache.gdn_state(module.layer_idx)
+    params = GDNLayerParams.from_module(module)
+    split = ctx.split
+    bsz, rows, _ = hidden_states.shape
+    n_chunk = rows - split.n_rest
+    qkv = module.in_proj_qkv(hidden_states)
+    z = module.in_proj_z(hidden_states)
+    b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    n_real, suffix_length = ctx.step_info[0:1], ctx.step_info[1:2]
+    outs = []
+    chunk_rule = module_function(module, "torch_chunk_gated_delta_rule")
+    if n_chunk:
+        outs.append(state.run_chunk(qkv[:, :n_chunk], g[:, :n_chunk], beta[:, :n_chunk], n_real, params,
+                                    chunk_rule=chunk_rule if n_chunk > RECURRENT_CHUNK_MAX else None))
+        state.join(suffix_length, params)
+    if split.n_rest:
+        rest = slice(n_chunk, rows)
+        out, k, v = state.run_rest(qkv[:, rest], g[:, rest], beta[:, rest], params, chunk_rule=chunk_rule)
+        outs.append(out)
+        if split.rest_kind == INPUT:
+            state.reset_boundary()
+        elif split.record is not None:
+            state.record(qkv[:, rest], a[:, rest], b[:, rest], k, v, g[:, rest], beta[:, rest], suffix_length,
+                         leading=split.record == "lead")
+    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(bsz, rows, -1))
+
+
 def _swap_forward(module, new_forward):
     """Set ``module.forward`` on the instance; return the callback that puts the old one back."""
     had_own, own = "forward" in vars(module), vars(module).get("forward")
@@ -251,6 +344,24 @@ def _install(module) -> None:
 
 def _uninstall(module) -> None:
     _PATCHES.release(module)
+
+
+@contextlib.contextmanager
+def _static_gdn_scope(modules, context: _StaticStepContext):
+    """`_DeferredGDNStreams` for a fast-path step: the dispatchers route this thread's GDN layers to
+    `_static_gdn_forward` inside the block."""
+    installed, token = [], None
+    try:
+        for module in modules:
+            _install(module)
+            installed.append(module)
+        token = _ACTIVE.set(context)
+        yield
+    finally:
+        if token is not None:
+            _ACTIVE.reset(token)
+        for module in reversed(installed):
+            _uninstall(module)
 
 
 class _DeferredGDNStreams(contextlib.AbstractContextManager):
@@ -331,9 +442,13 @@ class GatedDeltaNetMixin:
     forward of the module docstring. The MLP (dense or mixture of experts) needs nothing: it is per token."""
 
     has_linear_attention = True
-    # The CUDA fast path keeps all state in static KV slots; GDN layers carry a recurrent state and a
-    # boundary map instead, so the text stays on the dynamic cache (`execution_path` says "eager").
-    supports_fast_path = False
+    # The fast path keeps the GDN layers' states (live, boundary, suffix map, leading record) in the static
+    # cache's buffers (`fast.static_cache.StaticGDNState`) and the gated attention layers in its KV slots.
+    supports_fast_path = True
+    static_layer_types = ("full_attention", "linear_attention")
+    # A bucketed prefill would put padding among a turn's input rows at a varying place, which the chunked
+    # GDN rule cannot skip: prefills run eagerly, unpadded; decode and chunk steps are captured.
+    bucketed_prefill = False
 
     def __init__(self, model):
         super().__init__(model)
@@ -357,6 +472,38 @@ class GatedDeltaNetMixin:
             mask = {"full_attention": full, "linear_attention": None}
         with _DeferredGDNStreams(self._gdn_modules, cache, split):
             return self.run_text_model(cache, batch, mask, want_logits)
+
+
+    # ---- the fast path ------------------------------------------------------------------------
+    def static_recurrent_layout(self):
+        from ..fast.static_cache import RecurrentLayout
+
+        if not self._gdn_modules:
+            return None
+        m = self._gdn_modules[0]
+        return RecurrentLayout(tuple(x.layer_idx for x in self._gdn_modules), m.num_k_heads, m.num_v_heads,
+                               m.head_k_dim, m.head_v_dim, m.conv_kernel_size, m.in_proj_qkv.weight.dtype)
+
+    def text_attention_mask(self, mask):
+        return {"full_attention": mask, "linear_attention": None}
+
+    def static_step_variant(self, kinds, pending_after: int, suffix_length: int) -> StaticSplit:
+        split = RowSplit.from_kinds(kinds, int(kinds.shape[0]))
+        record = None
+        if split.rest_kind == GENERATED and pending_after > 0:
+            width = self.text_model.config.linear_conv_kernel_dim - 1
+            record = "lead" if suffix_length < width else "map"
+        return StaticSplit(split.n_rest, split.rest_kind, record)
+
+    def capturable(self, variant: StaticSplit, rows: int) -> bool:
+        # prefills run eagerly (``bucketed_prefill`` is False), and so do chunks too long for the recurrent rule
+        return variant.rest_kind != INPUT and rows - variant.n_rest <= RECURRENT_CHUNK_MAX
+
+    def static_step(self, cache, step_info, variant: StaticSplit):
+        if self._gdn_modules:
+            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
+        return _static_gdn_scope(self._gdn_modules, _StaticStepContext(
+            cache, step_info, variant, frozenset(id(m) for m in self._gdn_modules)))
 
 
 class Qwen3_5Adapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):

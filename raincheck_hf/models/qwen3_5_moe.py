@@ -4,8 +4,9 @@ experts plus a gated shared expert).
 The text layers are Qwen3.5's (Gated DeltaNet + gated full attention, `models/qwen3_5.py`'s split
 forward, through `GatedDeltaNetMixin`); the GDN kernels checked for their state layout are the ones of
 ``modeling_qwen3_5_moe``, the layer's own modeling file. The experts are per token (no capacity limit),
-so deferral changes nothing about routing. The text runs on the eager engine, like Qwen3.5; the vision
-tower (Qwen3's, without DeepStack) is replayed from CUDA graphs on the fast path.
+so deferral changes nothing about routing. The fast path is Qwen3.5's (GDN states in static buffers,
+captured decode and chunk steps); the vision tower (Qwen3's, without DeepStack) is replayed from CUDA
+graphs on it.
 """
 
 from __future__ import annotations
