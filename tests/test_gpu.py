@@ -343,7 +343,7 @@ def test_cuda_moe_bf16_steps_are_captured(family):
         assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"forward {i}"
 
 
-@pytest.mark.parametrize("family", family_params(["qwen3_vl", "qwen2_5_vl"]))
+@pytest.mark.parametrize("family", family_params(["qwen3_vl", "qwen2_5_vl", "qwen3_5"]))
 def test_cuda_family_compiled_steps_match_eager_engine(family):
     """compile_steps=True on the fast-path families whose fp32 steps are captured (MoE needs bf16 experts): captured
     graphs around the compiled regions give the eager engine's tokens (and logits within 1e-3), in a call that
