@@ -773,3 +773,16 @@ def test_gdn_restore_everything_at_once(family):
     assert fast.cache.num_pending > RECURRENT_CHUNK_MAX
     assert torch.equal(restore_pending(model, slow.cache), restore_pending(model, fast.cache))
     _assert_same_state(slow.cache, fast.cache)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_steps_on_the_gdn_fast_path(qwen35, processor):
+    """compile_steps=True on Qwen3.5: the compiled norms and MLPs around the static-buffer GDN layers compute
+    what the eager engine computes."""
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    slow, fast = (qwen35.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, **extra),
+                                  **_kw(qwen35)) for extra in (dict(fast_path=False),
+                                                               dict(fast_path=True, compile_steps=True)))
+    assert fast.cache.graphs.compiled
+    _assert_same(slow, fast)
