@@ -1,0 +1,137 @@
+"""Triton kernels of the hot Gated DeltaNet work (see `raincheck_hf.fast.gdn_kernels`, which imports this
+module on first launch, so that importing the package needs no Triton).
+
+All tensors are contiguous; a state / map is ``[B, HV, K, V]`` / ``[B, HV, K, K]`` fp32, row-major over its
+last two axes (keys first). Key head ``hk`` serves value heads ``hk * R .. hk * R + R - 1`` (``R = HV // HK``,
+transformers' ``repeat_interleave``). Arithmetic is fp32 whatever the inputs' dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def suffix_map_update(M, k, g, beta, T, HV, HK, K, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+    # M <- alpha_t (M - beta_t k_t (k_t^T M)) for t = 0 .. T - 1. Column j of the product depends on column
+    # j of M only, so a program owns a [K, BLOCK_J] column slab of one head's map: one read, T updates in
+    # registers, one write. Grid (B * HV, cdiv(K, BLOCK_J)).
+    bh = tl.program_id(0)
+    b = bh // HV
+    h = bh % HV
+    hk = h // (HV // HK)
+    rows = tl.arange(0, BLOCK_K)
+    rmask = rows < K
+    cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    mask = rmask[:, None] & (cols < K)[None, :]
+    ptrs = M + bh.to(tl.int64) * K * K + rows[:, None] * K + cols[None, :]
+    m = tl.load(ptrs, mask=mask, other=0.0)
+    for t in range(T):
+        kv = tl.load(k + ((b * T + t) * HK + hk).to(tl.int64) * K + rows, mask=rmask, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g + (b * T + t) * HV + h).to(tl.float32))
+        bt = tl.load(beta + (b * T + t) * HV + h).to(tl.float32)
+        kTm = tl.sum(kv[:, None] * m, axis=0)  # [BLOCK_J]: k^T M[:, j]
+        m = alpha * (m - (bt * kv)[:, None] * kTm[None, :])
+    tl.store(ptrs, m, mask=mask)
+
+
+@triton.jit
+def join(S, M, S_new, S_old, K, V, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    # S[i, j] += sum_r M[i, r] (S_new[r, j] - S_old[r, j]) for one [BLOCK_I, BLOCK_J] tile of one head's state,
+    # the difference taken first (as join_state), fp32 products (no TF32). Grid (B * HV, cdiv(K, BLOCK_I),
+    # cdiv(V, BLOCK_J)); a program reads and writes only its own tile of S.
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    cols = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+    rmask = rows < K
+    cmask = cols < V
+    m_base = M + bh * K * K
+    s_off = bh * K * V
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    for r0 in range(0, K, BLOCK_R):
+        red = r0 + tl.arange(0, BLOCK_R)
+        redmask = red < K
+        m = tl.load(m_base + rows[:, None] * K + red[None, :], mask=rmask[:, None] & redmask[None, :], other=0.0)
+        dmask = redmask[:, None] & cmask[None, :]
+        d_off = s_off + red[:, None] * V + cols[None, :]
+        d = tl.load(S_new + d_off, mask=dmask, other=0.0) - tl.load(S_old + d_off, mask=dmask, other=0.0)
+        acc = tl.dot(m, d, acc, input_precision="ieee")
+    ptrs = S + s_off + rows[:, None] * V + cols[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
+
+
+@triton.jit
+def recurrent_step(S, q, k, v, g, beta, o, T, HV, HK, K, V, scale, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    # The gated delta rule, token by token, in transformers' order: S <- exp(g) S; delta = beta (v - k^T S);
+    # S <- S + k delta^T; o = (scale q)^T S. Value column j of S only ever meets column j of v and o, so a
+    # program owns a [K, BLOCK_V] column slab of one head's state. Grid (B * HV, cdiv(V, BLOCK_V)).
+    bh = tl.program_id(0)
+    b = bh // HV
+    h = bh % HV
+    hk = h // (HV // HK)
+    rows = tl.arange(0, BLOCK_K)
+    rmask = rows < K
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    mask = rmask[:, None] & cmask[None, :]
+    ptrs = S + bh.to(tl.int64) * K * V + rows[:, None] * V + cols[None, :]
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    for t in range(T):
+        qk_off = ((b * T + t) * HK + hk).to(tl.int64) * K + rows
+        qv = tl.load(q + qk_off, mask=rmask, other=0.0).to(tl.float32)
+        kv = tl.load(k + qk_off, mask=rmask, other=0.0).to(tl.float32)
+        if L2NORM:  # x * rsqrt(sum(x^2) + 1e-6), as transformers / fla
+            qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6)
+            kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
+        qv = qv * scale
+        vo_off = ((b * T + t) * HV + h).to(tl.int64) * V + cols
+        vv = tl.load(v + vo_off, mask=cmask, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g + (b * T + t) * HV + h).to(tl.float32))
+        bt = tl.load(beta + (b * T + t) * HV + h).to(tl.float32)
+        s = s * alpha
+        delta = (vv - tl.sum(kv[:, None] * s, axis=0)) * bt
+        s = s + kv[:, None] * delta[None, :]
+        out = tl.sum(qv[:, None] * s, axis=0)
+        tl.store(o + vo_off, out.to(o.dtype.element_ty), mask=cmask)
+    tl.store(ptrs, s, mask=mask)
+
+
+@triton.jit
+def conv_update(history, x, w, bias, y, T, C, KC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    # Depthwise causal conv of x [B, T, C] after history [B, KC - 1, C] (the window of output t is rows
+    # t .. t + KC - 1 of cat(history, x)), then history <- the last KC - 1 rows of cat(history, x). Dtypes as
+    # transformers' torch path: inputs cast to x's then to the weight's dtype, fp32 accumulation, the sum and
+    # the activation rounded to the weight's dtype, the output in x's. Grid (B, cdiv(C, BLOCK_C)).
+    W: tl.constexpr = KC - 1
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    h_base = history + b * W * C
+    x_base = x + b * T * C
+    y_base = y + b * T * C
+    if HAS_BIAS:
+        bias_v = tl.load(bias + c, mask=cm, other=0.0).to(w.dtype.element_ty).to(tl.float32)
+    for t in range(T):
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for i in tl.static_range(KC):
+            p = t + i  # row of cat(history, x)
+            hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0).to(x.dtype.element_ty)
+            xv = tl.load(x_base + (p - W) * C + c, mask=cm & (p >= W), other=0.0)
+            val = tl.where(p < W, hv, xv).to(w.dtype.element_ty).to(tl.float32)
+            acc += tl.load(w + c * KC + i, mask=cm, other=0.0).to(tl.float32) * val
+        if HAS_BIAS:
+            acc += bias_v
+        acc = acc.to(w.dtype.element_ty).to(tl.float32)
+        if SILU:
+            acc = (acc * tl.sigmoid(acc)).to(w.dtype.element_ty).to(tl.float32)
+        tl.store(y_base + t * C + c, acc.to(y.dtype.element_ty), mask=cm)
+    tl.debug_barrier()  # every read of history above happens before the roll below writes it
+    # Row p of the new history is row T + p of cat(history, x): in increasing p, a store to row p never
+    # overwrites a history row that a later p still reads (those are rows T + p' > p).
+    for i in tl.static_range(W):
+        p = T + i
+        hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0)
+        xv = tl.load(x_base + (p - W) * C + c, mask=cm & (p >= W), other=0.0).to(history.dtype.element_ty)
+        tl.store(h_base + i * C + c, tl.where(p < W, hv, xv), mask=cm)

@@ -1,0 +1,332 @@
+"""Kernels for the hot Gated DeltaNet work of a Qwen3.5 step, each beside its reference.
+
+Four in-place operations on static buffers, one launch each for all heads (or channels) of a layer, so that
+a captured CUDA graph can hold them:
+
+- `suffix_map_update_`: the suffix map ``M <- A_T ... A_1 M`` with ``A_t = exp(g_t) (I - beta_t k_t k_t^T)``
+  (docs/method.md §4), in the form ``M <- alpha (M - beta k (k^T M))``. Column ``j`` of the product
+  depends on column ``j`` of ``M`` only, so each program owns a ``[K, BLOCK_J]`` column slab of one head's
+  map and the whole map is read once and written once (2 MiB per Qwen3.5-9B layer).
+- `join_`: the state-difference identity ``S_live += M (S_new - S_old)``, the difference taken first (as
+  `gated_delta.join_state`), fp32 products.
+- `recurrent_step_`: the gated delta rule for one or a few tokens (transformers'
+  ``torch_recurrent_gated_delta_rule``: q/k L2-normalised inside, q scaled, output read after the update).
+- `conv_update_`: the depthwise causal short convolution continuing after a sequence-first history
+  (``[B, Kc - 1, C]``, as `gated_delta`), SiLU after, the history rolled in place.
+
+Conventions are `raincheck_hf.gated_delta`'s: state ``[B, HV, K, V]`` fp32 (keys first), key head ``h``
+serves value heads ``h*r .. h*r + r - 1`` (``r = HV // HK``, transformers' ``repeat_interleave``).
+
+Dispatch: every function takes ``reference``. ``None`` (default) launches the Triton kernel when the
+tensors are on CUDA, Triton is importable and the buffer written in place is contiguous fp32, and runs the
+reference otherwise (on CPU the fast path's code then computes exactly what the references compute);
+``True`` always runs the reference; ``False`` always launches the kernel (on CPU that needs Triton's
+interpreter, ``TRITON_INTERPRET=1``, which is how the CPU tests run them). The references are
+`gated_delta.update_suffix_map`, `gated_delta.join_state`, `recurrent_step_reference` (transformers'
+recurrent rule, op for op) and `gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`.
+
+Nothing here synchronises with the host or allocates more than the returned output, so the kernel paths
+can be captured in a CUDA graph. Triton is imported on the first launch only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..gated_delta import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
+
+__all__ = [
+    "conv_update_",
+    "join_",
+    "recurrent_step_",
+    "recurrent_step_reference",
+    "suffix_map_update_",
+    "triton_available",
+]
+
+# Tile sizes (columns per program; see each kernel). Chosen for K = V = 128 (Qwen3.5): 4 column blocks per
+# head, 128 programs per layer for the map and the step, 128 for the join (64 x 64 tiles), 64 for the conv.
+SUFFIX_BLOCK_J = 32
+JOIN_BLOCK = 64
+JOIN_BLOCK_R = 32
+STEP_BLOCK_V = 32
+CONV_BLOCK_C = 128
+NUM_WARPS = 4
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported here (the kernels' only dependency beyond torch)."""
+    return _triton_module() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    try:
+        import triton  # noqa: F401
+    except Exception:  # no Triton, or one that cannot load here
+        return None
+    return triton
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from . import _triton_gdn
+
+    return _triton_gdn
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _use_kernel(reference: bool | None, buffers: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+                name: str, fp32: bool = True) -> bool:
+    """Whether to launch the kernel: see the module docstring. ``buffers`` are written in place (must be
+    contiguous, and fp32 when ``fp32``, for the kernel), ``inputs`` only read (made contiguous)."""
+    if reference not in (None, True, False):
+        raise ValueError(f"{name}: reference must be None (auto), True or False, got {reference!r}.")
+    if reference:
+        return False
+    fits = all((b.dtype == torch.float32 or not fp32) and b.is_contiguous() for b in buffers)
+    device = buffers[0].device
+    same_device = all(t.device == device for t in buffers + inputs)
+    if reference is None:
+        return device.type == "cuda" and same_device and fits and triton_available()
+    if not same_device:
+        raise ValueError(f"{name}: all tensors must be on one device, got "
+                         f"{sorted({str(t.device) for t in buffers + inputs})}.")
+    if not fits:
+        raise ValueError(f"{name}: the kernel updates contiguous{' float32' if fp32 else ''} buffers in place; got "
+                         f"{[(str(b.dtype), b.is_contiguous()) for b in buffers]} (dtype, contiguous). "
+                         "Pass reference=None or True for other dtypes and layouts.")
+    if not triton_available():
+        raise ValueError(f"{name}: reference=False needs Triton, which cannot be imported here.")
+    return True
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(x.shape)}.")
+
+
+def _heads(name: str, k: torch.Tensor, heads_v: int) -> int:
+    """Key heads of ``k`` ``[B, T, HK, K]`` checked against ``HV`` value heads; returns ``r = HV // HK``."""
+    heads_k = int(k.shape[2])
+    if heads_k == 0 or heads_v % heads_k:
+        raise ValueError(f"{name} has {heads_k} key heads, which must divide the {heads_v} value heads "
+                         "(key head h serves value heads h*r .. h*r + r - 1).")
+    return heads_v // heads_k
+
+
+def _repeat_heads(x: torch.Tensor, r: int) -> torch.Tensor:
+    return x.repeat_interleave(r, dim=2) if r > 1 else x
+
+
+# ---- the suffix map ----------------------------------------------------------------------------------------
+
+def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                       reference: bool | None = None) -> torch.Tensor:
+    """``M <- A_T ... A_1 M`` in place for ``T`` tokens (oldest first), ``A_t = exp(g_t) (I - beta_t k_t k_t^T)``.
+
+    Args:
+        M: ``[B, HV, K, K]`` the suffix map (fp32 for the kernel).
+        k: ``[B, T, HK, K]`` normalised keys, any float dtype; ``HK`` divides ``HV``.
+        g: ``[B, T, HV]`` log decay; beta: ``[B, T, HV]``. A token with ``beta = 0`` and ``g = 0`` leaves
+            ``M`` unchanged (padding).
+        reference: None (auto), True (`gated_delta.update_suffix_map`), False (the kernel).
+
+    Returns:
+        ``M``, updated.
+    """
+    if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"M must be [B, HV, K, K], got {list(M.shape)}.")
+    bsz, heads, dk, _ = M.shape
+    if k.dim() != 4 or k.shape[0] != bsz or k.shape[-1] != dk or k.shape[1] < 1:
+        raise ValueError(f"k must be [B, T, HK, K] = [{bsz}, T >= 1, HK, {dk}], got {list(k.shape)}.")
+    seq = int(k.shape[1])
+    r = _heads("k", k, heads)
+    _shape("g", g, (bsz, seq, heads), "[B, T, HV]")
+    _shape("beta", beta, (bsz, seq, heads), "[B, T, HV]")
+    if not _use_kernel(reference, (M,), (k, g, beta), "suffix_map_update_"):
+        return M.copy_(update_suffix_map(M, _repeat_heads(k, r), g, beta))
+    k, g, beta = k.contiguous(), g.contiguous(), beta.contiguous()
+    block_j = min(SUFFIX_BLOCK_J, _pow2(dk))
+    grid = (bsz * heads, _cdiv(dk, block_j))
+    _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, BLOCK_K=_pow2(dk),
+                                       BLOCK_J=block_j, num_warps=NUM_WARPS)
+    return M
+
+
+# ---- the join -----------------------------------------------------------------------------------------------
+
+def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: torch.Tensor, *,
+          reference: bool | None = None) -> torch.Tensor:
+    """``S_live += M @ (S_new - S_old)`` in place (the difference first, as `gated_delta.join_state`).
+
+    Args:
+        S_live: ``[B, HV, K, V]`` the live state, corrected in place (fp32 for the kernel).
+        M: ``[B, HV, K, K]`` the suffix map.
+        S_new, S_old: ``[B, HV, K, V]`` the boundary-side state after / before the insertion (note the order:
+            ``join_state`` takes them as ``S_b_old, S_b_new``).
+        reference: None (auto), True (`gated_delta.join_state`), False (the kernel).
+
+    Returns:
+        ``S_live``, updated.
+    """
+    if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"M must be [B, HV, K, K], got {list(M.shape)}.")
+    bsz, heads, dk, _ = M.shape
+    if S_live.dim() != 4:
+        raise ValueError(f"S_live must be [B, HV, K, V], got {list(S_live.shape)}.")
+    dv = int(S_live.shape[-1])
+    for name, s in (("S_live", S_live), ("S_new", S_new), ("S_old", S_old)):
+        if tuple(s.shape) != (bsz, heads, dk, dv):
+            transposed = tuple(s.shape) == (bsz, heads, dv, dk)
+            raise ValueError(f"{name} must have shape [B, HV, K, V] = {[bsz, heads, dk, dv]}, got {list(s.shape)}"
+                             + (" (transposed: [B, HV, V, K]; states here are keys first)." if transposed else "."))
+    if not _use_kernel(reference, (S_live, M), (S_new, S_old), "join_"):
+        return S_live.copy_(join_state(S_live, M, S_old, S_new))
+    S_new, S_old = S_new.contiguous(), S_old.contiguous()
+    block_i = min(JOIN_BLOCK, _pow2(dk, 16))
+    block_j = min(JOIN_BLOCK, _pow2(dv, 16))
+    grid = (bsz * heads, _cdiv(dk, block_i), _cdiv(dv, block_j))
+    _kernels().join[grid](S_live, M, S_new, S_old, dk, dv, BLOCK_I=block_i, BLOCK_J=block_j,
+                          BLOCK_R=min(JOIN_BLOCK_R, _pow2(dk, 16)), num_warps=NUM_WARPS)
+    return S_live
+
+
+# ---- the recurrent step -------------------------------------------------------------------------------------
+
+def recurrent_step_reference(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, scale: float | None = None, l2norm: bool = True) -> torch.Tensor:
+    """`recurrent_step_` in PyTorch, transformers' ``torch_recurrent_gated_delta_rule`` op for op (so the CPU
+    path computes what the eager engine computes); ``S`` updated in place, ``o`` returned in ``v``'s dtype.
+    Agrees with `gated_delta.naive_recurrent_gated_delta` (tests check both)."""
+    dk = q.shape[-1]
+    r = v.shape[2] // q.shape[2]
+    q, k = _repeat_heads(q, r), _repeat_heads(k, r)
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32) for x in (q, k, v, beta, g))
+    if l2norm:
+        q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+    q = q / dk**0.5 if scale is None else q * scale
+    state = S.to(torch.float32)
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        kv_mem = (state * k[:, :, t, :, None]).sum(dim=-2)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[..., None, :]
+        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
+    S.copy_(state)
+    return out.transpose(1, 2).contiguous()
+
+
+def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, scale: float | None = None, l2norm: bool = True, *,
+                    reference: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule for ``T`` (small) tokens, in place on ``S``.
+
+    Args:
+        S: ``[B, HV, K, V]`` the recurrent state (fp32 for the kernel).
+        q, k: ``[B, T, HK, K]`` raw queries and keys (L2-normalised inside when ``l2norm``, eps 1e-6), any
+            float dtype; ``HK`` divides ``HV``.
+        v: ``[B, T, HV, V]``; g: ``[B, T, HV]`` log decay; beta: ``[B, T, HV]``.
+        scale: query scale after normalisation, default ``K ** -0.5``.
+        reference: None (auto), True (`recurrent_step_reference`), False (the kernel).
+        out: optional ``[B, T, HV, V]`` buffer in ``v``'s dtype for the output (kernel path: written in place,
+            nothing allocated).
+
+    Returns:
+        ``o`` ``[B, T, HV, V]`` in ``v``'s dtype: ``o_t = scale q_t^T S_t``, the state after token t's update.
+    """
+    if S.dim() != 4:
+        raise ValueError(f"S must be [B, HV, K, V], got {list(S.shape)}.")
+    bsz, heads, dk, dv = S.shape
+    if q.dim() != 4 or q.shape[0] != bsz or q.shape[1] < 1 or q.shape[-1] != dk:
+        raise ValueError(f"q must be [B, T, HK, K] = [{bsz}, T >= 1, HK, {dk}], got {list(q.shape)}"
+                         + (" (is S transposed? states here are [B, HV, K, V])." if q.dim() == 4 and
+                            q.shape[-1] == dv else "."))
+    seq = int(q.shape[1])
+    r = _heads("q", q, heads)
+    _shape("k", k, tuple(q.shape), "[B, T, HK, K]")
+    _shape("v", v, (bsz, seq, heads, dv), "[B, T, HV, V]")
+    _shape("g", g, (bsz, seq, heads), "[B, T, HV]")
+    _shape("beta", beta, (bsz, seq, heads), "[B, T, HV]")
+    if out is not None:
+        _shape("out", out, tuple(v.shape), "[B, T, HV, V]")
+        if out.dtype != v.dtype:
+            raise ValueError(f"out must have v's dtype {v.dtype}, got {out.dtype}.")
+    if not _use_kernel(reference, (S,), (q, k, v, g, beta), "recurrent_step_"):
+        o = recurrent_step_reference(S, q, k, v, g, beta, scale, l2norm).to(v.dtype)
+        return o if out is None else out.copy_(o)
+    if out is not None and not out.is_contiguous():
+        raise ValueError("out must be contiguous.")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty_like(v) if out is None else out
+    block_v = min(STEP_BLOCK_V, _pow2(dv))
+    grid = (bsz * heads, _cdiv(dv, block_v))
+    _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
+                                    float(dk**-0.5 if scale is None else scale), L2NORM=bool(l2norm),
+                                    BLOCK_K=_pow2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS)
+    return o
+
+
+# ---- the short convolution ----------------------------------------------------------------------------------
+
+def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation: str | None = "silu", *, reference: bool | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv of ``x`` continuing after ``history``; ``history`` rolled in place.
+
+    Args:
+        history: ``[B, Kc - 1, C]`` the last pre-conv inputs before ``x`` (sequence-first, as `gated_delta`);
+            afterwards the last ``Kc - 1`` rows of ``cat(history, x)``.
+        x: ``[B, T, C]`` pre-conv inputs, ``T >= 1``.
+        weight: ``[C, Kc]`` or ``[C, 1, Kc]``; bias: ``[C]`` or None.
+        activation: ``"silu"`` or None.
+        reference: None (auto; the kernel needs a contiguous history of any float dtype), True
+            (`gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`), False (the kernel).
+        out: optional ``[B, T, C]`` buffer in ``x``'s dtype for the output.
+
+    Returns:
+        ``y`` ``[B, T, C]`` in ``x``'s dtype, as `gated_delta.causal_conv_with_history`.
+    """
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight[:, 0]
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [C, Kc] or [C, 1, Kc], got {list(weight.shape)}.")
+    channels, kernel = weight.shape
+    if x.dim() != 3 or x.shape[-1] != channels or x.shape[1] < 1:
+        raise ValueError(f"x must be [B, T, C] = [B, T >= 1, {channels}], got {list(x.shape)}.")
+    bsz, seq, _ = x.shape
+    _shape("history", history, (bsz, kernel - 1, channels), "[B, Kc - 1, C]")
+    if bias is not None:
+        _shape("bias", bias, (channels,), "[C]")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be 'silu' (Qwen3.5's hidden_act) or None, got {activation!r}.")
+    if out is not None:
+        _shape("out", out, tuple(x.shape), "[B, T, C]")
+        if out.dtype != x.dtype:
+            raise ValueError(f"out must have x's dtype {x.dtype}, got {out.dtype}.")
+    # the history keeps its own dtype (the kernel rolls it as it is): only its layout matters
+    if not _use_kernel(reference, (history,), (x, weight) + (() if bias is None else (bias,)), "conv_update_",
+                       fp32=False):
+        y = causal_conv_with_history(x, history, weight, bias, activation)
+        history.copy_(roll_conv_history(history, x))
+        return y if out is None else out.copy_(y)
+    if out is not None and not out.is_contiguous():
+        raise ValueError("out must be contiguous.")
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x) if out is None else out
+    grid = (bsz, _cdiv(channels, CONV_BLOCK_C))
+    _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, seq, channels,
+                                 KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
+                                 BLOCK_C=CONV_BLOCK_C, num_warps=NUM_WARPS)
+    return y
