@@ -32,6 +32,7 @@ can be captured in a CUDA graph. Triton is imported on the first launch only.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -107,6 +108,10 @@ def _use_kernel(reference: bool | None, buffers: tuple[torch.Tensor, ...], input
                          "Pass reference=None or True for other dtypes and layouts.")
     if not triton_available():
         raise ValueError(f"{name}: reference=False needs Triton, which cannot be imported here.")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name}: reference=False on {device.type} tensors needs Triton's interpreter "
+                         "(TRITON_INTERPRET=1 in the environment before the first launch); use CUDA tensors or "
+                         "reference=None.")
     return True
 
 

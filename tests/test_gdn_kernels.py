@@ -1,0 +1,287 @@
+"""The Gated DeltaNet kernels (`fast.gdn_kernels`) against their references, on CPU.
+
+The Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton compiles a kernel,
+so in one subprocess for all cases); the real sizes on a GPU are in `test_gpu.py`. Sizes are odd on purpose
+(K, V not powers of two and K != V, so a state read as ``[V, K]`` fails), with HV = HK, 2 HK, 3 HK and 4 HK,
+B = 1 and 2, T = 1, 2, 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raincheck_hf.fast import gdn_kernels as gk
+from raincheck_hf.gated_delta import (
+    causal_conv_with_history,
+    join_state,
+    l2norm,
+    naive_recurrent_gated_delta,
+    roll_conv_history,
+    update_suffix_map,
+)
+
+# (B, T, HK, HV, K) for the map; (B, T, HK, HV, K, V) for the step; (B, HV, K, V) for the join;
+# (B, T, C, Kc, bias, dtype) for the conv
+MAP_SIZES = [(1, 1, 2, 2, 24), (2, 2, 2, 4, 40), (1, 3, 1, 4, 24), (2, 1, 3, 6, 17)]
+STEP_SIZES = [(1, 1, 2, 2, 24, 40), (2, 2, 2, 4, 40, 24), (1, 3, 1, 4, 24, 40), (2, 1, 3, 6, 17, 20)]
+JOIN_SIZES = [(1, 2, 24, 40), (2, 3, 40, 24), (1, 1, 17, 33), (1, 2, 80, 72)]
+CONV_SIZES = [(1, 1, 40, 4, False, "float32"), (2, 2, 50, 4, True, "float32"), (1, 3, 200, 4, False, "float32"),
+              (2, 5, 24, 4, True, "float32"), (1, 1, 30, 2, False, "float32"), (2, 2, 40, 4, False, "bfloat16")]
+
+SCRIPT = r"""
+import json, sys, torch
+from raincheck_hf.fast import gdn_kernels as gk
+from raincheck_hf.gated_delta import l2norm
+
+def err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+cases = json.loads(sys.argv[1])
+out = {}
+for B, T, HK, HV, K in cases["map"]:
+    g = torch.Generator().manual_seed(42)
+    M = torch.randn(B, HV, K, K, generator=g)
+    k = l2norm(torch.randn(B, T, HK, K, generator=g))
+    gate, beta = -torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g)
+    got = gk.suffix_map_update_(M.clone(), k, gate, beta, reference=False)
+    want = gk.suffix_map_update_(M.clone(), k, gate, beta, reference=True)
+    # padding: a token with beta = 0 and g = 0 between two real ones changes nothing
+    kp = torch.cat([k[:, :1], k[:, :1], k[:, 1:]], dim=1)
+    gp = torch.cat([gate[:, :1], torch.zeros_like(gate[:, :1]), gate[:, 1:]], dim=1)
+    bp = torch.cat([beta[:, :1], torch.zeros_like(beta[:, :1]), beta[:, 1:]], dim=1)
+    padded = gk.suffix_map_update_(M.clone(), kp, gp, bp, reference=False)
+    only_pad = gk.suffix_map_update_(M.clone(), k, torch.zeros_like(gate), torch.zeros_like(beta), reference=False)
+    out[f"map {B, T, HK, HV, K}"] = {"err": err(got, want), "scale": want.abs().max().item(),
+                                    "padded_equal": torch.equal(padded, got), "pad_identity": torch.equal(only_pad, M)}
+
+for B, HV, K, V in cases["join"]:
+    g = torch.Generator().manual_seed(42)
+    S, M = torch.randn(B, HV, K, V, generator=g), torch.randn(B, HV, K, K, generator=g)
+    S_new, S_old = torch.randn(B, HV, K, V, generator=g), torch.randn(B, HV, K, V, generator=g)
+    got = gk.join_(S.clone(), M, S_new, S_old, reference=False)
+    want = gk.join_(S.clone(), M, S_new, S_old, reference=True)
+    out[f"join {B, HV, K, V}"] = {"err": err(got, want), "scale": want.abs().max().item()}
+
+for B, T, HK, HV, K, V in cases["step"]:
+    for dtype, l2, scale in (("float32", True, None), ("float32", False, 0.3), ("bfloat16", True, None)):
+        g = torch.Generator().manual_seed(42)
+        dt = getattr(torch, dtype)
+        S = torch.randn(B, HV, K, V, generator=g)
+        q, k = torch.randn(B, T, HK, K, generator=g).to(dt), torch.randn(B, T, HK, K, generator=g).to(dt)
+        if not l2:
+            q, k = l2norm(q.float()).to(dt), l2norm(k.float()).to(dt)
+        v = torch.randn(B, T, HV, V, generator=g).to(dt)
+        gate, beta = -torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g).to(dt)
+        S1, S2 = S.clone(), S.clone()
+        o1 = gk.recurrent_step_(S1, q, k, v, gate, beta, scale, l2, reference=False)
+        o2 = gk.recurrent_step_(S2, q, k, v, gate, beta, scale, l2, reference=True)
+        # padding tokens leave the state unchanged
+        S3 = S.clone()
+        gk.recurrent_step_(S3, q, k, v, torch.zeros_like(gate), torch.zeros_like(beta), scale, l2, reference=False)
+        out[f"step {B, T, HK, HV, K, V} {dtype} l2norm={l2} scale={scale}"] = {
+            "err": err(S1, S2), "scale": S2.abs().max().item(), "o_err": err(o1, o2), "o_scale": o2.abs().max().item(),
+            "o_dtype": str(o1.dtype), "pad_identity": torch.equal(S3, S)}
+
+for B, T, C, Kc, bias, dtype in cases["conv"]:
+    g = torch.Generator().manual_seed(42)
+    dt = getattr(torch, dtype)
+    h = torch.randn(B, Kc - 1, C, generator=g).to(dt)
+    x = torch.randn(B, T, C, generator=g).to(dt)
+    w = torch.randn(C, 1, Kc, generator=g).to(dt)
+    b = torch.randn(C, generator=g).to(dt) if bias else None
+    h1, h2 = h.clone(), h.clone()
+    y1 = gk.conv_update_(h1, x, w, b, reference=False)
+    y2 = gk.conv_update_(h2, x, w, b, reference=True)
+    h3 = h.clone()
+    y3 = gk.conv_update_(h3, x, w[:, 0], b, activation=None, reference=False)
+    y4 = gk.conv_update_(h.clone(), x, w[:, 0], b, activation=None, reference=True)
+    out[f"conv {B, T, C, Kc, bias, dtype}"] = {
+        "err": max(err(y1, y2), err(y3, y4)), "scale": y2.abs().max().item(), "history_equal": torch.equal(h1, h2),
+        "dtype": str(y1.dtype)}
+K, V = 3, 5
+q = torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 1, K)
+k = torch.tensor([0.6, 0.8, 0.0]).view(1, 1, 1, K)
+v = torch.arange(1.0, V + 1).view(1, 1, 1, V)
+S = torch.zeros(1, 1, K, V)
+o = gk.recurrent_step_(S, q, k, v, torch.zeros(1, 1, 1), torch.full((1, 1, 1), 0.5), scale=1.0, l2norm=False,
+                       reference=False)
+g = torch.Generator().manual_seed(0)
+M, D = torch.randn(1, 2, 24, 24, generator=g), torch.randn(1, 2, 24, 40, generator=g)
+joined = gk.join_(torch.zeros(1, 2, 24, 40), M, D, torch.zeros_like(D), reference=False)
+out["layout"] = {"S_err": err(S[0, 0], 0.5 * k.view(K, 1) * v.view(1, V)), "o_err": err(o.view(V), 0.3 * v.view(V)),
+                 "join_err": err(joined, torch.einsum("bhij,bhjv->bhiv", M, D)),
+                 "join_wrong": err(joined[..., :24], torch.einsum("bhji,bhjv->bhiv", M, D[..., :24]))}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    if not gk.triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernels on CPU)")
+    cases = {"map": MAP_SIZES, "join": JOIN_SIZES, "step": STEP_SIZES, "conv": CONV_SIZES}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _rows(results, prefix):
+    rows = {name: r for name, r in results.items() if name.startswith(prefix)}
+    assert rows, prefix
+    return rows
+
+
+def test_suffix_map_kernel_matches_reference(interpreted):
+    rows = _rows(interpreted, "map ")
+    assert len(rows) == len(MAP_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+        assert r["padded_equal"] and r["pad_identity"], (name, r)  # padding tokens are exact identities
+
+
+def test_join_kernel_matches_reference(interpreted):
+    rows = _rows(interpreted, "join ")
+    assert len(rows) == len(JOIN_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+
+
+def test_recurrent_step_kernel_matches_reference(interpreted):
+    rows = _rows(interpreted, "step ")
+    assert len(rows) == 3 * len(STEP_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+        o_tol = 1e-5 if "float32" in name else 1e-2  # bf16 output: one rounding of a value within 1e-5
+        assert r["o_err"] <= o_tol * max(1.0, r["o_scale"]), (name, r)
+        assert r["o_dtype"] == ("torch.bfloat16" if "bfloat16" in name else "torch.float32"), (name, r)
+        assert r["pad_identity"], (name, r)
+
+
+def test_conv_update_kernel_matches_reference(interpreted):
+    rows = _rows(interpreted, "conv ")
+    assert len(rows) == len(CONV_SIZES)
+    for name, r in rows.items():
+        tol = 2e-2 if "bfloat16" in name else 1e-5  # bf16 (eps 2^-7): the sum and the SiLU each rounded once
+        assert r["err"] <= tol * max(1.0, r["scale"]), (name, r)
+        assert r["history_equal"], (name, r)  # the roll is a copy: exact
+        assert r["dtype"] == ("torch.bfloat16" if "bfloat16" in name else "torch.float32"), (name, r)
+
+
+# ---- the references (the CPU path) -----------------------------------------------------------------------
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("hk, hv", [(2, 2), (2, 4), (1, 4)])
+def test_cpu_path_is_the_gated_delta_reference(hk, hv):
+    B, T, K, V = 2, 3, 12, 20
+    M, k = _rand(B, hv, K, K), l2norm(_rand(B, T, hk, K, seed=1))
+    g, beta = -_rand(B, T, hv, seed=2).abs(), _rand(B, T, hv, seed=3).sigmoid()
+    r = hv // hk
+    got = gk.suffix_map_update_(M.clone(), k, g, beta)
+    assert torch.equal(got, update_suffix_map(M, k.repeat_interleave(r, 2), g, beta))
+
+    S, S_new, S_old = _rand(B, hv, K, V, seed=4), _rand(B, hv, K, V, seed=5), _rand(B, hv, K, V, seed=6)
+    assert torch.equal(gk.join_(S.clone(), M, S_new, S_old), join_state(S, M, S_old, S_new))
+
+    q, kr, v = _rand(B, T, hk, K, seed=7), _rand(B, T, hk, K, seed=8), _rand(B, T, hv, V, seed=9)
+    S1 = S.clone()
+    o = gk.recurrent_step_(S1, q, kr, v, g, beta)
+    want_o, want_S = naive_recurrent_gated_delta(l2norm(q).repeat_interleave(r, 2), l2norm(kr).repeat_interleave(r, 2),
+                                                 v, g, beta, S)
+    torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(S1, want_S, rtol=1e-5, atol=1e-5)
+
+    C, Kc = 30, 4
+    h, x, w = _rand(B, Kc - 1, C, seed=10), _rand(B, T, C, seed=11), _rand(C, 1, Kc, seed=12)
+    h1 = h.clone()
+    y = gk.conv_update_(h1, x, w)
+    assert torch.equal(y, causal_conv_with_history(x, h, w))
+    assert torch.equal(h1, roll_conv_history(h, x))
+
+
+def test_recurrent_reference_is_transformers_rule():
+    mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    B, T, HK, HV, K, V = 1, 3, 2, 4, 16, 24
+    q, k, v = _rand(B, T, HK, K), _rand(B, T, HK, K, seed=1), _rand(B, T, HV, V, seed=2)
+    g, beta = -_rand(B, T, HV, seed=3).abs(), _rand(B, T, HV, seed=4).sigmoid()
+    S = _rand(B, HV, K, V, seed=5)
+    S1 = S.clone()
+    o = gk.recurrent_step_reference(S1, q, k, v, g, beta)
+    want_o, want_S = mod.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, want_o) and torch.equal(S1, want_S)
+
+
+def test_state_layout_is_keys_first():
+    # One token from a zero state: S = beta k v^T, so S[:, :, i, :] is proportional to v and S[:, :, :, j] to k,
+    # and o = scale (q . k) beta v. Checked by hand, not against another implementation.
+    K, V = 3, 5
+    q = torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 1, K)
+    k = torch.tensor([0.6, 0.8, 0.0]).view(1, 1, 1, K)
+    v = torch.arange(1.0, V + 1).view(1, 1, 1, V)
+    S = torch.zeros(1, 1, K, V)
+    o = gk.recurrent_step_(S, q, k, v, torch.zeros(1, 1, 1), torch.full((1, 1, 1), 0.5), scale=1.0, l2norm=False)
+    torch.testing.assert_close(S[0, 0], 0.5 * k.view(K, 1) * v.view(1, V))
+    torch.testing.assert_close(o.view(V), 0.5 * 0.6 * v.view(V))
+    with pytest.raises(ValueError, match="transposed"):
+        gk.join_(S, torch.eye(K).view(1, 1, K, K), S.transpose(-1, -2).contiguous(), S)
+
+
+def test_state_layout_is_keys_first_in_kernels(interpreted):
+    # the hand-made case of test_state_layout_is_keys_first through the kernels, and the join's M applied on the
+    # left of a [K, V] difference (K != V, M not symmetric) written out as an einsum
+    r = interpreted["layout"]
+    assert r["S_err"] < 1e-6 and r["o_err"] < 1e-6, r
+    assert r["join_err"] < 1e-5 and r["join_wrong"] > 1.0, r
+
+
+def test_kernels_catch_a_transposed_layout():
+    # the tolerances above would catch a transposed reading: here is how far off one is
+    B, HV, K, V = 1, 2, 24, 40
+    S, M = _rand(B, HV, K, V), _rand(B, HV, K, K, seed=1)
+    S_new, S_old = _rand(B, HV, K, V, seed=2), _rand(B, HV, K, V, seed=3)
+    right = join_state(S, M, S_old, S_new)
+    wrong = S + M.transpose(-1, -2) @ (S_new - S_old)  # M applied transposed
+    assert (right - wrong).abs().max() > 1.0
+
+
+def test_bad_inputs_are_value_errors():
+    M, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 1, 3, 8)
+    with pytest.raises(ValueError, match="key heads"):
+        gk.suffix_map_update_(M, k, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(ValueError, match="beta"):
+        gk.suffix_map_update_(M, torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 4), torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match="float32"):
+        gk.suffix_map_update_(M.double(), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4),
+                              reference=False)
+    with pytest.raises(ValueError, match="reference"):
+        gk.join_(torch.zeros(1, 4, 8, 8), M, M, M, reference="yes")
+    with pytest.raises(ValueError, match="activation"):
+        gk.conv_update_(torch.zeros(1, 3, 5), torch.zeros(1, 1, 5), torch.zeros(5, 4), activation="gelu")
+    with pytest.raises(ValueError, match="history"):
+        gk.conv_update_(torch.zeros(1, 2, 5), torch.zeros(1, 1, 5), torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="v must"):
+        gk.recurrent_step_(torch.zeros(1, 2, 8, 6), torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8),
+                           torch.zeros(1, 1, 2, 5), torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+    if gk.triton_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            gk.join_(torch.zeros(1, 4, 8, 8), M, torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 8, 8), reference=False)
+
+
+def test_fp64_stays_on_the_reference():
+    # the state map of gated_delta runs in fp64 in some tests: auto dispatch keeps it on the reference
+    M, k = torch.eye(6, dtype=torch.float64).expand(1, 2, 6, 6).clone(), l2norm(_rand(1, 2, 2, 6).double())
+    g, beta = torch.full((1, 2, 2), -0.1, dtype=torch.float64), torch.full((1, 2, 2), 0.5, dtype=torch.float64)
+    got = gk.suffix_map_update_(M.clone(), k, g, beta)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, update_suffix_map(M, k, g, beta))
