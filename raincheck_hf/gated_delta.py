@@ -64,6 +64,10 @@ has moved past the inserted tokens: ``S_b <- S_b'``, ``h_b <- h_b'``, ``S_L <- S
 and L's record stay. The live conv window also changes when ``t < Kc - 1`` (it still reaches
 into ``h_b``): read it back from :attr:`SuffixStateMap.live_conv_history`.
 
+On CUDA, `SuffixStateMap` updates ``M_R`` and joins through the Triton kernels of
+`raincheck_hf.fast.gdn_kernels` (one launch per layer each; the functions here are their references and
+the CPU path).
+
 Costs per layer: ``M_R`` is ``[B, HV, dk, dk]`` fp32 (Qwen3.5-9B: 32 x 128 x 128 x 4 B = 2 MiB),
 updated per decode token as ``M <- alpha (M - beta k (k^T M))`` in O(dk^2) per head; the join is
 one batched ``[dk, dk] @ [dk, dv]`` matmul plus at most three rank-1 token updates.
@@ -719,9 +723,15 @@ class SuffixStateMap:
                 factors.beta[:, :n_lead],
             )
         if n > n_lead:
-            self.rest_map = update_suffix_map(
-                self.rest_map, factors.k[:, n_lead:], factors.g[:, n_lead:], factors.beta[:, n_lead:]
-            )
+            k, g, beta = factors.k[:, n_lead:], factors.g[:, n_lead:], factors.beta[:, n_lead:]
+            if self.rest_map.is_cuda:
+                # one Triton launch for all heads, in place (the map is private to this object); the
+                # kernel module falls back to update_suffix_map where the kernel cannot run (e.g. fp64)
+                from .fast.gdn_kernels import suffix_map_update_
+
+                suffix_map_update_(self.rest_map, k, g, beta)
+            else:
+                self.rest_map = update_suffix_map(self.rest_map, k, g, beta)
         width = self.params.kernel_size - 1
         tail = torch.cat([self._tail, mixed_qkv.to(self._tail.dtype)], dim=1)
         self._tail = tail[:, max(0, tail.shape[1] - width) :]
@@ -748,7 +758,14 @@ class SuffixStateMap:
         _check_state(new_boundary_state, bsz, p.num_v_heads, p.head_k_dim, p.head_v_dim, "new_boundary_state")
         _check_seq("new_conv_history", new_conv_history, (bsz, p.kernel_size - 1, p.conv_dim))
         repair = repair_leading_segment(self.leading, new_conv_history, new_boundary_state, p)
-        new_live = join_state(live_state, self.rest_map, self.leading_state, repair.state)
+        if live_state.is_cuda:
+            # the same identity as join_state, one Triton launch on a copy of the live state
+            from .fast.gdn_kernels import join_
+
+            dt = _work_dtype(live_state, self.rest_map, self.leading_state, repair.state)
+            new_live = join_(live_state.to(dt, copy=True), self.rest_map, repair.state, self.leading_state)
+        else:
+            new_live = join_state(live_state, self.rest_map, self.leading_state, repair.state)
         # The inserted tokens now sit before the boundary: the next insertion starts from here, and
         # L's recorded state is the one built from the new history. M_R and L's inputs are unchanged.
         self.boundary_state = new_boundary_state.to(self.boundary_state.dtype).clone()
