@@ -550,3 +550,123 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
             want = [chat.ask(t.question, images=[d.image()] if k == 0 else [], max_new_tokens=64).text
                     for k, t in enumerate(d.turns[:3])]
         assert got[i] == want, i
+
+
+# ---- Gated DeltaNet kernels (fast/gdn_kernels.py) at the Qwen3.5-9B sizes against their references ----
+# HK = 16 key heads, HV = 32 value heads, K = V = 128, C = 2*16*128 + 32*128 = 8192 conv channels, Kc = 4.
+# Tolerances: fp32 results within 1e-5 (map, step state) / 1e-4 (join: a 128-term fp32 dot product) of the
+# largest magnitude; bf16 outputs within two bf16 roundings (2e-2 relative).
+
+GDN_9B = dict(HK=16, HV=32, K=128, V=128, C=8192, Kc=4)
+
+
+def _gdn_rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+
+
+def _close(got, want, rel):
+    scale = max(1.0, want.abs().max().item())
+    assert (got.double() - want.double()).abs().max().item() <= rel * scale
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 1)])
+def test_cuda_gdn_kernels_match_references(B, T):
+    from raincheck_hf.fast import gdn_kernels as gk
+    from raincheck_hf.gated_delta import l2norm
+
+    HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
+    M = torch.eye(K, device="cuda").expand(B, HV, K, K) + 0.1 * _gdn_rand(B, HV, K, K)
+    k = l2norm(_gdn_rand(B, T, HK, K, seed=1)).bfloat16()
+    g, beta = -_gdn_rand(B, T, HV, seed=2).abs(), _gdn_rand(B, T, HV, seed=3).sigmoid().bfloat16()
+    _close(gk.suffix_map_update_(M.clone(), k, g, beta, reference=False),
+           gk.suffix_map_update_(M.clone(), k, g, beta, reference=True), 1e-5)
+
+    S, S_new, S_old = (_gdn_rand(B, HV, K, V, seed=s) for s in (4, 5, 6))
+    _close(gk.join_(S.clone(), M, S_new, S_old, reference=False),
+           gk.join_(S.clone(), M, S_new, S_old, reference=True), 1e-4)
+
+    q, kr = _gdn_rand(B, T, HK, K, seed=7, dtype=torch.bfloat16), _gdn_rand(B, T, HK, K, seed=8, dtype=torch.bfloat16)
+    v = _gdn_rand(B, T, HV, V, seed=9, dtype=torch.bfloat16)
+    S1, S2 = S.clone(), S.clone()
+    o1 = gk.recurrent_step_(S1, q, kr, v, g, beta, reference=False)
+    o2 = gk.recurrent_step_(S2, q, kr, v, g, beta, reference=True)
+    assert o1.dtype == torch.bfloat16
+    _close(S1, S2, 1e-5)
+    _close(o1, o2, 2e-2)
+
+    h = _gdn_rand(B, Kc - 1, C, seed=10, dtype=torch.bfloat16)
+    x = _gdn_rand(B, T, C, seed=11, dtype=torch.bfloat16)
+    w = _gdn_rand(C, 1, Kc, seed=12, dtype=torch.bfloat16)
+    h1, h2 = h.clone(), h.clone()
+    y1 = gk.conv_update_(h1, x, w, reference=False)
+    y2 = gk.conv_update_(h2, x, w, reference=True)
+    assert torch.equal(h1, h2)
+    _close(y1, y2, 2e-2)
+
+
+def test_cuda_gdn_kernels_replay_in_a_graph():
+    """The four kernels captured in one CUDA graph on static buffers replay exactly what eager launches do."""
+    from raincheck_hf.fast import gdn_kernels as gk
+    from raincheck_hf.gated_delta import l2norm
+
+    HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
+    M0 = torch.eye(K, device="cuda").expand(1, HV, K, K).contiguous()
+    S0, S_new, S_old = (_gdn_rand(1, HV, K, V, seed=s) for s in (1, 2, 3))
+    h0 = _gdn_rand(1, Kc - 1, C, seed=4, dtype=torch.bfloat16)
+    w = _gdn_rand(C, Kc, seed=5, dtype=torch.bfloat16)
+    x = _gdn_rand(1, 1, C, seed=6, dtype=torch.bfloat16)
+    q, k = (l2norm(_gdn_rand(1, 1, HK, K, seed=s)).bfloat16() for s in (7, 8))
+    v = _gdn_rand(1, 1, HV, V, seed=9, dtype=torch.bfloat16)
+    g, beta = -_gdn_rand(1, 1, HV, seed=10).abs(), _gdn_rand(1, 1, HV, seed=11).sigmoid().bfloat16()
+    M, S, S_live, h = M0.clone(), S0.clone(), S0.clone(), h0.clone()
+    y, o = torch.empty_like(x), torch.empty_like(v)
+
+    def step():
+        gk.conv_update_(h, x, w, out=y)
+        gk.recurrent_step_(S, q, k, v, g, beta, out=o)
+        gk.suffix_map_update_(M, k, g, beta)
+        gk.join_(S_live, M, S_new, S_old)
+
+    step()  # compiles; the eager results after one step
+    want = [t.clone() for t in (M, S, S_live, h, y, o)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for buf, init in ((M, M0), (S, S0), (S_live, S0), (h, h0)):
+            buf.copy_(init)
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for buf, init in ((M, M0), (S, S0), (S_live, S0), (h, h0)):
+        buf.copy_(init)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip((M, S, S_live, h, y, o), want):
+        assert torch.equal(got, ref)
+
+
+def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu():
+    """`SuffixStateMap` on CUDA (M_R update and join through the kernels) against the same calls on CPU."""
+    from raincheck_hf.gated_delta import GDNLayerParams, SuffixStateMap
+
+    HK, HV, K, V, Kc = 4, 8, 128, 128, 4
+    C = 2 * HK * K + HV * V
+    params = {dev: GDNLayerParams(conv_weight=_gdn_rand(C, Kc, seed=1).to(dev), A_log=_gdn_rand(HV, seed=2).to(dev),
+                                  dt_bias=_gdn_rand(HV, seed=3).to(dev), num_k_heads=HK, num_v_heads=HV,
+                                  head_k_dim=K, head_v_dim=V) for dev in ("cpu", "cuda")}
+    maps = {dev: SuffixStateMap(params[dev]) for dev in params}
+    S_b, h_b, live = _gdn_rand(1, HV, K, V, seed=4), _gdn_rand(1, Kc - 1, C, seed=5), _gdn_rand(1, HV, K, V, seed=6)
+    for dev, smap in maps.items():
+        smap.reset_boundary(S_b.to(dev), h_b.to(dev))
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # the fp32 conv in fp32 on both sides
+        for t in range(6):  # 3 leading tokens, then 3 through M_R
+            qkv, a, b = (_gdn_rand(1, 1, n, seed=10 * i + t) for i, n in ((1, C), (2, HV), (3, HV)))
+            for dev, smap in maps.items():
+                smap.append_suffix(qkv.to(dev), a.to(dev), b.to(dev))
+        assert maps["cuda"].rest_map.is_cuda
+        _close(maps["cuda"].rest_map.cpu(), maps["cpu"].rest_map, 1e-4)
+        S_new, h_new = _gdn_rand(1, HV, K, V, seed=7), _gdn_rand(1, Kc - 1, C, seed=8)
+        joined = {dev: smap.join(S_new.to(dev), h_new.to(dev), live.to(dev)) for dev, smap in maps.items()}
+    _close(joined["cuda"].cpu(), joined["cpu"], 1e-4)
