@@ -163,6 +163,20 @@ def test_gdn_state_map_benchmark_smoke():
     assert result["memory_per_layer_bytes"]["M (suffix map, fp32)"] == 2 * 4 * 4 * 4
 
 
+def test_gdn_kernel_benchmark_runs_the_references_on_cpu(tmp_path):
+    from raincheck_hf.bench import gdn
+
+    path = tmp_path / "gdn.json"
+    result = gdn.run("cpu", iters=2, replays=2, json_path=str(path), log=lambda *a: None)
+    saved = json.loads(path.read_text())
+    assert saved["benchmark"] == "gdn_kernels" and saved["hardware"]["device"] == "cpu"
+    assert [(r["op"], r["impl"]) for r in result["rows"]] == [(op, "reference") for op in gdn.OPS]
+    assert all(r["eager_us"] > 0 and r["graph_us"] is None for r in result["rows"])
+    assert result["shape"]["conv_channels"] == 2 * 2 * 32 + 4 * 32
+    with pytest.raises(SystemExit):
+        gdn.main(["--iters", "0"])
+
+
 def test_profile_tool_stages_add_up_on_cpu(tmp_path):
     from raincheck_hf.bench import profile
 

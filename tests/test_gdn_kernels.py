@@ -117,6 +117,11 @@ joined = gk.join_(torch.zeros(1, 2, 24, 40), M, D, torch.zeros_like(D), referenc
 out["layout"] = {"S_err": err(S[0, 0], 0.5 * k.view(K, 1) * v.view(1, V)), "o_err": err(o.view(V), 0.3 * v.view(V)),
                  "join_err": err(joined, torch.einsum("bhij,bhjv->bhiv", M, D)),
                  "join_wrong": err(joined[..., :24], torch.einsum("bhji,bhjv->bhiv", M, D[..., :24]))}
+# the GDN benchmark's kernel calls (python -m raincheck_hf.bench gdn) against its reference calls
+from raincheck_hf.bench.gdn import OPS, _max_diff
+for op in OPS:
+    shape = {"batch": 1, "heads_k": 1, "heads_v": 2, "dk": 16, "dv": 24, "kernel_size": 4}
+    out[f"bench {op}"] = _max_diff(shape, torch.device("cpu"), torch.float32, op, "kernel")
 print(json.dumps(out))
 """
 
@@ -243,6 +248,12 @@ def test_state_layout_is_keys_first_in_kernels(interpreted):
     r = interpreted["layout"]
     assert r["S_err"] < 1e-6 and r["o_err"] < 1e-6, r
     assert r["join_err"] < 1e-5 and r["join_wrong"] > 1.0, r
+
+
+def test_benchmark_kernel_calls_match_its_reference_calls(interpreted):
+    rows = _rows(interpreted, "bench ")
+    assert sorted(rows) == sorted(f"bench {op}" for op in ("suffix_map_update", "join", "recurrent_step", "conv_update"))
+    assert all(err <= 1e-5 for err in rows.values()), rows
 
 
 def test_kernels_catch_a_transposed_layout():
