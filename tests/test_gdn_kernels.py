@@ -117,6 +117,32 @@ joined = gk.join_(torch.zeros(1, 2, 24, 40), M, D, torch.zeros_like(D), referenc
 out["layout"] = {"S_err": err(S[0, 0], 0.5 * k.view(K, 1) * v.view(1, V)), "o_err": err(o.view(V), 0.3 * v.view(V)),
                  "join_err": err(joined, torch.einsum("bhij,bhjv->bhiv", M, D)),
                  "join_wrong": err(joined[..., :24], torch.einsum("bhji,bhjv->bhiv", M, D[..., :24]))}
+# strided inputs, as the engine passes them: q / k / v split from one conv output, a token slice of a batch
+g = torch.Generator().manual_seed(1)
+B, T, HK, HV, K, V = 2, 3, 2, 4, 24, 40
+mixed = torch.randn(B, T + 1, 2 * HK * K + HV * V, generator=g)[:, 1:]  # token stride != row width
+q, k, v = torch.split(mixed, [HK * K, HK * K, HV * V], dim=-1)
+q, k, v = q.reshape(B, T, HK, K), k.reshape(B, T, HK, K), v.reshape(B, T, HV, V)
+gate, beta = (-torch.rand(B, T + 1, HV, generator=g))[:, 1:], torch.rand(B, T + 1, HV, generator=g)[:, 1:]
+assert not (q.is_contiguous() or v.is_contiguous() or gate.is_contiguous())
+S = torch.randn(B, HV, K, V, generator=g)
+S1, S2 = S.clone(), S.clone()
+o1 = gk.recurrent_step_(S1, q, k, v, gate, beta, reference=False)
+o2 = gk.recurrent_step_(S2, q.contiguous(), k.contiguous(), v.contiguous(), gate.contiguous(), beta.contiguous(),
+                        reference=True)
+M = torch.randn(B, HV, K, K, generator=g)
+kn = l2norm(k)[:, 1:]  # a token slice of a batch of 2: not contiguous
+M1 = gk.suffix_map_update_(M.clone(), kn, gate[:, 1:], beta[:, 1:], reference=False)
+M2 = gk.suffix_map_update_(M.clone(), kn.contiguous(), gate[:, 1:].contiguous(), beta[:, 1:].contiguous(),
+                           reference=True)
+x, w = mixed[..., :50], torch.randn(50, 4, generator=g)
+h = torch.randn(B, 3, 50, generator=g)
+h1, h2 = h.clone(), h.clone()
+y1 = gk.conv_update_(h1, x, w, reference=False)
+y2 = gk.conv_update_(h2, x.contiguous(), w, reference=True)
+out["strided"] = {"S_err": err(S1, S2), "o_err": err(o1, o2), "M_err": err(M1, M2), "y_err": err(y1, y2),
+                  "history_equal": torch.equal(h1, h2)}
+
 # the GDN benchmark's kernel calls (python -m raincheck_hf.bench gdn) against its reference calls
 from raincheck_hf.bench.gdn import OPS, _max_diff
 for op in OPS:
@@ -248,6 +274,13 @@ def test_state_layout_is_keys_first_in_kernels(interpreted):
     r = interpreted["layout"]
     assert r["S_err"] < 1e-6 and r["o_err"] < 1e-6, r
     assert r["join_err"] < 1e-5 and r["join_wrong"] > 1.0, r
+
+
+def test_strided_inputs_read_in_place(interpreted):
+    # the split of a projection and a token slice go in without a copy (last axis contiguous, strides passed)
+    r = interpreted["strided"]
+    assert r["S_err"] < 1e-5 and r["o_err"] < 1e-5 and r["M_err"] < 1e-5 and r["y_err"] < 1e-5, r
+    assert r["history_equal"], r
 
 
 def test_benchmark_kernel_calls_match_its_reference_calls(interpreted):

@@ -1,7 +1,8 @@
 """Triton kernels of the hot Gated DeltaNet work (see `raincheck_hf.fast.gdn_kernels`, which imports this
 module on first launch, so that importing the package needs no Triton).
 
-All tensors are contiguous; a state / map is ``[B, HV, K, V]`` / ``[B, HV, K, K]`` fp32, row-major over its
+Buffers written in place are contiguous; inputs may be strided views (a split of a projection) whose last axis
+is contiguous, their other strides passed in (``s<tensor>_<axis>``, in elements). A state / map is ``[B, HV, K, V]`` / ``[B, HV, K, K]`` fp32, row-major over its
 last two axes (keys first). Key head ``hk`` serves value heads ``hk * R .. hk * R + R - 1`` (``R = HV // HK``,
 transformers' ``repeat_interleave``). Arithmetic is fp32 whatever the inputs' dtype.
 """
@@ -11,7 +12,8 @@ import triton.language as tl
 
 
 @triton.jit
-def suffix_map_update(M, k, g, beta, T, HV, HK, K, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+def suffix_map_update(M, k, g, beta, T, HV, HK, K, sk_b, sk_t, sk_h, sg_b, sg_t, sb_b, sb_t, BLOCK_K: tl.constexpr,
+                      BLOCK_J: tl.constexpr):
     # M <- alpha_t (M - beta_t k_t (k_t^T M)) for t = 0 .. T - 1. Column j of the product depends on column
     # j of M only, so a program owns a [K, BLOCK_J] column slab of one head's map: one read, T updates in
     # registers, one write. Grid (B * HV, cdiv(K, BLOCK_J)).
@@ -26,9 +28,9 @@ def suffix_map_update(M, k, g, beta, T, HV, HK, K, BLOCK_K: tl.constexpr, BLOCK_
     ptrs = M + bh.to(tl.int64) * K * K + rows[:, None] * K + cols[None, :]
     m = tl.load(ptrs, mask=mask, other=0.0)
     for t in range(T):
-        kv = tl.load(k + ((b * T + t) * HK + hk).to(tl.int64) * K + rows, mask=rmask, other=0.0).to(tl.float32)
-        alpha = tl.exp(tl.load(g + (b * T + t) * HV + h).to(tl.float32))
-        bt = tl.load(beta + (b * T + t) * HV + h).to(tl.float32)
+        kv = tl.load(k + b.to(tl.int64) * sk_b + t * sk_t + hk * sk_h + rows, mask=rmask, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g + b.to(tl.int64) * sg_b + t * sg_t + h).to(tl.float32))
+        bt = tl.load(beta + b.to(tl.int64) * sb_b + t * sb_t + h).to(tl.float32)
         kTm = tl.sum(kv[:, None] * m, axis=0)  # [BLOCK_J]: k^T M[:, j]
         m = alpha * (m - (bt * kv)[:, None] * kTm[None, :])
     tl.store(ptrs, m, mask=mask)
@@ -61,8 +63,8 @@ def join(S, M, S_new, S_old, K, V, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 
 
 @triton.jit
-def recurrent_step(S, q, k, v, g, beta, o, T, HV, HK, K, V, scale, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+def recurrent_step(S, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t,
+                   sv_h, sg_b, sg_t, sb_b, sb_t, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # The gated delta rule, token by token, in transformers' order: S <- exp(g) S; delta = beta (v - k^T S);
     # S <- S + k delta^T; o = (scale q)^T S. Value column j of S only ever meets column j of v and o, so a
     # program owns a [K, BLOCK_V] column slab of one head's state. Grid (B * HV, cdiv(V, BLOCK_V)).
@@ -78,28 +80,27 @@ def recurrent_step(S, q, k, v, g, beta, o, T, HV, HK, K, V, scale, L2NORM: tl.co
     ptrs = S + bh.to(tl.int64) * K * V + rows[:, None] * V + cols[None, :]
     s = tl.load(ptrs, mask=mask, other=0.0)
     for t in range(T):
-        qk_off = ((b * T + t) * HK + hk).to(tl.int64) * K + rows
-        qv = tl.load(q + qk_off, mask=rmask, other=0.0).to(tl.float32)
-        kv = tl.load(k + qk_off, mask=rmask, other=0.0).to(tl.float32)
+        b64 = b.to(tl.int64)
+        qv = tl.load(q + b64 * sq_b + t * sq_t + hk * sq_h + rows, mask=rmask, other=0.0).to(tl.float32)
+        kv = tl.load(k + b64 * sk_b + t * sk_t + hk * sk_h + rows, mask=rmask, other=0.0).to(tl.float32)
         if L2NORM:  # x * rsqrt(sum(x^2) + 1e-6), as transformers / fla
             qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6)
             kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
         qv = qv * scale
-        vo_off = ((b * T + t) * HV + h).to(tl.int64) * V + cols
-        vv = tl.load(v + vo_off, mask=cmask, other=0.0).to(tl.float32)
-        alpha = tl.exp(tl.load(g + (b * T + t) * HV + h).to(tl.float32))
-        bt = tl.load(beta + (b * T + t) * HV + h).to(tl.float32)
+        vv = tl.load(v + b64 * sv_b + t * sv_t + h * sv_h + cols, mask=cmask, other=0.0).to(tl.float32)
+        alpha = tl.exp(tl.load(g + b64 * sg_b + t * sg_t + h).to(tl.float32))
+        bt = tl.load(beta + b64 * sb_b + t * sb_t + h).to(tl.float32)
         s = s * alpha
         delta = (vv - tl.sum(kv[:, None] * s, axis=0)) * bt
         s = s + kv[:, None] * delta[None, :]
         out = tl.sum(qv[:, None] * s, axis=0)
-        tl.store(o + vo_off, out.to(o.dtype.element_ty), mask=cmask)
+        tl.store(o + ((b * T + t) * HV + h).to(tl.int64) * V + cols, out.to(o.dtype.element_ty), mask=cmask)
     tl.store(ptrs, s, mask=mask)
 
 
 @triton.jit
-def conv_update(history, x, w, bias, y, T, C, KC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+def conv_update(history, x, w, bias, y, T, C, sx_b, sx_t, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     # Depthwise causal conv of x [B, T, C] after history [B, KC - 1, C] (the window of output t is rows
     # t .. t + KC - 1 of cat(history, x)), then history <- the last KC - 1 rows of cat(history, x). Dtypes as
     # transformers' torch path: inputs cast to x's then to the weight's dtype, fp32 accumulation, the sum and
@@ -109,7 +110,7 @@ def conv_update(history, x, w, bias, y, T, C, KC: tl.constexpr, HAS_BIAS: tl.con
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     h_base = history + b * W * C
-    x_base = x + b * T * C
+    x_base = x + b * sx_b
     y_base = y + b * T * C
     if HAS_BIAS:
         bias_v = tl.load(bias + c, mask=cm, other=0.0).to(w.dtype.element_ty).to(tl.float32)
@@ -118,7 +119,7 @@ def conv_update(history, x, w, bias, y, T, C, KC: tl.constexpr, HAS_BIAS: tl.con
         for i in tl.static_range(KC):
             p = t + i  # row of cat(history, x)
             hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0).to(x.dtype.element_ty)
-            xv = tl.load(x_base + (p - W) * C + c, mask=cm & (p >= W), other=0.0)
+            xv = tl.load(x_base + (p - W) * sx_t + c, mask=cm & (p >= W), other=0.0)
             val = tl.where(p < W, hv, xv).to(w.dtype.element_ty).to(tl.float32)
             acc += tl.load(w + c * KC + i, mask=cm, other=0.0).to(tl.float32) * val
         if HAS_BIAS:
@@ -133,5 +134,5 @@ def conv_update(history, x, w, bias, y, T, C, KC: tl.constexpr, HAS_BIAS: tl.con
     for i in tl.static_range(W):
         p = T + i
         hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0)
-        xv = tl.load(x_base + (p - W) * C + c, mask=cm & (p >= W), other=0.0).to(history.dtype.element_ty)
+        xv = tl.load(x_base + (p - W) * sx_t + c, mask=cm & (p >= W), other=0.0).to(history.dtype.element_ty)
         tl.store(h_base + i * C + c, tl.where(p < W, hv, xv), mask=cm)

@@ -21,7 +21,8 @@ Dispatch: every function takes ``reference``. ``None`` (default) launches the Tr
 tensors are on CUDA, Triton is importable and the buffer written in place is contiguous fp32, and runs the
 reference otherwise (on CPU the fast path's code then computes exactly what the references compute);
 ``True`` always runs the reference; ``False`` always launches the kernel (on CPU that needs Triton's
-interpreter, ``TRITON_INTERPRET=1``, which is how the CPU tests run them). The references are
+interpreter, ``TRITON_INTERPRET=1``, which is how the CPU tests run them). Inputs that are only read may be
+strided views (e.g. the q / k / v split of the conv output) as long as their last axis is contiguous. The references are
 `gated_delta.update_suffix_map`, `gated_delta.join_state`, `recurrent_step_reference` (transformers'
 recurrent rule, op for op) and `gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`.
 
@@ -129,6 +130,12 @@ def _heads(name: str, k: torch.Tensor, heads_v: int) -> int:
     return heads_v // heads_k
 
 
+def _inner(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a contiguous last axis (the kernels take the other strides): a view of a projection's split
+    needs no copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _repeat_heads(x: torch.Tensor, r: int) -> torch.Tensor:
     return x.repeat_interleave(r, dim=2) if r > 1 else x
 
@@ -160,11 +167,11 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     _shape("beta", beta, (bsz, seq, heads), "[B, T, HV]")
     if not _use_kernel(reference, (M,), (k, g, beta), "suffix_map_update_"):
         return M.copy_(update_suffix_map(M, _repeat_heads(k, r), g, beta))
-    k, g, beta = k.contiguous(), g.contiguous(), beta.contiguous()
+    k, g, beta = _inner(k), _inner(g), _inner(beta)
     block_j = min(SUFFIX_BLOCK_J, _pow2(dk))
     grid = (bsz * heads, _cdiv(dk, block_j))
-    _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, BLOCK_K=_pow2(dk),
-                                       BLOCK_J=block_j, num_warps=NUM_WARPS)
+    _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, *k.stride()[:3], *g.stride()[:2],
+                                       *beta.stride()[:2], BLOCK_K=_pow2(dk), BLOCK_J=block_j, num_warps=NUM_WARPS)
     return M
 
 
@@ -273,12 +280,13 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return o if out is None else out.copy_(o)
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous.")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = torch.empty_like(v) if out is None else out
+    q, k, v, g, beta = (_inner(x) for x in (q, k, v, g, beta))
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     block_v = min(STEP_BLOCK_V, _pow2(dv))
     grid = (bsz * heads, _cdiv(dv, block_v))
     _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
-                                    float(dk**-0.5 if scale is None else scale), L2NORM=bool(l2norm),
+                                    float(dk**-0.5 if scale is None else scale), *q.stride()[:3], *k.stride()[:3],
+                                    *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2], L2NORM=bool(l2norm),
                                     BLOCK_K=_pow2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS)
     return o
 
@@ -328,10 +336,10 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         return y if out is None else out.copy_(y)
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous.")
-    x, weight = x.contiguous(), weight.contiguous()
-    y = torch.empty_like(x) if out is None else out
+    x, weight = _inner(x), weight.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     grid = (bsz, _cdiv(channels, CONV_BLOCK_C))
     _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, seq, channels,
-                                 KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
+                                 *x.stride()[:2], KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
                                  BLOCK_C=CONV_BLOCK_C, num_warps=NUM_WARPS)
     return y
