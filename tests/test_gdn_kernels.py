@@ -206,6 +206,62 @@ def test_conv_update_kernel_matches_reference(interpreted):
         assert r["dtype"] == ("torch.bfloat16" if "bfloat16" in name else "torch.float32"), (name, r)
 
 
+# ---- compiled for a Hopper GPU (no GPU needed: Triton's compiler and the ptxas it ships) -----------------
+
+AOT_SCRIPT = r"""
+import json, os, re, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from raincheck_hf.fast import _triton_gdn as K, gdn_kernels as gk
+
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = {}
+
+def build(name, fn, types, const, warps):
+    sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+    path = os.path.join(sys.argv[1], name + ".ptx")
+    with open(path, "w") as f:
+        f.write(compiled.asm["ptx"])
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", info.stderr)]
+    out[name] = {"rc": info.returncode, "spill_stores": sum(spills), "ptxas": info.stderr[-400:]}
+
+# the launches of gdn_kernels at the Qwen3.5-9B sizes (K = V = 128, bf16 activations, fp32 state)
+f32, bf, i32 = "*fp32", "*bf16", "i32"
+build("suffix_map_update", K.suffix_map_update, [f32, bf, f32, bf] + [i32] * 11,
+      {"BLOCK_K": 128, "BLOCK_J": gk.SUFFIX_BLOCK_J}, gk.SUFFIX_WARPS)
+build("join", K.join, [f32] * 4 + [i32] * 2,
+      {"BLOCK_I": gk.JOIN_BLOCK, "BLOCK_J": gk.JOIN_BLOCK, "BLOCK_R": gk.JOIN_BLOCK_R}, gk.JOIN_WARPS)
+build("recurrent_step", K.recurrent_step, [f32, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
+      {"L2NORM": True, "BLOCK_K": 128, "BLOCK_V": gk.STEP_BLOCK_V}, gk.STEP_WARPS)
+build("conv_update", K.conv_update, [bf] * 5 + [i32] * 4,
+      {"KC": 4, "HAS_BIAS": False, "SILU": True, "BLOCK_C": gk.CONV_BLOCK_C}, gk.CONV_WARPS)
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
+    # the interpreter checks the arithmetic; this checks that the kernels, with the tiles gdn_kernels launches
+    # them with, compile for sm_90 (as on an H100 / H200) and keep their tiles in registers
+    if not gk.triton_available():
+        pytest.skip("needs Triton")
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton ships no ptxas")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(results) == ["conv_update", "join", "recurrent_step", "suffix_map_update"]
+    for name, r in results.items():
+        assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
+
+
 # ---- the references (the CPU path) -----------------------------------------------------------------------
 
 def _rand(*shape, seed=0):

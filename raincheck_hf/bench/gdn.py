@@ -36,10 +36,14 @@ CPU_SMOKE = {"batch": 1, "heads_k": 2, "heads_v": 4, "dk": 32, "dv": 32, "kernel
 GDN_LAYERS = 24  # Qwen3.5-9B: 24 of its 32 layers are Gated DeltaNet
 OPS = ("suffix_map_update", "join", "recurrent_step", "conv_update")
 
-# tile / warp settings tried by --sweep: (module constant, values) per op, crossed with NUM_WARPS
-SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64)), "join": ("JOIN_BLOCK", (32, 64)),
-         "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64)), "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512))}
+# settings tried by --sweep: per op, (the tile constant of gdn_kernels, its values, the op's warps constant)
+SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64), "SUFFIX_WARPS"),
+         "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
+         "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
+         "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512), "CONV_WARPS")}
 SWEEP_WARPS = (2, 4, 8)
+TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V", "STEP_WARPS",
+              "CONV_BLOCK_C", "CONV_WARPS")
 
 
 def _measure(device, fn, iters: int) -> float:
@@ -209,20 +213,20 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
                 rows.append({"op": op, "impl": impl, "error": f"{type(error).__name__}: {error}"[:300]})
     sweeps = []
     if sweep and kernels:
-        saved = {name: getattr(gk, name) for name, _ in SWEEP.values()} | {"NUM_WARPS": gk.NUM_WARPS}
+        saved = {name: getattr(gk, name) for name in TILE_NAMES}
         try:
-            for op, (name, values) in SWEEP.items():
+            for op, (name, values, warps_name) in SWEEP.items():
                 for value in values:
                     for warps in SWEEP_WARPS:
                         setattr(gk, name, value)
-                        gk.NUM_WARPS = warps
+                        setattr(gk, warps_name, warps)
                         fn = layer.fn(op, "kernel")
                         fn()
                         graph = _graph(fn, replays)
                         sweeps.append({"op": op, name: value, "num_warps": warps,
                                        "graph_us": _measure(device, graph.replay, max(iters // 4, 10)) / replays})
-                    for attr, v in saved.items():
-                        setattr(gk, attr, v)
+                for attr, v in saved.items():
+                    setattr(gk, attr, v)
         finally:
             for attr, v in saved.items():
                 setattr(gk, attr, v)
@@ -234,9 +238,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
         "shape": {**shape, "conv_channels": layer.channels, "activations": str(act_dtype).replace("torch.", ""),
                   "gdn_layers_9b": GDN_LAYERS},
         "settings": {"iters": iters, "replays_per_graph": replays,
-                     "tiles": {"SUFFIX_BLOCK_J": gk.SUFFIX_BLOCK_J, "JOIN_BLOCK": gk.JOIN_BLOCK,
-                               "JOIN_BLOCK_R": gk.JOIN_BLOCK_R, "STEP_BLOCK_V": gk.STEP_BLOCK_V,
-                               "CONV_BLOCK_C": gk.CONV_BLOCK_C, "NUM_WARPS": gk.NUM_WARPS}},
+                     "tiles": {name: getattr(gk, name) for name in TILE_NAMES}},
         "rows": rows,
         "sweep": sweeps,
     }

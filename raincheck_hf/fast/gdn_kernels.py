@@ -48,14 +48,14 @@ __all__ = [
     "triton_available",
 ]
 
-# Tile sizes (columns per program; see each kernel). Chosen for K = V = 128 (Qwen3.5): 4 column blocks per
-# head, 128 programs per layer for the map and the step, 128 for the join (64 x 64 tiles), 64 for the conv.
-SUFFIX_BLOCK_J = 32
-JOIN_BLOCK = 64
-JOIN_BLOCK_R = 32
-STEP_BLOCK_V = 32
-CONV_BLOCK_C = 128
-NUM_WARPS = 4
+# Tile sizes (columns per program; see each kernel) and warps per program, chosen for K = V = 128 (Qwen3.5) by
+# what ptxas reports for sm_90 (no register spills) and one wave of programs: 4 column blocks per head, so 128
+# programs per layer for the map and the step (32 value heads), 128 for the join (64 x 64 tiles), 64 for the
+# conv (8,192 channels). `python -m raincheck_hf.bench gdn --sweep` times the alternatives.
+SUFFIX_BLOCK_J, SUFFIX_WARPS = 32, 8
+JOIN_BLOCK, JOIN_BLOCK_R, JOIN_WARPS = 64, 16, 8  # 64 x 64 x 32 with 4 warps spills registers
+STEP_BLOCK_V, STEP_WARPS = 32, 8
+CONV_BLOCK_C, CONV_WARPS = 128, 4
 
 
 def triton_available() -> bool:
@@ -171,7 +171,7 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     block_j = min(SUFFIX_BLOCK_J, _pow2(dk))
     grid = (bsz * heads, _cdiv(dk, block_j))
     _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, *k.stride()[:3], *g.stride()[:2],
-                                       *beta.stride()[:2], BLOCK_K=_pow2(dk), BLOCK_J=block_j, num_warps=NUM_WARPS)
+                                       *beta.stride()[:2], BLOCK_K=_pow2(dk), BLOCK_J=block_j, num_warps=SUFFIX_WARPS)
     return M
 
 
@@ -209,7 +209,7 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
     block_j = min(JOIN_BLOCK, _pow2(dv, 16))
     grid = (bsz * heads, _cdiv(dk, block_i), _cdiv(dv, block_j))
     _kernels().join[grid](S_live, M, S_new, S_old, dk, dv, BLOCK_I=block_i, BLOCK_J=block_j,
-                          BLOCK_R=min(JOIN_BLOCK_R, _pow2(dk, 16)), num_warps=NUM_WARPS)
+                          BLOCK_R=min(JOIN_BLOCK_R, _pow2(dk, 16)), num_warps=JOIN_WARPS)
     return S_live
 
 
@@ -287,7 +287,7 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
                                     float(dk**-0.5 if scale is None else scale), *q.stride()[:3], *k.stride()[:3],
                                     *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2], L2NORM=bool(l2norm),
-                                    BLOCK_K=_pow2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS)
+                                    BLOCK_K=_pow2(dk), BLOCK_V=block_v, num_warps=STEP_WARPS)
     return o
 
 
@@ -341,5 +341,5 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     grid = (bsz, _cdiv(channels, CONV_BLOCK_C))
     _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, seq, channels,
                                  *x.stride()[:2], KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
-                                 BLOCK_C=CONV_BLOCK_C, num_warps=NUM_WARPS)
+                                 BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS)
     return y
