@@ -90,7 +90,7 @@ def _cdiv(a: int, b: int) -> int:
 def _use_kernel(reference: bool | None, buffers: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
                 name: str, fp32: bool = True) -> bool:
     """Whether to launch the kernel: see the module docstring. ``buffers`` are written in place (must be
-    contiguous, and fp32 when ``fp32``, for the kernel), ``inputs`` only read (made contiguous)."""
+    contiguous, and fp32 when ``fp32``, for the kernel), ``inputs`` only read (through their strides)."""
     if reference not in (None, True, False):
         raise ValueError(f"{name}: reference must be None (auto), True or False, got {reference!r}.")
     if reference:
