@@ -12,6 +12,8 @@
 #                                     # selector (Qwen3-VL-8B image + 64-frame video); Qwen3-VL-8B image latency with
 #                                     # the default settings (selector mmtok)
 #   bash benchmarks/h200_run.sh selectors35  # the same for Qwen3.5-9B (image)
+#   bash benchmarks/h200_run.sh gdn   # GPU tests of the Gated DeltaNet kernels; their per-layer cost against the
+#                                     # references, eager and in a CUDA graph, with the tile sweep (issue 16)
 #   bash benchmarks/h200_run.sh wave  # every GPU test, Qwen3.5-9B latency (default settings), the server against the
 #                                     # library, Qwen3-VL-30B-A3B latency (short): the last runs of issues 15, 18-20
 #   bash benchmarks/h200_run.sh tpot  # issue 17: its GPU tests, then Qwen3-VL-8B image latency with chunk sizes
@@ -53,6 +55,12 @@ families)
         --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 60 --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_5_35b_a3b_image_h200.log"
+    ;;
+gdn)
+    timeout 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "gdn or suffix_state_map" \
+        > "$OUT/test_gpu_gdn_h200.log" 2>&1
+    tail -4 "$OUT/test_gpu_gdn_h200.log"
+    timeout 300 python3 -m raincheck_hf.bench gdn --sweep --json "$OUT/gdn_kernels_h200.json" 2>&1 | tee "$OUT/gdn_kernels_h200.log"
     ;;
 wave)
     # this wave's GPU checks and runs in one device call, each part bounded so that the next still runs:
