@@ -58,6 +58,21 @@ STEP_BLOCK_V, STEP_WARPS = 32, 8
 CONV_BLOCK_C, CONV_WARPS = 128, 4
 
 
+def launch_tiles(op: str, dk: int, dv: int) -> tuple[dict, int]:
+    """The tile constexprs and warps each kernel is launched with for head sizes ``dk``, ``dv`` (the wrappers
+    below use it; so does the test that compiles them for Hopper)."""
+    if op == "suffix_map_update":
+        return {"BLOCK_K": _pow2(dk), "BLOCK_J": min(SUFFIX_BLOCK_J, _pow2(dk))}, SUFFIX_WARPS
+    if op == "join":  # tl.dot needs 16 or more along each axis
+        return {"BLOCK_I": min(JOIN_BLOCK, _pow2(dk, 16)), "BLOCK_J": min(JOIN_BLOCK, _pow2(dv, 16)),
+                "BLOCK_R": min(JOIN_BLOCK_R, _pow2(dk, 16))}, JOIN_WARPS
+    if op == "recurrent_step":
+        return {"BLOCK_K": _pow2(dk), "BLOCK_V": min(STEP_BLOCK_V, _pow2(dv))}, STEP_WARPS
+    if op == "conv_update":
+        return {"BLOCK_C": CONV_BLOCK_C}, CONV_WARPS
+    raise ValueError(f"no GDN kernel {op!r}")
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported here (the kernels' only dependency beyond torch)."""
     return _triton_module() is not None
@@ -168,10 +183,10 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     if not _use_kernel(reference, (M,), (k, g, beta), "suffix_map_update_"):
         return M.copy_(update_suffix_map(M, _repeat_heads(k, r), g, beta))
     k, g, beta = _inner(k), _inner(g), _inner(beta)
-    block_j = min(SUFFIX_BLOCK_J, _pow2(dk))
-    grid = (bsz * heads, _cdiv(dk, block_j))
+    tiles, warps = launch_tiles("suffix_map_update", dk, dk)
+    grid = (bsz * heads, _cdiv(dk, tiles["BLOCK_J"]))
     _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, *k.stride()[:3], *g.stride()[:2],
-                                       *beta.stride()[:2], BLOCK_K=_pow2(dk), BLOCK_J=block_j, num_warps=SUFFIX_WARPS)
+                                       *beta.stride()[:2], **tiles, num_warps=warps)
     return M
 
 
@@ -205,11 +220,9 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
     if not _use_kernel(reference, (S_live, M), (S_new, S_old), "join_"):
         return S_live.copy_(join_state(S_live, M, S_old, S_new))
     S_new, S_old = S_new.contiguous(), S_old.contiguous()
-    block_i = min(JOIN_BLOCK, _pow2(dk, 16))
-    block_j = min(JOIN_BLOCK, _pow2(dv, 16))
-    grid = (bsz * heads, _cdiv(dk, block_i), _cdiv(dv, block_j))
-    _kernels().join[grid](S_live, M, S_new, S_old, dk, dv, BLOCK_I=block_i, BLOCK_J=block_j,
-                          BLOCK_R=min(JOIN_BLOCK_R, _pow2(dk, 16)), num_warps=JOIN_WARPS)
+    tiles, warps = launch_tiles("join", dk, dv)
+    grid = (bsz * heads, _cdiv(dk, tiles["BLOCK_I"]), _cdiv(dv, tiles["BLOCK_J"]))
+    _kernels().join[grid](S_live, M, S_new, S_old, dk, dv, **tiles, num_warps=warps)
     return S_live
 
 
@@ -282,12 +295,12 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         raise ValueError("out must be contiguous.")
     q, k, v, g, beta = (_inner(x) for x in (q, k, v, g, beta))
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    block_v = min(STEP_BLOCK_V, _pow2(dv))
-    grid = (bsz * heads, _cdiv(dv, block_v))
+    tiles, warps = launch_tiles("recurrent_step", dk, dv)
+    grid = (bsz * heads, _cdiv(dv, tiles["BLOCK_V"]))
     _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
                                     float(dk**-0.5 if scale is None else scale), *q.stride()[:3], *k.stride()[:3],
                                     *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2], L2NORM=bool(l2norm),
-                                    BLOCK_K=_pow2(dk), BLOCK_V=block_v, num_warps=STEP_WARPS)
+                                    **tiles, num_warps=warps)
     return o
 
 
@@ -338,8 +351,9 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         raise ValueError("out must be contiguous.")
     x, weight = _inner(x), weight.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    grid = (bsz, _cdiv(channels, CONV_BLOCK_C))
+    tiles, warps = launch_tiles("conv_update", 0, 0)
+    grid = (bsz, _cdiv(channels, tiles["BLOCK_C"]))
     _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, seq, channels,
                                  *x.stride()[:2], KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
-                                 BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS)
+                                 **tiles, num_warps=warps)
     return y
