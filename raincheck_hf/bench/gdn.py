@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -185,13 +186,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
     act_dtype = torch.bfloat16 if on_cuda else torch.float32
     kernels = on_cuda and gk.triton_available()
     impls = ["kernel", "reference"] if kernels else ["reference"]
-    fla = False
-    if on_cuda:
-        try:
-            import fla.ops.gated_delta_rule  # noqa: F401
-            fla = True
-        except Exception:
-            fla = False
+    fla = on_cuda and importlib.util.find_spec("fla") is not None
     layer = _Layer(**shape, device=device, act_dtype=act_dtype)
     rows = []
     for op in OPS:
