@@ -647,9 +647,20 @@ def test_cuda_gdn_kernels_replay_in_a_graph():
         assert torch.equal(got, ref)
 
 
-def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu():
+def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
     """`SuffixStateMap` on CUDA (M_R update and join through the kernels) against the same calls on CPU."""
+    from raincheck_hf.fast import gdn_kernels as gk
     from raincheck_hf.gated_delta import GDNLayerParams, SuffixStateMap
+
+    launched = []
+    choose = gk._use_kernel
+
+    def recording(reference, buffers, inputs, name, fp32=True):
+        use = choose(reference, buffers, inputs, name, fp32)
+        launched.append((name, use))
+        return use
+
+    monkeypatch.setattr(gk, "_use_kernel", recording)
 
     HK, HV, K, V, Kc = 4, 8, 128, 128, 4
     C = 2 * HK * K + HV * V
@@ -665,8 +676,8 @@ def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu():
             qkv, a, b = (_gdn_rand(1, 1, n, seed=10 * i + t) for i, n in ((1, C), (2, HV), (3, HV)))
             for dev, smap in maps.items():
                 smap.append_suffix(qkv.to(dev), a.to(dev), b.to(dev))
-        assert maps["cuda"].rest_map.is_cuda
         _close(maps["cuda"].rest_map.cpu(), maps["cpu"].rest_map, 1e-4)
         S_new, h_new = _gdn_rand(1, HV, K, V, seed=7), _gdn_rand(1, Kc - 1, C, seed=8)
         joined = {dev: smap.join(S_new.to(dev), h_new.to(dev), live.to(dev)) for dev, smap in maps.items()}
     _close(joined["cuda"].cpu(), joined["cpu"], 1e-4)
+    assert launched.count(("suffix_map_update_", True)) == 3 and launched.count(("join_", True)) == 1, launched
