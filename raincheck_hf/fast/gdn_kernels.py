@@ -231,12 +231,14 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
 def recurrent_step_reference(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, scale: float | None = None, l2norm: bool = True) -> torch.Tensor:
     """`recurrent_step_` in PyTorch, transformers' ``torch_recurrent_gated_delta_rule`` op for op (so the CPU
-    path computes what the eager engine computes); ``S`` updated in place, ``o`` returned in ``v``'s dtype.
-    Agrees with `gated_delta.naive_recurrent_gated_delta` (tests check both)."""
+    path computes what the eager engine computes); ``S`` updated in place, ``o`` returned in fp32
+    (`recurrent_step_` casts it to ``v``'s dtype). Agrees with `gated_delta.naive_recurrent_gated_delta`
+    (tests check both)."""
     dk = q.shape[-1]
     r = v.shape[2] // q.shape[2]
     q, k = _repeat_heads(q, r), _repeat_heads(k, r)
-    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32) for x in (q, k, v, beta, g))
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g))
     if l2norm:
         q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
