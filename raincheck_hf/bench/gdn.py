@@ -2,7 +2,8 @@
 
 For one GDN layer and one decode token at the Qwen3.5-9B shape (16 key heads, 32 value heads,
 dk = dv = 128, 8,192 conv channels, conv width 4): the suffix-map update ``M <- A M``, the join
-``S += M (S_new - S_old)``, the recurrent step and the short-conv update, each as the Triton kernel and
+``S += M (S_new - S_old)``, the recurrent step (also for a 32-token chunk, as a deferred chunk runs from
+the boundary state: ``recurrent_step_chunk``) and the short-conv update, each as the Triton kernel and
 as its PyTorch reference (the `gated_delta` functions; for the step, transformers' torch rule; fla's
 fused recurrent kernel too where fla is installed). Timed with CUDA events over many calls (median),
 both as eager calls (host launch cost included) and replayed inside a CUDA graph (``replays`` calls
@@ -35,12 +36,14 @@ from ..gated_delta import l2norm
 QWEN3_5_9B = {"batch": 1, "heads_k": 16, "heads_v": 32, "dk": 128, "dv": 128, "kernel_size": 4}
 CPU_SMOKE = {"batch": 1, "heads_k": 2, "heads_v": 4, "dk": 32, "dv": 32, "kernel_size": 4}
 GDN_LAYERS = 24  # Qwen3.5-9B: 24 of its 32 layers are Gated DeltaNet
-OPS = ("suffix_map_update", "join", "recurrent_step", "conv_update")
+CHUNK = 32  # tokens of the recurrent step's second row: a deferred chunk run from the boundary state
+OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "conv_update")
 
 # settings tried by --sweep: per op, (the tile constant of gdn_kernels, its values, the op's warps constant)
 SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64), "SUFFIX_WARPS"),
          "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
          "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
+         "recurrent_step_chunk": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
          "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512), "CONV_WARPS")}
 SWEEP_WARPS = (2, 4, 8)
 TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V", "STEP_WARPS",
@@ -83,7 +86,7 @@ def _graph(fn, replays: int):
 class _Layer:
     """One layer's static buffers and one token's inputs (bf16 activations, fp32 state, as Qwen3.5 runs)."""
 
-    def __init__(self, batch, heads_k, heads_v, dk, dv, kernel_size, device, act_dtype):
+    def __init__(self, batch, heads_k, heads_v, dk, dv, kernel_size, device, act_dtype, chunk=CHUNK):
         g = torch.Generator().manual_seed(0)
 
         def rand(*shape, dtype=torch.float32):
@@ -105,17 +108,29 @@ class _Layer:
         self.x = rand(B, 1, self.channels, dtype=act_dtype)
         self.weight = rand(self.channels, kernel_size, dtype=act_dtype)
         self.o = torch.empty_like(self.v)
+        # the same for a chunk of tokens (recurrent_step_chunk)
+        self.qc, self.kc = rand(B, chunk, HK, K, dtype=act_dtype), rand(B, chunk, HK, K, dtype=act_dtype)
+        self.vc = rand(B, chunk, HV, V, dtype=act_dtype)
+        self.gc = torch.full((B, chunk, HV), -1e-4, device=device)
+        self.betac = torch.rand(B, chunk, HV, generator=g).to(device, act_dtype)
+        self.oc = torch.empty_like(self.vc)
         self.y = torch.empty_like(self.x)
         self.out = {}
 
+    def _step(self, op: str):
+        if op == "recurrent_step":
+            return self.q, self.k, self.v, self.g, self.beta, self.o
+        return self.qc, self.kc, self.vc, self.gc, self.betac, self.oc
+
     def fn(self, op: str, impl: str):
         """The call to time: ``impl`` "kernel" (in place on the static buffers), "reference" or "fla"."""
+        q, k, v, g, beta, o = self._step("recurrent_step" if op == "recurrent_step" else "recurrent_step_chunk")
         if impl == "kernel":
             return {
                 "suffix_map_update": lambda: gk.suffix_map_update_(self.M, self.k, self.g, self.beta, reference=False),
                 "join": lambda: gk.join_(self.S_live, self.M, self.S_new, self.S_old, reference=False),
-                "recurrent_step": lambda: gk.recurrent_step_(self.S, self.q, self.k, self.v, self.g, self.beta,
-                                                             reference=False, out=self.o),
+                "recurrent_step": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=False, out=o),
+                "recurrent_step_chunk": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=False, out=o),
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=False, out=self.y),
             }[op]
         if impl == "reference":
@@ -127,28 +142,26 @@ class _Layer:
                 "suffix_map_update": lambda: out.__setitem__("M", update_suffix_map(self.M, self.k_rep, self.g,
                                                                                      self.beta)),
                 "join": lambda: out.__setitem__("S", join_state(self.S_live, self.M, self.S_old, self.S_new)),
-                "recurrent_step": lambda: gk.recurrent_step_(self.S, self.q, self.k, self.v, self.g, self.beta,
-                                                             reference=True, out=self.o),
+                "recurrent_step": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=True, out=o),
+                "recurrent_step_chunk": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=True, out=o),
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=True, out=self.y),
             }[op]
-        if impl == "fla" and op == "recurrent_step":
+        if impl == "fla" and op.startswith("recurrent_step"):
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-            q, k = self.q, self.k
-            if self.v.shape[2] != q.shape[2]:
+            if v.shape[2] != q.shape[2]:
                 try:  # recent fla accepts fewer key heads than value heads; older versions need them repeated
-                    fused_recurrent_gated_delta_rule(q, k, self.v, g=self.g, beta=self.beta, initial_state=self.S.clone(),
+                    fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=self.S.clone(),
                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
                 except Exception:
-                    r = self.v.shape[2] // q.shape[2]
+                    r = v.shape[2] // q.shape[2]
                     q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
 
             def call():
-                o, state = fused_recurrent_gated_delta_rule(q, k, self.v, g=self.g, beta=self.beta,
-                                                            initial_state=self.S, output_final_state=True,
-                                                            use_qk_l2norm_in_kernel=True)
+                out, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=self.S,
+                                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
                 self.S.copy_(state)
-                self.o.copy_(o)
+                o.copy_(out)
             return call
         raise ValueError(f"no {impl!r} implementation of {op!r}")
 
@@ -159,7 +172,7 @@ class _Layer:
         if impl == "reference" and op == "join":
             return self.out["S"]
         return {"suffix_map_update": self.M, "join": self.S_live, "recurrent_step": self.o,
-                "conv_update": self.y}[op]
+                "recurrent_step_chunk": self.oc, "conv_update": self.y}[op]
 
 
 def _max_diff(shape, device, act_dtype, op, impl) -> float:
@@ -190,7 +203,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
     layer = _Layer(**shape, device=device, act_dtype=act_dtype)
     rows = []
     for op in OPS:
-        for impl in impls + (["fla"] if fla and op == "recurrent_step" else []):
+        for impl in impls + (["fla"] if fla and op.startswith("recurrent_step") else []):
             try:
                 fn = layer.fn(op, impl)
                 fn()  # compile / warm up
@@ -230,7 +243,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command or "python -m raincheck_hf.bench gdn",
         "hardware": hardware(device),
-        "shape": {**shape, "conv_channels": layer.channels, "activations": str(act_dtype).replace("torch.", ""),
+        "shape": {**shape, "conv_channels": layer.channels, "chunk_tokens": CHUNK, "activations": str(act_dtype).replace("torch.", ""),
                   "gdn_layers_9b": GDN_LAYERS},
         "settings": {"iters": iters, "replays_per_graph": replays,
                      "tiles": {name: getattr(gk, name) for name in TILE_NAMES}},
@@ -249,18 +262,18 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
 def _print(result: dict, log) -> None:
     hw = result["hardware"]
     s = result["shape"]
-    log(f"GDN kernels, one layer, one token: B={s['batch']} HK={s['heads_k']} HV={s['heads_v']} dk={s['dk']} "
+    log(f"GDN kernels, one layer, one token (recurrent_step_chunk: {s['chunk_tokens']}): B={s['batch']} HK={s['heads_k']} HV={s['heads_v']} dk={s['dk']} "
         f"dv={s['dv']} C={s['conv_channels']} Kc={s['kernel_size']} on {hw.get('gpu') or hw.get('cpu')}; "
         f"median µs per call of {result['settings']['iters']}"
         + (f" (graph: per call of {result['settings']['replays_per_graph']} replayed in one CUDA graph)"
            if hw.get("gpu") else " (CPU: the references only, wall clock)"))
-    log(f"{'op':<20}{'impl':<11}{'eager µs':>10}{'graph µs':>10}{'max |diff|':>12}")
+    log(f"{'op':<22}{'impl':<11}{'eager µs':>10}{'graph µs':>10}{'max |diff|':>12}")
     for row in result["rows"]:
         if "error" in row:
-            log(f"{row['op']:<20}{row['impl']:<11}  {row['error']}")
+            log(f"{row['op']:<22}{row['impl']:<11}  {row['error']}")
             continue
         graph = "-" if row["graph_us"] is None else f"{row['graph_us']:.2f}"
-        log(f"{row['op']:<20}{row['impl']:<11}{row['eager_us']:>10.2f}{graph:>10}{row['max_abs_diff']:>12.2e}")
+        log(f"{row['op']:<22}{row['impl']:<11}{row['eager_us']:>10.2f}{graph:>10}{row['max_abs_diff']:>12.2e}")
     if result["sweep"]:
         log("sweep (graph µs per call):")
         for op in OPS:
