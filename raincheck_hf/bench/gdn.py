@@ -2,13 +2,14 @@
 
 For one GDN layer and one decode token at the Qwen3.5-9B shape (16 key heads, 32 value heads,
 dk = dv = 128, 8,192 conv channels, conv width 4): the suffix-map update ``M <- A M``, the join
-``S += M (S_new - S_old)``, the recurrent step (also for a 32-token chunk, as a deferred chunk runs from
-the boundary state: ``recurrent_step_chunk``) and the short-conv update, each as the Triton kernel and
-as its PyTorch reference (the `gated_delta` functions; for the step, transformers' torch rule; fla's
-fused recurrent kernel too where fla is installed). Timed with CUDA events over many calls (median),
-both as eager calls (host launch cost included) and replayed inside a CUDA graph (``replays`` calls
-captured in one graph, per-call time = graph time / replays: what a captured decode step pays). Each
-row also reports its largest difference from the reference on the same inputs.
+``S += M (S_new - S_old)``, the recurrent step (also over a 32-token chunk, as a deferred chunk runs
+from the boundary state: ``recurrent_step_chunk``) and the short-conv update, each as the Triton
+kernel and as its PyTorch reference (the `gated_delta` functions; for the step, transformers' torch
+rule). Where fla is installed, its fused recurrent kernel (``fla``) and, for the chunk, its chunked
+kernel (``fla_chunk``) too. Timed with CUDA events over many calls (median), both as eager calls
+(host launch cost included) and replayed inside a CUDA graph (``replays`` calls captured in one
+graph, per-call time = graph time / replays: what a captured decode step pays). Each row also
+reports its largest difference from the reference on the same inputs.
 
 ``--sweep`` also times each kernel over a few tile sizes and warp counts inside the graph.
 
@@ -146,20 +147,21 @@ class _Layer:
                 "recurrent_step_chunk": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=True, out=o),
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=True, out=self.y),
             }[op]
-        if impl == "fla" and op.startswith("recurrent_step"):
-            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        if impl in ("fla", "fla_chunk") and op.startswith("recurrent_step"):
+            from fla.ops import gated_delta_rule as fla_gdr
 
+            rule = fla_gdr.fused_recurrent_gated_delta_rule if impl == "fla" else fla_gdr.chunk_gated_delta_rule
             if v.shape[2] != q.shape[2]:
                 try:  # recent fla accepts fewer key heads than value heads; older versions need them repeated
-                    fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=self.S.clone(),
-                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+                    rule(q, k, v, g=g, beta=beta, initial_state=self.S.clone(), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
                 except Exception:
                     r = v.shape[2] // q.shape[2]
                     q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
 
             def call():
-                out, state = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=self.S,
-                                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+                out, state = rule(q, k, v, g=g, beta=beta, initial_state=self.S, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
                 self.S.copy_(state)
                 o.copy_(out)
             return call
@@ -203,7 +205,8 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
     layer = _Layer(**shape, device=device, act_dtype=act_dtype)
     rows = []
     for op in OPS:
-        for impl in impls + (["fla"] if fla and op.startswith("recurrent_step") else []):
+        extra = {"recurrent_step": ["fla"], "recurrent_step_chunk": ["fla", "fla_chunk"]}.get(op, []) if fla else []
+        for impl in impls + extra:
             try:
                 fn = layer.fn(op, impl)
                 fn()  # compile / warm up
@@ -216,7 +219,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
                 diff = 0.0 if impl == "reference" else _max_diff(shape, device, act_dtype, op, impl)
                 rows.append({"op": op, "impl": impl, "eager_us": eager, "graph_us": graph_us, "max_abs_diff": diff})
             except Exception as error:  # fla's API varies across versions: report, keep the other rows
-                if impl != "fla":
+                if not impl.startswith("fla"):
                     raise
                 rows.append({"op": op, "impl": impl, "error": f"{type(error).__name__}: {error}"[:300]})
     sweeps = []
