@@ -236,12 +236,14 @@ def build(name, fn, types, const, warps):
 # activations, fp32 state
 f32, bf, i32 = "*fp32", "*bf16", "i32"
 for dk, dv in ((128, 128), (8, 16)):
-    tiles = {op: gk.launch_tiles(op, dk, dv) for op in ("suffix_map_update", "join", "recurrent_step", "conv_update")}
+    tiles = {op: gk.launch_tiles(op, dk, dv) for op in ("suffix_map_update", "join", "conv_update")}
     build(f"suffix_map_update {dk}x{dv}", K.suffix_map_update, [f32, bf, f32, bf] + [i32] * 11,
           *tiles["suffix_map_update"])
     build(f"join {dk}x{dv}", K.join, [f32] * 4 + [i32] * 2, *tiles["join"])
-    build(f"recurrent_step {dk}x{dv}", K.recurrent_step, [f32, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
-          {"L2NORM": True, **tiles["recurrent_step"][0]}, tiles["recurrent_step"][1])
+    for tokens in (1, 32):
+        step, warps = gk.launch_tiles("recurrent_step", dk, dv, tokens)
+        build(f"recurrent_step {dk}x{dv} T={tokens}", K.recurrent_step,
+              [f32, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13, {"L2NORM": True, **step}, warps)
 build("conv_update", K.conv_update, [bf] * 5 + [i32] * 4,
       {"KC": 4, "HAS_BIAS": False, "SILU": True, **tiles["conv_update"][0]}, tiles["conv_update"][1])
 print(json.dumps(out))
@@ -263,7 +265,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 7
+    assert len(results) == 9
     for name, r in results.items():
         assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
 

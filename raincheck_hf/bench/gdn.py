@@ -44,11 +44,12 @@ OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "c
 SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64), "SUFFIX_WARPS"),
          "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
          "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
-         "recurrent_step_chunk": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
+         "recurrent_step_chunk": ("STEP_CHUNK_BLOCK_V", (8, 16, 32), "STEP_CHUNK_WARPS"),
          "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512), "CONV_WARPS")}
-SWEEP_WARPS = (2, 4, 8)
+SWEEP_WARPS = {"recurrent_step_chunk": (1, 2, 4, 8)}  # warps tried per op (default below)
+SWEEP_WARPS_DEFAULT = (2, 4, 8)
 TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V", "STEP_WARPS",
-              "CONV_BLOCK_C", "CONV_WARPS")
+              "STEP_CHUNK_BLOCK_V", "STEP_CHUNK_WARPS", "CONV_BLOCK_C", "CONV_WARPS")
 
 
 def _measure(device, fn, iters: int) -> float:
@@ -228,7 +229,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
         try:
             for op, (name, values, warps_name) in SWEEP.items():
                 for value in values:
-                    for warps in SWEEP_WARPS:
+                    for warps in SWEEP_WARPS.get(op, SWEEP_WARPS_DEFAULT):
                         setattr(gk, name, value)
                         setattr(gk, warps_name, warps)
                         fn = layer.fn(op, "kernel")

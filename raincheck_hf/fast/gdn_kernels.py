@@ -50,24 +50,28 @@ __all__ = [
 
 # Tile sizes (columns per program; see each kernel) and warps per program, chosen for K = V = 128 (Qwen3.5) by
 # what ptxas reports for sm_90 (no register spills) and one wave of programs: 4 column blocks per head, so 128
-# programs per layer for the map and the step (32 value heads), 128 for the join (64 x 64 tiles), 64 for the
-# conv (8,192 channels). `python -m raincheck_hf.bench gdn --sweep` times the alternatives.
+# programs per layer for the map and the one-token step (32 value heads), 128 for the join (64 x 64 tiles), 64
+# for the conv (8,192 channels). `python -m raincheck_hf.bench gdn --sweep` times the alternatives.
 SUFFIX_BLOCK_J, SUFFIX_WARPS = 32, 8
 JOIN_BLOCK, JOIN_BLOCK_R, JOIN_WARPS = 64, 16, 8  # 64 x 64 x 32 with 4 warps spills registers
 STEP_BLOCK_V, STEP_WARPS = 32, 8
+# Several tokens (a deferred chunk from the boundary state) are a serial chain of reductions over K: one warp per
+# 8-column slab keeps those reductions inside the warp (shuffles, no barrier per token), 512 programs per layer.
+STEP_CHUNK_BLOCK_V, STEP_CHUNK_WARPS = 8, 1
 CONV_BLOCK_C, CONV_WARPS = 128, 4
 
 
-def launch_tiles(op: str, dk: int, dv: int) -> tuple[dict, int]:
-    """The tile constexprs and warps each kernel is launched with for head sizes ``dk``, ``dv`` (the wrappers
-    below use it; so does the test that compiles them for Hopper)."""
+def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]:
+    """The tile constexprs and warps each kernel is launched with for head sizes ``dk``, ``dv`` and ``tokens``
+    tokens per call (the wrappers below use it; so does the test that compiles them for Hopper)."""
     if op == "suffix_map_update":
         return {"BLOCK_K": _pow2(dk), "BLOCK_J": min(SUFFIX_BLOCK_J, _pow2(dk))}, SUFFIX_WARPS
     if op == "join":  # tl.dot needs 16 or more along each axis
         return {"BLOCK_I": min(JOIN_BLOCK, _pow2(dk, 16)), "BLOCK_J": min(JOIN_BLOCK, _pow2(dv, 16)),
                 "BLOCK_R": min(JOIN_BLOCK_R, _pow2(dk, 16))}, JOIN_WARPS
     if op == "recurrent_step":
-        return {"BLOCK_K": _pow2(dk), "BLOCK_V": min(STEP_BLOCK_V, _pow2(dv))}, STEP_WARPS
+        block_v, warps = (STEP_BLOCK_V, STEP_WARPS) if tokens == 1 else (STEP_CHUNK_BLOCK_V, STEP_CHUNK_WARPS)
+        return {"BLOCK_K": _pow2(dk), "BLOCK_V": min(block_v, _pow2(dv))}, warps
     if op == "conv_update":
         return {"BLOCK_C": CONV_BLOCK_C}, CONV_WARPS
     raise ValueError(f"no GDN kernel {op!r}")
@@ -297,7 +301,7 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         raise ValueError("out must be contiguous.")
     q, k, v, g, beta = (_inner(x) for x in (q, k, v, g, beta))
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    tiles, warps = launch_tiles("recurrent_step", dk, dv)
+    tiles, warps = launch_tiles("recurrent_step", dk, dv, seq)
     grid = (bsz * heads, _cdiv(dv, tiles["BLOCK_V"]))
     _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
                                     float(dk**-0.5 if scale is None else scale), *q.stride()[:3], *k.stride()[:3],
