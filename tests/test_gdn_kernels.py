@@ -2,8 +2,9 @@
 
 The Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton compiles a kernel,
 so in one subprocess for all cases); the real sizes on a GPU are in `test_gpu.py`. Sizes are odd on purpose
-(K, V not powers of two and K != V, so a state read as ``[V, K]`` fails), with HV = HK, 2 HK, 3 HK and 4 HK,
-B = 1 and 2, T = 1, 2, 3.
+(K, V not powers of two and K != V, so a state read as ``[V, K]`` fails), with HV = HK, 2 HK and 4 HK (1, 2
+and 3 key heads), B = 1 and 2, T = 1, 2, 3 (one token and several take different tiles). A second subprocess
+compiles the kernels for a Hopper GPU with the ptxas that Triton ships.
 """
 
 from __future__ import annotations
