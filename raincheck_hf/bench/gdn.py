@@ -48,8 +48,8 @@ SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64), "SUFFIX_WARPS"),
          "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512), "CONV_WARPS")}
 SWEEP_WARPS = {"recurrent_step_chunk": (1, 2, 4, 8)}  # warps tried per op (default below)
 SWEEP_WARPS_DEFAULT = (2, 4, 8)
-TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V", "STEP_WARPS",
-              "STEP_CHUNK_BLOCK_V", "STEP_CHUNK_WARPS", "CONV_BLOCK_C", "CONV_WARPS")
+TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V",
+              "STEP_WARPS", "STEP_CHUNK_BLOCK_V", "STEP_CHUNK_WARPS", "CONV_BLOCK_C", "CONV_WARPS")
 
 
 def _measure(device, fn, iters: int) -> float:
@@ -247,7 +247,8 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command or "python -m raincheck_hf.bench gdn",
         "hardware": hardware(device),
-        "shape": {**shape, "conv_channels": layer.channels, "chunk_tokens": CHUNK, "activations": str(act_dtype).replace("torch.", ""),
+        "shape": {**shape, "conv_channels": layer.channels, "chunk_tokens": CHUNK,
+                  "activations": str(act_dtype).replace("torch.", ""),
                   "gdn_layers_9b": GDN_LAYERS},
         "settings": {"iters": iters, "replays_per_graph": replays,
                      "tiles": {name: getattr(gk, name) for name in TILE_NAMES}},
@@ -266,8 +267,9 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
 def _print(result: dict, log) -> None:
     hw = result["hardware"]
     s = result["shape"]
-    log(f"GDN kernels, one layer, one token (recurrent_step_chunk: {s['chunk_tokens']}): B={s['batch']} HK={s['heads_k']} HV={s['heads_v']} dk={s['dk']} "
-        f"dv={s['dv']} C={s['conv_channels']} Kc={s['kernel_size']} on {hw.get('gpu') or hw.get('cpu')}; "
+    log(f"GDN kernels, one layer, one token (recurrent_step_chunk: {s['chunk_tokens']}): B={s['batch']} "
+        f"HK={s['heads_k']} HV={s['heads_v']} dk={s['dk']} dv={s['dv']} C={s['conv_channels']} Kc={s['kernel_size']} "
+        f"on {hw.get('gpu') or hw.get('cpu')}; "
         f"median µs per call of {result['settings']['iters']}"
         + (f" (graph: per call of {result['settings']['replays_per_graph']} replayed in one CUDA graph)"
            if hw.get("gpu") else " (CPU: the references only, wall clock)"))

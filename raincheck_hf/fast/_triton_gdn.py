@@ -1,10 +1,11 @@
 """Triton kernels of the hot Gated DeltaNet work (see `raincheck_hf.fast.gdn_kernels`, which imports this
 module on first launch, so that importing the package needs no Triton).
 
-Buffers written in place are contiguous; inputs may be strided views (a split of a projection) whose last axis
-is contiguous, their other strides passed in (``s<tensor>_<axis>``, in elements). A state / map is ``[B, HV, K, V]`` / ``[B, HV, K, K]`` fp32, row-major over its
-last two axes (keys first). Key head ``hk`` serves value heads ``hk * R .. hk * R + R - 1`` (``R = HV // HK``,
-transformers' ``repeat_interleave``). Arithmetic is fp32 whatever the inputs' dtype.
+Buffers written in place are contiguous; inputs may be strided views (a split of a projection) whose last
+axis is contiguous, their other strides passed in (``s<tensor>_<axis>``, in elements). A state / map is
+``[B, HV, K, V]`` / ``[B, HV, K, K]`` fp32, row-major over its last two axes (keys first). Key head ``hk``
+serves value heads ``hk * R .. hk * R + R - 1`` (``R = HV // HK``, transformers' ``repeat_interleave``).
+Arithmetic is fp32 whatever the inputs' dtype.
 """
 
 import triton
