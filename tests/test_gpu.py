@@ -681,3 +681,45 @@ def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
         joined = {dev: smap.join(S_new.to(dev), h_new.to(dev), live.to(dev)) for dev, smap in maps.items()}
     _close(joined["cuda"].cpu(), joined["cpu"], 1e-4)
     assert launched.count(("suffix_map_update_", True)) == 3 and launched.count(("join_", True)) == 1, launched
+
+
+def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatch):
+    """`fast.gdn_ops` (what the fast path's static GDN state calls) on CUDA goes through the kernels and agrees
+    with its torch versions on CPU, at the Qwen3.5-9B sizes, one token and a 32-token chunk."""
+    from raincheck_hf.fast import gdn_kernels as gk
+    from raincheck_hf.fast import gdn_ops
+    from raincheck_hf.gated_delta import l2norm
+
+    launched = []
+    choose = gk._use_kernel
+
+    def recording(reference, buffers, inputs, name, fp32=True):
+        use = choose(reference, buffers, inputs, name, fp32)
+        launched.append((name, use))
+        return use
+
+    monkeypatch.setattr(gk, "_use_kernel", recording)
+    HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
+    for T in (1, 32):
+        q, k = _gdn_rand(1, T, HK, K, seed=1, dtype=torch.bfloat16), _gdn_rand(1, T, HK, K, seed=2, dtype=torch.bfloat16)
+        v = _gdn_rand(1, T, HV, V, seed=3, dtype=torch.bfloat16)
+        g, beta = -_gdn_rand(1, T, HV, seed=4).abs(), _gdn_rand(1, T, HV, seed=5).sigmoid().bfloat16()
+        S, M = _gdn_rand(1, HV, K, V, seed=6), torch.eye(K, device="cuda").expand(1, HV, K, K).contiguous()
+        h, x = _gdn_rand(1, Kc - 1, C, seed=7, dtype=torch.bfloat16), _gdn_rand(1, T, C, seed=8, dtype=torch.bfloat16)
+        w = _gdn_rand(C, Kc, seed=9, dtype=torch.bfloat16)
+        results = {}
+        for dev in ("cuda", "cpu"):
+            on = [t.to(dev) for t in (q, k, v, g, beta, S, M, h, x, w)]
+            q_, k_, v_, g_, b_, S_, M_, h_, x_, w_ = on
+            o = gdn_ops.recurrent_step_(S_, q_, k_, v_, g_, b_)
+            gdn_ops.suffix_map_update_(M_, l2norm(k_.float()), g_, b_)
+            live = S_.clone()
+            gdn_ops.join_(live, M_, S_, torch.zeros_like(S_))
+            y = gdn_ops.conv_update_(h_, x_, w_)
+            results[dev] = [t.cpu() for t in (o, S_, M_, live, y, h_)]
+        for name, a, b, rel in zip(("o", "S", "M", "join", "conv", "history"), results["cuda"], results["cpu"],
+                                   (2e-2, 1e-4, 1e-5, 1e-4, 2e-2, 0.0)):
+            scale = max(1.0, b.abs().max().item())
+            assert (a.double() - b.double()).abs().max().item() <= rel * scale, (T, name)
+    assert {name for name, use in launched if use} == {"recurrent_step_", "suffix_map_update_", "join_", "conv_update_"}
+    assert all(use for _, use in launched), launched

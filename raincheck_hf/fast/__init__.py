@@ -8,7 +8,8 @@
   pooled per model, so a later conversation of the same size reuses them instead of capturing again
   (`release_storage` frees them).
 - `gdn_ops`: the per-step GDN operations (recurrent step, suffix-map update, join, short convolution),
-  in place on those buffers, with one signature for the torch versions here and fused kernels.
+  in place on those buffers: on CUDA the Triton kernels of `gdn_kernels` (one launch per layer each),
+  on CPU torch versions built from `gated_delta`.
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked; GDN layers gate it off
   by a real-row count on the device), of the idle-time chunk-only step and of prefills padded to

@@ -1,9 +1,10 @@
 """The per-step Gated DeltaNet operations of the fast path, in place on static fp32 buffers.
 
-These are the torch implementations, built from `raincheck_hf.gated_delta` (the reference of docs/method.md
-§4) and written back into the given buffers with ``copy_``, so that a captured CUDA graph keeps reading and
-writing the same addresses. Fused kernels with the same signatures may replace them; the tests compare
-whatever is behind these names against `gated_delta`.
+On CUDA each one launches the Triton kernel of `fast.gdn_kernels` with the same signature (one launch per
+layer, in place; `gdn_kernels` itself falls back to the `gated_delta` references where a kernel cannot run).
+On CPU they are the torch implementations here, built from `raincheck_hf.gated_delta` (the reference of
+docs/method.md §4) and written back into the given buffers with ``copy_``, so that a captured CUDA graph
+keeps reading and writing the same addresses. The tests compare both against `gated_delta`.
 
 Shapes follow the layout of transformers' Qwen3.5 and of `gated_delta` (sequence first, state key first):
 ``q, k [B, T, HK, K]`` (key heads; repeated to value heads here, ``repeat_interleave``), ``v [B, T, HV, V]``,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import gdn_kernels
 from ..gated_delta import (
     advance_state,
     causal_conv_with_history,
@@ -41,6 +43,9 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         k: ``[B, T, HK, K]`` L2-normalised keys (key heads).
         g, beta: ``[B, T, HV]``.
     """
+    if M.is_cuda:
+        gdn_kernels.suffix_map_update_(M, k, g, beta)
+        return
     M.copy_(update_suffix_map(M, _to_value_heads(k, M.shape[1]), g, beta))
 
 
@@ -50,6 +55,9 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
     Args:
         S_live, S_new, S_old: ``[B, HV, K, V]`` fp32; M: ``[B, HV, K, K]`` fp32.
     """
+    if S_live.is_cuda:
+        gdn_kernels.join_(S_live, M, S_new, S_old)
+        return
     S_live.copy_(join_state(S_live, M, S_old, S_new))
 
 
@@ -69,6 +77,8 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Returns:
         ``o [B, T, HV, V]`` in ``v``'s dtype.
     """
+    if S.is_cuda:
+        return gdn_kernels.recurrent_step_(S, q, k, v, g, beta, scale, l2norm)
     heads, dk = S.shape[1], S.shape[2]
     q, k = _to_value_heads(q, heads).float(), _to_value_heads(k, heads).float()
     if l2norm:
@@ -97,6 +107,8 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     Returns:
         ``[B, T, C]`` post-activation conv outputs in ``x``'s dtype.
     """
+    if history.is_cuda:
+        return gdn_kernels.conv_update_(history, x, weight, bias, activation)
     y = causal_conv_with_history(x, history, weight, bias, activation)
     history.copy_(roll_conv_history(history, x))
     return y
