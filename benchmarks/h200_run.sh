@@ -27,6 +27,34 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+final_tests)
+    # this wave's GPU checks in one call: the new GPU tests first (GDN kernels, every family's fast path incl.
+    # Qwen3.5's, MoE captures, chunk_size=auto, slot buckets, compiled steps, the server), then the rest, then
+    # the GDN kernels' timings
+    NEW="gdn or suffix_state_map or family or moe or auto or bucket or compiled or server"
+    timeout "${NEW_S:-280}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short --durations=12 \
+        -k "$NEW" > "$OUT/test_gpu_new_h200.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/test_gpu_new_h200.log" | tail -25
+    timeout "${REST_S:-110}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k "not ($NEW)" > "$OUT/test_gpu_rest_h200.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/test_gpu_rest_h200.log" | tail -12
+    timeout "${GDN_S:-45}" python3 -m raincheck_hf.bench gdn --json "$OUT/gdn_kernels_h200.json" \
+        > "$OUT/gdn_kernels_h200.log" 2>&1
+    tail -14 "$OUT/gdn_kernels_h200.log"
+    ;;
+final_bench)
+    # Qwen3.5-9B with its fast path (default settings) and Qwen3-VL-8B's TPOT: compiled steps and chunk_size=auto
+    timeout "${QWEN35_S:-220}" python3 -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 2 \
+        --answer-tokens 128 --follow-up-tokens 32 --chunk-sizes 31 --reps 2 --budget-s 190 \
+        --variants stock_dynamic,full,hard,raincheck,serial --json "$OUT/latency_qwen3_5_9b_image_fast_h200.json" \
+        > "$OUT/latency_qwen3_5_9b_image_fast_h200.log" 2>&1
+    tail -12 "$OUT/latency_qwen3_5_9b_image_fast_h200.log"
+    timeout "${VL_S:-290}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 1 \
+        --answer-tokens 512 --chunk-sizes 31,auto --reps 2 --budget-s 260 \
+        --variants stock_static_reused,full,full_compiled,raincheck,raincheck_compiled \
+        --json "$OUT/latency_qwen3_vl_8b_image_tpot_h200.json" > "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log" 2>&1
+    tail -12 "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log"
+    ;;
 tpot)
     timeout "${TESTS_S:-240}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
         -k "${TESTS_K:-auto or bucket or compiled}" > "$OUT/test_gpu_tpot_h200.log" 2>&1

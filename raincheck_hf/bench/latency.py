@@ -25,6 +25,9 @@ Variants (all on the same model instance, the same prompt, the same answer lengt
   ``auto`` in the sweep (``--chunk-sizes 7,15,31,63,auto``) runs ``chunk_size="auto"`` with
   ``--tpot-slack``; its idle-time restoration (the idle probe) uses the largest ladder size, as
   `Conversation` does.
+- ``full_compiled``, ``raincheck_compiled c=<primary>``: ``full`` and the primary fused variant with
+  ``compile_steps=True`` (only when asked for by name in ``--variants``), side by side with the
+  uncompiled ones; ``--compile-steps`` instead compiles every project variant.
 
 Every answer has exactly ``--answer-tokens`` tokens (follow-ups: ``--follow-up-tokens``): greedy,
 ``min_new_tokens = max_new_tokens``, and every special token (EOS included) suppressed, the same
@@ -106,6 +109,7 @@ class Variant:
     chunk_size: int | str | None = None  # "auto": chunk_size="auto"
     cache: str | None = None  # stock: "dynamic" | "static" | "static_reused"
     family: str = ""  # "raincheck" / "serial" for the sweep, else the name
+    compiled: bool = False  # RaincheckConfig.compile_steps=True whatever --compile-steps says
 
     def config(self, settings: dict):
         from ..configuration import RaincheckConfig
@@ -114,7 +118,7 @@ class Variant:
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
                                fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02),
-                               compile_steps=settings.get("compile_steps", False))
+                               compile_steps=self.compiled or settings.get("compile_steps", False))
 
 
 def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:
@@ -132,6 +136,14 @@ def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int
             if c != primary_chunk:
                 variants.append(Variant(f"{mode} c={c}", "raincheck", min(turns, sweep_turns), mode=mode,
                                         chunk_size=c, family=mode))
+    # compiled twins of full and the primary fused variant: only when named in `only` (each compiles its steps)
+    compiled = [Variant("full_compiled", "raincheck", turns, mode="full", chunk_size=primary_chunk,
+                        family="full_compiled", compiled=True),
+                Variant(f"raincheck_compiled c={primary_chunk}", "raincheck", turns, mode="raincheck",
+                        chunk_size=primary_chunk, family="raincheck_compiled", compiled=True)]
+    if not only:
+        return variants
+    variants += compiled
     if only:
         only = set(only)
         unknown = only - {v.name for v in variants} - {v.family for v in variants}
