@@ -647,13 +647,11 @@ def test_cuda_gdn_kernels_replay_in_a_graph():
         assert torch.equal(got, ref)
 
 
-def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
-    """`SuffixStateMap` on CUDA (M_R update and join through the kernels) against the same calls on CPU."""
+def _record_kernel_choices(monkeypatch) -> list:
+    """A list that receives ``(op, launched a kernel?)`` for every `gdn_kernels` call from now on."""
     from raincheck_hf.fast import gdn_kernels as gk
-    from raincheck_hf.gated_delta import GDNLayerParams, SuffixStateMap
 
-    launched = []
-    choose = gk._use_kernel
+    launched, choose = [], gk._use_kernel
 
     def recording(reference, buffers, inputs, name, fp32=True):
         use = choose(reference, buffers, inputs, name, fp32)
@@ -661,6 +659,14 @@ def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
         return use
 
     monkeypatch.setattr(gk, "_use_kernel", recording)
+    return launched
+
+
+def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
+    """`SuffixStateMap` on CUDA (M_R update and join through the kernels) against the same calls on CPU."""
+    from raincheck_hf.gated_delta import GDNLayerParams, SuffixStateMap
+
+    launched = _record_kernel_choices(monkeypatch)
 
     HK, HV, K, V, Kc = 4, 8, 128, 128, 4
     C = 2 * HK * K + HV * V
@@ -686,19 +692,10 @@ def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
 def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatch):
     """`fast.gdn_ops` (what the fast path's static GDN state calls) on CUDA goes through the kernels and agrees
     with its torch versions on CPU, at the Qwen3.5-9B sizes, one token and a 32-token chunk."""
-    from raincheck_hf.fast import gdn_kernels as gk
     from raincheck_hf.fast import gdn_ops
     from raincheck_hf.gated_delta import l2norm
 
-    launched = []
-    choose = gk._use_kernel
-
-    def recording(reference, buffers, inputs, name, fp32=True):
-        use = choose(reference, buffers, inputs, name, fp32)
-        launched.append((name, use))
-        return use
-
-    monkeypatch.setattr(gk, "_use_kernel", recording)
+    launched = _record_kernel_choices(monkeypatch)
     HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
     for T in (1, 32):
         q, k = _gdn_rand(1, T, HK, K, seed=1, dtype=torch.bfloat16), _gdn_rand(1, T, HK, K, seed=2, dtype=torch.bfloat16)

@@ -33,6 +33,7 @@ import torch
 
 from ..fast import gdn_kernels as gk
 from ..gated_delta import l2norm
+from .gdn_state_map import _graphed
 
 QWEN3_5_9B = {"batch": 1, "heads_k": 16, "heads_v": 32, "dk": 128, "dv": 128, "kernel_size": 4}
 CPU_SMOKE = {"batch": 1, "heads_k": 2, "heads_v": 4, "dk": 32, "dv": 32, "kernel_size": 4}
@@ -68,21 +69,6 @@ def _measure(device, fn, iters: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
-
-
-def _graph(fn, replays: int):
-    """``fn`` called ``replays`` times inside one captured CUDA graph (after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 class _Layer:
@@ -215,8 +201,8 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
                 eager = _measure(device, fn, iters)
                 graph_us = None
                 if on_cuda:
-                    graph = _graph(fn, replays)
-                    graph_us = _measure(device, graph.replay, max(iters // 4, 10)) / replays
+                    replay = _graphed(fn, device, replays)
+                    graph_us = _measure(device, replay, max(iters // 4, 10)) / replays
                 diff = 0.0 if impl == "reference" else _max_diff(shape, device, act_dtype, op, impl)
                 rows.append({"op": op, "impl": impl, "eager_us": eager, "graph_us": graph_us, "max_abs_diff": diff})
             except Exception as error:  # fla's API varies across versions: report, keep the other rows
@@ -234,9 +220,9 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
                         setattr(gk, warps_name, warps)
                         fn = layer.fn(op, "kernel")
                         fn()
-                        graph = _graph(fn, replays)
+                        replay = _graphed(fn, device, replays)
                         sweeps.append({"op": op, name: value, "num_warps": warps,
-                                       "graph_us": _measure(device, graph.replay, max(iters // 4, 10)) / replays})
+                                       "graph_us": _measure(device, replay, max(iters // 4, 10)) / replays})
                 for attr, v in saved.items():
                     setattr(gk, attr, v)
         finally:

@@ -56,6 +56,7 @@ def _graphed(fn, device, replays=20):
     with torch.cuda.graph(graph):
         for _ in range(replays):
             fn()
+    torch.cuda.synchronize()
     return graph.replay
 
 
