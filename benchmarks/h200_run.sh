@@ -62,6 +62,15 @@ final_bench)
         --json "$OUT/latency_qwen3_vl_8b_image_tpot_h200.json" > "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log" 2>&1
     tail -11 "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log"
     ;;
+final_tpot)
+    # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
+    # variants recaptured each other's graphs every repetition): fixed 31 and auto, compiled steps side by side
+    timeout "${VL_S:-250}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 1 \
+        --answer-tokens 512 --chunk-sizes 31,auto --reps 2 --budget-s 230 \
+        --variants full,full_compiled,raincheck,raincheck_compiled \
+        --json "$OUT/latency_qwen3_vl_8b_image_tpot2_h200.json" > "$OUT/latency_qwen3_vl_8b_image_tpot2_h200.log" 2>&1
+    tail -9 "$OUT/latency_qwen3_vl_8b_image_tpot2_h200.log"
+    ;;
 tpot)
     timeout "${TESTS_S:-240}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
         -k "${TESTS_K:-auto or bucket or compiled}" > "$OUT/test_gpu_tpot_h200.log" 2>&1

@@ -180,6 +180,9 @@ class StepGraphs:
         # (rows, want_logits, the adapter's step variant, slot bucket) -> (graph, buffers); the bucket last
         # (`StepTimings.nearest_cost` reads a key's last entry as its bucket)
         self._captured: dict[tuple, tuple] = {}
+        # graphs (and their timings) of the other (attention backend, compile_steps) settings this storage ran
+        # with: kept, so that alternating settings (a benchmark, two chats) replay instead of capturing again
+        self._other_settings: dict[tuple, tuple] = {}
         self._pool = None
         self._warmup_stream = None  # one side stream for every capture's warm-up (per-stream library state is kept)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
@@ -303,12 +306,15 @@ class StepGraphs:
         """``(n, n_deferred, rows, padding, key)`` of a forward; ``pending_after``: deferred rows still pending
         after it (for the adapter's step variant)."""
         compiled = bool(getattr(cache, "compile_steps", False))
-        if adapter.attn_implementation != self.attn_implementation or compiled != self.compiled:
-            # the model was switched to another attention backend, or compile_steps changed: graphs captured
-            # the other way are stale
-            self._captured, self._pool = {}, None
-            self.timings.clear()
-            self.attn_implementation, self.compiled = adapter.attn_implementation, compiled
+        setting = (adapter.attn_implementation, compiled)
+        if setting != (self.attn_implementation, self.compiled):
+            # the model was switched to another attention backend, or compile_steps changed: the graphs captured
+            # the other way run other kernels; put them aside (one memory pool: replays are sequential) and take
+            # this setting's own, if it ran here before
+            self._other_settings[(self.attn_implementation, self.compiled)] = (self._captured, self.timings)
+            self._captured, self.timings = self._other_settings.pop(
+                setting, ({}, StepTimings(enabled=self.use_graphs)))
+            self.attn_implementation, self.compiled = setting
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
         rows = self.step_rows(n, n_deferred, pad_to)
