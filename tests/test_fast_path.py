@@ -713,6 +713,30 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     assert not stock.cache.graphs.compiled
 
 
+def test_compile_steps_fall_back_to_the_stock_step_when_compiling_fails(model, processor, monkeypatch):
+    """A failed torch.compile (no C++ compiler, an op Inductor cannot lower) warns once per compiled function
+    and runs it uncompiled: compile_steps=True then answers as the eager engine does."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from raincheck_hf.fast import compiled as compiled_module
+
+    def failing_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise TorchDynamoException("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(compiled_module, "_COMPILED", {})
+    monkeypatch.setattr(compiled_module.torch, "compile", failing_compile)
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = dict(chunk_size=4, decode_guard=2)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
+    with pytest.warns(RuntimeWarning, match="compile_steps: torch.compile of .* failed"):
+        fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, compile_steps=True, **cfg), **KW)
+    _assert_same(slow, fast)
+    assert compiled_module._COMPILED and all(entry.error is not None for entry in compiled_module._COMPILED.values())
+
+
 def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
     """The compiled-forward dispatchers are per module instance and act only for the thread whose step scope asks
     for them; another thread calling the same module meanwhile runs its stock forward; the block undoes them."""

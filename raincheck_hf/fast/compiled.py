@@ -21,19 +21,56 @@ makes Dynamo compile a size-generic version); a captured graph replays without a
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
 _LOCK = threading.Lock()
-_COMPILED: dict = {}  # module class (or function) -> its torch.compile'd form, made on first use
+_COMPILED: dict = {}  # module class (or function) -> its `_CompiledOrPlain`, made on first use
+
+
+class _CompiledOrPlain:
+    """``fn`` compiled, or ``fn`` itself once compiling it failed (no C++ compiler or Triton on this machine,
+    an op Inductor cannot lower, ...): a warning, then the stock computation for the rest of the process, so
+    ``compile_steps=True`` never breaks an answer that the uncompiled step would give."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True)  # one graph for every row count (1 apart)
+        self.error: BaseException | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.error is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except _compile_errors() as error:
+                self.error = error
+                warnings.warn(f"raincheck compile_steps: torch.compile of {getattr(self.fn, '__qualname__', self.fn)} "
+                              f"failed ({type(error).__name__}: {str(error)[:200]}); running it uncompiled.",
+                              RuntimeWarning, stacklevel=2)
+        return self.fn(*args, **kwargs)
+
+
+def _compile_errors() -> tuple:
+    from torch._dynamo.exc import TorchDynamoException
+
+    errors = [TorchDynamoException]
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:
+        pass
+    else:
+        errors.append(InductorError)
+    return tuple(errors)
 
 
 def compiled(fn):
-    """The `torch.compile`d form of ``fn`` (a module class's ``forward``, or a function), made once."""
+    """The `torch.compile`d form of ``fn`` (a module class's ``forward``, or a function), made once; ``fn``
+    itself after a failed compile (`_CompiledOrPlain`)."""
     with _LOCK:
         out = _COMPILED.get(fn)
         if out is None:
-            out = _COMPILED[fn] = torch.compile(fn, dynamic=True)  # one graph for every row count (1 apart)
+            out = _COMPILED[fn] = _CompiledOrPlain(fn)
         return out
 
 
