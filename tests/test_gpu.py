@@ -31,6 +31,19 @@ def _cuda(inputs):
     return {k: v.to("cuda") for k, v in inputs.items()}
 
 
+def _assert_compiled_steps_match_eager_engine(model, inputs, cfg, kw):
+    """compile_steps=True (captured, compiled) twice — capture, then a later conversation's replays — against the
+    eager engine: same tokens, logits within 1e-3."""
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    for _ in range(2):
+        fast = model.generate(**inputs, raincheck=RaincheckConfig(compile_steps=True, **cfg), **kw)
+        assert fast.cache.graphs.use_graphs and fast.cache.graphs.compiled and fast.cache.graphs._captured
+        assert torch.equal(slow.sequences, fast.sequences)
+        for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+        del fast
+
+
 @pytest.mark.parametrize("case", sorted(INPUT_CASES))
 def test_cuda_matches_reference(cuda_model, processor, case):
     inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
@@ -94,14 +107,7 @@ def test_cuda_compiled_steps_match_eager_engine(cuda_model, processor, mode):
     inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
     kw = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_logits=True)
     cfg = dict(mode=mode, chunk_size=4, decode_guard=2)
-    slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
-    for _ in range(2):
-        fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(compile_steps=True, **cfg), **kw)
-        assert fast.cache.graphs.use_graphs and fast.cache.graphs.compiled and fast.cache.graphs._captured
-        assert torch.equal(slow.sequences, fast.sequences)
-        for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
-            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
-        del fast
+    _assert_compiled_steps_match_eager_engine(cuda_model, inputs, cfg, kw)
 
 
 def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, monkeypatch):
@@ -353,14 +359,7 @@ def test_cuda_family_compiled_steps_match_eager_engine(family):
     kw = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_logits=True,
               suppress_tokens=no_placeholder_ids(model))
     cfg = dict(chunk_size=4, decode_guard=2)
-    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
-    for _ in range(2):
-        fast = model.generate(**inputs, raincheck=RaincheckConfig(compile_steps=True, **cfg), **kw)
-        assert fast.cache.graphs.use_graphs and fast.cache.graphs.compiled and fast.cache.graphs._captured
-        assert torch.equal(slow.sequences, fast.sequences)
-        for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
-            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
-        del fast
+    _assert_compiled_steps_match_eager_engine(model, inputs, cfg, kw)
 
 
 @pytest.mark.parametrize("family", family_params(["qwen3_5"]))  # fp32 MoE experts are not captured (`ExpertsMixin`)
