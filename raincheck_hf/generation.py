@@ -354,6 +354,7 @@ def raincheck_sample(
     cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
     if getattr(cache, "is_static", False):
         cache.compile_steps = config.compile_steps  # its steps (and idle-time chunks after the call) run so
+        cache.time_steps = config.chunk_size == "auto"
 
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]

@@ -352,13 +352,21 @@ class StepGraphs:
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, cache.suffix_length)
         return PreparedStep(graph, key, buffers, want_logits, start, keys, sources, kinds)
 
+    def _replay(self, cache: StaticDeferredCache, key, graph) -> None:
+        # timing events around the replay only for a call that chooses its chunks from them (chunk_size="auto");
+        # every captured decode / chunk shape was timed once at capture anyway
+        if cache.time_steps:
+            self.timings.replay(key, graph)
+        else:
+            graph.replay()
+
     def launch(self, cache: StaticDeferredCache, step: PreparedStep):
         """Register a prepared step's rows and replay its graph; logits of its last real row or None."""
         start = cache.assign_slots(step.keys, step.sources, step.kinds)
         if start != step.start:
             raise RuntimeError(f"a step prepared for slot {step.start} was launched at slot {start}: rows were "
                                "added to the cache in between")
-        self.timings.replay(step.key, step.graph)
+        self._replay(cache, step.key, step.graph)
         return step.buffers.logits.clone() if step.want_logits else None
 
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
@@ -382,7 +390,7 @@ class StepGraphs:
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)
-                self.timings.replay(key, graph)
+                self._replay(cache, key, graph)
                 return buffers.logits.clone() if want_logits else None
         buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)

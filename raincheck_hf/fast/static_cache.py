@@ -404,6 +404,7 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
         self.attention_slots: int | None = None  # the running step's slot bucket (None: every slot)
         self.compile_steps = False  # RaincheckConfig.compile_steps of the call using the cache (`fast.compiled`)
+        self.time_steps = False  # the call chooses chunk sizes from measured step costs (chunk_size="auto")
 
     @property
     def _pool_key(self):
