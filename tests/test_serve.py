@@ -359,6 +359,23 @@ def test_cli_rejects_bad_settings_before_loading():
     assert main(["serve", "--port", "0"]) == 2
 
 
+@pytest.mark.parametrize("argv, message", [(["--max-tokens", "0"], "--max-tokens must be >= 1"),
+                                           (["--api-key", ""], "--api-key must be a non-empty"),
+                                           (["--media-root", "/no/such/folder"], "--media-root must be an existing")])
+def test_cli_settings_errors_name_the_option(argv, message):
+    """ServeSettings checks its fields (for the library too); from the command line the error names the option."""
+    import argparse
+
+    from raincheck_hf.serve import ServeSettings, cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=message):
+        cli.settings_from(parser.parse_args(argv))
+    with pytest.raises(ValueError, match="media_root must be an existing folder"):
+        ServeSettings(media_root="/no/such/folder")
+
+
 def test_serve_benchmark_smoke(tmp_path):
     """`python -m raincheck_hf.bench serve` on the tiny model: the structure of its JSON and what must hold
     whatever the timings (answers equal between server and library, reuse only where it should be)."""

@@ -61,6 +61,9 @@ class ServeSettings:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string (or None: no key)")
+        if self.media_root is not None and not Path(self.media_root).is_dir():
+            raise ValueError(f"media_root must be an existing folder (or None: file URLs refused), got "
+                             f"{str(self.media_root)!r}")
 
 
 class _StopStrings(StoppingCriteria):

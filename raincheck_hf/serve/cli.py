@@ -55,25 +55,26 @@ def settings_from(args):
                              compile_steps=args.compile_steps)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
-    if args.max_cache_gb is not None and args.max_cache_gb < 0:
+    if args.max_cache_gb is not None and args.max_cache_gb < 0:  # in GB here, in bytes for ServeSettings
         raise ValueError(f"--max-cache-gb must be >= 0, got {args.max_cache_gb}")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.api_key is not None and not args.api_key:
-        raise ValueError("--api-key must not be empty")
-    if args.media_root is not None:
-        from pathlib import Path
+    try:  # ServeSettings checks its fields; the message names the option that set one
+        return ServeSettings(
+            model_name=args.served_model_name or args.model or "qwen3_vl",
+            config=config,
+            max_cache_bytes=None if args.max_cache_gb is None else int(args.max_cache_gb * 2**30),
+            api_key=args.api_key,
+            media_root=media_root_from(args.media_root),
+            max_tokens=args.max_tokens,
+        )
+    except ValueError as error:
+        message = str(error)
+        for field_name, option in _OPTIONS.items():
+            if message.startswith(field_name + " "):
+                message = option + message[len(field_name):]
+        raise ValueError(message) from None
 
-        if not Path(args.media_root).is_dir():
-            raise ValueError(f"--media-root must be an existing folder, got {args.media_root!r}")
-    return ServeSettings(
-        model_name=args.served_model_name or args.model or "qwen3_vl",
-        config=config,
-        max_cache_bytes=None if args.max_cache_gb is None else int(args.max_cache_gb * 2**30),
-        api_key=args.api_key,
-        media_root=media_root_from(args.media_root),
-        max_tokens=args.max_tokens,
-    )
+
+_OPTIONS = {"max_tokens": "--max-tokens", "api_key": "--api-key", "media_root": "--media-root"}
 
 
 def _loopback(host: str) -> bool:
