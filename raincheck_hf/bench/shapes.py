@@ -85,6 +85,14 @@ def _special_ids(tokenizer) -> dict:
     )
 
 
+# what Qwen3-VL's public configs share (8B and 30B-A3B): the text model's multimodal rope and the vision tower
+_QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                  "mrope_interleaved": True}
+_QWEN3_VL_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                        deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+
+
 def qwen3_vl_8b_config(tokenizer=None):
     """Qwen3-VL-8B's shapes (docs/baselines.md) with the tiny tokenizer's special ids: 8.77 B parameters."""
     from transformers import Qwen3VLConfig
@@ -94,15 +102,10 @@ def qwen3_vl_8b_config(tokenizer=None):
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
         max_position_embeddings=262144, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
-                         "mrope_interleaved": True},
+        rope_parameters=dict(_QWEN3_VL_ROPE),
         eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], bos_token_id=None,
     )
-    vision_config = dict(
-        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh",
-    )
+    vision_config = dict(_QWEN3_VL_VISION, out_hidden_size=4096)
     return Qwen3VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False, **special)
 
 
@@ -132,15 +135,10 @@ def qwen3_vl_30b_a3b_config(tokenizer=None):
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu",
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=262144, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
-                         "mrope_interleaved": True},
+        rope_parameters=dict(_QWEN3_VL_ROPE),
         eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"], bos_token_id=None,
     )
-    vision_config = dict(
-        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh",
-    )
+    vision_config = dict(_QWEN3_VL_VISION, out_hidden_size=2048)
     return Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False,
                             **special)
 
