@@ -312,7 +312,8 @@ def cpu_graphs(monkeypatch):
         first = cache.total_slots - rows
         if first < start:
             return None
-        buffers = graphs.StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        buffers = graphs.StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device,
+                                           step_info=adapter.has_linear_attention)
         torch.arange(first, cache.total_slots, out=buffers.slots)
         saved = graphs._recurrent_snapshot(cache)
         self._step(adapter, cache, buffers, want_logits, bucket, variant)  # the real capture's warm-up writes these slots

@@ -58,7 +58,8 @@ class StepBuffers:
     query_keys: torch.Tensor
     slots: torch.Tensor
     deepstack: list[torch.Tensor]
-    step_info: torch.Tensor  # [2] long: real deferred rows of the forward, the cache's suffix length before it
+    step_info: torch.Tensor | None  # [2] long: real deferred rows of the forward, the cache's suffix length before
+    # it (families with state outside the KV slots only, `ModelAdapter.has_linear_attention`; else None)
     logits: torch.Tensor | None = None
     deepstack_written: bool = False  # some row holds DeepStack features
     deepstack_scattered: bool = False  # rows outside the leading deferred block may hold features
@@ -68,14 +69,14 @@ class StepBuffers:
         return int(self.embeds.shape[1])
 
     @classmethod
-    def empty(cls, rows: int, hidden: int, num_deepstack: int, dtype, device):
+    def empty(cls, rows: int, hidden: int, num_deepstack: int, dtype, device, step_info: bool = True):
         return cls(
             torch.zeros(1, rows, hidden, dtype=dtype, device=device),
             torch.zeros(3, 1, rows, dtype=torch.long, device=device),
             torch.full((rows,), MAX_KEY, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
             [torch.zeros(1, rows, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)],
-            torch.zeros(2, dtype=torch.long, device=device),
+            torch.zeros(2, dtype=torch.long, device=device) if step_info else None,
         )
 
 
@@ -107,8 +108,9 @@ def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: 
         query_keys[hi:].copy_(keys[lo:])
         torch.arange(start + lo, start + n, out=slots[hi:])
     _fill_deepstack(buffers, batch, lo, hi)
-    buffers.step_info[0].fill_(lo)  # a scalar fill: queued, no host wait
-    buffers.step_info[1].fill_(int(suffix_length))
+    if buffers.step_info is not None:
+        buffers.step_info[0].fill_(lo)  # a scalar fill: queued, no host wait
+        buffers.step_info[1].fill_(int(suffix_length))
 
 
 def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
@@ -224,7 +226,8 @@ class StepGraphs:
         first = cache.total_slots - rows
         if first < start:
             return None  # not enough room without touching stored rows: this shape runs eagerly this time
-        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device,
+                                    step_info=adapter.has_linear_attention)
         torch.arange(first, cache.total_slots, out=buffers.slots)
         # One capture at a time in the process; other threads' own work on the device goes on meanwhile
         # (thread_local: only this thread's unsafe calls would break the capture).
@@ -392,7 +395,8 @@ class StepGraphs:
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)
                 self._replay(cache, key, graph)
                 return buffers.logits.clone() if want_logits else None
-        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device,
+                                    step_info=adapter.has_linear_attention)
         fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)
         logits = self._step(adapter, cache, buffers, want_logits, bucket, variant)
         return logits if want_logits else None

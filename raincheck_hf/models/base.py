@@ -348,7 +348,7 @@ class ModelAdapter:
     def static_step(self, cache, step_info: torch.Tensor, variant):
         """A context manager around one fast-path step's text-model call (captured or not): the family's
         layers that keep state outside KV slots run on ``cache``'s static buffers. ``step_info [2]`` (device,
-        long): real deferred rows of the step, the suffix length before it."""
+        long; None for families without such state): real deferred rows of the step, the suffix length before it."""
         return contextlib.nullcontext()
 
     def use_vision_graphs(self, config) -> bool:
