@@ -1,8 +1,8 @@
-"""The fast path's in-place GDN operations (`fast.gdn_ops`) and the static-buffer state map
-(`fast.static_cache.StaticGDNState`) against the references of `raincheck_hf.gated_delta`.
+"""The fast path's in-place GDN operations as its static GDN state calls them (`fast.gdn_kernels`: the Triton
+kernels on CUDA, the references on CPU) and the static-buffer state map (`fast.static_cache.StaticGDNState`)
+against the references of `raincheck_hf.gated_delta`.
 
 Random inputs (seed 42), odd sizes, several head counts (key heads repeated to value heads), CPU.
-Whatever implements `gdn_ops` (torch here, fused kernels on CUDA) must keep these passing.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raincheck_hf.fast import gdn_ops
+from raincheck_hf.fast import gdn_kernels as gdn_ops
 from raincheck_hf.fast.static_cache import RecurrentLayout, StaticGDNState, _gates
 from raincheck_hf.gated_delta import (
     SuffixStateMap,

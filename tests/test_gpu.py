@@ -689,9 +689,10 @@ def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
 
 
 def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatch):
-    """`fast.gdn_ops` (what the fast path's static GDN state calls) on CUDA goes through the kernels and agrees
-    with its torch versions on CPU, at the Qwen3.5-9B sizes, one token and a 32-token chunk."""
-    from raincheck_hf.fast import gdn_ops
+    """`fast.gdn_kernels` as the fast path's static GDN state calls them (no ``reference`` argument): on CUDA
+    through the kernels, agreeing with the same calls on CPU (the references), at the Qwen3.5-9B sizes, one
+    token and a 32-token chunk."""
+    from raincheck_hf.fast import gdn_kernels as gdn_ops
     from raincheck_hf.gated_delta import l2norm
 
     launched = _record_kernel_choices(monkeypatch)

@@ -7,9 +7,9 @@
   boundary and leading-segment states, the suffix map, conv histories; Qwen3.5) and captured graphs;
   pooled per model, so a later conversation of the same size reuses them instead of capturing again
   (`release_storage` frees them).
-- `gdn_ops`: the per-step GDN operations (recurrent step, suffix-map update, join, short convolution),
-  in place on those buffers: on CUDA the Triton kernels of `gdn_kernels` (one launch per layer each),
-  on CPU torch versions built from `gated_delta`.
+- `gdn_kernels`: the per-step GDN operations (recurrent step, suffix-map update, join, short convolution),
+  in place on those buffers: on CUDA Triton kernels (one launch per layer each), on CPU the references
+  of `gated_delta`.
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked; GDN layers gate it off
   by a real-row count on the device), of the idle-time chunk-only step and of prefills padded to

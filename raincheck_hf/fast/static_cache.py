@@ -35,7 +35,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
 from ..gated_delta import GDNLayerParams, l2norm
-from . import gdn_ops
+from . import gdn_kernels
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
@@ -146,13 +146,13 @@ class StaticGDNState:
         rows = qkv.shape[1]
         real = torch.arange(rows, device=qkv.device) < n_real  # [R]
         # the conv on a copy of h_b (it rolls past the padding too); h_b' is gathered below
-        y = gdn_ops.conv_update_(self.boundary_conv.clone(), qkv, params.conv_weight, params.conv_bias,
+        y = gdn_kernels.conv_update_(self.boundary_conv.clone(), qkv, params.conv_weight, params.conv_bias,
                                  params.activation)
         q, k, v = _split_heads(y, params)
         real_f = real[None, :, None]
         g, beta = torch.where(real_f, g, 0.0), torch.where(real_f, beta, torch.zeros_like(beta))
         if chunk_rule is None:
-            out = gdn_ops.recurrent_step_(self.boundary_state, q, k, v, g, beta)
+            out = gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, g, beta)
         else:
             out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.boundary_state,
                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -170,13 +170,13 @@ class StaticGDNState:
         t = suffix_length
         recorded = (torch.arange(self.width, device=t.device) < t)[None, :, None]  # [1, Kc - 1, 1]
         g, beta = _gates(self.leading_a, self.leading_b, params)
-        y = gdn_ops.conv_update_(self.boundary_conv.clone(), self.leading_qkv, params.conv_weight, params.conv_bias,
+        y = gdn_kernels.conv_update_(self.boundary_conv.clone(), self.leading_qkv, params.conv_weight, params.conv_bias,
                                  params.activation)
         q, k, v = _split_heads(y, params)
         repaired = self.boundary_state.clone()
-        gdn_ops.recurrent_step_(repaired, q, k, v, torch.where(recorded, g, 0.0),
+        gdn_kernels.recurrent_step_(repaired, q, k, v, torch.where(recorded, g, 0.0),
                                 torch.where(recorded, beta, torch.zeros_like(beta)))
-        gdn_ops.join_(self.state, self.rest_map, repaired, self.leading_state)
+        gdn_kernels.join_(self.state, self.rest_map, repaired, self.leading_state)
         self.leading_state.copy_(repaired)
         # the live window is the last Kc - 1 of [h_b', suffix]: rows t .. t + Kc - 2 of [h_b', leading record]
         # while t < Kc - 1; otherwise it holds suffix tokens only and does not change
@@ -191,10 +191,10 @@ class StaticGDNState:
         chunked gated delta rule of the layer's modeling file), as the stock module does. Returns the core
         outputs ``[1, T, HV, V]`` and the rows' keys ``[1, T, HK, K]`` and values (raw) for `record`.
         """
-        y = gdn_ops.conv_update_(self.conv, qkv, params.conv_weight, params.conv_bias, params.activation)
+        y = gdn_kernels.conv_update_(self.conv, qkv, params.conv_weight, params.conv_bias, params.activation)
         q, k, v = _split_heads(y, params)
         if qkv.shape[1] == 1 or chunk_rule is None:
-            return gdn_ops.recurrent_step_(self.state, q, k, v, g, beta), k, v
+            return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta), k, v
         out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True)
         self.state.copy_(final)
@@ -209,9 +209,9 @@ class StaticGDNState:
             self.leading_qkv.index_copy_(1, suffix_length, qkv.to(self.leading_qkv.dtype))
             self.leading_a.index_copy_(1, suffix_length, a.to(self.leading_a.dtype))
             self.leading_b.index_copy_(1, suffix_length, b.to(self.leading_b.dtype))
-            gdn_ops.recurrent_step_(self.leading_state, k, k, v, g, beta)  # the output is not needed
+            gdn_kernels.recurrent_step_(self.leading_state, k, k, v, g, beta)  # the output is not needed
             return
-        gdn_ops.suffix_map_update_(self.rest_map, l2norm(k.float()), g, beta)
+        gdn_kernels.suffix_map_update_(self.rest_map, l2norm(k.float()), g, beta)
 
     def reset_boundary(self) -> None:
         """The boundary moves to the live state (after a turn's input rows): ``S_b = S_L = S_live``,

@@ -48,7 +48,7 @@ suffix tokens) for a generated row while deferred rows are pending, or the bound
 rows. What the host decides (is the row recorded, as a leading token or into M) is part of the step's
 captured-graph key (`StaticSplit`); the suffix length comes as a device scalar. Decode, fused and
 idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, token by token through
-`fast.gdn_ops`) are captured; prefills run eagerly, unpadded (a bucket's padding would sit among the
+`fast.gdn_kernels`) are captured; prefills run eagerly, unpadded (a bucket's padding would sit among the
 input rows, where the chunked rule cannot skip it), and so do longer chunks (the chunked rule).
 
 Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
