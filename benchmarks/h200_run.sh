@@ -62,14 +62,21 @@ final_bench)
         --json "$OUT/latency_qwen3_vl_8b_image_tpot_h200.json" > "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log" 2>&1
     tail -11 "$OUT/latency_qwen3_vl_8b_image_tpot_h200.log"
     ;;
-final_moe35)
+moe35|final_moe35)
     # Qwen3.5-MoE (35B-A3B shape) latency, short, on its fast path (bf16: captured steps)
     timeout "${MOE_S:-150}" python3 -m raincheck_hf.bench latency --model qwen3_5_35b_a3b --input image --turns 1 \
         --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 135 --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_5_35b_a3b_image_h200.log"
     ;;
-tpot)
+profile35)
+    # where Qwen3.5-9B's first token goes on its fast path (stages, captured steps replayed alone, torch.profiler)
+    timeout "${PROFILE_S:-170}" python3 -u -m raincheck_hf.bench profile --model qwen3_5_9b --input image \
+        --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_5_9b_image_h200_fast.json" \
+        > "$OUT/profile_qwen3_5_9b_image_h200_fast.log" 2>&1
+    grep "\[profile\]" "$OUT/profile_qwen3_5_9b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_5_9b_image_h200_fast.log"
+    ;;
+final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
     # variants recaptured each other's graphs every repetition): fixed 31 and auto, compiled steps side by side
     timeout "${VL_S:-250}" python3 -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 1 \

@@ -155,9 +155,9 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
         from ..models import get_adapter
 
         graphs = getattr(out.cache, "graphs", None)
-        replay = {f"rows={rows},logits={want_logits},slots={bucket}": _replay_seconds(graph, device, replays)
-                  for (rows, want_logits, bucket), (graph, _buffers)
-                  in sorted((getattr(graphs, "_captured", None) or {}).items())}
+        replay = {f"rows={key[0]},logits={key[1]},variant={key[2]},slots={key[3]}": _replay_seconds(graph, device,
+                                                                                                    replays)
+                  for key, (graph, _buffers) in sorted((getattr(graphs, "_captured", None) or {}).items(), key=repr)}
         for key, captured in vision_graphs_for(get_adapter(model))._captured.items():
             replay[f"vision_tower,grid={list(map(list, key[0]))}"] = _replay_seconds(captured.graph, device, replays)
         del out
