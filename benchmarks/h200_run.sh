@@ -76,6 +76,19 @@ profile35)
         > "$OUT/profile_qwen3_5_9b_image_h200_fast.log" 2>&1
     grep "\[profile\]" "$OUT/profile_qwen3_5_9b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_5_9b_image_h200_fast.log"
     ;;
+prefill35)
+    # issue 16's T1: Qwen3.5's prefills of input rows only padded and captured; its GPU tests, then Qwen3.5-9B with
+    # every variant side by side (stock static compiled included), 512-token answer
+    timeout "${TESTS_S:-180}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short \
+        -k "gdn_prefills or gdn_conversation or (family_fast_path and qwen3_5 and not moe)" \
+        > "$OUT/test_gpu_prefill35_h200.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/test_gpu_prefill35_h200.log" | tail -8
+    timeout "${BENCH_S:-370}" python3 -u -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 1 \
+        --answer-tokens 512 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_S:-350}" \
+        --variants "${VARIANTS:-stock_static_reused,full,full_compiled,hard,raincheck,raincheck_compiled,serial}" \
+        --json "$OUT/latency_qwen3_5_9b_image_512_h200.json" > "$OUT/latency_qwen3_5_9b_image_512_h200.log" 2>&1
+    grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_512_h200.log" | tail -14
+    ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
     # variants recaptured each other's graphs every repetition): fixed 31 and auto, compiled steps side by side

@@ -175,10 +175,13 @@ def test_gdn_states_are_copied_with_the_cache(qwen35, processor):
         assert torch.equal(x, y)
 
 
-def test_fast_path_bucketed_prefill_matches_eager_engine(model, processor, monkeypatch):
-    """The CUDA prefill layout ([leftover deferred rows, padding, input rows], padded to a bucket), run on CPU."""
+@pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
+def test_fast_path_bucketed_prefill_matches_eager_engine(family, monkeypatch):
+    """The CUDA prefill layout ([leftover deferred rows, padding, input rows], padded to a bucket), run on CPU;
+    for a GDN family the padding in front of a turn's input rows is gated off and skipped by the conv."""
     import raincheck_hf.fast.graphs as graphs
 
+    _, model, processor = family
     monkeypatch.setattr(graphs, "PREFILL_BUCKET", 16)
     init = graphs.StepGraphs.__init__
 
@@ -187,21 +190,35 @@ def test_fast_path_bucketed_prefill_matches_eager_engine(model, processor, monke
         self.pad_prefill = True
 
     monkeypatch.setattr(graphs.StepGraphs, "__init__", padded)
+    step_rows = []
+    step = graphs.StepGraphs._step
+
+    def logged(self, adapter, cache, buffers, *args, **kwargs):
+        step_rows.append(buffers.rows)
+        return step(self, adapter, cache, buffers, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.StepGraphs, "_step", logged)
     inputs = make_inputs(processor, **INPUT_CASES["two_images"])
     for mode in ("raincheck", "full", "post_answer"):
+        step_rows.clear()
         slow, fast = _pair(model, inputs, mode=mode, chunk_size=4, decode_guard=2)
         _assert_same(slow, fast)
         assert fast.cache.scratch == 16
+        prefill = step_rows[0]
+        assert prefill % 16 == 0 and prefill > slow.raincheck.restored_per_forward[0].numel()  # padded
+        _assert_same_state(slow.cache, fast.cache)
     # a follow-up whose prefill carries leftovers in front of the padding
     from test_generation import second_turn
 
     cfg = dict(mode="post_answer", chunk_size=4, decode_guard=2)
-    slow, fast = _pair(model, inputs, **cfg)
+    kw = _kw(model)
+    slow, fast = _pair(model, inputs, kw=kw, **cfg)
     second = second_turn(processor, slow.sequences)
-    slow2 = model.generate(**second, cache=slow.cache, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
-    fast2 = model.generate(**second, cache=fast.cache, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)
+    slow2 = model.generate(**second, cache=slow.cache, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    fast2 = model.generate(**second, cache=fast.cache, raincheck=RaincheckConfig(fast_path=True, **cfg), **kw)
     assert slow2.raincheck.restored_per_forward[0].numel() > 0
     _assert_same(slow2, fast2)
+    _assert_same_state(slow2.cache, fast2.cache)
 
 
 def test_slot_storage_is_reused_only_when_free(model, processor):
@@ -347,6 +364,28 @@ def cpu_graphs(monkeypatch):
     _POOLS.clear()
 
 
+def test_a_failed_prefill_capture_leaves_the_steps_captured(qwen35, processor, cpu_graphs, monkeypatch):
+    """A prefill bucket whose capture raises: a warning naming the prefill, that prefill and later ones run
+    eagerly (unpadded), the decode and chunk steps are still captured and replayed, the answer unchanged."""
+    import raincheck_hf.fast.graphs as graphs
+
+    capture = graphs.StepGraphs._capture
+
+    def failing(self, adapter, cache, rows, *args, **kwargs):
+        if rows >= 16:  # the prefill buckets (16 rows each here); steps are 1, 4 or 5 rows
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return capture(self, adapter, cache, rows, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.StepGraphs, "_capture", failing)
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(mode="raincheck", chunk_size=4, decode_guard=2)
+    with pytest.warns(RuntimeWarning, match="prefill failed"):
+        slow, fast = _pair(qwen35, inputs, kw=_kw(qwen35), **cfg)
+    _assert_same(slow, fast)
+    assert fast.cache.graphs.use_graphs and not fast.cache.graphs.pad_prefill
+    assert cpu_graphs and all(rows in (1, 5) for rows, _, _ in cpu_graphs)  # decode and fused steps replayed
+
+
 @pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
 @pytest.mark.parametrize("mode", ["raincheck", "serial", "full", "post_answer"])
 def test_prepared_steps_replay_what_the_eager_engine_computes(family, cpu_graphs, mode):
@@ -365,8 +404,10 @@ def test_prepared_steps_replay_what_the_eager_engine_computes(family, cpu_graphs
     if mode in ("raincheck", "serial"):
         chunk_rows = 4 if mode == "serial" else 5
         assert any(rows == chunk_rows for rows, _, was_prepared in prepared)
-    if fast.cache.storage.gdn:  # the prefill ran eagerly: every replay was a decode or chunk step
-        assert all(rows in (1, 4, 5) for rows, _, _ in cpu_graphs)
+    # the prefill (input rows only) replayed its bucket's graph, padded in front; then decode and chunk steps
+    assert cpu_graphs[0][0] % 16 == 0 and not cpu_graphs[0][2]
+    assert all(rows in (1, 4, 5) for rows, _, _ in cpu_graphs[1:])
+    if fast.cache.storage.gdn:
         while fast.cache.num_pending:  # the captured idle-time chunk (the last one short), on the replayed states
             restore_pending(model, slow.cache, max_tokens=4)
             restore_pending(model, fast.cache, max_tokens=4)

@@ -99,6 +99,37 @@ def _layout(params):
                            KERNEL, torch.float32)
 
 
+@pytest.mark.parametrize("rule", ["recurrent", "chunked"])
+@pytest.mark.parametrize("real,padding", [(1, 0), (1, 5), (2, 3), (7, 9), (20, 0)])
+def test_padded_input_rows_match_unpadded_ones(real, padding, rule):
+    """A bucketed prefill's layout ``[padding, input rows]`` (`StaticGDNState.run_input`) against the same rows
+    unpadded (`run_rest`) from the same live state and conv history: outputs of the real rows, live state, conv
+    history; fewer real rows than the history's width too."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    params = random_params(2, 4, 8, 6)
+    rows = {}
+    for name, pad in (("unpadded", 0), ("padded", padding)):
+        buf = StaticGDNState(_layout(params), "cpu")
+        buf.state.copy_(random_state(1, 4, 8, 6, seed=21))
+        buf.conv.copy_(random_preconv(1, KERNEL - 1, params, seed=22)[0])
+        qkv, a, b = random_preconv(1, real, params, seed=23)
+        if pad:  # garbage in the padding rows: none of it may reach a real row or the states
+            junk, ja, jb = random_preconv(1, pad, params, seed=24)
+            qkv, a, b = (torch.cat([100 * x, y], dim=1) for x, y in ((junk, qkv), (ja, a), (jb, b)))
+        g, beta = _gates(a, b, params)
+        chunk_rule = torch_chunk_gated_delta_rule if rule == "chunked" else None
+        if name == "unpadded":
+            out, _, _ = buf.run_rest(qkv, g, beta, params, chunk_rule=chunk_rule)
+        else:
+            out, _, _ = buf.run_input(qkv, g, beta, torch.tensor([pad]), params, chunk_rule=chunk_rule)
+            out = out[:, pad:]
+        rows[name] = (out, buf.state.clone(), buf.conv.clone())
+    (o1, s1, c1), (o2, s2, c2) = rows["unpadded"], rows["padded"]
+    assert rel_err(o2, o1) <= 1e-5 and rel_err(s2, s1) <= 1e-5
+    assert torch.equal(c2, c1)
+
+
 @pytest.mark.parametrize("suffix", [0, 1, 2, 3, 7])
 @pytest.mark.parametrize("real,padding", [(3, 2), (1, 4), (6, 0)])
 def test_static_state_matches_suffix_state_map(suffix, real, padding):

@@ -362,10 +362,41 @@ def test_cuda_family_compiled_steps_match_eager_engine(family):
     _assert_compiled_steps_match_eager_engine(model, inputs, cfg, kw)
 
 
+@pytest.mark.parametrize("family", family_params(["qwen3_5"]))
+def test_cuda_gdn_prefills_are_captured_per_bucket(family):
+    """A GDN family's prefill of input rows only is padded in front to its 64-row bucket and captured: prompts of
+    two lengths in one bucket replay one prefill graph (the padding a device scalar), and each answers as the
+    eager engine does, in every mode."""
+    from raincheck_hf.fast.graphs import PREFILL_BUCKET
+
+    model = _cuda_family_model(family)
+    processor = family_processor(family)
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    images = INPUT_CASES["two_images"]["images"]
+    prompts = [_cuda(make_inputs(processor, images=images, text=text))
+               for text in ("What is in this image?", "What is in these two images, left to right?")]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    assert lengths[0] != lengths[1] and -(-lengths[0] // PREFILL_BUCKET) == -(-lengths[1] // PREFILL_BUCKET)
+    for mode in ("raincheck", "full"):
+        prefill_graphs = set()
+        for inputs in prompts:
+            cfg = dict(mode=mode, chunk_size=4, decode_guard=2, compile_steps=False)
+            slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+            fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
+            graphs = fast.cache.graphs
+            assert graphs.use_graphs, "a step's CUDA-graph capture failed"
+            prefill_graphs |= {key for key in graphs._captured if getattr(key[2], "padded_input", False)}
+            assert torch.equal(slow.sequences, fast.sequences)
+            for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
+                assert (a - b).abs().max().item() <= 1e-3, f"{mode}, forward {i}"
+        assert len(prefill_graphs) == 1, prefill_graphs  # both prompts: one bucket, one graph
+
+
 @pytest.mark.parametrize("family", family_params(["qwen3_5"]))  # fp32 MoE experts are not captured (`ExpertsMixin`)
 def test_cuda_gdn_conversation_streams_the_eager_engines_answers(family):
-    """Qwen3.5 on the CUDA fast path (GDN states in static buffers, decode / fused / idle-time chunk steps
-    captured, prefills eager): a streamed two-turn `Conversation` (the second turn's prefill carries the first's
+    """Qwen3.5 on the CUDA fast path (GDN states in static buffers, decode / fused / idle-time chunk steps and
+    prefills of input rows only captured, prefills carrying leftovers eager): a streamed two-turn `Conversation` (the second turn's prefill carries the first's
     leftovers, then `complete()` restores the rest through the idle-time chunk step) answers as the eager
     engine does."""
     from raincheck_hf.fast import StaticDeferredCache

@@ -8,7 +8,7 @@ and the cache, and writes the last row's logits into a buffer.
 
 Rows are laid out ``[deferred rows, padding, the rest]``; padding rows write to scratch slots with
 the maximum key, so no real query sees them, and they see every real row (so they never attend to
-nothing). Shapes captured on CUDA: ``L = 1`` (decode), ``L = c + 1`` (a chunk of ``c`` padded
+nothing). A prefill without deferred rows is thus ``[padding, input rows]``. Shapes captured on CUDA: ``L = 1`` (decode), ``L = c + 1`` (a chunk of ``c`` padded
 rows fused with the decode token), ``L = c`` (an idle-time chunk) and prefills padded up to a
 multiple of `PREFILL_BUCKET`, each per *slot bucket*: a step attends over the first ``B`` slots
 only, ``B`` = the used slots (this step's rows included) rounded up on a geometric ladder
@@ -20,7 +20,7 @@ of the same size reuse, so each (shape, bucket) is captured once per storage.
 A family whose text layers do more than attention (Qwen3.5's Gated DeltaNet) says per forward what its
 step runs beyond the shape (`ModelAdapter.static_step_variant`: e.g. whether a generated row is recorded
 in the suffix map), which is part of a graph's key, and gets the step's device scalars ``step_info``
-(real deferred rows among the padded ones, the suffix length) to mask with; the adapter's
+(real deferred rows among the padded ones, the suffix length, a prefill's leading padding) to mask with; the adapter's
 `ModelAdapter.static_step` scope routes its layers to their static-buffer forwards inside the step. A
 family may also refuse to pad and capture prefills (``ModelAdapter.bucketed_prefill``): those then run
 eagerly, unpadded, on the same static cache.
@@ -58,8 +58,9 @@ class StepBuffers:
     query_keys: torch.Tensor
     slots: torch.Tensor
     deepstack: list[torch.Tensor]
-    step_info: torch.Tensor | None  # [2] long: real deferred rows of the forward, the cache's suffix length before
-    # it (families with state outside the KV slots only, `ModelAdapter.has_linear_attention`; else None)
+    step_info: torch.Tensor | None  # [3] long: real deferred rows of the forward, the cache's suffix length before
+    # it, the leading padding of a forward without deferred rows (families with state outside the KV slots only,
+    # `ModelAdapter.has_linear_attention`; else None)
     logits: torch.Tensor | None = None
     deepstack_written: bool = False  # some row holds DeepStack features
     deepstack_scattered: bool = False  # rows outside the leading deferred block may hold features
@@ -76,7 +77,7 @@ class StepBuffers:
             torch.full((rows,), MAX_KEY, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
             [torch.zeros(1, rows, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)],
-            torch.zeros(2, dtype=torch.long, device=device) if step_info else None,
+            torch.zeros(3, dtype=torch.long, device=device) if step_info else None,
         )
 
 
@@ -86,7 +87,8 @@ def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: 
 
     ``keys`` are on the buffers' device; real rows take slots ``start, start + 1, ...`` in batch order,
     padding rows the scratch slots ``capacity, capacity + 1, ...``. ``step_info`` gets ``n_deferred`` and
-    ``suffix_length`` (the cache's, before this forward).
+    ``suffix_length`` (the cache's, before this forward), and for a forward of several rows without deferred
+    ones (a prefill: ``[padding, input rows]``) the padding.
     """
     n = int(batch.embeds.shape[0])
     lo, hi = n_deferred, n_deferred + padding
@@ -111,6 +113,8 @@ def fill(buffers: StepBuffers, batch, keys: torch.Tensor, start: int, capacity: 
     if buffers.step_info is not None:
         buffers.step_info[0].fill_(lo)  # a scalar fill: queued, no host wait
         buffers.step_info[1].fill_(int(suffix_length))
+        if lo == 0 and n > 1:  # decode steps keep their buffers' 0 (one row is never padded)
+            buffers.step_info[2].fill_(padding)
 
 
 def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
@@ -381,15 +385,20 @@ class StepGraphs:
         keys = to_device(keys, cache.slot_keys.device)
         suffix_length = cache.suffix_length  # before this forward's rows count
         start = cache.assign_slots(keys, sources, kinds)
-        if self.use_graphs and adapter.capturable(variant, rows):
+        # a prefill (any unpadded multi-row forward: `step_rows` pads it to a bucket) is captured only when padded
+        prefill = pad_to is None and n > 1
+        if self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(variant, rows):
             captured = self._captured.get(key)
             if captured is None:
                 try:
                     captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
                 except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
-                    warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
-                                  "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
-                    self.use_graphs = self.pad_prefill = False  # this forward keeps its (valid) padded shape
+                    warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row "
+                                  f"{'prefill' if prefill else 'step'} failed ({error}); running "
+                                  f"{'prefills' if prefill else 'it'} eagerly on the static cache instead.",
+                                  RuntimeWarning, stacklevel=2)
+                    self.pad_prefill = False  # this forward keeps its (valid) padded shape; a prefill's failure
+                    self.use_graphs = self.use_graphs and prefill  # leaves the steps captured
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)

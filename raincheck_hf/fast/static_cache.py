@@ -187,13 +187,43 @@ class StaticGDNState:
     def run_rest(self, qkv, g, beta, params: GDNLayerParams, chunk_rule=None):
         """Rows after the boundary (a generated token, or a turn's input) from the live state.
 
-        One row runs the recurrent rule; several (a prefill, never captured) ``chunk_rule`` (transformers'
+        One row runs the recurrent rule; several (a prefill after leftover deferred rows) ``chunk_rule`` (transformers'
         chunked gated delta rule of the layer's modeling file), as the stock module does. Returns the core
         outputs ``[1, T, HV, V]`` and the rows' keys ``[1, T, HK, K]`` and values (raw) for `record`.
         """
         y = gdn_kernels.conv_update_(self.conv, qkv, params.conv_weight, params.conv_bias, params.activation)
         q, k, v = _split_heads(y, params)
         if qkv.shape[1] == 1 or chunk_rule is None:
+            return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta), k, v
+        out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        self.state.copy_(final)
+        return out, k, v
+
+    def run_input(self, qkv, g, beta, n_padding: torch.Tensor, params: GDNLayerParams, chunk_rule=None):
+        """A turn's input rows from the live state, after ``n_padding`` (a device scalar ``[1]``) leading padding
+        rows: the layout of a bucketed prefill, ``[padding, input rows]``, whose captured graph serves every
+        input length of its bucket. `run_rest`'s result for the real rows, and the same states after.
+
+        Padding rows get ``g = 0, beta = 0`` (the state passes them unchanged), and the conv history is moved
+        next to the first real row: of ``[h, padding, real rows]`` (``P`` padding rows) the shifted sequence
+        is ``[anything (P rows), h, real rows]``, so every real row's conv window holds ``[h, real rows]`` only
+        and the new history is the last ``Kc - 1`` of that, whatever ``P``. Padding rows' outputs are garbage.
+        """
+        rows = qkv.shape[1]
+        device = qkv.device
+        joined = torch.cat([self.conv, qkv.to(self.conv.dtype)], dim=1)  # [1, Kc - 1 + R, C]
+        position = torch.arange(self.width + rows, device=device)
+        index = torch.where(position < n_padding + self.width, (position - n_padding).clamp(min=0), position)
+        shifted = joined.index_select(1, index)
+        history = shifted[:, :self.width].clone()
+        y = gdn_kernels.conv_update_(history, shifted[:, self.width:], params.conv_weight, params.conv_bias,
+                                     params.activation)
+        self.conv.copy_(history)  # the last Kc - 1 of [h, real rows]
+        q, k, v = _split_heads(y, params)
+        real = (torch.arange(rows, device=device) >= n_padding)[None, :, None]
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+        if rows == 1 or chunk_rule is None:
             return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta), k, v
         out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True)

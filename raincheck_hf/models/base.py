@@ -347,8 +347,9 @@ class ModelAdapter:
 
     def static_step(self, cache, step_info: torch.Tensor, variant):
         """A context manager around one fast-path step's text-model call (captured or not): the family's
-        layers that keep state outside KV slots run on ``cache``'s static buffers. ``step_info [2]`` (device,
-        long; None for families without such state): real deferred rows of the step, the suffix length before it."""
+        layers that keep state outside KV slots run on ``cache``'s static buffers. ``step_info [3]`` (device,
+        long; None for families without such state): real deferred rows of the step, the suffix length before it,
+        and the leading padding of a prefill without deferred rows."""
         return contextlib.nullcontext()
 
     def use_vision_graphs(self, config) -> bool:

@@ -48,8 +48,10 @@ suffix tokens) for a generated row while deferred rows are pending, or the bound
 rows. What the host decides (is the row recorded, as a leading token or into M) is part of the step's
 captured-graph key (`StaticSplit`); the suffix length comes as a device scalar. Decode, fused and
 idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, token by token through
-`fast.gdn_kernels`) are captured; prefills run eagerly, unpadded (a bucket's padding would sit among the
-input rows, where the chunked rule cannot skip it), and so do longer chunks (the chunked rule).
+`fast.gdn_kernels`) are captured, and so are prefills of input rows only, padded in front to a bucket
+(``[padding, input rows]``: padding gets ``g = 0, beta = 0`` and the conv history is moved next to the first
+input row, `StaticGDNState.run_input`; the chunked rule runs all rows). A prefill with leftover deferred rows
+in front, and chunks longer than that, run eagerly (the chunked rule).
 
 Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
 fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_delta` uses. When
@@ -252,6 +254,10 @@ class StaticSplit:
     n_rest: int
     rest_kind: int | None
     record: str | None = None
+    # a turn's input rows with no deferred rows in front: the step's rows are ``[padding, input rows]``, how
+    # many are padding is the device scalar ``step_info[2]`` (``n_rest`` is then 0), so one captured graph
+    # serves every prefill of a bucket (`StaticGDNState.run_input`)
+    padded_input: bool = False
 
 
 @dataclass
@@ -259,7 +265,8 @@ class _StaticStepContext:
     """One fast-path step, as the GDN dispatchers see it (the projections run unchanged)."""
 
     cache: object
-    step_info: torch.Tensor  # [2] long on the device: real deferred rows, suffix length before the step
+    step_info: torch.Tensor  # [3] long on the device: real deferred rows, suffix length before the step, leading
+    # padding rows of a padded input (`StaticSplit.padded_input`)
     split: StaticSplit
     modules: frozenset
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
@@ -292,11 +299,15 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
     n_real, suffix_length = ctx.step_info[0:1], ctx.step_info[1:2]
     outs = []
     chunk_rule = module_function(module, "torch_chunk_gated_delta_rule")
-    if n_chunk:
+    if split.padded_input:  # [padding, a turn's input rows]: the boundary moves after them
+        outs.append(state.run_input(qkv, g, beta, ctx.step_info[2:3], params, chunk_rule=chunk_rule)[0])
+        state.reset_boundary()
+        n_chunk = 0
+    elif n_chunk:
         outs.append(state.run_chunk(qkv[:, :n_chunk], g[:, :n_chunk], beta[:, :n_chunk], n_real, params,
                                     chunk_rule=chunk_rule if n_chunk > RECURRENT_CHUNK_MAX else None))
         state.join(suffix_length, params)
-    if split.n_rest:
+    if split.n_rest and not split.padded_input:
         rest = slice(n_chunk, rows)
         out, k, v = state.run_rest(qkv[:, rest], g[:, rest], beta[:, rest], params, chunk_rule=chunk_rule)
         outs.append(out)
@@ -446,9 +457,11 @@ class GatedDeltaNetMixin:
     # cache's buffers (`fast.static_cache.StaticGDNState`) and the gated attention layers in its KV slots.
     supports_fast_path = True
     static_layer_types = ("full_attention", "linear_attention")
-    # A bucketed prefill would put padding among a turn's input rows at a varying place, which the chunked
-    # GDN rule cannot skip: prefills run eagerly, unpadded; decode and chunk steps are captured.
-    bucketed_prefill = False
+    # A prefill of input rows only (every turn 1; a later turn whose deferred rows are all restored) is padded
+    # in front to its bucket and captured: padding gets ``g = 0, beta = 0`` and the conv history is moved past
+    # it (`StaticGDNState.run_input`). A prefill that carries leftover deferred rows in front is padded between
+    # them and its input rows (the chunk step's layout) and runs eagerly: its split point varies.
+    bucketed_prefill = True
 
     def __init__(self, model):
         super().__init__(model)
@@ -489,6 +502,8 @@ class GatedDeltaNetMixin:
 
     def static_step_variant(self, kinds, pending_after: int, suffix_length: int) -> StaticSplit:
         split = RowSplit.from_kinds(kinds, int(kinds.shape[0]))
+        if split.rest_kind == INPUT and not split.n_deferred:
+            return StaticSplit(0, INPUT, padded_input=True)
         record = None
         if split.rest_kind == GENERATED and pending_after > 0:
             width = self.text_model.config.linear_conv_kernel_dim - 1
@@ -496,7 +511,10 @@ class GatedDeltaNetMixin:
         return StaticSplit(split.n_rest, split.rest_kind, record)
 
     def capturable(self, variant: StaticSplit, rows: int) -> bool:
-        # prefills run eagerly (``bucketed_prefill`` is False), and so do chunks too long for the recurrent rule
+        # a prefill of input rows only is captured per bucket; one with leftover deferred rows in front runs
+        # eagerly (its split point varies), and so do chunks too long for the recurrent rule
+        if variant.padded_input:
+            return True
         return variant.rest_kind != INPUT and rows - variant.n_rest <= RECURRENT_CHUNK_MAX
 
     def static_step(self, cache, step_info, variant: StaticSplit):
