@@ -45,8 +45,10 @@ class RaincheckConfig:
             inside the captured graphs (`raincheck_hf.fast.compiled`): Qwen3-VL's decoder layers whole but
             for the cache write and the attention (norms, rotary embedding, activation, residual adds), other
             families' RMSNorms and dense MLPs, and the few-query attention's softmax; the first steps of a
-            model pay the compile (warm-up).
-            Only the fast path's steps (on CPU with ``fast_path=True`` too); the eager engine ignores it.
+            model pay the compile (warm-up). None (default) = on when the fast path captures its steps as
+            CUDA graphs (a model on CUDA), off otherwise (CPU, the eager engine, a fast path whose graphs
+            are off, e.g. after a failed capture); True / False = always / never on the fast path's steps
+            (True on CPU with ``fast_path=True`` too, compiled for the CPU). The eager engine ignores it.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
             ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,
             or a boolean tensor over the prompt's multimodal tokens in source order
@@ -73,7 +75,7 @@ class RaincheckConfig:
     selector_kwargs: dict = field(default_factory=dict)
     fast_path: bool | None = None
     tpot_slack: float = 0.02
-    compile_steps: bool = False
+    compile_steps: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -99,8 +101,9 @@ class RaincheckConfig:
         ``generate(raincheck=...)`` call), which also catches a ``selector_kwargs`` dict or a keep-mask
         changed in place. Returns the config.
         """
-        if not isinstance(self.compile_steps, bool):
-            raise ValueError(f"RaincheckConfig.compile_steps={self.compile_steps!r} must be True or False.")
+        if not (self.compile_steps is None or isinstance(self.compile_steps, bool)):
+            raise ValueError(f"RaincheckConfig.compile_steps={self.compile_steps!r} must be None (auto: on when the "
+                             "fast path captures CUDA graphs), True or False.")
         if not (self.fast_path is None or isinstance(self.fast_path, bool)):
             raise ValueError(f"RaincheckConfig.fast_path={self.fast_path!r} must be None (auto: on CUDA), True or False.")
         retention = self.retention

@@ -197,6 +197,15 @@ class ChunkScheduler:
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
 
+def step_graphs(adapter, cache):
+    """The static cache's `StepGraphs` (the captured steps of its slot storage), made on first use."""
+    if cache.graphs is None:
+        from .fast.graphs import StepGraphs
+
+        cache.graphs = StepGraphs(adapter, use_graphs=adapter.step_graph_blocker() is None)
+    return cache.graphs
+
+
 def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
              pad_to: int | None = None, prepared=None):
     """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
@@ -208,11 +217,7 @@ def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, source
         return cache.graphs.launch(cache, prepared)
     kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
     if getattr(cache, "is_static", False):
-        if cache.graphs is None:
-            from .fast.graphs import StepGraphs
-
-            cache.graphs = StepGraphs(adapter, use_graphs=adapter.step_graph_blocker() is None)
-        return cache.graphs.run(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
+        return step_graphs(adapter, cache).run(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
     visible = cache.add_rows(keys, sources, kinds)
     single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
     return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
@@ -353,7 +358,10 @@ def raincheck_sample(
     rows_needed = input_ids.shape[1] - start + pending_before + generation_config.max_length - input_ids.shape[1]
     cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
     if getattr(cache, "is_static", False):
-        cache.compile_steps = config.compile_steps  # its steps (and idle-time chunks after the call) run so
+        from .fast.compiled import resolve_compile_steps
+
+        # its steps (and idle-time chunks after the call) run so; None: compiled when they are captured
+        cache.compile_steps = resolve_compile_steps(config.compile_steps, step_graphs(adapter, cache).use_graphs)
         cache.time_steps = config.chunk_size == "auto"
 
     # 1. the new tokens of this turn

@@ -65,6 +65,10 @@ def test_json_has_every_variant_with_positive_numbers(result):
         assert entry["tpot_plain_over_floor"] > 0
     assert run["lengths"] == {"consistent": True, "mismatches": []}
     assert "stock_static" in run["warmup"] and run["warmup"]["stock_static"]["compiled"] is False  # no compile on CPU
+    for name, entry in run["variants"].items():  # the library's default compile_steps, uncompiled on CPU
+        if entry["kind"] == "raincheck":
+            assert entry["config"]["compile_steps"] is None, name
+            assert all(t["steps_compiled"] is False for t in entry["reps"][0]["turns"]), name
 
 
 def test_restoration_counts_follow_the_modes(result):
@@ -193,6 +197,35 @@ def test_profile_tool_stages_add_up_on_cpu(tmp_path):
         assert entry["replay_s"] == {} and entry["profiler"] == {}  # CUDA only
     assert out["modes"]["raincheck"]["stages"]["decode_forward_chunk_median_s"] is not None
     assert out["modes"]["full"]["stages"]["decode_forward_chunk_median_s"] is None
+
+
+def test_compile_twins_force_the_setting_and_run_only_when_named():
+    """The plain variants take the library's default (or --compile-steps / --no-compile-steps); the twins force
+    compile_steps whatever that says, and run only when named (by name or family)."""
+    twins = {"full_uncompiled": False, "raincheck_uncompiled c=31": False, "full_compiled": True,
+             "raincheck_compiled c=31": True}
+    assert not set(twins) & {v.name for v in latency.build_variants((7, 31), 31, 1, 1)}
+    named = latency.build_variants((7, 31), 31, 1, 1, only=["full", "full_uncompiled", "raincheck_uncompiled",
+                                                            "full_compiled", "raincheck_compiled c=31"])
+    assert [v.name for v in named] == ["full", *twins]
+    settings = dict(retention=0.3, decode_guard=16, selector="mmtok")
+    for flag in (None, True, False):
+        for v in named:
+            config = v.config(dict(settings, compile_steps=flag))
+            assert config.compile_steps is twins.get(v.name, flag), (v.name, flag)
+            assert (config.mode, config.chunk_size) == (v.mode, 31)
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--compile-steps"], True), (["--no-compile-steps"], False)])
+def test_bench_compile_steps_flags_are_tri_state(monkeypatch, argv, want):
+    from raincheck_hf.bench import profile
+
+    seen = {}
+    monkeypatch.setattr(latency, "run", lambda **kw: seen.setdefault("latency", kw["compile_steps"]))
+    monkeypatch.setattr(profile, "run", lambda *a, **kw: seen.setdefault("profile", kw["compile_steps"]))
+    latency.main(argv)
+    profile.main(argv)
+    assert seen == {"latency": want, "profile": want}
 
 
 def test_slow_first_warmup_is_repeated(monkeypatch):

@@ -26,6 +26,7 @@ from conftest import INPUT_CASES, make_inputs
         (dict(tpot_slack=-0.01), "tpot_slack=-0.01"),
         (dict(tpot_slack=True), "tpot_slack=True"),
         (dict(compile_steps=1), "compile_steps=1"),
+        (dict(compile_steps="yes"), "compile_steps='yes'"),
         (dict(mode="fast"), "mode='fast'"),
         (dict(selector="no-such-method"), "selector='no-such-method'"),
         (dict(selector=torch.ones(3)), "selector as a tensor"),
@@ -42,6 +43,19 @@ def test_invalid_config_names_the_setting(kwargs, name):
 def test_defaults_follow_the_method():
     cfg = RaincheckConfig()
     assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode) == (0.3, 31, 16, "raincheck")
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_compile_steps_is_auto_by_default_and_takes_a_bool(value):
+    """None (the default: compiled where the steps are captured, `fast.compiled.resolve_compile_steps`), True or
+    False; anything else is refused by name, at construction and on assignment (the old value stays)."""
+    assert RaincheckConfig().compile_steps is None
+    cfg = RaincheckConfig(compile_steps=value)
+    assert cfg.compile_steps is value
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match=r"RaincheckConfig\.compile_steps=.* must be None \(auto"):
+            cfg.compile_steps = bad
+        assert cfg.compile_steps is value
 
 
 class _CountVisionCalls:

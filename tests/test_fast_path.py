@@ -755,6 +755,34 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     assert not stock.cache.graphs.compiled
 
 
+@pytest.mark.parametrize("setting", [None, True, False])
+@pytest.mark.parametrize("graphs_in_use", [True, False])
+def test_compile_steps_resolve_to_the_setting_or_to_whether_graphs_are_captured(setting, graphs_in_use):
+    from raincheck_hf.fast.compiled import resolve_compile_steps
+
+    want = graphs_in_use if setting is None else setting
+    assert resolve_compile_steps(setting, graphs_in_use) is want
+
+
+@pytest.mark.parametrize("fast_path", [None, True])
+def test_default_compile_steps_stay_off_without_graphs(model, processor, fast_path):
+    """On CPU no step is captured: the default config compiles nothing, on the eager engine (``fast_path=None``
+    picks it here) and on the fast path's code without graphs; a cache that ran compiled before resolves
+    again at the next call."""
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    cfg = dict(chunk_size=4, decode_guard=2, fast_path=fast_path)
+    out = model.generate(**inputs, raincheck=RaincheckConfig(**cfg), **KW)
+    assert getattr(out.cache, "compile_steps", False) is False
+    assert isinstance(out.cache, StaticDeferredCache) == (fast_path is True)
+    if fast_path:
+        assert not out.cache.graphs.use_graphs and not out.cache.graphs.compiled
+        out.cache.compile_steps = True  # as a compile_steps=True call leaves it
+        ids = torch.cat([out.sequences, out.sequences[:, -1:]], dim=1)
+        again = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=out.cache,
+                               raincheck=RaincheckConfig(**cfg), **KW)
+        assert again.cache is out.cache and out.cache.compile_steps is False and not out.cache.graphs.compiled
+
+
 def test_compile_steps_fall_back_to_the_stock_step_when_compiling_fails(model, processor, monkeypatch):
     """A failed torch.compile (no C++ compiler, an op Inductor cannot lower) warns once per compiled function
     and runs it uncompiled: compile_steps=True then answers as the eager engine does."""

@@ -48,7 +48,7 @@ def _assert_compiled_steps_match_eager_engine(model, inputs, cfg, kw):
 def test_cuda_matches_reference(cuda_model, processor, case):
     inputs = _cuda(make_inputs(processor, **INPUT_CASES[case]))
     out = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
-                              output_logits=True, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
+                              output_logits=True, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, compile_steps=False))
     rec = TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
     with torch.no_grad():
@@ -60,14 +60,14 @@ def test_cuda_matches_reference(cuda_model, processor, case):
 def test_cuda_retention_one_is_stock(cuda_model, processor):
     inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
     a = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    b = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False, raincheck=RaincheckConfig(retention=1.0))
+    b = cuda_model.generate(**inputs, max_new_tokens=12, do_sample=False, raincheck=RaincheckConfig(retention=1.0, compile_steps=False))
     assert torch.equal(a, b)
 
 
 def test_cuda_conversation(cuda_model, processor):
     from raincheck_hf.tiny import draw_test_image
 
-    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=4),
+    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=4, compile_steps=False),
                                    max_new_tokens=8) as conv:
         conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
         conv.complete()
@@ -84,7 +84,7 @@ def test_cuda_graph_fast_path_matches_eager_engine(cuda_model, processor, mode, 
     slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2,
                                                                    fast_path=False), **kw)
     fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(mode=mode, chunk_size=4, decode_guard=2,
-                                                                   fast_path=None), **kw)
+                                                                   fast_path=None, compile_steps=False), **kw)
     from raincheck_hf.fast import StaticDeferredCache
 
     assert isinstance(fast.cache, StaticDeferredCache)  # fast_path=None: chosen automatically on CUDA
@@ -110,6 +110,33 @@ def test_cuda_compiled_steps_match_eager_engine(cuda_model, processor, mode):
     _assert_compiled_steps_match_eager_engine(cuda_model, inputs, cfg, kw)
 
 
+def test_cuda_default_config_runs_compiled_steps_and_answers_as_the_eager_engine(cuda_model, processor):
+    """`RaincheckConfig()` on CUDA: compile_steps=None resolves to compiled, since the fast path captures its
+    steps; a two-turn conversation (the second turn continues the cache and its leftovers) answers as the
+    eager engine does, logits within 1e-3."""
+    from raincheck_hf.fast import StaticDeferredCache
+    from raincheck_hf.tiny import draw_test_image
+
+    assert RaincheckConfig().compile_steps is None
+    answers = {}
+    for fast_path in (False, None):
+        cfg = RaincheckConfig() if fast_path is None else RaincheckConfig(fast_path=False)
+        with raincheck_hf.Conversation(cuda_model, processor, cfg, background=False, max_new_tokens=40) as conv:
+            turns = [conv.ask("What is in this image?", images=[draw_test_image(256, 192, seed=1)], output_logits=True),
+                     conv.ask("And now?", max_new_tokens=12, output_logits=True)]
+            assert any(r.numel() for r in turns[0].trace.restored_per_forward[1:])  # chunks rode on decode steps
+            cache = conv.cache
+            assert isinstance(cache, StaticDeferredCache) == (fast_path is None)
+            if fast_path is None:
+                assert cache.compile_steps and cache.graphs.use_graphs and cache.graphs.compiled
+                assert cache.graphs._captured, "a step's CUDA-graph capture failed"
+            answers[fast_path] = turns
+    for slow, fast in zip(answers[False], answers[None]):
+        assert torch.equal(slow.token_ids, fast.token_ids)
+        for i, (a, b) in enumerate(zip(slow.output.logits, fast.output.logits)):
+            assert (a - b).abs().max().item() <= 1e-3, f"forward {i}"
+
+
 def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, monkeypatch):
     """Captured steps attend over their slot bucket only (16-slot buckets here: several per answer); the answer
     and every step's logits equal the eager engine's."""
@@ -121,7 +148,8 @@ def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, m
     cfg = dict(chunk_size=4, decode_guard=2)
     slow = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
     for _ in range(2):  # the second run replays graphs captured (and prepared ahead) in the first
-        fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
+        fast = cuda_model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, compile_steps=False, **cfg),
+                                   **kw)
         assert fast.cache.graphs.use_graphs and len({key[-1] for key in fast.cache.graphs._captured}) >= 3
         assert torch.equal(slow.sequences, fast.sequences)
         for i, (a, b) in enumerate(zip(slow.logits, fast.logits)):
@@ -140,7 +168,8 @@ def test_cuda_auto_chunk_size_measures_its_steps_and_matches_the_reference(cuda_
 
     inputs = _cuda(make_inputs(processor, images=[draw_test_image(256, 256, seed=s) for s in (4, 5, 6)],
                                text="Describe it."))
-    cfg = RaincheckConfig(mode=mode, chunk_size="auto", decode_guard=2, retention=0.2, tpot_slack=0.5)
+    cfg = RaincheckConfig(mode=mode, chunk_size="auto", decode_guard=2, retention=0.2, tpot_slack=0.5,
+                          compile_steps=False)
     out = cuda_model.generate(**inputs, max_new_tokens=40, do_sample=False, return_dict_in_generate=True,
                               output_logits=True, raincheck=cfg)
     costs = ChunkScheduler(cfg).step_costs(get_adapter(cuda_model), out.cache)
@@ -166,7 +195,7 @@ def test_cuda_follow_up_prefills_leftovers(cuda_model, processor, mode):
 
     answers = {}
     for fast_path in (False, None):
-        cfg = RaincheckConfig(mode=mode, chunk_size=3, decode_guard=4, fast_path=fast_path)
+        cfg = RaincheckConfig(mode=mode, chunk_size=3, decode_guard=4, fast_path=fast_path, compile_steps=False)
         with raincheck_hf.Conversation(cuda_model, processor, cfg, background=False, max_new_tokens=6) as conv:
             first = conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
             assert conv.pending > 0
@@ -211,7 +240,7 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
     release_vision_graphs(cuda_model.model.visual)
     inputs = _cuda(make_inputs(processor, **INPUT_CASES["one_image"]))
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True,
-              raincheck=RaincheckConfig(chunk_size=4, decode_guard=2))
+              raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, compile_steps=False))
     outs = [cuda_model.generate(**inputs, **kw) for _ in range(3)]
     assert len(vision_graphs_for(get_adapter(cuda_model))._captured) == 1
     for out in outs[1:]:
@@ -300,7 +329,7 @@ def test_cuda_family_fast_path_matches_eager_engine_and_reference(family, case):
               suppress_tokens=no_placeholder_ids(model))
     cfg = dict(chunk_size=4, decode_guard=2)
     slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
-    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, **cfg), **kw)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=None, compile_steps=False, **cfg), **kw)
     adapter = get_adapter(model)
     # fp32 MoE experts cannot be captured (`ExpertsMixin`): auto picks the eager engine for them
     captures = adapter.supports_fast_path and adapter.step_graph_blocker() is None
@@ -337,7 +366,7 @@ def test_cuda_moe_bf16_steps_are_captured(family):
     inputs = _cuda(make_inputs(family_processor(family), **INPUT_CASES["two_images"]))
     kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True,
               suppress_tokens=no_placeholder_ids(model))
-    fast = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2), **kw)
+    fast = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, compile_steps=False), **kw)
     assert isinstance(fast.cache, StaticDeferredCache)
     assert fast.cache.graphs.use_graphs and fast.cache.graphs._captured, "a step's CUDA-graph capture failed"
     slow = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=2, fast_path=False), **kw)
@@ -406,7 +435,7 @@ def test_cuda_gdn_conversation_streams_the_eager_engines_answers(family):
     processor = family_processor(family)
     answers, captured = {}, None
     for fast_path in (False, None):
-        cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=fast_path)
+        cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=fast_path, compile_steps=False)
         with raincheck_hf.Conversation(model, processor, cfg, background=False, max_new_tokens=12) as conv:
             kw = dict(suppress_tokens=no_placeholder_ids(model), output_logits=True)
             first = conv.ask("What is in this image?", images=[draw_test_image(256, 192, seed=1)], stream=True, **kw)
@@ -461,7 +490,7 @@ def test_cuda_two_chats_and_a_stock_generate_share_one_model(cuda_model, process
     from raincheck_hf.tiny import draw_test_image
 
     images = [draw_test_image(128, 96, seed=1), draw_test_image(64, 128, seed=3)]
-    cfg = RaincheckConfig(chunk_size=3, decode_guard=2)
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=2, compile_steps=False)
     stock_inputs = _cuda(make_inputs(processor, **INPUT_CASES["image_and_video"]))
 
     def chat(image, processors=()):
@@ -513,7 +542,7 @@ def test_cuda_cancelled_stream_then_follow_up(cuda_model, processor):
     from raincheck_hf.tiny import draw_test_image
     from test_conversation import _Gate
 
-    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=2),
+    with raincheck_hf.Conversation(cuda_model, processor, RaincheckConfig(chunk_size=3, decode_guard=2, compile_steps=False),
                                    max_new_tokens=200) as conv:
         gate = _Gate(conv, 5)  # the answer waits at its 5th token until it is cancelled
         streamed = conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)], stream=True,
@@ -546,6 +575,7 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
     model, processor = load_bundled("qwen3_vl", device="cuda")
     raincheck_hf.enable(model)
     dialogues = benchmark_split("dev", limit=4)
+    config = RaincheckConfig(compile_steps=False)  # the defaults but the compile: this test is not about it
     got, errors = {}, []
 
     def data_url(image):
@@ -568,7 +598,7 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
         except BaseException as error:  # surfaced below
             errors.append(error)
 
-    with running(create_app(model, processor, ServeSettings())) as base:
+    with running(create_app(model, processor, ServeSettings(config=config))) as base:
         threads = [threading.Thread(target=run, args=(i, base)) for i in range(len(dialogues))]
         for t in threads:
             t.start()
@@ -576,7 +606,7 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
             t.join()
     assert not errors, errors
     for i, d in enumerate(dialogues):
-        with raincheck_hf.Conversation(model, processor, RaincheckConfig(), background=False) as chat:
+        with raincheck_hf.Conversation(model, processor, config, background=False) as chat:
             want = [chat.ask(t.question, images=[d.image()] if k == 0 else [], max_new_tokens=64).text
                     for k, t in enumerate(d.turns[:3])]
         assert got[i] == want, i

@@ -376,6 +376,18 @@ def test_cli_settings_errors_name_the_option(argv, message):
         ServeSettings(media_root="/no/such/folder")
 
 
+@pytest.mark.parametrize("argv, want", [([], None), (["--compile-steps"], True), (["--no-compile-steps"], False)])
+def test_cli_compile_steps_is_auto_unless_forced(argv, want):
+    """Neither flag: RaincheckConfig's default (None: compiled where the steps are captured as CUDA graphs)."""
+    import argparse
+
+    from raincheck_hf.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.settings_from(parser.parse_args(argv)).config.compile_steps is want
+
+
 def test_serve_benchmark_smoke(tmp_path):
     """`python -m raincheck_hf.bench serve` on the tiny model: the structure of its JSON and what must hold
     whatever the timings (answers equal between server and library, reuse only where it should be)."""
@@ -486,8 +498,11 @@ def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting
     from raincheck_hf import RaincheckConfig
     from raincheck_hf.serve import protocol
 
-    defaults = RaincheckConfig(compile_steps=True)
-    config = protocol._config({"raincheck": {"chunk_size": "auto", "tpot_slack": 0.05}}, defaults)
-    assert (config.chunk_size, config.tpot_slack, config.compile_steps) == ("auto", 0.05, True)
+    for server in (True, False, None):  # None: the default, auto
+        defaults = RaincheckConfig(compile_steps=server)
+        config = protocol._config({"raincheck": {"chunk_size": "auto", "tpot_slack": 0.05}}, defaults)
+        assert (config.chunk_size, config.tpot_slack, config.compile_steps) == ("auto", 0.05, server)
+    with pytest.raises(protocol.APIError, match="compile_steps"):  # the server's setting, not a request's
+        protocol._config({"raincheck": {"compile_steps": True}}, defaults)
     with pytest.raises(protocol.APIError, match="tpot_slack=-1"):
         protocol._config({"raincheck": {"tpot_slack": -1}}, defaults)

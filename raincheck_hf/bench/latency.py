@@ -25,9 +25,13 @@ Variants (all on the same model instance, the same prompt, the same answer lengt
   ``auto`` in the sweep (``--chunk-sizes 7,15,31,63,auto``) runs ``chunk_size="auto"`` with
   ``--tpot-slack``; its idle-time restoration (the idle probe) uses the largest ladder size, as
   `Conversation` does.
-- ``full_compiled``, ``raincheck_compiled c=<primary>``: ``full`` and the primary fused variant with
-  ``compile_steps=True`` (only when asked for by name in ``--variants``), side by side with the
-  uncompiled ones; ``--compile-steps`` instead compiles every project variant.
+- Every Raincheck variant runs with `RaincheckConfig.compile_steps`'s default (None: the fast path's
+  steps compiled where they are captured as CUDA graphs, i.e. on CUDA; uncompiled on CPU);
+  ``--compile-steps`` / ``--no-compile-steps`` force it on / off for all of them.
+- ``full_uncompiled``, ``raincheck_uncompiled c=<primary>``: ``full`` and the primary fused variant with
+  ``compile_steps=False``; ``full_compiled``, ``raincheck_compiled c=<primary>``: the same with
+  ``compile_steps=True``. Only when asked for by name in ``--variants``, whatever ``--compile-steps`` says;
+  side by side with the default variants they measure what the compile buys.
 
 Every answer has exactly ``--answer-tokens`` tokens (follow-ups: ``--follow-up-tokens``): greedy,
 ``min_new_tokens = max_new_tokens``, and every special token (EOS included) suppressed, the same
@@ -109,7 +113,7 @@ class Variant:
     chunk_size: int | str | None = None  # "auto": chunk_size="auto"
     cache: str | None = None  # stock: "dynamic" | "static" | "static_reused"
     family: str = ""  # "raincheck" / "serial" for the sweep, else the name
-    compiled: bool = False  # RaincheckConfig.compile_steps=True whatever --compile-steps says
+    compiled: bool | None = None  # RaincheckConfig.compile_steps forced whatever --compile-steps says (None: not forced)
 
     def config(self, settings: dict):
         from ..configuration import RaincheckConfig
@@ -118,7 +122,8 @@ class Variant:
         return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
                                fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02),
-                               compile_steps=self.compiled or settings.get("compile_steps", False))
+                               compile_steps=self.compiled if self.compiled is not None
+                               else settings.get("compile_steps"))
 
 
 def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int, only=None) -> list[Variant]:
@@ -136,14 +141,13 @@ def build_variants(chunk_sizes, primary_chunk: int, turns: int, sweep_turns: int
             if c != primary_chunk:
                 variants.append(Variant(f"{mode} c={c}", "raincheck", min(turns, sweep_turns), mode=mode,
                                         chunk_size=c, family=mode))
-    # compiled twins of full and the primary fused variant: only when named in `only` (each compiles its steps)
-    compiled = [Variant("full_compiled", "raincheck", turns, mode="full", chunk_size=primary_chunk,
-                        family="full_compiled", compiled=True),
-                Variant(f"raincheck_compiled c={primary_chunk}", "raincheck", turns, mode="raincheck",
-                        chunk_size=primary_chunk, family="raincheck_compiled", compiled=True)]
+    # twins of full and the primary fused variant with compile_steps forced: only when named in `only`
+    twins = [Variant(f"{mode}_{suffix}" + (f" c={primary_chunk}" if mode == "raincheck" else ""), "raincheck", turns,
+                     mode=mode, chunk_size=primary_chunk, family=f"{mode}_{suffix}", compiled=forced)
+             for suffix, forced in (("uncompiled", False), ("compiled", True)) for mode in ("full", "raincheck")]
     if not only:
         return variants
-    variants += compiled
+    variants += twins
     if only:
         only = set(only)
         unknown = only - {v.name for v in variants} - {v.family for v in variants}
@@ -243,6 +247,8 @@ def _trace_fields(out, record: dict) -> dict:
         "dropped_tokens": int(trace.dropped.numel()),
         "tpot_restoring_s": statistics.fmean(carrying) if carrying else None,
         "tpot_plain_s": statistics.fmean(plain) if plain else None,
+        # whether the fast path's steps ran compiled (`RaincheckConfig.compile_steps` as the call resolved it)
+        "steps_compiled": bool(getattr(getattr(out, "cache", None), "compile_steps", False)),
     }
 
 
@@ -520,7 +526,7 @@ def _write(result: dict, path: str | None):
 def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
         follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
         primary_chunk: int | str | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
-        decode_guard: int = 16, tpot_slack: float = 0.02, compile_steps: bool = False, selector: str | None = None,
+        decode_guard: int = 16, tpot_slack: float = 0.02, compile_steps: bool | None = None, selector: str | None = None,
         warmup: bool = True, warmup_tokens: int | None = None,
         idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
         image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
@@ -662,7 +668,8 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         entry = {"kind": v.kind, "family": v.family, "mode": v.mode, "chunk_size": v.chunk_size, "turns": v.turns,
                  "status": "ok", "reps": []}
         if v.kind == "raincheck":
-            entry["config"] = dict(settings, chunk_size=v.chunk_size, mode=v.mode)
+            entry["config"] = dict(settings, chunk_size=v.chunk_size, mode=v.mode,
+                                   compile_steps=v.config(settings).compile_steps)
             if raincheck_error is not None:
                 entry["status"] = f"unsupported: {raincheck_error}"
         elif v.cache == "static":
@@ -866,14 +873,17 @@ def main(argv=None):
                         "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto)")
     parser.add_argument("--primary-chunk", type=_chunk_size, default=None, help="the chunk size that runs every "
                         "turn (default 31 when swept, else the first)")
-    parser.add_argument("--compile-steps", action="store_true", help="RaincheckConfig.compile_steps=True for every "
-                        "Raincheck variant (torch.compile of the fast path's element-wise work; the compile is paid "
-                        "in each storage's first captures, reported under warm-up)")
+    parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="RaincheckConfig.compile_steps=True (--no-compile-steps: False) for every Raincheck "
+                        "variant but the _compiled / _uncompiled twins (torch.compile of the fast path's element-wise "
+                        "work; the compile is paid in each storage's first captures, reported under warm-up). "
+                        "Default: the library's default, compiled where the steps are captured as CUDA graphs")
     parser.add_argument("--tpot-slack", type=float, default=0.02, help="RaincheckConfig.tpot_slack of the auto "
                         "variants (default 0.02)")
     parser.add_argument("--sweep-turns", type=int, default=1, help="turns run by the other chunk sizes (default 1)")
     parser.add_argument("--variants", default=None, help="comma-separated subset: names (e.g. 'raincheck c=31') or "
-                        "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial)")
+                        "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial; the twins full_compiled, "
+                        "raincheck_compiled, full_uncompiled, raincheck_uncompiled only when named)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--selector", default=None,

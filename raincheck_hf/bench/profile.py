@@ -100,7 +100,7 @@ def _kwargs(mode, tokens, suppress, settings):
                 raincheck=RaincheckConfig(mode=mode, retention=settings["retention"], chunk_size=settings["chunk_size"],
                                           decode_guard=settings["decode_guard"], fast_path=settings["fast_path"],
                                           selector=settings["selector"],
-                                          compile_steps=settings.get("compile_steps", False)))
+                                          compile_steps=settings.get("compile_steps")))
 
 
 def _replay_seconds(graph, device, replays: int) -> float:
@@ -184,7 +184,7 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
 
 def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
         retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector=None, json_path=None, log=print,
-        compile_steps: bool = False):
+        compile_steps: bool | None = None):
     from .latency import hardware_info
 
     from ..configuration import RaincheckConfig
@@ -232,7 +232,9 @@ def main(argv=None):
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
-    parser.add_argument("--compile-steps", action="store_true", help="RaincheckConfig.compile_steps=True")
+    parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="RaincheckConfig.compile_steps=True (--no-compile-steps: False; default: the library's "
+                        "default, compiled where the steps are captured as CUDA graphs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     return run(args.model, args.input, [m for m in args.modes.split(",") if m], args.tokens, args.replays, args.top,

@@ -19,8 +19,9 @@
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
 - `timing`: the captured steps' device times (CUDA events, read without waiting), the costs
   `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
-- `compiled`: ``compile_steps=True`` runs the decoder layers' norms and MLPs and the few-query
-  attention's core as `torch.compile`d functions inside the captured steps (element-wise work fused).
+- `compiled`: ``compile_steps`` (by default on wherever the steps are captured, i.e. on CUDA) runs the
+  decoder layers' norms and MLPs and the few-query attention's core as `torch.compile`d functions inside
+  the captured steps (element-wise work fused).
 - `scoping`: those hooks and the few-query attention act only for the thread running the step
   (a context variable; the shared modules and config look stock to every other thread), and graph
   captures are serialised (`CAPTURE_LOCK`), so chats in several threads can share one model.

@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=lambda text: text if text == "auto" else int(text), default=31,
                         help="deferred tokens per decode step, or 'auto' (sized from measured step costs)")
     parser.add_argument("--tpot-slack", type=float, default=0.02, help="with --chunk-size auto (default 0.02)")
-    parser.add_argument("--compile-steps", action="store_true",
-                        help="torch.compile the fast path's element-wise work (RaincheckConfig.compile_steps)")
+    parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the fast path's element-wise work (RaincheckConfig.compile_steps); "
+                             "default: on where the steps are captured as CUDA graphs (a model on CUDA), "
+                             "--no-compile-steps turns it off (no compile in the warm-up)")
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (debug | info | warning | error)")
