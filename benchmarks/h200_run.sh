@@ -65,7 +65,7 @@ final_bench)
 moe35|final_moe35)
     # Qwen3.5-MoE (35B-A3B shape) latency, short, on its fast path (bf16: captured steps)
     timeout "${MOE_S:-150}" python3 -m raincheck_hf.bench latency --model qwen3_5_35b_a3b --input image --turns 1 \
-        --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s 135 --variants stock_dynamic,full,hard,raincheck \
+        --answer-tokens 32 --chunk-sizes 7 --reps 1 --budget-s "${MOE_BUDGET_S:-135}" --variants stock_dynamic,full,hard,raincheck \
         --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_5_35b_a3b_image_h200.log"
     ;;
@@ -88,6 +88,15 @@ prefill35)
         --variants "${VARIANTS:-stock_static_reused,full,full_compiled,hard,raincheck,raincheck_compiled,serial}" \
         --json "$OUT/latency_qwen3_5_9b_image_512_h200.json" > "$OUT/latency_qwen3_5_9b_image_512_h200.log" 2>&1
     grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_512_h200.log" | tail -14
+    ;;
+wave3)
+    # this session's GPU checks: captured Qwen3.5 prefills, compile_steps on by default, every family's fast path,
+    # MoE captures, compiled steps, buckets, auto (verbose, durations: a cut run still says what ran); then moe35
+    timeout "${TESTS_S:-330}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short --durations=15 \
+        -k "gdn_prefills or default_config or family or moe or compiled or gdn_conversation or bucket or auto" \
+        > "$OUT/test_gpu_wave3_h200.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/test_gpu_wave3_h200.log" | cut -c1-160 | tail -45
+    MOE_S="${MOE_S:-210}" MOE_BUDGET_S="${MOE_BUDGET_S:-190}" bash "$0" moe35
     ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
