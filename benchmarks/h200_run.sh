@@ -98,6 +98,12 @@ wave3)
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/test_gpu_wave3_h200.log" | cut -c1-160 | tail -45
     MOE_S="${MOE_S:-210}" MOE_BUDGET_S="${MOE_BUDGET_S:-190}" bash "$0" moe35
     ;;
+mapsweep)
+    # the suffix-map update's tile sweep alone (issue 16's 2 µs target), each setting checked against the reference
+    timeout "${SWEEP_S:-150}" python3 -u -m raincheck_hf.bench gdn --ops suffix_map_update --sweep --iters 100 \
+        --json "$OUT/gdn_suffix_map_sweep_h200.json" > "$OUT/gdn_suffix_map_sweep_h200.log" 2>&1
+    tail -20 "$OUT/gdn_suffix_map_sweep_h200.log"
+    ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
     # variants recaptured each other's graphs every repetition): fixed 31 and auto, compiled steps side by side

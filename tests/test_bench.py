@@ -179,6 +179,12 @@ def test_gdn_kernel_benchmark_runs_the_references_on_cpu(tmp_path):
     assert result["shape"]["conv_channels"] == 2 * 2 * 32 + 4 * 32
     with pytest.raises(SystemExit):
         gdn.main(["--iters", "0"])
+    subset = gdn.run("cpu", iters=2, replays=2, log=lambda *a: None, ops=["join", "conv_update"])
+    assert [r["op"] for r in subset["rows"]] == ["join", "conv_update"]
+    with pytest.raises(SystemExit):
+        gdn.main(["--ops", "join,nope"])
+    with pytest.raises(ValueError, match="ops must be"):
+        gdn.run("cpu", iters=2, ops=[])
 
 
 def test_profile_tool_stages_add_up_on_cpu(tmp_path):

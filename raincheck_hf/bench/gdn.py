@@ -42,7 +42,7 @@ CHUNK = 32  # tokens of the recurrent step's second row: a deferred chunk run fr
 OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "conv_update")
 
 # settings tried by --sweep: per op, (the tile constant of gdn_kernels, its values, the op's warps constant)
-SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (16, 32, 64), "SUFFIX_WARPS"),
+SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (8, 16, 32, 64), "SUFFIX_WARPS"),
          "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
          "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
          "recurrent_step_chunk": ("STEP_CHUNK_BLOCK_V", (8, 16, 32), "STEP_CHUNK_WARPS"),
@@ -181,7 +181,11 @@ def hardware(device: torch.device) -> dict:
 
 
 def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, shape: dict | None = None,
-        json_path: str | None = None, command: str | None = None, log=print) -> dict:
+        json_path: str | None = None, command: str | None = None, log=print, ops=OPS) -> dict:
+    """``ops``: the subset of `OPS` timed (and swept)."""
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        raise ValueError(f"ops must be a non-empty subset of {list(OPS)}, got {list(ops)}.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_cuda = device.type == "cuda"
     shape = dict(shape or (QWEN3_5_9B if on_cuda else CPU_SMOKE))
@@ -191,7 +195,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
     fla = on_cuda and importlib.util.find_spec("fla") is not None
     layer = _Layer(**shape, device=device, act_dtype=act_dtype)
     rows = []
-    for op in OPS:
+    for op in (op for op in OPS if op in ops):
         extra = {"recurrent_step": ["fla"], "recurrent_step_chunk": ["fla", "fla_chunk"]}.get(op, []) if fla else []
         for impl in impls + extra:
             try:
@@ -214,6 +218,8 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
         saved = {name: getattr(gk, name) for name in TILE_NAMES}
         try:
             for op, (name, values, warps_name) in SWEEP.items():
+                if op not in ops:
+                    continue
                 for value in values:
                     for warps in SWEEP_WARPS.get(op, SWEEP_WARPS_DEFAULT):
                         setattr(gk, name, value)
@@ -222,7 +228,9 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
                         fn()
                         replay = _graphed(fn, device, replays)
                         sweeps.append({"op": op, name: value, "num_warps": warps,
-                                       "graph_us": _measure(device, replay, max(iters // 4, 10)) / replays})
+                                       "graph_us": _measure(device, replay, max(iters // 4, 10)) / replays,
+                                       # this setting's result against the reference (fresh buffers)
+                                       "max_abs_diff": _max_diff(shape, device, act_dtype, op, "kernel")})
                 for attr, v in saved.items():
                     setattr(gk, attr, v)
         finally:
@@ -286,6 +294,7 @@ def main(argv=None):
     parser.add_argument("--replays", type=int, default=20, help="calls captured in one CUDA graph")
     parser.add_argument("--batch", type=int, default=None, help="batch rows (default 1)")
     parser.add_argument("--sweep", action="store_true", help="also time each kernel over tile sizes and warps")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--json", default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     for name in ("iters", "replays"):
@@ -299,5 +308,8 @@ def main(argv=None):
     shape = dict(QWEN3_5_9B if device.type == "cuda" else CPU_SMOKE)
     if args.batch is not None:
         shape["batch"] = args.batch
+    ops = [op for op in args.ops.split(",") if op]
+    if not ops or set(ops) - set(OPS):
+        parser.error(f"--ops takes a comma-separated subset of {','.join(OPS)}, got {args.ops!r}")
     return run(device, args.iters, args.replays, args.sweep, shape, args.json,
-               command="python -m raincheck_hf.bench gdn " + shlex.join(argv))
+               command="python -m raincheck_hf.bench gdn " + shlex.join(argv), ops=ops)
