@@ -19,6 +19,12 @@
 #   bash benchmarks/h200_run.sh tpot  # issue 17: its GPU tests, then Qwen3-VL-8B image latency with chunk sizes
 #                                     # 7/15/31/63 and "auto" (512-token answer)
 #   bash benchmarks/h200_run.sh tpot_compile  # issue 17: stock static, full, c=31 and auto with compile_steps
+#   bash benchmarks/h200_run.sh final_tpot  # Qwen3-VL-8B TPOT, compiled and uncompiled twins, c=31 and auto
+#   bash benchmarks/h200_run.sh moe35      # Qwen3.5-35B-A3B latency, short (MOE_S, MOE_BUDGET_S)
+#   bash benchmarks/h200_run.sh profile35  # Qwen3.5-9B's stages, replayed steps and kernels on its fast path
+#   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
+#   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
+#   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep (not run yet)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
