@@ -248,12 +248,11 @@ def _dev_dialogue(index: int):
 def chat(args) -> int:
     import torch
 
-    from . import Conversation, RaincheckConfig
+    from . import Conversation
     from .tiny import draw_test_image
 
     # settings are validated before anything is loaded
-    config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                             tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode)
+    config = chat_config(args)
     if args.turns < 0:
         raise ValueError(f"--turns must be >= 0 (0: all of the dialogue's questions), got {args.turns}")
     dialogue = _dev_dialogue(args.dialogue)
@@ -437,8 +436,21 @@ def add_chat_arguments(c) -> None:
     c.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit per question")
     c.add_argument("--idle-wait", type=float, default=5.0, metavar="SECONDS",
                    help="how long to let idle-time restoration run between turns before the figures are printed")
+    c.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=defaults.compile_steps,
+                   help="torch.compile the fast path's element-wise work inside its CUDA graphs (default: on where "
+                   "the steps are captured, i.e. on CUDA; the first answer pays the compile, --no-compile-steps "
+                   "skips it)")
     c.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+
+
+def chat_config(args):
+    """The `RaincheckConfig` of a ``chat`` command line (checked: a ValueError names the setting)."""
+    from . import RaincheckConfig
+
+    return RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
+                           tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode,
+                           compile_steps=args.compile_steps)
 
 
 def main(argv=None) -> int:

@@ -108,10 +108,24 @@ def test_help_names_every_option_with_its_default_and_choices(capsys):
     options = text.split("options:", 1)[1]
     for option in ("--model", "--image", "--video", "--question", "--interactive", "--dialogue", "--turns",
                    "--glyphs", "--save-image", "--mode", "--selector", "--retention", "--chunk-size",
-                   "--decode-guard", "--max-new-tokens", "--idle-wait", "--device"):
+                   "--decode-guard", "--max-new-tokens", "--idle-wait", "--compile-steps", "--no-compile-steps",
+                   "--device"):
         assert option in options
     for default in ("(default: qwen3_vl)", "(default: 0)", "(default: 2)", "(default: raincheck)", "(default: mmtok)",
                     "(default: 0.3)", "(default: 31)", "(default: 16)", "(default: 64)", "(default: 5.0)"):
         assert default in options, default
     assert "{full,hard,post_answer,raincheck,serial}" in options and "mmtok" in options.split("--selector", 1)[1]
     assert "these machines" not in text and "sandbox" not in text
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--compile-steps"], True), (["--no-compile-steps"], False)])
+def test_chat_compile_steps_is_auto_unless_forced(argv, want):
+    """Neither flag: RaincheckConfig's default (None: compiled where the steps are captured as CUDA graphs)."""
+    import argparse
+
+    from raincheck_hf.__main__ import add_chat_arguments, chat_config
+
+    parser = argparse.ArgumentParser()
+    add_chat_arguments(parser)
+    config = chat_config(parser.parse_args(["--mode", "serial", *argv]))
+    assert config.compile_steps is want and config.mode == "serial"
