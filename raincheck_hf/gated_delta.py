@@ -90,6 +90,7 @@ __all__ = [
     "advance_state",
     "causal_conv_with_history",
     "gdn_factors",
+    "gdn_gates",
     "hf_conv_state_to_history",
     "history_to_hf_conv_state",
     "identity_map",
@@ -560,10 +561,15 @@ def gdn_factors(
     if rep > 1:  # key head h serves value heads h*rep .. h*rep + rep - 1
         q = q.repeat_interleave(rep, dim=2)
         k = k.repeat_interleave(rep, dim=2)
-    # Same expressions and dtype path as the module (sigmoid in the model dtype, g in fp32).
-    beta = b.sigmoid().to(dt)
-    g = (-p.A_log.float().exp() * F.softplus(a.float() + p.dt_bias)).to(dt)
-    return GDNFactors(q=q, k=k, v=v, g=g, beta=beta)
+    g, beta = gdn_gates(a, b, p)
+    return GDNFactors(q=q, k=k, v=v, g=g.to(dt), beta=beta.to(dt))
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, params: GDNLayerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)`` from the gate inputs ``a = in_proj_a(x)``, ``b = in_proj_b(x)`` (``[B, T, HV]``), with the
+    module's expressions and dtype path: ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32, ``beta =
+    sigmoid(b)`` in the model dtype."""
+    return -params.A_log.float().exp() * F.softplus(a.float() + params.dt_bias), b.sigmoid()
 
 
 @dataclass

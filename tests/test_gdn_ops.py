@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from raincheck_hf.fast import gdn_kernels as gdn_ops
-from raincheck_hf.fast.static_cache import RecurrentLayout, StaticGDNState, _gates
+from raincheck_hf.fast.static_cache import RecurrentLayout, StaticGDNState
 from raincheck_hf.gated_delta import (
     SuffixStateMap,
     advance_state,
     causal_conv_with_history,
     gdn_factors,
+    gdn_gates,
     l2norm,
     naive_recurrent_gated_delta,
     roll_conv_history,
@@ -117,7 +118,7 @@ def test_padded_input_rows_match_unpadded_ones(real, padding, rule):
         if pad:  # garbage in the padding rows: none of it may reach a real row or the states
             junk, ja, jb = random_preconv(1, pad, params, seed=24)
             qkv, a, b = (torch.cat([100 * x, y], dim=1) for x, y in ((junk, qkv), (ja, a), (jb, b)))
-        g, beta = _gates(a, b, params)
+        g, beta = gdn_gates(a, b, params)
         chunk_rule = torch_chunk_gated_delta_rule if rule == "chunked" else None
         if name == "unpadded":
             out, _, _ = buf.run_rest(qkv, g, beta, params, chunk_rule=chunk_rule)
@@ -150,7 +151,7 @@ def test_static_state_matches_suffix_state_map(suffix, real, padding):
     def token(seed, t, record=True):
         nonlocal live, live_conv
         qkv, a, b = random_preconv(1, 1, params, seed=seed)
-        g, beta = _gates(a, b, params)
+        g, beta = gdn_gates(a, b, params)
         _, k, v = buf.run_rest(qkv, g, beta, params)
         if record:
             buf.record(qkv, a, b, k, v, g, beta, torch.tensor([t]), leading=t < KERNEL - 1)
@@ -162,7 +163,7 @@ def test_static_state_matches_suffix_state_map(suffix, real, padding):
     for t in range(suffix):
         token(100 + t, t)
     qkv, a, b = random_preconv(1, real + padding, params, seed=14)
-    g, beta = _gates(a, b, params)
+    g, beta = gdn_gates(a, b, params)
     buf.run_chunk(qkv, g, beta, torch.tensor([real]), params)
     buf.join(torch.tensor([suffix]), params)
     f = gdn_factors(qkv[:, :real], smap.boundary_conv_history, a[:, :real], b[:, :real], params)

@@ -30,11 +30,10 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
-from ..gated_delta import GDNLayerParams, l2norm
+from ..gated_delta import GDNLayerParams, gdn_gates, l2norm
 from . import gdn_kernels
 
 MAX_KEY = torch.iinfo(torch.long).max
@@ -169,7 +168,7 @@ class StaticGDNState:
         applied to the new S_b; the live conv history follows h_b while ``t < Kc - 1``."""
         t = suffix_length
         recorded = (torch.arange(self.width, device=t.device) < t)[None, :, None]  # [1, Kc - 1, 1]
-        g, beta = _gates(self.leading_a, self.leading_b, params)
+        g, beta = gdn_gates(self.leading_a, self.leading_b, params)
         y = gdn_kernels.conv_update_(self.boundary_conv.clone(), self.leading_qkv, params.conv_weight, params.conv_bias,
                                  params.activation)
         q, k, v = _split_heads(y, params)
@@ -259,12 +258,6 @@ def _split_heads(y: torch.Tensor, params: GDNLayerParams):
     return (q.reshape(bsz, seq, params.num_k_heads, params.head_k_dim),
             k.reshape(bsz, seq, params.num_k_heads, params.head_k_dim),
             v.reshape(bsz, seq, params.num_v_heads, params.head_v_dim))
-
-
-def _gates(a: torch.Tensor, b: torch.Tensor, params: GDNLayerParams):
-    """``(g, beta)`` from the gate inputs, as the module computes them (``g`` fp32, ``beta`` in the model dtype)."""
-    g = -params.A_log.float().exp() * F.softplus(a.float() + params.dt_bias)
-    return g, b.sigmoid()
 
 
 class SlotStorage:

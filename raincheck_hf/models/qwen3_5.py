@@ -71,10 +71,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
-from ..gated_delta import GDNLayerParams, l2norm, naive_recurrent_gated_delta
+from ..gated_delta import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
 from ..patching import CountedPatches
 from .base import ModelAdapter, RowBatch, module_function
@@ -294,8 +293,7 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
     qkv = module.in_proj_qkv(hidden_states)
     z = module.in_proj_z(hidden_states)
     b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    g, beta = gdn_gates(a, b, params)
     n_real, suffix_length = ctx.step_info[0:1], ctx.step_info[1:2]
     outs = []
     chunk_rule = module_function(module, "torch_chunk_gated_delta_rule")
