@@ -38,6 +38,7 @@ import os
 import torch
 
 from ..gated_delta import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
+from .._triton import triton_available
 
 __all__ = [
     "conv_update_",
@@ -75,20 +76,6 @@ def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]
     if op == "conv_update":
         return {"BLOCK_C": CONV_BLOCK_C}, CONV_WARPS
     raise ValueError(f"no GDN kernel {op!r}")
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported here (the kernels' only dependency beyond torch)."""
-    return _triton_module() is not None
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_module():
-    try:
-        import triton  # noqa: F401
-    except Exception:  # no Triton, or one that cannot load here
-        return None
-    return triton
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 
 import torch
 
+from .._triton import triton_available
 from ..fast.scoping import CAPTURE_LOCK
 
 INT64_MIN = -(2 ** 63)
@@ -44,14 +45,6 @@ MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
 TEXT_BUCKET = 32  # mmtok's text rows are padded to a multiple of this, so a graph serves many question lengths
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # no Triton, or one that cannot load here
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=None)
