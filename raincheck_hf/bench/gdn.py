@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
-import os
 import shlex
 import statistics
 import sys
@@ -34,6 +32,7 @@ import torch
 from ..fast import gdn_kernels as gk
 from ..gated_delta import l2norm
 from .gdn_state_map import _graphed
+from .latency import _write
 
 QWEN3_5_9B = {"batch": 1, "heads_k": 16, "heads_v": 32, "dk": 128, "dv": 128, "kernel_size": 4}
 CPU_SMOKE = {"batch": 1, "heads_k": 2, "heads_v": 4, "dk": 32, "dv": 32, "kernel_size": 4}
@@ -251,9 +250,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
     }
     _print(result, log)
     if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+        _write(result, json_path)
         log(f"[gdn] wrote {json_path}")
     return result
 

@@ -515,8 +515,10 @@ def _static_max_cache_len(prompts: list[int], answer_tokens: int, follow_up_toke
 
 
 def _write(result: dict, path: str | None):
+    """``result`` as JSON at ``path`` (its folder made; written whole, then moved into place); None: nothing."""
     if not path:
         return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import time
 
@@ -178,7 +176,7 @@ def print_tables(result: dict, log=print) -> None:
 def run(model_name: str = "tiny_qwen3_vl", device: str | None = None, kinds=("image", "video"), selectors=SELECTORS,
         reps: int = 5, warmup: int = 2, t1: bool = False, t1_reps: int = 5, out: str | None = None,
         command: str | None = None, log=print) -> dict:
-    from .latency import hardware_info
+    from .latency import _write, hardware_info
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     unknown = set(selectors) - set(SELECTORS)
@@ -198,9 +196,7 @@ def run(model_name: str = "tiny_qwen3_vl", device: str | None = None, kinds=("im
             result["t1_rows"] += t1_rows(model, inputs, kind, selectors, t1_reps, warmup)
     print_tables(result, log)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        _write(result, out)
         log(f"[selectors] wrote {out}")
     return result
 

@@ -266,6 +266,22 @@ class StepGraphs:
         self._captured[key] = (graph, buffers)
         return graph, buffers
 
+    def _try_capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
+                     bucket: int | None, variant, prefill: bool = False):
+        """`_capture`, or None: no room, or a capture that raised (e.g. an op that cannot be captured), which
+        warns and runs eagerly from then on: every prefill after a prefill's failure (the steps stay captured),
+        everything after a step's."""
+        try:
+            return self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
+        except RuntimeError as error:
+            what = "prefill" if prefill else "step"
+            warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row {what} failed ({error}); "
+                          f"running {'prefills' if prefill else 'it'} eagerly on the static cache instead.",
+                          RuntimeWarning, stacklevel=3)
+            self.pad_prefill = False  # the forward at hand keeps its (valid) padded shape
+            self.use_graphs = self.use_graphs and prefill
+            return None
+
     def step_cost(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool) -> float | None:
         """Measured device seconds of a ``rows``-row step at the cache's next slot bucket (`fast.timing`); a
         shape not measured at that bucket takes its figure from the nearest bucket measured, else it is
@@ -289,13 +305,7 @@ class StepGraphs:
         if key not in self._captured:
             if rows > cache.scratch or not adapter.capturable(variant, rows):  # warm-up below the scratch slots
                 return None
-            try:
-                if self._capture(adapter, cache, rows, want_logits, cache.num_rows, bucket, variant) is None:
-                    return None
-            except RuntimeError as error:
-                warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row step failed ({error}); "
-                              "running it eagerly on the static cache instead.", RuntimeWarning, stacklevel=2)
-                self.use_graphs = self.pad_prefill = False
+            if self._try_capture(adapter, cache, rows, want_logits, cache.num_rows, bucket, variant) is None:
                 return None
         return self.timings.cost(key)
 
@@ -309,9 +319,10 @@ class StepGraphs:
         return n
 
     def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None,
-               pending_after: int):
-        """``(n, n_deferred, rows, padding, key)`` of a forward; ``pending_after``: deferred rows still pending
-        after it (for the adapter's step variant)."""
+               taken: bool):
+        """``(n, n_deferred, rows, padding, key)`` of a forward; ``taken``: its deferred rows were already taken
+        from the pending ones (`run`), not yet (`prepare`): the adapter's step variant depends on what stays
+        pending after it."""
         compiled = bool(getattr(cache, "compile_steps", False))
         setting = (adapter.attn_implementation, compiled)
         if setting != (self.attn_implementation, self.compiled):
@@ -324,6 +335,7 @@ class StepGraphs:
             self.attn_implementation, self.compiled = setting
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
+        pending_after = cache.num_pending - (0 if taken else n_deferred)
         rows = self.step_rows(n, n_deferred, pad_to)
         padding = rows - n
         if padding > cache.scratch:
@@ -347,9 +359,8 @@ class StepGraphs:
         if not self.use_graphs:
             return None
         # the forward's deferred rows are still pending (`_DecodeForward.run` takes them before launching)
-        n_chunk = int((kinds == DEFERRED).sum())
         n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
-                                                        cache.num_pending - n_chunk)
+                                                        taken=False)
         captured = self._captured.get(key)
         start = cache.num_rows
         if captured is None or start + n > cache.capacity:
@@ -380,7 +391,7 @@ class StepGraphs:
             pad_to: int | None = None):
         """One forward; logits of its last real row (``[1, V]``) or None."""
         n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
-                                                        cache.num_pending)
+                                                        taken=True)
         _, _, variant, bucket = key
         keys = to_device(keys, cache.slot_keys.device)
         suffix_length = cache.suffix_length  # before this forward's rows count
@@ -390,15 +401,7 @@ class StepGraphs:
         if self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(variant, rows):
             captured = self._captured.get(key)
             if captured is None:
-                try:
-                    captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
-                except RuntimeError as error:  # e.g. an op that cannot be captured: run eagerly from now on
-                    warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row "
-                                  f"{'prefill' if prefill else 'step'} failed ({error}); running "
-                                  f"{'prefills' if prefill else 'it'} eagerly on the static cache instead.",
-                                  RuntimeWarning, stacklevel=2)
-                    self.pad_prefill = False  # this forward keeps its (valid) padded shape; a prefill's failure
-                    self.use_graphs = self.use_graphs and prefill  # leaves the steps captured
+                captured = self._try_capture(adapter, cache, rows, want_logits, start, bucket, variant, prefill)
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)

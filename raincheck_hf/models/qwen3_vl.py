@@ -15,8 +15,6 @@ activation and the residual adds; the tests compare it with the stock layer step
 
 from __future__ import annotations
 
-import torch
-
 from .base import ModelAdapter, module_function
 from .mixins import DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 

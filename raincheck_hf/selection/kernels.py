@@ -36,7 +36,7 @@ from collections import OrderedDict
 
 import torch
 
-from .._triton import triton_available
+from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
 from ..fast.scoping import CAPTURE_LOCK
 
 INT64_MIN = -(2 ** 63)
