@@ -47,11 +47,6 @@ DEFAULT_MODEL = "qwen3_vl"
 BUNDLED_TITLES = {"qwen3_vl": "glyph Qwen3-VL", "qwen3_5": "glyph Qwen3.5"}
 
 
-def _chunk_size_arg(text: str):
-    """``--chunk-size``: an integer or ``auto`` (RaincheckConfig checks the value)."""
-    return text if text == "auto" else int(text)
-
-
 def resolve_model(name: str | None) -> tuple[str, str]:
     """``(kind, name)``: ``("bundled", "qwen3_vl" | "qwen3_5")``, ``("tiny", "tiny")`` or ``("checkpoint", path_or_id)``.
 
@@ -395,7 +390,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def add_chat_arguments(c) -> None:
     """The ``chat`` subcommand's options (each with its help, default and choices)."""
     from . import available_selectors
-    from .configuration import MODES, RaincheckConfig
+    from .configuration import MODES, RaincheckConfig, parse_chunk_size
 
     defaults = RaincheckConfig()
     c.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
@@ -425,7 +420,7 @@ def add_chat_arguments(c) -> None:
                    help="which visual tokens are prefilled first")
     c.add_argument("--retention", type=float, default=defaults.retention, metavar="R",
                    help="fraction of each image / video slice prefilled first, in [0, 1]")
-    c.add_argument("--chunk-size", type=_chunk_size_arg, default=defaults.chunk_size, metavar="C",
+    c.add_argument("--chunk-size", type=parse_chunk_size, default=defaults.chunk_size, metavar="C",
                    help="deferred tokens prefilled per decode step and per idle-time step (>= 1), or 'auto' "
                    "(sized per step from measured step costs, within --tpot-slack of plain decode)")
     c.add_argument("--tpot-slack", type=float, default=defaults.tpot_slack, metavar="S",

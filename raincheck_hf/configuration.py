@@ -17,6 +17,15 @@ AUTO = "auto"
 CHUNK_LADDER = (7, 15, 31, 63)
 
 
+def parse_chunk_size(value) -> int | str:
+    """A ``chunk_size`` from a command line or a list: ``"auto"``, else an integer (`RaincheckConfig` checks
+    its range); a text that is neither raises ValueError (argparse reports it with the option's name)."""
+    if isinstance(value, str):
+        value = value.strip()
+        return AUTO if value == AUTO else int(value)
+    return int(value)
+
+
 @dataclass
 class RaincheckConfig:
     """How a prompt's multimodal tokens are split and when the deferred ones are prefilled.

@@ -362,7 +362,7 @@ def raincheck_sample(
 
         # its steps (and idle-time chunks after the call) run so; None: compiled when they are captured
         cache.compile_steps = resolve_compile_steps(config.compile_steps, step_graphs(adapter, cache).use_graphs)
-        cache.time_steps = config.chunk_size == "auto"
+        cache.time_steps = config.auto_chunk
 
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]

@@ -297,7 +297,7 @@ def test_auto_chunk_size_in_the_sweep(tmp_path):
     """``--chunk-sizes ...,auto`` runs chunk_size="auto" beside the fixed sizes; the JSON says which sizes it chose."""
     lines = []
     out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=2, answer_tokens=ANSWER, reps=1,
-                      chunk_sizes=(7, latency._chunk_size(" auto")), decode_guard=1,
+                      chunk_sizes=(7, latency.parse_chunk_size(" auto")), decode_guard=1,
                       warmup_tokens=2, strict=True, device="cpu", variants=["raincheck"], tpot_slack=0.05,
                       json_path=str(tmp_path / "auto.json"), log=lines.append)
     variants = out["runs"][0]["variants"]
@@ -312,4 +312,4 @@ def test_auto_chunk_size_in_the_sweep(tmp_path):
     assert any("chunk sizes chosen" in line for line in lines)
     assert any(line.startswith("warm-up (first call") and "raincheck c=auto" in line for line in lines)
     with pytest.raises(ValueError):
-        latency._chunk_size("big")
+        latency.parse_chunk_size("big")

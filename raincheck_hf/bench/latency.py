@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..configuration import parse_chunk_size
 from . import shapes
 
 STOCK_VARIANTS = ("stock_dynamic", "stock_static", "stock_static_reused")
@@ -544,11 +545,11 @@ def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tok
     started = time.perf_counter()
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     follow_up_tokens = answer_tokens if follow_up_tokens is None else follow_up_tokens
-    chunk_sizes = tuple(_chunk_size(c) for c in chunk_sizes)
+    chunk_sizes = tuple(parse_chunk_size(c) for c in chunk_sizes)
     if turns < 1 or answer_tokens < 1 or follow_up_tokens < 1 or reps < 1 or not chunk_sizes:
         raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
     selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
-    primary_chunk = _chunk_size(primary_chunk) if primary_chunk else (31 if 31 in chunk_sizes else chunk_sizes[0])
+    primary_chunk = parse_chunk_size(primary_chunk) if primary_chunk else (31 if 31 in chunk_sizes else chunk_sizes[0])
     if primary_chunk not in chunk_sizes:
         raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
     for c in chunk_sizes:  # invalid settings fail here, before any model is built
@@ -847,13 +848,6 @@ def print_table(run_entry: dict, log=print) -> None:
             log(f"{name}: chunk sizes chosen in turn 1 (steps per size, per repetition): {chosen}")
 
 
-def _chunk_size(value) -> int | str:
-    """A sweep entry: an integer chunk size or ``"auto"``."""
-    if isinstance(value, str):
-        value = value.strip()
-        return value if value == "auto" else int(value)
-    return int(value)
-
 
 def _size(text: str) -> tuple[int, int]:
     w, h = text.lower().split("x")
@@ -873,7 +867,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-sizes", default="7,15,31,63", help="chunk sizes swept for raincheck and serial; "
                         "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto)")
-    parser.add_argument("--primary-chunk", type=_chunk_size, default=None, help="the chunk size that runs every "
+    parser.add_argument("--primary-chunk", type=parse_chunk_size, default=None, help="the chunk size that runs every "
                         "turn (default 31 when swept, else the first)")
     parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="RaincheckConfig.compile_steps=True (--no-compile-steps: False) for every Raincheck "
@@ -910,7 +904,7 @@ def main(argv=None):
         models=[m.strip() for m in args.model.split(",") if m.strip()],
         inputs=[i.strip() for i in args.input.split(",") if i.strip()],
         turns=args.turns, answer_tokens=args.answer_tokens, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
-        chunk_sizes=[_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
+        chunk_sizes=[parse_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
         primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack, compile_steps=args.compile_steps,
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,

@@ -86,7 +86,3 @@ class StepTimings:
         if not near:
             return None
         return statistics.median(self._samples[min(near, key=lambda k: abs(k[-1] - key[-1]))])
-
-    def clear(self) -> None:
-        self._samples.clear()
-        self._in_flight.clear()

@@ -6,6 +6,8 @@ import argparse
 import ipaddress
 import sys
 
+from ..configuration import parse_chunk_size
+
 DESCRIPTION = """\
 An OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics)
 that keeps each conversation's Raincheck cache between requests: a follow-up that resends the
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="raincheck", help="default mode: full | hard | post_answer | raincheck | serial")
     parser.add_argument("--selector", default="mmtok")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=lambda text: text if text == "auto" else int(text), default=31,
+    parser.add_argument("--chunk-size", type=parse_chunk_size, default=31,
                         help="deferred tokens per decode step, or 'auto' (sized from measured step costs)")
     parser.add_argument("--tpot-slack", type=float, default=0.02, help="with --chunk-size auto (default 0.02)")
     parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
