@@ -729,15 +729,11 @@ class SuffixStateMap:
                 factors.beta[:, :n_lead],
             )
         if n > n_lead:
-            k, g, beta = factors.k[:, n_lead:], factors.g[:, n_lead:], factors.beta[:, n_lead:]
-            if self.rest_map.is_cuda:
-                # one Triton launch for all heads, in place (the map is private to this object); the
-                # kernel module falls back to update_suffix_map where the kernel cannot run (e.g. fp64)
-                from .fast.gdn_kernels import suffix_map_update_
+            # in place (the map is private to this object): one Triton launch for all heads on CUDA,
+            # update_suffix_map wherever the kernel cannot run (CPU, fp64)
+            from .fast.gdn_kernels import suffix_map_update_
 
-                suffix_map_update_(self.rest_map, k, g, beta)
-            else:
-                self.rest_map = update_suffix_map(self.rest_map, k, g, beta)
+            suffix_map_update_(self.rest_map, factors.k[:, n_lead:], factors.g[:, n_lead:], factors.beta[:, n_lead:])
         width = self.params.kernel_size - 1
         tail = torch.cat([self._tail, mixed_qkv.to(self._tail.dtype)], dim=1)
         self._tail = tail[:, max(0, tail.shape[1] - width) :]
@@ -764,14 +760,12 @@ class SuffixStateMap:
         _check_state(new_boundary_state, bsz, p.num_v_heads, p.head_k_dim, p.head_v_dim, "new_boundary_state")
         _check_seq("new_conv_history", new_conv_history, (bsz, p.kernel_size - 1, p.conv_dim))
         repair = repair_leading_segment(self.leading, new_conv_history, new_boundary_state, p)
-        if live_state.is_cuda:
-            # the same identity as join_state, one Triton launch on a copy of the live state
-            from .fast.gdn_kernels import join_
+        # join_state's identity on a copy of the live state: one Triton launch on CUDA, join_state itself
+        # wherever the kernel cannot run
+        from .fast.gdn_kernels import join_
 
-            dt = _work_dtype(live_state, self.rest_map, self.leading_state, repair.state)
-            new_live = join_(live_state.to(dt, copy=True), self.rest_map, repair.state, self.leading_state)
-        else:
-            new_live = join_state(live_state, self.rest_map, self.leading_state, repair.state)
+        dt = _work_dtype(live_state, self.rest_map, self.leading_state, repair.state)
+        new_live = join_(live_state.to(dt, copy=True), self.rest_map, repair.state, self.leading_state)
         # The inserted tokens now sit before the boundary: the next insertion starts from here, and
         # L's recorded state is the one built from the new history. M_R and L's inputs are unchanged.
         self.boundary_state = new_boundary_state.to(self.boundary_state.dtype).clone()
