@@ -24,7 +24,8 @@
 #   bash benchmarks/h200_run.sh profile35  # Qwen3.5-9B's stages, replayed steps and kernels on its fast path
 #   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
-#   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep (not run yet)
+#   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep
+#   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -109,6 +110,16 @@ mapsweep)
     timeout "${SWEEP_S:-150}" python3 -u -m raincheck_hf.bench gdn --ops suffix_map_update --sweep --iters 100 \
         --json "$OUT/gdn_suffix_map_sweep_h200.json" > "$OUT/gdn_suffix_map_sweep_h200.log" 2>&1
     tail -20 "$OUT/gdn_suffix_map_sweep_h200.log"
+    ;;
+vl_sweep)
+    # issue 17's Qwen3-VL targets with the default settings (compiled steps): stock static compiled side by side
+    # with full and raincheck at chunk 7/15/31/63/auto, 512-token answer; the suffix-map sweep first
+    SWEEP_S="${SWEEP_S:-90}" bash "$0" mapsweep
+    timeout "${VL_S:-470}" python3 -u -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 1 \
+        --answer-tokens 512 --chunk-sizes 7,15,31,63,auto --reps 2 --budget-s "${BUDGET_S:-450}" \
+        --variants stock_static_reused,full,raincheck \
+        --json "$OUT/latency_qwen3_vl_8b_image_sweep_h200.json" > "$OUT/latency_qwen3_vl_8b_image_sweep_h200.log" 2>&1
+    tail -16 "$OUT/latency_qwen3_vl_8b_image_sweep_h200.log"
     ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled

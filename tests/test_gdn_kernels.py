@@ -109,6 +109,62 @@ for B, T, C, Kc, bias, dtype in cases["conv"]:
     out[f"conv {B, T, C, Kc, bias, dtype}"] = {
         "err": max(err(y1, y2), err(y3, y4)), "scale": y2.abs().max().item(), "history_equal": torch.equal(h1, h2),
         "dtype": str(y1.dtype)}
+# the step's masked forms: real-token / real-row counts as device scalars, separate output buffers, in-kernel norm
+for B, T, HK, HV, K, V in cases["step"]:
+    g = torch.Generator().manual_seed(7)
+    S = torch.randn(B, HV, K, V, generator=g)
+    q, k = torch.randn(B, T, HK, K, generator=g), torch.randn(B, T, HK, K, generator=g)
+    v = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    gate, beta = -torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g).to(torch.bfloat16)
+    for n in range(T + 2):  # n > T: every token real
+        valid = torch.tensor([n])
+        S1, out1 = torch.empty_like(S), torch.empty(B, T, HV, V, dtype=torch.bfloat16)
+        o1 = gk.recurrent_step_(S, q, k, v, gate, beta, valid=valid, state_out=S1, out=out1, reference=False)
+        real = (torch.arange(T) < n)[None, :, None]
+        S2 = S.clone()
+        o2 = gk.recurrent_step_(S2, q, k, v, torch.where(real, gate, 0.0),
+                                torch.where(real, beta, torch.zeros_like(beta)), reference=True)
+        S3 = torch.empty_like(S)
+        o3 = gk.recurrent_step_(S, q, k, v, gate, beta, valid=valid, state_out=S3, reference=True)
+        out[f"masked step {B, T, HK, HV, K, V} n={n}"] = {
+            "err": max(err(S1, S2), err(S3, S2)), "scale": S2.abs().max().item(),
+            "o_err": max(err(o1, o2), err(o3, o2)), "o_scale": o2.abs().max().item(), "out_is_o": o1 is out1}
+for B, T, HK, HV, K in cases["map"]:
+    g = torch.Generator().manual_seed(8)
+    M = torch.randn(B, HV, K, K, generator=g)
+    k = torch.randn(B, T, HK, K, generator=g).to(torch.bfloat16)
+    gate, beta = -torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g)
+    got = gk.suffix_map_update_(M.clone(), k, gate, beta, l2norm=True, reference=False)
+    want = gk.suffix_map_update_(M.clone(), l2norm(k.float()), gate, beta, reference=True)
+    ref = gk.suffix_map_update_(M.clone(), k, gate, beta, l2norm=True, reference=True)
+    out[f"normed map {B, T, HK, HV, K}"] = {"err": max(err(got, want), err(ref, want)), "scale": want.abs().max().item()}
+for B, T, C, Kc, bias, dtype in cases["conv"]:
+    g = torch.Generator().manual_seed(9)
+    dt = getattr(torch, dtype)
+    h = torch.randn(B, Kc - 1, C, generator=g).to(dt)
+    x = torch.randn(B, T, C, generator=g).to(dt)
+    w = torch.randn(C, Kc, generator=g).to(dt)
+    y_full = gk.conv_update_(h.clone(), x, w, reference=True)
+    for n in range(T + 2):
+        rows_in = torch.tensor([n])
+        # in place, the first min(n, T) rows enter: the history of the real rows alone
+        h1 = h.clone()
+        y1 = gk.conv_update_(h1, x, w, rows_in=rows_in, reference=False)
+        h_want = h.clone()
+        if n:
+            gk.conv_update_(h_want, x[:, :min(n, T)], w, reference=True)
+        h2 = h.clone()
+        gk.conv_update_(h2, x, w, rows_in=rows_in, reference=True)
+        # into another buffer, only while n < Kc - 1 (else it keeps its own)
+        own = torch.randn(B, Kc - 1, C, generator=g).to(dt)
+        o1, o2 = own.clone(), own.clone()
+        y3 = gk.conv_update_(h, x, w, rows_in=rows_in, history_out=o1, only_within_window=True, reference=False)
+        gk.conv_update_(h, x, w, rows_in=rows_in, history_out=o2, only_within_window=True, reference=True)
+        o_want = h_want if n < Kc - 1 else own
+        out[f"masked conv {B, T, C, Kc, bias, dtype} n={n}"] = {
+            "err": max(err(y1, y_full), err(y3, y_full)), "scale": y_full.abs().max().item(),
+            "history_equal": torch.equal(h1, h_want) and torch.equal(h2, h_want),
+            "window_equal": torch.equal(o1, o_want) and torch.equal(o2, o_want)}
 K, V = 3, 5
 q = torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 1, K)
 k = torch.tensor([0.6, 0.8, 0.0]).view(1, 1, 1, K)
@@ -201,6 +257,32 @@ def test_recurrent_step_kernel_matches_reference(interpreted):
         assert r["pad_identity"], (name, r)
 
 
+def test_masked_recurrent_step_matches_gated_off_padding(interpreted):
+    # valid = n: tokens from n on run as padding (g = 0, beta = 0), exactly what masking g and beta does
+    rows = _rows(interpreted, "masked step ")
+    assert len(rows) == sum(T + 2 for _, T, *_ in STEP_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+        assert r["o_err"] <= 1e-2 * max(1.0, r["o_scale"]), (name, r)  # bf16 outputs
+        assert r["out_is_o"], (name, r)
+
+
+def test_suffix_map_normalises_keys_inside(interpreted):
+    rows = _rows(interpreted, "normed map ")
+    assert len(rows) == len(MAP_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+
+
+def test_conv_rolls_only_the_real_rows_in(interpreted):
+    rows = _rows(interpreted, "masked conv ")
+    assert len(rows) == sum(T + 2 for _, T, *_ in CONV_SIZES)
+    for name, r in rows.items():
+        tol = 2e-2 if "bfloat16" in name else 1e-5
+        assert r["err"] <= tol * max(1.0, r["scale"]), (name, r)  # outputs: every row, as without the count
+        assert r["history_equal"] and r["window_equal"], (name, r)  # copies: exact
+
+
 def test_conv_update_kernel_matches_reference(interpreted):
     rows = _rows(interpreted, "conv ")
     assert len(rows) == len(CONV_SIZES)
@@ -235,18 +317,22 @@ def build(name, fn, types, const, warps):
 
 # the launches of gdn_kernels at the Qwen3.5-9B sizes (K = V = 128) and the tiny model's (K 8, V 16), bf16
 # activations, fp32 state
-f32, bf, i32 = "*fp32", "*bf16", "i32"
+f32, bf, i32, i64 = "*fp32", "*bf16", "i32", "*i64"
 for dk, dv in ((128, 128), (8, 16)):
     tiles = {op: gk.launch_tiles(op, dk, dv) for op in ("suffix_map_update", "join", "conv_update")}
+    tiles_map, warps_map = tiles["suffix_map_update"]
     build(f"suffix_map_update {dk}x{dv}", K.suffix_map_update, [f32, bf, f32, bf] + [i32] * 11,
-          *tiles["suffix_map_update"])
+          {"L2NORM": True, **tiles_map}, warps_map)
     build(f"join {dk}x{dv}", K.join, [f32] * 4 + [i32] * 2, *tiles["join"])
-    for tokens in (1, 32):
+    for tokens in (1, 32):  # the masked form (a chunk's real-token count) is the larger one
         step, warps = gk.launch_tiles("recurrent_step", dk, dv, tokens)
         build(f"recurrent_step {dk}x{dv} T={tokens}", K.recurrent_step,
-              [f32, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13, {"L2NORM": True, **step}, warps)
-build("conv_update", K.conv_update, [bf] * 5 + [i32] * 4,
-      {"KC": 4, "HAS_BIAS": False, "SILU": True, **tiles["conv_update"][0]}, tiles["conv_update"][1])
+              [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
+              {"L2NORM": True, "HAS_VALID": tokens > 1, **step}, warps)
+for within in (False, True):
+    build(f"conv_update within={within}", K.conv_update, [bf] * 6 + [i64] + [i32] * 4,
+          {"KC": 4, "HAS_BIAS": False, "SILU": True, "ROWS_IN": True, "ONLY_WITHIN": within,
+           **tiles["conv_update"][0]}, tiles["conv_update"][1])
 print(json.dumps(out))
 """
 
@@ -266,7 +352,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 9
+    assert len(results) == 10
     for name, r in results.items():
         assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
 

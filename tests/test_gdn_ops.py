@@ -154,7 +154,7 @@ def test_static_state_matches_suffix_state_map(suffix, real, padding):
         g, beta = gdn_gates(a, b, params)
         _, k, v = buf.run_rest(qkv, g, beta, params)
         if record:
-            buf.record(qkv, a, b, k, v, g, beta, torch.tensor([t]), leading=t < KERNEL - 1)
+            buf.record(qkv, k, v, g, beta, torch.tensor([t]), leading=t < KERNEL - 1)
             smap.append_suffix(qkv, a, b)
         f = gdn_factors(qkv, live_conv, a, b, params)
         live = advance_state(live, f.k, f.v, f.g, f.beta)

@@ -13,11 +13,11 @@ import triton.language as tl
 
 
 @triton.jit
-def suffix_map_update(M, k, g, beta, T, HV, HK, K, sk_b, sk_t, sk_h, sg_b, sg_t, sb_b, sb_t, BLOCK_K: tl.constexpr,
-                      BLOCK_J: tl.constexpr):
+def suffix_map_update(M, k, g, beta, T, HV, HK, K, sk_b, sk_t, sk_h, sg_b, sg_t, sb_b, sb_t, L2NORM: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
     # M <- alpha_t (M - beta_t k_t (k_t^T M)) for t = 0 .. T - 1. Column j of the product depends on column
     # j of M only, so a program owns a [K, BLOCK_J] column slab of one head's map: one read, T updates in
-    # registers, one write. Grid (B * HV, cdiv(K, BLOCK_J)).
+    # registers, one write. Grid (B * HV, cdiv(K, BLOCK_J)). L2NORM: k is raw, normalised here (fp32).
     bh = tl.program_id(0)
     b = bh // HV
     h = bh % HV
@@ -30,6 +30,8 @@ def suffix_map_update(M, k, g, beta, T, HV, HK, K, sk_b, sk_t, sk_h, sg_b, sg_t,
     m = tl.load(ptrs, mask=mask, other=0.0)
     for t in range(T):
         kv = tl.load(k + b.to(tl.int64) * sk_b + t * sk_t + hk * sk_h + rows, mask=rmask, other=0.0).to(tl.float32)
+        if L2NORM:
+            kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
         alpha = tl.exp(tl.load(g + b.to(tl.int64) * sg_b + t * sg_t + h).to(tl.float32))
         bt = tl.load(beta + b.to(tl.int64) * sb_b + t * sb_t + h).to(tl.float32)
         kTm = tl.sum(kv[:, None] * m, axis=0)  # [BLOCK_J]: k^T M[:, j]
@@ -64,53 +66,81 @@ def join(S, M, S_new, S_old, K, V, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 
 
 @triton.jit
-def recurrent_step(S, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t,
-                   sv_h, sg_b, sg_t, sb_b, sb_t, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def recurrent_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+                   sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t, L2NORM: tl.constexpr, HAS_VALID: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # The gated delta rule, token by token, in transformers' order: S <- exp(g) S; delta = beta (v - k^T S);
     # S <- S + k delta^T; o = (scale q)^T S. Value column j of S only ever meets column j of v and o, so a
     # program owns a [K, BLOCK_V] column slab of one head's state. Grid (B * HV, cdiv(V, BLOCK_V)).
+    # S is read, S_out written (the same buffer for an update in place). HAS_VALID: tokens t >= n_valid[0] (a
+    # device scalar) are padding, run with g = 0 and beta = 0 (the state passes them unchanged).
+    # A token's inputs are loaded one token ahead, so their latency overlaps the previous token's chain.
     bh = tl.program_id(0)
     b = bh // HV
     h = bh % HV
     hk = h // (HV // HK)
+    b64 = b.to(tl.int64)
     rows = tl.arange(0, BLOCK_K)
     rmask = rows < K
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     cmask = cols < V
     mask = rmask[:, None] & cmask[None, :]
-    ptrs = S + bh.to(tl.int64) * K * V + rows[:, None] * V + cols[None, :]
-    s = tl.load(ptrs, mask=mask, other=0.0)
+    offs = bh.to(tl.int64) * K * V + rows[:, None] * V + cols[None, :]
+    s = tl.load(S + offs, mask=mask, other=0.0)
+    valid = T
+    if HAS_VALID:
+        valid = tl.load(n_valid).to(tl.int32)
+    q_ptr = q + b64 * sq_b + hk * sq_h + rows
+    k_ptr = k + b64 * sk_b + hk * sk_h + rows
+    v_ptr = v + b64 * sv_b + h * sv_h + cols
+    g_ptr = g + b64 * sg_b + h
+    b_ptr = beta + b64 * sb_b + h
+    qn = tl.load(q_ptr, mask=rmask, other=0.0)
+    kn = tl.load(k_ptr, mask=rmask, other=0.0)
+    vn = tl.load(v_ptr, mask=cmask, other=0.0)
+    gn = tl.load(g_ptr)
+    bn = tl.load(b_ptr)
     for t in range(T):
-        b64 = b.to(tl.int64)
-        qv = tl.load(q + b64 * sq_b + t * sq_t + hk * sq_h + rows, mask=rmask, other=0.0).to(tl.float32)
-        kv = tl.load(k + b64 * sk_b + t * sk_t + hk * sk_h + rows, mask=rmask, other=0.0).to(tl.float32)
+        qv, kv, vv = qn.to(tl.float32), kn.to(tl.float32), vn.to(tl.float32)
+        gv, bt = gn.to(tl.float32), bn.to(tl.float32)
+        nt = t + 1
+        ahead = nt < T
+        qn = tl.load(q_ptr + nt * sq_t, mask=rmask & ahead, other=0.0)
+        kn = tl.load(k_ptr + nt * sk_t, mask=rmask & ahead, other=0.0)
+        vn = tl.load(v_ptr + nt * sv_t, mask=cmask & ahead, other=0.0)
+        gn = tl.load(g_ptr + nt * sg_t, mask=ahead, other=0.0)
+        bn = tl.load(b_ptr + nt * sb_t, mask=ahead, other=0.0)
+        real = t < valid
+        gv = tl.where(real, gv, 0.0)
+        bt = tl.where(real, bt, 0.0)
         if L2NORM:  # x * rsqrt(sum(x^2) + 1e-6), as transformers / fla
             qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6)
             kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
         qv = qv * scale
-        vv = tl.load(v + b64 * sv_b + t * sv_t + h * sv_h + cols, mask=cmask, other=0.0).to(tl.float32)
-        alpha = tl.exp(tl.load(g + b64 * sg_b + t * sg_t + h).to(tl.float32))
-        bt = tl.load(beta + b64 * sb_b + t * sb_t + h).to(tl.float32)
-        s = s * alpha
+        s = s * tl.exp(gv)
         delta = (vv - tl.sum(kv[:, None] * s, axis=0)) * bt
         s = s + kv[:, None] * delta[None, :]
         out = tl.sum(qv[:, None] * s, axis=0)
         tl.store(o + ((b * T + t) * HV + h).to(tl.int64) * V + cols, out.to(o.dtype.element_ty), mask=cmask)
-    tl.store(ptrs, s, mask=mask)
+    tl.store(S_out + offs, s, mask=mask)
 
 
 @triton.jit
-def conv_update(history, x, w, bias, y, T, C, sx_b, sx_t, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+def conv_update(history, x, w, bias, y, history_out, n_rows, T, C, sx_b, sx_t, KC: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ROWS_IN: tl.constexpr, ONLY_WITHIN: tl.constexpr,
+                BLOCK_C: tl.constexpr):
     # Depthwise causal conv of x [B, T, C] after history [B, KC - 1, C] (the window of output t is rows
-    # t .. t + KC - 1 of cat(history, x)), then history <- the last KC - 1 rows of cat(history, x). Dtypes as
-    # transformers' torch path: inputs cast to x's then to the weight's dtype, fp32 accumulation, the sum and
-    # the activation rounded to the weight's dtype, the output in x's. Grid (B, cdiv(C, BLOCK_C)).
+    # t .. t + KC - 1 of cat(history, x)), then history_out <- the last KC - 1 rows of cat(history, x[:, :n]),
+    # n = T, or with ROWS_IN n = min(n_rows[0], T) (a device scalar: the real rows of a padded chunk);
+    # ONLY_WITHIN writes it only while n_rows[0] < KC - 1. history_out may be history (an update in place).
+    # Dtypes as transformers' torch path: inputs cast to x's then to the weight's dtype, fp32 accumulation, the
+    # sum and the activation rounded to the weight's dtype, the output in x's. Grid (B, cdiv(C, BLOCK_C)).
     W: tl.constexpr = KC - 1
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     h_base = history + b * W * C
+    o_base = history_out + b * W * C
     x_base = x + b * sx_b
     y_base = y + b * T * C
     if HAS_BIAS:
@@ -130,10 +160,17 @@ def conv_update(history, x, w, bias, y, T, C, sx_b, sx_t, KC: tl.constexpr, HAS_
             acc = (acc * tl.sigmoid(acc)).to(w.dtype.element_ty).to(tl.float32)
         tl.store(y_base + t * C + c, acc.to(y.dtype.element_ty), mask=cm)
     tl.debug_barrier()  # every read of history above happens before the roll below writes it
-    # Row p of the new history is row T + p of cat(history, x): in increasing p, a store to row p never
-    # overwrites a history row that a later p still reads (those are rows T + p' > p).
+    n = T
+    write = cm
+    if ROWS_IN:
+        given = tl.load(n_rows).to(tl.int32)
+        n = tl.minimum(given, T)
+        if ONLY_WITHIN:
+            write = cm & (given < W)
+    # Row i of the new history is row n + i of cat(history, x): in increasing i, a store to row i never
+    # overwrites a history row that a later i still reads (those are rows n + i' > i).
     for i in tl.static_range(W):
-        p = T + i
+        p = n + i
         hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0)
         xv = tl.load(x_base + (p - W) * sx_t + c, mask=cm & (p >= W), other=0.0).to(history.dtype.element_ty)
-        tl.store(h_base + i * C + c, tl.where(p < W, hv, xv), mask=cm)
+        tl.store(o_base + i * C + c, tl.where(p < W, hv, xv).to(history_out.dtype.element_ty), mask=write)

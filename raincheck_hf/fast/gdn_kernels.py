@@ -38,6 +38,7 @@ import os
 import torch
 
 from ..gated_delta import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
+from ..gated_delta import l2norm as l2norm_keys
 from .._triton import triton_available
 
 __all__ = [
@@ -136,6 +137,15 @@ def _heads(name: str, k: torch.Tensor, heads_v: int) -> int:
     return heads_v // heads_k
 
 
+def _check_count(name: str, n: torch.Tensor | None, device: torch.device) -> None:
+    """A device-scalar count (``valid`` / ``rows_in``): one integer element on the buffers' device."""
+    if n is None:
+        return
+    if n.numel() != 1 or n.dtype.is_floating_point or n.dtype == torch.bool or n.device != device:
+        raise ValueError(f"{name} must be a one-element integer tensor on {device} (a device scalar), got "
+                         f"{n.dtype} {list(n.shape)} on {n.device}.")
+
+
 def _inner(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a contiguous last axis (the kernels take the other strides): a view of a projection's split
     needs no copy."""
@@ -149,14 +159,15 @@ def _repeat_heads(x: torch.Tensor, r: int) -> torch.Tensor:
 # ---- the suffix map ----------------------------------------------------------------------------------------
 
 def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-                       reference: bool | None = None) -> torch.Tensor:
+                       l2norm: bool = False, reference: bool | None = None) -> torch.Tensor:
     """``M <- A_T ... A_1 M`` in place for ``T`` tokens (oldest first), ``A_t = exp(g_t) (I - beta_t k_t k_t^T)``.
 
     Args:
         M: ``[B, HV, K, K]`` the suffix map (fp32 for the kernel).
-        k: ``[B, T, HK, K]`` normalised keys, any float dtype; ``HK`` divides ``HV``.
+        k: ``[B, T, HK, K]`` normalised keys (raw ones with ``l2norm``), any float dtype; ``HK`` divides ``HV``.
         g: ``[B, T, HV]`` log decay; beta: ``[B, T, HV]``. A token with ``beta = 0`` and ``g = 0`` leaves
             ``M`` unchanged (padding).
+        l2norm: normalise ``k`` first, in fp32 (`gated_delta.l2norm` of ``k.float()``).
         reference: None (auto), True (`gated_delta.update_suffix_map`), False (the kernel).
 
     Returns:
@@ -172,12 +183,13 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     _shape("g", g, (bsz, seq, heads), "[B, T, HV]")
     _shape("beta", beta, (bsz, seq, heads), "[B, T, HV]")
     if not _use_kernel(reference, (M,), (k, g, beta), "suffix_map_update_"):
+        k = l2norm_keys(k.float()) if l2norm else k
         return M.copy_(update_suffix_map(M, _repeat_heads(k, r), g, beta))
     k, g, beta = _inner(k), _inner(g), _inner(beta)
     tiles, warps = launch_tiles("suffix_map_update", dk, dk)
     grid = (bsz * heads, _cdiv(dk, tiles["BLOCK_J"]))
     _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, *k.stride()[:3], *g.stride()[:2],
-                                       *beta.stride()[:2], **tiles, num_warps=warps)
+                                       *beta.stride()[:2], L2NORM=bool(l2norm), **tiles, num_warps=warps)
     return M
 
 
@@ -248,8 +260,9 @@ def recurrent_step_reference(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, scale: float | None = None, l2norm: bool = True, *,
-                    reference: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The gated delta rule for ``T`` (small) tokens, in place on ``S``.
+                    reference: bool | None = None, out: torch.Tensor | None = None,
+                    valid: torch.Tensor | None = None, state_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule for ``T`` (small) tokens, in place on ``S`` (or from ``S`` into ``state_out``).
 
     Args:
         S: ``[B, HV, K, V]`` the recurrent state (fp32 for the kernel).
@@ -260,6 +273,10 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         reference: None (auto), True (`recurrent_step_reference`), False (the kernel).
         out: optional ``[B, T, HV, V]`` buffer in ``v``'s dtype for the output (kernel path: written in place,
             nothing allocated).
+        valid: optional device scalar ``[1]`` (integer): tokens ``t >= valid`` are padding and run with
+            ``g = 0, beta = 0`` (the state passes them unchanged; their outputs read it), so one captured
+            call serves every count of real tokens.
+        state_out: optional ``[B, HV, K, V]`` buffer that receives the final state, ``S`` then only read.
 
     Returns:
         ``o`` ``[B, T, HV, V]`` in ``v``'s dtype: ``o_t = scale q_t^T S_t``, the state after token t's update.
@@ -281,8 +298,17 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _shape("out", out, tuple(v.shape), "[B, T, HV, V]")
         if out.dtype != v.dtype:
             raise ValueError(f"out must have v's dtype {v.dtype}, got {out.dtype}.")
-    if not _use_kernel(reference, (S,), (q, k, v, g, beta), "recurrent_step_"):
-        o = recurrent_step_reference(S, q, k, v, g, beta, scale, l2norm).to(v.dtype)
+    if state_out is not None:
+        _shape("state_out", state_out, tuple(S.shape), "[B, HV, K, V]")
+    _check_count("valid", valid, S.device)
+    target = S if state_out is None else state_out
+    if not _use_kernel(reference, (target, S), (q, k, v, g, beta), "recurrent_step_"):
+        if valid is not None:
+            real = (torch.arange(seq, device=valid.device) < valid)[None, :, None]
+            g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+        if state_out is not None:
+            target.copy_(S)
+        o = recurrent_step_reference(target, q, k, v, g, beta, scale, l2norm).to(v.dtype)
         return o if out is None else out.copy_(o)
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous.")
@@ -290,9 +316,10 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     tiles, warps = launch_tiles("recurrent_step", dk, dv, seq)
     grid = (bsz * heads, _cdiv(dv, tiles["BLOCK_V"]))
-    _kernels().recurrent_step[grid](S, q, k, v, g, beta, o, seq, heads, heads // r, dk, dv,
-                                    float(dk**-0.5 if scale is None else scale), *q.stride()[:3], *k.stride()[:3],
-                                    *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2], L2NORM=bool(l2norm),
+    _kernels().recurrent_step[grid](S, target, S if valid is None else valid, q, k, v, g, beta, o, seq, heads,
+                                    heads // r, dk, dv, float(dk**-0.5 if scale is None else scale),
+                                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2],
+                                    *beta.stride()[:2], L2NORM=bool(l2norm), HAS_VALID=valid is not None,
                                     **tiles, num_warps=warps)
     return o
 
@@ -301,8 +328,10 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation: str | None = "silu", *, reference: bool | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal conv of ``x`` continuing after ``history``; ``history`` rolled in place.
+                 out: torch.Tensor | None = None, rows_in: torch.Tensor | None = None,
+                 history_out: torch.Tensor | None = None, only_within_window: bool = False) -> torch.Tensor:
+    """Depthwise causal conv of ``x`` continuing after ``history``; ``history`` rolled in place (or the rolled
+    history written to ``history_out``).
 
     Args:
         history: ``[B, Kc - 1, C]`` the last pre-conv inputs before ``x`` (sequence-first, as `gated_delta`);
@@ -313,6 +342,13 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         reference: None (auto; the kernel needs a contiguous history of any float dtype), True
             (`gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`), False (the kernel).
         out: optional ``[B, T, C]`` buffer in ``x``'s dtype for the output.
+        rows_in: optional device scalar ``[1]`` (integer) ``n``: only the first ``min(n, T)`` rows of ``x``
+            enter the history (the real rows of a padded chunk; every output is computed as usual, and a
+            real row's never reads the padding after it).
+        history_out: optional ``[B, Kc - 1, C]`` buffer (``history``'s dtype) for the rolled history;
+            ``history`` is then only read.
+        only_within_window: with ``rows_in``, write the rolled history only while ``n < Kc - 1`` (the live
+            window of a suffix shorter than the window; a longer one keeps its own).
 
     Returns:
         ``y`` ``[B, T, C]`` in ``x``'s dtype, as `gated_delta.causal_conv_with_history`.
@@ -334,11 +370,26 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         _shape("out", out, tuple(x.shape), "[B, T, C]")
         if out.dtype != x.dtype:
             raise ValueError(f"out must have x's dtype {x.dtype}, got {out.dtype}.")
+    if history_out is not None:
+        _shape("history_out", history_out, tuple(history.shape), "[B, Kc - 1, C]")
+        if history_out.dtype != history.dtype:
+            raise ValueError(f"history_out must have history's dtype {history.dtype}, got {history_out.dtype}.")
+    _check_count("rows_in", rows_in, history.device)
+    if only_within_window and rows_in is None:
+        raise ValueError("only_within_window needs rows_in (the count it compares with the window).")
+    target = history if history_out is None else history_out
     # the history keeps its own dtype (the kernel rolls it as it is): only its layout matters
-    if not _use_kernel(reference, (history,), (x, weight) + (() if bias is None else (bias,)), "conv_update_",
-                       fp32=False):
+    if not _use_kernel(reference, (target, history), (x, weight) + (() if bias is None else (bias,)),
+                       "conv_update_", fp32=False):
         y = causal_conv_with_history(x, history, weight, bias, activation)
-        history.copy_(roll_conv_history(history, x))
+        if rows_in is None:
+            target.copy_(roll_conv_history(history, x))
+        else:  # rows n .. n + Kc - 2 of cat(history, x), n = min(rows_in, T)
+            width = history.shape[1]
+            joined = torch.cat([history, x.to(history.dtype)], dim=1)
+            index = torch.clamp(rows_in, max=seq) + torch.arange(width, device=rows_in.device)
+            rolled = joined.index_select(1, index)
+            target.copy_(torch.where(rows_in < width, rolled, target) if only_within_window else rolled)
         return y if out is None else out.copy_(y)
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous.")
@@ -346,7 +397,8 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     tiles, warps = launch_tiles("conv_update", 0, 0)
     grid = (bsz, _cdiv(channels, tiles["BLOCK_C"]))
-    _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, seq, channels,
-                                 *x.stride()[:2], KC=kernel, HAS_BIAS=bias is not None, SILU=activation is not None,
-                                 **tiles, num_warps=warps)
+    _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, target,
+                                 history if rows_in is None else rows_in, seq, channels, *x.stride()[:2], KC=kernel,
+                                 HAS_BIAS=bias is not None, SILU=activation is not None, ROWS_IN=rows_in is not None,
+                                 ONLY_WITHIN=bool(only_within_window), **tiles, num_warps=warps)
     return y

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
-from ..gated_delta import GDNLayerParams, gdn_gates, l2norm
+from ..gated_delta import GDNLayerParams
 from . import gdn_kernels
 
 MAX_KEY = torch.iinfo(torch.long).max
@@ -94,8 +94,9 @@ class StaticGDNState:
         state ``[1, HV, K, V]`` and conv ``[1, Kc - 1, C]``: the live recurrent state and conv history;
         boundary_state / boundary_conv: S_b and h_b, where deferred rows are inserted;
         leading_state ``[1, HV, K, V]``: S_L, the first ``l <= Kc - 1`` suffix tokens applied to S_b;
-        leading_qkv ``[1, Kc - 1, C]``, leading_a / leading_b ``[1, Kc - 1, HV]``: those tokens' pre-conv
-            and gate inputs (slot ``j`` holds suffix token ``j``);
+        leading_qkv ``[1, Kc - 1, C]``: those tokens' pre-conv inputs (slot ``j`` holds suffix token ``j``), and
+            leading_g ``[1, Kc - 1, HV]`` (fp32) / leading_beta: their gates, which an insertion does not change
+            (they depend on the token's own projections only; q, k and v go through the conv and do);
         rest_map ``[1, HV, K, K]``: M, the product of the later suffix tokens' transitions.
 
     The suffix length ``t`` (and how many rows of a padded chunk are real) come with each step as device
@@ -103,8 +104,8 @@ class StaticGDNState:
     any state) and never enter a conv history.
     """
 
-    _NAMES = ("state", "conv", "boundary_state", "boundary_conv", "leading_state", "leading_qkv", "leading_a",
-              "leading_b", "rest_map")
+    _NAMES = ("state", "conv", "boundary_state", "boundary_conv", "leading_state", "leading_qkv", "leading_g",
+              "leading_beta", "rest_map")
 
     def __init__(self, layout: RecurrentLayout, device):
         hv, dk, dv, width = layout.num_v_heads, layout.head_k_dim, layout.head_v_dim, layout.kernel_size - 1
@@ -116,9 +117,10 @@ class StaticGDNState:
         self.boundary_conv = torch.zeros(1, width, layout.conv_dim, **own)
         self.leading_state = torch.zeros(1, hv, dk, dv, **f32)
         self.leading_qkv = torch.zeros(1, width, layout.conv_dim, **own)
-        self.leading_a = torch.zeros(1, width, hv, **own)
-        self.leading_b = torch.zeros(1, width, hv, **own)
+        self.leading_g = torch.zeros(1, width, hv, **f32)
+        self.leading_beta = torch.zeros(1, width, hv, **own)
         self.rest_map = torch.zeros(1, hv, dk, dk, **f32)
+        self.repaired = torch.zeros(1, hv, dk, dv, **f32)  # scratch of `join` (S_L'), not part of the state
         self.width = width
         self._eye = torch.eye(dk, **f32)
 
@@ -134,70 +136,61 @@ class StaticGDNState:
             t.zero_()
 
     # ---- the steps (params: the layer's `GDNLayerParams`) -------------------------------------
-    def run_chunk(self, qkv, g, beta, n_real: torch.Tensor, params: GDNLayerParams, chunk_rule=None) -> torch.Tensor:
-        """Deferred rows from the boundary: ``S_b <- S_b'``, ``h_b <- h_b'``; their core outputs ``[1, R, HV, V]``.
+    def run_chunk(self, qkv, g, beta, n_real: torch.Tensor, params: GDNLayerParams, chunk_rule=None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Deferred rows from the boundary: ``S_b <- S_b'``, ``h_b <- h_b'``; their core outputs ``[1, R, HV, V]``
+        (into ``out`` when given).
 
         ``qkv [1, R, C]``, ``g, beta [1, R, HV]``: the first ``n_real`` (a device scalar ``[1]``) rows are
-        real, the rest padding (gated to no-ops; they follow the real rows, so no real row's conv reads them).
-        The recurrent rule runs them token by token, or ``chunk_rule`` (transformers' chunked rule, exact for
+        real, the rest padding (gated to no-ops; they follow the real rows, so no real row's conv reads them,
+        and only the real rows enter h_b). The recurrent rule runs them token by token (two launches: the conv,
+        the rule, each masking by ``n_real`` itself), or ``chunk_rule`` (transformers' chunked rule, exact for
         gated-off rows too) in one call.
         """
-        rows = qkv.shape[1]
-        real = torch.arange(rows, device=qkv.device) < n_real  # [R]
-        # the conv on a copy of h_b (it rolls past the padding too); h_b' is gathered below
-        y = gdn_kernels.conv_update_(self.boundary_conv.clone(), qkv, params.conv_weight, params.conv_bias,
-                                 params.activation)
+        y = gdn_kernels.conv_update_(self.boundary_conv, qkv, params.conv_weight, params.conv_bias, params.activation,
+                                     rows_in=n_real)
         q, k, v = _split_heads(y, params)
-        real_f = real[None, :, None]
-        g, beta = torch.where(real_f, g, 0.0), torch.where(real_f, beta, torch.zeros_like(beta))
         if chunk_rule is None:
-            out = gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, g, beta)
-        else:
-            out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.boundary_state,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-            self.boundary_state.copy_(final)
-        # h_b' = the last Kc - 1 of [h_b, real rows]: positions n_real .. n_real + Kc - 2 of that concatenation
-        joined = torch.cat([self.boundary_conv, qkv.to(self.boundary_conv.dtype)], dim=1)
-        index = n_real + torch.arange(self.width, device=qkv.device)
-        self.boundary_conv.copy_(joined.index_select(1, index))
-        return out
+            return gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, g, beta, valid=n_real, out=out)
+        real = (torch.arange(qkv.shape[1], device=qkv.device) < n_real)[None, :, None]
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+        o, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.boundary_state,
+                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+        self.boundary_state.copy_(final)
+        return o if out is None else out.copy_(o)
 
     def join(self, suffix_length: torch.Tensor, params: GDNLayerParams) -> None:
         """After `run_chunk`: ``S_live += M (S_L' - S_L)``, S_L' the leading segment (``min(t, Kc - 1)``
         recorded tokens, ``t = suffix_length``, a device scalar ``[1]``) recomputed from the new h_b and
-        applied to the new S_b; the live conv history follows h_b while ``t < Kc - 1``."""
+        applied to the new S_b; the live conv history follows h_b while ``t < Kc - 1``: it is the last
+        ``Kc - 1`` of ``[h_b', the t recorded tokens]``, which the conv writes (otherwise it holds suffix tokens
+        only and does not change). Four launches: the conv, the rule into the scratch S_L', the join, S_L <- S_L'.
+        """
         t = suffix_length
-        recorded = (torch.arange(self.width, device=t.device) < t)[None, :, None]  # [1, Kc - 1, 1]
-        g, beta = gdn_gates(self.leading_a, self.leading_b, params)
-        y = gdn_kernels.conv_update_(self.boundary_conv.clone(), self.leading_qkv, params.conv_weight, params.conv_bias,
-                                 params.activation)
+        y = gdn_kernels.conv_update_(self.boundary_conv, self.leading_qkv, params.conv_weight, params.conv_bias,
+                                     params.activation, rows_in=t, history_out=self.conv, only_within_window=True)
         q, k, v = _split_heads(y, params)
-        repaired = self.boundary_state.clone()
-        gdn_kernels.recurrent_step_(repaired, q, k, v, torch.where(recorded, g, 0.0),
-                                torch.where(recorded, beta, torch.zeros_like(beta)))
-        gdn_kernels.join_(self.state, self.rest_map, repaired, self.leading_state)
-        self.leading_state.copy_(repaired)
-        # the live window is the last Kc - 1 of [h_b', suffix]: rows t .. t + Kc - 2 of [h_b', leading record]
-        # while t < Kc - 1; otherwise it holds suffix tokens only and does not change
-        window = torch.cat([self.boundary_conv, self.leading_qkv], dim=1)
-        index = torch.clamp(t, max=self.width) + torch.arange(self.width, device=t.device)
-        self.conv.copy_(torch.where(t < self.width, window.index_select(1, index), self.conv))
+        gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, self.leading_g, self.leading_beta, valid=t,
+                                    state_out=self.repaired)
+        gdn_kernels.join_(self.state, self.rest_map, self.repaired, self.leading_state)
+        self.leading_state.copy_(self.repaired)
 
-    def run_rest(self, qkv, g, beta, params: GDNLayerParams, chunk_rule=None):
+    def run_rest(self, qkv, g, beta, params: GDNLayerParams, chunk_rule=None, out: torch.Tensor | None = None):
         """Rows after the boundary (a generated token, or a turn's input) from the live state.
 
         One row runs the recurrent rule; several (a prefill after leftover deferred rows) ``chunk_rule`` (transformers'
         chunked gated delta rule of the layer's modeling file), as the stock module does. Returns the core
-        outputs ``[1, T, HV, V]`` and the rows' keys ``[1, T, HK, K]`` and values (raw) for `record`.
+        outputs ``[1, T, HV, V]`` (into ``out`` when given) and the rows' keys ``[1, T, HK, K]`` and values (raw)
+        for `record`.
         """
         y = gdn_kernels.conv_update_(self.conv, qkv, params.conv_weight, params.conv_bias, params.activation)
         q, k, v = _split_heads(y, params)
         if qkv.shape[1] == 1 or chunk_rule is None:
-            return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta), k, v
-        out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)
+            return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta, out=out), k, v
+        o, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
         self.state.copy_(final)
-        return out, k, v
+        return (o if out is None else out.copy_(o)), k, v
 
     def run_input(self, qkv, g, beta, n_padding: torch.Tensor, params: GDNLayerParams, chunk_rule=None):
         """A turn's input rows from the live state, after ``n_padding`` (a device scalar ``[1]``) leading padding
@@ -229,18 +222,18 @@ class StaticGDNState:
         self.state.copy_(final)
         return out, k, v
 
-    def record(self, qkv, a, b, k, v, g, beta, suffix_length: torch.Tensor, leading: bool) -> None:
-        """Extend the suffix by the generated token that just ran: its pre-conv and gate inputs ``qkv [1, 1, C]``,
-        ``a, b [1, 1, HV]`` and its factors from `run_rest` (``k`` raw, ``v``, ``g``, ``beta``). With
-        ``leading`` (``t < Kc - 1``, known on the host) it fills leading-record slot ``t`` and S_L advances by
-        it; otherwise ``M <- A_t M``."""
+    def record(self, qkv, k, v, g, beta, suffix_length: torch.Tensor, leading: bool) -> None:
+        """Extend the suffix by the generated token that just ran: its pre-conv input ``qkv [1, 1, C]`` and its
+        factors from `run_rest` (``k`` raw, ``v``, ``g``, ``beta [1, 1, HV]``). With ``leading`` (``t < Kc -
+        1``, known on the host) it fills leading-record slot ``t`` and S_L advances by it; otherwise ``M <- A_t
+        M`` (``k`` normalised inside the update)."""
         if leading:
             self.leading_qkv.index_copy_(1, suffix_length, qkv.to(self.leading_qkv.dtype))
-            self.leading_a.index_copy_(1, suffix_length, a.to(self.leading_a.dtype))
-            self.leading_b.index_copy_(1, suffix_length, b.to(self.leading_b.dtype))
+            self.leading_g.index_copy_(1, suffix_length, g.to(self.leading_g.dtype))
+            self.leading_beta.index_copy_(1, suffix_length, beta.to(self.leading_beta.dtype))
             gdn_kernels.recurrent_step_(self.leading_state, k, k, v, g, beta)  # the output is not needed
             return
-        gdn_kernels.suffix_map_update_(self.rest_map, l2norm(k.float()), g, beta)
+        gdn_kernels.suffix_map_update_(self.rest_map, k, g, beta, l2norm=True)
 
     def reset_boundary(self) -> None:
         """The boundary moves to the live state (after a turn's input rows): ``S_b = S_L = S_live``,

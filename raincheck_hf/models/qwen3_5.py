@@ -295,26 +295,26 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
     b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
     g, beta = gdn_gates(a, b, params)
     n_real, suffix_length = ctx.step_info[0:1], ctx.step_info[1:2]
-    outs = []
     chunk_rule = module_function(module, "torch_chunk_gated_delta_rule")
     if split.padded_input:  # [padding, a turn's input rows]: the boundary moves after them
-        outs.append(state.run_input(qkv, g, beta, ctx.step_info[2:3], params, chunk_rule=chunk_rule)[0])
+        core = state.run_input(qkv, g, beta, ctx.step_info[2:3], params, chunk_rule=chunk_rule)[0]
         state.reset_boundary()
-        n_chunk = 0
-    elif n_chunk:
-        outs.append(state.run_chunk(qkv[:, :n_chunk], g[:, :n_chunk], beta[:, :n_chunk], n_real, params,
-                                    chunk_rule=chunk_rule if n_chunk > RECURRENT_CHUNK_MAX else None))
-        state.join(suffix_length, params)
-    if split.n_rest and not split.padded_input:
-        rest = slice(n_chunk, rows)
-        out, k, v = state.run_rest(qkv[:, rest], g[:, rest], beta[:, rest], params, chunk_rule=chunk_rule)
-        outs.append(out)
-        if split.rest_kind == INPUT:
-            state.reset_boundary()
-        elif split.record is not None:
-            state.record(qkv[:, rest], a[:, rest], b[:, rest], k, v, g[:, rest], beta[:, rest], suffix_length,
-                         leading=split.record == "lead")
-    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    else:
+        # each part writes its rows of the core output (no concatenation)
+        core = torch.empty(bsz, rows, params.num_v_heads, params.head_v_dim, dtype=qkv.dtype, device=qkv.device)
+        if n_chunk:
+            state.run_chunk(qkv[:, :n_chunk], g[:, :n_chunk], beta[:, :n_chunk], n_real, params,
+                            chunk_rule=chunk_rule if n_chunk > RECURRENT_CHUNK_MAX else None, out=core[:, :n_chunk])
+            state.join(suffix_length, params)
+        if split.n_rest:
+            rest = slice(n_chunk, rows)
+            _, k, v = state.run_rest(qkv[:, rest], g[:, rest], beta[:, rest], params, chunk_rule=chunk_rule,
+                                     out=core[:, rest])
+            if split.rest_kind == INPUT:
+                state.reset_boundary()
+            elif split.record is not None:
+                state.record(qkv[:, rest], k, v, g[:, rest], beta[:, rest], suffix_length,
+                             leading=split.record == "lead")
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
