@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
 #   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep
+#   bash benchmarks/h200_run.sh gdn_fuse   # every GPU test, GDN kernels, Qwen3.5-9B full vs raincheck (fused GDN glue)
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
@@ -120,6 +121,21 @@ vl_sweep)
         --variants stock_static_reused,full,raincheck \
         --json "$OUT/latency_qwen3_vl_8b_image_sweep_h200.json" > "$OUT/latency_qwen3_vl_8b_image_sweep_h200.log" 2>&1
     tail -16 "$OUT/latency_qwen3_vl_8b_image_sweep_h200.log"
+    ;;
+gdn_fuse)
+    # the GDN glue folded into the kernels: every GPU test, the kernels' timings, Qwen3.5-9B full vs raincheck c=31
+    # (512-token answers, warm-up answers as long, so the timed ones replay graphs captured beforehand)
+    timeout "${TESTS_S:-280}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE --tb=short --durations=8 \
+        > "$OUT/test_gpu_gdn_fuse_h200.log" 2>&1
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/test_gpu_gdn_fuse_h200.log" | cut -c1-200 | tail -12
+    timeout "${GDN_S:-50}" python3 -m raincheck_hf.bench gdn --iters 100 --json "$OUT/gdn_kernels_h200.json" \
+        > "$OUT/gdn_kernels_h200.log" 2>&1
+    tail -9 "$OUT/gdn_kernels_h200.log"
+    timeout "${BENCH_S:-230}" python3 -u -m raincheck_hf.bench latency --model qwen3_5_9b --input image --turns 1 \
+        --answer-tokens 512 --warmup-tokens 512 --chunk-sizes 31 --reps 2 --budget-s "${BUDGET_S:-210}" \
+        --variants "${VARIANTS:-full,raincheck}" \
+        --json "$OUT/latency_qwen3_5_9b_image_fused_h200.json" > "$OUT/latency_qwen3_5_9b_image_fused_h200.log" 2>&1
+    grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_fused_h200.log" | tail -9
     ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
