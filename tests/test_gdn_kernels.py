@@ -34,6 +34,10 @@ from raincheck_hf.gated_delta import (
 MAP_SIZES = [(1, 1, 2, 2, 24), (2, 2, 2, 4, 40), (1, 3, 1, 4, 24), (2, 1, 3, 6, 17), (1, 1, 2, 4, 8)]
 STEP_SIZES = [(1, 1, 2, 2, 24, 40), (2, 2, 2, 4, 40, 24), (1, 3, 1, 4, 24, 40), (2, 1, 3, 6, 17, 20),
               (1, 1, 2, 4, 8, 16)]
+# (B, T, HK, HV, K, V, correlated keys) for the chunked form (16, 32 and 64-token tiles; K and V of 16 or more)
+CHUNKED_SIZES = [(1, 7, 2, 4, 24, 40, False), (2, 16, 1, 2, 16, 20, False), (1, 31, 2, 4, 32, 24, False),
+                 (1, 32, 1, 1, 16, 16, True), (1, 63, 1, 2, 16, 16, False), (1, 64, 1, 1, 16, 16, True),
+                 (1, 3, 2, 4, 8, 16, False)]
 JOIN_SIZES = [(1, 2, 24, 40), (2, 3, 40, 24), (1, 1, 17, 33), (1, 2, 80, 72), (1, 4, 8, 16)]
 CONV_SIZES = [(1, 1, 40, 4, False, "float32"), (2, 2, 50, 4, True, "float32"), (1, 3, 200, 4, False, "float32"),
               (2, 5, 24, 4, True, "float32"), (1, 1, 30, 2, False, "float32"), (2, 2, 40, 4, False, "bfloat16"),
@@ -129,6 +133,31 @@ for B, T, HK, HV, K, V in cases["step"]:
         out[f"masked step {B, T, HK, HV, K, V} n={n}"] = {
             "err": max(err(S1, S2), err(S3, S2)), "scale": S2.abs().max().item(),
             "o_err": max(err(o1, o2), err(o3, o2)), "o_scale": o2.abs().max().item(), "out_is_o": o1 is out1}
+# the chunked form against the token-by-token reference: chunk lengths up to 64, masked tails, correlated keys
+# with no decay and beta = 1 (the hard case for its triangular solve), strided inputs
+for B, T, HK, HV, K, V, hard in cases["chunked"]:
+    g = torch.Generator().manual_seed(11)
+    S = torch.randn(B, HV, K, V, generator=g)
+    q = torch.randn(B, T, HK, K, generator=g).to(torch.bfloat16)
+    if hard:
+        k = (torch.randn(B, 1, HK, K, generator=g) + 0.05 * torch.randn(B, T, HK, K, generator=g)).to(torch.bfloat16)
+        gate, beta = torch.zeros(B, T, HV), torch.ones(B, T, HV, dtype=torch.bfloat16)
+    else:
+        k = torch.randn(B, T, HK, K, generator=g).to(torch.bfloat16)
+        gate, beta = -2 * torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g).to(torch.bfloat16)
+    mixed = torch.randn(B, T, HV * V + 3, generator=g).to(torch.bfloat16)
+    v = mixed[..., 3:].reshape(B, T, HV, V)  # strided, as the split of the conv output
+    for n in sorted({T, max(T - 3, 0), 1}):
+        valid = torch.tensor([n])
+        S1, o1 = torch.empty_like(S), torch.empty(B, T, HV, V, dtype=torch.bfloat16)
+        gk.chunked_step_(S, q, k, v, gate, beta, valid=valid, state_out=S1, out=o1, reference=False)
+        S2 = S.clone()
+        o2 = gk.recurrent_step_(S2, q, k, v.contiguous(), gate, beta, valid=valid, reference=True)
+        S3 = torch.empty_like(S)
+        o3 = gk.chunked_step_(S, q, k, v, gate, beta, valid=valid, state_out=S3, reference=True)
+        out[f"chunked {B, T, HK, HV, K, V} hard={hard} n={n}"] = {
+            "err": max(err(S1, S2), err(S3, S2)), "scale": S2.abs().max().item(),
+            "o_err": max(err(o1, o2), err(o3, o2)), "o_scale": o2.abs().max().item()}
 for B, T, HK, HV, K in cases["map"]:
     g = torch.Generator().manual_seed(8)
     M = torch.randn(B, HV, K, K, generator=g)
@@ -217,7 +246,7 @@ print(json.dumps(out))
 def interpreted():
     if not gk.triton_available():
         pytest.skip("needs Triton (its interpreter runs the kernels on CPU)")
-    cases = {"map": MAP_SIZES, "join": JOIN_SIZES, "step": STEP_SIZES, "conv": CONV_SIZES}
+    cases = {"map": MAP_SIZES, "join": JOIN_SIZES, "step": STEP_SIZES, "conv": CONV_SIZES, "chunked": CHUNKED_SIZES}
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
@@ -265,6 +294,14 @@ def test_masked_recurrent_step_matches_gated_off_padding(interpreted):
         assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
         assert r["o_err"] <= 1e-2 * max(1.0, r["o_scale"]), (name, r)  # bf16 outputs
         assert r["out_is_o"], (name, r)
+
+
+def test_chunked_step_matches_the_token_by_token_rule(interpreted):
+    rows = _rows(interpreted, "chunked ")
+    assert len(rows) == sum(len({T, max(T - 3, 0), 1}) for _, T, *_ in CHUNKED_SIZES)
+    for name, r in rows.items():
+        assert r["err"] <= 2e-5 * max(1.0, r["scale"]), (name, r)  # fp32, sums in another order
+        assert r["o_err"] <= 1e-2 * max(1.0, r["o_scale"]), (name, r)  # bf16 outputs
 
 
 def test_suffix_map_normalises_keys_inside(interpreted):
@@ -329,6 +366,11 @@ for dk, dv in ((128, 128), (8, 16)):
         build(f"recurrent_step {dk}x{dv} T={tokens}", K.recurrent_step,
               [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
               {"L2NORM": True, "HAS_VALID": tokens > 1, **step}, warps)
+    for tokens in (32, 64):  # a fused step's chunk (c = 31 padded to 32), the largest chunk it runs
+        tiles_c, warps_c = gk.launch_tiles("chunked_step", dk, dv, tokens)
+        build(f"chunked_step {dk}x{dv} T={tokens}", K.chunked_step,
+              [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13, {"HAS_VALID": True, **tiles_c},
+              warps_c)
 for within in (False, True):
     build(f"conv_update within={within}", K.conv_update, [bf] * 6 + [i64] + [i32] * 4,
           {"KC": 4, "HAS_BIAS": False, "SILU": True, "ROWS_IN": True, "ONLY_WITHIN": within,
@@ -352,7 +394,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 10
+    assert len(results) == 14
     for name, r in results.items():
         assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
 
@@ -437,7 +479,7 @@ def test_strided_inputs_read_in_place(interpreted):
 def test_benchmark_kernel_calls_match_its_reference_calls(interpreted):
     rows = _rows(interpreted, "bench ")
     assert sorted(rows) == sorted(f"bench {op}" for op in ("suffix_map_update", "join", "recurrent_step",
-                                                           "recurrent_step_chunk", "conv_update"))
+                                                           "recurrent_step_chunk", "chunked_step", "conv_update"))
     assert all(err <= 1e-5 for err in rows.values()), rows
 
 

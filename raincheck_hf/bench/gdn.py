@@ -3,7 +3,8 @@
 For one GDN layer and one decode token at the Qwen3.5-9B shape (16 key heads, 32 value heads,
 dk = dv = 128, 8,192 conv channels, conv width 4): the suffix-map update ``M <- A M``, the join
 ``S += M (S_new - S_old)``, the recurrent step (also over a 32-token chunk, as a deferred chunk runs
-from the boundary state: ``recurrent_step_chunk``) and the short-conv update, each as the Triton
+from the boundary state: ``recurrent_step_chunk``; the same chunk in the chunked form, which the fast path
+runs: ``chunked_step``) and the short-conv update, each as the Triton
 kernel and as its PyTorch reference (the `gated_delta` functions; for the step, transformers' torch
 rule). Where fla is installed, its fused recurrent kernel (``fla``) and, for the chunk, its chunked
 kernel (``fla_chunk``) too. Timed with CUDA events over many calls (median), both as eager calls
@@ -38,18 +39,20 @@ QWEN3_5_9B = {"batch": 1, "heads_k": 16, "heads_v": 32, "dk": 128, "dv": 128, "k
 CPU_SMOKE = {"batch": 1, "heads_k": 2, "heads_v": 4, "dk": 32, "dv": 32, "kernel_size": 4}
 GDN_LAYERS = 24  # Qwen3.5-9B: 24 of its 32 layers are Gated DeltaNet
 CHUNK = 32  # tokens of the recurrent step's second row: a deferred chunk run from the boundary state
-OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "conv_update")
+OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "chunked_step", "conv_update")
 
 # settings tried by --sweep: per op, (the tile constant of gdn_kernels, its values, the op's warps constant)
 SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (8, 16, 32, 64), "SUFFIX_WARPS"),
          "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
          "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
          "recurrent_step_chunk": ("STEP_CHUNK_BLOCK_V", (8, 16, 32), "STEP_CHUNK_WARPS"),
+         "chunked_step": ("CHUNKED_BLOCK_V", (16, 32, 64), "CHUNKED_WARPS"),
          "conv_update": ("CONV_BLOCK_C", (64, 128, 256, 512), "CONV_WARPS")}
 SWEEP_WARPS = {"recurrent_step_chunk": (1, 2, 4, 8)}  # warps tried per op (default below)
 SWEEP_WARPS_DEFAULT = (2, 4, 8)
 TILE_NAMES = ("SUFFIX_BLOCK_J", "SUFFIX_WARPS", "JOIN_BLOCK", "JOIN_BLOCK_R", "JOIN_WARPS", "STEP_BLOCK_V",
-              "STEP_WARPS", "STEP_CHUNK_BLOCK_V", "STEP_CHUNK_WARPS", "CONV_BLOCK_C", "CONV_WARPS")
+              "STEP_WARPS", "STEP_CHUNK_BLOCK_V", "STEP_CHUNK_WARPS", "CHUNKED_BLOCK_V", "CHUNKED_WARPS", "CONV_BLOCK_C",
+              "CONV_WARPS")
 
 
 def _measure(device, fn, iters: int) -> float:
@@ -118,6 +121,7 @@ class _Layer:
                 "join": lambda: gk.join_(self.S_live, self.M, self.S_new, self.S_old, reference=False),
                 "recurrent_step": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=False, out=o),
                 "recurrent_step_chunk": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=False, out=o),
+                "chunked_step": lambda: gk.chunked_step_(self.S, q, k, v, g, beta, reference=False, out=o),
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=False, out=self.y),
             }[op]
         if impl == "reference":
@@ -131,6 +135,7 @@ class _Layer:
                 "join": lambda: out.__setitem__("S", join_state(self.S_live, self.M, self.S_old, self.S_new)),
                 "recurrent_step": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=True, out=o),
                 "recurrent_step_chunk": lambda: gk.recurrent_step_(self.S, q, k, v, g, beta, reference=True, out=o),
+                "chunked_step": lambda: gk.chunked_step_(self.S, q, k, v, g, beta, reference=True, out=o),
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=True, out=self.y),
             }[op]
         if impl in ("fla", "fla_chunk") and op.startswith("recurrent_step"):
@@ -160,7 +165,7 @@ class _Layer:
         if impl == "reference" and op == "join":
             return self.out["S"]
         return {"suffix_map_update": self.M, "join": self.S_live, "recurrent_step": self.o,
-                "recurrent_step_chunk": self.oc, "conv_update": self.y}[op]
+                "recurrent_step_chunk": self.oc, "chunked_step": self.oc, "conv_update": self.y}[op]
 
 
 def _max_diff(shape, device, act_dtype, op, impl) -> float:
@@ -258,7 +263,7 @@ def run(device=None, iters: int = 200, replays: int = 20, sweep: bool = False, s
 def _print(result: dict, log) -> None:
     hw = result["hardware"]
     s = result["shape"]
-    log(f"GDN kernels, one layer, one token (recurrent_step_chunk: {s['chunk_tokens']}): B={s['batch']} "
+    log(f"GDN kernels, one layer, one token (recurrent_step_chunk, chunked_step: {s['chunk_tokens']}): B={s['batch']} "
         f"HK={s['heads_k']} HV={s['heads_v']} dk={s['dk']} dv={s['dv']} C={s['conv_channels']} Kc={s['kernel_size']} "
         f"on {hw.get('gpu') or hw.get('cpu')}; "
         f"median µs per call of {result['settings']['iters']}"

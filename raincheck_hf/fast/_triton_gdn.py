@@ -174,3 +174,81 @@ def conv_update(history, x, w, bias, y, history_out, n_rows, T, C, sx_b, sx_t, K
         hv = tl.load(h_base + p * C + c, mask=cm & (p < W), other=0.0)
         xv = tl.load(x_base + (p - W) * sx_t + c, mask=cm & (p >= W), other=0.0).to(history.dtype.element_ty)
         tl.store(o_base + i * C + c, tl.where(p < W, hv, xv).to(history_out.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def chunked_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+                 sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t, HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    # `recurrent_step` (with L2NORM) for T <= BLOCK_T tokens at once, in the chunked (WY) form: with
+    # G_t = g_0 + .. + g_t, the tokens' deltas U (u_t = beta_t (v_t - k_t^T S'_t), S'_t the decayed state
+    # before token t) solve (I + A) U = B, A[t, j] = beta_t exp(G_t - G_j) k_t.k_j (j < t), B_t = beta_t (v_t -
+    # exp(G_t) k_t^T S): unit lower triangular, solved by forward substitution (u_t = B_t - sum_{j<t} A[t, j]
+    # u_j, row by row: stable, where a Neumann-series product would cancel huge terms for correlated keys).
+    # Then o_t = exp(G_t) q_t^T S + sum_{j <= t} exp(G_t - G_j) (q_t.k_j) u_j and S_T = exp(G_T) S +
+    # sum_j exp(G_T - G_j) k_j u_j^T. Products over K run in BLOCK_R-row slices (the raw q / k, their norms
+    # applied to the products after), fp32 (no TF32). Grid (B * HV, cdiv(V, BLOCK_V)).
+    bh = tl.program_id(0)
+    b = bh // HV
+    h = bh % HV
+    hk = h // (HV // HK)
+    b64 = b.to(tl.int64)
+    ts = tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    valid = T
+    if HAS_VALID:
+        valid = tl.minimum(tl.load(n_valid).to(tl.int32), T)
+    tin = ts < T
+    real = ts < valid
+    q_base = q + b64 * sq_b + hk * sq_h
+    k_base = k + b64 * sk_b + hk * sk_h
+    s_base = S + bh.to(tl.int64) * K * V
+    so_base = S_out + bh.to(tl.int64) * K * V
+    kk = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    qk = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    ks = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    qs = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    nk = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    nq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for r0 in range(0, K, BLOCK_R):
+        red = r0 + tl.arange(0, BLOCK_R)
+        tr = tin[:, None] & (red < K)[None, :]
+        kc = tl.load(k_base + ts[:, None] * sk_t + red[None, :], mask=tr, other=0.0).to(tl.float32)
+        qc = tl.load(q_base + ts[:, None] * sq_t + red[None, :], mask=tr, other=0.0).to(tl.float32)
+        s0c = tl.load(s_base + red[:, None] * V + cols[None, :], mask=(red < K)[:, None] & cmask[None, :], other=0.0)
+        nk += tl.sum(kc * kc, axis=1)
+        nq += tl.sum(qc * qc, axis=1)
+        kk = tl.dot(kc, tl.trans(kc), kk, input_precision="ieee")
+        qk = tl.dot(qc, tl.trans(kc), qk, input_precision="ieee")
+        ks = tl.dot(kc, s0c, ks, input_precision="ieee")
+        qs = tl.dot(qc, s0c, qs, input_precision="ieee")
+    rk = tl.rsqrt(nk + 1e-6)  # x * rsqrt(sum(x^2) + 1e-6), as transformers / fla, applied to the products
+    rq = tl.rsqrt(nq + 1e-6) * scale
+    vm = tl.load(v + b64 * sv_b + h * sv_h + ts[:, None] * sv_t + cols[None, :], mask=tin[:, None] & cmask[None, :],
+                 other=0.0).to(tl.float32)
+    gv = tl.load(g + b64 * sg_b + h + ts * sg_t, mask=real, other=0.0).to(tl.float32)
+    bt = tl.load(beta + b64 * sb_b + h + ts * sb_t, mask=real, other=0.0).to(tl.float32)
+    G = tl.cumsum(gv, axis=0)
+    G_last = tl.sum(gv, axis=0)
+    causal = ts[:, None] >= ts[None, :]
+    decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))  # [t, j], <= 1 where used
+    a = tl.where(ts[:, None] > ts[None, :], bt[:, None] * decay * (rk[:, None] * kk * rk[None, :]), 0.0)
+    u = bt[:, None] * (vm - (tl.exp(G) * rk)[:, None] * ks)  # B
+    for t in range(1, valid):  # rows from valid on are padding: A's rows and B's are zero there
+        at = tl.sum(tl.where(ts[:, None] == t, a, 0.0), axis=0)  # A[t, :]
+        u = tl.where(ts[:, None] == t, u - tl.sum(at[:, None] * u, axis=0)[None, :], u)
+    attn = tl.where(causal, (rq[:, None] * qk * rk[None, :]) * decay, 0.0)
+    out = (tl.exp(G) * rq)[:, None] * qs + tl.dot(attn, u, input_precision="ieee")
+    o_offs = ((b * T + ts) * HV + h).to(tl.int64)[:, None] * V + cols[None, :]
+    tl.store(o + o_offs, out.to(o.dtype.element_ty), mask=tin[:, None] & cmask[None, :])
+    w = (tl.exp(G_last - G) * rk)[:, None] * u  # [T, V], the keys' norms folded in
+    decay_last = tl.exp(G_last)
+    for r0 in range(0, K, BLOCK_R):
+        red = r0 + tl.arange(0, BLOCK_R)
+        smask = (red < K)[:, None] & cmask[None, :]
+        kt = tl.load(k_base + ts[None, :] * sk_t + red[:, None], mask=(red < K)[:, None] & tin[None, :],
+                     other=0.0).to(tl.float32)  # [R, T]: raw keys, transposed
+        offs = red[:, None] * V + cols[None, :]
+        s_new = decay_last * tl.load(s_base + offs, mask=smask, other=0.0) + tl.dot(kt, w, input_precision="ieee")
+        tl.store(so_base + offs, s_new, mask=smask)

@@ -42,6 +42,7 @@ from ..gated_delta import l2norm as l2norm_keys
 from .._triton import triton_available
 
 __all__ = [
+    "chunked_step_",
     "conv_update_",
     "join_",
     "recurrent_step_",
@@ -61,6 +62,10 @@ STEP_BLOCK_V, STEP_WARPS = 32, 8
 # 8-column slab keeps those reductions inside the warp (shuffles, no barrier per token), 512 programs per layer.
 STEP_CHUNK_BLOCK_V, STEP_CHUNK_WARPS = 8, 1
 CONV_BLOCK_C, CONV_WARPS = 128, 4
+# A chunk in the chunked form: one program per head and 32-column value slab (128 per Qwen3.5-9B layer), the
+# chunk's tokens padded to a power of two (16 at least, for tl.dot), products over K in 16-row slices (the
+# whole K at once spills registers); 64 tokens take twice the warps.
+CHUNKED_BLOCK_V, CHUNKED_BLOCK_R, CHUNKED_WARPS, CHUNKED_MAX_TOKENS = 32, 16, 4, 64
 
 
 def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]:
@@ -74,6 +79,10 @@ def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]
     if op == "recurrent_step":
         block_v, warps = (STEP_BLOCK_V, STEP_WARPS) if tokens == 1 else (STEP_CHUNK_BLOCK_V, STEP_CHUNK_WARPS)
         return {"BLOCK_K": _pow2(dk), "BLOCK_V": min(block_v, _pow2(dv))}, warps
+    if op == "chunked_step":
+        block_t = _pow2(tokens, 16)  # tl.dot needs 16 or more along each axis
+        return {"BLOCK_T": block_t, "BLOCK_R": CHUNKED_BLOCK_R,
+                "BLOCK_V": min(CHUNKED_BLOCK_V, _pow2(dv, 16))}, CHUNKED_WARPS if block_t <= 32 else 2 * CHUNKED_WARPS
     if op == "conv_update":
         return {"BLOCK_C": CONV_BLOCK_C}, CONV_WARPS
     raise ValueError(f"no GDN kernel {op!r}")
@@ -281,6 +290,12 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Returns:
         ``o`` ``[B, T, HV, V]`` in ``v``'s dtype: ``o_t = scale q_t^T S_t``, the state after token t's update.
     """
+    _check_step(S, q, k, v, g, beta, out, valid, state_out)
+    return _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, state_out, chunked=False)
+
+
+def _check_step(S, q, k, v, g, beta, out, valid, state_out) -> None:
+    """The shape / dtype / device checks of `recurrent_step_` and `chunked_step_`."""
     if S.dim() != 4:
         raise ValueError(f"S must be [B, HV, K, V], got {list(S.shape)}.")
     bsz, heads, dk, dv = S.shape
@@ -289,7 +304,7 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                          + (" (is S transposed? states here are [B, HV, K, V])." if q.dim() == 4 and
                             q.shape[-1] == dv else "."))
     seq = int(q.shape[1])
-    r = _heads("q", q, heads)
+    _heads("q", q, heads)
     _shape("k", k, tuple(q.shape), "[B, T, HK, K]")
     _shape("v", v, (bsz, seq, heads, dv), "[B, T, HV, V]")
     _shape("g", g, (bsz, seq, heads), "[B, T, HV]")
@@ -301,8 +316,33 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if state_out is not None:
         _shape("state_out", state_out, tuple(S.shape), "[B, HV, K, V]")
     _check_count("valid", valid, S.device)
+
+
+def chunked_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, scale: float | None = None, *, reference: bool | None = None,
+                  out: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                  state_out: torch.Tensor | None = None) -> torch.Tensor:
+    """`recurrent_step_` (``l2norm=True``) for a chunk of ``T <= CHUNKED_MAX_TOKENS`` tokens at once.
+
+    Same arguments, results and reference (`recurrent_step_reference`, token by token); the kernel computes
+    the chunk in the chunked form of the rule (a ``T x T`` unit triangular system for the tokens' deltas, solved
+    by forward substitution; matrix products in fp32), one program per head and value slab, where
+    `recurrent_step_`'s kernel runs a serial chain of ``T`` token updates. The results agree up to fp32
+    rounding (the order of the sums differs).
+    """
+    _check_step(S, q, k, v, g, beta, out, valid, state_out)
+    if q.shape[1] > CHUNKED_MAX_TOKENS:
+        raise ValueError(f"chunked_step_ takes at most {CHUNKED_MAX_TOKENS} tokens, got {q.shape[1]}.")
+    return _launch_step(S, q, k, v, g, beta, scale, True, reference, out, valid, state_out, chunked=True)
+
+
+def _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, state_out, chunked: bool):
+    name = "chunked_step_" if chunked else "recurrent_step_"
+    bsz, heads, dk, dv = S.shape
+    seq = int(q.shape[1])
+    r = heads // int(q.shape[2])
     target = S if state_out is None else state_out
-    if not _use_kernel(reference, (target, S), (q, k, v, g, beta), "recurrent_step_"):
+    if not _use_kernel(reference, (target, S), (q, k, v, g, beta), name):
         if valid is not None:
             real = (torch.arange(seq, device=valid.device) < valid)[None, :, None]
             g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
@@ -314,13 +354,15 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         raise ValueError("out must be contiguous.")
     q, k, v, g, beta = (_inner(x) for x in (q, k, v, g, beta))
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    tiles, warps = launch_tiles("recurrent_step", dk, dv, seq)
+    op = "chunked_step" if chunked else "recurrent_step"
+    tiles, warps = launch_tiles(op, dk, dv, seq)
     grid = (bsz * heads, _cdiv(dv, tiles["BLOCK_V"]))
-    _kernels().recurrent_step[grid](S, target, S if valid is None else valid, q, k, v, g, beta, o, seq, heads,
-                                    heads // r, dk, dv, float(dk**-0.5 if scale is None else scale),
-                                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2],
-                                    *beta.stride()[:2], L2NORM=bool(l2norm), HAS_VALID=valid is not None,
-                                    **tiles, num_warps=warps)
+    flags = {} if chunked else {"L2NORM": bool(l2norm)}
+    getattr(_kernels(), op)[grid](S, target, S if valid is None else valid, q, k, v, g, beta, o, seq, heads,
+                                  heads // r, dk, dv, float(dk**-0.5 if scale is None else scale),
+                                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2],
+                                  *beta.stride()[:2], HAS_VALID=valid is not None, **flags, **tiles,
+                                  num_warps=warps)
     return o
 
 
