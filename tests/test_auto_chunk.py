@@ -11,7 +11,7 @@ from raincheck_hf import Conversation, RaincheckConfig, restore_pending
 from raincheck_hf import generation
 from raincheck_hf.cache_utils import GENERATED
 from raincheck_hf.configuration import CHUNK_LADDER
-from raincheck_hf.generation import StepCosts, auto_chunk_size
+from raincheck_hf.generation import StepCosts, auto_chunk_size, chunk_extras
 from raincheck_hf.tiny import draw_test_image
 
 from conftest import INPUT_CASES, make_inputs
@@ -80,9 +80,12 @@ def test_policy_edges():
     assert auto_chunk_size(COSTS, 0.0, 100, 50, 0.0) == 0
     free = StepCosts(COSTS.decode, {7: COSTS.decode, 63: COSTS.decode})
     assert auto_chunk_size(free, 0.0, 100, 1, 0.0) == 63
-    # only measured sizes are chosen; spent slack is taken off
+    # a size not measured takes an upper bound from the measured ones; spent slack is taken off
     partial = StepCosts(COSTS.decode, {15: COSTS.chunk[15], 63: None})
-    assert auto_chunk_size(partial, 1.0, 100, 1, 0.0) == 15
+    extras = chunk_extras(partial)
+    assert extras[15] == pytest.approx(1.6 * MS) and extras[7] == pytest.approx(1.6 * MS)  # a larger size's
+    assert extras[63] == pytest.approx(1.6 * MS * 63 / 15) and extras[31] == pytest.approx(1.6 * MS * 31 / 15)
+    assert auto_chunk_size(partial, 1.0, 100, 1, 0.0) == 63
     assert auto_chunk_size(partial, 1.0, 100, 1, 10 * MS) == 0
     # a short remainder is better served by a small size
     assert auto_chunk_size(COSTS, 0.02, 5, 500, 0.0) == 7
