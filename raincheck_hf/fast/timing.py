@@ -5,7 +5,8 @@ a chunk of each ladder size cost on the running device. A graph's replay is brac
 timing events on the stream; the events are read later (`torch.cuda.Event.query`, which never
 blocks), when the device has passed them, typically one step later. A shape's first figures
 come from its capture, which synchronises anyway: the captured graph is replayed a few times there
-and timed.
+and timed. Shapes are captured only when a step runs them (`StepGraphs.step_figures` never captures
+to time); a shape not measured at a slot bucket takes the nearest measured bucket's figure.
 
 Each shape keeps its last `WINDOW` samples; its cost is their median (one slow replay, e.g. behind
 another thread's work, does not move it).
