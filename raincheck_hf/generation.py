@@ -102,8 +102,9 @@ class StepCosts:
     Attributes:
         decode: measured seconds of a plain decode step.
         chunk: ladder size ``c`` -> measured seconds of a decode step carrying a chunk padded to ``c`` rows
-            (the fused forward, or in ``serial`` mode the chunk's forward plus the token's), None (or
-            absent) where not measured yet.
+            (the fused forward, or in ``serial`` mode the chunk's forward plus the token's), None where not
+            measured yet; the sizes a step may carry (absent: not a candidate, e.g. a shape that is never
+            captured and would run eagerly).
         captured: the ladder sizes whose step is captured at the slot bucket it would run at now (running
             them pauses for nothing); None: no capture to weigh (every size counts as captured).
         capture: ladder size -> wall seconds that capturing its step took at another bucket (the pause a
@@ -117,9 +118,10 @@ class StepCosts:
 
 
 def chunk_extras(costs: StepCosts, ladder=CHUNK_LADDER) -> dict:
-    """Ladder size -> the seconds a step carrying that chunk costs beyond a plain decode step.
+    """Ladder size -> the seconds a step carrying that chunk costs beyond a plain decode step (the sizes in
+    ``costs.chunk`` only).
 
-    Measured sizes give their figure (at least 0). A size not measured yet takes the least of two upper
+    Measured sizes give their figure (at least 0). A size not measured yet (None) takes the least of two upper
     bounds from the measured ones, assuming a step's cost grows with its rows but never faster than in
     proportion to them (memory-bound steps: more rows cost less per row): a larger measured size's extra,
     and a smaller measured size's extra scaled by the ratio of the sizes. Empty when nothing is measured.
@@ -129,6 +131,8 @@ def chunk_extras(costs: StepCosts, ladder=CHUNK_LADDER) -> dict:
         return {}
     extras = {}
     for c in ladder:
+        if c not in costs.chunk:
+            continue
         if c in measured:
             extras[c] = measured[c]
             continue
@@ -167,7 +171,7 @@ def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: 
     Without measurements (``costs`` None or no ladder size measured: the eager engine, a CPU, or no
     chunk step captured yet) it returns the smallest ladder size (documented fallback: a bounded cost
     per step that restores everything; on the fast path, the size captured first), or the smallest
-    captured one.
+    captured or candidate one.
 
     Args:
         costs: measured step costs (and what is captured), or None.
@@ -182,7 +186,8 @@ def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: 
     extras = chunk_extras(costs, ladder) if costs is not None else {}
     captured = None if costs is None or costs.captured is None else frozenset(costs.captured) & frozenset(ladder)
     if not extras:
-        return min(captured) if captured else min(ladder)
+        candidates = [c for c in (costs.chunk if costs is not None else ()) if c in ladder]
+        return min(captured) if captured else min(candidates or ladder)
     rate = slack * costs.decode  # allowance gained per step
     allowance = rate * steps - spent
     eps = 1e-12
@@ -236,18 +241,20 @@ class ChunkScheduler:
         if graphs is None:
             return None
         pending = cache.num_pending
-        decode = graphs.step_figures(adapter, cache, 1, True, pending_after=pending).cost
-        if decode is None:
+        decode = graphs.step_figures(adapter, cache, 1, True, pending_after=pending)
+        if decode is None or decode.cost is None:
             return None
+        decode = decode.cost
         chunk, captured, capture = {}, set(), {}
         for c in CHUNK_LADDER:
             n = min(c, pending)  # real rows of the chunk (a short last one is padded to c)
             if self.config.mode == "serial":
                 fig = graphs.step_figures(adapter, cache, c, False, real_rows=n, pending_after=pending - n)
-                chunk[c] = None if fig.cost is None else fig.cost + decode
             else:
                 fig = graphs.step_figures(adapter, cache, c + 1, True, real_rows=n + 1, pending_after=pending - n)
-                chunk[c] = fig.cost
+            if fig is None:
+                continue  # not a captured shape: it would run eagerly, at a cost nobody measured
+            chunk[c] = None if fig.cost is None else fig.cost + (decode if self.config.mode == "serial" else 0.0)
             if fig.captured:
                 captured.add(c)
             capture[c] = fig.capture

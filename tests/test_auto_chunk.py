@@ -83,9 +83,11 @@ def test_policy_edges():
     assert auto_chunk_size(free, 0.0, 100, 1, 0.0) == 63
     # a size not measured takes an upper bound from the measured ones; spent slack is taken off
     partial = StepCosts(COSTS.decode, {15: COSTS.chunk[15], 63: None})
-    extras = chunk_extras(partial)
-    assert extras[15] == pytest.approx(1.6 * MS) and extras[7] == pytest.approx(1.6 * MS)  # a larger size's
-    assert extras[63] == pytest.approx(1.6 * MS * 63 / 15) and extras[31] == pytest.approx(1.6 * MS * 31 / 15)
+    extras = chunk_extras(partial)  # sizes absent from `chunk` are no candidates
+    assert set(extras) == {15, 63} and extras[15] == pytest.approx(1.6 * MS)
+    assert extras[63] == pytest.approx(1.6 * MS * 63 / 15)
+    bounded = chunk_extras(StepCosts(COSTS.decode, {7: None, 15: COSTS.chunk[15], 31: None}))
+    assert bounded[7] == pytest.approx(1.6 * MS) and bounded[31] == pytest.approx(1.6 * MS * 31 / 15)
     assert auto_chunk_size(partial, 1.0, 100, 1, 0.0) == 63
     assert auto_chunk_size(partial, 1.0, 100, 1, 10 * MS) == 0
     # a short remainder is better served by a small size
@@ -271,7 +273,8 @@ def test_bounds_of_unmeasured_sizes_never_undercut_the_measured_figures():
     true = chunk_extras(COSTS)
     for k in range(1, len(CHUNK_LADDER)):
         for sizes in itertools.combinations(CHUNK_LADDER, k):
-            got = chunk_extras(StepCosts(COSTS.decode, {c: COSTS.chunk[c] for c in sizes}))
+            got = chunk_extras(StepCosts(COSTS.decode, {c: COSTS.chunk[c] if c in sizes else None
+                                                         for c in CHUNK_LADDER}))
             assert set(got) == set(CHUNK_LADDER)
             for c in CHUNK_LADDER:
                 assert got[c] >= true[c] - 1e-12, (sizes, c)
@@ -344,14 +347,14 @@ def simulate_buckets(slack, pending, steps, capture_s, bucket_rows=64, start_row
         if i >= guard and restored < pending:
             left = pending - restored
             here = frozenset(s for s in CHUNK_LADDER if s in captured.get(bucket_of(min(s, left)), ()))
-            costs = StepCosts(COSTS.decode, {s: COSTS.chunk[s] for s in measured}, here, dict(capture_known))
+            figures = {s: COSTS.chunk[s] if s in measured else None for s in CHUNK_LADDER}
+            costs = StepCosts(COSTS.decode, figures, here, dict(capture_known))
             c = auto_chunk_size(costs, slack, left, i, spent)
         step = COSTS.decode
         if c:
             n = min(c, pending - restored)
             step = COSTS.chunk[c]
-            spent += chunk_extras(StepCosts(COSTS.decode, {s: COSTS.chunk[s] for s in measured} or
-                                            {c: COSTS.chunk[c]}))[c]
+            spent += chunk_extras(costs).get(c, 0.0)  # what the scheduler counts (a bound until measured)
             b = bucket_of(n)
             if c not in captured.get(b, ()):
                 captures.append((i, c, b, c in capture_known, not any(

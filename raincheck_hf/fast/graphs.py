@@ -309,20 +309,24 @@ class StepGraphs:
         return time.perf_counter()
 
     def step_figures(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool,
-                     real_rows: int | None = None, pending_after: int = 1) -> "StepFigures":
+                     real_rows: int | None = None, pending_after: int = 1) -> "StepFigures | None":
         """What `chunk_size="auto"` weighs about a ``rows``-row step run now (`StepFigures`); captures nothing.
+        None when the step cannot run as a captured graph (no graphs, more padding than scratch slots, a shape
+        the family does not capture): it would run eagerly, unmeasured.
 
         The step is a decode token (``rows = 1``), a chunk of ``rows - 1`` deferred rows fused with it, or an
         idle-time chunk of ``rows`` rows (``want_logits`` False); ``real_rows`` of them are real (a short last
         chunk is padded to ``rows``; default all), ``pending_after`` deferred rows stay pending after it (the
         adapter's step variant depends on it). Its slot bucket is the one `run` will use."""
-        if not self.use_graphs:
-            return StepFigures(None, False, None)
+        if not self.use_graphs or rows > cache.scratch:  # a capture's warm-up runs in the scratch slots
+            return None
         real_rows = rows if real_rows is None else real_rows
         bucket = slot_bucket(cache.num_rows + real_rows, cache.capacity)
         n_chunk = rows - 1 if want_logits else rows
         kinds = torch.tensor([DEFERRED] * n_chunk + [GENERATED] * (rows - n_chunk), dtype=torch.int8)
         key = (rows, want_logits, adapter.static_step_variant(kinds, pending_after, cache.suffix_length), bucket)
+        if not adapter.capturable(key[2], rows):
+            return None
         # the cost of the step with rows still pending after it (every step but a last chunk): measured most often
         timed = key if pending_after > 0 else key[:2] + (adapter.static_step_variant(
             kinds, 1, cache.suffix_length), bucket)
