@@ -472,27 +472,35 @@ def fake_graphs(model, monkeypatch):
     release_storage(model)
 
 
-def _chunk_captures(out):
-    """The fused chunk steps captured during a call, as ``(chunk size, forward)``."""
-    return [(rows - 1, forward) for forward, rows, _ in out.raincheck.captures if rows > 1 and forward > 0]
+def _chunk_captures(out, mode="raincheck"):
+    """The chunk steps captured during a call's answer, as ``(chunk size, forward)``."""
+    fused = mode != "serial"  # a fused step has the decode token's row too
+    return [(rows - fused, forward) for forward, rows, _ in out.raincheck.captures if rows > 1 and forward > 0]
 
 
-def test_auto_captures_only_the_sizes_it_picks_and_counts_their_pauses(model, processor, fake_graphs):
+def _chunk_keys(graphs, mode="raincheck"):
+    """Chunk sizes of the chunk-step graphs a `StepGraphs` holds."""
+    fused = mode != "serial"
+    return [key[0] - fused for key in graphs._captured if key[0] > 1 and key[1] == fused]
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "serial"])
+def test_auto_captures_only_the_sizes_it_picks_and_counts_their_pauses(model, processor, fake_graphs, mode):
     """On the fast path's code with stand-in captures: `step_figures` captures nothing, so every chunk step
     captured is one the scheduler chose; a capture's pause is charged to the answer (a 10 s one: no chunk
     after it), the next answer carries a captured size where one is, and every step matches the reference."""
     fake_graphs(capture_s=10.0)
     inputs = make_inputs(processor, images=[draw_test_image(256, 256, seed=s) for s in (4, 5, 6)], text="Describe it.")
     cfg = RaincheckConfig(chunk_size="auto", decode_guard=2, tpot_slack=0.5, retention=0.2, fast_path=True,
-                          compile_steps=False)
+                          compile_steps=False, mode=mode)
     first = greedy(model, inputs, n=20, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
     graphs = first.cache.graphs
     sizes = first.raincheck.chunk_size_per_forward
     # nothing measured at the guard: the smallest size is captured (a 10 s pause), then nothing is affordable
-    assert _chunk_captures(first) == [(min(CHUNK_LADDER), 2)]
+    assert _chunk_captures(first, mode) == [(min(CHUNK_LADDER), 2)]
     assert [c for c in sizes if c] == [min(CHUNK_LADDER)]
     assert all(seconds == 10.0 for _, _, seconds in first.raincheck.captures)
-    assert {key[0] - 1 for key in graphs._captured if key[0] > 1 and key[1]} == {min(CHUNK_LADDER)}
+    assert set(_chunk_keys(graphs, mode)) == {min(CHUNK_LADDER)}
     assert_matches_reference(model, [record(inputs, first)])
     storage = first.cache.storage
     del first, graphs
@@ -502,12 +510,12 @@ def test_auto_captures_only_the_sizes_it_picks_and_counts_their_pauses(model, pr
     sizes = second.raincheck.chunk_size_per_forward
     # the size captured at this bucket by the first answer first, with no pause; then, where nothing is captured,
     # the one size never tried that the rule ranks best (its capture cost unknown), and after its 10 s nothing
-    assert sizes[2] == min(CHUNK_LADDER)
-    (size, forward), = _chunk_captures(second)
+    first_chunk = next(i for i, c in enumerate(sizes) if c)  # (serial: once the slack pays for its own forward)
+    assert sizes[first_chunk] == min(CHUNK_LADDER)
+    (size, forward), = _chunk_captures(second, mode)
+    assert forward > first_chunk
     assert size != min(CHUNK_LADDER) and sizes[forward] == size and not any(sizes[forward + 1:])
-    for key in second.cache.graphs._captured:
-        if key[0] > 1 and key[1]:
-            assert key[0] - 1 in {min(CHUNK_LADDER), size}, "a chunk step captured that no step carried"
+    assert set(_chunk_keys(second.cache.graphs, mode)) <= {min(CHUNK_LADDER), size}, "a chunk no step carried"
     assert_matches_reference(model, [record(inputs, second)])
 
 
