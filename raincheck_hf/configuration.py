@@ -42,14 +42,18 @@ class RaincheckConfig:
             ``"auto"``: each decode step takes the chunk size (from `CHUNK_LADDER`, or none) that keeps the
             answer's mean time per token within ``tpot_slack`` of plain decode steps, by the step costs
             measured on the running device, and finishes restoration earliest under that budget
-            (`generation.auto_chunk_size`); idle-time restoration then uses the largest ladder size.
+            (`generation.auto_chunk_size`); on the fast path it prefers sizes whose step is already captured
+            as a CUDA graph at its slot bucket and counts a capture's measured pause against the budget
+            (captures during the answer are in the trace's ``captures``); idle-time restoration then uses
+            the largest ladder size.
             Without measured costs (the eager engine, or a CPU) it takes the smallest ladder size
             every step. With ``"auto"`` the restoration schedule depends on timings, so which chunks a
             token saw (and, under greedy decoding, possibly the tokens while restoration runs) may
             differ between runs; a fixed size gives reproducible runs.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
         tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
-            that of plain decode steps (0.02: 2%), a number >= 0; unused with a fixed chunk size.
+            that of plain decode steps (0.02: 2%), the pauses of chunk-step graph captures made during the
+            answer included, a number >= 0; unused with a fixed chunk size.
         compile_steps: run the fast path's steps with their element-wise work fused by ``torch.compile``
             inside the captured graphs (`raincheck_hf.fast.compiled`): Qwen3-VL's decoder layers whole but
             for the cache write and the attention (norms, rotary embedding, activation, residual adds), other

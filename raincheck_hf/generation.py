@@ -49,6 +49,11 @@ class RaincheckTrace:
         chunk_size_per_forward: per forward (same indexing), the chunk size the scheduler chose for
             it: the rows its chunk step was padded to (``chunk_size``, or the ladder size
             ``chunk_size="auto"`` picked), 0 when it carried no chunk (always 0 for forward 0).
+        captures: ``(forward, rows, seconds)`` per CUDA-graph capture of a step shape at a new slot bucket
+            made during this call (fast path on CUDA; same forward indexing; ``rows``: the step's rows,
+            padding included: 1 a plain decode step, ``c + 1`` a fused chunk of ``c``, ``c`` a ``serial``
+            or leftover chunk, a multiple of 64 a prefill): each is a pause of that many wall seconds
+            (warm-up runs, the capture, timing replays). Later calls on the same slot storage replay them.
         pending: deferred positions not yet restored when `generate` returned.
         dropped: positions removed for good (``hard`` mode).
         segments: ``(modality, (t, h, w), source_positions)`` per image / video slice, for drawing.
@@ -59,6 +64,7 @@ class RaincheckTrace:
     deferred: torch.Tensor
     restored_per_forward: list[torch.Tensor] = field(default_factory=list)
     chunk_size_per_forward: list[int] = field(default_factory=list)
+    captures: list[tuple[int, int, float]] = field(default_factory=list)
     pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     segments: list = field(default_factory=list)
@@ -91,12 +97,48 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Measured seconds of a plain decode step (``decode``) and of a decode step carrying a chunk padded
-    to ``c`` rows (``chunk[c]``: the fused forward, or in ``serial`` mode the chunk's forward plus the
-    token's), for the ladder sizes measured so far."""
+    """What decode step ``steps`` may weigh with ``chunk_size="auto"`` (`auto_chunk_size`).
+
+    Attributes:
+        decode: measured seconds of a plain decode step.
+        chunk: ladder size ``c`` -> measured seconds of a decode step carrying a chunk padded to ``c`` rows
+            (the fused forward, or in ``serial`` mode the chunk's forward plus the token's), None where not
+            measured yet; the sizes a step may carry (absent: not a candidate, e.g. a shape that is never
+            captured and would run eagerly).
+        captured: the ladder sizes whose step is captured at the slot bucket it would run at now (running
+            them pauses for nothing); None: no capture to weigh (every size counts as captured).
+        capture: ladder size -> wall seconds that capturing its step took at another bucket (the pause a
+            size outside ``captured`` costs now); absent or None: never captured.
+    """
 
     decode: float
     chunk: dict
+    captured: frozenset | None = None
+    capture: dict = field(default_factory=dict)
+
+
+def chunk_extras(costs: StepCosts, ladder=CHUNK_LADDER) -> dict:
+    """Ladder size -> the seconds a step carrying that chunk costs beyond a plain decode step (the sizes in
+    ``costs.chunk`` only).
+
+    Measured sizes give their figure (at least 0). A size not measured yet (None) takes the least of two upper
+    bounds from the measured ones, assuming a step's cost grows with its rows but never faster than in
+    proportion to them (memory-bound steps: more rows cost less per row): a larger measured size's extra,
+    and a smaller measured size's extra scaled by the ratio of the sizes. Empty when nothing is measured.
+    """
+    measured = {c: max(t - costs.decode, 0.0) for c, t in costs.chunk.items() if c in ladder and t is not None}
+    if not measured:
+        return {}
+    extras = {}
+    for c in ladder:
+        if c not in costs.chunk:
+            continue
+        if c in measured:
+            extras[c] = measured[c]
+            continue
+        bounds = [e for m, e in measured.items() if m > c] + [e * c / m for m, e in measured.items() if m < c]
+        extras[c] = min(bounds)
+    return extras
 
 
 def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: int, spent: float,
@@ -105,50 +147,77 @@ def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: 
 
     A pure function. The budget: after ``steps`` decode steps the answer may have cost
     ``(1 + slack) * steps * costs.decode``, i.e. ``slack * costs.decode`` of extra time accrues per
-    step and what earlier steps' chunks cost beyond a plain step (``spent``, seconds) is taken off;
-    accumulated slack may be spent at once. A chunk of ``c`` costs ``costs.chunk[c] - costs.decode``
-    extra, whatever the rows it really holds (a short last chunk is padded to ``c``).
+    step and what earlier steps' chunks cost beyond a plain step, their graph captures included
+    (``spent``, seconds), is taken off; accumulated slack may be spent at once. A chunk of ``c`` costs
+    `chunk_extras`' figure for ``c`` (measured, or an upper bound from the measured sizes), whatever
+    the rows it really holds (a short last chunk is padded to ``c``), plus, once, the capture of its
+    step when that is not captured at the slot bucket it would run at (``costs.captured``).
 
-    Which size: the one whose chunks would restore the ``pending`` rows earliest under that budget
-    (``ceil(pending / c)`` chunks, the k-th affordable ``(k * extra - allowance) / (slack * decode)``
-    steps from now, at most one per step; ties go to the cheaper total, then the larger size). It
-    runs now if this step's allowance pays for it, else the step carries nothing and the budget
-    grows. Larger chunks cost less per row, so waiting for one can finish sooner than spending every
-    step's slack on the smallest; near the end, the smallest size that holds the rest wins.
+    Which sizes compete: when a size in ``costs.captured`` is affordable now, the captured ones only
+    (a step never pays a capture that a captured size makes unnecessary). Otherwise also the sizes
+    whose capture was measured at another bucket (``costs.capture``), with that one-time cost; a size
+    never captured anywhere (its capture cost unknown) only when nothing at all is captured at this
+    bucket, and then at no capture cost (the best size by this rule is captured there: its measured
+    pause reaches ``spent`` after the step, and from then on its capture cost is known).
+
+    Which size: of those, the one whose chunks would restore the ``pending`` rows earliest under the
+    budget (``ceil(pending / c)`` chunks, the k-th affordable ``(k * extra + capture - allowance) /
+    (slack * decode)`` steps from now, at most one per step; ties go to the cheaper total, then the
+    larger size). It runs now if this step's allowance pays for its extra and capture, else the step
+    carries nothing and the budget grows. Larger chunks cost less per row, so waiting for one can
+    finish sooner than spending every step's slack on the smallest; near the end, the smallest size
+    that holds the rest wins.
 
     Without measurements (``costs`` None or no ladder size measured: the eager engine, a CPU, or no
-    graph yet) it returns the smallest ladder size (documented fallback: a bounded cost per step
-    that restores everything).
+    chunk step captured yet) it returns the smallest ladder size (documented fallback: a bounded cost
+    per step that restores everything; on the fast path, the size captured first), or the smallest
+    captured or candidate one.
 
     Args:
-        costs: measured step costs, or None.
+        costs: measured step costs (and what is captured), or None.
         slack: `RaincheckConfig.tpot_slack` (>= 0).
         pending: deferred rows waiting.
         steps: decode steps of the answer so far, this one included (forward index).
-        spent: extra seconds that earlier steps' chunks cost (``costs.chunk[c] - costs.decode`` when taken).
+        spent: extra seconds that earlier steps' chunks cost: `chunk_extras` of each size taken, plus the
+            wall time of the captures of chunk steps made during the answer.
     """
     if pending <= 0:
         return 0
-    measured = {c: t for c, t in (costs.chunk.items() if costs is not None else ()) if c in ladder and t is not None}
-    if not measured:
-        return min(ladder)
+    extras = chunk_extras(costs, ladder) if costs is not None else {}
+    captured = None if costs is None or costs.captured is None else frozenset(costs.captured) & frozenset(ladder)
+    if not extras:
+        candidates = [c for c in (costs.chunk if costs is not None else ()) if c in ladder]
+        return min(captured) if captured else min(candidates or ladder)
     rate = slack * costs.decode  # allowance gained per step
     allowance = rate * steps - spent
+    eps = 1e-12
+    if captured is None:
+        once = dict.fromkeys(extras, 0.0)  # ladder size -> the one-time capture it costs now
+    elif any(extras[c] <= allowance + eps for c in captured):
+        once = dict.fromkeys(captured, 0.0)
+    else:
+        once = {}
+        for c in extras:
+            known = costs.capture.get(c)
+            if c in captured or (known is None and not captured):
+                once[c] = 0.0
+            elif known is not None:
+                once[c] = known
     best, best_rank = 0, None
-    for c, cost in measured.items():
-        extra = max(cost - costs.decode, 0.0)
+    for c, capture in once.items():
+        extra = extras[c]
         n = -(-pending // c)
-        need = n * extra - allowance
+        need = n * extra + capture - allowance
         if need <= 0:
             finish = n - 1
         elif rate > 0:
             finish = max(n - 1, math.ceil(need / rate))
         else:
             continue  # no slack: only chunks already paid for
-        rank = (finish, n * extra, -c)
+        rank = (finish, n * extra + capture, -c)
         if best_rank is None or rank < best_rank:
             best, best_rank = c, rank
-    if best and max(measured[best] - costs.decode, 0.0) <= allowance + 1e-12:
+    if best and extras[best] + once[best] <= allowance + eps:
         return best
     return 0
 
@@ -157,8 +226,10 @@ class ChunkScheduler:
     """When a deferred chunk rides along with a decode step, and how large (one per `generate` call).
 
     Fixed ``chunk_size``: `chunk_size_for_forward`. ``"auto"``: after the guard, `auto_chunk_size` with the
-    costs the fast path measured for this cache's steps (`StepGraphs.step_cost`; none on the eager
-    engine), keeping the extra time its chosen chunks cost (``spent``).
+    costs the fast path measured for this cache's steps (`StepGraphs.step_figures`, which captures nothing:
+    a size's figures come from its captures and replays, here or at another slot bucket, made when a step
+    carried it; none on the eager engine), keeping the extra time its chosen chunks cost (``spent``), the
+    wall time of the chunk steps' captures made during the answer included (`charge_captures`).
     """
 
     def __init__(self, config: RaincheckConfig):
@@ -169,17 +240,25 @@ class ChunkScheduler:
         graphs = getattr(cache, "graphs", None) if getattr(cache, "is_static", False) else None
         if graphs is None:
             return None
-        decode = graphs.step_cost(adapter, cache, 1, True)
-        if decode is None:
+        pending = cache.num_pending
+        decode = graphs.step_figures(adapter, cache, 1, True, pending_after=pending)
+        if decode is None or decode.cost is None:
             return None
-        chunk = {}
+        decode = decode.cost
+        chunk, captured, capture = {}, set(), {}
         for c in CHUNK_LADDER:
+            n = min(c, pending)  # real rows of the chunk (a short last one is padded to c)
             if self.config.mode == "serial":
-                own = graphs.step_cost(adapter, cache, c, False)
-                chunk[c] = None if own is None else own + decode
+                fig = graphs.step_figures(adapter, cache, c, False, real_rows=n, pending_after=pending - n)
             else:
-                chunk[c] = graphs.step_cost(adapter, cache, c + 1, True)
-        return StepCosts(decode, chunk)
+                fig = graphs.step_figures(adapter, cache, c + 1, True, real_rows=n + 1, pending_after=pending - n)
+            if fig is None:
+                continue  # not a captured shape: it would run eagerly, at a cost nobody measured
+            chunk[c] = None if fig.cost is None else fig.cost + (decode if self.config.mode == "serial" else 0.0)
+            if fig.captured:
+                captured.add(c)
+            capture[c] = fig.capture
+        return StepCosts(decode, chunk, frozenset(captured), capture)
 
     def chunk_size(self, adapter, cache, forward_index: int) -> int:
         """The padded chunk size decode forward ``forward_index`` carries (0: none); counts it as spent."""
@@ -190,12 +269,35 @@ class ChunkScheduler:
             return 0
         costs = self.step_costs(adapter, cache)
         c = auto_chunk_size(costs, config.tpot_slack, cache.num_pending, forward_index, self.spent)
-        if c and costs is not None and costs.chunk.get(c) is not None:
-            self.spent += max(costs.chunk[c] - costs.decode, 0.0)
+        if c and costs is not None:
+            self.spent += chunk_extras(costs).get(c, 0.0)
         return c
+
+    def charge_captures(self, captures) -> None:
+        """Count the captures a decode forward made (`RaincheckTrace.captures` entries) against ``"auto"``'s
+        budget: those of steps with deferred rows (a chunk's shape, which the scheduler chose), not a plain
+        decode step's (which every mode pays at a new slot bucket)."""
+        if self.config.auto_chunk:
+            self.spent += sum(seconds for _, rows, seconds in captures if rows > 1)
 
 
 # ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
+
+class _CaptureWatch:
+    """The step captures a call's forwards make on its cache's `StepGraphs` (its ``capture_log``)."""
+
+    def __init__(self, cache):
+        self.graphs = cache.graphs if getattr(cache, "is_static", False) else None
+        self.seen = 0 if self.graphs is None else len(self.graphs.capture_log)
+
+    def new(self, forward_index: int) -> list[tuple[int, int, float]]:
+        """``(forward_index, rows, seconds)`` of the captures made since the last look."""
+        if self.graphs is None:
+            return []
+        log = self.graphs.capture_log
+        made, self.seen = log[self.seen:], len(log)
+        return [(forward_index, key[0], seconds) for key, seconds in made]
+
 
 def step_graphs(adapter, cache):
     """The static cache's `StepGraphs` (the captured steps of its slot storage), made on first use."""
@@ -398,6 +500,7 @@ def raincheck_sample(
     )
 
     # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
+    watch = _CaptureWatch(cache)
     earlier = cache.take_pending()
     parts, keys, sources, kinds = [], [], [], []
     if earlier is not None:
@@ -421,10 +524,11 @@ def raincheck_sample(
     cache.extend_source(new_ids, turn.next_position)
     trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
     trace.chunk_size_per_forward.append(0)
+    trace.captures.extend(watch.new(0))
 
     # 4-5. decode, HF's way
     out = _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
-                       stopping_criteria, generation_config, streamer, turn.next_position)
+                       stopping_criteria, generation_config, streamer, turn.next_position, watch)
     trace.pending = cache.pending_sources
     return out
 
@@ -438,7 +542,7 @@ def _pending_rows(adapter, turn, plan: DeferredPlan):
 
 
 def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
-                 stopping_criteria, generation_config, streamer, first_generated_position):
+                 stopping_criteria, generation_config, streamer, first_generated_position, watch):
     return_dict = generation_config.return_dict_in_generate
     scores = () if (return_dict and generation_config.output_scores) else None
     raw_logits = () if (return_dict and generation_config.output_logits) else None
@@ -483,6 +587,10 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
         cache.extend_source(token_host, step.position + 1)
         trace.restored_per_forward.append(step.restored)
         trace.chunk_size_per_forward.append(step.chunk_size)
+        captures = watch.new(generated)
+        if captures:
+            scheduler.charge_captures(captures)  # the pauses the answer paid for its chunks count as spent
+            trace.captures.extend(captures)
 
     if streamer is not None:
         streamer.end()

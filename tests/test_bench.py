@@ -309,6 +309,7 @@ def test_auto_chunk_size_in_the_sweep(tmp_path):
     # no timings on a CPU: the smallest ladder size every step after the guard
     assert turn["chunk_sizes_chosen"] == {"7": turn["steps_with_chunk"]} and turn["steps_with_chunk"] > 0
     assert variants["raincheck c=7"]["reps"][0]["turns"][0]["chunk_sizes_chosen"] == {"7": turn["steps_with_chunk"]}
+    assert turn["decode_captures"] == []  # no CUDA graphs on a CPU
     assert any("chunk sizes chosen" in line for line in lines)
     assert any(line.startswith("warm-up (first call") and "raincheck c=auto" in line for line in lines)
     with pytest.raises(ValueError):

@@ -159,9 +159,11 @@ def test_cuda_graphs_per_slot_bucket_match_eager_engine(cuda_model, processor, m
 
 @pytest.mark.parametrize("mode", ["raincheck", "serial"])
 def test_cuda_auto_chunk_size_measures_its_steps_and_matches_the_reference(cuda_model, processor, mode):
-    """chunk_size="auto" on the captured path: every ladder shape and the decode step have measured costs
-    (capture-time replays, then lazily read events), the trace holds ladder sizes only, every step's logits
-    match the reference for the chunks the policy chose, and everything comes back."""
+    """chunk_size="auto" on the captured path: the decode step and every size it chose have measured costs
+    (capture-time replays, then lazily read events), the trace holds ladder sizes only, the only chunk steps
+    captured during the answer are the ones its steps carried (`StepGraphs.step_figures` captures nothing),
+    each with its wall time, every step's logits match the reference for the chunks the policy chose, and
+    everything comes back."""
     from raincheck_hf.configuration import CHUNK_LADDER
     from raincheck_hf.generation import ChunkScheduler
     from raincheck_hf.tiny import draw_test_image
@@ -172,10 +174,15 @@ def test_cuda_auto_chunk_size_measures_its_steps_and_matches_the_reference(cuda_
                           compile_steps=False)
     out = cuda_model.generate(**inputs, max_new_tokens=40, do_sample=False, return_dict_in_generate=True,
                               output_logits=True, raincheck=cfg)
-    costs = ChunkScheduler(cfg).step_costs(get_adapter(cuda_model), out.cache)
-    assert costs is not None and costs.decode > 0 and all(costs.chunk[c] > 0 for c in CHUNK_LADDER)
     sizes = out.raincheck.chunk_size_per_forward
     assert set(sizes) <= {0, *CHUNK_LADDER} and any(sizes)
+    chosen = {c for c in sizes if c}
+    costs = ChunkScheduler(cfg).step_costs(get_adapter(cuda_model), out.cache)
+    assert costs is not None and costs.decode > 0 and all(costs.chunk[c] > 0 for c in chosen)
+    for forward, rows, seconds in out.raincheck.captures:
+        assert seconds > 0
+        if forward > 0 and rows > 1:  # a chunk step's shape: the one that forward carried
+            assert rows == sizes[forward] + (1 if mode == "raincheck" else 0), (forward, rows, sizes[forward])
     rec = TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"))
     with torch.no_grad():
         ref = reference_logits(cuda_model, [rec])[0]

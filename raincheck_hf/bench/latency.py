@@ -46,8 +46,10 @@ Metrics (seconds in the JSON, milliseconds in the table; every clock read follow
 - ``tpot<k>``: mean time per output token of turn k, (last token time - first token time) / (n - 1).
   ``tpot1_restoring`` / ``tpot1_plain``: the same over the decode steps of turn 1 that did / did not
   carry a deferred chunk (from the trace; Raincheck variants only); ``chunk_sizes_chosen``: how many
-  decode steps carried a chunk of each (padded) size, from the trace. ``tpot1_median_interval``: the
-  median gap between consecutive tokens (robust to one-time stalls such as a CUDA-graph re-record).
+  decode steps carried a chunk of each (padded) size, from the trace; ``decode_captures``: the step shapes
+  captured as CUDA graphs during the answer (``[forward, rows, seconds]``, the trace's ``captures``).
+  ``tpot1_median_interval``: the median gap between consecutive tokens (robust to one-time stalls such as a
+  CUDA-graph re-record).
 - ``e2e<k>``: wall time of turn k's `generate` call; ``e2e_total``: the sum over turns.
 - ``t<k>`` (k >= 2): time to first token of follow-up k sent right after turn k-1's answer: for
   Raincheck variants the deferred tokens still pending ride along with the follow-up's prefill
@@ -244,6 +246,8 @@ def _trace_fields(out, record: dict) -> dict:
         "restored_during_answer": int(sum(per_forward[1:])),
         "steps_with_chunk": len(carrying),
         "chunk_sizes_chosen": chosen,
+        # CUDA-graph captures of step shapes during the answer's decode forwards: [forward, rows, seconds] each
+        "decode_captures": [[f, rows, round(s, 4)] for f, rows, s in getattr(trace, "captures", []) if f > 0],
         "pending_after": int(trace.pending.numel()),
         "dropped_tokens": int(trace.dropped.numel()),
         "tpot_restoring_s": statistics.fmean(carrying) if carrying else None,
@@ -846,6 +850,9 @@ def print_table(run_entry: dict, log=print) -> None:
         chosen = [t.get("chunk_sizes_chosen") for r in entry.get("reps", []) for t in r["turns"][:1]]
         if entry.get("chunk_size") == "auto" and chosen:
             log(f"{name}: chunk sizes chosen in turn 1 (steps per size, per repetition): {chosen}")
+        captured = [t.get("decode_captures") for r in entry.get("reps", []) for t in r["turns"][:1]]
+        if any(captured):
+            log(f"{name}: step captures during the turn-1 answer ([forward, rows, s], per repetition): {captured}")
 
 
 

@@ -17,8 +17,8 @@
   attends over the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over
   the whole storage); DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
-- `timing`: the captured steps' device times (CUDA events, read without waiting), the costs
-  `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
+- `timing`: the captured steps' device times (CUDA events, read without waiting) and the wall time of
+  their captures, the costs `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
 - `compiled`: ``compile_steps`` (by default on wherever the steps are captured, i.e. on CUDA) runs the
   decoder layers' norms and MLPs and the few-query attention's core as `torch.compile`d functions inside
   the captured steps (element-wise work fused).

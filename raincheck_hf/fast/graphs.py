@@ -32,8 +32,10 @@ device, and row counts come from host-side shapes.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -168,6 +170,14 @@ def _recurrent_restore(cache: StaticDeferredCache, saved: list[torch.Tensor]) ->
         t.copy_(s)
 
 
+class StepFigures(NamedTuple):
+    """A step shape at the slot bucket it would run at now (`StepGraphs.step_figures`)."""
+
+    cost: float | None  # measured device seconds there, else at the nearest bucket measured; None: never measured
+    captured: bool  # its graph is captured at that bucket (running it pauses for nothing)
+    capture: float | None  # wall seconds its latest capture (at any bucket) took; None: never captured
+
+
 class StepGraphs:
     """Captured steps of one `SlotStorage` (the graphs point at its tensors and at their own buffers).
 
@@ -192,6 +202,9 @@ class StepGraphs:
         self._pool = None
         self._warmup_stream = None  # one side stream for every capture's warm-up (per-stream library state is kept)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
+        # every capture made on this storage, in order: (key, wall seconds); `generate` reads the ones made during
+        # its forwards (its trace, and `chunk_size="auto"`'s budget). One entry per graph, so it stays short.
+        self.capture_log: list[tuple[tuple, float]] = []
 
     # the step itself: identical in eager and captured form
     def _step(self, adapter, cache: StaticDeferredCache, buffers: StepBuffers, want_logits: bool,
@@ -270,9 +283,11 @@ class StepGraphs:
                      bucket: int | None, variant, prefill: bool = False):
         """`_capture`, or None: no room, or a capture that raised (e.g. an op that cannot be captured), which
         warns and runs eagerly from then on: every prefill after a prefill's failure (the steps stay captured),
-        everything after a step's."""
+        everything after a step's. A capture's wall time (the pause it costs whoever waits on the step) goes to
+        `capture_log` and `StepTimings.add_capture`."""
+        started = self.clock()
         try:
-            return self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
+            captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
         except RuntimeError as error:
             what = "prefill" if prefill else "step"
             warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row {what} failed ({error}); "
@@ -281,33 +296,44 @@ class StepGraphs:
             self.pad_prefill = False  # the forward at hand keeps its (valid) padded shape
             self.use_graphs = self.use_graphs and prefill
             return None
+        if captured is not None:
+            key = (rows, want_logits, variant, cache.capacity if bucket is None else bucket)
+            seconds = self.clock() - started
+            self.timings.add_capture(key, seconds)
+            self.capture_log.append((key, seconds))
+        return captured
 
-    def step_cost(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool) -> float | None:
-        """Measured device seconds of a ``rows``-row step at the cache's next slot bucket (`fast.timing`); a
-        shape not measured at that bucket takes its figure from the nearest bucket measured, else it is
-        captured (and timed) now when there is room. None without graphs or before any measurement.
+    @staticmethod
+    def clock() -> float:
+        """Host wall clock of capture times (tests stand in a clock of their own)."""
+        return time.perf_counter()
+
+    def step_figures(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool,
+                     real_rows: int | None = None, pending_after: int = 1) -> "StepFigures | None":
+        """What `chunk_size="auto"` weighs about a ``rows``-row step run now (`StepFigures`); captures nothing.
+        None when the step cannot run as a captured graph (no graphs, more padding than scratch slots, a shape
+        the family does not capture): it would run eagerly, unmeasured.
 
         The step is a decode token (``rows = 1``), a chunk of ``rows - 1`` deferred rows fused with it, or an
-        idle-time chunk of ``rows`` rows (``want_logits`` False), with deferred rows still pending after it
-        (`ModelAdapter.static_step_variant` of that forward)."""
-        if not self.use_graphs:
+        idle-time chunk of ``rows`` rows (``want_logits`` False); ``real_rows`` of them are real (a short last
+        chunk is padded to ``rows``; default all), ``pending_after`` deferred rows stay pending after it (the
+        adapter's step variant depends on it). Its slot bucket is the one `run` will use."""
+        if not self.use_graphs or rows > cache.scratch:  # a capture's warm-up runs in the scratch slots
             return None
-        bucket = slot_bucket(cache.num_rows + rows, cache.capacity)
+        real_rows = rows if real_rows is None else real_rows
+        bucket = slot_bucket(cache.num_rows + real_rows, cache.capacity)
         n_chunk = rows - 1 if want_logits else rows
         kinds = torch.tensor([DEFERRED] * n_chunk + [GENERATED] * (rows - n_chunk), dtype=torch.int8)
-        variant = adapter.static_step_variant(kinds, 1, cache.suffix_length)
-        key = (rows, want_logits, variant, bucket)
-        cost = self.timings.cost(key)
+        key = (rows, want_logits, adapter.static_step_variant(kinds, pending_after, cache.suffix_length), bucket)
+        if not adapter.capturable(key[2], rows):
+            return None
+        # the cost of the step with rows still pending after it (every step but a last chunk): measured most often
+        timed = key if pending_after > 0 else key[:2] + (adapter.static_step_variant(
+            kinds, 1, cache.suffix_length), bucket)
+        cost = self.timings.cost(timed)
         if cost is None:
-            cost = self.timings.nearest_cost(key)
-        if cost is not None:
-            return cost
-        if key not in self._captured:
-            if rows > cache.scratch or not adapter.capturable(variant, rows):  # warm-up below the scratch slots
-                return None
-            if self._try_capture(adapter, cache, rows, want_logits, cache.num_rows, bucket, variant) is None:
-                return None
-        return self.timings.cost(key)
+            cost = self.timings.nearest_cost(timed)
+        return StepFigures(cost, key in self._captured, self.timings.capture_cost(key))
 
     def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
         """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);

@@ -5,10 +5,15 @@ a chunk of each ladder size cost on the running device. A graph's replay is brac
 timing events on the stream; the events are read later (`torch.cuda.Event.query`, which never
 blocks), when the device has passed them, typically one step later. A shape's first figures
 come from its capture, which synchronises anyway: the captured graph is replayed a few times there
-and timed.
+and timed. Shapes are captured only when a step runs them (`StepGraphs.step_figures` never captures
+to time); a shape not measured at a slot bucket takes the nearest measured bucket's figure.
 
 Each shape keeps its last `WINDOW` samples; its cost is their median (one slow replay, e.g. behind
 another thread's work, does not move it).
+
+Captures are timed too, on the host's wall clock (`add_capture`, `capture_cost`): a capture is a pause of
+the answer it happens in (warm-up runs, the capture, a synchronisation and the timed replays), which
+`chunk_size="auto"` weighs before it picks a chunk size whose step is not captured yet at its slot bucket.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class StepTimings:
         self.enabled = enabled  # False (no CUDA graphs): replays run untimed and nothing is measured
         self._event = event  # the event class (tests pass a stand-in); None: torch.cuda.Event
         self._samples: dict = {}
+        self._captures: dict = {}  # a key without its slot bucket -> wall seconds of its latest capture
         self._in_flight: collections.deque = collections.deque()
 
     def add(self, key, seconds: float) -> None:
@@ -86,3 +92,14 @@ class StepTimings:
         if not near:
             return None
         return statistics.median(self._samples[min(near, key=lambda k: abs(k[-1] - key[-1]))])
+
+    def add_capture(self, key, seconds: float) -> None:
+        """Wall seconds that capturing ``key`` took (kept per shape, whatever its bucket: the latest)."""
+        self._captures[key[:-1]] = float(seconds)
+
+    def capture_cost(self, key) -> float | None:
+        """Wall seconds of the latest capture of ``key``'s shape at any slot bucket, or None: never captured.
+
+        A shape's first capture also pays its lazy initialisation (two warm-up runs instead of one, kernel
+        tuning, compiles), so the figure overstates a later bucket's capture until that one is measured."""
+        return self._captures.get(key[:-1])
