@@ -26,6 +26,7 @@
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
 #   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep
 #   bash benchmarks/h200_run.sh gdn_fuse   # every GPU test, GDN kernels, Qwen3.5-9B full vs raincheck (fused GDN glue)
+#   bash benchmarks/h200_run.sh wave4      # chunked GDN kernel + capture-aware auto: tests, kernels, Qwen3.5 / Qwen3-VL
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
@@ -136,6 +137,28 @@ gdn_fuse)
         --variants "${VARIANTS:-full,raincheck}" \
         --json "$OUT/latency_qwen3_5_9b_image_fused_h200.json" > "$OUT/latency_qwen3_5_9b_image_fused_h200.log" 2>&1
     grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_fused_h200.log" | tail -9
+    ;;
+wave4)
+    # the chunked GDN kernel and capture-aware auto: their GPU tests, the chunk kernels' timings, Qwen3.5-9B and
+    # Qwen3-VL-8B full vs raincheck c=31 vs auto (512-token answers and warm-ups; Dynamo's recompiles logged)
+    timeout "${TESTS_S:-200}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short --durations=8 \
+        -k "gdn or auto or bucket or server or default_config or (family_fast_path and qwen3_5 and not moe)" \
+        > "$OUT/test_gpu_wave4_h200.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/test_gpu_wave4_h200.log" | cut -c1-150 | tail -30
+    timeout 40 python3 -m raincheck_hf.bench gdn --ops recurrent_step_chunk,chunked_step --iters 100 \
+        --json "$OUT/gdn_chunk_kernels_h200.json" > "$OUT/gdn_chunk_kernels_h200.log" 2>&1
+    tail -7 "$OUT/gdn_chunk_kernels_h200.log"
+    TORCH_LOGS=recompiles timeout "${QWEN35_S:-190}" python3 -u -m raincheck_hf.bench latency --model qwen3_5_9b \
+        --input image --turns 1 --answer-tokens 512 --warmup-tokens 512 --chunk-sizes 31,auto --reps 2 \
+        --budget-s 170 --variants full,raincheck --json "$OUT/latency_qwen3_5_9b_image_wave4_h200.json" \
+        > "$OUT/latency_qwen3_5_9b_image_wave4_h200.log" 2>&1
+    grep -c "Recompiling" "$OUT/latency_qwen3_5_9b_image_wave4_h200.log"
+    grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_wave4_h200.log" | grep -v "^ " | tail -8
+    timeout "${VL_S:-110}" python3 -u -m raincheck_hf.bench latency --model qwen3_vl_8b --input image --turns 1 \
+        --answer-tokens 512 --warmup-tokens 512 --chunk-sizes 31,auto --reps 2 --budget-s 100 \
+        --variants full,raincheck --json "$OUT/latency_qwen3_vl_8b_image_wave4_h200.json" \
+        > "$OUT/latency_qwen3_vl_8b_image_wave4_h200.log" 2>&1
+    tail -8 "$OUT/latency_qwen3_vl_8b_image_wave4_h200.log"
     ;;
 final_tpot)
     # Qwen3-VL-8B's TPOT again after graphs of other settings are kept (final_bench's compiled and uncompiled
