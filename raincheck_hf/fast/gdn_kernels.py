@@ -328,7 +328,8 @@ def chunked_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     the chunk in the chunked form of the rule (a ``T x T`` unit triangular system for the tokens' deltas, solved
     by forward substitution; matrix products in fp32), one program per head and value slab, where
     `recurrent_step_`'s kernel runs a serial chain of ``T`` token updates. The results agree up to fp32
-    rounding (the order of the sums differs).
+    rounding (the order of the sums differs). The fast path does not use it yet: in its place a fused
+    Qwen3.5-9B step measured no faster (`python -m raincheck_hf.bench gdn --ops chunked_step` times it alone).
     """
     _check_step(S, q, k, v, g, beta, out, valid, state_out)
     if q.shape[1] > CHUNKED_MAX_TOKENS:

@@ -47,8 +47,8 @@ the corrected live state, then ``M <- A_t M`` (or the leading segment's record f
 suffix tokens) for a generated row while deferred rows are pending, or the boundary reset after input
 rows. What the host decides (is the row recorded, as a leading token or into M) is part of the step's
 captured-graph key (`StaticSplit`); the suffix length comes as a device scalar. Decode, fused and
-idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, through `fast.gdn_kernels`: the chunk in
-the rule's chunked form, `gdn_kernels.chunked_step_`, a generated row token by token) are captured, and so are prefills of input rows only, padded in front to a bucket
+idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, token by token through
+`fast.gdn_kernels`) are captured, and so are prefills of input rows only, padded in front to a bucket
 (``[padding, input rows]``: padding gets ``g = 0, beta = 0`` and the conv history is moved next to the first
 input row, `StaticGDNState.run_input`; the chunked rule runs all rows). A prefill with leftover deferred rows
 in front, and chunks longer than that, run eagerly (the chunked rule).
@@ -238,9 +238,9 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
 
 # ---- the fast path: the same split forward on the static cache's buffers ------------------------------
 
-# Deferred rows of a fast-path step up to this many run in one kernel (`gdn_kernels.chunked_step_`; a captured
-# chunk step: c = 31 by default); longer ones (an idle-time restore of everything at once, a large chunk
-# size) transformers' chunked rule, eagerly.
+# Deferred rows of a fast-path step up to this many run the recurrent rule token by token in one kernel (a
+# captured chunk step: c = 31 by default); longer ones (an idle-time restore of everything at once, a large
+# chunk size) transformers' chunked rule, eagerly.
 RECURRENT_CHUNK_MAX = CHUNKED_MAX_TOKENS
 
 @dataclass(frozen=True)
