@@ -268,11 +268,16 @@ def test_suffix_map_kernel_matches_reference(interpreted):
         assert r["padded_equal"] and r["pad_identity"], (name, r)  # padding tokens are exact identities
 
 
+def _assert_within(rows, rel: float, err: str = "err", scale: str = "scale") -> None:
+    """Every row's ``err`` within ``rel`` of its ``scale`` (at least 1)."""
+    for name, r in rows.items():
+        assert r[err] <= rel * max(1.0, r[scale]), (name, r)
+
+
 def test_join_kernel_matches_reference(interpreted):
     rows = _rows(interpreted, "join ")
     assert len(rows) == len(JOIN_SIZES)
-    for name, r in rows.items():
-        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+    _assert_within(rows, 1e-5)
 
 
 def test_recurrent_step_kernel_matches_reference(interpreted):
@@ -290,25 +295,22 @@ def test_masked_recurrent_step_matches_gated_off_padding(interpreted):
     # valid = n: tokens from n on run as padding (g = 0, beta = 0), exactly what masking g and beta does
     rows = _rows(interpreted, "masked step ")
     assert len(rows) == sum(T + 2 for _, T, *_ in STEP_SIZES)
-    for name, r in rows.items():
-        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
-        assert r["o_err"] <= 1e-2 * max(1.0, r["o_scale"]), (name, r)  # bf16 outputs
-        assert r["out_is_o"], (name, r)
+    _assert_within(rows, 1e-5)
+    _assert_within(rows, 1e-2, "o_err", "o_scale")  # bf16 outputs
+    assert all(r["out_is_o"] for r in rows.values()), rows
 
 
 def test_chunked_step_matches_the_token_by_token_rule(interpreted):
     rows = _rows(interpreted, "chunked ")
     assert len(rows) == sum(len({T, max(T - 3, 0), 1}) for _, T, *_ in CHUNKED_SIZES)
-    for name, r in rows.items():
-        assert r["err"] <= 2e-5 * max(1.0, r["scale"]), (name, r)  # fp32, sums in another order
-        assert r["o_err"] <= 1e-2 * max(1.0, r["o_scale"]), (name, r)  # bf16 outputs
+    _assert_within(rows, 2e-5)  # fp32, sums in another order
+    _assert_within(rows, 1e-2, "o_err", "o_scale")  # bf16 outputs
 
 
 def test_suffix_map_normalises_keys_inside(interpreted):
     rows = _rows(interpreted, "normed map ")
     assert len(rows) == len(MAP_SIZES)
-    for name, r in rows.items():
-        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+    _assert_within(rows, 1e-5)
 
 
 def test_conv_rolls_only_the_real_rows_in(interpreted):
