@@ -886,3 +886,44 @@ def test_compiled_steps_on_the_gdn_fast_path(qwen35, processor):
                                                                dict(fast_path=True, compile_steps=True)))
     assert fast.cache.graphs.compiled
     _assert_same(slow, fast)
+
+
+def _deepstack_batch(n_deferred: int, n_rest: int, hidden: int = 4, layers: int = 2, seed: int = 0):
+    """A forward's rows ``[n_deferred visual (deferred) rows, n_rest text rows]`` with DeepStack features."""
+    from raincheck_hf.models.base import RowBatch
+
+    g = torch.Generator().manual_seed(seed)
+    n = n_deferred + n_rest
+    visual = torch.arange(n) < n_deferred
+    features = [torch.randn(n_deferred, hidden, generator=g) + 1.0 for _ in range(layers)]
+    return RowBatch(torch.randn(n, hidden, generator=g), torch.zeros(3, n, dtype=torch.long), visual, features)
+
+
+@pytest.mark.parametrize("first", [(12, 3), (5, 9), (0, 14), ("scattered", 14)])
+def test_reused_step_buffers_hold_only_this_forwards_deepstack_features(first):
+    """A captured step's buffers serve every forward of its shape: a prefill carrying a shorter leading block of
+    leftover deferred (visual) rows than the forward before it must not leave that one's features on its own
+    text rows (each row's addend is what fresh buffers would get)."""
+    from raincheck_hf.fast import graphs
+    from raincheck_hf.models.base import RowBatch
+
+    rows, hidden = 16, 4
+    buffers = graphs.StepBuffers.empty(rows, hidden, 2, torch.float32, torch.device("cpu"), step_info=False)
+    if first[0] == "scattered":  # a prefill with visual rows among its input rows
+        b = _deepstack_batch(0, 14, seed=1)
+        visual = torch.zeros(14, dtype=torch.bool)
+        visual[3:9] = True
+        b = RowBatch(b.embeds, b.positions, visual, [torch.randn(6, hidden) for _ in range(2)])
+    else:
+        b = _deepstack_batch(*first, seed=1)
+    n_first = int(b.embeds.shape[0])
+    graphs.fill(buffers, b, torch.arange(n_first), 0, 100, first[0] if first[0] != "scattered" else 0,
+                rows - n_first)
+    second = _deepstack_batch(3, 10, seed=2)  # 3 leftover deferred rows, padding 3, 10 text rows
+    graphs.fill(buffers, second, torch.arange(13), 0, 100, 3, 3)
+    fresh = graphs.StepBuffers.empty(rows, hidden, 2, torch.float32, torch.device("cpu"), step_info=False)
+    graphs.fill(fresh, second, torch.arange(13), 0, 100, 3, 3)
+    real = torch.ones(rows, dtype=torch.bool)
+    real[3:6] = False  # padding rows may hold anything: nobody sees them
+    for used, want in zip(buffers.deepstack, fresh.deepstack):
+        assert torch.equal(used[0, real], want[0, real])

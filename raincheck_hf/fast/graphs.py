@@ -64,7 +64,7 @@ class StepBuffers:
     # it, the leading padding of a forward without deferred rows (families with state outside the KV slots only,
     # `ModelAdapter.has_linear_attention`; else None)
     logits: torch.Tensor | None = None
-    deepstack_written: bool = False  # some row holds DeepStack features
+    deepstack_rows: int = 0  # the leading rows that may hold DeepStack features (a deferred block written before)
     deepstack_scattered: bool = False  # rows outside the leading deferred block may hold features
 
     @property
@@ -125,16 +125,22 @@ def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
     features = batch.deepstack
     n_visual = 0 if features is None else int(features[0].shape[0])
     if n_visual == 0 or n_visual == lo:
-        # no features, or exactly the leading deferred rows have them (a chunk: deferred rows are visual, the
-        # rest text): the rest must be zero, padding rows may keep stale values (nobody sees them)
-        if buffers.deepstack_scattered or (n_visual == 0 and buffers.deepstack_written):
+        # no features, or exactly the leading deferred rows have them (a chunk, or a prefill carrying leftover
+        # deferred rows: deferred rows are visual, the rest text): every row after them must be zero but the
+        # padding's (nobody sees those), including rows where an earlier forward of this shape wrote a longer
+        # leading block
+        if buffers.deepstack_scattered:
             for addend in buffers.deepstack:
                 addend.zero_()
-            buffers.deepstack_scattered = buffers.deepstack_written = False
+            buffers.deepstack_scattered, buffers.deepstack_rows = False, 0
+        elif buffers.deepstack_rows > lo:
+            for addend in buffers.deepstack:
+                addend[0, lo:buffers.deepstack_rows].zero_()
+            buffers.deepstack_rows = lo
         if n_visual:
             for addend, layer in zip(buffers.deepstack, features):
                 addend[0, :lo].copy_(layer)
-            buffers.deepstack_written = True
+            buffers.deepstack_rows = lo
         return
     # visual rows among the rest (a prefill): scatter by the visual mask (one device read, once per prefill)
     rows = batch.visual.nonzero().flatten()
@@ -142,7 +148,7 @@ def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
     for addend, layer in zip(buffers.deepstack, features):
         addend.zero_()
         addend[0, dest] = layer.to(addend.dtype)
-    buffers.deepstack_written = buffers.deepstack_scattered = True
+    buffers.deepstack_scattered = True
 
 
 @dataclass
