@@ -213,6 +213,12 @@ def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(
     page.locator("#rc-input textarea").press("Enter")
     page.wait_for_function("() => document.querySelector('#rc-chat')?.innerText.includes('is not an image or a video')")
 
+    # slower motion for this answer (read when a question is sent), so that it is still running when the
+    # settings change below arrives: at the fixture's 30 ms per token a loaded machine could finish it first
+    slow = page.locator("#rc-slow input[type='number']")
+    slow.fill("150")
+    slow.press("Tab")
+    page.wait_for_timeout(300)
     ask(page, grid.turns[0].question, str(image))
     page.wait_for_function("() => document.querySelector('#rc-caption')?.innerText.includes('answering')")
     # a settings change while the model answers: said at once, applied after the answer
