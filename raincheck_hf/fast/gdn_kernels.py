@@ -44,6 +44,7 @@ from .._triton import triton_available
 __all__ = [
     "chunked_step_",
     "conv_update_",
+    "gate_off",
     "join_",
     "recurrent_step_",
     "recurrent_step_reference",
@@ -153,6 +154,12 @@ def _check_count(name: str, n: torch.Tensor | None, device: torch.device) -> Non
     if n.numel() != 1 or n.dtype.is_floating_point or n.dtype == torch.bool or n.device != device:
         raise ValueError(f"{name} must be a one-element integer tensor on {device} (a device scalar), got "
                          f"{n.dtype} {list(n.shape)} on {n.device}.")
+
+
+def gate_off(g: torch.Tensor, beta: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g, beta [B, T, HV]`` with the tokens outside ``real`` (a bool mask broadcasting to them) set to
+    ``g = 0, beta = 0``: padding, which leaves a state unchanged."""
+    return torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
 
 
 def _inner(x: torch.Tensor) -> torch.Tensor:
@@ -345,8 +352,7 @@ def _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, stat
     target = S if state_out is None else state_out
     if not _use_kernel(reference, (target, S), (q, k, v, g, beta), name):
         if valid is not None:
-            real = (torch.arange(seq, device=valid.device) < valid)[None, :, None]
-            g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+            g, beta = gate_off(g, beta, (torch.arange(seq, device=valid.device) < valid)[None, :, None])
         if state_out is not None:
             target.copy_(S)
         o = recurrent_step_reference(target, q, k, v, g, beta, scale, l2norm).to(v.dtype)

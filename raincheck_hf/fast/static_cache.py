@@ -144,7 +144,7 @@ class StaticGDNState:
         ``qkv [1, R, C]``, ``g, beta [1, R, HV]``: the first ``n_real`` (a device scalar ``[1]``) rows are
         real, the rest padding (gated to no-ops; they follow the real rows, so no real row's conv reads them,
         and only the real rows enter h_b). Two launches, each masking by ``n_real`` itself: the conv, then the
-        rule token by token (up to `gdn_kernels.CHUNKED_MAX_TOKENS` rows); or, for longer chunks, ``chunk_rule``
+        rule token by token; or, for longer chunks (the caller's choice), ``chunk_rule``
         (transformers' chunked rule, exact for gated-off rows too).
         """
         y = gdn_kernels.conv_update_(self.boundary_conv, qkv, params.conv_weight, params.conv_bias, params.activation,
@@ -154,8 +154,7 @@ class StaticGDNState:
             # the token-by-token kernel: `gdn_kernels.chunked_step_` computes the same in the chunked form, but a
             # fused Qwen3.5-9B step with it in this place measured no faster (9.81 against 9.58 ms on an H200)
             return gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, g, beta, valid=n_real, out=out)
-        real = (torch.arange(qkv.shape[1], device=qkv.device) < n_real)[None, :, None]
-        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+        g, beta = gdn_kernels.gate_off(g, beta, (torch.arange(qkv.shape[1], device=qkv.device) < n_real)[None, :, None])
         o, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.boundary_state,
                               output_final_state=True, use_qk_l2norm_in_kernel=True)
         self.boundary_state.copy_(final)
@@ -215,8 +214,7 @@ class StaticGDNState:
                                      params.activation)
         self.conv.copy_(history)  # the last Kc - 1 of [h, real rows]
         q, k, v = _split_heads(y, params)
-        real = (torch.arange(rows, device=device) >= n_padding)[None, :, None]
-        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, torch.zeros_like(beta))
+        g, beta = gdn_kernels.gate_off(g, beta, (torch.arange(rows, device=device) >= n_padding)[None, :, None])
         if rows == 1 or chunk_rule is None:
             return gdn_kernels.recurrent_step_(self.state, q, k, v, g, beta), k, v
         out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=self.state, output_final_state=True,

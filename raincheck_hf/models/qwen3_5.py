@@ -77,7 +77,6 @@ from ..gated_delta import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gat
 from ..masking import visibility_to_attention_mask
 from ..patching import CountedPatches
 from .base import ModelAdapter, RowBatch, module_function
-from ..fast.gdn_kernels import CHUNKED_MAX_TOKENS
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
 __all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter", "RowSplit"]
@@ -241,7 +240,7 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
 # Deferred rows of a fast-path step up to this many run the recurrent rule token by token in one kernel (a
 # captured chunk step: c = 31 by default); longer ones (an idle-time restore of everything at once, a large
 # chunk size) transformers' chunked rule, eagerly.
-RECURRENT_CHUNK_MAX = CHUNKED_MAX_TOKENS
+RECURRENT_CHUNK_MAX = 64
 
 @dataclass(frozen=True)
 class StaticSplit:
