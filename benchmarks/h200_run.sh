@@ -139,7 +139,8 @@ gdn_fuse)
     grep -v causal_conv "$OUT/latency_qwen3_5_9b_image_fused_h200.log" | tail -9
     ;;
 wave4)
-    # the chunked GDN kernel and capture-aware auto: their GPU tests, the chunk kernels' timings, Qwen3.5-9B and
+    # capture-aware auto (run while the fast path used gdn_kernels.chunked_step_ for a chunk; it no longer does):
+    # GPU tests, the chunk kernels' timings, Qwen3.5-9B and
     # Qwen3-VL-8B full vs raincheck c=31 vs auto (512-token answers and warm-ups; Dynamo's recompiles logged)
     timeout "${TESTS_S:-200}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short --durations=8 \
         -k "gdn or auto or bucket or server or default_config or (family_fast_path and qwen3_5 and not moe)" \
