@@ -337,8 +337,14 @@ def cpu_graphs(monkeypatch):
         graphs._recurrent_restore(cache, saved)  # ... and puts the GDN states back, as here
 
         def replay():
+            # a real replay runs no Python: the replaying cache's layer objects are left as they were (not
+            # lazily pointed at the storage's tensors, which the graph reads and writes by address)
             log.append((rows, want_logits, current["prepared"]))
-            self._step(current["adapter"], current["cache"](), buffers, want_logits, bucket, variant)
+            cache = current["cache"]()
+            layers = [(layer.keys, layer.values, layer.is_initialized) for layer in cache.layers]
+            self._step(current["adapter"], cache, buffers, want_logits, bucket, variant)
+            for layer, (keys, values, initialized) in zip(cache.layers, layers):
+                layer.keys, layer.values, layer.is_initialized = keys, values, initialized
 
         self._captured[(rows, want_logits, variant, bucket)] = (_EagerReplay(replay), buffers)
         return self._captured[(rows, want_logits, variant, bucket)]
@@ -384,6 +390,41 @@ def test_a_failed_prefill_capture_leaves_the_steps_captured(qwen35, processor, c
     _assert_same(slow, fast)
     assert fast.cache.graphs.use_graphs and not fast.cache.graphs.pad_prefill
     assert cpu_graphs and all(rows in (1, 5) for rows, _, _ in cpu_graphs)  # decode and fused steps replayed
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
+def test_a_pooled_storage_carries_nothing_of_the_conversation_before(family, cpu_graphs, monkeypatch):
+    """Issue 28: a conversation whose first forward replays a graph an earlier conversation captured on the same
+    pooled storage, and which then grows into another pooled storage, keeps its own rows: the move to the bigger
+    storage copied the KV rows only for layers that had run Python (a replay never does), so the earlier
+    conversation's KV stayed in the new storage's slots and the follow-up read it."""
+    from test_generation import second_turn
+
+    import raincheck_hf.fast.static_cache as static_cache
+
+    _, model, processor = family
+    monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)  # so that the second turn must grow the buffers
+    cfg = dict(retention=0.3, chunk_size=3, decode_guard=2)
+    kw = _kw(model, max_new_tokens=10)
+
+    def dialogue(seed, fast_path):
+        first = make_inputs(processor, images=(draw_test_image(128, 96, seed=seed),), text="What is in this image?")
+        one = model.generate(**first, raincheck=RaincheckConfig(fast_path=fast_path, **cfg), **kw)
+        second = second_turn(processor, one.sequences)
+        two = model.generate(**second, cache=one.cache, raincheck=RaincheckConfig(fast_path=fast_path, **cfg), **kw)
+        return one, two
+
+    earlier = dialogue(1, True)
+    storages = {id(earlier[0].cache.storage), id(earlier[1].cache.storage)}
+    del earlier
+    gc.collect()  # both storages (and their graphs) go back to the pool
+    cpu_graphs.clear()
+    slow, fast = dialogue(5, False), dialogue(5, True)
+    assert {id(fast[0].cache.storage), id(fast[1].cache.storage)} == storages  # the pooled ones, in turn
+    assert cpu_graphs and not cpu_graphs[0][2]  # the first forward (the prefill) replayed a graph captured before
+    for a, b in zip(slow, fast):
+        _assert_same(a, b)
+    _assert_same_state(slow[1].cache, fast[1].cache)
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)

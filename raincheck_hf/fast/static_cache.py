@@ -378,14 +378,14 @@ class StaticDeferredLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def move_to(self, storage: SlotStorage, rows: int) -> None:
-        """Point at ``storage``'s tensors, carrying over the first ``rows`` slots."""
-        if not self.is_initialized:
-            return
-        keys, values = storage.layer_tensors(self.layer_idx, self.keys, self.values)
-        keys[:, :, :rows].copy_(self.keys[:, :, :rows])
-        values[:, :, :rows].copy_(self.values[:, :, :rows])
-        self.keys, self.values = keys, values
+    def attach(self, storage: SlotStorage) -> None:
+        """Point at ``storage``'s tensors for this layer, when it has them (else the first `update` allocates).
+
+        The layer must know its storage's tensors without having run: a cache on a pooled storage may replay
+        graphs an earlier cache captured there, which write the storage's tensors by address and run no Python,
+        so `lazy_initialization` would never happen."""
+        keys, values = storage.keys[self.layer_idx], storage.values[self.layer_idx]
+        self.keys, self.values, self.is_initialized = keys, values, keys is not None
 
 
 class StaticDeferredCache(DeferredDynamicCache):
@@ -416,6 +416,8 @@ class StaticDeferredCache(DeferredDynamicCache):
         self.suffix_length = 0
         self.storage = acquire_storage(pool_key, self, num_layers, capacity, scratch, device, recurrent)
         self.layers = [StaticDeferredLayer(self, i) for i in range(num_layers)]
+        for layer in self.layers:
+            layer.attach(self.storage)
         self.layer_class_to_replicate = None
         self.current_slots = torch.empty(0, dtype=torch.long, device=device)
         self.attention_slots: int | None = None  # the running step's slot bucket (None: every slot)
@@ -455,13 +457,25 @@ class StaticDeferredCache(DeferredDynamicCache):
         return self.storage.gdn[layer_idx]
 
     def _move_to(self, storage: SlotStorage, rows: int) -> None:
-        """Carry the first ``rows`` slots (keys and KV) and the GDN states over to ``storage`` and use it from now on."""
-        storage.slot_keys[:rows].copy_(self.storage.slot_keys[:rows])
-        for layer in self.layers:
-            layer.move_to(storage, rows)
-        for idx, state in self.storage.gdn.items():
+        """Carry the first ``rows`` slots (keys and KV) and the GDN states over to ``storage`` and use it from now on.
+
+        The KV comes from the current storage's tensors, not from the layer objects: those may never have run
+        (every forward of this cache so far replayed graphs captured by an earlier cache), and what the storage
+        holds is what the replays wrote."""
+        old = self.storage
+        storage.slot_keys[:rows].copy_(old.slot_keys[:rows])
+        for idx in range(self.num_layers):
+            keys, values = old.keys[idx], old.values[idx]
+            if keys is None:
+                continue
+            new_keys, new_values = storage.layer_tensors(idx, keys, values)
+            new_keys[:, :, :rows].copy_(keys[:, :, :rows])
+            new_values[:, :, :rows].copy_(values[:, :, :rows])
+        for idx, state in old.gdn.items():
             storage.gdn[idx].copy_from(state)
         self.storage = storage
+        for layer in self.layers:
+            layer.attach(storage)
 
     def __deepcopy__(self, memo):
         # the copy takes a storage of its own (pooled: graphs captured there before are reused) with the same
@@ -471,13 +485,10 @@ class StaticDeferredCache(DeferredDynamicCache):
         state = {k: v for k, v in self.__dict__.items() if k not in ("storage", "layers")}
         clone.__dict__.update(copy.deepcopy(state, memo))
         clone.layers = [StaticDeferredLayer(clone, i) for i in range(self.num_layers)]
-        for src, dst in zip(self.layers, clone.layers):  # start from the source's tensors ...
-            if src.is_initialized:
-                dst.keys, dst.values, dst.is_initialized = src.keys, src.values, True
         storage = acquire_storage(self._pool_key, clone, self.num_layers, self.capacity, self.scratch,
                                   self.storage.device, self.recurrent)
-        clone.storage = self.storage
-        clone._move_to(storage, self.total_slots)  # ... and copy them (every slot) into the clone's storage
+        clone.storage = self.storage  # start from the source's storage ...
+        clone._move_to(storage, self.total_slots)  # ... and copy it (every slot) into the clone's own
         return clone
 
     def ensure_capacity(self, rows_needed: int, scratch: int | None = None) -> None:
