@@ -428,6 +428,25 @@ def test_a_pooled_storage_carries_nothing_of_the_conversation_before(family, cpu
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
+def test_schedule_fuzz_on_replayed_steps(family, cpu_graphs, monkeypatch):
+    """A few cases of the GPU schedule fuzz (tests/schedule_fuzz.py) on the fast path's code with the stand-in
+    replays, one after the other on one model (storages and their graphs carry over): each conversation equals
+    the eager engine's."""
+    from schedule_fuzz import check_cases, make_case
+
+    from conftest import no_placeholder_ids
+
+    import raincheck_hf.fast.static_cache as static_cache
+
+    monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)  # conversations grow into other pooled storages
+    spec, model, processor = family
+    cases = [make_case(seed, spec.name) for seed in (3, 11, 17, 28)]
+    problems = check_cases(model, processor, cases, fast_path=True, threads=False, suppress=no_placeholder_ids(model))
+    assert not problems, "\n".join(problems)
+    assert cpu_graphs  # the steps replayed
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
 @pytest.mark.parametrize("mode", ["raincheck", "serial", "full", "post_answer"])
 def test_prepared_steps_replay_what_the_eager_engine_computes(family, cpu_graphs, mode):
     _, model, processor = family

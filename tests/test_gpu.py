@@ -619,6 +619,37 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
         assert got[i] == want, i
 
 
+# ---- issue 28: a seeded schedule fuzz, many conversations in one process on one model ----
+# Every conversation on the CUDA fast path (what `fast_path=None` picks: captured steps where the family has them)
+# against the eager engine: equal tokens, every forward's logits within 1e-3; then the same conversations
+# interleaved from one thread each on the shared model. Storages, graphs and the tower's and selectors' graph
+# caches carry over from case to case, as in a server (`tests/schedule_fuzz.py` says what a case draws).
+
+FUZZ_FAMILIES = ["bundled_qwen3_vl", "bundled_qwen3_5", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"]
+FUZZ_CASES_PER_FAMILY = 10  # 50 cases in all
+
+
+@pytest.mark.parametrize("family", FUZZ_FAMILIES)
+def test_cuda_schedule_fuzz_conversations_equal_the_eager_engine(family, monkeypatch):
+    import raincheck_hf.fast.static_cache as static_cache
+    from schedule_fuzz import check_cases, make_case
+
+    monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 64)  # small storages: conversations grow into pooled ones
+
+    if family.startswith("bundled_"):
+        from raincheck_hf.quality import load_bundled
+
+        model, processor = load_bundled(family[len("bundled_"):], device="cuda")
+        raincheck_hf.enable(model)
+    else:
+        model, processor = _cuda_family_model(family), family_processor(family)
+    base = 1000 * FUZZ_FAMILIES.index(family)
+    cases = [make_case(base + i, family) for i in range(FUZZ_CASES_PER_FAMILY)]
+    problems = check_cases(model, processor, cases, fast_path=None, threads=True,
+                           suppress=no_placeholder_ids(model))
+    assert not problems, "\n".join(problems)
+
+
 # ---- Gated DeltaNet kernels (fast/gdn_kernels.py) at the Qwen3.5-9B sizes against their references ----
 # HK = 16 key heads, HV = 32 value heads, K = V = 128, C = 2*16*128 + 32*128 = 8192 conv channels, Kc = 4.
 # Tolerances: fp32 results within 1e-5 (map, step state) / 1e-4 (join: a 128-term fp32 dot product) of the
