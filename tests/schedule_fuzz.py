@@ -156,16 +156,22 @@ def run_case(model, processor, case: Case, fast_path, schedule=None, suppress=No
     return results
 
 
-def compare(case: Case, got: list[dict], want: list[dict], atol: float = 1e-3) -> list[str]:
-    """Differences between a run and the eager engine's (empty: equal tokens, logits within ``atol``)."""
+def compare(case: Case, got: list[dict], want: list[dict], atol: float = 1e-3, rtol: float = 0.0) -> list[str]:
+    """Differences between a run and the eager engine's (empty: equal tokens, and each forward's logits within
+    ``atol + rtol * (its largest eager logit magnitude)``)."""
     problems = []
     for i, (g, w) in enumerate(zip(got, want)):
         if g["tokens"] != w["tokens"]:
             problems.append(f"{case!r} turn {i}: tokens {g['tokens']} != eager {w['tokens']}")
             continue
-        diff = float((g["logits"] - w["logits"]).abs().max()) if g["logits"].numel() else 0.0
-        if diff > atol:
-            problems.append(f"{case!r} turn {i}: logits differ by {diff:.3g}")
+        if not g["logits"].numel():
+            continue
+        diff = (g["logits"] - w["logits"]).abs().amax(dim=-1)
+        allowed = atol + rtol * w["logits"].abs().amax(dim=-1)
+        if bool((diff > allowed).any()):
+            worst = int((diff - allowed).argmax())
+            problems.append(f"{case!r} turn {i}: forward {worst}'s logits differ by {float(diff[worst]):.3g} "
+                            f"(allowed {float(allowed[worst]):.3g})")
     if len(got) != len(want):
         problems.append(f"{case!r}: {len(got)} turns against {len(want)}")
     return problems
@@ -177,14 +183,15 @@ def eager_twin(model, processor, case: Case, run: list[dict], suppress=None) -> 
     return run_case(model, processor, case, False, schedule=schedule, suppress=suppress)
 
 
-def check_cases(model, processor, cases: list[Case], fast_path=None, threads: bool = True, suppress=None) -> list[str]:
+def check_cases(model, processor, cases: list[Case], fast_path=None, threads: bool = True, suppress=None,
+                atol: float = 1e-3, rtol: float = 0.0) -> list[str]:
     """Every case on the engine under test (``fast_path``; None: what the device picks) against its eager twin,
     sequentially on one model, then the same cases again interleaved from one thread each on that model."""
     problems = []
     with replayed_chunk_sizes():
         for case in cases:
             run = run_case(model, processor, case, fast_path, suppress=suppress)
-            problems += compare(case, run, eager_twin(model, processor, case, run, suppress))
+            problems += compare(case, run, eager_twin(model, processor, case, run, suppress), atol, rtol)
         if threads:
             runs, errors = {}, []
 
@@ -203,6 +210,6 @@ def check_cases(model, processor, cases: list[Case], fast_path=None, threads: bo
             for case in cases:
                 if case.seed in runs:
                     problems += [f"(threads) {p}" for p in compare(
-                        case, runs[case.seed], eager_twin(model, processor, case, runs[case.seed], suppress))]
+                        case, runs[case.seed], eager_twin(model, processor, case, runs[case.seed], suppress), atol, rtol)]
     return problems
 

@@ -441,7 +441,8 @@ def test_schedule_fuzz_on_replayed_steps(family, cpu_graphs, monkeypatch):
     monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)  # conversations grow into other pooled storages
     spec, model, processor = family
     cases = [make_case(seed, spec.name) for seed in (3, 11, 17, 28)]
-    problems = check_cases(model, processor, cases, fast_path=True, threads=False, suppress=no_placeholder_ids(model))
+    problems = check_cases(model, processor, cases, fast_path=True, threads=False, suppress=no_placeholder_ids(model),
+                           atol=1e-4)
     assert not problems, "\n".join(problems)
     assert cpu_graphs  # the steps replayed
 

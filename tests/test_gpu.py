@@ -645,8 +645,13 @@ def test_cuda_schedule_fuzz_conversations_equal_the_eager_engine(family, monkeyp
         model, processor = _cuda_family_model(family), family_processor(family)
     base = 1000 * FUZZ_FAMILIES.index(family)
     cases = [make_case(base + i, family) for i in range(FUZZ_CASES_PER_FAMILY)]
+    # 1e-3, and 1e-3 of the forward's largest logit: on CUDA both engines run fla's gated-delta chunk kernels,
+    # whose fp32 products are TF32 (Triton's default for tl.dot), over differently aligned chunks (the fast path
+    # pads a prefill in front to its bucket): the bundled Qwen3.5's logits (magnitude ~16) then differ by up to
+    # 2.6e-3 between the engines where the CPU gives 3.8e-6 for the same case (seed 1000). A wrong row or state
+    # is orders of magnitude above that (the pooled-storage bug of issue 28: 14.6).
     problems = check_cases(model, processor, cases, fast_path=None, threads=True,
-                           suppress=no_placeholder_ids(model))
+                           suppress=no_placeholder_ids(model), atol=1e-3, rtol=1e-3)
     assert not problems, "\n".join(problems)
 
 
