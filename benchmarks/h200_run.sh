@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_run.sh gdn_fuse   # every GPU test, GDN kernels, Qwen3.5-9B full vs raincheck (fused GDN glue)
 #   bash benchmarks/h200_run.sh wave4      # chunked GDN kernel + capture-aware auto: tests, kernels, Qwen3.5 / Qwen3-VL
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
+#   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+gpu_tests)
+    # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is
+    timeout "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
+        > "$OUT/gpu_tests_h200.log" 2>&1
+    grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
+    ;;
 final_tests)
     # this wave's GPU checks in one call: the new GPU tests first (GDN kernels, every family's fast path incl.
     # Qwen3.5's, MoE captures, chunk_size=auto, slot buckets, compiled steps, the server), then the rest, then

@@ -626,7 +626,7 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
 # caches carry over from case to case, as in a server (`tests/schedule_fuzz.py` says what a case draws).
 
 FUZZ_FAMILIES = ["bundled_qwen3_vl", "bundled_qwen3_5", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"]
-FUZZ_CASES_PER_FAMILY = 10  # 50 cases in all
+FUZZ_CASES_PER_FAMILY = 8  # 40 cases in all
 
 
 @pytest.mark.parametrize("family", FUZZ_FAMILIES)
