@@ -296,7 +296,7 @@ class _CaptureWatch:
             return []
         log = self.graphs.capture_log
         made, self.seen = log[self.seen:], len(log)
-        return [(forward_index, key[0], seconds) for key, seconds in made]
+        return [(forward_index, key.rows, seconds) for key, seconds in made]
 
 
 def step_graphs(adapter, cache):

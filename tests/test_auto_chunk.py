@@ -415,7 +415,7 @@ def _fake_graphs_class(capture_s: float, step_ms):
     """A `StepGraphs` whose "captures" (on a CPU) keep buffers and an eager replay of the step, timed on the fake
     event clock (``step_ms(rows)``), each taking ``capture_s`` seconds of a fake wall clock: the real
     `run` / `prepare` / `launch` / `step_figures` / `_try_capture` around them."""
-    from raincheck_hf.fast.graphs import StepBuffers, StepGraphs
+    from raincheck_hf.fast.graphs import StepBuffers, StepGraphs, StepKey
     from raincheck_hf.fast.timing import StepTimings
 
     class FakeGraphs(StepGraphs):
@@ -434,7 +434,7 @@ def _fake_graphs_class(capture_s: float, step_ms):
             bucket = cache.capacity if bucket is None else bucket
             if cache.total_slots - rows < start:
                 return None
-            key = (rows, want_logits, variant, bucket)
+            key = StepKey(rows, want_logits, variant, bucket)
             buffers = StepBuffers.empty(rows, self.hidden, self.num_deepstack, adapter.dtype, adapter.device,
                                         step_info=adapter.has_linear_attention)
             graph = _ReplayedStep(self, adapter, buffers, want_logits, bucket, variant, step_ms(rows))

@@ -346,8 +346,9 @@ def cpu_graphs(monkeypatch):
             for layer, (keys, values, initialized) in zip(cache.layers, layers):
                 layer.keys, layer.values, layer.is_initialized = keys, values, initialized
 
-        self._captured[(rows, want_logits, variant, bucket)] = (_EagerReplay(replay), buffers)
-        return self._captured[(rows, want_logits, variant, bucket)]
+        key = graphs.StepKey(rows, want_logits, variant, bucket)
+        self._captured[key] = (_EagerReplay(replay), buffers)
+        return self._captured[key]
 
     run, launch = graphs.StepGraphs.run, graphs.StepGraphs.launch
 

@@ -151,12 +151,27 @@ def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
     buffers.deepstack_scattered = True
 
 
+class StepKey(NamedTuple):
+    """A captured step's key in `StepGraphs._captured` (and in its timings): its shape, then its slot bucket
+    (last: `StepTimings.nearest_cost` compares keys but for their last entry)."""
+
+    rows: int  # the step's rows, padding included
+    want_logits: bool
+    variant: object  # the adapter's `ModelAdapter.static_step_variant` (None: the family has one kind of step)
+    bucket: int  # the slots ``[0, bucket)`` the step attends over
+
+    @property
+    def shape(self) -> tuple:
+        """The key but for its bucket: the same shape at another slot bucket shares it."""
+        return self[:3]
+
+
 @dataclass
 class PreparedStep:
     """A captured forward whose buffers are filled, waiting for `StepGraphs.launch`."""
 
     graph: torch.cuda.CUDAGraph
-    key: tuple  # the graph's key in `StepGraphs._captured` (and in its timings)
+    key: StepKey  # the graph's key in `StepGraphs._captured` (and in its timings)
     buffers: StepBuffers
     want_logits: bool
     start: int  # the first slot its rows take (the cache's row count when it was prepared)
@@ -199,9 +214,8 @@ class StepGraphs:
         self.hidden = adapter.text_model.config.hidden_size
         self.attn_implementation = adapter.attn_implementation  # what the captured graphs run
         self.compiled = False  # the captured graphs run the compiled modules (RaincheckConfig.compile_steps)
-        # (rows, want_logits, the adapter's step variant, slot bucket) -> (graph, buffers); the bucket last
-        # (`StepTimings.nearest_cost` reads a key's last entry as its bucket)
-        self._captured: dict[tuple, tuple] = {}
+        # `StepKey` -> (graph, buffers)
+        self._captured: dict[StepKey, tuple] = {}
         # graphs (and their timings) of the other (attention backend, compile_steps) settings this storage ran
         # with: kept, so that alternating settings (a benchmark, two chats) replay instead of capturing again
         self._other_settings: dict[tuple, tuple] = {}
@@ -243,7 +257,7 @@ class StepGraphs:
     def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
                  bucket: int | None = None, variant=None):
         bucket = cache.capacity if bucket is None else bucket
-        key = (rows, want_logits, variant, bucket)
+        key = StepKey(rows, want_logits, variant, bucket)
         # warm-up runs execute: they write the last `rows` slots with the maximum key, which no query sees; those
         # are scratch, free slots and this forward's own slots from `start` on, which its real run then writes
         first = cache.total_slots - rows
@@ -256,7 +270,7 @@ class StepGraphs:
         # (thread_local: only this thread's unsafe calls would break the capture).
         # a row count already captured at another slot bucket has done its lazy initialisation (library handles,
         # kernel tuning, compiles): one warm-up run then, two for a new one
-        warmups = 1 if any(k[:3] == key[:3] for k in self._captured) else 2
+        warmups = 1 if any(k.shape == key.shape for k in self._captured) else 2
         with CAPTURE_LOCK:
             if self._warmup_stream is None:
                 self._warmup_stream = torch.cuda.Stream()
@@ -303,7 +317,7 @@ class StepGraphs:
             self.use_graphs = self.use_graphs and prefill
             return None
         if captured is not None:
-            key = (rows, want_logits, variant, cache.capacity if bucket is None else bucket)
+            key = StepKey(rows, want_logits, variant, cache.capacity if bucket is None else bucket)
             seconds = self.clock() - started
             self.timings.add_capture(key, seconds)
             self.capture_log.append((key, seconds))
@@ -330,12 +344,12 @@ class StepGraphs:
         bucket = slot_bucket(cache.num_rows + real_rows, cache.capacity)
         n_chunk = rows - 1 if want_logits else rows
         kinds = torch.tensor([DEFERRED] * n_chunk + [GENERATED] * (rows - n_chunk), dtype=torch.int8)
-        key = (rows, want_logits, adapter.static_step_variant(kinds, pending_after, cache.suffix_length), bucket)
-        if not adapter.capturable(key[2], rows):
+        key = StepKey(rows, want_logits, adapter.static_step_variant(kinds, pending_after, cache.suffix_length), bucket)
+        if not adapter.capturable(key.variant, rows):
             return None
         # the cost of the step with rows still pending after it (every step but a last chunk): measured most often
-        timed = key if pending_after > 0 else key[:2] + (adapter.static_step_variant(
-            kinds, 1, cache.suffix_length), bucket)
+        timed = key if pending_after > 0 else key._replace(variant=adapter.static_step_variant(
+            kinds, 1, cache.suffix_length))
         cost = self.timings.cost(timed)
         if cost is None:
             cost = self.timings.nearest_cost(timed)
@@ -376,7 +390,8 @@ class StepGraphs:
             raise RuntimeError("a padded forward of deferred rows only has no last real row to take logits from")
         variant = adapter.static_step_variant(kinds, pending_after, cache.suffix_length)
         # the bucket before the rows are registered: the slots in use once they are
-        return n, n_deferred, rows, padding, (rows, want_logits, variant, slot_bucket(cache.num_rows + n, cache.capacity))
+        return n, n_deferred, rows, padding, StepKey(rows, want_logits, variant,
+                                                     slot_bucket(cache.num_rows + n, cache.capacity))
 
     def prepare(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
                 pad_to: int | None = None) -> PreparedStep | None:
@@ -424,7 +439,7 @@ class StepGraphs:
         """One forward; logits of its last real row (``[1, V]``) or None."""
         n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
                                                         taken=True)
-        _, _, variant, bucket = key
+        variant, bucket = key.variant, key.bucket
         keys = to_device(keys, cache.slot_keys.device)
         suffix_length = cache.suffix_length  # before this forward's rows count
         start = cache.assign_slots(keys, sources, kinds)
