@@ -287,13 +287,16 @@ def _reference_greedy(method, features, text, k):
 @pytest.mark.parametrize("B,n,D,k,m", GREEDY_SIZES)
 def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
     from raincheck_hf.selection import kernels
+    from raincheck_hf.selection.cdpruner import cdpruner_inputs
+    from raincheck_hf.selection.divprune import divprune_inputs
+    from raincheck_hf.selection.mmtok import mmtok_inputs
 
     g = torch.Generator().manual_seed(42)
     features = torch.randn(B, n, D, generator=g).cuda()
     text = torch.randn(m, D, generator=g).cuda() if m else None
-    inputs = {"mmtok": lambda: kernels.mmtok_inputs(features, text, 0.5, 0.02, 0.2),
-              "divprune": lambda: kernels.divprune_inputs(features),
-              "cdpruner": lambda: kernels.cdpruner_inputs(features, text, 0.5)}[method]()
+    inputs = {"mmtok": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2),
+              "divprune": lambda: divprune_inputs(features),
+              "cdpruner": lambda: cdpruner_inputs(features, text, 0.5)}[method]()
     want = _reference_greedy(method, features, text, k)
     eager = kernels.greedy_select(method, inputs, k, use_graphs=False)
     first = kernels.greedy_select(method, inputs, k)  # captures

@@ -24,9 +24,9 @@ SIZES = [(1, 1, 8, 1, 3), (1, 40, 16, 40, 5), (2, 37, 16, 11, 5), (4, 48, 12, 14
 SCRIPT = r"""
 import json, sys, torch
 from raincheck_hf.selection import kernels
-from raincheck_hf.selection.cdpruner import conditional_kernel, dpp_greedy_map
-from raincheck_hf.selection.divprune import divprune_greedy
-from raincheck_hf.selection.mmtok import mmtok_greedy
+from raincheck_hf.selection.cdpruner import cdpruner_inputs, conditional_kernel, dpp_greedy_map
+from raincheck_hf.selection.divprune import divprune_greedy, divprune_inputs
+from raincheck_hf.selection.mmtok import mmtok_greedy, mmtok_inputs
 
 results = []
 for B, n, D, k, m in json.loads(sys.argv[1]):
@@ -41,8 +41,8 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
         "cdpruner": torch.stack([dpp_greedy_map(L, k, fallback_score=q)
                                  for L, q in (conditional_kernel(x, text, 0.5) for x in f)]),
     }
-    inputs = {"mmtok": kernels.mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": kernels.divprune_inputs(f),
-              "cdpruner": kernels.cdpruner_inputs(f, text, 0.5)}
+    inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": divprune_inputs(f),
+              "cdpruner": cdpruner_inputs(f, text, 0.5)}
     for method, want in refs.items():
         got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
         results.append({"method": method, "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})

@@ -158,6 +158,13 @@ class CDPrunerSelector(GreedySelector):
         return dpp_greedy_map(kernel, k, fallback_score=quality).cpu()
 
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
-        from .kernels import cdpruner_inputs
-
         return cdpruner_inputs(features, context.text_embeds, float(self.theta))
+
+
+def cdpruner_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float) -> dict:
+    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for ``features [B, n, D]``: the kernels
+    of `cdpruner.conditional_kernel`, their diagonals, the qualities as fallback scores, the rank tolerances."""
+    L, quality = conditional_kernel(features, text_embeds, theta)
+    diag = torch.diagonal(L, dim1=1, dim2=2).clone()
+    return {"L": L, "diag": diag, "fallback": fallback_scores(quality),
+            "tol": _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)}

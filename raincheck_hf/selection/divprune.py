@@ -74,6 +74,12 @@ class DivPruneSelector(GreedySelector):
         return divprune_greedy(segment.features, k).cpu()
 
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
-        from .kernels import divprune_inputs
-
         return divprune_inputs(features)
+
+
+def divprune_inputs(features: torch.Tensor) -> dict:
+    """``{"D": [B, n, n], "first": [B, n]}``: the cosine distances of `divprune.cosine_distance_matrix` for
+    ``features [B, n, D]`` and each token's distance to its nearest other token (the reference's first pick)."""
+    D = cosine_distance_matrix(features)
+    eye = torch.eye(D.shape[-1], dtype=torch.bool, device=D.device)
+    return {"D": D, "first": D.masked_fill(eye, float("inf")).amin(dim=2)}

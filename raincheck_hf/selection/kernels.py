@@ -42,7 +42,6 @@ from ..fast.scoping import CAPTURE_LOCK
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
-TEXT_BUCKET = 32  # mmtok's text rows are padded to a multiple of this, so a graph serves many question lengths
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
 
@@ -60,7 +59,8 @@ def _kernels():
 class GreedyRun:
     """Buffers and launches of one greedy selection over ``B`` segments of ``n`` candidates, ``k`` picks.
 
-    ``inputs`` are the method's matrices (see `mmtok_inputs`, `divprune_inputs`, `cdpruner_inputs`);
+    ``inputs`` are the method's matrices (its selector's ``kernel_inputs``: `mmtok.mmtok_inputs`,
+    `divprune.divprune_inputs`, `cdpruner.cdpruner_inputs`);
     `launch` resets the state and queues the ``k`` step kernels; `indices` is ``[B, k]`` int64 in pick
     order. All of it is device work only, so it can be captured in a CUDA graph.
     """
@@ -117,53 +117,6 @@ class GreedyRun:
                              self.slots, s, B, n, k, INT64_MIN, BLOCK_T=32, BLOCK_N=BLOCK_N)
         torch.sub(LOW_MASK, self.slots.t() & LOW_MASK, out=self.indices)
         return self.indices
-
-
-# ---- the methods' inputs, batched ----------------------------------------------------------------
-
-def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
-                 tau_v: float) -> dict:
-    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
-    (`mmtok.coverage_matrices`, the reference's own, so the values are the same to the bit), vision rows then
-    text rows padded with zeros to a multiple of `TEXT_BUCKET`, and each row's weight in the gain (the term's
-    weight over its row count; 0 for padding, which then adds exactly 0)."""
-    from .mmtok import coverage_matrices, gain_weights
-
-    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
-    p_vv = torch.stack(p_vv)
-    n = p_vv.shape[-1]
-    w_t, w_v = gain_weights(p_tv[0] is not None, alpha)
-    if p_tv[0] is None:
-        return {"P": p_vv, "W": torch.full((n,), w_v / n, dtype=torch.float64, device=p_vv.device)}
-    m = p_tv[0].shape[0]
-    R = n + -(-m // TEXT_BUCKET) * TEXT_BUCKET
-    P = p_vv.new_zeros(p_vv.shape[0], R, n)
-    P[:, :n] = p_vv
-    P[:, n:n + m] = torch.stack(p_tv)
-    W = torch.zeros(R, dtype=torch.float64, device=p_vv.device)
-    W[:n], W[n:n + m] = w_v / n, w_t / m
-    return {"P": P, "W": W}
-
-
-def divprune_inputs(features: torch.Tensor) -> dict:
-    """``{"D": [B, n, n], "first": [B, n]}``: the cosine distances of `divprune.cosine_distance_matrix` for
-    ``features [B, n, D]`` and each token's distance to its nearest other token (the reference's first pick)."""
-    from .divprune import cosine_distance_matrix
-
-    D = cosine_distance_matrix(features)
-    eye = torch.eye(D.shape[-1], dtype=torch.bool, device=D.device)
-    return {"D": D, "first": D.masked_fill(eye, float("inf")).amin(dim=2)}
-
-
-def cdpruner_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, theta: float) -> dict:
-    """``{"L", "diag", "fallback", "tol"}`` of `cdpruner.dpp_greedy_map` for ``features [B, n, D]``: the kernels
-    of `cdpruner.conditional_kernel`, their diagonals, the qualities as fallback scores, the rank tolerances."""
-    from .cdpruner import _RANK_TOL, conditional_kernel, fallback_scores
-
-    L, quality = conditional_kernel(features, text_embeds, theta)
-    diag = torch.diagonal(L, dim1=1, dim2=2).clone()
-    return {"L": L, "diag": diag, "fallback": fallback_scores(quality),
-            "tol": _RANK_TOL * diag.amax(dim=1).clamp(min=1e-30)}
 
 
 # ---- captured runs ---------------------------------------------------------------------------------

@@ -182,6 +182,29 @@ class MMTokSelector(GreedySelector):
                             self.vision_temperature).cpu()
 
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
-        from .kernels import mmtok_inputs
-
         return mmtok_inputs(features, context.text_embeds, self.alpha, self.text_temperature, self.vision_temperature)
+
+
+TEXT_BUCKET = 32  # text rows of the kernels' inputs are padded to a multiple of this, so a graph serves many question lengths
+
+
+def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
+                 tau_v: float) -> dict:
+    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
+    (`mmtok.coverage_matrices`, the reference's own, so the values are the same to the bit), vision rows then
+    text rows padded with zeros to a multiple of `TEXT_BUCKET`, and each row's weight in the gain (the term's
+    weight over its row count; 0 for padding, which then adds exactly 0)."""
+    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
+    p_vv = torch.stack(p_vv)
+    n = p_vv.shape[-1]
+    w_t, w_v = gain_weights(p_tv[0] is not None, alpha)
+    if p_tv[0] is None:
+        return {"P": p_vv, "W": torch.full((n,), w_v / n, dtype=torch.float64, device=p_vv.device)}
+    m = p_tv[0].shape[0]
+    R = n + -(-m // TEXT_BUCKET) * TEXT_BUCKET
+    P = p_vv.new_zeros(p_vv.shape[0], R, n)
+    P[:, :n] = p_vv
+    P[:, n:n + m] = torch.stack(p_tv)
+    W = torch.zeros(R, dtype=torch.float64, device=p_vv.device)
+    W[:n], W[n:n + m] = w_v / n, w_t / m
+    return {"P": P, "W": W}
