@@ -8,6 +8,8 @@ patched code itself decides, per thread, whether to act (context variables).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from typing import Callable
 
@@ -40,3 +42,29 @@ class CountedPatches:
 
     def __contains__(self, module) -> bool:
         return id(module) in self._installed
+
+
+class ThreadScoped:
+    """A value that only the thread which set it sees, for the extent of a ``with`` block.
+
+    A context variable alone is not enough: a thread started inside the block (a streamer's, a worker's) may
+    inherit the context, and must not act on a step it does not run. So the value is stored with the setting
+    thread's id and `get` answers None to every other thread.
+    """
+
+    def __init__(self, name: str):
+        self._var: contextvars.ContextVar = contextvars.ContextVar(name, default=None)
+
+    def get(self):
+        """The value the calling thread set (innermost block), or None."""
+        entry = self._var.get()
+        return entry[1] if entry is not None and entry[0] == threading.get_ident() else None
+
+    @contextlib.contextmanager
+    def using(self, value):
+        """Make ``value`` the calling thread's for the block (nested blocks restore the outer value)."""
+        token = self._var.set((threading.get_ident(), value))
+        try:
+            yield value
+        finally:
+            self._var.reset(token)

@@ -44,7 +44,7 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = d ** -0.5 if scaling is None else scaling
-    from .scoping import active_scope
+    from .context import active_scope
 
     scope = active_scope()
     if scope is not None and scope.compiled:  # RaincheckConfig.compile_steps: the same function, fused by Inductor

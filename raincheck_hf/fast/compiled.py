@@ -95,7 +95,7 @@ def dispatcher(impl=None):
 
 def install_dispatch(module, impl=None):
     """See `dispatcher`; returns the undo callable."""
-    from .scoping import active_scope
+    from .context import active_scope
 
     if "forward" in vars(module):  # already patched by someone else: leave it alone
         return lambda: None

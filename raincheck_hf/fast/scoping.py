@@ -23,37 +23,18 @@ would record each other's kernels into their graphs).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from ..patching import CountedPatches
+from .context import STEP, StepScope, active_scope  # noqa: F401 (active_scope: asked here by callers)
 
 CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
 
 
-@dataclass(frozen=True)
-class StepScope:
-    """One fast-path step as the dispatchers see it: attention modules that run the few-query
-    attention (by id) and the addend of each DeepStack decoder layer (by id)."""
-
-    attention: frozenset
-    addends: dict
-    compiled: bool = False  # run the compiled forms of `fast.compiled` (RaincheckConfig.compile_steps)
-    thread: int = field(default_factory=threading.get_ident)
-
-
-_ACTIVE: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("raincheck_fast_step", default=None)
 _PATCHES = CountedPatches()  # attention config views and DeepStack hooks (counted per instance)
 _COMPILE_PATCHES = CountedPatches()  # compiled-forward dispatchers (`fast.compiled`), a module may also hold a hook
-
-
-def active_scope() -> StepScope | None:
-    """The step scope of the calling thread, or None."""
-    scope = _ACTIVE.get()
-    return scope if scope is not None and scope.thread == threading.get_ident() else None
 
 
 class _AttentionConfigView:
@@ -123,7 +104,7 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
         from .attention import register
 
         register()
-    installed, installed_compiled, token = [], [], None
+    installed, installed_compiled = [], []
     try:
         for module in attention:
             _PATCHES.acquire(module, _view_config)
@@ -137,12 +118,10 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
             for module, impl in compile_targets:
                 _COMPILE_PATCHES.acquire(module, dispatcher(impl))
                 installed_compiled.append(module)
-        token = _ACTIVE.set(StepScope(frozenset(id(m) for m in attention),
-                                      {id(layer): a for layer, a in zip(layers, addends)}, bool(compile_targets)))
-        yield
+        with STEP.using(StepScope(frozenset(id(m) for m in attention),
+                                  {id(layer): a for layer, a in zip(layers, addends)}, bool(compile_targets))):
+            yield
     finally:
-        if token is not None:
-            _ACTIVE.reset(token)
         for module in reversed(installed):
             _PATCHES.release(module)
         for module in reversed(installed_compiled):

@@ -330,13 +330,12 @@ def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: in
 def release_storage(model) -> int:
     """Drop the slot storages (KV tensors and captured graphs) kept for ``model``; returns how many.
 
-    Storages in use by a live cache stay with that cache and are freed with it.
+    Storages in use by a live cache stay with that cache and are freed with it. The pools are keyed by the text
+    model, a submodule of ``model`` (or ``model`` itself).
     """
-    from ..models import get_adapter
-
     with _POOL_LOCK:
-        pool = _POOLS.pop(get_adapter(model).text_model, [])
-    return len(pool)
+        keys = [key for key in list(_POOLS.keys()) if key is model or any(key is m for m in model.modules())]
+        return sum(len(_POOLS.pop(key, [])) for key in keys)
 
 
 class StaticDeferredLayer(CacheLayerMixin):

@@ -1,0 +1,30 @@
+"""The fast-path step the calling thread is running, if any (`active_scope`).
+
+The few-query attention (`fast.attention`), the compiled forms (`fast.compiled`) and the DeepStack hooks
+(`fast.scoping`) act only inside a step of the calling thread; `fast.scoping.step_scope` sets the scope.
+This module is below all of them, so none of them imports another to ask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..patching import ThreadScoped
+
+
+@dataclass(frozen=True)
+class StepScope:
+    """One fast-path step as the dispatchers see it: attention modules that run the few-query
+    attention (by id) and the addend of each DeepStack decoder layer (by id)."""
+
+    attention: frozenset
+    addends: dict
+    compiled: bool = False  # run the compiled forms of `fast.compiled` (RaincheckConfig.compile_steps)
+
+
+STEP = ThreadScoped("raincheck_fast_step")
+
+
+def active_scope() -> StepScope | None:
+    """The step scope of the calling thread, or None."""
+    return STEP.get()
