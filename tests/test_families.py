@@ -63,6 +63,58 @@ def test_retention_one_and_full_are_stock(family, case):
     assert torch.equal(greedy(model, inputs, n=8, raincheck=RaincheckConfig(mode="full")), stock)
 
 
+def _low_fps_video_inputs(model, processor, fps: float):
+    """One twelve-frame video at ``fps`` and a short question. At 0.5-1 fps (Qwen2.5-VL spaces its temporal
+    positions by ``tokens_per_second / fps`` per temporal patch) the video's positions run past the text that
+    follows it, so the prompt's largest position is not its last token's."""
+    inputs = make_inputs(processor, videos=(draw_test_video(12, 64, 96, seed=5),), text="What happens?", video_fps=fps)
+    return inputs
+
+
+def _positions_run_past_the_text(model, inputs) -> bool:
+    from reference import rope_index
+
+    ids = inputs["input_ids"][0]
+    cfg = model.config
+    mm_types = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
+    positions = rope_index(model, ids, mm_types, [record(inputs, None)])
+    return int(positions.max()) > int(positions[:, -1].max())
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("fps", [0.5, 0.8, 2.0])
+def test_low_fps_video_retention_one_and_full_are_stock(family, fps):
+    """Issue 28: stock `generate` puts generated token t at the last prompt token's position + t (it advances
+    the position ids column by column), which is not the prompt's largest position + t when a video's temporal
+    positions run past the text after it (Qwen2.5-VL at low fps)."""
+    fam, model, processor = family
+    inputs = _low_fps_video_inputs(model, processor, fps)
+    if fam.name == "qwen2_5_vl" and fps < 1:
+        assert _positions_run_past_the_text(model, inputs)  # the case this test is about
+    kw = dict(return_dict_in_generate=True, output_logits=True)
+    stock = greedy(model, inputs, n=8, **kw)
+    for cfg in (RaincheckConfig(retention=1.0), RaincheckConfig(mode="full")):
+        out = greedy(model, inputs, n=8, raincheck=cfg, **kw)
+        assert torch.equal(out.sequences, stock.sequences)
+        for got, want in zip(out.logits, stock.logits):
+            assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("fps", [0.5, 1.0])
+def test_low_fps_video_matches_reference_over_two_turns(family, fps):
+    """Retention 0.3 on a low-fps video, then a text follow-up (leftovers on its prefill): every forward against
+    the family's slow reference, whose positions are the model's own rope index over the whole dialogue."""
+    fam, model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=2)
+    kw = dict(raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    inputs = [_low_fps_video_inputs(model, processor, fps)]
+    outs = [greedy(model, inputs[0], n=6, **kw)]
+    inputs.append(follow_up(model, processor, outs[0].sequences, text="And then?"))
+    outs.append(greedy(model, inputs[1], n=5, cache=outs[0].cache, **kw))
+    assert_matches(fam, model, [record(i, o) for i, o in zip(inputs, outs)])
+
+
 @pytest.mark.parametrize("family", family_params(), indirect=True)
 @pytest.mark.parametrize("mode", ["raincheck", "serial", "hard", "post_answer"])
 def test_every_mode_matches_reference_over_three_turns(family, mode):

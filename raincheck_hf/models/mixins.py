@@ -122,7 +122,11 @@ class QwenVisionLanguageMixin:
         mm_types = is_image.long() + 2 * is_video.long()
         positions = self._rope_index(ids, mm_types, image_grid_thw, video_grid_thw, second_per_grid_ts)
         positions = positions.to(device) + position_offset
-        next_position = int(positions.max()) + 1 if positions.numel() else position_offset
+        # what follows the turn continues from its LAST row, as stock `generate` advances the position ids column by
+        # column (and as the rope index over the whole dialogue places the answer): not from the largest position,
+        # which a video's temporal ids can exceed (Qwen2.5-VL spaces them by tokens_per_second / fps: at 0.5-1 fps
+        # they run past the text after the video). A turn ends with text, whose three axes agree.
+        next_position = int(positions[:, -1].max()) + 1 if positions.numel() else position_offset
 
         segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
         question = ~torch.isin(ids, self._non_question_ids.to(device))
