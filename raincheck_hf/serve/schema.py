@@ -233,8 +233,8 @@ def validation_error(error: ValidationError, status_error):
     if not param and kind in ("model_type", "dict_type"):
         return status_error(f"the request body must be a JSON object, got {shown(first['input'])}.", None)
     if kind == "extra_forbidden":
-        name = first["loc"][-1]
-        param = f"{_param(first['loc'][:-1])}.{name}".lstrip(".")
+        name, parent = str(first["loc"][-1]), _param(first["loc"][:-1])
+        param = f"{parent}.{name}".lstrip(".") if name.isidentifier() else f"{parent}[{shown(name, 40)}]"
         return status_error(f"{param}: unknown field (this server does not read it; see POST /v1/chat/completions "
                             "at /docs for the fields it does).", param)
     if kind == "missing":
