@@ -459,15 +459,15 @@ class _Guard:
 
     def _log(self, scope, status: int, note: dict, seconds: float) -> None:
         fields = [f"{k}={note[k]}" for k in ("conversation", "cached", "t1_ms", "user", "error") if k in note]
+        fields.append(f"duration_ms={seconds * 1e3:.1f}")
         level = logging.WARNING if status >= 500 else logging.INFO
-        logger.log(level, "%s %s %d %s duration_ms=%.1f", scope["method"], scope["path"], status, " ".join(fields),
-                   seconds * 1e3)
+        logger.log(level, "%s %s %d %s", scope["method"], scope["path"], status, " ".join(fields))
 
 
 def _too_large(length: int | None, limit: int) -> APIError:
     size = f"{length:,} bytes" if length is not None else f"over {limit:,} bytes"
     return APIError(413, f"the request body is {size}; the server's limit is {limit:,} bytes (--max-body-mb "
-                         f"{limit / 2**20:g}). Send smaller or fewer images and videos.", code="request_too_large")
+                         f"{limit / 2**20:g}). Send a smaller request (fewer or smaller images and videos, less text).", code="request_too_large")
 
 
 def _error_response(error: APIError):
