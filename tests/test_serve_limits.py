@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -181,8 +182,8 @@ def test_prompt_tokens_against_the_context_the_kv_budget_and_the_option(glyph, s
     budget = make_server(glyph, max_cache_bytes=100 * 4096)
     assert budget.kv_bytes_per_token == 4096 and budget.kv_tokens == 100
     short = {"messages": [{"role": "user", "content": "what is the background of the pink g5 ? " * 20}]}
-    with pytest.raises(APIError, match=r"the model's context is 4,096 tokens; the server's KV budget \(--max-cache-gb\) "
-                                       r"holds 100 tokens"):
+    with pytest.raises(APIError, match=r"the model's context is 4,096 tokens; the server's KV budget "
+                                       r"\(--max-cache-gb\) holds 100 tokens"):
         budget.prepare(json.dumps(short).encode(), 0.0)
     limited = make_server(glyph, limits=Limits(max_prompt_tokens=10))
     with pytest.raises(APIError, match=r"limit is 10 prompt tokens \(--max-prompt-tokens\)"):
@@ -283,6 +284,18 @@ def test_errors_name_the_parameter_and_value(served):
         assert error_of(post(base, raw), 400)["type"] == "invalid_request_error"
 
 
+def logged(caplog, count: int, timeout: float = 30.0) -> list[str]:
+    """The request log's lines, once there are ``count``: a line is written when its response has ended,
+    which may be after the client has read it."""
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "raincheck_hf.serve" and not r.exc_info]
+
+    deadline = time.monotonic() + timeout
+    while len(lines()) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return lines()
+
+
 def test_a_server_fault_is_a_500_that_leaks_nothing_and_is_logged_once(served, monkeypatch, caplog):
     base, server, _ = served
     from raincheck_hf.serve import store
@@ -299,11 +312,13 @@ def test_a_server_fault_is_a_500_that_leaks_nothing_and_is_logged_once(served, m
             error = events[-1]["error"]
         else:
             error = error_of(r, 500)
-        assert error["type"] == "server_error" and "secret" not in error["message"] and "Runtime" not in error["message"]
+        assert error["type"] == "server_error"
+        assert "secret" not in error["message"] and "Runtime" not in error["message"]
     faults = [r for r in caplog.records if r.exc_info]
     assert len(faults) == 2 and all("secret internals" in str(r.exc_info[1]) for r in faults)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/chat/completions")]
-    assert len(lines) == 2 and all("error=internal_error" in line for line in lines), lines
+    plain, streamed = logged(caplog, 2)
+    assert plain.startswith("POST /v1/chat/completions 500 ") and "error=internal_error" in plain
+    assert streamed.startswith("POST /v1/chat/completions 200 ") and "error=internal_error" in streamed
 
 
 def test_fastapis_422_is_openais_400(served):
@@ -330,7 +345,7 @@ def test_requests_are_logged_4xx_included(served, caplog):
     conv = ok.json()["raincheck"]["conversation_id"]
     post(base, {"messages": [], "user": "bob"})
     httpx.get(base + "/v1/models")  # no key: 401
-    lines = [r.getMessage() for r in caplog.records if r.name == "raincheck_hf.serve"]
+    lines = logged(caplog, 3)
     assert any(line.startswith(f"POST /v1/chat/completions 200 conversation={conv} cached=0 t1_ms=")
                and 'user="alice"' in line and "duration_ms=" in line for line in lines), lines
     assert any(line.startswith("POST /v1/chat/completions 400 ") and "duration_ms=" in line for line in lines), lines
@@ -505,3 +520,21 @@ def test_fuzz_malformed_requests_get_4xx_and_leave_the_held_conversation_alone(s
                          "temperature": 0, "max_tokens": 8}).json()
     assert follow["raincheck"]["reused"] and follow["raincheck"]["conversation_id"] == conv.id
     assert server_errors(base) == faults_before
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-images", "0"], "--max-images must be an integer > 0, got 0"),
+                                           (["--max-body-mb", "-1"], "--max-body-mb must be a number > 0"),
+                                           (["--media-timeout", "nan"], "--media-timeout must be a number > 0"),
+                                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be")])
+def test_limit_options_are_checked_and_name_the_option(argv, message):
+    import argparse
+
+    from raincheck_hf.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError, match=message):
+        cli.settings_from(parser.parse_args(argv))
+    limits = cli.settings_from(parser.parse_args(["--max-body-mb", "0.5", "--max-images", "3",
+                                                  "--max-prompt-tokens", "100"])).limits
+    assert (limits.max_body_bytes, limits.max_images, limits.max_prompt_tokens) == (1 << 19, 3, 100)

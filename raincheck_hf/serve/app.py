@@ -467,7 +467,8 @@ class _Guard:
 def _too_large(length: int | None, limit: int) -> APIError:
     size = f"{length:,} bytes" if length is not None else f"over {limit:,} bytes"
     return APIError(413, f"the request body is {size}; the server's limit is {limit:,} bytes (--max-body-mb "
-                         f"{limit / 2**20:g}). Send a smaller request (fewer or smaller images and videos, less text).", code="request_too_large")
+                         f"{limit / 2**20:g}). Send a smaller request (fewer or smaller images and videos, less "
+                         "text).", code="request_too_large")
 
 
 def _error_response(error: APIError):

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-images", type=int, default=Limits.max_images,
                         help="images per request (default %(default)s)")
     limits.add_argument("--max-video-frames", type=int, default=Limits.max_video_frames,
-                        help="video frames per request; a video file counts its sampled frames, at most 64 "
+                        help="video frames per request; a video file counts 64, the most it is sampled to "
                              "(default %(default)s)")
     limits.add_argument("--max-image-pixels", type=int, default=Limits.max_image_pixels,
                         help="pixels of one image or video frame, read from its header before decoding "
