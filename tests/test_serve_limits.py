@@ -105,14 +105,16 @@ def no_decoding(monkeypatch):
 
 def test_decompression_bomb_is_refused_from_its_header(served, no_decoding):
     """A 15000 x 15000 PNG of a few KB (1-bit) gets a 400 naming the limit and its size; nothing is decoded.
-    So does one of 10000 x 10000 (where Pillow itself would only warn and decode it)."""
+    So do one of 10000 x 10000 (where Pillow itself would only warn and decode it) and a 7 KB TIFF."""
     from PIL import Image
 
     base, server, _ = served
-    for side in (15000, 10000):
-        bomb = encoded(Image.new("1", (side, side)))
-        assert len(bomb) < 200_000
-        error = error_of(post(base, {"messages": [image_message(data_url(bomb))]}), 400)
+    for side, fmt in ((15000, "PNG"), (10000, "PNG"), (15000, "TIFF")):
+        buffer = io.BytesIO()
+        Image.new("1", (side, side)).save(buffer, fmt, **({"compression": "group4"} if fmt == "TIFF" else {}))
+        bomb = buffer.getvalue()
+        assert len(bomb) < 50_000
+        error = error_of(post(base, {"messages": [image_message(data_url(bomb, f"image/{fmt.lower()}"))]}), 400)
         assert f"{side} x {side} = {side * side:,} pixels" in error["message"], error
         assert "67,108,864" in error["message"] and "--max-image-pixels" in error["message"]
         assert error["param"] == "messages[0].content[0].image_url" and error["code"] == "image_too_large"

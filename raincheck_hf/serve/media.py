@@ -156,13 +156,13 @@ def _open(data: bytes):
 
 def probe_image(data: bytes, param: str) -> tuple[int, int]:
     """``(width, height)`` from the image's header; no pixel is decoded."""
-    from PIL import UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with _open(data) as image:
             width, height = image.size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, TypeError, IndexError,
-            struct.error) as error:
+            Image.DecompressionBombError, struct.error) as error:
         raise _unreadable(param, error) from None
     if width <= 0 or height <= 0:
         raise _unreadable(param, ValueError(f"its header says {width} x {height} pixels"))
