@@ -175,11 +175,18 @@ def test_prompt_tokens_against_the_context_the_kv_budget_and_the_option(glyph, s
     from raincheck_hf.serve import APIError, Limits
 
     base, server, _ = served
-    long = {"messages": [{"role": "user", "content": "what is the background of the pink g5 ? " * 600}]}
+    question = "what is the background of the pink g5 ? "  # 9 tokens of the glyph tokenizer
+    # 4 MB of text (the processor would take seconds over it): refused after tokenizing its first chunk
+    long = {"messages": [{"role": "user", "content": question * 100_000}]}
     error = error_of(post(base, long), 400)
     assert "the model's context is 4,096 tokens" in error["message"] and error["code"] == "context_length_exceeded"
-    prompt = int(error["message"].split("prompt is ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
-    assert prompt > 4096
+    assert "its text alone, counted up to the limit" in error["message"]
+    more = int(error["message"].split("more than ", 1)[1].split(" tokens", 1)[0].replace(",", ""))
+    assert 4095 < more < 4095 + 2 * server.TEXT_CHUNK
+    # the exact count, after the processor: 4 x 9 text tokens pass the early count, the chat template's 5 do not
+    with pytest.raises(APIError, match=r"prompt is 41 tokens \(the messages in the chat template.*limit is 38 prompt"):
+        make_server(glyph, limits=Limits(max_prompt_tokens=38)).prepare(
+            json.dumps({"messages": [{"role": "user", "content": question * 4}]}).encode(), 0.0)
     # the KV budget: --max-cache-gb in tokens (keys and values of the 4 attention layers: 2 * 4 * 2 heads * 64 * 4 B)
     budget = make_server(glyph, max_cache_bytes=100 * 4096)
     assert budget.kv_bytes_per_token == 4096 and budget.kv_tokens == 100

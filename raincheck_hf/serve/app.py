@@ -192,7 +192,8 @@ class Server:
         got it, `time.perf_counter`)."""
         request = parse_chat_request(body, model_names=(self.settings.model_name,), defaults=self.settings.config,
                                      max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root,
-                                     vocab_size=self.vocab_size, images=self.images, limits=self.settings.limits)
+                                     vocab_size=self.vocab_size, images=self.images, limits=self.settings.limits,
+                                     check_text=self.check_text)
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         kwargs = {}
         if request.images:
@@ -222,29 +223,61 @@ class Server:
         out.update(context_tokens=self.context, kv_budget_tokens=self.kv_tokens)
         return out
 
-    def _fit(self, request: ChatRequest, prompt_tokens: int) -> None:
-        """The prompt within the model's context, --max-prompt-tokens and the KV budget (400 naming them); the
-        answer's length capped at the room left (it then ends with finish_reason "length")."""
-        bounds = []  # (tokens the prompt and answer may take, what says so)
+    def _bounds(self) -> tuple[list, int | None]:
+        """``([(tokens, what says so)], the --max-prompt-tokens limit)``: the context and the KV budget bound the
+        prompt and its answer, the option the prompt."""
+        bounds = []
         if self.context:
             bounds.append((self.context, f"the model's context is {self.context:,} tokens"))
         if self.kv_tokens is not None:
             bounds.append((self.kv_tokens, f"the server's KV budget (--max-cache-gb) holds {self.kv_tokens:,} tokens "
                                            f"({self.kv_bytes_per_token:,} bytes each)"))
-        limit = self.settings.limits.max_prompt_tokens
-        too_long = limit is not None and prompt_tokens > limit
+        return bounds, self.settings.limits.max_prompt_tokens
+
+    def _too_long(self, size: str) -> APIError:
+        bounds, limit = self._bounds()
+        said = [f"the server's limit is {limit:,} prompt tokens (--max-prompt-tokens)"] if limit is not None else []
+        return bad(f"this request's prompt is {size}; {'; '.join(said + [w for _, w in bounds])}, and the answer "
+                   "needs at least one more. Shorten the conversation or send fewer or smaller images.",
+                   param="messages", code="context_length_exceeded")
+
+    def _fit(self, request: ChatRequest, prompt_tokens: int) -> None:
+        """The prompt within the model's context, --max-prompt-tokens and the KV budget (400 naming them); the
+        answer's length capped at the room left (it then ends with finish_reason "length")."""
+        bounds, limit = self._bounds()
         room = min((b for b, _ in bounds), default=None)
-        if too_long or (room is not None and prompt_tokens >= room):
-            said = [f"the server's limit is {limit:,} prompt tokens (--max-prompt-tokens)"] if limit is not None else []
-            raise bad(f"this request's prompt is {prompt_tokens:,} tokens (the messages in the chat template, images "
-                      f"and videos as their visual tokens); {'; '.join(said + [w for _, w in bounds])}, and the "
-                      "answer needs at least one more. Shorten the conversation or send fewer or smaller images.",
-                      param="messages", code="context_length_exceeded")
+        if (limit is not None and prompt_tokens > limit) or (room is not None and prompt_tokens >= room):
+            raise self._too_long(f"{prompt_tokens:,} tokens (the messages in the chat template, images and videos "
+                                 "as their visual tokens)")
         if room is not None:
             kwargs = request.generate_kwargs
             kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room - prompt_tokens)
             if "min_new_tokens" in kwargs:
                 kwargs["min_new_tokens"] = min(kwargs["min_new_tokens"], kwargs["max_new_tokens"])
+
+    TEXT_CHUNK = 1 << 16  # characters tokenized at a time by `check_text`
+
+    def check_text(self, texts: list[str]) -> None:
+        """A prompt whose text alone is over the bounds, refused before its media are decoded and without
+        tokenizing more of it than the bounds allow: the text is tokenized a chunk at a time, cut before a
+        whitespace (where the tokenizer's pre-tokenization cuts anyway; one token per cut is allowed for), and
+        the count stops once it is over. (Tokenizing 30 MB of text whole takes ~30 s on a CPU.)"""
+        bounds, limit = self._bounds()
+        bound = min([b - 1 for b, _ in bounds] + ([limit] if limit is not None else []), default=None)
+        if bound is None or sum(map(len, texts)) <= bound:  # short: the exact check after the processor suffices
+            return
+        tokenizer, total = self.processor.tokenizer, 0
+        for text in texts:
+            start = 0
+            while start < len(text):
+                end = start + self.TEXT_CHUNK
+                if end < len(text):
+                    cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                    end = cut if cut > start else end
+                total += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"]) - 1
+                start = end
+                if total > bound:
+                    raise self._too_long(f"more than {total:,} tokens (its text alone, counted up to the limit)")
 
     def _new_media_only(self, turn: _Turn) -> dict:
         """The inputs with only the media the held conversation has not seen (HF's continuation convention)."""

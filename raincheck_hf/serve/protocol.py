@@ -332,6 +332,16 @@ def _decode(plan: _MediaPlan, deadline: Deadline, images: DecodedImages | None) 
     return out
 
 
+def _texts(request: ChatCompletionRequest) -> list[str]:
+    out = []
+    for message in request.messages:
+        if isinstance(message.content, str):
+            out.append(message.content)
+        else:
+            out.extend(part.text for part in message.content if isinstance(part, TextPart))
+    return out
+
+
 def _messages(request: ChatCompletionRequest) -> list:
     """transformers chat messages: a user's text as a part, media as ``{"type": "image" | "video"}``."""
     converted = []
@@ -355,10 +365,11 @@ def _messages(request: ChatCompletionRequest) -> list:
 
 def parse_chat_request(body, *, model_names: tuple[str, ...], defaults: RaincheckConfig, max_tokens_default: int,
                        media_root: Path | None, vocab_size: int, images: DecodedImages | None = None,
-                       limits: Limits | None = None) -> ChatRequest:
+                       limits: Limits | None = None, check_text=None) -> ChatRequest:
     """Check a chat-completions body (parsed JSON, or the raw bytes) and decode its media (images through
     ``images``, a cache of decoded images, when given); `APIError` on anything wrong: 404 for a model not
-    served here (OpenAI's ``model_not_found``), 400 otherwise."""
+    served here (OpenAI's ``model_not_found``), 400 otherwise. ``check_text``, when given, gets the messages'
+    texts before any media is read (the server's early prompt-length check)."""
     limits = limits or Limits()
     if isinstance(body, (bytes, bytearray)):
         body = read_json(bytes(body))
@@ -378,6 +389,8 @@ def parse_chat_request(body, *, model_names: tuple[str, ...], defaults: Rainchec
     generate_kwargs = _generation(request, max_tokens_default)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if check_text is not None:
+        check_text(_texts(request))
     _count(request, limits)
     plan = _MediaPlan(limits, media_root)
     for i, message in enumerate(request.messages):
