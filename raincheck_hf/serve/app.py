@@ -261,7 +261,7 @@ class Server:
         """A prompt whose text alone is over the bounds, refused before its media are decoded and without
         tokenizing more of it than the bounds allow: the text is tokenized a chunk at a time, cut before a
         whitespace (where the tokenizer's pre-tokenization cuts anyway; one token per cut is allowed for), and
-        the count stops once it is over. (Tokenizing 30 MB of text whole takes ~30 s on a CPU.)"""
+        the count stops once it is over. (8 MB of text took 8 s to tokenize whole on a CPU.)"""
         bounds, limit = self._bounds()
         bound = min([b - 1 for b, _ in bounds] + ([limit] if limit is not None else []), default=None)
         if bound is None or sum(map(len, texts)) <= bound:  # short: the exact check after the processor suffices
