@@ -134,7 +134,8 @@ def _log_requests(level: str) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(level.upper() if level.upper() in logging.getLevelNamesMapping() else "INFO")
+    known = isinstance(logging.getLevelName(level.upper()), int)  # getLevelNamesMapping is Python 3.11+
+    log.setLevel(level.upper() if known else "INFO")
 
 
 def serve(args) -> int:
