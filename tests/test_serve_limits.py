@@ -356,7 +356,7 @@ def test_requests_are_logged_4xx_included(served, caplog):
     httpx.get(base + "/v1/models")  # no key: 401
     lines = logged(caplog, 3)
     assert any(line.startswith(f"POST /v1/chat/completions 200 conversation={conv} cached=0 t1_ms=")
-               and 'user="alice"' in line and "duration_ms=" in line for line in lines), lines
+               and 'user="alice" client=127.0.0.1 duration_ms=' in line for line in lines), lines
     assert any(line.startswith("POST /v1/chat/completions 400 ") and "duration_ms=" in line for line in lines), lines
     assert any(line.startswith("GET /v1/models 401 error=invalid_api_key") for line in lines), lines
 

@@ -492,6 +492,8 @@ class _Guard:
 
     def _log(self, scope, status: int, note: dict, seconds: float) -> None:
         fields = [f"{k}={note[k]}" for k in ("conversation", "cached", "t1_ms", "user", "error") if k in note]
+        if scope.get("client"):  # uvicorn's access log, which this one replaces, said who asked
+            fields.append(f"client={scope['client'][0]}")
         fields.append(f"duration_ms={seconds * 1e3:.1f}")
         level = logging.WARNING if status >= 500 else logging.INFO
         logger.log(level, "%s %s %d %s", scope["method"], scope["path"], status, " ".join(fields))
