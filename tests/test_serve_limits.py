@@ -126,7 +126,8 @@ def test_pixels_per_request_images_and_frames_per_request(glyph, no_decoding):
 
     png = data_url(encoded(draw_test_image(64, 48, seed=1)))
     server = make_server(glyph, limits=Limits(max_request_pixels=64 * 48 * 2, max_images=3, max_video_frames=4))
-    two = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png}] * 2}]}
+    two = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png},
+                                                     {"type": "image_url", "image_url": {"url": png, "detail": "high"}}]}]}
     server.prepare(json.dumps(two).encode(), 0.0)  # exactly at the limit
     calls = len(no_decoding)
     three = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png}] * 3}]}
@@ -264,6 +265,9 @@ def test_errors_name_the_parameter_and_value(served):
          "messages[0].content[0].image_url", ["truncated"]),
         ({**good, "messages": [image_message("data:image/png;base64,@@@")]}, 400,
          "messages[0].content[0].image_url", ["base64"]),
+        ({**good, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": data_url(encoded(draw_test_image(64, 48))), "detail": "low"}}]}]}, 400,
+         "messages[0].content[0].image_url.detail", ["'auto' or 'high'", "'low'"]),
         ({**good, "temperature": "0.5"}, 400, "temperature", ["valid number", "'0.5'"]),
         ({**good, "max_tokens": 2.5}, 400, "max_tokens", ["valid integer", "2.5"]),
         ({**good, "max_tokens": -3}, 400, "max_tokens", ["greater than or equal to 1", "-3"]),

@@ -31,8 +31,9 @@ class _Strict(BaseModel):
 class ImageURL(_Strict):
     url: str = Field(description="`data:image/...;base64,...`, or `file://...` under the server's --media-root; "
                                  "http(s) URLs are refused (the server fetches nothing).")
-    detail: Literal["auto"] | None = Field(None, description="OpenAI's detail: only `auto` (images are read at their "
-                                                             "own resolution, within the server's pixel limits).")
+    detail: Literal["auto", "high"] | None = Field(
+        None, description="OpenAI's detail: `auto` or `high`, which are the same here (an image is read at its own "
+                          "resolution, within the processor's and the server's pixel limits); `low` is refused.")
 
 
 class VideoURL(_Strict):
