@@ -126,8 +126,8 @@ def test_pixels_per_request_images_and_frames_per_request(glyph, no_decoding):
 
     png = data_url(encoded(draw_test_image(64, 48, seed=1)))
     server = make_server(glyph, limits=Limits(max_request_pixels=64 * 48 * 2, max_images=3, max_video_frames=4))
-    two = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png},
-                                                     {"type": "image_url", "image_url": {"url": png, "detail": "high"}}]}]}
+    high = {"type": "image_url", "image_url": {"url": png, "detail": "high"}}
+    two = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png}, high]}]}
     server.prepare(json.dumps(two).encode(), 0.0)  # exactly at the limit
     calls = len(no_decoding)
     three = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": png}] * 3}]}
