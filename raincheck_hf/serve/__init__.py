@@ -6,13 +6,16 @@ resends the dialogue continues the held conversation whose token ids are its lon
 requests each conversation's worker restores the deferred tokens in idle time. See
 ``docs/serving.md``.
 
-Layout: `protocol` (the request, checked), `store` (held conversations: matching, eviction),
-`app` (the routes, streaming, cancellation), `metrics` (Prometheus text), `cli` (the command).
+Layout: `schema` (the request as pydantic models: validation and ``/docs``), `protocol` (the request
+checked against the server: model, vocabulary, limits), `media` (images and videos: sized from their
+headers, decoded under the limits), `store` (held conversations: matching, eviction), `app` (the routes,
+streaming, cancellation, the request log), `metrics` (Prometheus, through prometheus_client), `cli`
+(the command).
 """
 
 from .app import ServeSettings, Server, create_app, running
-from .protocol import APIError, parse_chat_request
+from .protocol import APIError, Limits, parse_chat_request
 from .store import ConversationStore, ServedConversation, cache_nbytes
 
-__all__ = ["APIError", "ConversationStore", "ServeSettings", "ServedConversation", "Server", "cache_nbytes",
+__all__ = ["APIError", "ConversationStore", "Limits", "ServeSettings", "ServedConversation", "Server", "cache_nbytes",
            "create_app", "parse_chat_request", "running"]

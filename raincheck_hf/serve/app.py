@@ -14,6 +14,7 @@ between two forwards, so the cache stays consistent and the conversation stays h
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import threading
 import time
@@ -27,8 +28,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, DecodedImages, bad, parse_chat_request
+from .protocol import APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request
 from .store import ConversationStore, ServedConversation
+
+logger = logging.getLogger("raincheck_hf.serve")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ServeSettings:
         max_tokens: answer length limit when a request gives none.
         reuse: continue held conversations (False: every request prefills its whole dialogue and
             nothing is held, as a server without a conversation cache does; for comparisons).
+        limits: what one request may cost (`Limits`: body size, prompt tokens, images, pixels, video).
     """
 
     model_name: str = "qwen3_vl"
@@ -53,8 +57,11 @@ class ServeSettings:
     media_root: Path | None = None
     max_tokens: int = 256
     reuse: bool = True
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
+        if not isinstance(self.limits, Limits):
+            raise ValueError(f"limits must be a Limits, got {type(self.limits).__name__}")
         if self.max_cache_bytes is not None and self.max_cache_bytes < 0:
             raise ValueError(f"max_cache_bytes must be >= 0 (or None: unbounded), got {self.max_cache_bytes}")
         if self.max_tokens < 1:
@@ -165,10 +172,15 @@ class Server:
     def __init__(self, model, processor, settings: ServeSettings):
         self.model, self.processor, self.settings = model, processor, settings
         self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.store.snapshot)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
-        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        text = model.config.get_text_config()
+        self.vocab_size = int(text.vocab_size)
+        self.context = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
+        self.kv_tokens = (None if settings.max_cache_bytes is None or not self.kv_bytes_per_token
+                          else settings.max_cache_bytes // self.kv_bytes_per_token)
         tok = processor.tokenizer
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -176,10 +188,12 @@ class Server:
 
     # ---- preparing a turn (CPU, before the model) ------------------------------------------------
     def prepare(self, body, arrived: float) -> _Turn:
-        """Check the request and tokenize it (``arrived``: when the handler got it, `time.perf_counter`)."""
+        """Check the request (the raw body or its parsed JSON) and tokenize it (``arrived``: when the handler
+        got it, `time.perf_counter`)."""
         request = parse_chat_request(body, model_names=(self.settings.model_name,), defaults=self.settings.config,
                                      max_tokens_default=self.settings.max_tokens, media_root=self.settings.media_root,
-                                     vocab_size=self.vocab_size, images=self.images)
+                                     vocab_size=self.vocab_size, images=self.images, limits=self.settings.limits,
+                                     check_text=self.check_text)
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         kwargs = {}
         if request.images:
@@ -193,11 +207,77 @@ class Server:
                 for v in request.videos]}
         try:
             inputs = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
-        except (ValueError, TypeError, RuntimeError) as error:
-            raise bad(f"the processor could not read this request's media: {error}", param="messages") from None
+        except (ValueError, TypeError, RuntimeError, IndexError, ZeroDivisionError, OverflowError) as error:
+            # e.g. an image below the processor's smallest size or of an extreme aspect ratio
+            raise bad(f"the processor could not read this request's images / videos: {str(error)[:300]}",
+                      param="messages", code="invalid_media") from None
         inputs.pop("mm_token_type_ids", None)
         digests = tuple(f"{m.kind}:{m.digest}" for m in request.media)
-        return _Turn(request, inputs, digests, int(inputs["input_ids"].shape[1]), arrived)
+        prompt_tokens = int(inputs["input_ids"].shape[1])
+        self._fit(request, prompt_tokens)
+        return _Turn(request, inputs, digests, prompt_tokens, arrived)
+
+    def limits(self) -> dict:
+        """The limits in force (``/v1/models`` lists them): `Limits` with the prompt's token limits resolved."""
+        out = self.settings.limits.as_dict()
+        out.update(context_tokens=self.context, kv_budget_tokens=self.kv_tokens)
+        return out
+
+    def _bounds(self) -> tuple[list, int | None]:
+        """``([(tokens, what says so)], the --max-prompt-tokens limit)``: the context and the KV budget bound the
+        prompt and its answer, the option the prompt."""
+        bounds = []
+        if self.context:
+            bounds.append((self.context, f"the model's context is {self.context:,} tokens"))
+        if self.kv_tokens is not None:
+            bounds.append((self.kv_tokens, f"the server's KV budget (--max-cache-gb) holds {self.kv_tokens:,} tokens "
+                                           f"({self.kv_bytes_per_token:,} bytes each)"))
+        return bounds, self.settings.limits.max_prompt_tokens
+
+    def _too_long(self, size: str) -> APIError:
+        bounds, limit = self._bounds()
+        said = [f"the server's limit is {limit:,} prompt tokens (--max-prompt-tokens)"] if limit is not None else []
+        return bad(f"this request's prompt is {size}; {'; '.join(said + [w for _, w in bounds])}, and the answer "
+                   "needs at least one more. Shorten the conversation or send fewer or smaller images.",
+                   param="messages", code="context_length_exceeded")
+
+    def _fit(self, request: ChatRequest, prompt_tokens: int) -> None:
+        """The prompt within the model's context, --max-prompt-tokens and the KV budget (400 naming them); the
+        answer's length capped at the room left (it then ends with finish_reason "length")."""
+        bounds, limit = self._bounds()
+        room = min((b for b, _ in bounds), default=None)
+        if (limit is not None and prompt_tokens > limit) or (room is not None and prompt_tokens >= room):
+            raise self._too_long(f"{prompt_tokens:,} tokens (the messages in the chat template, images and videos "
+                                 "as their visual tokens)")
+        if room is not None:
+            kwargs = request.generate_kwargs
+            kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room - prompt_tokens)
+            if "min_new_tokens" in kwargs:
+                kwargs["min_new_tokens"] = min(kwargs["min_new_tokens"], kwargs["max_new_tokens"])
+
+    TEXT_CHUNK = 1 << 16  # characters tokenized at a time by `check_text`
+
+    def check_text(self, texts: list[str]) -> None:
+        """A prompt whose text alone is over the bounds, refused before its media are decoded and without
+        tokenizing more of it than the bounds allow: the text is tokenized a chunk at a time, cut before a
+        whitespace (where the tokenizer's pre-tokenization cuts anyway; one token per cut is allowed for), and
+        the count stops once it is over. (8 MB of text took 8 s to tokenize whole on a CPU.)"""
+        bounds, limit = self._bounds()
+        bound = min([b - 1 for b, _ in bounds] + ([limit] if limit is not None else []), default=None)
+        if bound is None or sum(map(len, texts)) <= bound:  # short: the exact check after the processor suffices
+            return
+        tokenizer, total = self.processor.tokenizer, 0
+        for text in texts:
+            start = 0
+            while start < len(text):
+                end = start + self.TEXT_CHUNK
+                if end < len(text):
+                    cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                    end = cut if cut > start else end
+                total += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"]) - 1
+                start = end
+                if total > bound:
+                    raise self._too_long(f"more than {total:,} tokens (its text alone, counted up to the limit)")
 
     def _new_media_only(self, turn: _Turn) -> dict:
         """The inputs with only the media the held conversation has not seen (HF's continuation convention)."""
@@ -238,6 +318,8 @@ class Server:
                                           turn.cancel)
             except BaseException as error:  # reported to the client; the cache may be half-written: drop it
                 turn.error = error
+                if not isinstance(error, (APIError, ValueError)):
+                    logger.error("conversation %s failed on a request", conv.id, exc_info=error)
                 self.store.discard(conv)
             else:
                 self.store.checkin(conv)
@@ -318,9 +400,31 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take in the attention layers (an estimate of the cache's growth per
+    token: Gated DeltaNet layers keep a fixed-size state instead; the deferred rows' bookkeeping is extra)."""
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    layers = (sum(t == "full_attention" for t in layer_types) if layer_types
+              else int(getattr(text, "num_hidden_layers", 0) or 0))
+    heads = int(getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0)
+    head_dim = getattr(text, "head_dim", None) or (
+        int(text.hidden_size) // int(text.num_attention_heads) if getattr(text, "num_attention_heads", 0) else 0)
+    try:
+        element = next(model.parameters()).element_size()
+    except StopIteration:
+        element = 2
+    return 2 * layers * heads * int(head_dim) * element
+
+
 class _Guard:
-    """ASGI middleware: the API key and the request counter. (Plain ASGI, so that a handler still sees
-    the client's disconnect in ``receive``.)"""
+    """ASGI middleware: the API key, the body size limit, the request counter and the request log. (Plain
+    ASGI, so that a handler still sees the client's disconnect in ``receive``.)
+
+    The log's line per request: method, path, status, then what the handler noted in ``scope["state"]``
+    (``raincheck_log``: the conversation, cached tokens, T1, an error's code) and the duration."""
+
+    OPEN = ("/health", "/docs", "/openapi.json")  # no key needed
 
     def __init__(self, app, server: Server, routes: set):
         self.app, self.server, self.routes = app, server, routes
@@ -328,28 +432,78 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        began = time.perf_counter()
         path = scope["path"]
         endpoint = path if path in self.routes else "other"
-        key = self.server.settings.api_key
-        if key is not None and path != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {key}".encode()):
-                self.server.metrics.request(endpoint, 401)
-                response = _error_response(APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (the key given to the "
-                         "server's --api-key).", code="invalid_api_key"))
-                return await response(scope, receive, send)
-        status = {"code": 500}
+        note = scope.setdefault("state", {}).setdefault("raincheck_log", {})
+        status = {"code": 500, "started": False}
 
         async def send_and_note(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            refused = self._refuse(scope, path)
+            if refused is not None:
+                note["error"] = refused.code
+                return await _error_response(refused)(scope, receive, send_and_note)
+            await self.app(scope, self._limited(receive, note), send_and_note)
+        except Exception as error:  # a server fault: logged once here, the client told no more than that
+            answer = _server_error(error)
+            note["error"] = answer.code or answer.type
+            if not status["started"]:
+                await _error_response(answer)(scope, receive, send_and_note)
         finally:
             self.server.metrics.request(endpoint, status["code"])
+            self._log(scope, status["code"], note, time.perf_counter() - began)
+
+    def _refuse(self, scope, path: str) -> APIError | None:
+        headers = dict(scope["headers"])
+        key = self.server.settings.api_key
+        if key is not None and path not in self.OPEN:
+            if not secrets.compare_digest(headers.get(b"authorization", b""), f"Bearer {key}".encode()):
+                return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (the key given "
+                                     "to the server's --api-key).", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            limit = self.server.settings.limits.max_body_bytes
+            if not length.isdigit():
+                return APIError(400, f"Content-Length must be a number of bytes, got {length[:40]!r}.",
+                                param="Content-Length")
+            if int(length) > limit:
+                return _too_large(int(length), limit)
+        return None
+
+    def _limited(self, receive, note: dict):
+        """``receive`` that stops a body (one sent without Content-Length, or longer than it said) at the limit."""
+        limit, seen = self.server.settings.limits.max_body_bytes, 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _too_large(None, limit)
+            return message
+
+        return limited
+
+    def _log(self, scope, status: int, note: dict, seconds: float) -> None:
+        fields = [f"{k}={note[k]}" for k in ("conversation", "cached", "t1_ms", "user", "error") if k in note]
+        if scope.get("client"):  # uvicorn's access log, which this one replaces, said who asked
+            fields.append(f"client={scope['client'][0]}")
+        fields.append(f"duration_ms={seconds * 1e3:.1f}")
+        level = logging.WARNING if status >= 500 else logging.INFO
+        logger.log(level, "%s %s %d %s", scope["method"], scope["path"], status, " ".join(fields))
+
+
+def _too_large(length: int | None, limit: int) -> APIError:
+    size = f"{length:,} bytes" if length is not None else f"over {limit:,} bytes"
+    return APIError(413, f"the request body is {size}; the server's limit is {limit:,} bytes (--max-body-mb "
+                         f"{limit / 2**20:g}). Send a smaller request (fewer or smaller images and videos, less "
+                         "text).", code="request_too_large")
 
 
 def _error_response(error: APIError):
@@ -358,10 +512,49 @@ def _error_response(error: APIError):
     return JSONResponse(error.body(), status_code=error.status)
 
 
+def _openapi(app):
+    """OpenAPI with the chat request's schema (the handler reads the body itself: `protocol.read_json`)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from .schema import ChatCompletionRequest
+
+    def build():
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schema.pop("$defs", {}))
+            components["ChatCompletionRequest"] = schema
+            error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]}}}}}
+            components["Error"] = error
+            post = spec["paths"]["/v1/chat/completions"]["post"]
+            post["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}
+            responses = post.setdefault("responses", {})
+            for code, what in (("400", "Bad request: the message names the parameter and the value"),
+                               ("401", "Missing or wrong API key"), ("404", "Model not served here"),
+                               ("413", "Request body over --max-body-mb")):
+                responses[code] = {"description": what, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}}}
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    return build
+
+
+DOC = """OpenAI's chat completions over held Raincheck conversations: a follow-up that resends the dialogue
+continues the held conversation (`usage.prompt_tokens_details.cached_tokens`); the `raincheck` object in a
+request sets Raincheck's settings, the one in a response reports selected / deferred / restored tokens and T1.
+Limits (body size, prompt tokens, images, pixels, video): `GET /v1/models`."""
+
+
 def create_app(model, processor, settings: ServeSettings | None = None):
     """The FastAPI app serving ``model`` (a supported model) with ``processor``."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     server = Server(model, processor, settings or ServeSettings())
@@ -371,25 +564,33 @@ def create_app(model, processor, settings: ServeSettings | None = None):
         yield
         await asyncio.to_thread(server.close)  # stop the conversations' restoration workers
 
-    app = FastAPI(title="raincheck_hf", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="raincheck_hf", description=DOC, lifespan=lifespan, redoc_url=None)
     app.state.server = server
     routes = {"/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 
     app.add_middleware(_Guard, server=server, routes=routes)
 
+    def noted(request: Request, error: APIError):
+        request.scope.setdefault("state", {}).setdefault("raincheck_log", {})["error"] = error.code or error.type
+        return _error_response(error)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         message = (f"Unknown route {request.method} {request.url.path}; this server has POST /v1/chat/completions, "
-                   "GET /v1/models, GET /health, GET /metrics." if error.status_code in (404, 405) else str(error.detail))
-        return _error_response(APIError(error.status_code, message, code="not_found" if error.status_code == 404 else None))
+                   "GET /v1/models, GET /health, GET /metrics, GET /docs." if error.status_code in (404, 405)
+                   else str(error.detail))
+        return noted(request, APIError(error.status_code, message,
+                                       code="not_found" if error.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):  # FastAPI's 422, as OpenAI's 400
+        first = (error.errors() or [{}])[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path", "header")) or None
+        return noted(request, bad(f"{param or 'the request'}: {first.get('msg', 'invalid')}.", param=param))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
-        return _error_response(error)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        return _error_response(_server_error(error))
+        return noted(request, error)
 
     @app.get("/health")
     async def health():
@@ -399,22 +600,23 @@ def create_app(model, processor, settings: ServeSettings | None = None):
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.settings.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "raincheck_hf"}]}
+                                            "created": server.created, "owned_by": "raincheck_hf",
+                                            "max_model_len": server.context, "limits": server.limits()}]}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics.render(server.store.snapshot()),
-                                 media_type="text/plain; version=0.0.4")
+        body, content_type = server.metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrived = time.perf_counter()
+        note = request.scope.setdefault("state", {}).setdefault("raincheck_log", {})
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad(f"the request body is not valid JSON ({error}).") from None
-        turn = await asyncio.to_thread(server.prepare, body, arrived)  # media decoding and the processor: off the loop
+        # parsing, media decoding and the processor: off the event loop
+        turn = await asyncio.to_thread(server.prepare, raw, arrived)
+        if turn.request.user is not None:
+            note["user"] = json.dumps(turn.request.user[:64])
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -425,6 +627,7 @@ def create_app(model, processor, settings: ServeSettings | None = None):
                 pass
 
         server.start(turn, emit)
+        note.update(conversation=turn.conversation.id, cached=turn.cached)
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         name = server.settings.model_name
 
@@ -434,7 +637,7 @@ def create_app(model, processor, settings: ServeSettings | None = None):
             return f"data: {json.dumps(body)}\n\n"
 
         if turn.request.stream:
-            return StreamingResponse(_events(server, turn, queue, chunk, completion_id, created),
+            return StreamingResponse(_events(server, turn, queue, chunk, completion_id, created, note),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         # not streamed: wait for the end, cancelling if the client goes away meanwhile
@@ -451,7 +654,10 @@ def create_app(model, processor, settings: ServeSettings | None = None):
                 if await request.is_disconnected():
                     turn.cancel.set()
         if turn.error is not None:
-            return _error_response(_server_error(turn.error))
+            error = _server_error(turn.error, logged=True)
+            note["error"] = error.code or error.type
+            return _error_response(error)
+        _note_turn(server, turn, note)
         text = cut_at_stop(turn.result.text, turn.request.stop)
         return JSONResponse({
             "id": completion_id, "object": "chat.completion", "created": created, "model": name,
@@ -460,18 +666,34 @@ def create_app(model, processor, settings: ServeSettings | None = None):
             "usage": server.usage(turn), "raincheck": server.raincheck(turn),
         })
 
+    app.openapi = _openapi(app)
     return app
 
 
-def _server_error(error: BaseException) -> APIError:
+def _note_turn(server: Server, turn: _Turn, note: dict) -> None:
+    if turn.result is not None and turn.result.token_times is not None:
+        t1 = server.time_to_first_token(turn)
+        if t1 == t1:
+            note["t1_ms"] = f"{t1 * 1e3:.1f}"
+
+
+def _server_error(error: BaseException, logged: bool = False) -> APIError:
+    """The client's view of an error: an `APIError` as is, the engine's ValueError (a setting this model cannot
+    use) as a 400, anything else a 500 that says no more than that (logged here once, with its traceback,
+    unless ``logged``: the answering thread logged it)."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, ValueError):  # the engine's own checks (e.g. a setting this model cannot use)
-        return bad(str(error))
-    return APIError(500, f"the model failed on this request: {type(error).__name__}: {error}", type="server_error")
+    if isinstance(error, ValueError):
+        return bad(str(error)[:500])
+    if not logged:
+        logger.error("unexpected error serving a request", exc_info=error)
+    return APIError(500, "The server failed on this request (its log has the details); the conversation that was "
+                         "answering it is dropped, the others are unaffected.", type="server_error",
+                    code="internal_error")
 
 
-async def _events(server: Server, turn: _Turn, queue: asyncio.Queue, chunk, completion_id: str, created: int):
+async def _events(server: Server, turn: _Turn, queue: asyncio.Queue, chunk, completion_id: str, created: int,
+                  note: dict):
     """The SSE stream; text that could still become a stop string is held back until it cannot."""
     stop = turn.request.stop
     hold = max((len(s) for s in stop), default=1) - 1
@@ -494,8 +716,11 @@ async def _events(server: Server, turn: _Turn, queue: asyncio.Queue, chunk, comp
                 yield chunk({"content": text[sent:upto]})
                 sent = upto
         if turn.error is not None:
-            yield f"data: {json.dumps(_server_error(turn.error).body())}\n\n"
+            error = _server_error(turn.error, logged=True)
+            note["error"] = error.code or error.type
+            yield f"data: {json.dumps(error.body())}\n\n"
             return
+        _note_turn(server, turn, note)
         final = cut_at_stop(text, stop)
         if len(final) > sent:
             yield chunk({"content": final[sent:]})

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import sys
 
 from ..configuration import parse_chunk_size
+from .media import Limits
 
 DESCRIPTION = """\
 An OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics)
@@ -45,7 +47,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-compile-steps turns it off (no compile in the warm-up)")
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--log-level", default="info", help="uvicorn's log level (debug | info | warning | error)")
+    parser.add_argument("--log-level", default="info",
+                        help="log level of uvicorn and the request log (debug | info | warning | error)")
+    limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
+                                       "compute; GET /v1/models lists them)")
+    limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
+                        help="request body size in MiB; larger: 413 before it is read whole (default %(default)g)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="prompt tokens, images and videos included (default: the model's context; the KV "
+                             "budget of --max-cache-gb also bounds it)")
+    limits.add_argument("--max-images", type=int, default=Limits.max_images,
+                        help="images per request (default %(default)s)")
+    limits.add_argument("--max-video-frames", type=int, default=Limits.max_video_frames,
+                        help="video frames per request; a video file counts 64, the most it is sampled to "
+                             "(default %(default)s)")
+    limits.add_argument("--max-image-pixels", type=int, default=Limits.max_image_pixels,
+                        help="pixels of one image or video frame, read from its header before decoding "
+                             "(default %(default)s: 8192 x 8192)")
+    limits.add_argument("--max-request-pixels", type=int, default=Limits.max_request_pixels,
+                        help="pixels of all images and video frames of a request (default %(default)s)")
+    limits.add_argument("--max-video-seconds", type=float, default=Limits.max_video_seconds,
+                        help="duration of a video file (default %(default)g)")
+    limits.add_argument("--media-timeout", type=float, default=Limits.media_timeout_s,
+                        help="seconds for decoding a request's images and videos (default %(default)g)")
 
 
 def settings_from(args):
@@ -61,7 +85,14 @@ def settings_from(args):
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_cache_gb is not None and args.max_cache_gb < 0:  # in GB here, in bytes for ServeSettings
         raise ValueError(f"--max-cache-gb must be >= 0, got {args.max_cache_gb}")
-    try:  # ServeSettings checks its fields; the message names the option that set one
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):  # in MiB here, in bytes for Limits
+        raise ValueError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
+    try:  # ServeSettings and Limits check their fields; the message names the option that set one
+        limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20),
+                        max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
+                        max_video_frames=args.max_video_frames, max_image_pixels=args.max_image_pixels,
+                        max_request_pixels=args.max_request_pixels, max_video_seconds=args.max_video_seconds,
+                        media_timeout_s=args.media_timeout)
         return ServeSettings(
             model_name=args.served_model_name or args.model or "qwen3_vl",
             config=config,
@@ -69,6 +100,7 @@ def settings_from(args):
             api_key=args.api_key,
             media_root=media_root_from(args.media_root),
             max_tokens=args.max_tokens,
+            limits=limits,
         )
     except ValueError as error:
         message = str(error)
@@ -78,7 +110,11 @@ def settings_from(args):
         raise ValueError(message) from None
 
 
-_OPTIONS = {"max_tokens": "--max-tokens", "api_key": "--api-key", "media_root": "--media-root"}
+_OPTIONS = {"max_tokens": "--max-tokens", "api_key": "--api-key", "media_root": "--media-root",
+            "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
+            "max_images": "--max-images", "max_video_frames": "--max-video-frames",
+            "max_image_pixels": "--max-image-pixels", "max_request_pixels": "--max-request-pixels",
+            "max_video_seconds": "--max-video-seconds", "media_timeout_s": "--media-timeout"}
 
 
 def _loopback(host: str) -> bool:
@@ -86,6 +122,20 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _log_requests(level: str) -> None:
+    """The request log on stderr (uvicorn configures only its own loggers)."""
+    import logging
+
+    log = logging.getLogger("raincheck_hf.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    known = isinstance(logging.getLevelName(level.upper()), int)  # getLevelNamesMapping is Python 3.11+
+    log.setLevel(level.upper() if known else "INFO")
 
 
 def serve(args) -> int:
@@ -107,6 +157,9 @@ def serve(args) -> int:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
     print(f"[raincheck] OpenAI-compatible API at http://{args.host}:{args.port}/v1 (model id "
-          f"{settings.model_name!r})", file=sys.stderr)
-    uvicorn.run(create_app(model, processor, settings), host=args.host, port=args.port, log_level=args.log_level)
+          f"{settings.model_name!r}; API docs at /docs)", file=sys.stderr)
+    _log_requests(args.log_level)
+    # the request log (method, path, status, conversation, cached tokens, T1, duration) replaces uvicorn's access log
+    uvicorn.run(create_app(model, processor, settings), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
     return 0

@@ -1,38 +1,42 @@
-"""Prometheus text exposition (format 0.0.4) of the server's counters and histograms, by hand: a
-few counters do not need a client library."""
+"""The server's Prometheus metrics, through `prometheus_client`, in a registry of each app's own (two apps
+in one process, e.g. tests, count apart). The registry also has the client's process, platform and GC
+collectors; held-conversation figures are read from the store at scrape time."""
 
 from __future__ import annotations
-
-import bisect
-import threading
 
 # seconds; TTFT spans a tiny model on a CPU to a long video on a GPU, TPOT a few ms to a few hundred
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class Histogram:
-    def __init__(self, buckets):
-        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
+class _HeldConversations:
+    """Collector of the store's figures (``snapshot``: `ConversationStore.snapshot`)."""
 
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.sum += value
-        self.count += 1
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
 
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, n in zip(self.buckets, self.counts):
-            running += n
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
-        return out
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        store = self.snapshot()
+        yield CounterMetricFamily("raincheck_restored_after_answer",
+                                  "Deferred tokens prefilled in idle time after answers.",
+                                  value=store["restored_after_answer"])
+        yield CounterMetricFamily("raincheck_evictions", "Conversations evicted to fit --max-cache-gb.",
+                                  value=store["evictions"])
+        held = GaugeMetricFamily("raincheck_conversations", "Conversations held (busy: answering now).",
+                                 labels=["state"])
+        held.add_metric(["held"], store["conversations"])
+        held.add_metric(["busy"], store["busy"])
+        yield held
+        yield GaugeMetricFamily("raincheck_cache_bytes", "Bytes of the held conversations' caches.",
+                                value=store["cache_bytes"])
+        yield GaugeMetricFamily("raincheck_pending_tokens", "Deferred tokens not yet restored, all held conversations.",
+                                value=store["pending"])
 
 
 class Metrics:
-    """Counters of finished requests; held-conversation figures come from the store at scrape time."""
+    """Counters of requests and finished turns, TTFT / TPOT histograms; ``render`` is the exposition."""
 
     COUNTERS = {
         "prompt_tokens": "Prompt tokens of answered requests.",
@@ -43,55 +47,48 @@ class Metrics:
         "cancelled": "Generations stopped because the client disconnected.",
     }
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = {}
-        self.counters = dict.fromkeys(self.COUNTERS, 0)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
+    def __init__(self, snapshot=None):
+        """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None."""
+        from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                                       ProcessCollector)
+
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._requests = Counter("raincheck_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                                 registry=self.registry)
+        self._counters = {name: Counter(f"raincheck_{name}", text, registry=self.registry)
+                          for name, text in self.COUNTERS.items()}
+        self._ttft = Histogram("raincheck_ttft_seconds", "Time to first token (from the request's arrival).",
+                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self._tpot = Histogram("raincheck_tpot_seconds", "Time between consecutive generated tokens.",
+                               buckets=TPOT_BUCKETS, registry=self.registry)
+        if snapshot is not None:
+            self.registry.register(_HeldConversations(snapshot))
 
     def request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, str(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
+        self._requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def add(self, **counts) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self.counters[name] += int(n)
+        for name, n in counts.items():
+            if n:
+                self._counters[name].inc(int(n))
 
     def turn(self, ttft: float, token_times: list[float]) -> None:
-        with self._lock:
-            if ttft == ttft:  # not NaN (no token)
-                self.ttft.observe(ttft)
-            for t in token_times:
-                self.tpot.observe(t)
+        if ttft == ttft:  # not NaN (no token)
+            self._ttft.observe(ttft)
+        for t in token_times:
+            self._tpot.observe(t)
 
-    def render(self, store: dict) -> str:
-        with self._lock:
-            lines = ["# HELP raincheck_requests_total HTTP requests by endpoint and status.",
-                     "# TYPE raincheck_requests_total counter"]
-            for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'raincheck_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-            for name, help_ in self.COUNTERS.items():
-                lines += [f"# HELP raincheck_{name}_total {help_}", f"# TYPE raincheck_{name}_total counter",
-                          f"raincheck_{name}_total {self.counters[name]}"]
-            lines += ["# HELP raincheck_ttft_seconds Time to first token.", "# TYPE raincheck_ttft_seconds histogram",
-                      *self.ttft.lines("raincheck_ttft_seconds"),
-                      "# HELP raincheck_tpot_seconds Time between consecutive generated tokens.",
-                      "# TYPE raincheck_tpot_seconds histogram", *self.tpot.lines("raincheck_tpot_seconds")]
-        lines += [
-            "# HELP raincheck_restored_after_answer_total Deferred tokens prefilled in idle time after answers.",
-            "# TYPE raincheck_restored_after_answer_total counter",
-            f"raincheck_restored_after_answer_total {store['restored_after_answer']}",
-            "# HELP raincheck_evictions_total Conversations evicted to fit --max-cache-gb.",
-            "# TYPE raincheck_evictions_total counter", f"raincheck_evictions_total {store['evictions']}",
-            "# HELP raincheck_conversations Conversations held (busy: answering now).",
-            "# TYPE raincheck_conversations gauge", f'raincheck_conversations{{state="held"}} {store["conversations"]}',
-            f'raincheck_conversations{{state="busy"}} {store["busy"]}',
-            "# HELP raincheck_cache_bytes Bytes of the held conversations' caches.",
-            "# TYPE raincheck_cache_bytes gauge", f"raincheck_cache_bytes {store['cache_bytes']}",
-            "# HELP raincheck_pending_tokens Deferred tokens not yet restored, all held conversations.",
-            "# TYPE raincheck_pending_tokens gauge", f"raincheck_pending_tokens {store['pending']}",
-        ]
-        return "\n".join(lines) + "\n"
+    @property
+    def counters(self) -> dict[str, int]:
+        """The counters' current values, by name (``cancelled``, ...)."""
+        return {name: int(next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total")))
+                for name, counter in self._counters.items()}
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content type)`` of the Prometheus text exposition."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
