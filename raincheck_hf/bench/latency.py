@@ -530,71 +530,110 @@ def _write(result: dict, path: str | None):
     os.replace(tmp, path)
 
 
-def run(models=("tiny_qwen3_vl",), inputs=("image",), turns: int = 2, answer_tokens: int = 8,
-        follow_up_tokens: int | None = None, reps: int = 1, chunk_sizes=DEFAULT_CHUNK_SIZES,
-        primary_chunk: int | str | None = None, sweep_turns: int = 1, variants=None, retention: float = 0.3,
-        decode_guard: int = 16, tpot_slack: float = 0.02, compile_steps: bool | None = None, selector: str | None = None,
-        warmup: bool = True, warmup_tokens: int | None = None,
-        idle_probe: bool = True, budget_s: float | None = None, device=None, dtype=None, threads: int | None = None,
-        image_size=None, video_frames=None, video_size=None, static_max_cache_len: int | None = None,
-        json_path: str | None = None, strict: bool = False, keep_intervals: bool = True, command: str | None = None,
-        log=print) -> dict:
+@dataclass(frozen=True)
+class LatencySettings:
+    """What one latency run measures: `run`'s keyword arguments (`main`'s options), checked and completed
+    (defaults resolved) before any model is built.
+
+    ``follow_up_tokens`` defaults to ``answer_tokens``; ``selector`` to the library's default; ``primary_chunk``
+    (the chunk size that runs every turn) to 31 when swept, else the first size; ``warmup_tokens`` to
+    ``min(answer_tokens, decode_guard + 4)``; ``variants`` names a subset (None: every variant).
+    """
+
+    models: tuple = ("tiny_qwen3_vl",)
+    inputs: tuple = ("image",)
+    turns: int = 2
+    answer_tokens: int = 8
+    follow_up_tokens: int | None = None
+    reps: int = 1
+    chunk_sizes: tuple = DEFAULT_CHUNK_SIZES
+    primary_chunk: int | str | None = None
+    sweep_turns: int = 1
+    variants: tuple | None = None
+    retention: float = 0.3
+    decode_guard: int = 16
+    tpot_slack: float = 0.02
+    compile_steps: bool | None = None
+    selector: str | None = None
+    warmup: bool = True
+    warmup_tokens: int | None = None
+    idle_probe: bool = True
+    budget_s: float | None = None
+    dtype: object = None
+    image_size: tuple | None = None
+    video_frames: int | None = None
+    video_size: tuple | None = None
+    static_max_cache_len: int | None = None
+    json_path: str | None = None
+    strict: bool = False
+    keep_intervals: bool = True
+    command: str | None = None
+
+    def __post_init__(self):
+        from ..configuration import RaincheckConfig
+
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("models", tuple(self.models))
+        put("inputs", tuple(self.inputs))
+        put("variants", None if self.variants is None else tuple(self.variants))
+        put("follow_up_tokens", self.answer_tokens if self.follow_up_tokens is None else self.follow_up_tokens)
+        put("chunk_sizes", tuple(parse_chunk_size(c) for c in self.chunk_sizes))
+        if (self.turns < 1 or self.answer_tokens < 1 or self.follow_up_tokens < 1 or self.reps < 1
+                or not self.chunk_sizes):
+            raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
+        if self.selector is None:
+            put("selector", RaincheckConfig().selector)  # what a user gets by default
+        put("primary_chunk", parse_chunk_size(self.primary_chunk) if self.primary_chunk else (
+            31 if 31 in self.chunk_sizes else self.chunk_sizes[0]))
+        if self.primary_chunk not in self.chunk_sizes:
+            raise ValueError(f"primary chunk size {self.primary_chunk} is not among the chunk sizes "
+                             f"{list(self.chunk_sizes)}.")
+        for c in self.chunk_sizes:  # invalid settings fail here, before any model is built
+            RaincheckConfig(retention=self.retention, chunk_size=c, decode_guard=self.decode_guard,
+                            selector=self.selector, tpot_slack=self.tpot_slack, compile_steps=self.compile_steps)
+        for name in self.models:
+            if name not in shapes.MODELS:
+                raise ValueError(f"unknown model {name!r}; choose from {sorted(shapes.MODELS)}.")
+        for kind in self.inputs:
+            if kind not in shapes.QUESTIONS:
+                raise ValueError(f"unknown input {kind!r}; choose from {sorted(shapes.QUESTIONS)}.")
+        put("warmup_tokens", self.warmup_tokens or min(self.answer_tokens, self.decode_guard + 4))
+
+
+def run(device=None, threads: int | None = None, log=print, **settings) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict.
 
-    ``threads``: torch intra-op threads; on CPU the default is 1 (tiny models gain nothing from more,
-    and on a shared machine spinning thread pools distort the timings), on CUDA torch's default.
+    ``settings``: `LatencySettings`' fields (checked before any model is built). ``threads``: torch intra-op
+    threads; on CPU the default is 1 (tiny models gain nothing from more, and on a shared machine spinning thread
+    pools distort the timings), on CUDA torch's default.
     """
-    from ..configuration import RaincheckConfig
-
     started = time.perf_counter()
+    s = LatencySettings(**settings)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    follow_up_tokens = answer_tokens if follow_up_tokens is None else follow_up_tokens
-    chunk_sizes = tuple(parse_chunk_size(c) for c in chunk_sizes)
-    if turns < 1 or answer_tokens < 1 or follow_up_tokens < 1 or reps < 1 or not chunk_sizes:
-        raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
-    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
-    primary_chunk = parse_chunk_size(primary_chunk) if primary_chunk else (31 if 31 in chunk_sizes else chunk_sizes[0])
-    if primary_chunk not in chunk_sizes:
-        raise ValueError(f"primary chunk size {primary_chunk} is not among the chunk sizes {list(chunk_sizes)}.")
-    for c in chunk_sizes:  # invalid settings fail here, before any model is built
-        RaincheckConfig(retention=retention, chunk_size=c, decode_guard=decode_guard, selector=selector,
-                        tpot_slack=tpot_slack, compile_steps=compile_steps)
-    for name in models:
-        if name not in shapes.MODELS:
-            raise ValueError(f"unknown model {name!r}; choose from {sorted(shapes.MODELS)}.")
-    for kind in inputs:
-        if kind not in shapes.QUESTIONS:
-            raise ValueError(f"unknown input {kind!r}; choose from {sorted(shapes.QUESTIONS)}.")
-    variant_list = build_variants(chunk_sizes, primary_chunk, turns, sweep_turns, variants)
-    warmup_tokens = warmup_tokens or min(answer_tokens, decode_guard + 4)
+    variant_list = build_variants(s.chunk_sizes, s.primary_chunk, s.turns, s.sweep_turns, s.variants)
     previous_threads = torch.get_num_threads()
     if threads is not None or device.type == "cpu":
         torch.set_num_threads(threads or 1)
     try:
-        return _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes,
-                    primary_chunk, sweep_turns, variant_list, retention, decode_guard, tpot_slack, compile_steps,
-                    selector, warmup,
-                    warmup_tokens, idle_probe, budget_s, dtype, image_size, video_frames, video_size,
-                    static_max_cache_len, json_path, strict, keep_intervals, command, log)
+        return _run(s, started, device, variant_list, log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens, reps, chunk_sizes, primary_chunk,
-         sweep_turns, variant_list, retention, decode_guard, tpot_slack, compile_steps, selector, warmup, warmup_tokens,
-         idle_probe, budget_s, dtype, image_size, video_frames, video_size, static_max_cache_len, json_path, strict,
-         keep_intervals, command, log):
-    settings = dict(retention=retention, decode_guard=decode_guard, selector=selector, tpot_slack=tpot_slack,
-                    compile_steps=compile_steps)
+def _run(s: "LatencySettings", started: float, device, variant_list, log):
+    settings = dict(retention=s.retention, decode_guard=s.decode_guard, selector=s.selector, tpot_slack=s.tpot_slack,
+                    compile_steps=s.compile_steps)
     result = {
         "benchmark": "latency",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command or " ".join(["python -m raincheck_hf.bench latency"] + sys.argv[2:]),
+        "command": s.command or " ".join(["python -m raincheck_hf.bench latency"] + sys.argv[2:]),
         "hardware": hardware_info(device),
-        "settings": dict(settings, models=list(models), inputs=list(inputs), turns=turns, answer_tokens=answer_tokens,
-                         follow_up_tokens=follow_up_tokens, reps=reps, chunk_sizes=list(chunk_sizes),
-                         primary_chunk=primary_chunk, sweep_turns=sweep_turns, warmup=warmup,
-                         warmup_tokens=warmup_tokens, idle_probe=idle_probe, budget_s=budget_s,
+        "settings": dict(settings, models=list(s.models), inputs=list(s.inputs), turns=s.turns, answer_tokens=s.answer_tokens,
+                         follow_up_tokens=s.follow_up_tokens, reps=s.reps, chunk_sizes=list(s.chunk_sizes),
+                         primary_chunk=s.primary_chunk, sweep_turns=s.sweep_turns, warmup=s.warmup,
+                         warmup_tokens=s.warmup_tokens, idle_probe=s.idle_probe, budget_s=s.budget_s,
                          variants=[v.name for v in variant_list]),
         "runs": [],
     }
@@ -602,18 +641,18 @@ def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens
     suppress = shapes.special_token_ids(processor)
 
     def over_budget(extra: float = 0.0) -> bool:
-        return budget_s is not None and time.perf_counter() - started + extra > budget_s
+        return s.budget_s is not None and time.perf_counter() - started + extra > s.budget_s
 
-    for model_name in models:
+    for model_name in s.models:
         if over_budget():
-            result["runs"].append({"model": model_name, "status": f"skipped: time budget {budget_s} s spent"})
+            result["runs"].append({"model": model_name, "status": f"skipped: time budget {s.budget_s} s spent"})
             continue
         try:
-            model, model_info = shapes.build_model(model_name, device, dtype=dtype)
+            model, model_info = shapes.build_model(model_name, device, dtype=s.dtype)
         except ValueError as error:
             log(f"[latency] skipping {model_name}: {error}")
             result["runs"].append({"model": model_name, "status": f"skipped: {error}"})
-            _write(result, json_path)
+            _write(result, s.json_path)
             continue
         log(f"[latency] {model_name}: {model_info['class']} {model_info['parameters'] / 1e9:.3f} B params, "
             f"{model_info['dtype']} on {device}, built in {model_info['build_s']:.1f} s")
@@ -626,32 +665,30 @@ def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens
             raincheck_error = str(error)
             log(f"[latency] {model_name}: Raincheck modes unsupported: {error}")
         spec = shapes.MODELS[model_name]
-        prompts = {kind: shapes.build_prompt(processor, spec, kind, image_size, video_frames, video_size)
-                   for kind in inputs}
-        cache_len = static_max_cache_len or _static_max_cache_len(
-            [info["prompt_tokens"] for _, info in prompts.values()], answer_tokens, follow_up_tokens, turns)
+        prompts = {kind: shapes.build_prompt(processor, spec, kind, s.image_size, s.video_frames, s.video_size)
+                   for kind in s.inputs}
+        cache_len = s.static_max_cache_len or _static_max_cache_len(
+            [info["prompt_tokens"] for _, info in prompts.values()], s.answer_tokens, s.follow_up_tokens, s.turns)
         shared = {"static_compile_measured": False}  # per model: the compiled decode step, the reused StaticCache
         bandwidth = measure_copy_bandwidth(device)
         log(f"[latency] copy bandwidth {bandwidth['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, "
             f"{bandwidth['copy_bytes'] / 2**30:.2f} GiB copy)")
-        for kind in inputs:
+        for kind in s.inputs:
             if over_budget():
                 result["runs"].append({"model": model_name, "input": kind,
-                                       "status": f"skipped: time budget {budget_s} s spent"})
+                                       "status": f"skipped: time budget {s.budget_s} s spent"})
                 continue
             first_inputs, prompt_info = prompts[kind]
             ctx = Context(model, processor, device, {k: v.to(device) for k, v in first_inputs.items()}, settings,
                           raincheck_error is None, cache_len, suppress, shared)
             # the floor at the first answer's mean context: the prompt plus half the answer
-            step_bytes = decode_bytes(model, prompt_info["prompt_tokens"] + answer_tokens // 2)
+            step_bytes = decode_bytes(model, prompt_info["prompt_tokens"] + s.answer_tokens // 2)
             floor = {**step_bytes, **bandwidth, "floor_s": step_bytes["total_bytes"] / bandwidth["bandwidth_bytes_per_s"]}
             run_entry = {"model": model_name, "input": kind, "status": "ok", "model_info": model_info,
-                         "prompt": prompt_info, "primary_chunk": primary_chunk, "static_max_cache_len": cache_len,
+                         "prompt": prompt_info, "primary_chunk": s.primary_chunk, "static_max_cache_len": cache_len,
                          "memory_floor": floor, "warmup": {}, "variants": {}}
             result["runs"].append(run_entry)
-            _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follow_up_tokens, reps, warmup,
-                     warmup_tokens, idle_probe, keep_intervals, strict, over_budget, budget_s, started, result,
-                     json_path, log)
+            _run_one(s, ctx, run_entry, variant_list, raincheck_error, over_budget, started, result, log)
             print_table(run_entry, log)
             del ctx
         del model, shared
@@ -660,13 +697,11 @@ def _run(started, device, models, inputs, turns, answer_tokens, follow_up_tokens
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["elapsed_s"] = time.perf_counter() - started
-    _write(result, json_path)
+    _write(result, s.json_path)
     return result
 
 
-def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follow_up_tokens, reps, warmup,
-             warmup_tokens, idle_probe, keep_intervals, strict, over_budget, budget_s, started, result, json_path,
-             log):
+def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error, over_budget, started, result, log):
     """Warm-up and repetitions of every variant for one (model, input); fills ``run_entry``."""
     device, settings = ctx.device, ctx.settings
     estimates = {}  # variant name -> a first-turn record, for the time budget
@@ -698,7 +733,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
             with torch.no_grad():
                 return fn()
         except Exception as error:  # recorded, so one broken variant does not hide the others
-            if strict:
+            if s.strict:
                 raise
             entry["status"] = f"error: {type(error).__name__}: {error}"
             entry["traceback"] = traceback.format_exc(limit=8)
@@ -707,7 +742,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         finally:
             gc.collect()
 
-    if warmup:
+    if s.warmup:
         for v in active:
             if over_budget():
                 break  # what is not warmed up is not timed either: its estimate is unknown and the budget spent
@@ -720,7 +755,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
             while len(walls) < calls:
                 _sync(device)
                 t0 = time.perf_counter()
-                done = attempt(v, lambda: run_conversation(ctx, v, warmup_tokens, warmup_tokens, n_turns,
+                done = attempt(v, lambda: run_conversation(ctx, v, s.warmup_tokens, s.warmup_tokens, n_turns,
                                                            idle_probe=False, keep_intervals=False))
                 if done is None:
                     break
@@ -731,7 +766,7 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
                     # so that the time budget estimates this variant from a warm call, not from the tuning
                     calls = 2
             if static and walls:
-                w = {"tokens_per_turn": warmup_tokens, "turns": n_turns, "calls_s": walls,
+                w = {"tokens_per_turn": s.warmup_tokens, "turns": n_turns, "calls_s": walls,
                      "compiled": hasattr(ctx.model, "_compiled_call")}
                 if len(walls) == 2:
                     w["first_minus_second_s"] = walls[0] - walls[1]
@@ -760,32 +795,32 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         if rec is None or rec.get("ttft_s") is None:
             return 0.0
         per_token = rec.get("median_interval_s") or rec.get("tpot_s") or rec["ttft_s"]
-        turns = v.turns
-        return (turns + (1 if turns >= 2 and idle_probe else 0)) * rec["ttft_s"] + per_token * (
-            answer_tokens + (turns - 1) * follow_up_tokens)
+        n = v.turns
+        return (n + (1 if n >= 2 and s.idle_probe else 0)) * rec["ttft_s"] + per_token * (
+            s.answer_tokens + (n - 1) * s.follow_up_tokens)
 
     def save():
         for entry in run_entry["variants"].values():
             entry["median"] = summarize(entry["reps"])
         add_ratios(run_entry["variants"])
         add_floor_ratios(run_entry)
-        run_entry["lengths"] = check_lengths(run_entry["variants"], answer_tokens, follow_up_tokens)
+        run_entry["lengths"] = check_lengths(run_entry["variants"], s.answer_tokens, s.follow_up_tokens)
         run_entry["rep_wall_s"] = rep_times
         result["elapsed_s"] = time.perf_counter() - started
-        _write(result, json_path)
+        _write(result, s.json_path)
 
     rep_times = []
-    for rep in range(reps):
+    for rep in range(s.reps):
         t_rep = time.perf_counter()
         order = active[rep % len(active):] + active[: rep % len(active)] if active else []
         for v in order:
             entry = run_entry["variants"][v.name]
             if over_budget(expected_s(v)):
                 entry.setdefault("budget_skipped_reps", []).append(rep)
-                log(f"[latency]   {v.name}: rep {rep + 1} skipped, it would end past the time budget ({budget_s} s)")
+                log(f"[latency]   {v.name}: rep {rep + 1} skipped, it would end past the time budget ({s.budget_s} s)")
                 continue
-            conv = attempt(v, lambda: run_conversation(ctx, v, answer_tokens, follow_up_tokens,
-                                                       idle_probe=idle_probe, keep_intervals=keep_intervals))
+            conv = attempt(v, lambda: run_conversation(ctx, v, s.answer_tokens, s.follow_up_tokens,
+                                                       idle_probe=s.idle_probe, keep_intervals=s.keep_intervals))
             if conv is not None:
                 entry["reps"].append(conv)
                 estimates[v.name] = conv["turns"][0]
@@ -793,10 +828,10 @@ def _run_one(ctx, run_entry, variant_list, raincheck_error, answer_tokens, follo
         active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
         rep_times.append(time.perf_counter() - t_rep)
         save()
-        log(f"[latency]   rep {rep + 1}/{reps} done in {rep_times[-1]:.1f} s")
+        log(f"[latency]   rep {rep + 1}/{s.reps} done in {rep_times[-1]:.1f} s")
     skipped = sum(bool(e.get("budget_skipped_reps")) for e in run_entry["variants"].values())
     if skipped:
-        run_entry["status"] = f"ok, but {skipped} variants lost repetitions to the time budget ({budget_s} s)"
+        run_entry["status"] = f"ok, but {skipped} variants lost repetitions to the time budget ({s.budget_s} s)"
 
 
 # ---- output -------------------------------------------------------------------------------------
