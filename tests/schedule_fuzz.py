@@ -24,6 +24,8 @@ from raincheck_hf import Conversation, RaincheckConfig, restore_pending
 from raincheck_hf.generation import ChunkScheduler
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
+from test_conversation import _Gate  # holds an answer at a fixed token until it is cancelled
+
 MODES = ["raincheck", "serial", "post_answer", "hard", "full"]
 SELECTORS = ["mmtok", "fastv", "visionzip", "divprune", "cdpruner", "random", "uniform"]
 QUESTIONS = ["What is in this image?", "And the corner?", "Which colour is most common?", "Anything else?"]
@@ -78,22 +80,6 @@ def make_case(seed: int, family: str, videos: bool = True) -> Case:
             previous.tokens = max(previous.tokens, 6)
             previous.cancel_at = rng.choice([2, 3, 5])
     return Case(seed, family, config, turns)
-
-
-class _Gate:
-    """Holds the answer at its ``at``-th token until the conversation cancels it (a cancel at a fixed token, as
-    tests/test_conversation.py's gate)."""
-
-    def __init__(self, conv, at: int):
-        self.conv, self.at, self.calls, self.reached = conv, at, 0, threading.Event()
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        if self.calls == self.at:
-            self.reached.set()
-            request = self.conv._request
-            assert request is not None and request.event.wait(timeout=120), "the answer was never cancelled"
-        return scores
 
 
 _SCHEDULE = threading.local()  # chunk sizes the eager engine replays for "auto" (this thread's run only)
