@@ -144,13 +144,13 @@ def media_of_rows(adapter, rows: list[torch.Tensor], grids: dict) -> list[dict]:
                 k += 1
             if got != need:
                 raise ValueError(
-                    f"row {i} of input_ids holds {need} <|{modality}_pad|> placeholders, which the {modality}s of "
+                    f"generate(raincheck=...) with batch size {len(rows)}: row {i} of input_ids holds {need} <|{modality}_pad|> placeholders, which the {modality}s of "
                     f"{modality}_grid_thw ({len(sizes)} given) do not cover in order; pass the processor's outputs "
                     "for the whole batch."
                 )
         if k != len(sizes):
-            raise ValueError(f"{modality}_grid_thw has {len(sizes)} {modality}s but the rows' placeholders hold "
-                             f"only {k} of them.")
+            raise ValueError(f"generate(raincheck=...) with batch size {len(rows)}: {modality}_grid_thw has "
+                             f"{len(sizes)} {modality}s but the rows' placeholders hold only {k} of them.")
     return owned
 
 

@@ -293,17 +293,17 @@ def _random_row(rng: random.Random):
                 text=rng.choice(["What is in this image?", "Which is red?"]))
 
 
-@pytest.mark.parametrize("seed", range(14))
+@pytest.mark.parametrize("seed", range(16))
 def test_fuzz_rows_match_alone(seed):
     rng = random.Random(1000 + seed)
     name = ATTENTION_FAMILIES[seed % len(ATTENTION_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
     rows = [_random_row(rng) for _ in range(rng.randint(2, 4))]
-    cfg = RaincheckConfig(mode=rng.choice(MODES + ("raincheck", "raincheck")),
+    cfg = RaincheckConfig(mode=rng.choice(MODES + ("raincheck", "raincheck", "serial")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5, 1.0]),
                           chunk_size=rng.choice([1, 2, 3, 5, 8, "auto"]), decode_guard=rng.randint(0, 3),
-                          selector=rng.choice(["mmtok", "divprune", "uniform", "random"]), fast_path=False)
-    n = rng.randint(3, 10)
+                          selector=rng.choice(["mmtok", "divprune", "cdpruner", "fastv", "uniform", "random"]), fast_path=False)
+    n = rng.randint(4, 12)
     kw = {}
     if rng.random() < 0.5:  # some row stops early: its own token at a random step is the EOS
         probe_row = rng.randrange(len(rows))
