@@ -296,9 +296,9 @@ class SequenceState:
 
 def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], groups: list[RowGroup | None]):
     """One forward over the rows of several sequences: ``groups[b]`` (or None: padding only) of ``states[b]``,
-    whose storage is batch row ``b`` of ``storage``. Returns ``[B, V]`` logits of each group's last row (rows
-    of groups that want none, or of None groups, are not computed: their entries are zeros), or None when no
-    group wants logits."""
+    whose storage is batch row ``b`` of ``storage``. Returns ``[B, V]`` logits of each group's last row (the
+    language-model head runs on those rows only; a group that wants none, or a None group, gets zeros), or None
+    when no group wants logits."""
     device = adapter.device
     width = max(len(g) for g in groups if g is not None)
     batch = len(states)
@@ -384,7 +384,8 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
             mm_encoder_outputs={m: o for m, o in row_outputs.items() if o is not None},
             image_grid_thw=image_grid[owned["image"]] if owned["image"] else None,
             video_grid_thw=video_grid[owned["video"]] if owned["video"] else None,
-            second_per_grid_ts=seconds[owned["video"]] if seconds is not None and owned["video"] else None,
+            second_per_grid_ts=(torch.as_tensor(seconds)[owned["video"]] if seconds is not None and owned["video"]
+                                else None),
         )
         keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=None)
         plan = build_plan(turn, keep, 0, 0)

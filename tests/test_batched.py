@@ -241,6 +241,23 @@ def test_row_cache_continues_at_batch_one():
             assert (a - b).abs().max().item() <= TOL
 
 
+def test_auto_engine_takes_the_eager_engine_for_a_batch(monkeypatch):
+    """Where ``fast_path=None`` would take the fast path and the captured vision tower (a model on CUDA, simulated
+    here), a batch still runs on the eager engine with HF's vision encoding: the same result as on the CPU."""
+    from raincheck_hf.models.qwen3_vl import Qwen3VLAdapter
+
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES])
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    want = run(model, inputs, cfg, 6)
+    monkeypatch.setattr(Qwen3VLAdapter, "execution_path", lambda self, config: "fast")
+    monkeypatch.setattr(Qwen3VLAdapter, "use_vision_graphs", lambda self, config: True)
+    got = run(model, inputs, cfg, 6)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert all(type(c) is DeferredDynamicCache for c in got.cache)
+
+
 # ---- refusals (before any compute) -------------------------------------------------------------------
 
 def _refused(model, inputs, match, **kw):
