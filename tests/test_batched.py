@@ -123,6 +123,14 @@ def test_rows_match_alone(name, mode):
         assert out.raincheck[0].restored_during_decode > 0
 
 
+def test_eager_attention_backend():
+    """The additive float mask of ``attn_implementation="eager"`` (padding rows see only themselves there too)."""
+    model, processor = family_model("qwen3_vl", "eager"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=2, decode_guard=0, retention=0.2)
+    out = assert_rows_match_alone(model, processor, [TWO_IMAGES, TEXT, IMAGE], cfg, n=6, output_scores=True)
+    assert len(out.scores) == len(out.logits) and out.scores[0].shape == out.logits[0].shape
+
+
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen2_5_vl")))
 def test_video_rows(name):
     model, processor = family_model(name), family_processor(name)
