@@ -37,7 +37,8 @@ scheduler (every sequence joins at step 0 and leaves when it finishes).
 
 Not here (refused before any compute by `validate_batch`): Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE),
 the CUDA fast path (``fast_path=True``; ``fast_path=None`` takes this eager engine for B > 1), continuing a
-cache, a keep-mask tensor as selector, and selectors that read the vision tower's attention (VisionZip).
+cache, and a keep-mask tensor as selector. VisionZip (which reads the vision tower's last block) gets each row's
+cut of the batch's one tower call (`_row_capture`).
 """
 
 from __future__ import annotations
@@ -113,12 +114,6 @@ def validate_batch(model, config: RaincheckConfig, input_ids: torch.Tensor, kwar
         raise ValueError(
             f"RaincheckConfig.selector is a keep-mask tensor, which pins the selection of one prompt; with batch size "
             f"{batch} use a selector (a name or a Selector instance), or call generate per prompt."
-        )
-    if getattr(config.build_selector(), "needs_vision_attention", False) and config.mode != "full" \
-            and config.retention < 1.0:
-        raise ValueError(
-            f"RaincheckConfig.selector={config.selector!r} reads the vision tower's attention, which batched generate "
-            f"(batch size {batch}) does not record per row; call generate per prompt or pick another selector."
         )
     pads = left_padding(kwargs.get("attention_mask"), input_ids)
     media_of_rows(adapter, [input_ids[i, p:] for i, p in enumerate(pads)],
@@ -347,6 +342,35 @@ def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], gr
 
 # ---- the call ------------------------------------------------------------------------------------
 
+def _row_capture(record: dict, grid: torch.Tensor, indices: list[int]) -> dict:
+    """A `integration.VisionAttentionCapture` record of one tower call over several rows' images / videos cut to
+    those of one row (``indices``, consecutive, into ``grid``): their patches of the last block's input, its
+    window boundaries and rotary embedding, and their part of the merged-token order. Windows never cross an
+    image or a video slice, and the tower's window order (Qwen2.5-VL) permutes within each, so the cut record
+    is what the row's own tower call would record (to float rounding)."""
+    patches = grid.cpu().prod(-1).tolist()
+    p0, p1 = sum(patches[:indices[0]]), sum(patches[:indices[-1] + 1])
+    bounds = [int(b) for b in record["cu_seqlens"].tolist()]
+    if p0 not in bounds or p1 not in bounds:
+        raise ValueError(f"the vision tower's last block attends across images ({bounds}); batched generate cannot "
+                         "cut its record per row.")
+    cut = dict(record)
+    cut["grid_thw"] = record["grid_thw"][indices[0]:indices[-1] + 1]
+    cut["hidden_states"] = record["hidden_states"][p0:p1]
+    cut["cu_seqlens"] = torch.tensor([b - p0 for b in bounds if p0 <= b <= p1], dtype=torch.int32)
+    cut["position_embeddings"] = tuple(e[p0:p1] for e in record["position_embeddings"])
+    order = record.get("merged_order")
+    if order is not None:
+        unit = int(record["merge_unit"])
+        m0, m1 = p0 // unit, p1 // unit
+        part = order.cpu()[m0:m1] - m0
+        if bool((part < 0).any() | (part >= m1 - m0).any()):
+            raise ValueError("the vision tower's merged-token order mixes images; batched generate cannot cut it per "
+                             "row.")
+        cut["merged_order"] = part
+    return cut
+
+
 def _row_media(outputs, indices: list[int]):
     """The encoder output of the given images / videos (per-item tuples, as `get_image_features` splits them)."""
     if outputs is None or not indices:
@@ -359,8 +383,9 @@ def _row_media(outputs, indices: list[int]):
 
 
 def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attention_mask, grids: dict,
-                    mm_encoder_outputs: dict | None) -> list[SequenceState]:
-    """Encode, select and plan every row of a left-padded batch as its own call would (turn 0, no cache)."""
+                    mm_encoder_outputs: dict | None, captures=None) -> list[SequenceState]:
+    """Encode, select and plan every row of a left-padded batch as its own call would (turn 0, no cache).
+    ``captures``: the whole call's `integration.VisionAttentionCapture` (VisionZip), cut per row."""
     from .generation import ChunkScheduler, RaincheckTrace, _pending_rows
     from .plan import build_plan, select_visual_rows
 
@@ -387,7 +412,11 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
             second_per_grid_ts=(torch.as_tensor(seconds)[owned["video"]] if seconds is not None and owned["video"]
                                 else None),
         )
-        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=None)
+        row_captures = None
+        if captures is not None:
+            row_captures = {m: _row_capture(captures[m], grids[f"{m}_grid_thw"], owned[m])
+                            for m in ("image", "video") if owned[m] and m in captures}
+        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=row_captures)
         plan = build_plan(turn, keep, 0, 0)
         trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
                                deferred=plan.sources(plan.deferred_rows),
@@ -405,7 +434,7 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
 
 def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
                    raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
-                   **model_kwargs):
+                   raincheck_captures=None, **model_kwargs):
     """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring)."""
     from .generation import RaincheckGenerateOutput
 
@@ -413,7 +442,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
     adapter = get_adapter(model)
     grids = raincheck_grids or {}
     states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
-                             model_kwargs.get("mm_encoder_outputs"))
+                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
     text_config = model.config.get_text_config()
     storage = DynamicCache(config=text_config)
     device = adapter.device

@@ -459,7 +459,7 @@ def raincheck_sample(
 
         return batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                               streamer=streamer, raincheck_config=config, raincheck_grids=raincheck_grids,
-                              **model_kwargs)
+                              raincheck_captures=raincheck_captures, **model_kwargs)
     grids = raincheck_grids or {}
     adapter = get_adapter(model)
     given = model_kwargs.get("cache")
