@@ -139,9 +139,9 @@ def media_of_rows(adapter, rows: list[torch.Tensor], grids: dict) -> list[dict]:
                 k += 1
             if got != need:
                 raise ValueError(
-                    f"generate(raincheck=...) with batch size {len(rows)}: row {i} of input_ids holds {need} <|{modality}_pad|> placeholders, which the {modality}s of "
-                    f"{modality}_grid_thw ({len(sizes)} given) do not cover in order; pass the processor's outputs "
-                    "for the whole batch."
+                    f"generate(raincheck=...) with batch size {len(rows)}: row {i} of input_ids holds {need} "
+                    f"<|{modality}_pad|> placeholders, which the {modality}s of {modality}_grid_thw ({len(sizes)} "
+                    "given) do not cover in order; pass the processor's outputs for the whole batch."
                 )
         if k != len(sizes):
             raise ValueError(f"generate(raincheck=...) with batch size {len(rows)}: {modality}_grid_thw has "
@@ -229,8 +229,9 @@ class SequenceState:
         i = self.generated
         position = self.first_generated_position + i - 1
         source = torch.tensor([self.ids.shape[0] + i - 1])
-        token_group = RowGroup(adapter.text_row(token, position), order_key(self.plan.turn, GENERATED, i - 1).reshape(1),
-                               source, torch.tensor([GENERATED], dtype=torch.int8))
+        key = order_key(self.plan.turn, GENERATED, i - 1).reshape(1)
+        token_group = RowGroup(adapter.text_row(token, position), key, source,
+                               torch.tensor([GENERATED], dtype=torch.int8))
         size = self.scheduler.chunk_size(adapter, self, i)
         chunk = self.take_pending(min(size, self.num_pending)) if size else None
         self.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long) if chunk is None

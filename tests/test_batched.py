@@ -24,6 +24,7 @@ from families import family_model, family_processor, family_params
 TOL = 1e-4
 ATTENTION_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl")
 MODES = ("raincheck", "serial", "hard", "post_answer", "full")
+SELECTORS = ("mmtok", "divprune", "cdpruner", "fastv", "visionzip", "uniform", "random")
 
 
 def batched_inputs(processor, rows):
@@ -31,7 +32,8 @@ def batched_inputs(processor, rows):
     keyword dicts (images / videos / text), each row its own media."""
     texts, images, videos, metadata = [], [], [], []
     for row in rows:
-        content = [{"type": "image"} for _ in row.get("images", ())] + [{"type": "video"} for _ in row.get("videos", ())]
+        content = ([{"type": "image"} for _ in row.get("images", ())]
+                   + [{"type": "video"} for _ in row.get("videos", ())])
         content.append({"type": "text", "text": row.get("text", "What is in this image?")})
         texts.append(processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                                    tokenize=False))
@@ -298,9 +300,9 @@ def test_refusals():
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     inputs = batched_inputs(processor, [IMAGE, TEXT])
     _refused(model, inputs, r"fast_path=True with batch size 2", raincheck=RaincheckConfig(fast_path=True))
-    right = processor(text=[processor.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                          tokenize=False) for t in ("Hi.", "Say something about glyphs.")],
-                      return_tensors="pt", padding=True, padding_side="right")
+    prompts = [processor.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False) for t in ("Hi.", "Say something about glyphs.")]
+    right = processor(text=prompts, return_tensors="pt", padding=True, padding_side="right")
     _refused(model, right, r"padding_side = 'left'", raincheck=True)
     _refused(model, inputs, r"keep-mask tensor.*batch size 2",
              raincheck=RaincheckConfig(selector=torch.ones(3, dtype=torch.bool)))
@@ -335,7 +337,7 @@ def test_fuzz_rows_match_alone(seed):
     cfg = RaincheckConfig(mode=rng.choice(MODES + ("raincheck", "raincheck", "serial")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5, 1.0]),
                           chunk_size=rng.choice([1, 2, 3, 5, 8, "auto"]), decode_guard=rng.randint(0, 3),
-                          selector=rng.choice(["mmtok", "divprune", "cdpruner", "fastv", "visionzip", "uniform", "random"]), fast_path=False)
+                          selector=rng.choice(SELECTORS), fast_path=False)
     n = rng.randint(4, 12)
     kw = {}
     if rng.random() < 0.5:  # some row stops early: its own token at a random step is the EOS
