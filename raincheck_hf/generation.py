@@ -15,7 +15,9 @@ One call, top to bottom:
 5. logits processors, sampling, stopping criteria and the streamer exactly as HF's `_sample`;
 6. return HF's output plus the cache and a `RaincheckTrace`; pending rows stay with the cache.
 
-Only batch size 1 is supported (rows of different prompts would need different deferred counts).
+A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batched.batched_sample`: the eager
+engine with every row's rows packed into one forward per step, each row planned and scheduled as its own call
+(attention-only families; Qwen3.5 and the CUDA fast path run one conversation at a time).
 """
 
 from __future__ import annotations
@@ -452,6 +454,12 @@ def raincheck_sample(
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
+    if input_ids.shape[0] > 1:  # several prompts: the batched eager engine (`batched.py`)
+        from .batched import batched_sample
+
+        return batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                              streamer=streamer, raincheck_config=config, raincheck_grids=raincheck_grids,
+                              raincheck_captures=raincheck_captures, **model_kwargs)
     grids = raincheck_grids or {}
     adapter = get_adapter(model)
     given = model_kwargs.get("cache")

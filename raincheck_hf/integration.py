@@ -58,7 +58,8 @@ def enable(model):
             captures = pixels = None
             if _needs_vision_attention(config):
                 captures = stack.enter_context(VisionAttentionCapture(model, grids))
-            elif kwargs.get("mm_encoder_outputs") is None and get_adapter(model).use_vision_graphs(config):
+            elif (kwargs.get("mm_encoder_outputs") is None and _batch_size(args, kwargs) == 1
+                  and get_adapter(model).use_vision_graphs(config)):
                 # the loop encodes these itself, through the captured tower (HF would run it eagerly first);
                 # a selector reading the tower's attention needs the eager tower and its hooks: kept with HF
                 pixels = {k: kwargs.pop(k) for k in ("pixel_values", "pixel_values_videos") if kwargs.get(k) is not None}
@@ -77,6 +78,12 @@ def disable(model):
         del vars(model)["generate"]
         del vars(model)[_ORIGINAL]
     return model
+
+
+def _batch_size(args, kwargs) -> int:
+    """Rows of the call's ``input_ids`` (a batch runs on the eager engine, with HF's eager vision encoding)."""
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    return int(input_ids.shape[0])
 
 
 def _needs_vision_attention(config: RaincheckConfig) -> bool:
@@ -191,13 +198,12 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError("generate(raincheck=...) needs input_ids of shape [batch, length] (as the processor returns).")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"generate(raincheck=...) runs one conversation at a time: input_ids has batch size {input_ids.shape[0]}; "
-            "call it per prompt."
-        )
     attention_mask = kwargs.get("attention_mask")
-    if attention_mask is not None and not bool((attention_mask == 1).all()):
+    if input_ids.shape[0] != 1:  # a batch of prompts: the batched eager engine's own checks
+        from .batched import validate_batch
+
+        validate_batch(model, config, input_ids, kwargs)
+    elif attention_mask is not None and not bool((attention_mask == 1).all()):
         raise ValueError("generate(raincheck=...) got an attention_mask with padding; pass the unpadded prompt.")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     start = 0

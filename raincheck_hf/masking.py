@@ -42,6 +42,18 @@ def visibility_to_attention_mask(visible: torch.Tensor, impl: str, dtype: torch.
     raise ValueError(check_attention_implementation(impl))
 
 
+def batched_visibility_to_attention_mask(visible: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """``visible [B, q, k]`` (bool, one visibility per sequence of a packed forward) -> ``[B, 1, q, k]`` mask for
+    backend ``impl`` (as `visibility_to_attention_mask`)."""
+    visible = visible[:, None]
+    if impl == "sdpa":
+        return visible
+    if impl == "eager":
+        zero = torch.zeros((), dtype=dtype, device=visible.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+    raise ValueError(check_attention_implementation(impl))
+
+
 def reference_visibility(keys: torch.Tensor, forward_index: torch.Tensor) -> torch.Tensor:
     """The slow, obviously correct visibility over *all* rows of a conversation at once.
 

@@ -213,6 +213,11 @@ class ModelAdapter:
         where ``visual [L]`` is True; ``{}`` for a family without DeepStack."""
         return {}
 
+    def packed_deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
+        """`deepstack_kwargs` for a packed forward of several sequences (`batched.pack_forward`): ``visual [B, W]``,
+        ``deepstack`` one ``[n_visual, D]`` per layer with the visual rows in row-major order of ``visual``."""
+        return {}
+
     # ---- the prompt ---------------------------------------------------------------------------
     def placeholder_masks(self, input_ids: torch.Tensor, text_prefix: int = 0):
         """``(is_image, is_video)`` over ``input_ids [L]``, the first ``text_prefix`` rows counted as text."""

@@ -249,6 +249,11 @@ class DeepStackMixin:
             return {}
         return {"visual_pos_masks": visual[None], "deepstack_visual_embeds": deepstack}
 
+    def packed_deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
+        if deepstack is None or not bool(visual.any()):
+            return {}
+        return {"visual_pos_masks": visual, "deepstack_visual_embeds": deepstack}
+
 
 class ExpertsMixin:
     """Text models with transformers' mixture-of-experts MLPs (``@use_experts_implementation``).

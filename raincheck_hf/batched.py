@@ -1,0 +1,517 @@
+"""Batched `generate(raincheck=...)`: several sequences' rows in one forward (eager engine, attention-only text).
+
+``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here from
+`generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
+``padding_side="left"`` and its ``attention_mask``), each row with its own images / videos. Every row is
+its own sequence (`SequenceState`): it is encoded, selected and planned exactly as the same call on that
+row alone (without its padding) would do it, keeps its own pending deferred rows, 3-D positions, DeepStack
+rows, chunk scheduler and trace, and sees only its own rows (docs/method.md §3, per sequence). Batching
+only packs rows: `pack_forward` builds one forward from one `RowGroup` per sequence,
+
+    embeds [B, W, D], positions [3, B, W], a 4-D mask [B, 1, W, T + W]
+
+where W is the widest group of the step (a prefill: each sequence's T ∪ S rows; a decode step: each
+sequence's ``[chunk?, token]``), shorter groups are padded at the end with zero rows, and T is the shared
+KV storage's length. The KV storage is one `DynamicCache` of batch B; every forward appends W rows to every
+sequence, so a sequence's storage holds its real rows in the order the row alone would store them, with
+padding rows between. Each sequence keeps an order key per storage row (`cache_utils.order_key`;
+``PAD_KEY`` for padding): a real query sees the storage rows whose key is not larger than its own (the
+batch-1 engine's rule), so padding rows and other sequences' rows are never visible; a padding query sees
+only itself (a finite output, so no NaN reaches the stored rows of later layers).
+
+A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
+`generate`: an EOS stopping criterion and a pad token) leaves the forward: its storage row is dropped from
+the batch (`DynamicCache.batch_select_indices`), so it costs no compute and its chunks stop; its scores in
+the output are zeros from then on (its token is the pad token whatever they are). Without an EOS criterion
+a finished row keeps decoding, as stock `generate` does.
+
+What the call returns for B > 1: ``out.raincheck`` is a list of B `RaincheckTrace`s, ``out.cache`` a list of
+B `DeferredDynamicCache`s (each row's real KV rows, order keys, pending deferred rows and source accounting,
+as the row alone would leave them: `restore_pending` or a follow-up batch-1 `generate` continues that
+row's conversation). A trace's and a cache's source positions index the row *without* its left padding
+(``input_ids[i, pad_i:]``, ``pad_i = (attention_mask[i] == 0).sum()``), exactly as in the row's own call.
+
+Designed for a continuous-batching scheduler to build on: `SequenceState` is all of one sequence's state
+and `pack_forward` takes any list of them with one `RowGroup` each; this module's `batched_sample` is one
+scheduler (every sequence joins at step 0 and leaves when it finishes).
+
+Not here (refused before any compute by `validate_batch`): Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE),
+the CUDA fast path (``fast_path=True``; ``fast_path=None`` takes this eager engine for B > 1), continuing a
+cache, and a keep-mask tensor as selector. VisionZip (which reads the vision tower's last block) gets each row's
+cut of the batch's one tower call (`_row_capture`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
+from .configuration import RaincheckConfig
+from .masking import batched_visibility_to_attention_mask
+from .models import get_adapter
+from .models.base import RowBatch
+
+PAD_KEY = torch.iinfo(torch.long).max  # order key of a padding row: never visible to a real query
+
+
+# ---- checks (before any compute) ------------------------------------------------------------------
+
+def left_padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> list[int]:
+    """Per row, how many leading positions are padding; a ValueError for any other padding layout."""
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        return [0] * batch
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"generate(raincheck=...) got an attention_mask of shape {tuple(attention_mask.shape)} for "
+                         f"input_ids of shape {(batch, length)}.")
+    mask = attention_mask.cpu().long()
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("generate(raincheck=...) takes an attention_mask of 0 / 1 entries only.")
+    pads = []
+    for i in range(batch):
+        pad = int((mask[i] == 0).sum())
+        if pad >= length or not bool((mask[i, pad:] == 1).all()):
+            raise ValueError(
+                f"generate(raincheck=...) with batch size {batch}: row {i} of attention_mask is not left padding "
+                f"({'no token' if pad >= length else 'a 0 after a 1'}); pad the prompts on the left "
+                "(processor.tokenizer.padding_side = 'left', or processor(..., padding_side='left')), each row "
+                "with at least one token."
+            )
+        pads.append(pad)
+    return pads
+
+
+def validate_batch(model, config: RaincheckConfig, input_ids: torch.Tensor, kwargs: dict) -> None:
+    """What `integration.validate_request` checks beyond the batch-1 checks when ``input_ids`` has B > 1 rows."""
+    adapter = get_adapter(model)
+    batch = input_ids.shape[0]
+    family = type(model).__name__
+    if adapter.has_linear_attention:
+        raise ValueError(
+            f"generate(raincheck=...) with batch size {batch} runs on the eager engine for attention-only families "
+            f"(Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL); {family} (Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet layers) runs one "
+            "conversation at a time: call generate per prompt."
+        )
+    if config.fast_path is True:
+        raise ValueError(
+            f"RaincheckConfig.fast_path=True with batch size {batch}: the CUDA fast path runs one conversation at a "
+            "time; batched generate runs on the eager engine. Use fast_path=None (auto: the eager engine for "
+            "batch > 1) or fast_path=False, or call generate per prompt."
+        )
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and (isinstance(cache, DeferredDynamicCache) or cache.get_seq_length() > 0):
+        raise ValueError(
+            f"generate(raincheck=...) with batch size {batch} starts new conversations only; got a "
+            f"{type(cache).__name__} to continue. Continue each row with its own cache from the batched call's "
+            "`cache` list (out.cache[i]) at batch size 1."
+        )
+    if isinstance(config.selector, torch.Tensor):
+        raise ValueError(
+            f"RaincheckConfig.selector is a keep-mask tensor, which pins the selection of one prompt; with batch size "
+            f"{batch} use a selector (a name or a Selector instance), or call generate per prompt."
+        )
+    pads = left_padding(kwargs.get("attention_mask"), input_ids)
+    media_of_rows(adapter, [input_ids[i, p:] for i, p in enumerate(pads)],
+                  {k: kwargs.get(k) for k in ("image_grid_thw", "video_grid_thw")})
+
+
+def media_of_rows(adapter, rows: list[torch.Tensor], grids: dict) -> list[dict]:
+    """Which images and videos (indices into the call's ``image_grid_thw`` / ``video_grid_thw``, in order) each
+    row's placeholders hold: per row ``{"image": [...], "video": [...]}``. A ValueError where the grids do not
+    split over the rows' placeholders."""
+    merge = int(adapter.config.vision_config.spatial_merge_size) ** 2
+    owned = [{"image": [], "video": []} for _ in rows]
+    for modality, token_id in (("image", adapter.image_token_id), ("video", adapter.video_token_id)):
+        grid = grids.get(f"{modality}_grid_thw")
+        sizes = [] if grid is None else (grid.cpu().prod(-1) // merge).tolist()
+        k = 0
+        for i, ids in enumerate(rows):
+            need = int((ids == token_id).sum())
+            got = 0
+            while got < need and k < len(sizes):
+                got += sizes[k]
+                owned[i][modality].append(k)
+                k += 1
+            if got != need:
+                raise ValueError(
+                    f"generate(raincheck=...) with batch size {len(rows)}: row {i} of input_ids holds {need} "
+                    f"<|{modality}_pad|> placeholders, which the {modality}s of {modality}_grid_thw ({len(sizes)} "
+                    "given) do not cover in order; pass the processor's outputs for the whole batch."
+                )
+        if k != len(sizes):
+            raise ValueError(f"generate(raincheck=...) with batch size {len(rows)}: {modality}_grid_thw has "
+                             f"{len(sizes)} {modality}s but the rows' placeholders hold only {k} of them.")
+    return owned
+
+
+# ---- one sequence ---------------------------------------------------------------------------------
+
+@dataclass
+class RowGroup:
+    """One sequence's rows in one packed forward (storage order): ``batch`` (its `RowBatch`), ``keys [n]``,
+    ``sources [n]``, ``kinds [n]``; ``want_logits``: the logits of its last row are wanted."""
+
+    batch: RowBatch
+    keys: torch.Tensor
+    sources: torch.Tensor
+    kinds: torch.Tensor
+    want_logits: bool = True
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+
+@dataclass
+class SequenceState:
+    """Everything of one sequence in a batched call: what the batch-1 loop keeps in its locals and cache.
+
+    Attributes:
+        index: its row in the call's ``input_ids``.
+        pad: the row's left padding (its source positions count from the first real token).
+        ids: ``[L_i]`` the row's prompt without padding.
+        plan: its `DeferredPlan`; ``turn`` its `TurnInputs`; ``scheduler`` its `ChunkScheduler`.
+        trace: its `RaincheckTrace`.
+        first_generated_position: M-RoPE position of its first generated token.
+        pending: its deferred rows not yet prefilled (`PendingRows`), or None.
+        row_keys / row_sources / row_kinds: per row of the shared KV storage (this sequence's slice of it),
+            ``PAD_KEY`` / -1 / -1 for padding rows.
+        generated: tokens generated so far; ``fed``: generated tokens whose forward ran (its source ids).
+    """
+
+    index: int
+    pad: int
+    ids: torch.Tensor
+    turn: object
+    plan: object
+    scheduler: object
+    trace: object
+    first_generated_position: int
+    pending: PendingRows | None = None
+    row_keys: torch.Tensor | None = None
+    row_sources: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    row_kinds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int8))
+    dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    generated: int = 0
+    fed: list = field(default_factory=list)
+
+    is_static = False  # for `ChunkScheduler` (eager storage: no measured step costs)
+
+    # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else len(self.pending)
+
+    def take_pending(self, n: int | None = None) -> PendingRows | None:
+        if self.num_pending == 0:
+            return None
+        if n is None or n >= len(self.pending):
+            rows, self.pending = self.pending, None
+            return rows
+        rows, self.pending = self.pending.split(n)
+        return rows
+
+    # ---- the rows of its forwards ----
+    def prefill_group(self, adapter) -> RowGroup:
+        plan = self.plan
+        n = plan.input_rows.numel()
+        return RowGroup(adapter.rows(self.turn, plan.input_rows), plan.input_keys, plan.sources(plan.input_rows),
+                        torch.full((n,), INPUT, dtype=torch.int8))
+
+    def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor) -> list[RowGroup]:
+        """Decode forward ``self.generated`` (it consumes ``token``, generated token i): ``[chunk?, token]`` as
+        one group (fused), or ``[chunk, token]`` as two groups (``serial``; a first forward of its own for the
+        chunk); the chunk leaves the pending rows and goes to the trace."""
+        i = self.generated
+        position = self.first_generated_position + i - 1
+        source = torch.tensor([self.ids.shape[0] + i - 1])
+        key = order_key(self.plan.turn, GENERATED, i - 1).reshape(1)
+        token_group = RowGroup(adapter.text_row(token, position), key, source,
+                               torch.tensor([GENERATED], dtype=torch.int8))
+        size = self.scheduler.chunk_size(adapter, self, i)
+        chunk = self.take_pending(min(size, self.num_pending)) if size else None
+        self.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long) if chunk is None
+                                               else chunk.sources.cpu())
+        self.trace.chunk_size_per_forward.append(size if chunk is not None else 0)
+        self.fed.append(int(token))
+        if chunk is None:
+            return [token_group]
+        chunk_group = RowGroup(adapter.pending_batch(chunk), chunk.keys, chunk.sources.cpu(),
+                               torch.full((len(chunk),), DEFERRED, dtype=torch.int8), want_logits=False)
+        if config.mode == "serial":
+            return [chunk_group, token_group]
+        return [RowGroup(RowBatch.concat([chunk_group.batch, token_group.batch]),
+                         torch.cat([to_device(chunk_group.keys, token_group.keys.device), token_group.keys]),
+                         torch.cat([chunk_group.sources, token_group.sources]),
+                         torch.cat([chunk_group.kinds, token_group.kinds]))]
+
+    # ---- storage bookkeeping ----
+    def register(self, group: RowGroup | None, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's ``width`` storage rows (the group's, then padding); ``(query keys [width],
+        storage keys after [T + width])`` on ``device``."""
+        n = 0 if group is None else len(group)
+        pad = width - n
+        keys = torch.full((width,), PAD_KEY, dtype=torch.long, device=device)
+        if n:
+            keys[:n] = to_device(group.keys, device)
+        if self.row_keys is None:
+            self.row_keys = torch.empty(0, dtype=torch.long, device=device)
+        self.row_keys = torch.cat([self.row_keys, keys])
+        sources = torch.full((pad,), -1, dtype=torch.long)
+        kinds = torch.full((pad,), -1, dtype=torch.int8)
+        if n:
+            sources = torch.cat([group.sources.to("cpu", torch.long), sources])
+            kinds = torch.cat([torch.as_tensor(group.kinds, dtype=torch.int8).cpu(), kinds])
+        self.row_sources = torch.cat([self.row_sources, sources])
+        self.row_kinds = torch.cat([self.row_kinds, kinds])
+        return keys, self.row_keys
+
+    def to_cache(self, storage: DynamicCache, slot: int, text_config, device) -> DeferredDynamicCache:
+        """This sequence's rows of the shared ``storage`` (batch index ``slot``) as the `DeferredDynamicCache`
+        its own batch-1 call would have returned: real rows only, in storage order, with their order keys,
+        the pending rows, the source ids fed and the next position."""
+        cache = DeferredDynamicCache(config=text_config, device=device)
+        real = (self.row_keys != PAD_KEY).nonzero().flatten()
+        real_host = real.cpu()
+        cache.register_rows(self.row_keys[real], self.row_sources[real_host], self.row_kinds[real_host])
+        for layer_idx, layer in enumerate(storage.layers):
+            cache.update(layer.keys[slot:slot + 1, :, real], layer.values[slot:slot + 1, :, real], layer_idx)
+        if self.pending is not None:
+            cache.add_pending(self.pending)
+        cache.drop(self.dropped)
+        # the tokens whose forward ran (the last generated token is fed by the next turn, as at batch 1)
+        fed = torch.tensor(self.fed, dtype=torch.long)
+        cache.extend_source(torch.cat([self.ids.cpu(), fed]), self.first_generated_position + len(self.fed))
+        cache.turn = self.plan.turn + 1
+        return cache
+
+
+def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], groups: list[RowGroup | None]):
+    """One forward over the rows of several sequences: ``groups[b]`` (or None: padding only) of ``states[b]``,
+    whose storage is batch row ``b`` of ``storage``. Returns ``[B, V]`` logits of each group's last row (the
+    language-model head runs on those rows only; a group that wants none, or a None group, gets zeros), or None
+    when no group wants logits."""
+    device = adapter.device
+    width = max(len(g) for g in groups if g is not None)
+    batch = len(states)
+    hidden = adapter.text_model.embed_tokens.weight.shape[-1]
+    embeds = torch.zeros(batch, width, hidden, dtype=adapter.dtype, device=device)
+    positions = torch.zeros(3, batch, width, dtype=torch.long, device=device)
+    visual = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    deepstack = []
+    visible = []
+    for b, (state, group) in enumerate(zip(states, groups)):
+        n = 0 if group is None else len(group)
+        if n:
+            embeds[b, :n] = group.batch.embeds.to(device, adapter.dtype)
+            positions[:, b, :n] = group.batch.positions.to(device)
+            visual[b, :n] = group.batch.visual.to(device)
+            if group.batch.deepstack is not None and bool(group.batch.visual.any()):
+                deepstack.append(group.batch.deepstack)
+        queries, stored = state.register(group, width, device)
+        vis = stored[None, :] <= queries[:, None]  # [width, T + width]
+        if n < width:  # a padding query sees only itself
+            vis[n:] = False
+            offset = stored.shape[0] - width
+            idx = torch.arange(n, width, device=device)
+            vis[idx, offset + idx] = True
+        visible.append(vis)
+    mask = batched_visibility_to_attention_mask(torch.stack(visible), adapter.attn_implementation, adapter.dtype)
+    ds = [torch.cat(layer) for layer in zip(*deepstack)] if deepstack else None
+    out = adapter.text_model(
+        inputs_embeds=embeds,
+        position_ids=positions,
+        attention_mask=mask,
+        cache=storage,
+        use_cache=True,
+        **adapter.packed_deepstack_kwargs(visual, ds),
+    )
+    wanted = [b for b, g in enumerate(groups) if g is not None and g.want_logits]
+    if not wanted:
+        return None
+    rows = torch.tensor([len(groups[b]) - 1 for b in wanted], device=device)
+    picked = out.last_hidden_state[torch.tensor(wanted, device=device), rows]
+    head = adapter.lm_head(picked[:, None])[:, 0]
+    logits = head.new_zeros(batch, head.shape[-1])
+    logits[torch.tensor(wanted, device=device)] = head
+    return logits
+
+
+# ---- the call ------------------------------------------------------------------------------------
+
+def _row_capture(record: dict, grid: torch.Tensor, indices: list[int]) -> dict:
+    """A `integration.VisionAttentionCapture` record of one tower call over several rows' images / videos cut to
+    those of one row (``indices``, consecutive, into ``grid``): their patches of the last block's input, its
+    window boundaries and rotary embedding, and their part of the merged-token order. Windows never cross an
+    image or a video slice, and the tower's window order (Qwen2.5-VL) permutes within each, so the cut record
+    is what the row's own tower call would record (to float rounding)."""
+    patches = grid.cpu().prod(-1).tolist()
+    p0, p1 = sum(patches[:indices[0]]), sum(patches[:indices[-1] + 1])
+    bounds = [int(b) for b in record["cu_seqlens"].tolist()]
+    if p0 not in bounds or p1 not in bounds:
+        raise ValueError(f"the vision tower's last block attends across images ({bounds}); batched generate cannot "
+                         "cut its record per row.")
+    cut = dict(record)
+    cut["grid_thw"] = record["grid_thw"][indices[0]:indices[-1] + 1]
+    cut["hidden_states"] = record["hidden_states"][p0:p1]
+    cut["cu_seqlens"] = torch.tensor([b - p0 for b in bounds if p0 <= b <= p1], dtype=torch.int32)
+    cut["position_embeddings"] = tuple(e[p0:p1] for e in record["position_embeddings"])
+    order = record.get("merged_order")
+    if order is not None:
+        unit = int(record["merge_unit"])
+        m0, m1 = p0 // unit, p1 // unit
+        part = order.cpu()[m0:m1] - m0
+        if bool((part < 0).any() | (part >= m1 - m0).any()):
+            raise ValueError("the vision tower's merged-token order mixes images; batched generate cannot cut it per "
+                             "row.")
+        cut["merged_order"] = part
+    return cut
+
+
+def _row_media(outputs, indices: list[int]):
+    """The encoder output of the given images / videos (per-item tuples, as `get_image_features` splits them)."""
+    if outputs is None or not indices:
+        return None
+    deepstack = getattr(outputs, "deepstack_features", None)
+    return SimpleNamespace(
+        pooler_output=tuple(outputs.pooler_output[j] for j in indices),
+        deepstack_features=None if deepstack is None else [tuple(f[j] for j in indices) for f in deepstack],
+    )
+
+
+def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attention_mask, grids: dict,
+                    mm_encoder_outputs: dict | None, captures=None) -> list[SequenceState]:
+    """Encode, select and plan every row of a left-padded batch as its own call would (turn 0, no cache).
+    ``captures``: the whole call's `integration.VisionAttentionCapture` (VisionZip), cut per row."""
+    from .generation import ChunkScheduler, RaincheckTrace, _pending_rows
+    from .plan import build_plan, select_visual_rows
+
+    pads = left_padding(attention_mask, input_ids)
+    rows = [input_ids[i, p:] for i, p in enumerate(pads)]
+    media = media_of_rows(adapter, rows, grids)
+    mm_encoder_outputs = mm_encoder_outputs or {}
+    states = []
+    for i, (ids, pad) in enumerate(zip(rows, pads)):
+        owned = media[i]
+        row_outputs = {m: _row_media(mm_encoder_outputs.get(m), owned[m]) for m in ("image", "video")}
+        for m in ("image", "video"):
+            if owned[m] and row_outputs[m] is None:
+                raise ValueError(f"row {i} holds {m}s but no {m} features reached the loop (pass pixel_values"
+                                 f"{'' if m == 'image' else '_videos'} with the batch).")
+        image_grid = grids.get("image_grid_thw")
+        video_grid = grids.get("video_grid_thw")
+        seconds = grids.get("second_per_grid_ts")
+        turn = adapter.encode_turn(
+            ids, 0,
+            mm_encoder_outputs={m: o for m, o in row_outputs.items() if o is not None},
+            image_grid_thw=image_grid[owned["image"]] if owned["image"] else None,
+            video_grid_thw=video_grid[owned["video"]] if owned["video"] else None,
+            second_per_grid_ts=(torch.as_tensor(seconds)[owned["video"]] if seconds is not None and owned["video"]
+                                else None),
+        )
+        row_captures = None
+        if captures is not None:
+            row_captures = {m: _row_capture(captures[m], grids[f"{m}_grid_thw"], owned[m])
+                            for m in ("image", "video") if owned[m] and m in captures}
+        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=row_captures)
+        plan = build_plan(turn, keep, 0, 0)
+        trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
+                               deferred=plan.sources(plan.deferred_rows),
+                               segments=[(s.modality, s.grid, s.source_positions) for s in turn.segments])
+        state = SequenceState(i, pad, ids.cpu(), turn, plan, ChunkScheduler(config), trace, turn.next_position)
+        if plan.deferred_rows.numel():
+            if config.defers:
+                state.pending = _pending_rows(adapter, turn, plan)
+            else:  # hard: gone for good
+                state.dropped = plan.sources(plan.deferred_rows)
+                trace.dropped = state.dropped
+        states.append(state)
+    return states
+
+
+def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
+                   raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
+                   raincheck_captures=None, **model_kwargs):
+    """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring)."""
+    from .generation import RaincheckGenerateOutput
+
+    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    adapter = get_adapter(model)
+    grids = raincheck_grids or {}
+    states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
+                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
+    text_config = model.config.get_text_config()
+    storage = DynamicCache(config=text_config)
+    device = adapter.device
+    caches: list[DeferredDynamicCache | None] = [None] * len(states)
+
+    # forward 0: each sequence's T ∪ S
+    logits = pack_forward(adapter, storage, states, [s.prefill_group(adapter) for s in states])
+    for s in states:
+        s.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long))
+        s.trace.chunk_size_per_forward.append(0)
+
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if (return_dict and generation_config.output_scores) else None
+    raw_logits = () if (return_dict and generation_config.output_logits) else None
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad_token_id = generation_config._pad_token_tensor
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    leaves = has_eos_stopping_criteria and pad_token_id is not None  # a finished row's tokens are pads from then on
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    active = list(states)  # the sequences in the forward, in storage batch order
+    while True:
+        full = logits.new_zeros(input_ids.shape[0], logits.shape[-1])
+        full[torch.tensor([s.index for s in active], device=full.device)] = logits
+        next_token_logits = full.to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_token_scores = logits_processor(input_ids, next_token_logits)
+        if scores is not None:
+            scores += (next_token_scores,)
+        if raw_logits is not None:
+            raw_logits += (next_token_logits,)
+        if generation_config.do_sample:
+            probs = nn.functional.softmax(next_token_scores, dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_token_scores, dim=-1)
+        if has_eos_stopping_criteria and pad_token_id is not None:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        for s in active:
+            s.generated += 1
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        if bool(unfinished.max() == 0):
+            break
+        if leaves:  # finished sequences leave the forward (their storage rows with them)
+            done = [k for k, s in enumerate(active) if not bool(unfinished[s.index])]
+            if done:
+                for k in done:
+                    caches[active[k].index] = active[k].to_cache(storage, k, text_config, device)
+                keep = [k for k in range(len(active)) if k not in done]
+                storage.batch_select_indices(torch.tensor(keep, device=device))
+                active = [active[k] for k in keep]
+        tokens = next_tokens.cpu()
+        groups = [s.decode_groups(adapter, config, tokens[s.index]) for s in active]
+        if config.mode == "serial" and any(len(g) == 2 for g in groups):
+            pack_forward(adapter, storage, active, [g[0] if len(g) == 2 else None for g in groups])
+        logits = pack_forward(adapter, storage, active, [g[-1] for g in groups])
+
+    for k, s in enumerate(active):
+        caches[s.index] = s.to_cache(storage, k, text_config, device)
+    traces = []
+    for s, cache in zip(states, caches):
+        s.trace.pending = cache.pending_sources
+        traces.append(s.trace)
+    if streamer is not None:
+        streamer.end()
+    if not return_dict:
+        return input_ids
+    return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
+                                   raincheck=traces)

@@ -1,0 +1,347 @@
+"""`generate(raincheck=...)` with a batch of left-padded prompts (`raincheck_hf.batched`), on the eager engine.
+
+The reference for each row is the same call on that row alone, unpadded (itself checked against the masked
+reference forward in test_generation.py / test_families.py): identical tokens, logits within 1e-4 (fp32, CPU),
+the same trace and the same cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.streamers import BaseStreamer
+
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.cache_utils import DeferredDynamicCache
+from raincheck_hf.tiny import draw_test_image, draw_test_video
+
+from conftest import make_inputs, no_placeholder_ids, video_metadata
+from families import family_model, family_processor, family_params
+
+TOL = 1e-4
+ATTENTION_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl")
+MODES = ("raincheck", "serial", "hard", "post_answer", "full")
+SELECTORS = ("mmtok", "divprune", "cdpruner", "fastv", "visionzip", "uniform", "random")
+
+
+def batched_inputs(processor, rows):
+    """Processor inputs for several prompts, left-padded as HF users batch them: ``rows`` are `make_inputs`
+    keyword dicts (images / videos / text), each row its own media."""
+    texts, images, videos, metadata = [], [], [], []
+    for row in rows:
+        content = ([{"type": "image"} for _ in row.get("images", ())]
+                   + [{"type": "video"} for _ in row.get("videos", ())])
+        content.append({"type": "text", "text": row.get("text", "What is in this image?")})
+        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                   tokenize=False))
+        images += list(row.get("images", ()))
+        videos += list(row.get("videos", ()))
+        metadata += [video_metadata(v.shape[0]) for v in row.get("videos", ())]
+    kwargs = {}
+    if images:
+        kwargs["images"] = images
+    if videos:
+        kwargs["videos"] = videos
+        kwargs["videos_kwargs"] = {"video_metadata": metadata}
+    return processor(text=texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+
+
+def run(model, inputs, cfg, n, **kw):
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
+                          output_logits=True, **kw)
+
+
+def assert_trace_equal(got, want):
+    assert got.mode == want.mode
+    for name in ("selected", "deferred", "pending", "dropped"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert len(got.restored_per_forward) == len(want.restored_per_forward)
+    for a, b in zip(got.restored_per_forward, want.restored_per_forward):
+        assert torch.equal(a, b)
+    assert got.chunk_size_per_forward == want.chunk_size_per_forward
+    assert [(m, g, s.tolist()) for m, g, s in got.segments] == [(m, g, s.tolist()) for m, g, s in want.segments]
+
+
+def assert_cache_equal(got: DeferredDynamicCache, want: DeferredDynamicCache):
+    assert repr(got) == repr(want)
+    assert torch.equal(got.row_keys.cpu(), want.row_keys.cpu())
+    assert torch.equal(got.row_sources, want.row_sources)
+    assert torch.equal(got.row_kinds, want.row_kinds)
+    assert torch.equal(got.source_ids, want.source_ids)
+    assert got.next_position == want.next_position
+    assert torch.equal(got.pending_sources, want.pending_sources)
+    for a, b in zip(got.layers, want.layers):
+        assert (a.keys - b.keys).abs().max().item() <= TOL
+        assert (a.values - b.values).abs().max().item() <= TOL
+
+
+def assert_rows_match_alone(model, processor, rows, cfg, n=8, **kw):
+    """The batched call against each row's own call: tokens, logits, trace, cache. Returns the batched output."""
+    inputs = batched_inputs(processor, rows)
+    length = inputs["input_ids"].shape[1]
+    out = run(model, inputs, cfg, n, **kw)
+    pad = model.generation_config.pad_token_id
+    assert isinstance(out.raincheck, list) and len(out.raincheck) == len(rows)
+    assert isinstance(out.cache, list) and len(out.cache) == len(rows)
+    for i, row in enumerate(rows):
+        alone_inputs = make_inputs(processor, **row)
+        padding = int((inputs["attention_mask"][i] == 0).sum())
+        assert torch.equal(inputs["input_ids"][i, padding:], alone_inputs["input_ids"][0])
+        alone = run(model, alone_inputs, cfg, n, **kw)
+        tokens = alone.sequences[0, alone_inputs["input_ids"].shape[1]:]
+        got = out.sequences[i, length:]
+        assert torch.equal(got[:tokens.numel()], tokens), f"row {i}"
+        assert bool((got[tokens.numel():] == pad).all()), f"row {i}: tokens after its end are not the pad token"
+        assert len(alone.logits) <= len(out.logits)
+        for step, want in enumerate(alone.logits):
+            diff = (out.logits[step][i] - want[0]).abs().max().item()
+            assert diff <= TOL, f"row {i} step {step}: max abs logit diff {diff:.2e}"
+        assert_trace_equal(out.raincheck[i], alone.raincheck)
+        assert_cache_equal(out.cache[i], alone.cache)
+    return out
+
+
+IMAGE = dict(images=(draw_test_image(128, 96, seed=1),))
+TEXT = dict(text="Say something about glyphs.")
+TWO_IMAGES = dict(images=(draw_test_image(64, 64, seed=2), draw_test_image(96, 128, seed=3)), text="Which is red?")
+VIDEO = dict(videos=(draw_test_video(4, 64, 96, seed=4),), text="What happens in the video?")
+BIG_IMAGE = dict(images=(draw_test_image(192, 160, seed=5),), text="Describe it.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", family_params(ATTENTION_FAMILIES))
+def test_rows_match_alone(name, mode):
+    """Rows with different images (different visual and deferred counts), a text-only row, every mode."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=3, decode_guard=1, fast_path=False)
+    out = assert_rows_match_alone(model, processor, [IMAGE, TEXT, TWO_IMAGES, BIG_IMAGE], cfg)
+    deferred = [t.deferred.numel() for t in out.raincheck]
+    if mode != "full":
+        assert len(set(deferred)) > 2 and deferred[1] == 0
+    if mode in ("raincheck", "serial"):
+        assert out.raincheck[0].restored_during_decode > 0
+
+
+def test_eager_attention_backend():
+    """The additive float mask of ``attn_implementation="eager"`` (padding rows see only themselves there too)."""
+    model, processor = family_model("qwen3_vl", "eager"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=2, decode_guard=0, retention=0.2)
+    out = assert_rows_match_alone(model, processor, [TWO_IMAGES, TEXT, IMAGE], cfg, n=6, output_scores=True)
+    assert len(out.scores) == len(out.logits) and out.scores[0].shape == out.logits[0].shape
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen2_5_vl")))
+def test_video_rows(name):
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=4, decode_guard=0)
+    assert_rows_match_alone(model, processor, [VIDEO, IMAGE, dict(images=IMAGE["images"], videos=VIDEO["videos"])],
+                            cfg)
+
+
+@pytest.mark.parametrize("name", family_params(ATTENTION_FAMILIES))
+def test_visionzip_rows(name):
+    """VisionZip reads the vision tower's last block: each row gets its cut of the batch's one tower call."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(selector="visionzip", retention=0.3, chunk_size=3, decode_guard=1)
+    rows = [TWO_IMAGES, TEXT, BIG_IMAGE] + ([VIDEO] if name != "qwen3_vl_moe" else [])
+    assert_rows_match_alone(model, processor, rows, cfg, n=6)
+
+
+def _text_model_batches(model):
+    """The batch size of every text-model forward (a pre-hook on the text model), and its handle."""
+    from raincheck_hf.models import get_adapter
+
+    sizes = []
+    handle = get_adapter(model).text_model.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["inputs_embeds"].shape[0]), with_kwargs=True)
+    return sizes, handle
+
+
+def test_rows_finishing_early_leave_the_forward():
+    """A row that stops at its EOS matches its own call, its later tokens are pads, and it leaves the forward."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    rows = [IMAGE, TWO_IMAGES, TEXT]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1)
+    probe = run(model, make_inputs(processor, **TWO_IMAGES), cfg, 12)
+    eos = int(probe.sequences[0, -9])  # row 1's 4th token (or earlier, where it first appears)
+    out = assert_rows_match_alone(model, processor, rows, cfg, n=12, eos_token_id=eos)
+    sizes, handle = _text_model_batches(model)
+    try:
+        again = run(model, batched_inputs(processor, rows), cfg, 12, eos_token_id=eos)
+    finally:
+        handle.remove()
+    assert torch.equal(again.sequences, out.sequences)
+    lengths = [len(t.restored_per_forward) for t in out.raincheck]  # forwards each row took part in
+    assert min(lengths) < max(lengths), "no row finished early"
+    assert sizes == [sum(k >= f for k in lengths) for f in range(1, max(lengths) + 1)]
+    assert out.raincheck[1].pending.numel() > 0  # its chunks stopped with it: the rest stays pending in its cache
+    assert torch.equal(out.cache[1].pending_sources, out.raincheck[1].pending)
+
+
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+class _Ban(LogitsProcessor):
+    def __init__(self, token):
+        self.token, self.shapes = token, []
+
+    def __call__(self, input_ids, scores):
+        self.shapes.append(tuple(scores.shape))
+        scores = scores.clone()  # the raw logits (output_logits) stay as the model gave them
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+def test_streamer_and_logits_processor_as_stock():
+    """The streamer gets the prompt batch, then one ``[B]`` token per step, then end (stock batched generate's
+    calls); logits processors get ``[B, V]`` scores; the result matches each row alone with the same processor."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    rows = [IMAGE, TEXT]
+    inputs = batched_inputs(processor, rows)
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    banned = int(run(model, inputs, cfg, 1).sequences[0, -1])
+    recorder, ban = _Recorder(), _Ban(banned)
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, raincheck=cfg, streamer=recorder,
+                         logits_processor=LogitsProcessorList([ban]))
+    stock = _Recorder()
+    model.generate(**inputs, max_new_tokens=6, do_sample=False, streamer=stock)
+    assert [tuple(p.shape) for p in recorder.puts] == [tuple(p.shape) for p in stock.puts]
+    assert recorder.ended and stock.ended
+    assert torch.equal(torch.cat([recorder.puts[0]] + [p[:, None] for p in recorder.puts[1:]], dim=1), out)
+    assert banned not in out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ban.shapes and all(s == (2, model.config.get_text_config().vocab_size) for s in ban.shapes)
+    assert_rows_match_alone(model, processor, rows, cfg, n=6, logits_processor=LogitsProcessorList([_Ban(banned)]))
+
+
+def test_sampling():
+    """Seeded batched sampling is reproducible; top_k=1 sampling is the greedy answer of every row."""
+    model, processor = family_model("qwen3_vl_moe"), family_processor("qwen3_vl_moe")
+    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT])
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=20, temperature=1.3,
+                                   raincheck=cfg))
+    assert torch.equal(runs[0], runs[1])
+    greedy = model.generate(**inputs, max_new_tokens=8, do_sample=False, raincheck=cfg)
+    top1 = model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=1, raincheck=cfg)
+    assert torch.equal(greedy, top1)
+
+
+def test_row_cache_continues_at_batch_one():
+    """``out.cache[i]`` continues row i's conversation: its follow-up equals the follow-up of the row's own call."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    rows = [IMAGE, TWO_IMAGES]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=2)
+    kw = dict(suppress_tokens=no_placeholder_ids(model))
+    out = run(model, batched_inputs(processor, rows), cfg, 5, **kw)
+    for i, row in enumerate(rows):
+        first = make_inputs(processor, **row)
+        alone = run(model, first, cfg, 5, **kw)
+        follow = processor(text=["<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"],
+                           return_tensors="pt")["input_ids"]
+        ids = torch.cat([alone.sequences, follow], dim=1)
+        want = run(model, {"input_ids": ids}, cfg, 5, cache=alone.cache, **kw)
+        got = run(model, {"input_ids": ids}, cfg, 5, cache=out.cache[i], **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.logits, want.logits):
+            assert (a - b).abs().max().item() <= TOL
+
+
+def test_auto_engine_takes_the_eager_engine_for_a_batch(monkeypatch):
+    """Where ``fast_path=None`` would take the fast path and the captured vision tower (a model on CUDA, simulated
+    here), a batch still runs on the eager engine with HF's vision encoding: the same result as on the CPU."""
+    from raincheck_hf.models.qwen3_vl import Qwen3VLAdapter
+
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES])
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    want = run(model, inputs, cfg, 6)
+    monkeypatch.setattr(Qwen3VLAdapter, "execution_path", lambda self, config: "fast")
+    monkeypatch.setattr(Qwen3VLAdapter, "use_vision_graphs", lambda self, config: True)
+    got = run(model, inputs, cfg, 6)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert all(type(c) is DeferredDynamicCache for c in got.cache)
+
+
+# ---- refusals (before any compute) -------------------------------------------------------------------
+
+def _refused(model, inputs, match, **kw):
+    sizes, handle = _text_model_batches(model)
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(**inputs, max_new_tokens=3, **kw)
+    finally:
+        handle.remove()
+    assert sizes == [], "the text model ran before the refusal"
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_5", "qwen3_5_moe")))
+def test_gated_deltanet_batch_is_refused(name):
+    model, processor = family_model(name), family_processor(name)
+    inputs = batched_inputs(processor, [IMAGE, TEXT, TWO_IMAGES])
+    _refused(model, inputs, r"batch size 3.*Qwen3\.5", raincheck=True)
+
+
+def test_refusals():
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    inputs = batched_inputs(processor, [IMAGE, TEXT])
+    _refused(model, inputs, r"fast_path=True with batch size 2", raincheck=RaincheckConfig(fast_path=True))
+    prompts = [processor.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False) for t in ("Hi.", "Say something about glyphs.")]
+    right = processor(text=prompts, return_tensors="pt", padding=True, padding_side="right")
+    _refused(model, right, r"padding_side = 'left'", raincheck=True)
+    _refused(model, inputs, r"keep-mask tensor.*batch size 2",
+             raincheck=RaincheckConfig(selector=torch.ones(3, dtype=torch.bool)))
+    _refused(model, inputs, r"starts new conversations only", raincheck=True,
+             cache=DeferredDynamicCache(config=model.config.get_text_config()))
+    broken = dict(inputs)
+    broken["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], inputs["image_grid_thw"]])
+    _refused(model, broken, r"image_grid_thw", raincheck=True)
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+
+def _random_row(rng: random.Random):
+    kind = rng.choice(["text", "image", "image", "images", "video"])
+    size = lambda: rng.choice([32, 64, 96, 128, 160])  # noqa: E731
+    if kind == "text":
+        return dict(text=rng.choice(["Say something about glyphs.", "List every red glyph you can see."]))
+    if kind == "video":
+        return dict(videos=(draw_test_video(rng.choice([2, 4]), size(), size(), seed=rng.randrange(100)),),
+                    text="What happens in the video?")
+    count = 1 if kind == "image" else 2
+    return dict(images=tuple(draw_test_image(size(), size(), seed=rng.randrange(100)) for _ in range(count)),
+                text=rng.choice(["What is in this image?", "Which is red?"]))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_fuzz_rows_match_alone(seed):
+    rng = random.Random(1000 + seed)
+    name = ATTENTION_FAMILIES[seed % len(ATTENTION_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    rows = [_random_row(rng) for _ in range(rng.randint(2, 4))]
+    cfg = RaincheckConfig(mode=rng.choice(MODES + ("raincheck", "raincheck", "serial")),
+                          retention=rng.choice([0.0, 0.2, 0.3, 0.5, 1.0]),
+                          chunk_size=rng.choice([1, 2, 3, 5, 8, "auto"]), decode_guard=rng.randint(0, 3),
+                          selector=rng.choice(SELECTORS), fast_path=False)
+    n = rng.randint(4, 12)
+    kw = {}
+    if rng.random() < 0.5:  # some row stops early: its own token at a random step is the EOS
+        probe_row = rng.randrange(len(rows))
+        probe = run(model, make_inputs(processor, **rows[probe_row]), cfg, n)
+        kw["eos_token_id"] = int(probe.sequences[0, -rng.randint(1, n)])
+    assert_rows_match_alone(model, processor, rows, cfg, n=n, **kw)
