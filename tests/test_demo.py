@@ -551,7 +551,7 @@ def test_demo_a_question_asked_while_a_model_loads_is_told_so(client, files, mon
 
 def test_a_streamed_answer_is_shown_at_most_every_so_often():
     """Per token the page would redraw the picture, the caption, the figures and the JSON panel; that work
-    slowed the answer it showed (44 ms per token on the page against 5.9 in the CLI). `pace` spaces it out."""
+    slowed the answer it showed (demo/README.md has the numbers). `pace` spaces it out."""
     from demo.app import Step, pace
 
     now = [0.0]
