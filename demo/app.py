@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, resolve_model, unknown_words
+from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, plain, resolve_model, unknown_words
 from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
 
 TINY_MODEL = "tiny-random (built in code)"
@@ -1860,7 +1860,7 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m demo.app", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                         help="qwen3_vl (default: the bundled glyph Qwen3-VL) | qwen3_5 (the bundled glyph Qwen3.5) | "
@@ -1876,6 +1876,13 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-motion-ms", type=int, default=0, metavar="MS",
                         help="the starting pause per generated token, to watch the picture fill in (default 0)")
     args = parser.parse_args(argv)
+    # checked before the model loads
+    if not 1 <= args.max_new_tokens <= 512:
+        parser.error(f"--max-new-tokens must be in [1, 512] (the page's slider), got {args.max_new_tokens}")
+    if not 0 <= args.slow_motion_ms <= 200:
+        parser.error(f"--slow-motion-ms must be in [0, 200] (the page's slider), got {args.slow_motion_ms}")
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
     demo = build_demo(args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
                       slow_motion_ms=args.slow_motion_ms)
     # quiet: Gradio's own banner would say "set `share=True` in `launch()`", where this command's flag is --share

@@ -713,3 +713,18 @@ def test_an_upload_over_a_limit_never_reaches_the_model(client, files, tmp_path)
     assert final[STATUS]["turns"] == 1  # the conversation is as it was
     final, _ = ask(client, SMALL.turns[1].question)
     assert final[STATUS]["turns"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-new-tokens", "-3"], "--max-new-tokens must be in [1, 512]"),
+                                           (["--slow-motion-ms", "-1"], "--slow-motion-ms must be in [0, 200]"),
+                                           (["--port", "70000"], "--port must be in [1, 65535]")])
+def test_the_demo_command_checks_its_options_before_loading(argv, message, monkeypatch, capsys):
+    import demo.app as app
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the demo was built before its options were checked")
+
+    monkeypatch.setattr(app, "build_demo", must_not_build)
+    with pytest.raises(SystemExit) as exit_:
+        app.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
