@@ -872,6 +872,7 @@ class Session:
         self._drawn = None  # signature of the picture last sent
         self._timeline_shown = None  # signature of the timeline last sent
         self._streamed: dict = {}  # what the page was last sent while an answer streams (component id -> value)
+        self._live_caption = None  # the caption of the cache last sent (the timeline's may be shown instead)
         self.busy = None  # what holds the lock: "answering", or "loading model X"
         self.requested: Settings | None = None  # settings asked for while an answer runs (applied after it)
         self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
@@ -1653,8 +1654,9 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             status = gr.JSON(label="Session state", elem_id="rc-status")
         timer = gr.Timer(refresh_every, active=False)
 
-        def render(session: Session, step: Step) -> dict:
-            """The updates for one `Step` (the picture only when it changed)."""
+        def render(session: Session, step: Step, tick: bool = False) -> dict:
+            """The updates for one `Step` (the picture only when it changed; on a timer ``tick``, the caption
+            only when it changed too, so that a tick does not undo the timeline's caption while scrubbing)."""
             image, counts, changed = session.picture_and_counts(draw=bool(step.picture), force=step.picture == "force")
             out = {chatbot: list(session.history), state: session}
             if step.token:  # while an answer streams: what changed, and the JSON panel only when the turn ends
@@ -1665,7 +1667,11 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                         out[component] = value
             else:
                 session._streamed = {}
-                out.update({caption: session.caption(counts), figures: session.figures(), status: session.status()})
+                live = session.caption(counts)
+                if not (tick and live == session._live_caption):
+                    out[caption] = live
+                session._live_caption = live
+                out.update({figures: session.figures(), status: session.status()})
             if step.picture and changed:
                 out[picture] = image
             if step.timer is not None:
@@ -1761,7 +1767,7 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 return {timer: gr.Timer(active=False)}
             if session.answering:  # the answer's stream draws the picture meanwhile
                 return {state: session}  # (an empty dict would read as one output value)
-            return render(session, Step(timer=session.pending > 0))
+            return render(session, Step(timer=session.pending > 0), tick=True)
 
         def scrub_to(value, session):
             """The picture and the strip at one step of the latest turn's timeline."""
