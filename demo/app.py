@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, resolve_model, unknown_words
+from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, plain, resolve_model, unknown_words
 from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
 
 TINY_MODEL = "tiny-random (built in code)"
@@ -55,6 +55,10 @@ MAX_VIDEO_FRAMES = 16  # longer videos are sampled evenly down to this many fram
 DECODE_MAX_SIDE = 896  # video frames are decoded at most this large (processors shrink them further)
 OPEN_MAX_SIDE = 4096  # larger images are shrunk on open; the processor shrinks them further anyway
 PICTURE_WIDTH = 640
+# the page streams an answer's text at most this often, and redraws the picture, caption and figures at most this
+# often: per token, that work would slow the answer it shows (Python on the page's thread competes with generation)
+STREAM_TEXT_EVERY_S = 0.1
+STREAM_PICTURE_EVERY_S = 0.5
 REPLAY_FRAME_S = 0.06  # the timeline's replay: pause per frame
 TIMELINE_WAITING = ("Timeline: when a turn's restoration is done, drag the slider (or press *Replay*) to see which "
                     "deferred patch came back at which generated token, and which after the answer.")
@@ -193,6 +197,23 @@ def _load_uncached(key: str) -> LoadedModel:
 
 # ---- inputs -------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class MediaLimits:
+    """What an upload may be; checked before decoding (an image's size from its header, a video's from its
+    container), so that nothing beyond them is decoded or sent to the model."""
+
+    max_file_bytes: int = 200 * 2**20  # any file (also the server's upload limit: gradio's max_file_size)
+    max_image_pixels: int = 64_000_000  # e.g. 8000 × 8000; Pillow itself warns above 89 M and refuses 179 M
+    max_frame_pixels: int = 4096 * 2160  # a video frame (DCI 4K)
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 36_000  # decoded at most (10 minutes at 60 fps), when the container does not say
+    max_decode_seconds: float = 60.0  # decoding a video stops here
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB" if n >= 2**10 else f"{n} bytes"
+
+
 @dataclass
 class SegmentView:
     """What one image, or one temporal slice of a video, looks like to the model.
@@ -217,7 +238,8 @@ class PreparedTurn:
     problems: list = field(default_factory=list)  # the turn does not go ahead
 
 
-def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES) -> PreparedTurn:
+def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES,
+                 limits: MediaLimits = MediaLimits()) -> PreparedTurn:
     """Open the message's files and work out what the model will see of them.
 
     Images come first, then videos (the order `Conversation` puts them in the prompt).
@@ -226,7 +248,7 @@ def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES) -> 
     video_views = []
     for path in paths or []:
         name = os.path.basename(str(path))
-        kind, value, note = read_media(str(path), max_video_frames)
+        kind, value, note = read_media(str(path), max_video_frames, limits)
         if kind is None:
             turn.problems.append(value)
             continue
@@ -255,24 +277,33 @@ def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES) -> 
     return turn
 
 
-def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES):
+def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES, limits: MediaLimits = MediaLimits()):
     """``(kind, value, note)``: ``("image", (PIL, original_size), note)``, ``("video", (frames, fps), note)``,
-    or ``(None, problem, None)`` with a message for the visitor. The content decides, not the name."""
+    or ``(None, problem, None)`` with a message for the visitor. The content decides, not the name.
+
+    Nothing beyond ``limits`` is decoded: a file's size, an image's pixels (from its header) and a video's
+    duration and frame size (from its container) are checked first."""
     name = os.path.basename(path)
     if not os.path.isfile(path):
         return None, f"**{name}** could not be found on the server; attach it again.", None
-    if os.path.getsize(path) == 0:
+    size = os.path.getsize(path)
+    if size == 0:
         return None, f"**{name}** is empty (0 bytes). Attach an image or a video file.", None
-    image, image_error, refused = _open_image(path)
+    if size > limits.max_file_bytes:
+        return None, (f"**{name}** is {_size_text(size)}: this demo takes files up to "
+                      f"{_size_text(limits.max_file_bytes)}. Attach a smaller image or a shorter video."), None
+    image, image_error, refused = _open_image(path, limits)
     if image is not None:
         return "image", image, None
     image_error = str(image_error).replace(path, name)  # PIL's messages name the server's path
     if refused:
-        return None, f"**{name}** is an image too large to decode safely ({image_error}).", None
-    video, video_error, note = _open_video(path, max_video_frames)
+        return None, f"**{name}** {image_error} Nothing was decoded; attach a smaller image.", None
+    video, video_error, note = _open_video(path, max_video_frames, limits)
     video_error = str(video_error).replace(path, name)
     if video is not None:
         return "video", video, note.replace("{name}", name) if note else None
+    if video_error.startswith("!"):  # a video over a limit: the message says which
+        return None, f"**{name}** {video_error[1:]}", None
     guess = mimetypes.guess_type(name)[0] or ""
     if guess.startswith("image/"):
         return None, (f"**{name}** could not be read as an image ({image_error}). The file may be damaged "
@@ -285,25 +316,37 @@ def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES):
                   "or a video (MP4, WebM, MOV, …)."), None
 
 
-def _open_image(path):
+def _open_image(path, limits: MediaLimits = MediaLimits()):
+    """``((image, original_size), None, False)``, or ``(None, error, refused)``: ``refused`` when the image is
+    over ``limits`` (the error then is the visitor's message), judged from its header before decoding."""
     from PIL import Image, UnidentifiedImageError
 
+    limit = f"this demo takes images up to {limits.max_image_pixels:,} pixels"
     try:
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # reads the header only
             original = im.size
+            if original[0] * original[1] > limits.max_image_pixels:
+                return None, (f"is an image of {original[0]}×{original[1]} = {original[0] * original[1]:,} pixels: "
+                              f"{limit}."), True
             im.draft("RGB", (OPEN_MAX_SIDE, OPEN_MAX_SIDE))  # JPEG: decode straight at a reduced scale
             image = im.convert("RGB")
-    except Image.DecompressionBombError as error:
-        return None, error, True
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+    except Image.DecompressionBombError as error:  # Pillow refuses to even open it (over 2 × its own limit)
+        return None, f"is an image too large to decode safely ({error}); {limit}.", True
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as error:
         return None, error, False
+    except Exception as error:  # a damaged file can fail deep in a decoder (zlib, struct, ...)
+        return None, f"{type(error).__name__}: {error}", False
     if max(image.size) > OPEN_MAX_SIDE:
         image.thumbnail((OPEN_MAX_SIDE, OPEN_MAX_SIDE))
     return (image, original), None, False
 
 
-def _open_video(path, max_frames: int):
-    """Decode with PyAV, keeping at most ``max_frames`` evenly spaced frames; ``(value, error, note)``."""
+def _open_video(path, max_frames: int, limits: MediaLimits = MediaLimits()):
+    """Decode with PyAV, keeping at most ``max_frames`` evenly spaced frames; ``(value, error, note)``.
+
+    An error that starts with ``!`` is a video over ``limits`` (the rest is the visitor's message): its
+    duration and frame size are read from the container before decoding, and decoding stops at
+    ``limits.max_video_frames`` frames or ``limits.max_decode_seconds``."""
     try:
         import av
     except ImportError:
@@ -317,8 +360,26 @@ def _open_video(path, max_frames: int):
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else 2.0
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > limits.max_frame_pixels:
+                return None, (f"!is a video of {width}×{height} pixels per frame: this demo takes videos up to "
+                              f"{limits.max_frame_pixels:,} pixels per frame (e.g. 4096×2160). Nothing was "
+                              "decoded."), None
+            seconds = _video_seconds(container, stream)
+            if seconds is not None and seconds > limits.max_video_seconds:
+                return None, (f"!is a video of {seconds:.0f} s: this demo takes videos up to "
+                              f"{limits.max_video_seconds:.0f} s. Nothing was decoded; attach a shorter clip."), None
             kept, stride, total = [], 1, 0
+            started = time.monotonic()
             for frame in container.decode(stream):
+                if total >= limits.max_video_frames or time.monotonic() - started > limits.max_decode_seconds:
+                    return None, (f"!is a video longer than this demo decodes (it stopped after {total} frames "
+                                  f"and {time.monotonic() - started:.0f} s; the limits are "
+                                  f"{limits.max_video_frames} frames and {limits.max_decode_seconds:.0f} s of "
+                                  "decoding). Attach a shorter clip."), None
+                if frame.width * frame.height > limits.max_frame_pixels:  # a stream whose size changes
+                    return None, (f"!is a video with {frame.width}×{frame.height}-pixel frames: this demo takes "
+                                  f"up to {limits.max_frame_pixels:,} pixels per frame."), None
                 if total % stride == 0:
                     kept.append(_frame_array(frame))
                     if len(kept) >= 4 * max_frames:  # long video: keep every other frame from now on
@@ -338,6 +399,15 @@ def _open_video(path, max_frames: int):
     frames = torch.from_numpy(np.stack(kept)).permute(0, 3, 1, 2).contiguous()
     effective_fps = fps * len(kept) / total  # the sampled frames still span the whole clip
     return (frames, effective_fps), None, note
+
+
+def _video_seconds(container, stream) -> float | None:
+    """The video's duration from its container or stream header (None when neither says)."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1e6  # av.time_base: microseconds
+    return None
 
 
 def _frame_array(frame):
@@ -564,7 +634,7 @@ def _legend_lines(flat_states, width: int) -> list[list[tuple[str, str, int]]]:
     lines, x = [[]], 2
     for state, label in LEGEND_LABELS:
         count = flat_states.count(state)
-        if state in ("waiting", "during", "after") and not count:  # shown only when they occur
+        if state == "waiting" and not count:  # a moment at the start of a turn; the others always show
             continue
         text = f"{label} {count}"
         size = 22 + int(font.getlength(text)) + 16
@@ -665,8 +735,8 @@ def describe_step(steps: list[TimelineStep], upto: int) -> str:
         where = f"**after the answer, {step.label}**"
     elif upto == 0:
         where = "**the first token** (the answer starts from the patches prefilled first)"
-    else:
-        where = f"**generated token {upto + 1} of {answer}** (decode step {upto})"
+    else:  # step i is the decode step that read generated token i (and produced token i + 1)
+        where = f"**decode step {upto} of {answer - 1}**, which read generated token {upto}"
     came = f"{len(step.restored)} came back in this step" if step.restored else "nothing came back in this step"
     return (f"Timeline: {where}: {came}; {done} of {total} deferred patches restored so far "
             f"({during} during the answer, {done - during} after it).")
@@ -757,15 +827,39 @@ class Step:
     files: tuple = ()
     model_choice: str | None = None  # what the model dropdown shows (after a change, or to undo a failed one)
     model_note: str | None = None
+    token: bool = False  # one more piece of the answer: shown at most every STREAM_*_EVERY_S (see `pace`)
+
+
+def pace(steps, text_every: float = STREAM_TEXT_EVERY_S, picture_every: float = STREAM_PICTURE_EVERY_S,
+         clock=time.perf_counter):
+    """``(what, step)`` for the steps worth showing: ``what`` is ``"all"`` (render everything) or ``"text"``
+    (the chat only). Every step but a token's is shown at once; a token's at most every ``text_every``
+    seconds, and with the picture, caption and figures at most every ``picture_every`` seconds, so that the
+    page's work does not slow the answer it shows. The step after the last token (the turn's end) draws
+    everything."""
+    shown_text = shown_all = -math.inf
+    for step in steps:
+        if not step.token:
+            yield "all", step
+            continue
+        now = clock()
+        if now - shown_all >= picture_every:
+            shown_all = shown_text = now
+            yield "all", step
+        elif now - shown_text >= text_every:
+            shown_text = now
+            yield "text", step
 
 
 class Session:
     """One browser session: its settings, its `Conversation`, the chat as shown, the visual turns."""
 
-    def __init__(self, settings: Settings, max_video_frames: int = MAX_VIDEO_FRAMES):
+    def __init__(self, settings: Settings, max_video_frames: int = MAX_VIDEO_FRAMES,
+                 limits: MediaLimits = MediaLimits()):
         self.id = uuid.uuid4().hex[:8]
         self.settings = settings
         self.max_video_frames = max_video_frames
+        self.limits = limits
         self.loaded: LoadedModel | None = None
         self.conversation = None
         self.number = 1  # conversations started in this session
@@ -777,6 +871,8 @@ class Session:
         self.slow_motion_ms = 0
         self._drawn = None  # signature of the picture last sent
         self._timeline_shown = None  # signature of the timeline last sent
+        self._streamed: dict = {}  # what the page was last sent while an answer streams (component id -> value)
+        self._live_caption = None  # the caption of the cache last sent (the timeline's may be shown instead)
         self.busy = None  # what holds the lock: "answering", or "loading model X"
         self.requested: Settings | None = None  # settings asked for while an answer runs (applied after it)
         self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
@@ -880,7 +976,7 @@ class Session:
             self.note(f"**Problem:** {error}\n\nChoose another model under *Settings*.")
             yield Step(picture=False, textbox="clear")
             return
-        prepared = prepare_turn(files, self.loaded.processor, self.max_video_frames)
+        prepared = prepare_turn(files, self.loaded.processor, self.max_video_frames, self.limits)
         for path in files:
             self.history.append({"role": "user", "content": {"path": path}})
         self.history.append({"role": "user", "content": text})
@@ -938,7 +1034,7 @@ class Session:
                     self.live["first"] = time.perf_counter()
                 reply += piece
                 answer["content"] = reply or "…"
-                yield Step()
+                yield Step(token=True)
             result = streamed.result
         except GeneratorExit:  # the page or an API client stopped this answer (Gradio closes the handler)
             self._stopped(streamed, visual, reply)
@@ -1070,13 +1166,36 @@ class Session:
         else:
             state = "ready · every deferred token is in the cache"
         total = sum(counts.values())
+        shown = self.visual_turns[-1].number
+        if self.answering and self.live is not None and self.live["number"] != shown:
+            state = f"the picture is turn {shown}'s; turn {self.live['number']} (no new image) is being answered…"
         if counts["waiting"]:
             numbers = "prefilling the first tokens…"
         else:
             numbers = (f"{counts['selected']} prefilled first · {counts['deferred']} deferred · "
                        f"{counts['during']} restored during the answer · {counts['after']} after it · "
                        f"{counts['dropped']} dropped")
-        return f"{head}\n\n**Turn {self.visual_turns[-1].number}** ({total} visual tokens): **{state}** — {numbers}"
+        return f"{head}\n\n**Turn {shown}** ({total} visual tokens): **{state}** — {numbers}"
+
+    def timeline_caption(self, upto: int) -> str | None:
+        """The caption while the picture shows step ``upto`` of the latest turn's timeline (not the live cache)."""
+        turn, steps = self.timeline()
+        if not steps:
+            return None
+        upto = max(0, min(int(upto), len(steps) - 1))
+        states = timeline_states(turn, steps, upto, turn.result.trace.dropped.tolist())
+        s = self.settings
+        head = f"Conversation {self.number} · mode `{s.mode}` · selector `{s.selector}` · retention {s.retention:g}"
+        flat = [state for view in states for state in view]
+        step = steps[upto]
+        when = ("the first token" if upto == 0 else f"after the answer, {step.label}" if step.phase == "after"
+                else f"decode step {upto}")
+        return (f"{head}\n\n**Turn {self.visual_turns[-1].number}** ({len(flat)} visual tokens): **the timeline at "
+                f"{when}** — {flat.count('selected')} prefilled first · {flat.count('deferred')} still deferred then · "
+                f"{flat.count('during')} restored during the answer · {flat.count('after')} after it · "
+                f"{flat.count('dropped')} dropped. "
+                + ("(The end of the timeline: where the turn's restoration ended.)" if upto == len(steps) - 1 else
+                   "(The picture shows the cache as it was then; drag to the end for where the turn ended.)"))
 
     def figures(self):
         import pandas as pd
@@ -1215,7 +1334,7 @@ def _score(cells, question: str, answer: str) -> tuple[str, str | None]:
 
 
 def compare_modes(loaded: LoadedModel, path: str, question: str, follow_up: str, settings: Settings,
-                  max_new_tokens: int = 64):
+                  max_new_tokens: int = 64, limits: MediaLimits = MediaLimits()):
     """Run ``question`` (then ``follow_up``, if any) on the image or video at ``path`` in each of
     `COMPARE_MODES`, one fresh `Conversation` each; yields a `ModeRun` per mode, in order.
 
@@ -1232,7 +1351,7 @@ def compare_modes(loaded: LoadedModel, path: str, question: str, follow_up: str,
         raise ValueError("Type a question to compare the modes on.")
     if not path:
         raise ValueError("Choose an image (or click the example) to compare the modes on.")
-    prepared = prepare_turn([path], loaded.processor)
+    prepared = prepare_turn([path], loaded.processor, limits=limits)
     if prepared.problems:
         raise ValueError(" ".join(prepared.problems))
     asked, follow = question.strip(), str(follow_up or "").strip() or None
@@ -1272,6 +1391,18 @@ def compare_modes(loaded: LoadedModel, path: str, question: str, follow_up: str,
                 run.follow_up = second.text
                 run.follow_up_score, run.follow_up_reference = _score(cells, follow, second.text)
         yield run
+
+
+def small_model_note(loaded: LoadedModel) -> str:
+    """Why T1 need not favour the pruned modes with a small model on a CPU (said under the comparison)."""
+    if not (loaded.bundled or loaded.is_tiny) or getattr(loaded.model.device, "type", "cpu") != "cpu":
+        return ""
+    return ("\n\n*Why `full` can have the fastest first token here: with a model this small on a CPU, the first "
+            "token takes about as long in every mode. Most of it is work every mode does; prefilling 30% of the "
+            "image instead of all of it saves a few milliseconds, and selecting that 30% costs about as much, so "
+            "one run's T1 can put any mode first. The time saved grows with the model and the image: for "
+            "Qwen3-VL-8B on a GPU, `raincheck`'s first token comes 18% sooner than `full`'s (README.md, "
+            "Benchmarks).*")
 
 
 # ---- examples -----------------------------------------------------------------------------------
@@ -1343,7 +1474,7 @@ def _chat_textbox_class():
 def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector: str | None = None,
                retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16, max_new_tokens: int = 64,
                slow_motion_ms: int = 0, max_video_frames: int = MAX_VIDEO_FRAMES, concurrency: int = 4,
-               preload: bool = True, refresh_every: float = 0.25):
+               preload: bool = True, refresh_every: float = 0.25, media_limits: MediaLimits = MediaLimits()):
     """The Gradio app, not launched. ``model_id=None`` is the bundled glyph Qwen3-VL (``qwen3_vl``).
 
     The keyword arguments are the controls' starting values. With ``preload`` the model is loaded
@@ -1405,7 +1536,7 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
     sessions: dict[str, Session] = {}
 
     def new_session(request=None):
-        session = Session(start, max_video_frames=max_video_frames)
+        session = Session(start, max_video_frames=max_video_frames, limits=media_limits)
         if request is not None and getattr(request, "session_hash", None):
             sessions[request.session_hash] = session
         return session
@@ -1445,10 +1576,10 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                                               placeholder=("e.g. what is the background of the red g3 ?"
                                                            if glyph_examples else "Ask about an image or a video…"),
                                               show_label=False, elem_id="rc-input", autofocus=True)
-                        gr.Examples(examples=[[{"text": text, "files": [path] if path else []}]
+                        examples = gr.Examples(examples=[[{"text": text, "files": [path] if path else []}]
                                               for _, text, path in samples],
                                     inputs=[textbox], example_labels=[label for label, _, _ in samples],
-                                    label="Examples: a first question, then its follow-up")
+                                    label="Examples (a click sends one): a first question, then its follow-up")
                     with gr.Column(scale=4, min_width=320):
                         gr.Markdown("**What the model has in its cache**, patch by patch")
                         picture = gr.Image(label="What the model has in its cache", show_label=False, type="pil",
@@ -1523,11 +1654,24 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             status = gr.JSON(label="Session state", elem_id="rc-status")
         timer = gr.Timer(refresh_every, active=False)
 
-        def render(session: Session, step: Step) -> dict:
-            """The updates for one `Step` (the picture only when it changed)."""
+        def render(session: Session, step: Step, tick: bool = False) -> dict:
+            """The updates for one `Step` (the picture only when it changed; on a timer ``tick``, the caption
+            only when it changed too, so that a tick does not undo the timeline's caption while scrubbing)."""
             image, counts, changed = session.picture_and_counts(draw=bool(step.picture), force=step.picture == "force")
-            out = {chatbot: list(session.history), caption: session.caption(counts), figures: session.figures(),
-                   status: session.status(), state: session}
+            out = {chatbot: list(session.history), state: session}
+            if step.token:  # while an answer streams: what changed, and the JSON panel only when the turn ends
+                for component, value in ((caption, session.caption(counts)), (figures, session.figures())):
+                    key = value.to_csv() if hasattr(value, "to_csv") else value
+                    if session._streamed.get(component._id) != key:
+                        session._streamed[component._id] = key
+                        out[component] = value
+            else:
+                session._streamed = {}
+                live = session.caption(counts)
+                if not (tick and live == session._live_caption):
+                    out[caption] = live
+                session._live_caption = live
+                out.update({figures: session.figures(), status: session.status()})
             if step.picture and changed:
                 out[picture] = image
             if step.timer is not None:
@@ -1545,6 +1689,10 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 out[model_note] = step.model_note
             out.update(render_timeline(session))
             return out
+
+        def render_text(session: Session) -> dict:
+            """A streamed answer's text only (between the full updates that `pace` spaces out)."""
+            return {chatbot: list(session.history), state: session}
 
         def render_timeline(session: Session) -> dict:
             """The timeline's controls, when the latest turn's timeline appeared or went away."""
@@ -1573,8 +1721,8 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 session.busy = "answering the previous question"
                 wanted = Settings.from_controls(model, mode, selector, retention, chunk_size, decode_guard)
                 turn = session.turn(message, wanted, max_new_tokens, slow_motion_ms)
-                for step in turn:
-                    yield render(session, step)
+                for what, step in pace(turn):
+                    yield render(session, step) if what == "all" else render_text(session)
             finally:
                 if turn is not None:
                     turn.close()  # a stopped answer is settled before the session takes the next question
@@ -1619,7 +1767,7 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 return {timer: gr.Timer(active=False)}
             if session.answering:  # the answer's stream draws the picture meanwhile
                 return {state: session}  # (an empty dict would read as one output value)
-            return render(session, Step(timer=session.pending > 0))
+            return render(session, Step(timer=session.pending > 0), tick=True)
 
         def scrub_to(value, session):
             """The picture and the strip at one step of the latest turn's timeline."""
@@ -1629,8 +1777,8 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
             if not steps:
                 return {scrub_text: TIMELINE_WAITING}
             # the live picture is left as drawn (``session._drawn``): a timer tick redraws it only when
-            # the cache changes, so that it does not undo the scrubbing
-            return {picture: image, strip: strip_image, scrub_text: text}
+            # the cache changes, so that it does not undo the scrubbing; the caption says which step it shows
+            return {picture: image, strip: strip_image, scrub_text: text, caption: session.timeline_caption(upto)}
 
         def replay_timeline(session):
             """Step through the latest turn's timeline (at most ~120 frames), then stay at its end."""
@@ -1671,13 +1819,14 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                 rows, shown_so_far = [], dict(blank)
                 yield {**blank, compare_note: f"*Running `{COMPARE_MODES[0]}` (1 of {len(COMPARE_MODES)})…*"}
                 try:
-                    for i, run in enumerate(compare_modes(loaded, path, question, follow_up, wanted, max_new_tokens)):
+                    for i, run in enumerate(compare_modes(loaded, path, question, follow_up, wanted, max_new_tokens,
+                                                                       media_limits)):
                         rows.append(run.row())
                         following = (f"*Running `{COMPARE_MODES[i + 1]}` ({i + 2} of {len(COMPARE_MODES)})…*"
                                      if i + 1 < len(COMPARE_MODES) else
                                      f"*Done: {loaded.name}, selector `{wanted.selector}`, retention "
                                      f"{wanted.retention:g}, chunk size {wanted.chunk_size}, decode guard "
-                                     f"{wanted.decode_guard}.*")
+                                     f"{wanted.decode_guard}.*" + small_model_note(loaded))
                         shown_so_far.update({compare_pictures[run.mode]: run.picture,
                                              compare_texts[run.mode]: run.markdown()})
                         yield {**shown_so_far, compare_table: _compare_frame(rows), compare_note: following}
@@ -1692,6 +1841,10 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                  scrub_text]
         textbox.submit(chat, [textbox, *controls, max_new_box, slow_box, state], shown + [textbox], api_name="chat",
                        concurrency_limit=concurrency, show_progress="hidden")
+        # clicking an example sends it, as the page says (Gradio's examples only fill the box)
+        examples.load_input_event.then(chat, [textbox, *controls, max_new_box, slow_box, state], shown + [textbox],
+                                       api_visibility="private", concurrency_limit=concurrency,
+                                       show_progress="hidden")
         for control in (model_box, mode_box, selector_box):
             control.input(change_settings, controls + [state], shown, api_visibility="private", show_progress="hidden",
                           concurrency_limit=concurrency, trigger_mode="always_last")
@@ -1700,9 +1853,9 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
                            show_progress="hidden", concurrency_limit=concurrency, trigger_mode="always_last")
         new_button.click(new_conversation, [state], shown, api_name="new_conversation", show_progress="hidden")
         timer.tick(refresh, [state], shown, api_name="status", concurrency_limit=None, show_progress="hidden")
-        scrub.input(scrub_to, [scrub, state], [picture, strip, scrub_text], api_name="timeline",
+        scrub.input(scrub_to, [scrub, state], [picture, strip, scrub_text, caption], api_name="timeline",
                     trigger_mode="always_last", concurrency_limit=None, show_progress="hidden")
-        replay.click(replay_timeline, [state], [picture, strip, scrub_text, scrub], api_visibility="private",
+        replay.click(replay_timeline, [state], [picture, strip, scrub_text, caption, scrub], api_visibility="private",
                      concurrency_limit=None, show_progress="hidden")
         compare_button.click(
             compare, [compare_image, compare_question, compare_follow, *controls, max_new_box, state],
@@ -1713,7 +1866,7 @@ def build_demo(model_id: str | None = None, *, mode: str = "raincheck", selector
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.app", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m demo.app", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                         help="qwen3_vl (default: the bundled glyph Qwen3-VL) | qwen3_5 (the bundled glyph Qwen3.5) | "
@@ -1729,9 +1882,28 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-motion-ms", type=int, default=0, metavar="MS",
                         help="the starting pause per generated token, to watch the picture fill in (default 0)")
     args = parser.parse_args(argv)
+    # checked before the model loads
+    if not 1 <= args.max_new_tokens <= 512:
+        parser.error(f"--max-new-tokens must be in [1, 512] (the page's slider), got {args.max_new_tokens}")
+    if not 0 <= args.slow_motion_ms <= 200:
+        parser.error(f"--slow-motion-ms must be in [0, 200] (the page's slider), got {args.slow_motion_ms}")
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
     demo = build_demo(args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
                       slow_motion_ms=args.slow_motion_ms)
-    demo.launch(server_name=args.host, server_port=args.port, share=bool(args.share))
+    # quiet: Gradio's own banner would say "set `share=True` in `launch()`", where this command's flag is --share
+    demo.launch(server_name=args.host, server_port=args.port, share=bool(args.share), quiet=True,
+                prevent_thread_lock=True, max_file_size=MediaLimits().max_file_bytes)
+    where = f"[raincheck demo] running at {demo.local_url}"
+    if demo.share_url:
+        where += f" and at the public link {demo.share_url}"
+    elif args.share:
+        where += " (no public link could be made: see the message above)"
+    else:
+        where += (" (this machine only)" if args.host in ("127.0.0.1", "localhost", "::1") else "") + \
+            "; --share adds a public gradio.live link"
+    print(where, file=sys.stderr, flush=True)
+    demo.block_thread()
     return 0
 
 

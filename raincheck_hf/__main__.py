@@ -32,12 +32,15 @@ that fails (a missing or unreadable image, an unknown command) says why; the con
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
 import unicodedata
 
-from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid, words_of
+# Nothing here imports torch or transformers at import time: `--help` and a bad option answer at once;
+# the model, torch and the checks that need them come after the command line is parsed.
 
 # names of the bundled models (raincheck_hf.quality.BUNDLED) and of the random tiny model
 BUNDLED_ALIASES = {"qwen3_vl": "qwen3_vl", "qwen3-vl": "qwen3_vl", "glyph-qwen3-vl": "qwen3_vl",
@@ -197,6 +200,8 @@ def printable(text: str) -> str:
 
 def unknown_words(tokenizer, text: str) -> list[str]:
     """The words of ``text`` a word-level tokenizer reads as ``<unk>`` (none for a subword tokenizer)."""
+    from .quality.references import words_of
+
     unk = tokenizer.unk_token_id
     if unk is None:
         return []
@@ -240,25 +245,81 @@ def _dev_dialogue(index: int):
     return benchmark_split("dev", limit=index + 1)[index]
 
 
-def chat(args) -> int:
+def check_device(name: str | None) -> str:
+    """The torch device ``--device`` names (default: cuda when available, else cpu), or a ValueError
+    saying why it cannot be used here, before anything is loaded."""
     import torch
 
-    from . import Conversation
-    from .tiny import draw_test_image
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name!r} is not a torch device: use cpu, cuda or cuda:N "
+                         "(or leave --device out: cuda when available, else cpu)") from None
+    if device.type == "cpu":
+        return str(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
+            raise ValueError(f"--device {name}: CUDA is not available (torch {torch.__version__}, {build}, sees no "
+                             "GPU); use --device cpu, or leave --device out")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: there {'is' if count == 1 else 'are'} {count} CUDA device"
+                             f"{'' if count == 1 else 's'} (cuda:0 to cuda:{count - 1})")
+        return str(device)
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        raise ValueError(f"--device {name}: no {device.type} device is available here; use cpu or cuda")
+    return str(device)
 
-    # settings are validated before anything is loaded
-    config = chat_config(args)
+
+def check_chat_args(args):
+    """Every ``chat`` option checked before the model loads: ``(config, device, dialogue, images)``, or a
+    ValueError naming the option and the value."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.turns < 0:
         raise ValueError(f"--turns must be >= 0 (0: all of the dialogue's questions), got {args.turns}")
+    if not (math.isfinite(args.idle_wait) and args.idle_wait >= 0):
+        raise ValueError(f"--idle-wait must be a number of seconds >= 0, got {args.idle_wait}")
+    config = chat_config(args)  # retention, chunk size, slack, guard, selector, mode
     dialogue = _dev_dialogue(args.dialogue)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, processor, kind, _ = _load(args.model, device)
-    bundled = kind == "bundled"
-    _note_fallbacks(model)
     try:
         images = [_open_image(p) for p in args.image]
     except ValueError as error:
         raise ValueError(f"--image: {error}") from error
+    for path in args.video:
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise ValueError(f"--video: there is no file {path!r}")
+    if args.save_image:
+        from PIL import Image
+
+        folder = os.path.dirname(os.path.abspath(os.path.expanduser(args.save_image)))
+        extension = os.path.splitext(args.save_image)[1].lower()
+        if not os.path.isdir(folder):
+            raise ValueError(f"--save-image {args.save_image!r}: there is no folder {folder!r}")
+        if extension not in Image.registered_extensions():
+            raise ValueError(f"--save-image {args.save_image!r}: give a file name ending in an image format's "
+                             "extension, e.g. .png or .jpg")
+    if args.glyphs and resolve_model(args.model)[0] == "checkpoint":
+        raise ValueError(f"--glyphs is for --model tiny (the bundled models use the glyph grid anyway), not for "
+                         f"a checkpoint ({args.model}): give the grid with --image (see --save-image)")
+    device = check_device(args.device)
+    return config, device, dialogue, images
+
+
+def chat(args) -> int:
+    from . import Conversation
+    from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
+    from .tiny import draw_test_image
+
+    # every option is checked before anything is loaded
+    config, device, dialogue, images = check_chat_args(args)
+    model, processor, kind, _ = _load(args.model, device)
+    bundled = kind == "bundled"
+    _note_fallbacks(model)
     attached = [os.path.basename(p) for p in args.image]  # names of the images waiting for the next question
     videos = list(args.video)
     attached += [os.path.basename(p) for p in videos]
@@ -387,12 +448,31 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+# RaincheckConfig's modes, selectors and defaults, written out so that `--help` and a bad option need no torch
+# (tests/test_cli.py checks them against raincheck_hf.configuration)
+CHAT_MODES = ("full", "hard", "post_answer", "raincheck", "serial")
+CHAT_SELECTORS = ("cdpruner", "divprune", "fastv", "mmtok", "random", "uniform", "visionzip")
+CHAT_DEFAULTS = {"retention": 0.3, "chunk_size": 31, "decode_guard": 16, "tpot_slack": 0.02, "selector": "mmtok",
+                 "mode": "raincheck", "compile_steps": None}
+
+
+def _chunk_size(value: str) -> int | str:
+    """``--chunk-size``: ``auto`` or an integer (RaincheckConfig checks its range)."""
+    value = value.strip()
+    return value if value == "auto" else int(value)
+
+
+_chunk_size.__name__ = "chunk size"  # argparse: "invalid chunk size value: 'x'"
+
+
+def plain(text: str) -> str:
+    """``text`` for a terminal: the docstrings' reST double backticks and Markdown single ones dropped."""
+    return re.sub(r"`([^`\n]+)`", r"\1", re.sub(r"``(.+?)``", r"\1", text))
+
+
 def add_chat_arguments(c) -> None:
     """The ``chat`` subcommand's options (each with its help, default and choices)."""
-    from . import available_selectors
-    from .configuration import MODES, RaincheckConfig, parse_chunk_size
-
-    defaults = RaincheckConfig()
+    defaults = argparse.Namespace(**CHAT_DEFAULTS)
     c.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
                    help="qwen3_vl or qwen3_5 (the bundled glyph models) | tiny (random weights) | "
                         "a local checkpoint folder or a Hub id")
@@ -412,15 +492,15 @@ def add_chat_arguments(c) -> None:
                    help="without --image and --question: how many of the dialogue's questions to ask (0: all)")
     c.add_argument("--glyphs", action="store_true", help="with --model tiny: use the glyph grid as the default image")
     c.add_argument("--save-image", default=None, metavar="FILE", help="save the first image (e.g. the default grid)")
-    c.add_argument("--mode", default=defaults.mode, choices=MODES,
+    c.add_argument("--mode", default=defaults.mode, choices=CHAT_MODES,
                    help="full: no pruning · hard: drop the deferred tokens · post_answer: restore them after the "
                         "answer · raincheck: during and after it · serial: raincheck with each chunk in a forward "
                         "of its own")
-    c.add_argument("--selector", default=defaults.selector, choices=available_selectors(),
+    c.add_argument("--selector", default=defaults.selector, choices=CHAT_SELECTORS,
                    help="which visual tokens are prefilled first")
     c.add_argument("--retention", type=float, default=defaults.retention, metavar="R",
                    help="fraction of each image / video slice prefilled first, in [0, 1]")
-    c.add_argument("--chunk-size", type=parse_chunk_size, default=defaults.chunk_size, metavar="C",
+    c.add_argument("--chunk-size", type=_chunk_size, default=defaults.chunk_size, metavar="C",
                    help="deferred tokens prefilled per decode step and per idle-time step (>= 1), or 'auto' "
                    "(sized per step from measured step costs, within --tpot-slack of plain decode)")
     c.add_argument("--tpot-slack", type=float, default=defaults.tpot_slack, metavar="S",
@@ -443,23 +523,46 @@ def chat_config(args):
     """The `RaincheckConfig` of a ``chat`` command line (checked: a ValueError names the setting)."""
     from . import RaincheckConfig
 
-    return RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                           tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode,
-                           compile_steps=args.compile_steps)
+    try:
+        return RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
+                               tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode,
+                               compile_steps=args.compile_steps)
+    except ValueError as error:  # name the option the user typed, not the config field
+        raise ValueError(re.sub(r"RaincheckConfig\.(\w+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ",
+                                str(error))) from None
+
+
+DESCRIPTION = """\
+Raincheck (deferred multimodal prefill) for Qwen vision-language models in transformers.
+python -m raincheck_hf COMMAND --help lists a command's options."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; the ``serve`` options (which import the server's code) only for ``serve``."""
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    c = sub.add_parser("chat", help="a multi-turn chat in the terminal; without options it replays a two-turn dialogue of "
+                            "the glyph benchmark on the bundled glyph Qwen3-VL (offline), with each answer's "
+                            "reference and what was selected, deferred and restored",
+                       description=plain(__doc__), formatter_class=_HelpFormatter)
+    add_chat_arguments(c)
+    serve_help = "an OpenAI-compatible server (/v1/chat/completions) that keeps each conversation's cache"
+    if command == "serve":
+        from .serve.cli import DESCRIPTION as SERVE_DESCRIPTION, add_arguments as add_serve_arguments
+
+        s = sub.add_parser("serve", help=serve_help, description=plain(SERVE_DESCRIPTION),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_serve_arguments(s)
+    else:
+        sub.add_parser("serve", help=serve_help)
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raincheck_hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("chat", help="multi-turn chat with Raincheck", description=__doc__,
-                       formatter_class=_HelpFormatter)
-    add_chat_arguments(c)
-    from .serve.cli import DESCRIPTION as SERVE_DESCRIPTION, add_arguments as add_serve_arguments
-
-    s = sub.add_parser("serve", help="OpenAI-compatible server that keeps each conversation's cache",
-                       description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_arguments(s)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":

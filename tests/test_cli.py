@@ -129,3 +129,94 @@ def test_chat_compile_steps_is_auto_unless_forced(argv, want):
     add_chat_arguments(parser)
     config = chat_config(parser.parse_args(["--mode", "serial", *argv]))
     assert config.compile_steps is want and config.mode == "serial"
+
+
+# ---- the command line before anything loads ------------------------------------------------------
+
+def _imports_after(*argv) -> tuple[int, list[str], str]:
+    """Run ``main(argv)`` in a fresh interpreter: its exit code, which of torch / transformers it imported,
+    and what it printed."""
+    code = ("import sys\nfrom raincheck_hf.__main__ import main\ntry:\n    rc = main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    rc = e.code\n"
+            "print('IMPORTED', [m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)\n"
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    imported = done.stderr.rsplit("IMPORTED ", 1)[1].strip()
+    return done.returncode, eval(imported), done.stdout + done.stderr.rsplit("IMPORTED ", 1)[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["chat", "--help"], ["chat", "--selector", "nope"],
+                                  ["chat", "--chunk-size", "many"]])
+def test_help_and_option_errors_answer_without_importing_torch(argv):
+    code, imported, text = _imports_after(*argv)
+    assert imported == [], f"{argv} imported {imported} before parsing"
+    assert code == (0 if "--help" in argv else 2)
+    assert "Traceback" not in text
+
+
+def test_the_top_level_help_lists_the_commands_and_no_help_shows_rest_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "chat" in top and "serve" in top and "COMMAND --help" in top
+    assert "Without --model it runs" not in top  # the chat command's own text is under `chat --help`
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    chat_help = capsys.readouterr().out
+    assert "Without --model it runs" in chat_help
+    for text in (top, chat_help):
+        assert "``" not in text and "`" not in text
+
+
+def test_the_options_written_out_for_the_help_match_the_config():
+    from raincheck_hf import MODES, RaincheckConfig, available_selectors
+    from raincheck_hf.__main__ import CHAT_DEFAULTS, CHAT_MODES, CHAT_SELECTORS
+
+    assert CHAT_MODES == MODES and list(CHAT_SELECTORS) == available_selectors()
+    defaults = RaincheckConfig()
+    assert CHAT_DEFAULTS == {name: getattr(defaults, name) for name in CHAT_DEFAULTS}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "gpu"], "--device 'gpu' is not a torch device: use cpu, cuda or cuda:N"),
+    (["--device", "cuda"], "--device cuda: CUDA is not available"),
+    (["--device", "cuda:1"], "--device cuda:1: CUDA is not available"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--turns", "-1"], "--turns must be >= 0"),
+    (["--idle-wait", "nan"], "--idle-wait must be a number of seconds >= 0, got nan"),
+    (["--retention", "1.5"], "--retention 1.5 must be a number in [0, 1]"),
+    (["--chunk-size", "0"], "--chunk-size 0 must be an integer >= 1"),
+    (["--decode-guard", "-1"], "--decode-guard -1"),
+    (["--tpot-slack", "-0.5"], "--tpot-slack -0.5"),
+    (["--dialogue", "64"], "--dialogue must be in [0, 63]"),
+    (["--video", "missing.mp4"], "--video: there is no file 'missing.mp4'"),
+    (["--image", "missing.png"], "--image: there is no file 'missing.png'"),
+    (["--save-image", "grid.txt"], "--save-image 'grid.txt': give a file name ending in an image format's"),
+    (["--save-image", "no/such/folder/grid.png"], "there is no folder"),
+    (["--model", "./ckpt-folder-that-is-not-here", "--glyphs"], "--glyphs is for --model tiny"),
+])
+def test_every_bad_option_is_one_line_before_the_model_loads(argv, message, monkeypatch, capsys):
+    import raincheck_hf.__main__ as cli
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "_load", must_not_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    assert main(["chat", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_good_device_passes_the_check(monkeypatch):
+    from raincheck_hf.__main__ import check_device
+
+    assert check_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_device(None) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_device(None) == "cuda" and check_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match=r"there are 2 CUDA devices \(cuda:0 to cuda:1\)"):
+        check_device("cuda:2")

@@ -223,7 +223,8 @@ def test_demo_default_is_the_bundled_glyph_model_with_glyph_examples(app_url):
 
 def test_demo_list_question_streams_restores_during_the_answer_and_the_follow_up_is_right(client, files):
     first_turn, second_turn = LIST_FIRST.turns[:2]
-    final, outputs = ask(client, first_turn.question, files["list"])
+    # 10 ms per token (slow motion): the page shows the text every 0.1 s, so a 60-word answer shows in parts
+    final, outputs = ask(client, first_turn.question, files["list"], slow_motion_ms=10)
     partials = {texts(o[CHAT], "assistant")[-1] for o in outputs if isinstance(o[CHAT], list) and o[CHAT]
                 and o[CHAT][-1]["role"] == "assistant"}
     assert len(partials) >= 3, "the answer did not stream"
@@ -465,6 +466,7 @@ def test_demo_compare_runs_the_four_modes_on_one_selection(client, files):
     texts_ = final[COMPARE_TEXTS]
     assert texts_[1].startswith("**hard** · T1 ") and "reference: " in texts_[1] and "Follow-up" in texts_[1]
     assert final[COMPARE_NOTE].startswith("*Done")
+    assert "Why `full` can have the fastest first token here" in final[COMPARE_NOTE]  # the bundled model, a CPU
 
     final = client.predict(handle_file(files["list"]), "  ", "", api_name="/compare")
     assert "Type a question" in final[COMPARE_NOTE]
@@ -481,13 +483,18 @@ def test_demo_timeline_says_which_patch_came_back_at_which_token(client, files):
     assert during and during[0]["label"] == f"token {GUARD}" and during[0]["count"] == 31  # after the guard, a chunk
     answer_tokens = status["turn_figures"][0]["answer_tokens"]
     assert timeline["steps"] == answer_tokens + sum(s["phase"] == "after" for s in steps)
-    picture, strip, text = client.predict(0, api_name="/timeline")
+    picture, strip, text, caption = client.predict(0, api_name="/timeline")
     assert "the first token" in text and "0 of 70" in text
     assert Path(picture["path"]).is_file() and Path(strip["path"]).is_file()
-    _, _, text = client.predict(GUARD, api_name="/timeline")
-    assert f"generated token {GUARD + 1} of {answer_tokens}" in text and "31 came back in this step" in text
-    _, _, text = client.predict(timeline["steps"] - 1, api_name="/timeline")  # the last step
-    assert "70 of 70" in text
+    # the caption describes the step shown, not the live cache (where every deferred token is back by now)
+    assert "the timeline at the first token" in caption and "30 prefilled first · 70 still deferred then" in caption
+    assert "every deferred token is in the cache" not in caption
+    _, _, text, caption = client.predict(GUARD, api_name="/timeline")  # the slider's value is the decode step
+    assert f"decode step {GUARD} of {answer_tokens - 1}**, which read generated token {GUARD}:" in text
+    assert "31 came back in this step" in text
+    assert f"the timeline at decode step {GUARD}**" in caption and "31 restored during the answer" in caption
+    _, _, text, caption = client.predict(timeline["steps"] - 1, api_name="/timeline")  # the last step
+    assert "70 of 70" in text and "The end of the timeline" in caption
 
     final, _ = ask(client, second.question)  # a follow-up without an image: its row says so
     rows = final[FIGURES]["data"]
@@ -538,3 +545,186 @@ def test_demo_a_question_asked_while_a_model_loads_is_told_so(client, files, mon
     finally:
         release.set()
         app._MODELS.pop("slow-checkpoint", None)
+
+
+# ---- the page's pace, the captions, the legend ---------------------------------------------------
+
+def test_a_streamed_answer_is_shown_at_most_every_so_often():
+    """Per token the page would redraw the picture, the caption, the figures and the JSON panel; that work
+    slowed the answer it showed (demo/README.md has the numbers). `pace` spaces it out."""
+    from demo.app import Step, pace
+
+    now = [0.0]
+    steps = [Step(picture=False)] + [Step(token=True) for _ in range(40)] + [Step(picture="force")]
+
+    def timed():  # a token every 20 ms
+        for step in steps:
+            yield step
+            if step.token:
+                now[0] += 0.02
+
+    shown = list(pace(timed(), text_every=0.1, picture_every=0.5, clock=lambda: now[0]))
+    kinds = [what for what, step in shown]
+    assert shown[0][1] is steps[0] and shown[-1][1] is steps[-1] and kinds[0] == kinds[-1] == "all"
+    tokens = [what for what, step in shown if step.token]
+    assert tokens.count("all") == 2  # at 0 and 0.5 s: the picture, caption and figures
+    assert tokens.count("text") == 6  # at 0.1, 0.2, ... s (not 0.5): the text only
+    assert len(tokens) == 8  # of 40 tokens
+
+
+def test_the_legend_keeps_every_entry_at_count_zero():
+    from demo.app import _legend_lines
+
+    def entries(states):
+        return [text for line in _legend_lines(states, 640) for _, text, _ in line]
+
+    assert entries(["selected"] * 3 + ["deferred"] * 7) == [
+        "prefilled first 3", "deferred 7", "restored during answer 0", "restored after it 0", "dropped 0"]
+    assert entries(["waiting"] * 4)[-1] == "prefilling 4"  # shown only while a turn is being prefilled
+
+
+def test_the_caption_names_the_turn_being_answered_when_it_has_no_image(client, files):
+    ask(client, SMALL.turns[0].question, files["small"])
+    job = client.submit({"text": SMALL.turns[1].question, "files": []}, api_name="/chat", slow_motion_ms=40)
+    job.result(timeout=180)
+    captions = [o[CAPTION] for o in job.outputs() if isinstance(o[CAPTION], str)]
+    answering = [c for c in captions if "answered" in c]
+    assert answering, captions
+    assert "the picture is turn 1's; turn 2 (no new image) is being answered" in answering[0]
+    assert not any("Turn 1** (16 visual tokens): **answering" in c for c in captions)
+
+
+def test_the_share_hint_names_the_flag_and_uploads_are_capped(monkeypatch, capsys):
+    import gradio as gr
+
+    import demo.app as app
+
+    launched = {}
+
+    class Blocks(gr.Blocks):
+        def launch(self, **kwargs):
+            launched.update(kwargs)
+            self.local_url, self.share_url = "http://127.0.0.1:7999/", None
+
+        def block_thread(self):
+            launched["blocked"] = True
+
+    monkeypatch.setattr(app, "build_demo", lambda *args, **kwargs: Blocks())
+    assert app.main(["--port", "7999"]) == 0
+    err = capsys.readouterr().err
+    assert launched["quiet"] and launched["blocked"] and not launched["share"]  # Gradio's own banner is off
+    assert launched["max_file_size"] == app.MediaLimits().max_file_bytes
+    assert "running at http://127.0.0.1:7999/ (this machine only); --share adds a public" in err
+    assert "share=True" not in err
+
+
+# ---- uploads: over a limit or damaged, a message and nothing sent to the model --------------------
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` × ``height`` but whose pixel data is a few bytes: decoding it fails,
+    so a refusal that names the size was decided from the header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 8)) + chunk(b"IEND", b"")
+
+
+def _write_clip(path, frames: int = 8, fps: int = 2, width: int = 64, height: int = 48):
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    from raincheck_hf.tiny import draw_test_video
+
+    video = draw_test_video(num_frames=frames, width=width, height=height, seed=1).permute(0, 2, 3, 1).numpy()
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for array in video:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")))
+        container.mux(stream.encode())
+    return str(path)
+
+
+def test_images_over_the_limits_are_refused_from_their_header(tmp_path):
+    from demo.app import MediaLimits, read_media
+
+    bomb, large = tmp_path / "bomb.png", tmp_path / "large.png"
+    bomb.write_bytes(_png_header(15000, 15000))  # 225 M pixels in a few bytes: Pillow's own limit is 179 M
+    large.write_bytes(_png_header(9000, 9000))  # 81 M: over the demo's 64 M, under Pillow's
+    kind, message, _ = read_media(str(bomb))
+    assert kind is None and "**bomb.png** is an image too large to decode safely" in message
+    assert "this demo takes images up to 64,000,000 pixels" in message and str(tmp_path) not in message
+    kind, message, _ = read_media(str(large))
+    assert kind is None and "9000×9000 = 81,000,000 pixels" in message and "Nothing was decoded" in message
+    good = tmp_path / "good.png"
+    draw_test_image(64, 48, seed=0).save(good)
+    kind, message, _ = read_media(str(good), limits=MediaLimits(max_image_pixels=1000))
+    assert kind is None and "64×48 = 3,072 pixels: this demo takes images up to 1,000 pixels" in message
+    kind, message, _ = read_media(str(good), limits=MediaLimits(max_file_bytes=100))
+    assert kind is None and "this demo takes files up to 100 bytes" in message
+    assert read_media(str(good))[0] == "image"
+
+
+def test_damaged_images_and_videos_get_a_message(tmp_path):
+    import io
+
+    from demo.app import read_media
+
+    buffer = io.BytesIO()
+    draw_test_image(64, 48, seed=0).save(buffer, "PNG")
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    kind, message, _ = read_media(str(truncated))
+    assert kind is None and "**truncated.png** could not be read as an image" in message
+    clip = _write_clip(tmp_path / "clip.mp4")
+    broken = tmp_path / "broken.mp4"
+    data = open(clip, "rb").read()
+    broken.write_bytes(data[: len(data) // 3])
+    kind, message, _ = read_media(str(broken))
+    assert kind is None and "**broken.mp4**" in message and "could not be read as a video" in message
+    assert read_media(clip)[0] == "video"
+
+
+def test_videos_over_the_limits_are_refused_before_decoding(tmp_path):
+    from demo.app import MediaLimits, read_media
+
+    clip = _write_clip(tmp_path / "clip.mp4", frames=8, fps=2)  # 4 s, 64 × 48
+    kind, message, _ = read_media(clip, limits=MediaLimits(max_video_seconds=2))
+    assert kind is None and "**clip.mp4** is a video of 4 s: this demo takes videos up to 2 s" in message
+    kind, message, _ = read_media(clip, limits=MediaLimits(max_frame_pixels=1000))
+    assert kind is None and "64×48 pixels per frame" in message and "up to 1,000 pixels per frame" in message
+    kind, message, _ = read_media(clip, limits=MediaLimits(max_video_frames=3))
+    assert kind is None and "it stopped after 3 frames" in message
+
+
+def test_an_upload_over_a_limit_never_reaches_the_model(client, files, tmp_path):
+    final, _ = ask(client, SMALL.turns[0].question, files["small"])
+    assert final[STATUS]["turns"] == 1
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_header(15000, 15000))
+    final, _ = ask(client, "And this one?", str(bomb))
+    message = texts(final[CHAT], "assistant")[-1]
+    assert "**bomb.png** is an image too large to decode safely" in message
+    assert "Nothing was sent to the model" in message and "Traceback" not in message
+    assert final[STATUS]["turns"] == 1  # the conversation is as it was
+    final, _ = ask(client, SMALL.turns[1].question)
+    assert final[STATUS]["turns"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-new-tokens", "-3"], "--max-new-tokens must be in [1, 512]"),
+                                           (["--slow-motion-ms", "-1"], "--slow-motion-ms must be in [0, 200]"),
+                                           (["--port", "70000"], "--port must be in [1, 65535]")])
+def test_the_demo_command_checks_its_options_before_loading(argv, message, monkeypatch, capsys):
+    import demo.app as app
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the demo was built before its options were checked")
+
+    monkeypatch.setattr(app, "build_demo", must_not_build)
+    with pytest.raises(SystemExit) as exit_:
+        app.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -189,6 +189,7 @@ def test_compare_the_four_modes_side_by_side(app_url, page):
         assert f"**{mode}**" not in page.inner_text(f"#rc-cmp-text-{mode}")  # rendered, not raw markdown
         assert "T1 " in page.inner_text(f"#rc-cmp-text-{mode}")
     assert "facts right" in table and "wrong" in table  # hard loses the follow-up's cell
+    assert "Why full can have the fastest first token here" in page.inner_text("#rc-cmp-note")  # on a CPU
     page.wait_for_timeout(300)
     COMPARE_ARTIFACT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(COMPARE_ARTIFACT), full_page=True)
@@ -245,7 +246,10 @@ def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(
         slider.fill(str(step))
         page.wait_for_function("(t) => document.querySelector('#rc-scrub-text')?.innerText.includes(t)", arg=expected)
         pictures.append(settled_picture(page))
+        # the caption describes the step shown, not the live cache
+        page.wait_for_function("() => document.querySelector('#rc-caption')?.innerText.includes('the timeline at')")
         if step == 16:
+            assert "the timeline at decode step 16" in page.inner_text("#rc-caption")
             TIMELINE_ARTIFACT.parent.mkdir(exist_ok=True)
             page.locator("#rc-picture").scroll_into_view_if_needed()
             page.screenshot(path=str(TIMELINE_ARTIFACT), full_page=True)
@@ -259,5 +263,21 @@ def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(
             break
         time.sleep(0.02)
     assert len(seen) > 5, f"the replay did not step through the timeline: {seen}"
+    toasts = page.locator("[data-testid='toast-body']")
+    assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
+
+
+def test_clicking_an_example_sends_it(app_url, page):
+    """The page says a click on an example is enough: it fills the box and sends the question."""
+    page.goto(app_url)
+    page.wait_for_selector("#rc-input textarea")
+    page.get_by_text("Grid 1 (10×10): list question").first.click()
+    page.wait_for_function("() => document.querySelectorAll(\"#rc-chat [data-testid='bot']\").length >= 2",
+                           timeout=120_000)  # the answer and its reference, without pressing Enter
+    assert "facts right" in page.locator("#rc-chat [data-testid='bot']").nth(1).inner_text()
+    page.get_by_text("Grid 1: follow-up").first.click()
+    page.wait_for_function("() => document.querySelectorAll(\"#rc-chat [data-testid='bot']\").length >= 4",
+                           timeout=120_000)
+    assert page.locator("#rc-chat [data-testid='user']").count() >= 3  # the grid, its question, the follow-up
     toasts = page.locator("[data-testid='toast-body']")
     assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
