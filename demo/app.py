@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from raincheck_hf.__main__ import CheckpointError, locate_checkpoint, plain, resolve_model, unknown_words
+from raincheck_hf.__main__ import plain, unknown_words
+from raincheck_hf.loading import resolve_model
 from raincheck_hf.quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
 
 TINY_MODEL = "tiny-random (built in code)"
@@ -162,29 +163,17 @@ def _load_uncached(key: str) -> LoadedModel:
 
         model = raincheck_hf.enable(build_tiny_qwen3_vl(seed=0))
         return LoadedModel(key, model, build_tiny_processor(max_pixels=TINY_MAX_PIXELS), is_tiny=True)
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from raincheck_hf.loading import LoadError, load_model as load_named
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if key in BUNDLED_LABELS:
-        from raincheck_hf.quality import load_bundled
-
-        try:
-            model, processor = load_bundled(key, device=device)
-        except (FileNotFoundError, OSError) as error:
-            raise ModelLoadError(f"Could not load the bundled model **{key}**: {error}") from error
-        return LoadedModel(key, raincheck_hf.enable(model), processor, is_tiny=False, bundled=True)
-    try:  # within seconds: a folder without a checkpoint, or a Hub id neither cached nor reachable
-        source, local_only = locate_checkpoint(key)
-    except CheckpointError as error:
-        raise ModelLoadError(f"Could not load model **{key}**: {error}") from error
-    try:
-        processor = AutoProcessor.from_pretrained(source, local_files_only=local_only)
-        model = AutoModelForImageTextToText.from_pretrained(
-            source, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa",
-            local_files_only=local_only,
-        ).to(device).eval()
+    bundled = key in BUNDLED_LABELS
+    try:  # a folder without a checkpoint, or a Hub id neither cached nor reachable: within seconds
+        model, processor, _, _ = load_named(key, device, log=lambda text: None)
         raincheck_hf.enable(model)  # unsupported model classes fail here, naming the supported ones
-    except Exception as error:  # OSError (not found / offline), ValueError (unsupported), ...
+    except LoadError as error:
+        raise ModelLoadError(f"Could not load {'the bundled model' if bundled else 'model'} **{key}**: "
+                             f"{' '.join(str(error).split())}") from error
+    except Exception as error:  # ValueError (unsupported), ...
         detail = " ".join(str(error).split())
         detail = detail if len(detail) <= 400 else detail[:400] + " …"
         raise ModelLoadError(
@@ -192,6 +181,8 @@ def _load_uncached(key: str) -> LoadedModel:
             "Qwen3-VL or Qwen3.5 checkpoint (config.json, the *.safetensors weights and the processor's files; "
             "demo/README.md, *A real checkpoint*), or a bundled model: qwen3_vl, qwen3_5."
         ) from error
+    if bundled:
+        return LoadedModel(key, model, processor, is_tiny=False, bundled=True)
     return LoadedModel(key, model, processor, is_tiny=False)
 
 

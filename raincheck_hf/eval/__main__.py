@@ -26,17 +26,12 @@ LABELS = {"first_fact": "turn 1 fact", "first_list": "turn 1 list (item recall)"
 
 
 def _load_model(name: str, device: str):
-    from ..quality.bundled import BUNDLED, load_bundled
+    """A bundled model, ``tiny`` or a checkpoint (`loading.load_model`: a checkpoint in bf16 on CUDA, fp32 on a
+    CPU)."""
+    from ..loading import load_or_exit
 
-    if name in BUNDLED:
-        return load_bundled(name, device=device)
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(name, dtype="auto", attn_implementation="sdpa")
-    if device == "cpu":
-        model = model.float()
-    return model.to(device).eval(), AutoProcessor.from_pretrained(name)
+    loaded = load_or_exit(name, device)
+    return loaded.model, loaded.processor
 
 
 def _load_data(spec: str, limit):

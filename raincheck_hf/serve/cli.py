@@ -148,11 +148,11 @@ def serve(args) -> int:
         raise SystemExit(f"[raincheck] serve needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"")
     import torch
 
-    from ..__main__ import _load, _note_fallbacks
+    from ..loading import load_or_exit, note_fallbacks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, processor, _, _ = _load(args.model, device)
-    _note_fallbacks(model)
+    model, processor, _, _ = load_or_exit(args.model, device)
+    note_fallbacks(model)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
