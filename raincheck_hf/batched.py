@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
@@ -437,7 +436,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
                    raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
                    raincheck_captures=None, **model_kwargs):
     """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring)."""
-    from .generation import RaincheckGenerateOutput
+    from .generation import RaincheckGenerateOutput, choose_next_tokens
 
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
     adapter = get_adapter(model)
@@ -468,19 +467,9 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
     while True:
         full = logits.new_zeros(input_ids.shape[0], logits.shape[-1])
         full[torch.tensor([s.index for s in active], device=full.device)] = logits
-        next_token_logits = full.to(copy=True, dtype=torch.float32, device=input_ids.device)
-        next_token_scores = logits_processor(input_ids, next_token_logits)
-        if scores is not None:
-            scores += (next_token_scores,)
-        if raw_logits is not None:
-            raw_logits += (next_token_logits,)
-        if generation_config.do_sample:
-            probs = nn.functional.softmax(next_token_scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(next_token_scores, dim=-1)
-        if has_eos_stopping_criteria and pad_token_id is not None:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        next_tokens, scores, raw_logits = choose_next_tokens(
+            full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
+            pad_token_id if has_eos_stopping_criteria else None)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         for s in active:
             s.generated += 1

@@ -430,6 +430,27 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
     return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
 
 
+def choose_next_tokens(logits, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
+                       pad_token_id=None):
+    """One step of HF's `_sample` after the forward: ``logits [B, V]`` -> logits processors -> greedy or sampled
+    tokens ``[B]``, finished rows (``unfinished`` 0) given ``pad_token_id`` when it is not None; ``scores`` and
+    ``raw_logits`` (tuples, or None when not returned) extended. Returns ``(tokens, scores, raw_logits)``."""
+    next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+    next_token_scores = logits_processor(input_ids, next_token_logits)
+    if scores is not None:
+        scores += (next_token_scores,)
+    if raw_logits is not None:
+        raw_logits += (next_token_logits,)
+    if generation_config.do_sample:
+        probs = nn.functional.softmax(next_token_scores, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+    else:
+        next_tokens = torch.argmax(next_token_scores, dim=-1)
+    if pad_token_id is not None:
+        next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+    return next_tokens, scores, raw_logits
+
+
 def raincheck_sample(
     model,
     input_ids: torch.LongTensor,
@@ -562,19 +583,9 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
     scheduler = ChunkScheduler(config)
     generated = 0
     while True:
-        next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
-        next_token_scores = logits_processor(input_ids, next_token_logits)
-        if scores is not None:
-            scores += (next_token_scores,)
-        if raw_logits is not None:
-            raw_logits += (next_token_logits,)
-        if generation_config.do_sample:
-            probs = nn.functional.softmax(next_token_scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(next_token_scores, dim=-1)
-        if has_eos_stopping_criteria and pad_token_id is not None:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        next_tokens, scores, raw_logits = choose_next_tokens(
+            logits, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
+            pad_token_id if has_eos_stopping_criteria else None)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         generated += 1
         # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the

@@ -33,13 +33,7 @@ def check_attention_implementation(impl: str | None) -> str:
 
 def visibility_to_attention_mask(visible: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
     """``visible [q, k]`` (bool) -> ``[1, 1, q, k]`` mask for backend ``impl``."""
-    visible = visible[None, None]
-    if impl == "sdpa":
-        return visible
-    if impl == "eager":
-        zero = torch.zeros((), dtype=dtype, device=visible.device)
-        return torch.where(visible, zero, torch.finfo(dtype).min)
-    raise ValueError(check_attention_implementation(impl))
+    return batched_visibility_to_attention_mask(visible[None], impl, dtype)
 
 
 def batched_visibility_to_attention_mask(visible: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
