@@ -16,8 +16,8 @@ from raincheck_hf import Conversation, RaincheckConfig
 from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
-from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
-from families import family_params
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids, video_metadata
+from families import family_model, family_params, family_processor
 from reference import TurnRecord
 
 TOL = 1e-4
@@ -63,11 +63,19 @@ def test_retention_one_and_full_are_stock(family, case):
     assert torch.equal(greedy(model, inputs, n=8, raincheck=RaincheckConfig(mode="full")), stock)
 
 
+# Seconds per temporal patch of the tiny processors' videos (2 frames per patch) at these frame rates: 4, 2.5, 1, 0.5.
+# Qwen2.5-VL spaces a video's temporal positions by tokens_per_second (2 in the tiny config) x those seconds, so
+# at 0.5 and 0.8 fps they run past the text that follows the video; 2 and 4 fps are the ordinary case around it.
+VIDEO_FPS = [0.5, 0.8, 2.0, 4.0]
+
+
 def _low_fps_video_inputs(model, processor, fps: float):
     """One twelve-frame video at ``fps`` and a short question. At 0.5-1 fps (Qwen2.5-VL spaces its temporal
     positions by ``tokens_per_second / fps`` per temporal patch) the video's positions run past the text that
     follows it, so the prompt's largest position is not its last token's."""
     inputs = make_inputs(processor, videos=(draw_test_video(12, 64, 96, seed=5),), text="What happens?", video_fps=fps)
+    if "second_per_grid_ts" in inputs:  # Qwen2.5-VL's processor: temporal patch size / fps
+        assert inputs["second_per_grid_ts"].tolist() == [pytest.approx(2 / fps)]
     return inputs
 
 
@@ -81,38 +89,88 @@ def _positions_run_past_the_text(model, inputs) -> bool:
     return int(positions.max()) > int(positions[:, -1].max())
 
 
+def _assert_stock(out, stock):
+    assert torch.equal(out.sequences, stock.sequences)
+    assert len(out.logits) == len(stock.logits)
+    for i, (got, want) in enumerate(zip(out.logits, stock.logits)):
+        diff = (got - want).abs().max().item()
+        assert diff <= TOL, f"forward {i}: max abs logit diff {diff:.2e}"
+
+
 @pytest.mark.parametrize("family", family_params(), indirect=True)
-@pytest.mark.parametrize("fps", [0.5, 0.8, 2.0])
+@pytest.mark.parametrize("fps", VIDEO_FPS)
 def test_low_fps_video_retention_one_and_full_are_stock(family, fps):
     """Issue 28: stock `generate` puts generated token t at the last prompt token's position + t (it advances
     the position ids column by column), which is not the prompt's largest position + t when a video's temporal
-    positions run past the text after it (Qwen2.5-VL at low fps)."""
+    positions run past the text after it (Qwen2.5-VL at low fps). The eager engine and the fast path's code."""
     fam, model, processor = family
     inputs = _low_fps_video_inputs(model, processor, fps)
-    if fam.name == "qwen2_5_vl" and fps < 1:
-        assert _positions_run_past_the_text(model, inputs)  # the case this test is about
+    if fam.name == "qwen2_5_vl":
+        assert _positions_run_past_the_text(model, inputs) == (fps < 1)  # the case this test is about
     kw = dict(return_dict_in_generate=True, output_logits=True)
     stock = greedy(model, inputs, n=8, **kw)
-    for cfg in (RaincheckConfig(retention=1.0), RaincheckConfig(mode="full")):
-        out = greedy(model, inputs, n=8, raincheck=cfg, **kw)
-        assert torch.equal(out.sequences, stock.sequences)
-        for got, want in zip(out.logits, stock.logits):
-            assert (got - want).abs().max().item() <= TOL
+    for cfg in (RaincheckConfig(retention=1.0, fast_path=False), RaincheckConfig(mode="full", fast_path=False),
+                RaincheckConfig(retention=1.0, fast_path=True)):
+        _assert_stock(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock)
 
 
 @pytest.mark.parametrize("family", family_params(), indirect=True)
-@pytest.mark.parametrize("fps", [0.5, 1.0])
+@pytest.mark.parametrize("fps", VIDEO_FPS)
 def test_low_fps_video_matches_reference_over_two_turns(family, fps):
     """Retention 0.3 on a low-fps video, then a text follow-up (leftovers on its prefill): every forward against
-    the family's slow reference, whose positions are the model's own rope index over the whole dialogue."""
+    the family's slow reference, whose positions are the model's own rope index over the whole dialogue; the
+    eager engine and the fast path's code."""
     fam, model, processor = family
-    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=2)
-    kw = dict(raincheck=cfg, return_dict_in_generate=True, output_logits=True)
-    inputs = [_low_fps_video_inputs(model, processor, fps)]
-    outs = [greedy(model, inputs[0], n=6, **kw)]
-    inputs.append(follow_up(model, processor, outs[0].sequences, text="And then?"))
-    outs.append(greedy(model, inputs[1], n=5, cache=outs[0].cache, **kw))
-    assert_matches(fam, model, [record(i, o) for i, o in zip(inputs, outs)])
+    for fast_path in (False, True):
+        cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=2, fast_path=fast_path)
+        kw = dict(raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+        inputs = [_low_fps_video_inputs(model, processor, fps)]
+        outs = [greedy(model, inputs[0], n=6, **kw)]
+        assert outs[0].raincheck.pending.numel() > 0  # leftovers ride on the follow-up's prefill
+        inputs.append(follow_up(model, processor, outs[0].sequences, text="And then?"))
+        outs.append(greedy(model, inputs[1], n=5, cache=outs[0].cache, **kw))
+        assert_matches(fam, model, [record(i, o) for i, o in zip(inputs, outs)])
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("fps", [0.5, 0.8])
+def test_low_fps_video_follow_up_in_conversation_is_stock_on_the_whole_dialogue(family, fps):
+    """A `Conversation` at retention 1: a low-fps video turn, then a text follow-up. The follow-up's answer equals
+    stock `generate` run on the whole dialogue (the first turn's video, its answer, the follow-up), so the next turn
+    continues where the rope index over the whole dialogue puts it: after the answer's last token, not after the
+    video's largest temporal position."""
+    fam, model, processor = family
+    video = draw_test_video(12, 64, 96, seed=5)
+    kw = dict(output_logits=True, suppress_tokens=no_placeholder_ids(model))
+    with Conversation(model, processor, RaincheckConfig(retention=1.0), max_new_tokens=6, background=False) as conv:
+        conv.ask("What happens?", videos=[video], video_fps=fps, **kw)
+        second = conv.ask("And then?", **kw)
+    sequences = second.output.sequences
+    dialogue = sequences[:, : sequences.shape[1] - second.token_ids.numel()]
+    inputs = dict(_low_fps_video_inputs(model, processor, fps))  # the first turn's video (and its seconds per patch)
+    cfg = model.config
+    inputs.update(input_ids=dialogue, attention_mask=torch.ones_like(dialogue),
+                  mm_token_type_ids=(dialogue == cfg.image_token_id).long() + 2 * (dialogue == cfg.video_token_id).long())
+    stock = greedy(model, inputs, n=6, return_dict_in_generate=True, output_logits=True)
+    _assert_stock(second.output, stock)
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen2_5_vl")))
+def test_low_fps_videos_in_a_batch_are_stock(name):
+    """A batch of two left-padded prompts with videos at 0.5 and 0.8 fps (the batched eager engine): each generated
+    token sits after its own row's last prompt token, as stock `generate` on the same batch puts it."""
+    model, processor = family_model(name), family_processor(name)
+    videos = [draw_test_video(12, 64, 96, seed=5), draw_test_video(8, 64, 64, seed=6)]
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": q}]}],
+                                           add_generation_prompt=True, tokenize=False)
+             for q in ("What happens?", "And here, what is it?")]
+    inputs = processor(text=texts, videos=videos, return_tensors="pt", padding=True, padding_side="left",
+                       videos_kwargs={"video_metadata": [video_metadata(12, 0.5), video_metadata(8, 0.8)]})
+    assert int((inputs["attention_mask"] == 0).sum()) > 0
+    kw = dict(return_dict_in_generate=True, output_logits=True)
+    stock = greedy(model, inputs, n=8, **kw)
+    for cfg in (RaincheckConfig(retention=1.0), RaincheckConfig(mode="full")):
+        _assert_stock(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock)
 
 
 @pytest.mark.parametrize("family", family_params(), indirect=True)
