@@ -260,3 +260,21 @@ def test_moe_experts_decide_whether_steps_can_be_captured(monkeypatch):
     assert adapter.execution_path(RaincheckConfig()) == "eager"
     dense = get_adapter(raincheck_hf.enable(BY_NAME["qwen3_vl"].build(seed=0)))
     assert dense.step_graph_blocker() is None
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("case", ["one_image", "video"])
+def test_prompt_ending_with_a_placeholder_is_refused(family, case):
+    """A prompt cut after its last ``<|image_pad|>`` / ``<|video_pad|>``: the answer would start from a placeholder
+    row (which the selection may defer), and stock `generate` would continue each M-RoPE axis of it separately.
+    A clear error instead of an answer that differs from stock."""
+    _, model, processor = family
+    inputs = dict(make_inputs(processor, **INPUT_CASES[case]))
+    ids = inputs["input_ids"]
+    placeholder = model.config.image_token_id if case == "one_image" else model.config.video_token_id
+    last = int((ids[0] == placeholder).nonzero().max())
+    inputs.update(input_ids=ids[:, : last + 1], attention_mask=inputs["attention_mask"][:, : last + 1])
+    inputs.pop("mm_token_type_ids", None)
+    kind = "image" if case == "one_image" else "video"
+    with pytest.raises(ValueError, match=rf"ends with a <\|{kind}_pad\|> placeholder"):
+        greedy(model, inputs, n=2, raincheck=RaincheckConfig(retention=1.0))

@@ -74,6 +74,15 @@ class QwenVisionLanguageMixin:
         instead of ``get_image_features`` / ``get_video_features``. ``second_per_grid_ts`` (``[n_videos]``,
         Qwen2.5-VL's processor) spaces video frames in time for families whose rope index reads it.
         """
+        if input_ids.numel() > text_prefix and int(input_ids[-1]) in (self.image_token_id, self.video_token_id):
+            # The first token's logits are the last row's, and what follows continues from it: a placeholder there
+            # could be deferred, and stock `generate` would continue each M-RoPE axis of it on its own.
+            kind = "image" if int(input_ids[-1]) == self.image_token_id else "video"
+            raise ValueError(
+                f"the prompt ends with a <|{kind}_pad|> placeholder (id {int(input_ids[-1])}); generate(raincheck=...) "
+                "answers from a prompt that ends with text. Close the image or video with its <|vision_end|> and the "
+                "turn's text, as the processor's chat template does (apply_chat_template(..., add_generation_prompt=True))."
+            )
         device = self.device
         ids = input_ids.to(device)
         embeds = self.text_model.embed_tokens(ids)
@@ -125,7 +134,8 @@ class QwenVisionLanguageMixin:
         # what follows the turn continues from its LAST row, as stock `generate` advances the position ids column by
         # column (and as the rope index over the whole dialogue places the answer): not from the largest position,
         # which a video's temporal ids can exceed (Qwen2.5-VL spaces them by tokens_per_second / fps: at 0.5-1 fps
-        # they run past the text after the video). A turn ends with text, whose three axes agree.
+        # they run past the text after the video). A turn ends with text (checked above), whose three axes agree, so
+        # one number places every generated token (`text_row`) and the next turn.
         next_position = int(positions[:, -1].max()) + 1 if positions.numel() else position_offset
 
         segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
