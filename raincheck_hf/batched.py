@@ -43,12 +43,16 @@ cut of the batch's one tower call (`_row_capture`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache
 
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from .batched_gdn import PackedRowLayout
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
 from .configuration import RaincheckConfig
 from .masking import batched_visibility_to_attention_mask
@@ -89,13 +93,6 @@ def validate_batch(model, config: RaincheckConfig, input_ids: torch.Tensor, kwar
     """What `integration.validate_request` checks beyond the batch-1 checks when ``input_ids`` has B > 1 rows."""
     adapter = get_adapter(model)
     batch = input_ids.shape[0]
-    family = type(model).__name__
-    if adapter.has_linear_attention:
-        raise ValueError(
-            f"generate(raincheck=...) with batch size {batch} runs on the eager engine for attention-only families "
-            f"(Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL); {family} (Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet layers) runs one "
-            "conversation at a time: call generate per prompt."
-        )
     if config.fast_path is True:
         raise ValueError(
             f"RaincheckConfig.fast_path=True with batch size {batch}: the CUDA fast path runs one conversation at a "
@@ -269,7 +266,22 @@ class SequenceState:
         self.row_kinds = torch.cat([self.row_kinds, kinds])
         return keys, self.row_keys
 
-    def to_cache(self, storage: DynamicCache, slot: int, text_config, device) -> DeferredDynamicCache:
+    def layout(self, group: RowGroup | None) -> PackedRowLayout:
+        """How ``group``'s rows split for layers with per-sequence recurrent state: deferred rows first, then input
+        rows or one generated row (recorded while deferred rows are still pending after it)."""
+        if group is None or not len(group):
+            return PackedRowLayout(0, 0, None)
+        kinds = torch.as_tensor(group.kinds, dtype=torch.int8).cpu()
+        n_deferred = int((kinds == DEFERRED).sum())
+        rest = kinds[n_deferred:]
+        if n_deferred and not bool((kinds[:n_deferred] == DEFERRED).all()) or len(set(rest.tolist())) > 1:
+            raise ValueError(f"a packed forward's rows of one sequence are [deferred, input or generated], got "
+                             f"kinds {kinds.tolist()}.")
+        kind = int(rest[0]) if rest.numel() else None
+        return PackedRowLayout(n_deferred, int(rest.numel()), kind, kind == GENERATED and self.num_pending > 0)
+
+    def to_cache(self, storage: DynamicCache, slot: int, text_config, device, adapter=None,
+                 recurrent=None) -> DeferredDynamicCache:
         """This sequence's rows of the shared ``storage`` (batch index ``slot``) as the `DeferredDynamicCache`
         its own batch-1 call would have returned: real rows only, in storage order, with their order keys,
         the pending rows, the source ids fed and the next position."""
@@ -278,7 +290,11 @@ class SequenceState:
         real_host = real.cpu()
         cache.register_rows(self.row_keys[real], self.row_sources[real_host], self.row_kinds[real_host])
         for layer_idx, layer in enumerate(storage.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):  # its state lives in ``recurrent`` (below)
+                continue
             cache.update(layer.keys[slot:slot + 1, :, real], layer.values[slot:slot + 1, :, real], layer_idx)
+        if recurrent is not None:
+            adapter.export_packed_state(recurrent, slot, cache)
         if self.pending is not None:
             cache.add_pending(self.pending)
         cache.drop(self.dropped)
@@ -289,9 +305,11 @@ class SequenceState:
         return cache
 
 
-def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], groups: list[RowGroup | None]):
+def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], groups: list[RowGroup | None],
+                 recurrent=None):
     """One forward over the rows of several sequences: ``groups[b]`` (or None: padding only) of ``states[b]``,
-    whose storage is batch row ``b`` of ``storage``. Returns ``[B, V]`` logits of each group's last row (the
+    whose storage is batch row ``b`` of ``storage`` (and of ``recurrent``, the family's per-sequence recurrent
+    states from `ModelAdapter.packed_states`, for Gated DeltaNet layers). Returns ``[B, V]`` logits of each group's last row (the
     language-model head runs on those rows only; a group that wants none, or a None group, gets zeros), or None
     when no group wants logits."""
     device = adapter.device
@@ -321,14 +339,17 @@ def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], gr
         visible.append(vis)
     mask = batched_visibility_to_attention_mask(torch.stack(visible), adapter.attn_implementation, adapter.dtype)
     ds = [torch.cat(layer) for layer in zip(*deepstack)] if deepstack else None
-    out = adapter.text_model(
-        inputs_embeds=embeds,
-        position_ids=positions,
-        attention_mask=mask,
-        cache=storage,
-        use_cache=True,
-        **adapter.packed_deepstack_kwargs(visual, ds),
-    )
+    scope = adapter.packed_step(recurrent, [s.layout(g) for s, g in zip(states, groups)]) if recurrent is not None \
+        else contextlib.nullcontext()
+    with scope:
+        out = adapter.text_model(
+            inputs_embeds=embeds,
+            position_ids=positions,
+            attention_mask=adapter.text_attention_mask(mask),
+            cache=storage,
+            use_cache=True,
+            **adapter.packed_deepstack_kwargs(visual, ds),
+        )
     wanted = [b for b, g in enumerate(groups) if g is not None and g.want_logits]
     if not wanted:
         return None
@@ -338,6 +359,18 @@ def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], gr
     logits = head.new_zeros(batch, head.shape[-1])
     logits[torch.tensor(wanted, device=device)] = head
     return logits
+
+
+def keep_rows(storage: DynamicCache, recurrent, keep: list[int]) -> None:
+    """Keep only the sequences ``keep`` (batch indices, in that order) in the shared KV storage and the recurrent
+    states: the others leave the forward, and nothing of theirs remains."""
+    index = torch.tensor(keep, dtype=torch.long, device=next((layer.keys.device for layer in storage.layers
+                                                               if getattr(layer, "keys", None) is not None), "cpu"))
+    for layer in storage.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.batch_select_indices(index)
+    if recurrent is not None:
+        recurrent.select(keep)
 
 
 # ---- the call ------------------------------------------------------------------------------------
@@ -445,11 +478,12 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
                              model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
     text_config = model.config.get_text_config()
     storage = DynamicCache(config=text_config)
+    recurrent = adapter.packed_states(len(states))  # Gated DeltaNet states per sequence (None: attention only)
     device = adapter.device
     caches: list[DeferredDynamicCache | None] = [None] * len(states)
 
     # forward 0: each sequence's T ∪ S
-    logits = pack_forward(adapter, storage, states, [s.prefill_group(adapter) for s in states])
+    logits = pack_forward(adapter, storage, states, [s.prefill_group(adapter) for s in states], recurrent)
     for s in states:
         s.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long))
         s.trace.chunk_size_per_forward.append(0)
@@ -482,18 +516,18 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
             done = [k for k, s in enumerate(active) if not bool(unfinished[s.index])]
             if done:
                 for k in done:
-                    caches[active[k].index] = active[k].to_cache(storage, k, text_config, device)
+                    caches[active[k].index] = active[k].to_cache(storage, k, text_config, device, adapter, recurrent)
                 keep = [k for k in range(len(active)) if k not in done]
-                storage.batch_select_indices(torch.tensor(keep, device=device))
+                keep_rows(storage, recurrent, keep)
                 active = [active[k] for k in keep]
         tokens = next_tokens.cpu()
         groups = [s.decode_groups(adapter, config, tokens[s.index]) for s in active]
         if config.mode == "serial" and any(len(g) == 2 for g in groups):
-            pack_forward(adapter, storage, active, [g[0] if len(g) == 2 else None for g in groups])
-        logits = pack_forward(adapter, storage, active, [g[-1] for g in groups])
+            pack_forward(adapter, storage, active, [g[0] if len(g) == 2 else None for g in groups], recurrent)
+        logits = pack_forward(adapter, storage, active, [g[-1] for g in groups], recurrent)
 
     for k, s in enumerate(active):
-        caches[s.index] = s.to_cache(storage, k, text_config, device)
+        caches[s.index] = s.to_cache(storage, k, text_config, device, adapter, recurrent)
     traces = []
     for s, cache in zip(states, caches):
         s.trace.pending = cache.pending_sources

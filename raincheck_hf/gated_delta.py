@@ -693,6 +693,23 @@ class SuffixStateMap:
         self.suffix_length = 0
         self._ready = True
 
+    def restore_suffix(self, leading: LeadingSegment, leading_state: torch.Tensor, rest_map: torch.Tensor,
+                       suffix_length: int, tail: torch.Tensor) -> None:
+        """After `reset_boundary`: a suffix recorded elsewhere (the batched engine's per-sequence record,
+        `batched_gdn.PackedGDNState.export`). ``leading``: its first ``min(t, Kc - 1)`` tokens' inputs;
+        ``leading_state`` S_L ``[B, HV, K, V]``; ``rest_map`` M_R ``[B, HV, K, K]``; ``tail [B, <= Kc - 1, C]``
+        its last pre-conv inputs; ``suffix_length`` t. Copied."""
+        self._require_ready()
+        width = self.params.kernel_size - 1
+        if leading.length != min(suffix_length, width) or tail.shape[1] != min(suffix_length, width):
+            raise ValueError(f"restore_suffix: a suffix of {suffix_length} tokens keeps {min(suffix_length, width)} "
+                             f"leading and tail rows, got {leading.length} and {tail.shape[1]}.")
+        self.leading = leading
+        self.leading_state = leading_state.to(self.leading_state.dtype).clone()
+        self.rest_map = rest_map.to(self.rest_map.dtype).clone()
+        self._tail = tail.to(self._tail.dtype).clone()
+        self.suffix_length = int(suffix_length)
+
     def _require_ready(self) -> None:
         if not self._ready:
             raise RuntimeError("SuffixStateMap: call reset_boundary(state, conv_history) first.")

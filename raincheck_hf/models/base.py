@@ -357,6 +357,20 @@ class ModelAdapter:
         and the leading padding of a prefill without deferred rows."""
         return contextlib.nullcontext()
 
+    # ---- the batched eager engine (`batched.py`): state kept outside KV rows, per sequence ------------
+    def packed_states(self, batch: int):
+        """The per-sequence state of the family's layers that keep it outside KV rows for a packed batch of
+        ``batch`` sequences (with ``select(keep)``), or None when every text layer is attention."""
+        return None
+
+    def packed_step(self, states, layouts):
+        """A context manager around one packed forward's text-model call: those layers run on ``states`` with each
+        sequence's rows laid out as ``layouts[b]`` (`batched_gdn.PackedRowLayout`)."""
+        return contextlib.nullcontext()
+
+    def export_packed_state(self, states, index: int, cache) -> None:
+        """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
+
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
 

@@ -151,6 +151,8 @@ def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
         raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
     if isinstance(ctx, _StaticStepContext):
         return _static_gdn_forward(module, ctx, hidden_states, **kwargs)
+    if isinstance(ctx, _PackedStepContext):
+        return _packed_gdn_forward(module, ctx, hidden_states, **kwargs)
     return _split_gdn_forward(module, original, ctx, hidden_states, **kwargs)
 
 
@@ -315,6 +317,41 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
             elif split.record is not None:
                 state.record(qkv[:, rest], k, v, g[:, rest], beta[:, rest], suffix_length,
                              leading=split.record == "lead")
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(bsz, rows, -1))
+
+
+# ---- the batched eager engine: several sequences in one packed forward (`batched.pack_forward`) -------------
+
+@dataclass
+class _PackedStepContext:
+    """One packed forward of several sequences, as the GDN dispatchers see it: each sequence's states are its row
+    of ``states`` (`batched_gdn.PackedGDNStates`), its rows laid out as ``layouts[b]`` (`PackedRowLayout`)."""
+
+    states: object
+    layouts: list
+    modules: frozenset
+    serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
+    recorded: dict = dataclasses.field(default_factory=dict)
+    thread: int = dataclasses.field(default_factory=threading.get_ident)
+
+    def applies(self) -> bool:
+        return self.thread == threading.get_ident()
+
+
+def _packed_gdn_forward(module, ctx: _PackedStepContext, hidden_states, **kwargs):
+    """``Qwen3_5GatedDeltaNet.forward`` for a packed forward ``[B, W]`` of several sequences: the projections, gates,
+    gated norm and ``out_proj`` are the module's own, each run once over all rows; the recurrent part (chunks from
+    each sequence's boundary, the joins, the rests from each live state, the records) is per sequence, batched
+    over them (`batched_gdn.PackedGDNState.step`), padding rows gated off and kept out of the conv histories."""
+    params = _layer_params(module)
+    bsz, rows, _ = hidden_states.shape
+    qkv = module.in_proj_qkv(hidden_states)
+    z = module.in_proj_z(hidden_states)
+    b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+    state = ctx.states.layer(module.layer_idx, params, qkv.dtype, qkv.device)
+    core = state.step(qkv, a, b, ctx.layouts, params, module_function(module, "torch_chunk_gated_delta_rule"),
+                      module_function(module, "torch_recurrent_gated_delta_rule"))
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
@@ -514,6 +551,25 @@ class GatedDeltaNetMixin:
         if variant.padded_input:
             return True
         return variant.rest_kind != INPUT and rows - variant.n_rest <= RECURRENT_CHUNK_MAX
+
+    # ---- the batched eager engine (`batched.py`) ------------------------------------------------------
+    def packed_states(self, batch: int):
+        from ..batched_gdn import PackedGDNStates
+
+        return PackedGDNStates(batch)
+
+    def packed_step(self, states, layouts):
+        if self._gdn_modules:
+            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
+        return _static_gdn_scope(self._gdn_modules, _PackedStepContext(
+            states, list(layouts), frozenset(id(m) for m in self._gdn_modules)))
+
+    def export_packed_state(self, states, index: int, cache) -> None:
+        from ..cache_utils import deferred_linear_layer
+
+        for module in self._gdn_modules:
+            layer = deferred_linear_layer(cache, module.layer_idx)
+            states.layers[module.layer_idx].export(index, layer, _layer_params(module))
 
     def static_step(self, cache, step_info, variant: StaticSplit):
         if self._gdn_modules:

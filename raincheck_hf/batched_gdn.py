@@ -1,0 +1,280 @@
+"""Gated DeltaNet states of several sequences in one packed forward (`batched.pack_forward`), eager engine.
+
+docs/method.md §4 per sequence, batched over the sequences: row ``b`` of every tensor here is sequence
+``b`` of the packed forward (its live state and conv history, its boundary, its leading-segment record and
+suffix map), and its suffix length is a host integer of its own. A packed forward gives each sequence
+``[deferred chunk (d_b rows), rest (r_b rows: input rows or one generated row), padding]``
+(`PackedRowLayout`); `PackedGDNState.step` runs one GDN layer's recurrent part for all of them at once:
+
+1. the chunks, from each sequence's boundary ``(S_b, h_b)``: rows ``[0, max d)`` of every sequence that has
+   one, the rows after its own ``d_b`` gated off (``g = 0, beta = 0`` leaves a state unchanged) and, since they
+   come after its real rows, never read by a real row's conv; ``h_b'`` is the last ``Kc - 1`` of
+   ``[h_b, its d_b rows]``, gathered per sequence;
+2. the join, per sequence: its leading segment (``min(t_b, Kc - 1)`` recorded tokens, the others gated off)
+   recomputed from ``h_b'`` and applied to ``S_b'``, then ``S_live += M_R (S_L' - S_L)``; the live conv window
+   follows ``h_b'`` while ``t_b < Kc - 1``;
+3. the rests, from each sequence's (corrected) live state: its ``r_b`` rows gathered to the front, padding
+   after them gated off and kept out of the conv history; then, per sequence, the boundary moves after input
+   rows, or a generated row is recorded (a leading token, or ``M_R <- A_t M_R``) while deferred rows wait.
+
+Everything is the same algebra as the batch-1 engine (`gated_delta`, transformers' own chunked / recurrent
+rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
+Sequences leave with `select` (the rows of the others are kept; nothing of a departed one remains).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache_utils import GENERATED, INPUT
+from .gated_delta import (
+    GDNLayerParams,
+    LeadingSegment,
+    SuffixStateMap,
+    advance_state,
+    causal_conv_with_history,
+    gdn_factors,
+    gdn_gates,
+    history_to_hf_conv_state,
+    identity_map,
+    join_state,
+    update_suffix_map,
+)
+
+__all__ = ["PackedGDNState", "PackedGDNStates", "PackedRowLayout"]
+
+
+@dataclass(frozen=True)
+class PackedRowLayout:
+    """One sequence's rows in one packed forward: ``n_deferred`` deferred rows first, then ``n_rest`` rows of
+    ``rest_kind`` (INPUT, GENERATED, or None when there are none), then padding. ``record``: the generated row
+    is recorded into the suffix (deferred rows are still pending after this forward)."""
+
+    n_deferred: int
+    n_rest: int
+    rest_kind: int | None
+    record: bool = False
+
+
+def _split_heads(y: torch.Tensor, p: GDNLayerParams):
+    """Conv outputs ``[B, T, C]`` -> ``q, k [B, T, HK, K]``, ``v [B, T, HV, V]`` (channels ``[q | k | v]``)."""
+    bsz, seq, _ = y.shape
+    q, k, v = torch.split(y, [p.key_dim, p.key_dim, p.value_dim], dim=-1)
+    return (q.reshape(bsz, seq, p.num_k_heads, p.head_k_dim), k.reshape(bsz, seq, p.num_k_heads, p.head_k_dim),
+            v.reshape(bsz, seq, p.num_v_heads, p.head_v_dim))
+
+
+def _gate_off(g: torch.Tensor, beta: torch.Tensor, valid: torch.Tensor):
+    """``g = 0, beta = 0`` where ``valid [B, T]`` is False: the delta rule leaves the state unchanged there."""
+    v = valid[..., None]
+    return torch.where(v, g, torch.zeros_like(g)), torch.where(v, beta, torch.zeros_like(beta))
+
+
+def _last_window(history: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the last ``Kc - 1`` rows of ``[history, x[:, :ends[b]]]``: ``history [B, w, C]``, ``x [B, T, C]``,
+    ``ends [B]`` (long, on the device)."""
+    width = history.shape[1]
+    joined = torch.cat([history, x.to(history.dtype)], dim=1)
+    index = ends[:, None] + torch.arange(width, device=ends.device)[None]
+    return joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
+
+
+class PackedGDNState:
+    """One GDN layer's states of ``batch`` sequences (docs/method.md §4), row ``b`` for sequence ``b``.
+
+    Tensors (fp32 states, pre-conv inputs and gate inputs in the model's dtype):
+        state ``[B, HV, K, V]``, conv ``[B, Kc - 1, C]``: live recurrent state and conv history;
+        boundary_state / boundary_conv: S_b and h_b; leading_state: S_L;
+        leading_qkv ``[B, Kc - 1, C]``, leading_a / leading_b ``[B, Kc - 1, HV]``: the first ``Kc - 1`` suffix
+        tokens' ``in_proj_qkv`` / ``in_proj_a`` / ``in_proj_b`` outputs (slot ``j``: suffix token ``j``);
+        rest_map ``[B, HV, K, K]``: M_R.
+    ``suffix_length``: per sequence, the generated tokens recorded since its boundary (host ints).
+    """
+
+    _NAMES = ("state", "conv", "boundary_state", "boundary_conv", "leading_state", "leading_qkv", "leading_a",
+              "leading_b", "rest_map")
+
+    def __init__(self, batch: int, params: GDNLayerParams, dtype: torch.dtype, device):
+        p = params
+        hv, dk, dv, width = p.num_v_heads, p.head_k_dim, p.head_v_dim, p.kernel_size - 1
+        f32 = dict(dtype=torch.float32, device=device)
+        own = dict(dtype=dtype, device=device)
+        self.width = width
+        self.state = torch.zeros(batch, hv, dk, dv, **f32)
+        self.conv = torch.zeros(batch, width, p.conv_dim, **own)
+        self.boundary_state = torch.zeros(batch, hv, dk, dv, **f32)
+        self.boundary_conv = torch.zeros(batch, width, p.conv_dim, **own)
+        self.leading_state = torch.zeros(batch, hv, dk, dv, **f32)
+        self.leading_qkv = torch.zeros(batch, width, p.conv_dim, **own)
+        self.leading_a = torch.zeros(batch, width, hv, **own)
+        self.leading_b = torch.zeros(batch, width, hv, **own)
+        self.rest_map = identity_map(batch, hv, dk, device=device)
+        self.suffix_length = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.suffix_length)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the sequences ``keep`` (in that order); the others' rows are gone."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.state.device)
+        for name in self._NAMES:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.suffix_length = [self.suffix_length[k] for k in keep]
+
+    # ---- one forward ------------------------------------------------------------------------
+    def step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layouts: list[PackedRowLayout],
+             params: GDNLayerParams, chunk_rule, recurrent_rule) -> torch.Tensor:
+        """The recurrent part of one GDN layer for a packed forward: ``qkv [B, W, C]`` (``in_proj_qkv``), ``a, b
+        [B, W, HV]`` (``in_proj_a`` / ``in_proj_b``), the rows laid out per sequence as ``layouts[b]`` says.
+        Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows); updates every sequence's states."""
+        bsz, rows, _ = qkv.shape
+        if len(layouts) != bsz or bsz != self.batch:
+            raise ValueError(f"a packed GDN step got {len(layouts)} layouts for {bsz} rows of a {self.batch}-sequence "
+                             "state.")
+        device = qkv.device
+        p = params
+        g, beta = gdn_gates(a, b, p)
+        core = torch.zeros(bsz, rows, p.num_v_heads, p.head_v_dim, dtype=qkv.dtype, device=device)
+
+        chunked = [i for i, lay in enumerate(layouts) if lay.n_deferred]
+        if chunked:
+            self._chunks(qkv, g, beta, layouts, chunked, p, chunk_rule, recurrent_rule, core)
+        rested = [i for i, lay in enumerate(layouts) if lay.n_rest]
+        if rested:
+            self._rests(qkv, a, b, g, beta, layouts, rested, p, chunk_rule, recurrent_rule, core)
+        return core
+
+    def _rule(self, single: bool, chunk_rule, recurrent_rule, q, k, v, g, beta, state):
+        # transformers' module runs the recurrent rule for one row on a cached state, the chunked rule otherwise
+        fn = recurrent_rule if single else chunk_rule
+        return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def _chunks(self, qkv, g, beta, layouts, seqs, p, chunk_rule, recurrent_rule, core):
+        """Step 1 and 2 of the module docstring for the sequences ``seqs`` (each with deferred rows)."""
+        device = qkv.device
+        idx = torch.tensor(seqs, dtype=torch.long, device=device)
+        lengths = torch.tensor([layouts[i].n_deferred for i in seqs], dtype=torch.long, device=device)
+        width = int(lengths.max())
+        x = qkv.index_select(0, idx)[:, :width]
+        valid = torch.arange(width, device=device)[None] < lengths[:, None]
+        history = self.boundary_conv.index_select(0, idx)
+        y = causal_conv_with_history(x, history, p.conv_weight, p.conv_bias, p.activation)
+        q, k, v = _split_heads(y, p)
+        gc, bc = _gate_off(g.index_select(0, idx)[:, :width], beta.index_select(0, idx)[:, :width], valid)
+        out, boundary_state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, gc, bc,
+                                         self.boundary_state.index_select(0, idx))
+        for j, i in enumerate(seqs):  # each sequence's chunk rows of the core output
+            core[i, :layouts[i].n_deferred] = out[j, :layouts[i].n_deferred].to(core.dtype)
+        boundary_conv = _last_window(history, x, lengths)
+        # the join: leading segments recomputed from h_b' and applied to S_b'
+        suffix = torch.tensor([self.suffix_length[i] for i in seqs], dtype=torch.long, device=device)
+        lead = suffix.clamp(max=self.width)
+        lead_qkv = self.leading_qkv.index_select(0, idx)
+        factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, idx),
+                              self.leading_b.index_select(0, idx), p)
+        lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
+        lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
+        repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
+        live = join_state(self.state.index_select(0, idx), self.rest_map.index_select(0, idx), self.leading_state.index_select(0, idx), repaired)
+        self.state.index_copy_(0, idx, live.to(self.state.dtype))
+        self.leading_state.index_copy_(0, idx, repaired.to(self.leading_state.dtype))
+        self.boundary_state.index_copy_(0, idx, boundary_state.to(self.boundary_state.dtype))
+        self.boundary_conv.index_copy_(0, idx, boundary_conv)
+        # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1
+        short = lead < self.width
+        if bool(short.any()):
+            window = _last_window(boundary_conv, lead_qkv, lead)
+            conv = torch.where(short[:, None, None], window, self.conv.index_select(0, idx))
+            self.conv.index_copy_(0, idx, conv)
+
+    def _rests(self, qkv, a, b, g, beta, layouts, seqs, p, chunk_rule, recurrent_rule, core):
+        """Step 3 of the module docstring for the sequences ``seqs`` (each with input rows or a generated row)."""
+        device = qkv.device
+        idx = torch.tensor(seqs, dtype=torch.long, device=device)
+        starts = torch.tensor([layouts[i].n_deferred for i in seqs], dtype=torch.long, device=device)
+        lengths = torch.tensor([layouts[i].n_rest for i in seqs], dtype=torch.long, device=device)
+        width = int(lengths.max())
+        steps = torch.arange(width, device=device)[None]
+        valid = steps < lengths[:, None]
+        pos = starts[:, None] + torch.minimum(steps, lengths[:, None] - 1)  # [s, width], clamped into its own rows
+
+        def gather(t):
+            t = t.index_select(0, idx)
+            return t.gather(1, pos.view(*pos.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+        x, xa, xb, xg, xbeta = gather(qkv), gather(a), gather(b), gather(g), gather(beta)
+        history = self.conv.index_select(0, idx)
+        y = causal_conv_with_history(x, history, p.conv_weight, p.conv_bias, p.activation)
+        q, k, v = _split_heads(y, p)
+        rg, rb = _gate_off(xg, xbeta, valid)
+        out, state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, rg, rb, self.state.index_select(0, idx))
+        for j, i in enumerate(seqs):
+            lay = layouts[i]
+            core[i, lay.n_deferred:lay.n_deferred + lay.n_rest] = out[j, :lay.n_rest].to(core.dtype)
+        conv = _last_window(history, x, lengths)
+        self.state.index_copy_(0, idx, state.to(self.state.dtype))
+        self.conv.index_copy_(0, idx, conv)
+        for j, i in enumerate(seqs):
+            lay = layouts[i]
+            one = slice(j, j + 1)
+            if lay.rest_kind == INPUT:  # the boundary moves after a turn's input rows
+                self.boundary_state[i] = self.state[i]
+                self.leading_state[i] = self.state[i]
+                self.boundary_conv[i] = self.conv[i]
+                self.rest_map[i] = torch.eye(p.head_k_dim, dtype=self.rest_map.dtype, device=device)
+                self.suffix_length[i] = 0
+            elif lay.rest_kind == GENERATED and lay.record:
+                # the token's factors from the conv window before it, as `SuffixStateMap.append_suffix` computes them
+                f = gdn_factors(x[one, :1], history[one], xa[one, :1], xb[one, :1], p)
+                t = self.suffix_length[i]
+                if t < self.width:  # a leading token: S_L advances by it
+                    self.leading_qkv[i, t] = x[j, 0]
+                    self.leading_a[i, t] = xa[j, 0]
+                    self.leading_b[i, t] = xb[j, 0]
+                    self.leading_state[i] = advance_state(self.leading_state[i:i + 1], f.k, f.v, f.g, f.beta)[0]
+                else:
+                    self.rest_map[i] = update_suffix_map(self.rest_map[i:i + 1], f.k, f.g, f.beta)[0]
+                self.suffix_length[i] = t + 1
+
+    # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
+    def export(self, i: int, layer, params: GDNLayerParams) -> None:
+        """Write sequence ``i``'s states into ``layer`` (an empty `cache_utils.DeferredLinearAttentionLayer` of its
+        own cache): the live conv window (HF's ``[1, C, Kc]`` layout) and recurrent state, and the boundary record
+        (`SuffixStateMap`) that a later join at its boundary needs."""
+        k = params.kernel_size
+        layer.update_conv_state(history_to_hf_conv_state(self.conv[i:i + 1], k))  # first update: stored as given
+        layer.update_recurrent_state(self.state[i:i + 1].clone())
+        smap = SuffixStateMap(params)
+        smap.reset_boundary(self.boundary_state[i:i + 1], self.boundary_conv[i:i + 1])
+        t = self.suffix_length[i]
+        lead = min(t, self.width)
+        smap.restore_suffix(
+            leading=LeadingSegment(self.leading_qkv[i:i + 1, :lead].clone(), self.leading_a[i:i + 1, :lead].clone(),
+                                   self.leading_b[i:i + 1, :lead].clone()),
+            leading_state=self.leading_state[i:i + 1], rest_map=self.rest_map[i:i + 1], suffix_length=t,
+            tail=(self.leading_qkv[i:i + 1, :t] if t < self.width else self.conv[i:i + 1]))
+        layer.suffix_map = smap
+
+
+class PackedGDNStates:
+    """Every GDN layer's `PackedGDNState` of a packed batch of ``batch`` sequences (created at the layer's first
+    packed forward, from its parameters)."""
+
+    def __init__(self, batch: int):
+        self.batch = int(batch)
+        self.layers: dict[int, PackedGDNState] = {}
+
+    def layer(self, layer_idx: int, params: GDNLayerParams, dtype: torch.dtype, device) -> PackedGDNState:
+        state = self.layers.get(layer_idx)
+        if state is None:
+            state = self.layers[layer_idx] = PackedGDNState(self.batch, params, dtype, device)
+        return state
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the sequences ``keep`` (in that order) in every layer."""
+        for state in self.layers.values():
+            state.select(keep)
+        self.batch = len(keep)
