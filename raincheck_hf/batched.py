@@ -1,4 +1,4 @@
-"""Batched `generate(raincheck=...)`: several sequences' rows in one forward (eager engine, attention-only text).
+"""Batched `generate(raincheck=...)`: several sequences' rows in one forward (eager engine, every family).
 
 ``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here from
 `generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
@@ -35,8 +35,13 @@ Designed for a continuous-batching scheduler to build on: `SequenceState` is all
 and `pack_forward` takes any list of them with one `RowGroup` each; this module's `batched_sample` is one
 scheduler (every sequence joins at step 0 and leaves when it finishes).
 
-Not here (refused before any compute by `validate_batch`): Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE),
-the CUDA fast path (``fast_path=True``; ``fast_path=None`` takes this eager engine for B > 1), continuing a
+Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): their GDN layers keep no KV rows; each sequence's recurrent
+states are its row of `batched_gdn.PackedGDNStates` (``recurrent`` here, from `ModelAdapter.packed_states`), and
+`pack_forward` gives the family each sequence's row layout (`SequenceState.layout`: deferred rows, then input
+rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
+A finished sequence leaves them with its storage row (`keep_rows`); its cache gets its states and boundary record.
+
+Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``; ``fast_path=None`` takes this eager engine for B > 1), continuing a
 cache, and a keep-mask tensor as selector. VisionZip (which reads the vision tower's last block) gets each row's
 cut of the batch's one tower call (`_row_capture`).
 """

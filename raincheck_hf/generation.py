@@ -17,7 +17,8 @@ One call, top to bottom:
 
 A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batched.batched_sample`: the eager
 engine with every row's rows packed into one forward per step, each row planned and scheduled as its own call
-(attention-only families; Qwen3.5 and the CUDA fast path run one conversation at a time).
+(every family; Qwen3.5's Gated DeltaNet states per row, `batched_gdn.py`; the CUDA fast path runs one
+conversation at a time, so a batch takes the eager engine).
 """
 
 from __future__ import annotations
