@@ -158,9 +158,10 @@ def test_rows_match_alone(name, mode):
         assert out.raincheck[0].restored_during_decode > 0
 
 
-def test_eager_attention_backend():
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_eager_attention_backend(name):
     """The additive float mask of ``attn_implementation="eager"`` (padding rows see only themselves there too)."""
-    model, processor = family_model("qwen3_vl", "eager"), family_processor("qwen3_vl")
+    model, processor = family_model(name, "eager"), family_processor(name)
     cfg = RaincheckConfig(chunk_size=2, decode_guard=0, retention=0.2)
     out = assert_rows_match_alone(model, processor, [TWO_IMAGES, TEXT, IMAGE], cfg, n=6, output_scores=True)
     assert len(out.scores) == len(out.logits) and out.scores[0].shape == out.logits[0].shape
@@ -174,7 +175,7 @@ def test_video_rows(name):
                             cfg)
 
 
-@pytest.mark.parametrize("name", family_params(ATTENTION_FAMILIES))
+@pytest.mark.parametrize("name", family_params(ALL_FAMILIES))
 def test_visionzip_rows(name):
     """VisionZip reads the vision tower's last block: each row gets its cut of the batch's one tower call."""
     model, processor = family_model(name), family_processor(name)
@@ -238,10 +239,11 @@ class _Ban(LogitsProcessor):
         return scores
 
 
-def test_streamer_and_logits_processor_as_stock():
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_streamer_and_logits_processor_as_stock(name):
     """The streamer gets the prompt batch, then one ``[B]`` token per step, then end (stock batched generate's
     calls); logits processors get ``[B, V]`` scores; the result matches each row alone with the same processor."""
-    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    model, processor = family_model(name), family_processor(name)
     rows = [IMAGE, TEXT]
     inputs = batched_inputs(processor, rows)
     cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
@@ -259,9 +261,10 @@ def test_streamer_and_logits_processor_as_stock():
     assert_rows_match_alone(model, processor, rows, cfg, n=6, logits_processor=LogitsProcessorList([_Ban(banned)]))
 
 
-def test_sampling():
+@pytest.mark.parametrize("name", family_params(("qwen3_vl_moe", "qwen3_5_moe")))
+def test_sampling(name):
     """Seeded batched sampling is reproducible; top_k=1 sampling is the greedy answer of every row."""
-    model, processor = family_model("qwen3_vl_moe"), family_processor("qwen3_vl_moe")
+    model, processor = family_model(name), family_processor(name)
     inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT])
     cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
     runs = []
@@ -384,3 +387,62 @@ def test_fuzz_rows_match_alone(seed):
         probe = run(model, make_inputs(processor, **rows[probe_row]), cfg, n)
         kw["eos_token_id"] = int(probe.sequences[0, -rng.randint(1, n)])
     assert_rows_match_alone(model, processor, rows, cfg, n=n, **kw)
+
+
+# ---- the per-sequence Gated DeltaNet states of a packed forward, directly ------------------------------------
+
+def test_packed_gdn_state_rows_are_independent():
+    """`PackedGDNState.step` on three sequences with different layouts, garbage in every padding row, equals
+    each sequence stepped alone without padding (outputs and every state tensor), over a prefill, fused and
+    chunk-only forwards with records into the leading segment and the suffix map; a sequence with no rows in a
+    forward (padding only) keeps its states bit for bit; a sequence that leaves takes its rows with it."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from raincheck_hf.batched_gdn import PackedGDNState, PackedRowLayout as L
+    from raincheck_hf.cache_utils import DEFERRED as D, GENERATED as G, INPUT as I
+    from raincheck_hf.gated_delta import GDNLayerParams
+
+    gen = torch.Generator().manual_seed(42)
+    hk, hv, dk, dv = 1, 2, 8, 6
+    conv_dim = 2 * hk * dk + hv * dv
+    params = GDNLayerParams(conv_weight=0.5 * torch.randn(conv_dim, 1, 4, generator=gen),
+                            A_log=torch.log(torch.empty(hv).uniform_(0.01, 0.1, generator=gen)),
+                            dt_bias=torch.randn(hv, generator=gen), num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
+                            head_v_dim=dv)
+    rules = (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
+    steps = [  # per forward, per sequence: (deferred rows, rest rows, rest kind, record)
+        [L(0, 5, I), L(0, 2, I), L(0, 7, I)],
+        [L(0, 1, G, True), L(0, 1, G, True), L(0, 0, None)],
+        [L(3, 1, G, True), L(0, 1, G, True), L(2, 1, G, True)],
+        [L(0, 1, G, True), L(0, 1, G, True), L(0, 1, G, True)],
+        [L(2, 0, None), L(0, 0, None), L(1, 0, None)],  # serial mode's chunk forward
+        [L(0, 1, G, True), L(1, 1, G, False), L(0, 1, G, True)],
+        [L(4, 1, G, False), L(0, 0, None), L(0, 1, G, True)],
+    ]
+    packed = PackedGDNState(3, params, torch.float32, "cpu")
+    alone = [PackedGDNState(1, params, torch.float32, "cpu") for _ in range(3)]
+    for layouts in steps:
+        width = max(lay.n_deferred + lay.n_rest for lay in layouts)
+        qkv = 1e3 * torch.randn(3, width, conv_dim, generator=gen)  # garbage wherever a row is padding
+        a, b = 1e3 * torch.randn(3, width, hv, generator=gen), 1e3 * torch.randn(3, width, hv, generator=gen)
+        real = [lay.n_deferred + lay.n_rest for lay in layouts]
+        for i, n in enumerate(real):
+            qkv[i, :n] = torch.randn(n, conv_dim, generator=gen)
+            a[i, :n], b[i, :n] = torch.randn(n, hv, generator=gen), torch.randn(n, hv, generator=gen)
+        before = [[getattr(packed, name)[i].clone() for name in PackedGDNState._NAMES] for i in range(3)]
+        core = packed.step(qkv, a, b, layouts, params, *rules)
+        for i, (lay, n) in enumerate(zip(layouts, real)):
+            assert bool((core[i, n:] == 0).all())
+            if not n:
+                assert all(torch.equal(getattr(packed, name)[i], was)
+                           for name, was in zip(PackedGDNState._NAMES, before[i]))
+                continue
+            want = alone[i].step(qkv[i:i + 1, :n], a[i:i + 1, :n], b[i:i + 1, :n], [lay], params, *rules)
+            _close(core[i, :n], want[0], f"sequence {i} outputs")
+            for name in PackedGDNState._NAMES:
+                _close(getattr(packed, name)[i], getattr(alone[i], name)[0], f"sequence {i} {name}")
+            assert packed.suffix_length[i] == alone[i].suffix_length[0]
+    assert packed.suffix_length == [4, 3, 4]  # records into the suffix map past the three leading slots
+    kept = packed.state[[0, 2]].clone()
+    packed.select([0, 2])
+    assert packed.batch == 2 and torch.equal(packed.state, kept)
