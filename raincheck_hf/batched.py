@@ -41,9 +41,10 @@ states are its row of `batched_gdn.PackedGDNStates` (``recurrent`` here, from `M
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
 A finished sequence leaves them with its storage row (`keep_rows`); its cache gets its states and boundary record.
 
-Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``; ``fast_path=None`` takes this eager engine for B > 1), continuing a
-cache, and a keep-mask tensor as selector. VisionZip (which reads the vision tower's last block) gets each row's
-cut of the batch's one tower call (`_row_capture`).
+Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``;
+``fast_path=None`` takes this eager engine for B > 1), continuing a cache, and a keep-mask tensor as selector.
+VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
+(`_row_capture`).
 """
 
 from __future__ import annotations
@@ -314,9 +315,9 @@ def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], gr
                  recurrent=None):
     """One forward over the rows of several sequences: ``groups[b]`` (or None: padding only) of ``states[b]``,
     whose storage is batch row ``b`` of ``storage`` (and of ``recurrent``, the family's per-sequence recurrent
-    states from `ModelAdapter.packed_states`, for Gated DeltaNet layers). Returns ``[B, V]`` logits of each group's last row (the
-    language-model head runs on those rows only; a group that wants none, or a None group, gets zeros), or None
-    when no group wants logits."""
+    states from `ModelAdapter.packed_states`, for Gated DeltaNet layers). Returns ``[B, V]`` logits of each
+    group's last row (the language-model head runs on those rows only; a group that wants none, or a None group,
+    gets zeros), or None when no group wants logits."""
     device = adapter.device
     width = max(len(g) for g in groups if g is not None)
     batch = len(states)

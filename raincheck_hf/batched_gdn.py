@@ -178,7 +178,8 @@ class PackedGDNState:
         lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
         lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
         repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
-        live = join_state(self.state.index_select(0, idx), self.rest_map.index_select(0, idx), self.leading_state.index_select(0, idx), repaired)
+        live = join_state(self.state.index_select(0, idx), self.rest_map.index_select(0, idx),
+                          self.leading_state.index_select(0, idx), repaired)
         self.state.index_copy_(0, idx, live.to(self.state.dtype))
         self.leading_state.index_copy_(0, idx, repaired.to(self.leading_state.dtype))
         self.boundary_state.index_copy_(0, idx, boundary_state.to(self.boundary_state.dtype))
@@ -210,7 +211,8 @@ class PackedGDNState:
         y = causal_conv_with_history(x, history, p.conv_weight, p.conv_bias, p.activation)
         q, k, v = _split_heads(y, p)
         rg, rb = _gate_off(xg, xbeta, valid)
-        out, state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, rg, rb, self.state.index_select(0, idx))
+        out, state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, rg, rb,
+                                self.state.index_select(0, idx))
         for j, i in enumerate(seqs):
             lay = layouts[i]
             core[i, lay.n_deferred:lay.n_deferred + lay.n_rest] = out[j, :lay.n_rest].to(core.dtype)
