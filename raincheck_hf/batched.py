@@ -55,7 +55,6 @@ from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache
-
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
@@ -370,11 +369,11 @@ def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], gr
 def keep_rows(storage: DynamicCache, recurrent, keep: list[int]) -> None:
     """Keep only the sequences ``keep`` (batch indices, in that order) in the shared KV storage and the recurrent
     states: the others leave the forward, and nothing of theirs remains."""
-    index = torch.tensor(keep, dtype=torch.long, device=next((layer.keys.device for layer in storage.layers
-                                                               if getattr(layer, "keys", None) is not None), "cpu"))
+    index = torch.tensor(keep, dtype=torch.long)
     for layer in storage.layers:
-        if not isinstance(layer, LinearAttentionCacheLayerMixin):
-            layer.batch_select_indices(index)
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):  # (a model split by accelerate: per device)
+            keys = getattr(layer, "keys", None)
+            layer.batch_select_indices(index if keys is None else index.to(keys.device))
     if recurrent is not None:
         recurrent.select(keep)
 
