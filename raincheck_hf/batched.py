@@ -474,7 +474,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
                    raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
                    raincheck_captures=None, **model_kwargs):
     """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring)."""
-    from .generation import RaincheckGenerateOutput, choose_next_tokens
+    from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
     adapter = get_adapter(model)
@@ -493,14 +493,8 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
         s.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long))
         s.trace.chunk_size_per_forward.append(0)
 
-    return_dict = generation_config.return_dict_in_generate
-    scores = () if (return_dict and generation_config.output_scores) else None
-    raw_logits = () if (return_dict and generation_config.output_logits) else None
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    pad_token_id = generation_config._pad_token_tensor
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
-    leaves = has_eos_stopping_criteria and pad_token_id is not None  # a finished row's tokens are pads from then on
+    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
+    leaves = finished_pad is not None  # a finished row's tokens are pads from then on
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     active = list(states)  # the sequences in the forward, in storage batch order
     while True:
@@ -508,7 +502,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
         full[torch.tensor([s.index for s in active], device=full.device)] = logits
         next_tokens, scores, raw_logits = choose_next_tokens(
             full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
-            pad_token_id if has_eos_stopping_criteria else None)
+            finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         for s in active:
             s.generated += 1
@@ -539,7 +533,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
         traces.append(s.trace)
     if streamer is not None:
         streamer.end()
-    if not return_dict:
+    if not generation_config.return_dict_in_generate:
         return input_ids
     return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
                                    raincheck=traces)

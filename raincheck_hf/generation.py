@@ -431,6 +431,19 @@ def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> De
     return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
 
 
+def sampling_setup(input_ids, stopping_criteria, generation_config):
+    """What HF's `_sample` sets up before its loop: ``(scores, raw_logits, finished_pad)``, the first two empty
+    tuples when returned (else None), ``finished_pad`` the pad token (on ``input_ids``' device) that finished rows
+    get when an EOS criterion stops rows and a pad token is set, else None."""
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if (return_dict and generation_config.output_scores) else None
+    raw_logits = () if (return_dict and generation_config.output_logits) else None
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad_token_id = generation_config._pad_token_tensor
+    finished_pad = pad_token_id.to(input_ids.device) if has_eos_stopping_criteria and pad_token_id is not None else None
+    return scores, raw_logits, finished_pad
+
+
 def choose_next_tokens(logits, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
                        pad_token_id=None):
     """One step of HF's `_sample` after the forward: ``logits [B, V]`` -> logits processors -> greedy or sampled
@@ -573,20 +586,14 @@ def _pending_rows(adapter, turn, plan: DeferredPlan):
 
 def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
                  stopping_criteria, generation_config, streamer, first_generated_position, watch):
-    return_dict = generation_config.return_dict_in_generate
-    scores = () if (return_dict and generation_config.output_scores) else None
-    raw_logits = () if (return_dict and generation_config.output_logits) else None
-    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    pad_token_id = generation_config._pad_token_tensor
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
+    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     scheduler = ChunkScheduler(config)
     generated = 0
     while True:
         next_tokens, scores, raw_logits = choose_next_tokens(
             logits, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
-            pad_token_id if has_eos_stopping_criteria else None)
+            finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         generated += 1
         # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
@@ -614,7 +621,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
 
     if streamer is not None:
         streamer.end()
-    if not return_dict:
+    if not generation_config.return_dict_in_generate:
         return input_ids
     return RaincheckGenerateOutput(
         sequences=input_ids, scores=scores, logits=raw_logits, cache=cache, raincheck=trace,

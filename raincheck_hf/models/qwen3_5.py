@@ -64,10 +64,8 @@ The CPU tests exercise the torch fallbacks; the fla path runs in the GPU tests a
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +73,7 @@ import torch
 from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
 from ..gated_delta import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gated_delta
 from ..masking import visibility_to_attention_mask
-from ..patching import CountedPatches
+from ..patching import CountedPatches, ThreadScoped
 from .base import ModelAdapter, RowBatch, module_function
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
@@ -131,21 +129,17 @@ class _StreamContext:
     modules: frozenset  # ids of the GDN modules of this model
     serving: dict  # id(projection) -> precomputed rows of the stream that runs now
     recorded: dict  # "qkv" / "a" / "b" -> the last output of that projection
-    thread: int = dataclasses.field(default_factory=threading.get_ident)  # threads may inherit contexts
-
-    def applies(self) -> bool:
-        return self.thread == threading.get_ident()
 
 
 # The active engine forward of *this* thread (or task): the dispatchers below read it, so a stock
 # forward of the same model in another thread, while a Raincheck forward runs, is left untouched.
-_ACTIVE: contextvars.ContextVar[_StreamContext | None] = contextvars.ContextVar("raincheck_gdn_forward", default=None)
+_ACTIVE = ThreadScoped("raincheck_gdn_forward")  # a context of this module, for the thread that set it only
 _PATCHES = CountedPatches()  # the GDN modules routed through the dispatchers (counted per instance)
 
 
 def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
     ctx = _ACTIVE.get()
-    if ctx is None or id(module) not in ctx.modules or not ctx.applies():
+    if ctx is None or id(module) not in ctx.modules:
         return original(hidden_states, *args, **kwargs)
     if args:  # the decoder layer passes everything by keyword; be strict rather than guess
         raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
@@ -158,7 +152,7 @@ def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
 
 def _dispatch_projection(projection, original, name, x, *args, **kwargs):
     ctx = _ACTIVE.get()
-    if ctx is None or not ctx.applies():
+    if ctx is None:
         return original(x, *args, **kwargs)
     served = ctx.serving.get(id(projection))
     if served is None:
@@ -272,10 +266,6 @@ class _StaticStepContext:
     modules: frozenset
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
     recorded: dict = dataclasses.field(default_factory=dict)
-    thread: int = dataclasses.field(default_factory=threading.get_ident)
-
-    def applies(self) -> bool:
-        return self.thread == threading.get_ident()
 
 
 def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs):
@@ -333,10 +323,6 @@ class _PackedStepContext:
     modules: frozenset
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
     recorded: dict = dataclasses.field(default_factory=dict)
-    thread: int = dataclasses.field(default_factory=threading.get_ident)
-
-    def applies(self) -> bool:
-        return self.thread == threading.get_ident()
 
 
 def _packed_gdn_forward(module, ctx: _PackedStepContext, hidden_states, **kwargs):
@@ -396,16 +382,14 @@ def _uninstall(module) -> None:
 def _static_gdn_scope(modules, context: _StaticStepContext):
     """`_DeferredGDNStreams` for a fast-path step: the dispatchers route this thread's GDN layers to
     `_static_gdn_forward` inside the block."""
-    installed, token = [], None
+    installed = []
     try:
         for module in modules:
             _install(module)
             installed.append(module)
-        token = _ACTIVE.set(context)
-        yield
+        with _ACTIVE.using(context):
+            yield
     finally:
-        if token is not None:
-            _ACTIVE.reset(token)
         for module in reversed(installed):
             _uninstall(module)
 
@@ -419,23 +403,24 @@ class _DeferredGDNStreams(contextlib.AbstractContextManager):
     def __init__(self, modules, cache, split: RowSplit):
         self.modules = list(modules)
         self.context = _StreamContext(cache, split, frozenset(id(m) for m in self.modules), {}, {})
-        self._installed, self._token = [], None
+        self._installed, self._scope = [], None
 
     def __enter__(self):
         try:
             for module in self.modules:
                 _install(module)
                 self._installed.append(module)
-            self._token = _ACTIVE.set(self.context)
+            self._scope = _ACTIVE.using(self.context)
+            self._scope.__enter__()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc):
-        if self._token is not None:
-            _ACTIVE.reset(self._token)
-            self._token = None
+        if self._scope is not None:
+            self._scope.__exit__(None, None, None)
+            self._scope = None
         for module in reversed(self._installed):
             _uninstall(module)
         self._installed = []
