@@ -219,6 +219,18 @@ class SegmentView:
     grid: tuple
     picture: object
     label: str
+    # the picture resized and washed out, per tile size: drawn once, not at every redraw of the map
+    tiles: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tile(self, width: int, height: int):
+        """The picture at ``width`` × ``height``, washed out a little (RGBA), so that the shading reads on busy
+        pictures."""
+        from PIL import Image
+
+        if (width, height) not in self.tiles:
+            tile = self.picture.resize((width, height), Image.LANCZOS).convert("RGBA")
+            self.tiles[(width, height)] = Image.blend(tile, Image.new("RGBA", tile.size, (255, 255, 255, 255)), 0.3)
+        return self.tiles[(width, height)]
 
 
 @dataclass
@@ -614,9 +626,7 @@ def draw_picture(views, states, width: int = PICTURE_WIDTH, max_height: int = 48
     tiles = []
     for view, cell_states in zip(views, states):
         tile_h = max(1, round(view.picture.height * tile_w / view.picture.width))
-        tile = view.picture.resize((tile_w, tile_h), Image.LANCZOS).convert("RGBA")
-        # washed out a little, so that the shading reads on busy pictures
-        tile = Image.blend(tile, Image.new("RGBA", tile.size, (255, 255, 255, 255)), 0.3)
+        tile = view.tile(tile_w, tile_h)
         overlay = Image.new("RGBA", tile.size, (0, 0, 0, 0))
         draw = ImageDraw.Draw(overlay)
         gh, gw = view.grid[1], view.grid[2]

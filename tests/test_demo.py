@@ -772,3 +772,24 @@ def test_a_message_s_videos_share_one_decoding_budget(tmp_path, monkeypatch):
     assert turn.problems[:2] == ["clip0.mp4 read", "clip1.mp4 read"]
     assert turn.problems[2] == ("**clip2.mp4** was not decoded: the message's files used up the 60 s of decoding "
                                 "this demo gives a message.")
+
+
+def test_the_map_resizes_its_picture_once_per_size_and_redraws_the_same(monkeypatch):
+    """The map is redrawn while an answer streams and while the timeline replays: the picture's resized,
+    washed-out tile is made once per size (it was made at every redraw), and a redraw equals a fresh draw."""
+    import numpy as np
+
+    from demo.app import SegmentView, draw_picture
+
+    picture = draw_test_image(128, 96, seed=3)
+    states = [["selected", "deferred", "during", "after", "dropped", "deferred"] * 2]
+    fresh = np.asarray(draw_picture([SegmentView("image", (1, 3, 4), picture, "image 1")], states))
+    view = SegmentView("image", (1, 3, 4), picture.copy(), "image 1")
+    draw_picture([view], [["deferred"] * 12])
+    assert len(view.tiles) == 1
+
+    def no_resize(*args, **kwargs):
+        raise AssertionError("the picture was resized again for a size already drawn")
+
+    monkeypatch.setattr(view.picture, "resize", no_resize)
+    assert np.array_equal(np.asarray(draw_picture([view], states)), fresh)
