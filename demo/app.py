@@ -198,7 +198,9 @@ class MediaLimits:
     max_frame_pixels: int = 4096 * 2160  # a video frame (DCI 4K)
     max_video_seconds: float = 600.0
     max_video_frames: int = 36_000  # decoded at most (10 minutes at 60 fps), when the container does not say
-    max_decode_seconds: float = 60.0  # decoding a video stops here
+    max_decode_seconds: float = 60.0  # decoding a message's videos stops here (all of them together)
+    max_files: int = 16  # per message
+    max_message_pixels: int = 256_000_000  # all of a message's images together (from their headers)
 
 
 def _size_text(n: int) -> str:
@@ -217,6 +219,18 @@ class SegmentView:
     grid: tuple
     picture: object
     label: str
+    # the picture resized and washed out, per tile size: drawn once, not at every redraw of the map
+    tiles: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tile(self, width: int, height: int):
+        """The picture at ``width`` × ``height``, washed out a little (RGBA), so that the shading reads on busy
+        pictures."""
+        from PIL import Image
+
+        if (width, height) not in self.tiles:
+            tile = self.picture.resize((width, height), Image.LANCZOS).convert("RGBA")
+            self.tiles[(width, height)] = Image.blend(tile, Image.new("RGBA", tile.size, (255, 255, 255, 255)), 0.3)
+        return self.tiles[(width, height)]
 
 
 @dataclass
@@ -233,13 +247,32 @@ def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES,
                  limits: MediaLimits = MediaLimits()) -> PreparedTurn:
     """Open the message's files and work out what the model will see of them.
 
-    Images come first, then videos (the order `Conversation` puts them in the prompt).
+    Images come first, then videos (the order `Conversation` puts them in the prompt). A message over
+    ``limits`` as a whole (too many files, too many image pixels from the headers) decodes nothing; its
+    videos share one decoding budget (``limits.max_decode_seconds``).
     """
     turn = PreparedTurn()
+    paths = [str(path) for path in paths or []]
+    if len(paths) > limits.max_files:
+        turn.problems.append(f"{len(paths)} files are attached: this demo takes up to {limits.max_files} per "
+                             "message. Nothing was decoded; attach fewer.")
+        return turn
+    pixels = sum(_header_pixels(path) for path in paths)
+    if pixels > limits.max_message_pixels:
+        turn.problems.append(f"The attached images have {pixels:,} pixels together: this demo takes up to "
+                             f"{limits.max_message_pixels:,} per message. Nothing was decoded; attach fewer or "
+                             "smaller images.")
+        return turn
     video_views = []
-    for path in paths or []:
-        name = os.path.basename(str(path))
-        kind, value, note = read_media(str(path), max_video_frames, limits)
+    started = time.monotonic()
+    for path in paths:
+        name = os.path.basename(path)
+        left = limits.max_decode_seconds - (time.monotonic() - started)
+        if left <= 0:
+            turn.problems.append(f"**{name}** was not decoded: the message's files used up the "
+                                 f"{limits.max_decode_seconds:.0f} s of decoding this demo gives a message.")
+            continue
+        kind, value, note = read_media(path, max_video_frames, limits, decode_seconds=left)
         if kind is None:
             turn.problems.append(value)
             continue
@@ -268,12 +301,14 @@ def prepare_turn(paths, processor, max_video_frames: int = MAX_VIDEO_FRAMES,
     return turn
 
 
-def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES, limits: MediaLimits = MediaLimits()):
+def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES, limits: MediaLimits = MediaLimits(),
+               decode_seconds: float | None = None):
     """``(kind, value, note)``: ``("image", (PIL, original_size), note)``, ``("video", (frames, fps), note)``,
     or ``(None, problem, None)`` with a message for the visitor. The content decides, not the name.
 
     Nothing beyond ``limits`` is decoded: a file's size, an image's pixels (from its header) and a video's
-    duration and frame size (from its container) are checked first."""
+    duration and frame size (from its container) are checked first. A video's decoding stops after
+    ``decode_seconds`` (what is left of the message's budget; default ``limits.max_decode_seconds``)."""
     name = os.path.basename(path)
     if not os.path.isfile(path):
         return None, f"**{name}** could not be found on the server; attach it again.", None
@@ -289,7 +324,7 @@ def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES, limits: Medi
     image_error = str(image_error).replace(path, name)  # PIL's messages name the server's path
     if refused:
         return None, f"**{name}** {image_error} Nothing was decoded; attach a smaller image.", None
-    video, video_error, note = _open_video(path, max_video_frames, limits)
+    video, video_error, note = _open_video(path, max_video_frames, limits, decode_seconds)
     video_error = str(video_error).replace(path, name)
     if video is not None:
         return "video", video, note.replace("{name}", name) if note else None
@@ -305,6 +340,18 @@ def read_media(path: str, max_video_frames: int = MAX_VIDEO_FRAMES, limits: Medi
     kind = f" ({guess})" if guess else ""
     return None, (f"**{name}** is not an image or a video{kind}. Attach an image (PNG, JPEG, WebP, …) "
                   "or a video (MP4, WebM, MOV, …)."), None
+
+
+def _header_pixels(path: str) -> int:
+    """An image file's width × height from its header (nothing decoded); 0 for anything else, or an image
+    that `_open_image` refuses on its own."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.size[0] * im.size[1]
+    except Exception:  # not an image, damaged, or a decompression bomb: read_media says which
+        return 0
 
 
 def _open_image(path, limits: MediaLimits = MediaLimits()):
@@ -332,12 +379,12 @@ def _open_image(path, limits: MediaLimits = MediaLimits()):
     return (image, original), None, False
 
 
-def _open_video(path, max_frames: int, limits: MediaLimits = MediaLimits()):
+def _open_video(path, max_frames: int, limits: MediaLimits = MediaLimits(), decode_seconds: float | None = None):
     """Decode with PyAV, keeping at most ``max_frames`` evenly spaced frames; ``(value, error, note)``.
 
     An error that starts with ``!`` is a video over ``limits`` (the rest is the visitor's message): its
     duration and frame size are read from the container before decoding, and decoding stops at
-    ``limits.max_video_frames`` frames or ``limits.max_decode_seconds``."""
+    ``limits.max_video_frames`` frames or ``decode_seconds`` (default ``limits.max_decode_seconds``)."""
     try:
         import av
     except ImportError:
@@ -362,12 +409,13 @@ def _open_video(path, max_frames: int, limits: MediaLimits = MediaLimits()):
                               f"{limits.max_video_seconds:.0f} s. Nothing was decoded; attach a shorter clip."), None
             kept, stride, total = [], 1, 0
             started = time.monotonic()
+            budget = limits.max_decode_seconds if decode_seconds is None else decode_seconds
             for frame in container.decode(stream):
-                if total >= limits.max_video_frames or time.monotonic() - started > limits.max_decode_seconds:
+                if total >= limits.max_video_frames or time.monotonic() - started > budget:
                     return None, (f"!is a video longer than this demo decodes (it stopped after {total} frames "
                                   f"and {time.monotonic() - started:.0f} s; the limits are "
-                                  f"{limits.max_video_frames} frames and {limits.max_decode_seconds:.0f} s of "
-                                  "decoding). Attach a shorter clip."), None
+                                  f"{limits.max_video_frames} frames per video and {limits.max_decode_seconds:.0f} s "
+                                  "of decoding per message). Attach a shorter clip."), None
                 if frame.width * frame.height > limits.max_frame_pixels:  # a stream whose size changes
                     return None, (f"!is a video with {frame.width}×{frame.height}-pixel frames: this demo takes "
                                   f"up to {limits.max_frame_pixels:,} pixels per frame."), None
@@ -578,9 +626,7 @@ def draw_picture(views, states, width: int = PICTURE_WIDTH, max_height: int = 48
     tiles = []
     for view, cell_states in zip(views, states):
         tile_h = max(1, round(view.picture.height * tile_w / view.picture.width))
-        tile = view.picture.resize((tile_w, tile_h), Image.LANCZOS).convert("RGBA")
-        # washed out a little, so that the shading reads on busy pictures
-        tile = Image.blend(tile, Image.new("RGBA", tile.size, (255, 255, 255, 255)), 0.3)
+        tile = view.tile(tile_w, tile_h)
         overlay = Image.new("RGBA", tile.size, (0, 0, 0, 0))
         draw = ImageDraw.Draw(overlay)
         gh, gw = view.grid[1], view.grid[2]

@@ -182,12 +182,13 @@ def check_chat_args(args):
 
 
 def chat(args) -> int:
+    # every option is checked before anything is loaded (and before transformers is imported: a bad option
+    # answers in the time torch takes to import)
+    config, device, dialogue, images = check_chat_args(args)
     from . import Conversation
     from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
     from .tiny import draw_test_image
 
-    # every option is checked before anything is loaded
-    config, device, dialogue, images = check_chat_args(args)
     model, processor, kind, _ = _load(args.model, device)
     bundled = kind == "bundled"
     _note_fallbacks(model)

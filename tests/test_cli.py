@@ -154,6 +154,15 @@ def test_help_and_option_errors_answer_without_importing_torch(argv):
     assert "Traceback" not in text
 
 
+@pytest.mark.parametrize("argv", [["chat", "--max-new-tokens", "-3"], ["chat", "--turns", "-1"],
+                                  ["chat", "--device", "gpu"], ["chat", "--retention", "2"]])
+def test_a_bad_option_value_answers_before_transformers_is_imported(argv):
+    """The checks that need torch (the device, the config) import it; transformers and the model come after."""
+    code, imported, text = _imports_after(*argv)
+    assert code == 2 and "transformers" not in imported, f"{argv} imported {imported} before its checks"
+    assert text.startswith("[raincheck] --") and text.count("\n") == 1 and "Traceback" not in text
+
+
 def test_the_top_level_help_lists_the_commands_and_no_help_shows_rest_markup(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -728,3 +728,68 @@ def test_the_demo_command_checks_its_options_before_loading(argv, message, monke
     with pytest.raises(SystemExit) as exit_:
         app.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_message_over_the_file_count_or_the_pixel_total_decodes_nothing(tmp_path, monkeypatch):
+    import demo.app as app
+
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"grid{i}.png"))
+        draw_test_image(64, 48, seed=i).save(paths[-1])
+
+    def must_not_decode(*args, **kwargs):
+        raise AssertionError("a file was decoded although the message is over a limit")
+
+    monkeypatch.setattr(app, "_open_image", must_not_decode)
+    monkeypatch.setattr(app, "_open_video", must_not_decode)
+    turn = app.prepare_turn(paths, None, limits=app.MediaLimits(max_files=2))
+    assert turn.problems == ["3 files are attached: this demo takes up to 2 per message. Nothing was decoded; "
+                             "attach fewer."] and not turn.images
+    turn = app.prepare_turn(paths, None, limits=app.MediaLimits(max_message_pixels=9000))
+    assert len(turn.problems) == 1 and not turn.images
+    assert "The attached images have 9,216 pixels together: this demo takes up to 9,000 per message" in turn.problems[0]
+
+
+def test_a_message_s_videos_share_one_decoding_budget(tmp_path, monkeypatch):
+    import types
+
+    import demo.app as app
+
+    clock = [0.0]
+    given = []
+
+    def slow_read(path, max_video_frames, limits, decode_seconds=None):  # each file takes 40 s of the budget
+        given.append(decode_seconds)
+        clock[0] += 40
+        return None, f"{os.path.basename(path)} read", None
+
+    monkeypatch.setattr(app, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(app, "read_media", slow_read)
+    turn = app.prepare_turn([str(tmp_path / f"clip{i}.mp4") for i in range(3)], None,
+                            limits=app.MediaLimits(max_decode_seconds=60))
+    assert given == [60, 20]  # the second file gets what the first left, the third none
+    assert turn.problems[:2] == ["clip0.mp4 read", "clip1.mp4 read"]
+    assert turn.problems[2] == ("**clip2.mp4** was not decoded: the message's files used up the 60 s of decoding "
+                                "this demo gives a message.")
+
+
+def test_the_map_resizes_its_picture_once_per_size_and_redraws_the_same(monkeypatch):
+    """The map is redrawn while an answer streams and while the timeline replays: the picture's resized,
+    washed-out tile is made once per size (it was made at every redraw), and a redraw equals a fresh draw."""
+    import numpy as np
+
+    from demo.app import SegmentView, draw_picture
+
+    picture = draw_test_image(128, 96, seed=3)
+    states = [["selected", "deferred", "during", "after", "dropped", "deferred"] * 2]
+    fresh = np.asarray(draw_picture([SegmentView("image", (1, 3, 4), picture, "image 1")], states))
+    view = SegmentView("image", (1, 3, 4), picture.copy(), "image 1")
+    draw_picture([view], [["deferred"] * 12])
+    assert len(view.tiles) == 1
+
+    def no_resize(*args, **kwargs):
+        raise AssertionError("the picture was resized again for a size already drawn")
+
+    monkeypatch.setattr(view.picture, "resize", no_resize)
+    assert np.array_equal(np.asarray(draw_picture([view], states)), fresh)
