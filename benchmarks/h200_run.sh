@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_run.sh gdn_fuse   # every GPU test, GDN kernels, Qwen3.5-9B full vs raincheck (fused GDN glue)
 #   bash benchmarks/h200_run.sh wave4      # chunked GDN kernel + capture-aware auto: tests, kernels, Qwen3.5 / Qwen3-VL
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
+#   bash benchmarks/h200_run.sh batch      # issue 29: batched generate at B = 1, 8, 32 vs stock (Qwen3-VL-8B, Qwen3.5-9B)
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
@@ -37,6 +38,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
+batch)
+    # issue 29: batched generate at B = 1, 8, 32 (raincheck, full, their B = 1 eager twins, stock), Qwen3-VL-8B then
+    # Qwen3.5-9B; 128-token answers, one timed call each after a warm-up (BATCH_REPS)
+    for m in qwen3_vl_8b qwen3_5_9b; do
+        timeout "${BATCH_S:-280}" python3 -m raincheck_hf.bench batch --model $m --batch "${BATCHES:-1,8,32}" \
+            --reps "${BATCH_REPS:-1}" --json "$OUT/batch_${m}_h200.json" > "$OUT/batch_${m}_h200.log" 2>&1
+        tail -14 "$OUT/batch_${m}_h200.log"
+    done
+    ;;
 gpu_tests)
     # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is
     timeout "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \

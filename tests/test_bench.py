@@ -314,3 +314,38 @@ def test_auto_chunk_size_in_the_sweep(tmp_path):
     assert any(line.startswith("warm-up (first call") and "raincheck c=auto" in line for line in lines)
     with pytest.raises(ValueError):
         latency.parse_chunk_size("big")
+
+
+def test_batch_benchmark_rows_ratios_and_exact_lengths(tmp_path):
+    from raincheck_hf.bench import batch
+
+    path = tmp_path / "batch.json"
+    result = batch.run("tiny_qwen3_vl", [1, 2], ["raincheck", "full", "raincheck_eager", "stock"], answer_tokens=3,
+                       reps=1, device="cpu", json_path=str(path), log=lambda *a: None)
+    assert json.loads(path.read_text())["benchmark"] == "batch"
+    rows = {(r["variant"], r["batch"]): r for r in result["rows"]}
+    # eager-only variants run at B = 1 only; every other variant at every batch size
+    assert set(rows) == {("raincheck", 1), ("full", 1), ("raincheck_eager", 1), ("stock", 1),
+                         ("raincheck", 2), ("full", 2), ("stock", 2)}
+    for r in rows.values():
+        assert r["exact_lengths"] and r["tokens_per_s"] > 0 and r["tpot_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 3 / r["e2e_s"])
+    two = rows[("raincheck", 2)]
+    assert two["tokens_per_s_over_b1"] == pytest.approx(two["tokens_per_s"] / rows[("raincheck", 1)]["tokens_per_s"])
+    assert two["tokens_per_s_over_eager_b1"] == pytest.approx(
+        two["tokens_per_s"] / rows[("raincheck_eager", 1)]["tokens_per_s"])
+    assert two["tpot_over_full"] == pytest.approx(two["tpot_s"] / rows[("full", 2)]["tpot_s"])
+    assert two["tokens_per_s_over_stock"] == pytest.approx(two["tokens_per_s"] / rows[("stock", 2)]["tokens_per_s"])
+    assert "tpot_over_full" not in rows[("full", 2)]
+
+
+@pytest.mark.parametrize("kwargs, word", [({"batches": [0]}, "--batch"), ({"variants": ["fast"]}, "--variants"),
+                                          ({"answer_tokens": 1}, "--answer-tokens")])
+def test_batch_benchmark_refuses_bad_settings_before_building(kwargs, word, monkeypatch):
+    from raincheck_hf.bench import batch
+
+    monkeypatch.setattr(batch, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    args = {"batches": [1], "variants": ["stock"], "answer_tokens": 4}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=word):
+        batch.run("tiny_qwen3_vl", args["batches"], args["variants"], args["answer_tokens"], device="cpu")

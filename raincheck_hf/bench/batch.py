@@ -1,0 +1,187 @@
+"""Batched `generate`: aggregate output tokens/s and per-row TPOT at several batch sizes, side by side.
+
+    python -m raincheck_hf.bench batch --model qwen3_vl_8b --batch 1,8,32 --answer-tokens 128 \\
+        --json benchmarks/results/batch_qwen3_vl_8b_h200.json
+
+Every row of a batch is its own image prompt (one image per row, same size, a different picture each, so the
+processor's left padding is a no-op and every row does the same work) and answers exactly ``answer_tokens``
+tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, greedy), through the public API:
+
+- ``raincheck``: ``model.generate(**batch, raincheck=RaincheckConfig())``, the default settings. At B = 1 on
+  CUDA that is the fast path (``fast_path=None``); at B > 1 the batched eager engine.
+- ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).
+- ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the engine a batch runs on,
+  so the batch's scaling over one row is also given engine for engine.
+- ``stock``: transformers' own ``model.generate(**batch)`` (dynamic cache), the batch HF users run today.
+
+Per (batch size, variant), after one untimed warm-up call at that batch size: ``e2e_s`` (the call, prompt
+encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
+``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
+first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
+``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. The JSON carries the hardware and the
+ratios the batching targets read: each variant's tokens/s over its own B = 1 (and over the eager engine's B = 1
+for ``raincheck`` / ``full``), ``raincheck`` TPOT over ``full``'s, and each variant's tokens/s over ``stock``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from ..configuration import RaincheckConfig
+from ..integration import enable
+from .latency import _write, hardware_info
+from .shapes import MODELS, QUESTIONS, SYSTEM_PROMPT, build_model, build_processor, special_token_ids
+
+VARIANTS = ("raincheck", "full", "raincheck_eager", "full_eager", "stock")
+EAGER_AT_ONE = ("raincheck_eager", "full_eager")
+
+
+class StepClock(BaseStreamer):
+    """When each decode step's tokens reach the host (after a device sync); the first ``put`` is the prompt."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self._prompt_seen = device, [], False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def build_batch(processor, spec, batch: int, image_size=None) -> dict:
+    """``batch`` left-padded image prompts (row ``i`` draws picture seed ``i``), as HF users batch them."""
+    from ..tiny import draw_test_image
+
+    width, height = image_size or spec.image_size
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS["image"]}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [draw_test_image(width, height, seed=i) for i in range(batch)]
+    processor.tokenizer.padding_side = "left"
+    return dict(processor(text=[prompt] * batch, images=images, padding=True, return_tensors="pt"))
+
+
+def _kwargs(variant: str, answer_tokens: int, suppress: list[int]) -> dict:
+    kw = dict(max_new_tokens=answer_tokens, min_new_tokens=answer_tokens, do_sample=False, suppress_tokens=suppress)
+    if variant == "stock":
+        return kw
+    mode = "full" if variant.startswith("full") else "raincheck"
+    kw["raincheck"] = RaincheckConfig(mode=mode, fast_path=False if variant in EAGER_AT_ONE else None)
+    return kw
+
+
+def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
+    clock = StepClock(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(**inputs, **kwargs, streamer=clock)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    end = time.perf_counter()
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    generated = int(sequences.shape[1] - inputs["input_ids"].shape[1])
+    times = clock.times
+    return {"e2e_s": end - start, "ttft_s": times[0] - start,
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            "generated_tokens": generated, "steps": len(times)}
+
+
+def summarize(reps: list[dict], batch: int, answer_tokens: int) -> dict:
+    def med(key):
+        values = [r[key] for r in reps if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    e2e, tpot = med("e2e_s"), med("tpot_s")
+    return {"batch": batch, "reps": len(reps), "e2e_s": e2e, "ttft_s": med("ttft_s"), "tpot_s": tpot,
+            "tokens_per_s": batch * answer_tokens / e2e, "decode_tokens_per_s": batch / tpot if tpot else None,
+            "exact_lengths": all(r["generated_tokens"] == answer_tokens for r in reps), "runs": reps}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios the batching targets read (in place): over B = 1, raincheck over full, over stock."""
+    at = {(r["variant"], r["batch"]): r for r in rows}
+    for r in rows:
+        one = at.get((r["variant"], 1))
+        if one is not None:
+            r["tokens_per_s_over_b1"] = r["tokens_per_s"] / one["tokens_per_s"]
+        eager = at.get((f"{r['variant']}_eager", 1))
+        if eager is not None:
+            r["tokens_per_s_over_eager_b1"] = r["tokens_per_s"] / eager["tokens_per_s"]
+        stock = at.get(("stock", r["batch"]))
+        if stock is not None and r["variant"] != "stock":
+            r["tokens_per_s_over_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
+        full = at.get(("full", r["batch"]))
+        if r["variant"] == "raincheck" and full is not None and r["tpot_s"] and full["tpot_s"]:
+            r["tpot_over_full"] = r["tpot_s"] / full["tpot_s"]
+
+
+def run(model_name: str, batches: list[int], variants: list[str], answer_tokens: int = 128, reps: int = 2,
+        device=None, image_size=None, json_path: str | None = None, log=print) -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"--variants has {bad}; choose from {list(VARIANTS)}.")
+    if not batches or any(b < 1 for b in batches):
+        raise ValueError(f"--batch must list batch sizes >= 1, got {batches}.")
+    if answer_tokens < 2 or reps < 1:
+        raise ValueError(f"--answer-tokens must be >= 2 and --reps >= 1, got {answer_tokens} and {reps}.")
+    model, info = build_model(model_name, device)
+    enable(model)  # `raincheck=` on this instance; the stock variant passes none and runs transformers' own loop
+    processor = build_processor()
+    suppress = special_token_ids(processor)
+    result = {"benchmark": "batch", "hardware": hardware_info(device), "model": info,
+              "settings": {"batches": batches, "variants": variants, "answer_tokens": answer_tokens, "reps": reps,
+                           "image_size": list(image_size or MODELS[model_name].image_size),
+                           "raincheck_config": "RaincheckConfig() (defaults)"},
+              "rows": []}
+    for batch in batches:
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                  for k, v in build_batch(processor, MODELS[model_name], batch, image_size).items()}
+        result["settings"].setdefault("prompt_tokens", int(inputs["attention_mask"][0].sum()))
+        for variant in variants:
+            if variant in EAGER_AT_ONE and batch != 1:
+                continue
+            kwargs = _kwargs(variant, answer_tokens, suppress)
+            time_call(model, device, inputs, {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+            runs = [time_call(model, device, inputs, kwargs) for _ in range(reps)]
+            row = {"variant": variant, **summarize(runs, batch, answer_tokens)}
+            result["rows"].append(row)
+            log(f"B={batch:3d} {variant:16s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
+                f"TPOT {row['tpot_s'] * 1e3:7.2f} ms")
+            _write(result, json_path)
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    add_ratios(result["rows"])
+    _write(result, json_path)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench batch", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3_vl_8b", choices=sorted(MODELS))
+    parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    parser.add_argument("--answer-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    return run(args.model, batches, variants, args.answer_tokens, args.reps, args.device, json_path=args.json)
