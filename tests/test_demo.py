@@ -518,7 +518,7 @@ def test_demo_a_hub_id_that_is_not_here_fails_fast_with_what_to_do(client, files
 def test_demo_a_question_asked_while_a_model_loads_is_told_so(client, files, monkeypatch):
     from dataclasses import replace
 
-    import demo.app as app
+    import demo.models as app
 
     release, started = threading.Event(), threading.Event()
     real = app._load_uncached
@@ -573,7 +573,7 @@ def test_a_streamed_answer_is_shown_at_most_every_so_often():
 
 
 def test_the_legend_keeps_every_entry_at_count_zero():
-    from demo.app import _legend_lines
+    from demo.cache_map import _legend_lines
 
     def entries(states):
         return [text for line in _legend_lines(states, 640) for _, text, _ in line]
@@ -731,7 +731,7 @@ def test_the_demo_command_checks_its_options_before_loading(argv, message, monke
 
 
 def test_a_message_over_the_file_count_or_the_pixel_total_decodes_nothing(tmp_path, monkeypatch):
-    import demo.app as app
+    import demo.media as app
 
     paths = []
     for i in range(3):
@@ -754,7 +754,7 @@ def test_a_message_over_the_file_count_or_the_pixel_total_decodes_nothing(tmp_pa
 def test_a_message_s_videos_share_one_decoding_budget(tmp_path, monkeypatch):
     import types
 
-    import demo.app as app
+    import demo.media as app
 
     clock = [0.0]
     given = []
@@ -793,3 +793,22 @@ def test_the_map_resizes_its_picture_once_per_size_and_redraws_the_same(monkeypa
 
     monkeypatch.setattr(view.picture, "resize", no_resize)
     assert np.array_equal(np.asarray(draw_picture([view], states)), fresh)
+
+
+# ---- the demo's code ------------------------------------------------------------------------------
+
+def test_no_function_in_the_demo_is_over_80_lines():
+    """demo/ is a package of small functions: none over 80 lines, methods and nested functions included (a
+    function's lines run from its ``def`` to its last line, nested functions within it counted)."""
+    import ast
+
+    paths = sorted((ROOT / "demo").rglob("*.py"))
+    assert len(paths) > 5, paths  # the package's modules, not one file
+    too_long = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not too_long, too_long
