@@ -14,7 +14,8 @@ tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, gre
   so the batch's scaling over one row is also given engine for engine.
 - ``stock``: transformers' own ``model.generate(**batch)`` (dynamic cache), the batch HF users run today.
 
-Per (batch size, variant), after one untimed warm-up call at that batch size: ``e2e_s`` (the call, prompt
+Per (batch size, variant), after one untimed warm-up call of the same length at that batch size (so one-time
+costs, CUDA-graph captures and compiles, are paid before timing): ``e2e_s`` (the call, prompt
 encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
@@ -154,7 +155,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
             if variant in EAGER_AT_ONE and batch != 1:
                 continue
             kwargs = _kwargs(variant, answer_tokens, suppress)
-            time_call(model, device, inputs, {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+            time_call(model, device, inputs, kwargs)  # warm-up: the same call (captures, compiles, autotuning)
             runs = [time_call(model, device, inputs, kwargs) for _ in range(reps)]
             row = {"variant": variant, **summarize(runs, batch, answer_tokens)}
             result["rows"].append(row)
