@@ -371,6 +371,10 @@ class ModelAdapter:
     def export_packed_state(self, states, index: int, cache) -> None:
         """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
 
+    def load_packed_state(self, states, index: int, cache) -> None:
+        """Fill sequence ``index``'s part of ``states`` from its own `DeferredDynamicCache` ``cache`` (a held
+        conversation joining a `batch_engine.BatchEngine`; `export_packed_state`'s inverse)."""
+
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).
 

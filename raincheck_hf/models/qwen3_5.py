@@ -556,6 +556,14 @@ class GatedDeltaNetMixin:
             layer = deferred_linear_layer(cache, module.layer_idx)
             states.layers[module.layer_idx].export(index, layer, _layer_params(module))
 
+    def load_packed_state(self, states, index: int, cache) -> None:
+        from ..cache_utils import deferred_linear_layer
+
+        for module in self._gdn_modules:
+            params = _layer_params(module)
+            state = states.layer(module.layer_idx, params, module.in_proj_qkv.weight.dtype, self.device)
+            state.load(index, deferred_linear_layer(cache, module.layer_idx), params)
+
     def static_step(self, cache, step_info, variant: StaticSplit):
         if self._gdn_modules:
             _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
