@@ -234,6 +234,7 @@ class BatchEngine:
         cache = None
         if seq.prefilled:
             cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
+            seq.trace.pending = cache.pending_sources
         self.pool.release(seq.slot)
         if self.recurrent is not None:
             self.recurrent.reset(seq.slot)

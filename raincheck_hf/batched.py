@@ -517,10 +517,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
 
     for s in active:
         caches[s.index] = engine.remove(s)
-    traces = []
-    for s, cache in zip(states, caches):
-        s.trace.pending = cache.pending_sources
-        traces.append(s.trace)
+    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
