@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched import RowGroup, SequenceState, new_sequence
 from .cache_utils import DeferredDynamicCache
@@ -128,6 +129,7 @@ class ForwardRunner:
                 deepstack.append(group.batch.deepstack)
         slots = [seq.slot for seq, _ in entries]
         visible = pool.begin_step(slots, [g.keys for _, g in entries], width)
+        ok = False
         try:
             mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
             ds = [torch.cat(layer) for layer in zip(*deepstack)] if deepstack else None
@@ -143,8 +145,9 @@ class ForwardRunner:
                     use_cache=True,
                     **adapter.packed_deepstack_kwargs(visual, ds),
                 )
+            ok = True
         finally:
-            pool.end_step()
+            pool.end_step(ok)  # a forward that failed leaves the slots as they were
         if states is not None:
             self.recurrent.put(slots, states)
         for seq, group in entries:
@@ -215,11 +218,8 @@ class BatchEngine:
             self.recurrent.reset(slot)
         state.slot = slot
         if cache is not None:
-            kv = {}
-            for layer_idx, layer in enumerate(cache.layers):
-                keys = getattr(layer, "keys", None)
-                if getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor) and keys.dim() == 4:
-                    kv[layer_idx] = (keys, layer.values)
+            kv = {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)
+                  if not isinstance(layer, LinearAttentionCacheLayerMixin) and layer.is_initialized}
             self.pool.load(slot, cache.row_keys, kv)
             if self.recurrent is not None:
                 self.adapter.load_packed_state(self.recurrent, slot, cache)

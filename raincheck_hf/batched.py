@@ -4,67 +4,56 @@
 `generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
 ``padding_side="left"`` and its ``attention_mask``), each row with its own images / videos. Every row is
 its own sequence (`SequenceState`): it is encoded, selected and planned exactly as the same call on that
-row alone (without its padding) would do it, keeps its own pending deferred rows, 3-D positions, DeepStack
-rows, chunk scheduler and trace, and sees only its own rows (docs/method.md §3, per sequence). Batching
-only packs rows: `pack_forward` builds one forward from one `RowGroup` per sequence,
+row alone (without its padding) would do it (`new_sequence`), keeps its own pending deferred rows, 3-D
+positions, DeepStack rows, chunk scheduler and trace, and sees only its own rows (docs/method.md §3, per
+sequence).
 
-    embeds [B, W, D], positions [3, B, W], a 4-D mask [B, 1, W, T + W]
-
-where W is the widest group of the step (a prefill: each sequence's T ∪ S rows; a decode step: each
-sequence's ``[chunk?, token]``), shorter groups are padded at the end with zero rows, and T is the shared
-KV storage's length. The KV storage is one `DynamicCache` of batch B; every forward appends W rows to every
-sequence, so a sequence's storage holds its real rows in the order the row alone would store them, with
-padding rows between. Each sequence keeps an order key per storage row (`cache_utils.order_key`;
-``PAD_KEY`` for padding): a real query sees the storage rows whose key is not larger than its own (the
-batch-1 engine's rule), so padding rows and other sequences' rows are never visible; a padding query sees
-only itself (a finite output, so no NaN reaches the stored rows of later layers).
+The forwards run on `batch_engine.BatchEngine`: each sequence owns a slot of its `kv_pool.SlotKVPool` and
+writes its rows at its own offsets there; one packed forward ``[B, W]`` per step carries each sequence's
+``RowGroup`` (a prefill: its T ∪ S rows; a decode step: its ``[chunk?, token]``), shorter groups padded at the
+end, and a query sees the rows of its own slot whose order key is not larger than its own (the batch-1
+engine's rule; padding rows keep the empty key, so nothing of another sequence or of padding is visible).
+`batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in the first
+forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
 
 A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
-`generate`: an EOS stopping criterion and a pad token) leaves the forward: its storage row is dropped from
-the batch (`DynamicCache.batch_select_indices`), so it costs no compute and its chunks stop; its scores in
-the output are zeros from then on (its token is the pad token whatever they are). Without an EOS criterion
-a finished row keeps decoding, as stock `generate` does.
+`generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove`: its slot is
+freed), so it costs no compute and its chunks stop; its scores in the output are zeros from then on (its
+token is the pad token whatever they are). Without an EOS criterion a finished row keeps decoding, as stock
+`generate` does.
 
 What the call returns for B > 1: ``out.raincheck`` is a list of B `RaincheckTrace`s, ``out.cache`` a list of
-B `DeferredDynamicCache`s (each row's real KV rows, order keys, pending deferred rows and source accounting,
+B `DeferredDynamicCache`s (each row's KV rows, order keys, pending deferred rows and source accounting,
 as the row alone would leave them: `restore_pending` or a follow-up batch-1 `generate` continues that
 row's conversation). A trace's and a cache's source positions index the row *without* its left padding
 (``input_ids[i, pad_i:]``, ``pad_i = (attention_mask[i] == 0).sum()``), exactly as in the row's own call.
 
-Designed for a continuous-batching scheduler to build on: `SequenceState` is all of one sequence's state
-and `pack_forward` takes any list of them with one `RowGroup` each; this module's `batched_sample` is one
-scheduler (every sequence joins at step 0 and leaves when it finishes).
-
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): their GDN layers keep no KV rows; each sequence's recurrent
-states are its row of `batched_gdn.PackedGDNStates` (``recurrent`` here, from `ModelAdapter.packed_states`), and
-`pack_forward` gives the family each sequence's row layout (`SequenceState.layout`: deferred rows, then input
+states are its slot's row of `batched_gdn.PackedGDNStates` (from `ModelAdapter.packed_states`), and each
+forward gives the family each sequence's row layout (`SequenceState.layout`: deferred rows, then input
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
-A finished sequence leaves them with its storage row (`keep_rows`); its cache gets its states and boundary record.
+A sequence's cache gets its states and boundary record when it leaves.
 
 Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``;
-``fast_path=None`` takes this eager engine for B > 1), continuing a cache, and a keep-mask tensor as selector.
+``fast_path=None`` takes this eager engine for B > 1), continuing a cache in a batched call (a held
+conversation joins a `BatchEngine` with ``add(..., cache=)``), and a keep-mask tensor as selector.
 VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
 (`_row_capture`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
 from .configuration import RaincheckConfig
-from .masking import batched_visibility_to_attention_mask
 from .models import get_adapter
 from .models.base import RowBatch
-
-PAD_KEY = torch.iinfo(torch.long).max  # order key of a padding row: never visible to a real query
 
 
 # ---- checks (before any compute) ------------------------------------------------------------------
@@ -400,9 +389,10 @@ def new_sequence(model, adapter, config: RaincheckConfig, index: int, ids: torch
     ids = ids.reshape(-1)
     start = 0 if cache is None else cache.source_length
     if cache is not None and (ids.shape[0] <= start or not torch.equal(ids[:start].cpu(), cache.source_ids)):
+        what = "" if ids.shape[0] <= start else " that do not start with the cache's source ids"
         raise ValueError(
             f"a continued conversation takes the whole conversation's ids (the held cache's {start} source ids, "
-            f"then the new turn's); got {ids.shape[0]} ids{'' if ids.shape[0] <= start else ' that do not start with the cache source ids'}."
+            f"then the new turn's); got {ids.shape[0]} ids{what}."
         )
     new_ids = ids[start:]
     turn = adapter.encode_turn(new_ids, 0 if cache is None else cache.next_position,

@@ -1,4 +1,4 @@
-"""Gated DeltaNet states of several sequences in one packed forward (`batched.pack_forward`), eager engine.
+"""Gated DeltaNet states of several sequences in one packed forward (`batch_engine.ForwardRunner`), eager engine.
 
 docs/method.md §4 per sequence, batched over the sequences: row ``b`` of every tensor here is sequence
 ``b`` of the packed forward (its live state and conv history, its boundary, its leading-segment record and
@@ -19,7 +19,11 @@ suffix map), and its suffix length is a host integer of its own. A packed forwar
 
 Everything is the same algebra as the batch-1 engine (`gated_delta`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
-Sequences leave with `select` (the rows of the others are kept; nothing of a departed one remains).
+`PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
+its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
+row reset (`reset`: zeros, ``M_R = I``, no suffix, so nothing of a departed sequence remains), a held
+conversation's states are loaded into its row (`PackedGDNState.load`, `export`'s inverse), and the rows grow
+with the pool's slots (`grow`). `select` keeps some sequences of a packed batch (the others' rows are gone).
 """
 
 from __future__ import annotations

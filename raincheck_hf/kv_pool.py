@@ -54,8 +54,9 @@ class SlotStep:
     """The running forward's placement: ``slots [B]`` (long, host), ``write [B, W]`` (long, host; each row's offset
     in its slot, padding rows after the real ones) and ``span`` (``T``, rows of each slot attention reads)."""
 
-    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int):
+    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int]):
         self.slots, self.write, self.span = slots, write, int(span)
+        self.lengths_before = lengths_before
         self._on: dict = {}
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,11 +208,18 @@ class SlotKVPool(Cache):
         own = write.to(self.device)[:, :, None] == torch.arange(span, device=self.device)[None, None]
         padding = queries == MAX_KEY
         visible = torch.where(padding[:, :, None], own, visible)
-        self.step = SlotStep(torch.tensor(slots, dtype=torch.long), write, span)
+        self.step = SlotStep(torch.tensor(slots, dtype=torch.long), write, span, starts.tolist())
         return visible
 
-    def end_step(self) -> None:
-        self.step = None
+    def end_step(self, completed: bool = True) -> None:
+        """The step is over; when it did not complete (the forward raised), its rows are taken back: the slots'
+        lengths and keys are as before it (whatever it wrote past them is invisible)."""
+        step, self.step = self.step, None
+        if step is None or completed:
+            return
+        for slot, before in zip(step.slots.tolist(), step.lengths_before):
+            self.slot_keys[slot, before:self.lengths[slot]] = MAX_KEY
+            self.lengths[slot] = before
 
     # ---- one slot as a batch-1 cache ----------------------------------------------------------
     def rows_of(self, slot: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,7 +21,7 @@ from raincheck_hf.tiny import draw_test_image, draw_test_video
 
 from conftest import make_inputs, no_placeholder_ids
 from families import family_model, family_processor, family_params
-from test_batched import ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, VIDEO, assert_cache_equal, assert_trace_equal
+from test_batched import ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal
 
 TOL = 1e-4
 MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")

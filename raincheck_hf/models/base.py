@@ -214,7 +214,7 @@ class ModelAdapter:
         return {}
 
     def packed_deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
-        """`deepstack_kwargs` for a packed forward of several sequences (`batched.pack_forward`): ``visual [B, W]``,
+        """`deepstack_kwargs` for a packed forward of several sequences (`batch_engine.ForwardRunner`): ``visual [B, W]``,
         ``deepstack`` one ``[n_visual, D]`` per layer with the visual rows in row-major order of ``visual``."""
         return {}
 

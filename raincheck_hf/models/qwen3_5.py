@@ -311,7 +311,7 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
     return module.out_proj(core.reshape(bsz, rows, -1))
 
 
-# ---- the batched eager engine: several sequences in one packed forward (`batched.pack_forward`) -------------
+# ---- the batched eager engine: several sequences in one packed forward (`batch_engine.ForwardRunner`) -------------
 
 @dataclass
 class _PackedStepContext:
