@@ -176,6 +176,9 @@ class BatchEngine:
                  num_slots: int = 4, capacity: int = 256):
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
+        if self.config.fast_path is True:
+            raise ValueError("RaincheckConfig.fast_path=True: BatchEngine is the eager engine (the CUDA fast path runs "
+                             "one conversation at a time); use fast_path=None or False with it.")
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         self.scheduler = RowScheduler(self.config, token_budget)

@@ -42,6 +42,7 @@ class Request:
         if follow_up:  # a held conversation: its first turn ran alone, the engine runs the next one
             first = _alone(model, inputs, cfg, 2)
             self.held = first.cache
+            self.held_was = (repr(first.cache), first.cache.row_keys.clone(), first.cache.pending_sources.clone())
             follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"]
             inputs = {"input_ids": torch.cat([first.sequences, follow], dim=1)}
         self.ids = inputs["input_ids"][0]
@@ -57,6 +58,10 @@ class Request:
             diff = (a - b[0]).abs().max().item()
             assert diff <= TOL, f"{what} step {step}: max abs logit diff {diff:.2e}"
         assert_cache_equal(self.cache, self.want.cache)
+        if self.held is not None:  # the engine copied the held conversation and left it as it was
+            was = self.held_was
+            assert repr(self.held) == was[0] and torch.equal(self.held.row_keys, was[1])
+            assert torch.equal(self.held.pending_sources, was[2])
         assert_trace_equal(self.seq.trace, self.want.raincheck)
 
 
@@ -109,8 +114,8 @@ def test_fuzz_sequences_match_alone(seed):
     rng = random.Random(2000 + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
-    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full")),
-                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5]),
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
+                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
                           decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
                           fast_path=False)
     requests = [Request(model, processor, cfg, _random_row(rng), n=rng.randint(2, 6), arrive=rng.randint(0, 5),
@@ -147,6 +152,25 @@ def test_chunked_prefill_while_others_decode(name):
     # the short one decodes every step; the long one's prefill rides beside it, at most the budget's rows a step
     assert sum(1 for b, w in rows_per_step if b == 2) >= 3
     assert all(w <= 12 for _, w in rows_per_step[1:])
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_held_conversation_continues_with_its_leftover_rows(name):
+    """A held conversation whose deferred rows are all still pending joins while another sequence decodes: its
+    first forward's rows (the leftover deferred rows, then the follow-up's input) are split by the budget, the
+    deferred rows' pieces joining at its old boundary (on Qwen3.5: its recorded suffix); it equals its batch-1
+    follow-up."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=3, fast_path=False)
+    other = Request(model, processor, cfg, IMAGE, n=8, arrive=0)
+    held = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=1, follow_up=True)
+    leftover = held.held.num_pending
+    assert leftover > 4  # nothing was restored in its 2-token first turn
+    engine = BatchEngine(model, cfg, token_budget=4)
+    drive(model, engine, [other, held])
+    other.check(f"{name} decoding")
+    held.check(f"{name} continued")
+    assert torch.equal(held.seq.trace.restored_per_forward[0], held.held.pending_sources)
 
 
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
@@ -203,6 +227,10 @@ def test_engine_runs_attention_rows_of_each_slot_only():
     pool.end_step()
     assert pool.capacity == 64 and pool.lengths == [3, 41]
     assert layer.keys[a, 0, :3, 0].tolist() == [0, 1, 2]  # kept over the reallocation
+    pool.begin_step([a, b], [torch.tensor([50, 51]), torch.tensor([60])], 2)  # a forward that raises: taken back
+    pool.end_step(completed=False)
+    assert pool.lengths == [3, 41]
+    assert pool.slot_keys[a, 3:].eq(MAX_KEY).all() and pool.slot_keys[b, 41:].eq(MAX_KEY).all()
     pool.release(a)
     assert pool.slot_keys[a].eq(MAX_KEY).all() and pool.allocate() == a
     with pytest.raises(ValueError, match="not in use"):
@@ -214,6 +242,8 @@ def test_bad_input():
     for budget in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="token_budget"):
             BatchEngine(model, RaincheckConfig(), token_budget=budget)
+    with pytest.raises(ValueError, match="fast_path=True"):
+        BatchEngine(model, RaincheckConfig(fast_path=True))
     engine = BatchEngine(model, RaincheckConfig())
     with pytest.raises(ValueError, match="one sequence's input_ids"):
         engine.add(torch.ones(2, 5, dtype=torch.long))
