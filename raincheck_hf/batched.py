@@ -4,67 +4,56 @@
 `generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
 ``padding_side="left"`` and its ``attention_mask``), each row with its own images / videos. Every row is
 its own sequence (`SequenceState`): it is encoded, selected and planned exactly as the same call on that
-row alone (without its padding) would do it, keeps its own pending deferred rows, 3-D positions, DeepStack
-rows, chunk scheduler and trace, and sees only its own rows (docs/method.md §3, per sequence). Batching
-only packs rows: `pack_forward` builds one forward from one `RowGroup` per sequence,
+row alone (without its padding) would do it (`new_sequence`), keeps its own pending deferred rows, 3-D
+positions, DeepStack rows, chunk scheduler and trace, and sees only its own rows (docs/method.md §3, per
+sequence).
 
-    embeds [B, W, D], positions [3, B, W], a 4-D mask [B, 1, W, T + W]
-
-where W is the widest group of the step (a prefill: each sequence's T ∪ S rows; a decode step: each
-sequence's ``[chunk?, token]``), shorter groups are padded at the end with zero rows, and T is the shared
-KV storage's length. The KV storage is one `DynamicCache` of batch B; every forward appends W rows to every
-sequence, so a sequence's storage holds its real rows in the order the row alone would store them, with
-padding rows between. Each sequence keeps an order key per storage row (`cache_utils.order_key`;
-``PAD_KEY`` for padding): a real query sees the storage rows whose key is not larger than its own (the
-batch-1 engine's rule), so padding rows and other sequences' rows are never visible; a padding query sees
-only itself (a finite output, so no NaN reaches the stored rows of later layers).
+The forwards run on `batch_engine.BatchEngine`: each sequence owns a slot of its `kv_pool.SlotKVPool` and
+writes its rows at its own offsets there; one packed forward ``[B, W]`` per step carries each sequence's
+``RowGroup`` (a prefill: its T ∪ S rows; a decode step: its ``[chunk?, token]``), shorter groups padded at the
+end, and a query sees the rows of its own slot whose order key is not larger than its own (the batch-1
+engine's rule; padding rows keep the empty key, so nothing of another sequence or of padding is visible).
+`batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in the first
+forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
 
 A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
-`generate`: an EOS stopping criterion and a pad token) leaves the forward: its storage row is dropped from
-the batch (`DynamicCache.batch_select_indices`), so it costs no compute and its chunks stop; its scores in
-the output are zeros from then on (its token is the pad token whatever they are). Without an EOS criterion
-a finished row keeps decoding, as stock `generate` does.
+`generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove`: its slot is
+freed), so it costs no compute and its chunks stop; its scores in the output are zeros from then on (its
+token is the pad token whatever they are). Without an EOS criterion a finished row keeps decoding, as stock
+`generate` does.
 
 What the call returns for B > 1: ``out.raincheck`` is a list of B `RaincheckTrace`s, ``out.cache`` a list of
-B `DeferredDynamicCache`s (each row's real KV rows, order keys, pending deferred rows and source accounting,
+B `DeferredDynamicCache`s (each row's KV rows, order keys, pending deferred rows and source accounting,
 as the row alone would leave them: `restore_pending` or a follow-up batch-1 `generate` continues that
 row's conversation). A trace's and a cache's source positions index the row *without* its left padding
 (``input_ids[i, pad_i:]``, ``pad_i = (attention_mask[i] == 0).sum()``), exactly as in the row's own call.
 
-Designed for a continuous-batching scheduler to build on: `SequenceState` is all of one sequence's state
-and `pack_forward` takes any list of them with one `RowGroup` each; this module's `batched_sample` is one
-scheduler (every sequence joins at step 0 and leaves when it finishes).
-
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): their GDN layers keep no KV rows; each sequence's recurrent
-states are its row of `batched_gdn.PackedGDNStates` (``recurrent`` here, from `ModelAdapter.packed_states`), and
-`pack_forward` gives the family each sequence's row layout (`SequenceState.layout`: deferred rows, then input
+states are its slot's row of `batched_gdn.PackedGDNStates` (from `ModelAdapter.packed_states`), and each
+forward gives the family each sequence's row layout (`SequenceState.layout`: deferred rows, then input
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
-A finished sequence leaves them with its storage row (`keep_rows`); its cache gets its states and boundary record.
+A sequence's cache gets its states and boundary record when it leaves.
 
 Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``;
-``fast_path=None`` takes this eager engine for B > 1), continuing a cache, and a keep-mask tensor as selector.
+``fast_path=None`` takes this eager engine for B > 1), continuing a cache in a batched call (a held
+conversation joins a `BatchEngine` with ``add(..., cache=)``), and a keep-mask tensor as selector.
 VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
 (`_row_capture`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
 from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
 from .configuration import RaincheckConfig
-from .masking import batched_visibility_to_attention_mask
 from .models import get_adapter
 from .models.base import RowBatch
-
-PAD_KEY = torch.iinfo(torch.long).max  # order key of a padding row: never visible to a real query
 
 
 # ---- checks (before any compute) ------------------------------------------------------------------
@@ -166,22 +155,56 @@ class RowGroup:
     def __len__(self) -> int:
         return int(self.keys.shape[0])
 
+    @staticmethod
+    def concat(groups: list["RowGroup"]) -> "RowGroup":
+        """The groups' rows one after the other (logits wanted as the last group says)."""
+        if len(groups) == 1:
+            return groups[0]
+        device = groups[-1].keys.device
+        return RowGroup(RowBatch.concat([g.batch for g in groups]),
+                        torch.cat([to_device(g.keys, device) for g in groups]),
+                        torch.cat([g.sources.to("cpu", torch.long) for g in groups]),
+                        torch.cat([torch.as_tensor(g.kinds, dtype=torch.int8).cpu() for g in groups]),
+                        groups[-1].want_logits)
 
-@dataclass
+    def split(self, n: int) -> tuple["RowGroup", "RowGroup | None"]:
+        """``(first n rows, the rest or None)``; the first wants no logits unless it is all of them (a chunked
+        prefill's pieces: only the last piece's last row gives the sequence's next-token logits)."""
+        if n >= len(self):
+            return self, None
+        b = self.batch
+        deepstack = None
+        rest_ds = None
+        if b.deepstack is not None:
+            v = int(b.visual[:n].sum())
+            deepstack, rest_ds = [d[:v] for d in b.deepstack], [d[v:] for d in b.deepstack]
+        head = RowGroup(RowBatch(b.embeds[:n], b.positions[:, :n], b.visual[:n], deepstack), self.keys[:n],
+                        self.sources[:n], self.kinds[:n], want_logits=False)
+        tail = RowGroup(RowBatch(b.embeds[n:], b.positions[:, n:], b.visual[n:], rest_ds), self.keys[n:],
+                        self.sources[n:], self.kinds[n:], want_logits=self.want_logits)
+        return head, tail
+
+
+@dataclass(eq=False)  # identity: the engine maps sequences to their logits
 class SequenceState:
-    """Everything of one sequence in a batched call: what the batch-1 loop keeps in its locals and cache.
+    """Everything of one sequence in a batched engine: what the batch-1 loop keeps in its locals and cache.
 
     Attributes:
-        index: its row in the call's ``input_ids``.
+        index: its row in the call's ``input_ids`` (`batched_sample`), or its arrival number (`BatchEngine.add`).
         pad: the row's left padding (its source positions count from the first real token).
-        ids: ``[L_i]`` the row's prompt without padding.
+        ids: ``[L_i]`` the conversation's source tokens before its answer (for a continued conversation: the held
+            cache's source ids, then the new turn's).
         plan: its `DeferredPlan`; ``turn`` its `TurnInputs`; ``scheduler`` its `ChunkScheduler`.
         trace: its `RaincheckTrace`.
         first_generated_position: M-RoPE position of its first generated token.
         pending: its deferred rows not yet prefilled (`PendingRows`), or None.
-        row_keys / row_sources / row_kinds: per row of the shared KV storage (this sequence's slice of it),
-            ``PAD_KEY`` / -1 / -1 for padding rows.
-        generated: tokens generated so far; ``fed``: generated tokens whose forward ran (its source ids).
+        prefill: the rows of its first forward not yet run (`RowGroup`: leftover deferred rows of a continued
+            conversation, then the turn's T ∪ S), None once they all ran; ``prefill_restored``: the sources of
+            those leftover rows (its trace's forward 0).
+        slot: its slot of the engine's `kv_pool.SlotKVPool` (and row of its recurrent states), None outside one.
+        row_sources / row_kinds: per stored row of its slot (host).
+        generated: tokens generated so far; ``fed``: generated tokens whose forward ran (its source ids);
+        ``token``: the generated token its next forward consumes (`BatchEngine.feed`), or None.
     """
 
     index: int
@@ -193,12 +216,15 @@ class SequenceState:
     trace: object
     first_generated_position: int
     pending: PendingRows | None = None
-    row_keys: torch.Tensor | None = None
+    prefill: RowGroup | None = None
+    prefill_restored: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    slot: int | None = None
     row_sources: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     row_kinds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int8))
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     generated: int = 0
     fed: list = field(default_factory=list)
+    token: torch.Tensor | None = None
 
     is_static = False  # for `ChunkScheduler` (eager storage: no measured step costs)
 
@@ -216,12 +242,26 @@ class SequenceState:
         rows, self.pending = self.pending.split(n)
         return rows
 
+    @property
+    def prefilled(self) -> bool:
+        return self.prefill is None
+
     # ---- the rows of its forwards ----
-    def prefill_group(self, adapter) -> RowGroup:
+    def prefill_group(self, adapter, earlier: PendingRows | None = None) -> RowGroup:
+        """Its first forward's rows: ``earlier`` (leftover deferred rows of a continued conversation), then T ∪ S."""
         plan = self.plan
         n = plan.input_rows.numel()
-        return RowGroup(adapter.rows(self.turn, plan.input_rows), plan.input_keys, plan.sources(plan.input_rows),
-                        torch.full((n,), INPUT, dtype=torch.int8))
+        group = RowGroup(adapter.rows(self.turn, plan.input_rows), plan.input_keys, plan.sources(plan.input_rows),
+                         torch.full((n,), INPUT, dtype=torch.int8))
+        if earlier is None:
+            return group
+        return RowGroup.concat([RowGroup(adapter.pending_batch(earlier), earlier.keys, earlier.sources.cpu(),
+                                         torch.full((len(earlier),), DEFERRED, dtype=torch.int8)), group])
+
+    def take_prefill(self, n: int | None) -> RowGroup:
+        """The next ``n`` rows of its prefill (all when None) for this step's forward."""
+        piece, self.prefill = self.prefill.split(len(self.prefill) if n is None else n)
+        return piece
 
     def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i): ``[chunk?, token]`` as
@@ -245,31 +285,13 @@ class SequenceState:
                                torch.full((len(chunk),), DEFERRED, dtype=torch.int8), want_logits=False)
         if config.mode == "serial":
             return [chunk_group, token_group]
-        return [RowGroup(RowBatch.concat([chunk_group.batch, token_group.batch]),
-                         torch.cat([to_device(chunk_group.keys, token_group.keys.device), token_group.keys]),
-                         torch.cat([chunk_group.sources, token_group.sources]),
-                         torch.cat([chunk_group.kinds, token_group.kinds]))]
+        return [RowGroup.concat([chunk_group, token_group])]
 
     # ---- storage bookkeeping ----
-    def register(self, group: RowGroup | None, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this forward's ``width`` storage rows (the group's, then padding); ``(query keys [width],
-        storage keys after [T + width])`` on ``device``."""
-        n = 0 if group is None else len(group)
-        pad = width - n
-        keys = torch.full((width,), PAD_KEY, dtype=torch.long, device=device)
-        if n:
-            keys[:n] = to_device(group.keys, device)
-        if self.row_keys is None:
-            self.row_keys = torch.empty(0, dtype=torch.long, device=device)
-        self.row_keys = torch.cat([self.row_keys, keys])
-        sources = torch.full((pad,), -1, dtype=torch.long)
-        kinds = torch.full((pad,), -1, dtype=torch.int8)
-        if n:
-            sources = torch.cat([group.sources.to("cpu", torch.long), sources])
-            kinds = torch.cat([torch.as_tensor(group.kinds, dtype=torch.int8).cpu(), kinds])
-        self.row_sources = torch.cat([self.row_sources, sources])
-        self.row_kinds = torch.cat([self.row_kinds, kinds])
-        return keys, self.row_keys
+    def stored(self, group: RowGroup) -> None:
+        """Account for ``group``'s rows, which a forward just wrote to its slot."""
+        self.row_sources = torch.cat([self.row_sources, group.sources.to("cpu", torch.long)])
+        self.row_kinds = torch.cat([self.row_kinds, torch.as_tensor(group.kinds, dtype=torch.int8).cpu()])
 
     def layout(self, group: RowGroup | None) -> PackedRowLayout:
         """How ``group``'s rows split for layers with per-sequence recurrent state: deferred rows first, then input
@@ -285,21 +307,21 @@ class SequenceState:
         kind = int(rest[0]) if rest.numel() else None
         return PackedRowLayout(n_deferred, int(rest.numel()), kind, kind == GENERATED and self.num_pending > 0)
 
-    def to_cache(self, storage: DynamicCache, slot: int, text_config, device, adapter=None,
-                 recurrent=None) -> DeferredDynamicCache:
-        """This sequence's rows of the shared ``storage`` (batch index ``slot``) as the `DeferredDynamicCache`
-        its own batch-1 call would have returned: real rows only, in storage order, with their order keys,
-        the pending rows, the source ids fed and the next position."""
+    def to_cache(self, pool, text_config, device, adapter=None, recurrent=None) -> DeferredDynamicCache:
+        """This sequence's slot of ``pool`` (a `kv_pool.SlotKVPool`; ``recurrent``: the engine's per-slot recurrent
+        states) as the `DeferredDynamicCache` its own batch-1 call would have returned: its rows in storage order,
+        with their order keys, the pending rows, the source ids fed and the next position."""
         cache = DeferredDynamicCache(config=text_config, device=device)
-        real = (self.row_keys != PAD_KEY).nonzero().flatten()
-        real_host = real.cpu()
-        cache.register_rows(self.row_keys[real], self.row_sources[real_host], self.row_kinds[real_host])
-        for layer_idx, layer in enumerate(storage.layers):
+        n = pool.lengths[self.slot]
+        cache.register_rows(pool.slot_keys[self.slot, :n], self.row_sources, self.row_kinds)
+        for layer_idx, layer in enumerate(cache.layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):  # its state lives in ``recurrent`` (below)
                 continue
-            cache.update(layer.keys[slot:slot + 1, :, real], layer.values[slot:slot + 1, :, real], layer_idx)
+            rows = pool.rows_of(self.slot, layer_idx)
+            if rows is not None:
+                cache.update(rows[0].clone(), rows[1].clone(), layer_idx)
         if recurrent is not None:
-            adapter.export_packed_state(recurrent, slot, cache)
+            adapter.export_packed_state(recurrent, self.slot, cache)
         if self.pending is not None:
             cache.add_pending(self.pending)
         cache.drop(self.dropped)
@@ -308,74 +330,6 @@ class SequenceState:
         cache.extend_source(torch.cat([self.ids.cpu(), fed]), self.first_generated_position + len(self.fed))
         cache.turn = self.plan.turn + 1
         return cache
-
-
-def pack_forward(adapter, storage: DynamicCache, states: list[SequenceState], groups: list[RowGroup | None],
-                 recurrent=None):
-    """One forward over the rows of several sequences: ``groups[b]`` (or None: padding only) of ``states[b]``,
-    whose storage is batch row ``b`` of ``storage`` (and of ``recurrent``, the family's per-sequence recurrent
-    states from `ModelAdapter.packed_states`, for Gated DeltaNet layers). Returns ``[B, V]`` logits of each
-    group's last row (the language-model head runs on those rows only; a group that wants none, or a None group,
-    gets zeros), or None when no group wants logits."""
-    device = adapter.device
-    width = max(len(g) for g in groups if g is not None)
-    batch = len(states)
-    hidden = adapter.text_model.embed_tokens.weight.shape[-1]
-    embeds = torch.zeros(batch, width, hidden, dtype=adapter.dtype, device=device)
-    positions = torch.zeros(3, batch, width, dtype=torch.long, device=device)
-    visual = torch.zeros(batch, width, dtype=torch.bool, device=device)
-    deepstack = []
-    visible = []
-    for b, (state, group) in enumerate(zip(states, groups)):
-        n = 0 if group is None else len(group)
-        if n:
-            embeds[b, :n] = group.batch.embeds.to(device, adapter.dtype)
-            positions[:, b, :n] = group.batch.positions.to(device)
-            visual[b, :n] = group.batch.visual.to(device)
-            if group.batch.deepstack is not None and bool(group.batch.visual.any()):
-                deepstack.append(group.batch.deepstack)
-        queries, stored = state.register(group, width, device)
-        vis = stored[None, :] <= queries[:, None]  # [width, T + width]
-        if n < width:  # a padding query sees only itself
-            vis[n:] = False
-            offset = stored.shape[0] - width
-            idx = torch.arange(n, width, device=device)
-            vis[idx, offset + idx] = True
-        visible.append(vis)
-    mask = batched_visibility_to_attention_mask(torch.stack(visible), adapter.attn_implementation, adapter.dtype)
-    ds = [torch.cat(layer) for layer in zip(*deepstack)] if deepstack else None
-    scope = adapter.packed_step(recurrent, [s.layout(g) for s, g in zip(states, groups)]) if recurrent is not None \
-        else contextlib.nullcontext()
-    with scope:
-        out = adapter.text_model(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            attention_mask=adapter.text_attention_mask(mask),
-            cache=storage,
-            use_cache=True,
-            **adapter.packed_deepstack_kwargs(visual, ds),
-        )
-    wanted = [b for b, g in enumerate(groups) if g is not None and g.want_logits]
-    if not wanted:
-        return None
-    rows = torch.tensor([len(groups[b]) - 1 for b in wanted], device=device)
-    picked = out.last_hidden_state[torch.tensor(wanted, device=device), rows]
-    head = adapter.lm_head(picked[:, None])[:, 0]
-    logits = head.new_zeros(batch, head.shape[-1])
-    logits[torch.tensor(wanted, device=device)] = head
-    return logits
-
-
-def keep_rows(storage: DynamicCache, recurrent, keep: list[int]) -> None:
-    """Keep only the sequences ``keep`` (batch indices, in that order) in the shared KV storage and the recurrent
-    states: the others leave the forward, and nothing of theirs remains."""
-    index = torch.tensor(keep, dtype=torch.long)
-    for layer in storage.layers:
-        if not isinstance(layer, LinearAttentionCacheLayerMixin):  # (a model split by accelerate: per device)
-            keys = getattr(layer, "keys", None)
-            layer.batch_select_indices(index if keys is None else index.to(keys.device))
-    if recurrent is not None:
-        recurrent.select(keep)
 
 
 # ---- the call ------------------------------------------------------------------------------------
@@ -420,13 +374,58 @@ def _row_media(outputs, indices: list[int]):
     )
 
 
+def new_sequence(model, adapter, config: RaincheckConfig, index: int, ids: torch.Tensor, *, pad: int = 0,
+                 cache: DeferredDynamicCache | None = None, captures=None, **encode) -> SequenceState:
+    """Encode, select and plan one sequence's turn exactly as its own batch-1 call does.
+
+    ``ids [L]``: a fresh prompt (``cache`` None), or, with ``cache`` (a held batch-1 `DeferredDynamicCache`, left
+    unchanged), the whole conversation as a batch-1 follow-up takes it: the cache's source ids, then the new
+    turn's. ``encode``: `ModelAdapter.encode_turn`'s media arguments for this turn (``mm_encoder_outputs`` or
+    ``pixel_values`` / ``pixel_values_videos``, the grids). ``captures``: the turn's VisionZip record.
+    The sequence's prefill (leftover deferred rows of the cache, then T ∪ S) is ready in ``state.prefill``."""
+    from .generation import ChunkScheduler, RaincheckTrace, _pending_rows
+    from .plan import build_plan, select_visual_rows
+
+    ids = ids.reshape(-1)
+    start = 0 if cache is None else cache.source_length
+    if cache is not None and (ids.shape[0] <= start or not torch.equal(ids[:start].cpu(), cache.source_ids)):
+        what = "" if ids.shape[0] <= start else " that do not start with the cache's source ids"
+        raise ValueError(
+            f"a continued conversation takes the whole conversation's ids (the held cache's {start} source ids, "
+            f"then the new turn's); got {ids.shape[0]} ids{what}."
+        )
+    new_ids = ids[start:]
+    turn = adapter.encode_turn(new_ids, 0 if cache is None else cache.next_position,
+                               text_prefix=1 if start > 0 else 0,  # the previous answer's last token, not yet fed
+                               **encode)
+    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=captures)
+    plan = build_plan(turn, keep, 0 if cache is None else cache.turn, start)
+    trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
+                           deferred=plan.sources(plan.deferred_rows),
+                           segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments])
+    source_ids = ids.cpu() if cache is None else torch.cat([cache.source_ids, new_ids.cpu()])
+    state = SequenceState(index, pad, source_ids, turn, plan, ChunkScheduler(config), trace, turn.next_position)
+    earlier = None
+    if cache is not None:
+        earlier = cache.peek_pending()
+        state.dropped = cache.dropped.clone()
+        state.row_sources, state.row_kinds = cache.row_sources.clone(), cache.row_kinds.clone()
+    if plan.deferred_rows.numel():
+        if config.defers:
+            state.pending = _pending_rows(adapter, turn, plan)
+        else:  # hard: gone for good
+            trace.dropped = plan.sources(plan.deferred_rows)
+            state.dropped = torch.cat([state.dropped, trace.dropped])
+    state.prefill = state.prefill_group(adapter, earlier)
+    if earlier is not None:
+        state.prefill_restored = earlier.sources.cpu()
+    return state
+
+
 def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attention_mask, grids: dict,
                     mm_encoder_outputs: dict | None, captures=None) -> list[SequenceState]:
     """Encode, select and plan every row of a left-padded batch as its own call would (turn 0, no cache).
     ``captures``: the whole call's `integration.VisionAttentionCapture` (VisionZip), cut per row."""
-    from .generation import ChunkScheduler, RaincheckTrace, _pending_rows
-    from .plan import build_plan, select_visual_rows
-
     pads = left_padding(attention_mask, input_ids)
     rows = [input_ids[i, p:] for i, p in enumerate(pads)]
     media = media_of_rows(adapter, rows, grids)
@@ -442,38 +441,28 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
         image_grid = grids.get("image_grid_thw")
         video_grid = grids.get("video_grid_thw")
         seconds = grids.get("second_per_grid_ts")
-        turn = adapter.encode_turn(
-            ids, 0,
+        row_captures = None
+        if captures is not None:
+            row_captures = {m: _row_capture(captures[m], grids[f"{m}_grid_thw"], owned[m])
+                            for m in ("image", "video") if owned[m] and m in captures}
+        states.append(new_sequence(
+            model, adapter, config, i, ids, pad=pad, captures=row_captures,
             mm_encoder_outputs={m: o for m, o in row_outputs.items() if o is not None},
             image_grid_thw=image_grid[owned["image"]] if owned["image"] else None,
             video_grid_thw=video_grid[owned["video"]] if owned["video"] else None,
             second_per_grid_ts=(torch.as_tensor(seconds)[owned["video"]] if seconds is not None and owned["video"]
                                 else None),
-        )
-        row_captures = None
-        if captures is not None:
-            row_captures = {m: _row_capture(captures[m], grids[f"{m}_grid_thw"], owned[m])
-                            for m in ("image", "video") if owned[m] and m in captures}
-        keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=row_captures)
-        plan = build_plan(turn, keep, 0, 0)
-        trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
-                               deferred=plan.sources(plan.deferred_rows),
-                               segments=[(s.modality, s.grid, s.source_positions) for s in turn.segments])
-        state = SequenceState(i, pad, ids.cpu(), turn, plan, ChunkScheduler(config), trace, turn.next_position)
-        if plan.deferred_rows.numel():
-            if config.defers:
-                state.pending = _pending_rows(adapter, turn, plan)
-            else:  # hard: gone for good
-                state.dropped = plan.sources(plan.deferred_rows)
-                trace.dropped = state.dropped
-        states.append(state)
+        ))
     return states
 
 
 def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
                    raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
                    raincheck_captures=None, **model_kwargs):
-    """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring)."""
+    """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring): one driver over a
+    `batch_engine.BatchEngine` in which every row joins at step 0 (its whole prompt in the first forward) and leaves
+    when it finishes; choosing tokens (HF's processors, sampling, stopping criteria, streamer) stays here."""
+    from .batch_engine import BatchEngine
     from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
@@ -481,56 +470,44 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
     grids = raincheck_grids or {}
     states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
                              model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
-    text_config = model.config.get_text_config()
-    storage = DynamicCache(config=text_config)
-    recurrent = adapter.packed_states(len(states))  # Gated DeltaNet states per sequence (None: attention only)
-    device = adapter.device
+    engine = BatchEngine(model, config, num_slots=len(states),
+                         capacity=max(len(s.prefill) + s.num_pending for s in states)
+                         + generation_config.max_length - input_ids.shape[1] + 1)
+    for s in states:
+        engine.join(s)
     caches: list[DeferredDynamicCache | None] = [None] * len(states)
 
-    # forward 0: each sequence's T ∪ S
-    logits = pack_forward(adapter, storage, states, [s.prefill_group(adapter) for s in states], recurrent)
-    for s in states:
-        s.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long))
-        s.trace.chunk_size_per_forward.append(0)
-
+    logits = engine.step()  # forward 0: each sequence's T ∪ S
     scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
     leaves = finished_pad is not None  # a finished row's tokens are pads from then on
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    active = list(states)  # the sequences in the forward, in storage batch order
+    active = list(states)  # the sequences still in the engine
     while True:
-        full = logits.new_zeros(input_ids.shape[0], logits.shape[-1])
-        full[torch.tensor([s.index for s in active], device=full.device)] = logits
+        first = next(iter(logits.values()))
+        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
+        for s in active:
+            full[s.index] = logits[s]
         next_tokens, scores, raw_logits = choose_next_tokens(
             full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
             finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        for s in active:
-            s.generated += 1
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         if streamer is not None:
             streamer.put(next_tokens.cpu())
         if bool(unfinished.max() == 0):
             break
-        if leaves:  # finished sequences leave the forward (their storage rows with them)
-            done = [k for k, s in enumerate(active) if not bool(unfinished[s.index])]
-            if done:
-                for k in done:
-                    caches[active[k].index] = active[k].to_cache(storage, k, text_config, device, adapter, recurrent)
-                keep = [k for k in range(len(active)) if k not in done]
-                keep_rows(storage, recurrent, keep)
-                active = [active[k] for k in keep]
+        if leaves:  # finished sequences leave the engine (their slots with them)
+            for s in [s for s in active if not bool(unfinished[s.index])]:
+                caches[s.index] = engine.remove(s)
+                active.remove(s)
         tokens = next_tokens.cpu()
-        groups = [s.decode_groups(adapter, config, tokens[s.index]) for s in active]
-        if config.mode == "serial" and any(len(g) == 2 for g in groups):
-            pack_forward(adapter, storage, active, [g[0] if len(g) == 2 else None for g in groups], recurrent)
-        logits = pack_forward(adapter, storage, active, [g[-1] for g in groups], recurrent)
+        for s in active:
+            engine.feed(s, tokens[s.index])
+        logits = engine.step()
 
-    for k, s in enumerate(active):
-        caches[s.index] = s.to_cache(storage, k, text_config, device, adapter, recurrent)
-    traces = []
-    for s, cache in zip(states, caches):
-        s.trace.pending = cache.pending_sources
-        traces.append(s.trace)
+    for s in active:
+        caches[s.index] = engine.remove(s)
+    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:

@@ -1,4 +1,4 @@
-"""Gated DeltaNet states of several sequences in one packed forward (`batched.pack_forward`), eager engine.
+"""Gated DeltaNet states of several sequences in one packed forward (`batch_engine.ForwardRunner`), eager engine.
 
 docs/method.md §4 per sequence, batched over the sequences: row ``b`` of every tensor here is sequence
 ``b`` of the packed forward (its live state and conv history, its boundary, its leading-segment record and
@@ -19,7 +19,11 @@ suffix map), and its suffix length is a host integer of its own. A packed forwar
 
 Everything is the same algebra as the batch-1 engine (`gated_delta`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
-Sequences leave with `select` (the rows of the others are kept; nothing of a departed one remains).
+`PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
+its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
+row reset (`reset`: zeros, ``M_R = I``, no suffix, so nothing of a departed sequence remains), a held
+conversation's states are loaded into its row (`PackedGDNState.load`, `export`'s inverse), and the rows grow
+with the pool's slots (`grow`). `select` keeps some sequences of a packed batch (the others' rows are gone).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .gated_delta import (
     causal_conv_with_history,
     gdn_factors,
     gdn_gates,
+    hf_conv_state_to_history,
     history_to_hf_conv_state,
     identity_map,
     join_state,
@@ -123,6 +128,72 @@ class PackedGDNState:
         for name in self._NAMES:
             setattr(self, name, getattr(self, name).index_select(0, index))
         self.suffix_length = [self.suffix_length[k] for k in keep]
+
+    # ---- rows as slots (`batch_engine`: row ``i`` is slot ``i`` of the pool) -----------------------
+    def take(self, rows: list[int]) -> "PackedGDNState":
+        """A state of ``len(rows)`` sequences holding copies of rows ``rows`` (one packed forward's sequences)."""
+        sub = object.__new__(PackedGDNState)
+        index = torch.tensor(rows, dtype=torch.long, device=self.state.device)
+        for name in self._NAMES:
+            setattr(sub, name, getattr(self, name).index_select(0, index))
+        sub.width = self.width
+        sub.suffix_length = [self.suffix_length[r] for r in rows]
+        return sub
+
+    def put(self, rows: list[int], sub: "PackedGDNState") -> None:
+        """Write ``sub`` (from `take`, after a forward) back into rows ``rows``."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.state.device)
+        for name in self._NAMES:
+            getattr(self, name).index_copy_(0, index, getattr(sub, name))
+        for r, t in zip(rows, sub.suffix_length):
+            self.suffix_length[r] = t
+
+    def reset(self, row: int) -> None:
+        """Row ``row`` back to a fresh sequence's states (zeros, ``M_R = I``, no suffix)."""
+        for name in self._NAMES:
+            getattr(self, name)[row].zero_()
+        self.rest_map[row] = torch.eye(self.rest_map.shape[-1], dtype=self.rest_map.dtype, device=self.rest_map.device)
+        self.suffix_length[row] = 0
+
+    def fresh(self, batch: int) -> "PackedGDNState":
+        """A state of ``batch`` fresh sequences with this one's shapes and dtypes."""
+        new = self.take([])
+        new.grow(batch)
+        return new
+
+    def grow(self, batch: int) -> None:
+        """Room for ``batch`` sequences; the new rows are fresh."""
+        old = self.batch
+        if batch <= old:
+            return
+        for name in self._NAMES:
+            t = getattr(self, name)
+            setattr(self, name, torch.cat([t, t.new_zeros(batch - old, *t.shape[1:])]))
+        self.suffix_length += [0] * (batch - old)
+        for row in range(old, batch):
+            self.reset(row)
+
+    def load(self, i: int, layer, params: GDNLayerParams) -> None:
+        """Row ``i`` from ``layer``, a `cache_utils.DeferredLinearAttentionLayer` of a batch-1 cache (`export`'s
+        inverse): its live conv window and recurrent state, and its boundary record."""
+        k = params.kernel_size
+        self.reset(i)
+        self.conv[i] = hf_conv_state_to_history(layer.conv_states[0], k)[0].to(self.conv.dtype)
+        self.state[i] = layer.recurrent_states[0][0].to(self.state.dtype)
+        smap = layer.suffix_map
+        if smap is None:  # no boundary yet recorded: it sits at the live state
+            self.boundary_state[i], self.leading_state[i] = self.state[i], self.state[i]
+            self.boundary_conv[i] = self.conv[i]
+            return
+        self.boundary_state[i] = smap.boundary_state[0].to(self.boundary_state.dtype)
+        self.boundary_conv[i] = smap.boundary_conv_history[0].to(self.boundary_conv.dtype)
+        self.leading_state[i] = smap.leading_state[0].to(self.leading_state.dtype)
+        self.rest_map[i] = smap.rest_map[0].to(self.rest_map.dtype)
+        lead = smap.leading.mixed_qkv.shape[1]
+        self.leading_qkv[i, :lead] = smap.leading.mixed_qkv[0].to(self.leading_qkv.dtype)
+        self.leading_a[i, :lead] = smap.leading.a[0].to(self.leading_a.dtype)
+        self.leading_b[i, :lead] = smap.leading.b[0].to(self.leading_b.dtype)
+        self.suffix_length[i] = int(smap.suffix_length)
 
     # ---- one forward ------------------------------------------------------------------------
     def step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layouts: list[PackedRowLayout],
@@ -280,3 +351,28 @@ class PackedGDNStates:
         for state in self.layers.values():
             state.select(keep)
         self.batch = len(keep)
+
+    # ---- rows as slots (`batch_engine`) ------------------------------------------------------------
+    def take(self, rows: list[int]) -> "PackedGDNStates":
+        """The states of rows ``rows`` as a `PackedGDNStates` of ``len(rows)`` sequences (copies), for one packed
+        forward; layers not created yet are created fresh in it (and in this one by `put`)."""
+        sub = PackedGDNStates(len(rows))
+        sub.layers = {i: state.take(rows) for i, state in self.layers.items()}
+        return sub
+
+    def put(self, rows: list[int], sub: "PackedGDNStates") -> None:
+        """Write ``sub``'s states (after a forward) back into rows ``rows``."""
+        for i, state in sub.layers.items():
+            mine = self.layers.get(i)
+            if mine is None:
+                mine = self.layers[i] = state.fresh(self.batch)
+            mine.put(rows, state)
+
+    def reset(self, row: int) -> None:
+        for state in self.layers.values():
+            state.reset(row)
+
+    def grow(self, batch: int) -> None:
+        for state in self.layers.values():
+            state.grow(batch)
+        self.batch = max(self.batch, int(batch))

@@ -214,7 +214,7 @@ class ModelAdapter:
         return {}
 
     def packed_deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
-        """`deepstack_kwargs` for a packed forward of several sequences (`batched.pack_forward`): ``visual [B, W]``,
+        """`deepstack_kwargs` for a packed forward of several sequences (`batch_engine.ForwardRunner`): ``visual [B, W]``,
         ``deepstack`` one ``[n_visual, D]`` per layer with the visual rows in row-major order of ``visual``."""
         return {}
 
@@ -370,6 +370,10 @@ class ModelAdapter:
 
     def export_packed_state(self, states, index: int, cache) -> None:
         """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
+
+    def load_packed_state(self, states, index: int, cache) -> None:
+        """Fill sequence ``index``'s part of ``states`` from its own `DeferredDynamicCache` ``cache`` (a held
+        conversation joining a `batch_engine.BatchEngine`; `export_packed_state`'s inverse)."""
 
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).

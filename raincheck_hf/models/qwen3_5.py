@@ -311,7 +311,7 @@ def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs
     return module.out_proj(core.reshape(bsz, rows, -1))
 
 
-# ---- the batched eager engine: several sequences in one packed forward (`batched.pack_forward`) -------------
+# ---- the batched eager engine: several sequences in one packed forward (`batch_engine.ForwardRunner`) -------------
 
 @dataclass
 class _PackedStepContext:
@@ -555,6 +555,14 @@ class GatedDeltaNetMixin:
         for module in self._gdn_modules:
             layer = deferred_linear_layer(cache, module.layer_idx)
             states.layers[module.layer_idx].export(index, layer, _layer_params(module))
+
+    def load_packed_state(self, states, index: int, cache) -> None:
+        from ..cache_utils import deferred_linear_layer
+
+        for module in self._gdn_modules:
+            params = _layer_params(module)
+            state = states.layer(module.layer_idx, params, module.in_proj_qkv.weight.dtype, self.device)
+            state.load(index, deferred_linear_layer(cache, module.layer_idx), params)
 
     def static_step(self, cache, step_info, variant: StaticSplit):
         if self._gdn_modules:

@@ -1,0 +1,269 @@
+"""`BatchEngine`: continuous batching on the eager engine (sequences join and leave at any step).
+
+Each sequence is a `batched.SequenceState` (its own plan, pending deferred rows, 3-D positions, DeepStack rows,
+`ChunkScheduler` and trace) and owns a slot of a `kv_pool.SlotKVPool` (and, on the Gated DeltaNet families, a
+row of the per-slot recurrent states `batched_gdn.PackedGDNStates`). A step is one forward (two in ``serial``
+mode) over the rows of every sequence that has work:
+
+- each running sequence that was fed a token (`feed`) contributes its decode row with its deferred chunk when
+  its scheduler gives it one (``[chunk, token]`` fused; ``serial``: the chunks in a forward of their own first);
+- sequences still prefilling contribute the next piece of their prompt (for a continued conversation: its
+  leftover deferred rows, then the new turn's T ∪ S), under a per-step token budget (``token_budget`` rows per
+  step, decode rows first, the rest to the waiting prompts in arrival order: vLLM's chunked prefill). A long
+  image prompt is prefilled over several steps while the others keep decoding; its logits come with the step
+  that ran its last piece. While the decode rows alone fill the budget, prompts wait.
+
+`step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
+caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched.batched_sample`).
+
+Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
+(it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
+and runs the forward from them (packing, the slot placement and mask, the family's packed recurrent step).
+
+Every sequence sees only its own rows (docs/method.md §3 per sequence, through its slot's order keys), so each
+sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` (to float
+rounding: a chunked prefill sums attention and the Gated DeltaNet recurrence in pieces).
+
+A held conversation joins with its batch-1 `DeferredDynamicCache` (`add(..., cache=)`): its KV rows and order
+keys are copied into a slot, its GDN states into the slot's row, its pending deferred rows go in front of the
+new turn's prefill (docs/method.md §7), and the turn continues as the batch-1 follow-up would. `remove` gives a
+sequence's state back as the `DeferredDynamicCache` its own call would have returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from .batched import RowGroup, SequenceState, new_sequence
+from .cache_utils import DeferredDynamicCache
+from .configuration import RaincheckConfig
+from .kv_pool import SlotKVPool
+from .masking import batched_visibility_to_attention_mask, check_attention_implementation
+from .models import get_adapter
+
+__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler"]
+
+Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
+
+
+class RowScheduler:
+    """Which rows each sequence gets in a step (no tensors of the model touched).
+
+    Args:
+        config: the engine's `RaincheckConfig` (``mode``: ``serial`` splits chunks into a forward of their own).
+        token_budget: rows per step (decode rows, their chunks and prompt pieces together), None: unbounded.
+    """
+
+    def __init__(self, config: RaincheckConfig, token_budget: int | None = None):
+        if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
+                                         or token_budget < 1):
+            raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
+                             f"got {token_budget!r}.")
+        self.config = config
+        self.token_budget = token_budget
+
+    def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
+        """The step's forwards (one; two in ``serial`` mode when a chunk rides), each a list of entries in the order
+        of ``sequences``. Takes the fed tokens, chunks and prompt pieces from the sequences."""
+        decode, used = [], 0
+        for seq in sequences:
+            if seq.prefilled and seq.token is not None:
+                groups = seq.decode_groups(adapter, self.config, seq.token)
+                seq.token = None
+                decode.append((seq, groups))
+                used += sum(len(g) for g in groups)
+        left = None if self.token_budget is None else self.token_budget - used
+        prefill = []
+        for seq in sequences:
+            if seq.prefilled:
+                continue
+            if left is not None and left <= 0:
+                break
+            piece = seq.take_prefill(left)
+            prefill.append((seq, piece))
+            if left is not None:
+                left -= len(piece)
+            if seq.prefilled:  # its forward 0 completes in this step
+                seq.trace.restored_per_forward.append(seq.prefill_restored)
+                seq.trace.chunk_size_per_forward.append(0)
+        forwards = []
+        chunks = [(seq, groups[0]) for seq, groups in decode if len(groups) == 2]
+        if chunks:
+            forwards.append(chunks)
+        main = [(seq, groups[-1]) for seq, groups in decode] + prefill
+        if main:
+            forwards.append(main)
+        return forwards
+
+
+class ForwardRunner:
+    """Runs one packed forward ``[B, W]`` over entries of several sequences on the slot pool.
+
+    Builds ``embeds [B, W, D]``, ``positions [3, B, W]``, DeepStack rows and the 4-D mask from the pool's slot keys
+    (`SlotKVPool.begin_step`); Gated DeltaNet families run their layers per sequence on the step's rows of the
+    per-slot states (``recurrent``: taken for the step's slots and put back after it)."""
+
+    def __init__(self, adapter, pool: SlotKVPool, recurrent=None):
+        self.adapter, self.pool, self.recurrent = adapter, pool, recurrent
+
+    def run(self, entries: list[Entry]) -> dict[SequenceState, torch.Tensor]:
+        """Logits ``[V]`` of the last row of each entry whose group wants them."""
+        adapter, pool = self.adapter, self.pool
+        device = adapter.device
+        width = max(len(g) for _, g in entries)
+        batch = len(entries)
+        hidden = adapter.text_model.embed_tokens.weight.shape[-1]
+        embeds = torch.zeros(batch, width, hidden, dtype=adapter.dtype, device=device)
+        positions = torch.zeros(3, batch, width, dtype=torch.long, device=device)
+        visual = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        deepstack = []
+        for b, (_, group) in enumerate(entries):
+            n = len(group)
+            embeds[b, :n] = group.batch.embeds.to(device, adapter.dtype)
+            positions[:, b, :n] = group.batch.positions.to(device)
+            visual[b, :n] = group.batch.visual.to(device)
+            if group.batch.deepstack is not None and bool(group.batch.visual.any()):
+                deepstack.append(group.batch.deepstack)
+        slots = [seq.slot for seq, _ in entries]
+        visible = pool.begin_step(slots, [g.keys for _, g in entries], width)
+        ok = False
+        try:
+            mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
+            ds = [torch.cat(layer) for layer in zip(*deepstack)] if deepstack else None
+            states = None if self.recurrent is None else self.recurrent.take(slots)
+            scope = (contextlib.nullcontext() if states is None
+                     else adapter.packed_step(states, [seq.layout(g) for seq, g in entries]))
+            with scope:
+                out = adapter.text_model(
+                    inputs_embeds=embeds,
+                    position_ids=positions,
+                    attention_mask=adapter.text_attention_mask(mask),
+                    cache=pool,
+                    use_cache=True,
+                    **adapter.packed_deepstack_kwargs(visual, ds),
+                )
+            ok = True
+        finally:
+            pool.end_step(ok)  # a forward that failed leaves the slots as they were
+        if states is not None:
+            self.recurrent.put(slots, states)
+        for seq, group in entries:
+            seq.stored(group)
+        wanted = [b for b, (_, g) in enumerate(entries) if g.want_logits]
+        if not wanted:
+            return {}
+        rows = torch.tensor([len(entries[b][1]) - 1 for b in wanted], device=device)
+        picked = out.last_hidden_state[torch.tensor(wanted, device=device), rows]
+        head = adapter.lm_head(picked[:, None])[:, 0]
+        return {entries[b][0]: head[k] for k, b in enumerate(wanted)}
+
+
+class BatchEngine:
+    """Sequences that join and leave at any step, one packed forward per step (see the module docstring).
+
+    Args:
+        model: a model `raincheck_hf` supports (on the eager engine: ``attn_implementation`` ``sdpa`` or ``eager``).
+        config: the `RaincheckConfig` of every sequence (mode, retention, chunks, selector).
+        token_budget: rows per step (decode rows first, then prompt pieces); None: no limit (a prompt's whole
+            prefill in its first step).
+        num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
+    """
+
+    def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
+                 num_slots: int = 4, capacity: int = 256):
+        self.model = model
+        self.config = config if config is not None else RaincheckConfig()
+        if self.config.fast_path is True:
+            raise ValueError("RaincheckConfig.fast_path=True: BatchEngine is the eager engine (the CUDA fast path runs "
+                             "one conversation at a time); use fast_path=None or False with it.")
+        self.adapter = get_adapter(model)
+        check_attention_implementation(self.adapter.attn_implementation)
+        self.scheduler = RowScheduler(self.config, token_budget)
+        self.text_config = model.config.get_text_config()
+        self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
+        self.recurrent = self.adapter.packed_states(self.pool.num_slots)  # None: attention layers only
+        self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
+        self.sequences: list[SequenceState] = []  # in arrival order
+        self._arrivals = 0
+
+    # ---- joining and leaving ------------------------------------------------------------------
+    def add(self, input_ids: torch.Tensor, *, cache: DeferredDynamicCache | None = None, captures=None,
+            **media) -> SequenceState:
+        """A new sequence, prefilled from the next `step` on: a fresh prompt ``input_ids`` (``[L]`` or ``[1, L]``,
+        no padding) with its media (``pixel_values`` / ``pixel_values_videos`` or ``mm_encoder_outputs``,
+        ``image_grid_thw`` / ``video_grid_thw``, ``second_per_grid_ts``), or the next turn of a held
+        conversation: ``cache`` (a batch-1 `DeferredDynamicCache`, left unchanged) and ``input_ids`` the whole
+        conversation as a batch-1 follow-up takes them. ``captures``: the prompt's VisionZip record."""
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"BatchEngine.add takes one sequence's input_ids ([L] or [1, L], L >= 1), got shape "
+                             f"{tuple(ids.shape)}; add each prompt of a batch on its own.")
+        if cache is not None and not isinstance(cache, DeferredDynamicCache):
+            raise ValueError(f"BatchEngine.add(cache=...) continues a raincheck conversation and takes the "
+                             f"DeferredDynamicCache of its last turn, got a {type(cache).__name__}.")
+        state = new_sequence(self.model, self.adapter, self.config, self._arrivals, ids, cache=cache,
+                             captures=captures, **media)
+        self._arrivals += 1
+        self.join(state, cache)
+        return state
+
+    def join(self, state: SequenceState, cache: DeferredDynamicCache | None = None) -> None:
+        """Give ``state`` (from `batched.new_sequence`) a slot; with ``cache`` (the held conversation it continues),
+        copy its KV rows, order keys and recurrent states in."""
+        slot = self.pool.allocate()
+        if self.recurrent is not None:
+            self.recurrent.grow(self.pool.num_slots)
+            self.recurrent.reset(slot)
+        state.slot = slot
+        if cache is not None:
+            kv = {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)
+                  if not isinstance(layer, LinearAttentionCacheLayerMixin) and layer.is_initialized}
+            self.pool.load(slot, cache.row_keys, kv)
+            if self.recurrent is not None:
+                self.adapter.load_packed_state(self.recurrent, slot, cache)
+        self.sequences.append(state)
+
+    def remove(self, seq: SequenceState) -> DeferredDynamicCache | None:
+        """``seq`` leaves (at any step): its state as the `DeferredDynamicCache` its own call would have returned
+        (`SequenceState.to_cache`), or None when its prompt was not fully prefilled yet (nothing to continue);
+        its slot is freed (its keys reset: nothing of it is visible to the slot's next owner)."""
+        if seq not in self.sequences:
+            raise ValueError("BatchEngine.remove got a sequence that is not in this engine.")
+        cache = None
+        if seq.prefilled:
+            cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
+            seq.trace.pending = cache.pending_sources
+        self.pool.release(seq.slot)
+        if self.recurrent is not None:
+            self.recurrent.reset(seq.slot)
+        seq.slot = None
+        self.sequences.remove(seq)
+        return cache
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def feed(self, seq: SequenceState, token) -> None:
+        """The token the caller chose from ``seq``'s last logits: its next decode row (generated token i)."""
+        if seq not in self.sequences or not seq.prefilled or seq.token is not None:
+            what = ("not in this engine" if seq not in self.sequences else "still prefilling" if not seq.prefilled
+                    else "already fed a token for the next step")
+            raise ValueError(f"BatchEngine.feed: the sequence is {what}.")
+        seq.token = torch.as_tensor(token).reshape(())
+        seq.generated += 1
+
+    @property
+    def idle(self) -> bool:
+        """No sequence has rows to run."""
+        return all(s.prefilled and s.token is None for s in self.sequences)
+
+    def step(self) -> dict[SequenceState, torch.Tensor]:
+        """One step: every fed token (with its chunk), prompt pieces under the budget. The next-token logits
+        ``[V]`` of each sequence that has them (a fed token ran, or its prompt's last piece)."""
+        logits = {}
+        for entries in self.scheduler.schedule(self.adapter, self.sequences):
+            logits.update(self.runner.run(entries))
+        return logits

@@ -1,0 +1,254 @@
+"""`SlotKVPool`: the KV storage of the batched engine (`batch_engine.BatchEngine`), one slot per sequence.
+
+Storage per attention layer: ``keys / values [S, H, cap, D]`` (``S`` slots of ``cap`` rows each), and per slot
+an order-key row ``slot_keys [S, cap]`` (`cache_utils.order_key` of each stored row; ``MAX_KEY`` = empty, never
+visible) and a length (host int). A sequence owns one slot and writes its rows at its own offsets ``length,
+length + 1, ...``; no row of another sequence, and no padding, accumulates in it. In a packed forward
+``[B, W]`` a sequence with ``n < W`` real rows writes its ``W - n`` padding rows after its new length: their
+key stays ``MAX_KEY`` (invisible) and its next rows overwrite them.
+
+One forward over the sequences in slots ``slots [B]`` (`begin_step` ... `end_step`):
+
+- `begin_step` writes the real rows' keys into their slots, and returns the visibility ``[B, W, T]`` over the
+  first ``T`` rows of the step's slots (``T`` = the longest ``length + W`` of the step, rounded up to
+  ``ROW_ROUNDING``, at most ``cap``): a real query sees the rows whose key is not larger than its own
+  (docs/method.md §3 per sequence, the batch-1 engine's rule); a padding query sees only itself (a finite
+  output, so no NaN reaches a later layer's stored rows);
+- each attention layer's `SlotKVLayer.update` scatters the forward's ``[B, H, W, D]`` keys / values to their
+  offsets and hands attention ``[B, H, T, D]`` gathered over the step's slots (a copy of the used rows, not a
+  view: slots of one step need not be adjacent; the fast path would read the slots in its attention kernel).
+
+A slot that would overflow doubles the capacity of every slot (reallocation; a new capacity's memory is zeros);
+a pool without a free slot doubles its slots. `release` resets a slot's keys to ``MAX_KEY`` and its length to 0:
+the departed sequence's KV stays in the tensors but is never visible to the next owner (a key ``MAX_KEY`` is
+masked for every real query, and a padding query sees only its own row).
+
+Why slots and not paged blocks: on the eager engine a step's attention reads ``[B, H, T, D]`` through SDPA,
+which takes one dense tensor per step; a slot is a contiguous row range, so the read is one gather over the
+step's slots, where a block table would need a gather of every block of every sequence into the same dense
+layout (the paging only pays with an attention kernel that reads blocks in place, which this eager reference
+does not have). Slots waste the unused tail of each slot's capacity; blocks waste less. That trade was not
+measured here: it is the fast path's decision.
+
+Gated DeltaNet layers keep no KV rows: their layers here stay empty (the family's packed GDN step keeps the
+states per slot, `batched_gdn.PackedGDNStates`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MAX_KEY = torch.iinfo(torch.long).max  # the key of an empty row: never visible to a real query
+ROW_ROUNDING = 16  # a step attends over its longest slot in use rounded up to this
+MIN_CAPACITY = 64
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-int(n) // step) * step
+
+
+class SlotStep:
+    """The running forward's placement: ``slots [B]`` (long, host), ``write [B, W]`` (long, host; each row's offset
+    in its slot, padding rows after the real ones) and ``span`` (``T``, rows of each slot attention reads)."""
+
+    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int]):
+        self.slots, self.write, self.span = slots, write, int(span)
+        self.lengths_before = lengths_before
+        self._on: dict = {}
+
+    def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, write)`` on ``device`` (copied once per device and step: a model split by accelerate)."""
+        got = self._on.get(device)
+        if got is None:
+            got = self._on[device] = (self.slots.to(device), self.write.to(device))
+        return got
+
+
+class SlotKVLayer(CacheLayerMixin):
+    """One attention layer's slot storage (``keys / values [S, H, cap, D]``, allocated at its first write on the
+    layer's device); writes and reads follow the pool's running `SlotStep`."""
+
+    def __init__(self, pool: "SlotKVPool", layer_idx: int):
+        super().__init__()
+        self._pool, self.layer_idx = weakref.ref(pool), layer_idx  # weak: no pool <-> layer cycle
+
+    @property
+    def pool(self) -> "SlotKVPool":
+        return self._pool()
+
+    def lazy_initialization(self, key_states, value_states):
+        pool = self.pool
+        shape = lambda t: (pool.num_slots, t.shape[1], pool.capacity, t.shape[-1])  # noqa: E731
+        self.keys = key_states.new_zeros(shape(key_states))
+        self.values = value_states.new_zeros(shape(value_states))
+        self.is_initialized = True
+
+    def resize(self, num_slots: int, capacity: int) -> None:
+        """Reallocate to ``[num_slots, H, capacity, D]`` (zeros), keeping what the old tensors held."""
+        if not self.is_initialized:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(num_slots, old.shape[1], capacity, old.shape[-1])
+            new[:old.shape[0], :, :old.shape[2]] = old
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """``key_states / value_states [B, H, W, D]`` of the running step -> ``[B, H, T, D]`` of its slots."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        step = self.pool.step
+        if step is None:
+            raise RuntimeError("a SlotKVPool was written outside a step (SlotKVPool.begin_step places the rows).")
+        slots, write = step.on(self.keys.device)
+        # advanced indices on dims 0 and 2 put [B, W] in front: the stored rows are [B, W, H, D]
+        self.keys[slots[:, None], :, write] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[slots[:, None], :, write] = value_states.transpose(1, 2).to(self.values.dtype)
+        span = step.span
+        return self.keys[:, :, :span].index_select(0, slots), self.values[:, :, :span].index_select(0, slots)
+
+    def get_seq_length(self) -> int:
+        step = self.pool.step
+        return 0 if step is None else step.span
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        step = self.pool.step
+        return (query_length if step is None else step.span), 0
+
+    def get_max_length(self) -> int:
+        return self.pool.capacity
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class SlotKVPool(Cache):
+    """Per-sequence KV slots shared by the sequences of a batched engine (see the module docstring).
+
+    Args:
+        num_layers: the text model's layers (Gated DeltaNet layers' entries stay empty).
+        num_slots: slots to start with (doubled when none is free).
+        capacity: rows per slot to start with (doubled when a slot would overflow).
+        device: where ``slot_keys`` live (the model's input device).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None):
+        if int(num_slots) < 1 or int(capacity) < 1:
+            raise ValueError(f"SlotKVPool needs num_slots >= 1 and capacity >= 1, got {num_slots} and {capacity}.")
+        self.num_slots = int(num_slots)
+        self.capacity = _round_up(max(int(capacity), MIN_CAPACITY), ROW_ROUNDING)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        super().__init__(layers=[SlotKVLayer(self, i) for i in range(int(num_layers))])
+        self.slot_keys = torch.full((self.num_slots, self.capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        self.lengths = [0] * self.num_slots
+        self._free = list(range(self.num_slots))
+        self.step: SlotStep | None = None
+
+    # ---- slots ------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A free slot (empty: length 0, every key ``MAX_KEY``); doubles the slots when none is free."""
+        if not self._free:
+            self._resize(self.num_slots * 2, self.capacity)
+        return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        """Free ``slot``: its keys go back to ``MAX_KEY`` (nothing it held is visible to its next owner)."""
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"SlotKVPool.release got slot {slot}, which is not in use.")
+        self.slot_keys[slot] = MAX_KEY
+        self.lengths[slot] = 0
+        self._free.append(slot)
+        self._free.sort()
+
+    def reserve(self, rows_after: int) -> None:
+        """Make every slot hold at least ``rows_after`` rows (capacity doubling)."""
+        capacity = self.capacity
+        while capacity < rows_after:
+            capacity *= 2
+        if capacity != self.capacity:
+            self._resize(self.num_slots, capacity)
+
+    def _resize(self, num_slots: int, capacity: int) -> None:
+        keys = torch.full((num_slots, capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        keys[:self.num_slots, :self.capacity] = self.slot_keys
+        self.slot_keys = keys
+        for layer in self.layers:
+            layer.resize(num_slots, capacity)
+        self._free += list(range(self.num_slots, num_slots))
+        self.lengths += [0] * (num_slots - self.num_slots)
+        self.num_slots, self.capacity = num_slots, capacity
+
+    # ---- one forward ------------------------------------------------------------------------
+    def begin_step(self, slots: list[int], query_keys: list[torch.Tensor], width: int) -> torch.Tensor:
+        """Place a forward ``[B, width]`` over ``slots`` (one per row of the batch), ``query_keys[b]`` the order keys of
+        slot ``b``'s real rows (its first ``len`` rows; the rest of ``width`` is padding). Writes the keys, advances
+        the lengths and returns the visibility ``[B, width, T]`` (bool, on the pool's device)."""
+        if self.step is not None:
+            raise RuntimeError("SlotKVPool.begin_step inside a running step.")
+        self.reserve(max(self.lengths[s] for s in slots) + width)
+        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
+        write = starts[:, None] + torch.arange(width)[None]
+        span = min(self.capacity, _round_up(int(starts.max()) + width, ROW_ROUNDING))
+        queries = torch.full((len(slots), width), MAX_KEY, dtype=torch.long, device=self.device)
+        for b, (slot, keys) in enumerate(zip(slots, query_keys)):
+            n = int(keys.shape[0])
+            if n:
+                keys = keys.to(self.device)
+                queries[b, :n] = keys
+                self.slot_keys[slot, self.lengths[slot]:self.lengths[slot] + n] = keys
+            self.lengths[slot] += n
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        stored = self.slot_keys[:, :span].index_select(0, index)  # [B, T]
+        visible = stored[:, None, :] <= queries[:, :, None]
+        own = write.to(self.device)[:, :, None] == torch.arange(span, device=self.device)[None, None]
+        padding = queries == MAX_KEY
+        visible = torch.where(padding[:, :, None], own, visible)
+        self.step = SlotStep(torch.tensor(slots, dtype=torch.long), write, span, starts.tolist())
+        return visible
+
+    def end_step(self, completed: bool = True) -> None:
+        """The step is over; when it did not complete (the forward raised), its rows are taken back: the slots'
+        lengths and keys are as before it (whatever it wrote past them is invisible)."""
+        step, self.step = self.step, None
+        if step is None or completed:
+            return
+        for slot, before in zip(step.slots.tolist(), step.lengths_before):
+            self.slot_keys[slot, before:self.lengths[slot]] = MAX_KEY
+            self.lengths[slot] = before
+
+    # ---- one slot as a batch-1 cache ----------------------------------------------------------
+    def rows_of(self, slot: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(keys, values) [1, H, length, D]`` of ``slot`` in layer ``layer_idx`` (None: the layer holds no KV)."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            return None
+        n = self.lengths[slot]
+        return layer.keys[slot:slot + 1, :, :n], layer.values[slot:slot + 1, :, :n]
+
+    def load(self, slot: int, keys: torch.Tensor, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill the empty ``slot`` with a batch-1 cache's rows: order ``keys [n]`` and per attention layer
+        ``(keys, values) [1, H, n, D]``."""
+        if self.lengths[slot]:
+            raise ValueError(f"SlotKVPool.load into slot {slot}, which holds {self.lengths[slot]} rows.")
+        n = int(keys.shape[0])
+        self.reserve(n)
+        for layer_idx, (k, v) in kv.items():
+            layer = self.layers[layer_idx]
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys[slot, :, :n] = k[0].to(layer.keys.device, layer.keys.dtype)
+            layer.values[slot, :, :n] = v[0].to(layer.values.device, layer.values.dtype)
+        self.slot_keys[slot, :n] = keys.to(self.device)
+        self.lengths[slot] = n
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.step is None else self.step.span
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(slots={self.num_slots}, capacity={self.capacity}, "
+                f"in_use={self.num_slots - len(self._free)})")

@@ -1,0 +1,258 @@
+"""`batch_engine.BatchEngine` (continuous batching on the slot pool `kv_pool.SlotKVPool`), eager engine, CPU.
+
+The reference for every sequence is the same sequence run alone through batch-1 ``generate`` (greedy): identical
+tokens, logits within 1e-4 (fp32), and the cache `BatchEngine.remove` returns equal to the call's own cache.
+Sequences join at random steps (fresh prompts with images or videos, or the next turn of a held conversation),
+prompts are prefilled in pieces under random token budgets, and slots are reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.batch_engine import BatchEngine
+from raincheck_hf.kv_pool import MAX_KEY, SlotKVPool
+from raincheck_hf.tiny import draw_test_image, draw_test_video
+
+from conftest import make_inputs, no_placeholder_ids
+from families import family_model, family_processor, family_params
+from test_batched import ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal
+
+TOL = 1e-4
+MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+FOLLOW = "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _alone(model, inputs, cfg, n, cache=None):
+    return model.generate(**inputs, max_new_tokens=n, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
+                          output_logits=True, suppress_tokens=no_placeholder_ids(model), cache=cache)
+
+
+class Request:
+    """One sequence of a schedule: what it adds to the engine, and its reference (its batch-1 call)."""
+
+    def __init__(self, model, processor, cfg, row: dict, n: int, arrive: int, follow_up: bool = False):
+        self.arrive, self.held = arrive, None
+        inputs = make_inputs(processor, **row)
+        if follow_up:  # a held conversation: its first turn ran alone, the engine runs the next one
+            first = _alone(model, inputs, cfg, 2)
+            self.held = first.cache
+            self.held_was = (repr(first.cache), first.cache.row_keys.clone(), first.cache.pending_sources.clone())
+            follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"]
+            inputs = {"input_ids": torch.cat([first.sequences, follow], dim=1)}
+        self.ids = inputs["input_ids"][0]
+        self.media = {k: v for k, v in inputs.items() if k in MEDIA}
+        self.want = _alone(model, inputs, cfg, n, cache=copy.deepcopy(self.held))
+        self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
+        self.tokens, self.logits, self.cache, self.seq = [], [], None, None
+
+    def check(self, what: str):
+        got = torch.stack(self.tokens)
+        assert torch.equal(got, self.want_tokens), f"{what}: tokens {got.tolist()} != {self.want_tokens.tolist()}"
+        for step, (a, b) in enumerate(zip(self.logits, self.want.logits)):
+            diff = (a - b[0]).abs().max().item()
+            assert diff <= TOL, f"{what} step {step}: max abs logit diff {diff:.2e}"
+        assert_cache_equal(self.cache, self.want.cache)
+        if self.held is not None:  # the engine copied the held conversation and left it as it was
+            was = self.held_was
+            assert repr(self.held) == was[0] and torch.equal(self.held.row_keys, was[1])
+            assert torch.equal(self.held.pending_sources, was[2])
+        assert_trace_equal(self.seq.trace, self.want.raincheck)
+
+
+def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
+    """Run the schedule: each request joins at its step, takes greedy tokens (placeholders suppressed, as in its
+    reference) until it has as many as its reference, then leaves with its cache. Returns the steps taken."""
+    suppressed = torch.tensor(no_placeholder_ids(model))
+    waiting = sorted(requests, key=lambda r: r.arrive)
+    active = {}
+    step = 0
+    while waiting or active:
+        while waiting and waiting[0].arrive <= step:
+            r = waiting.pop(0)
+            r.seq = engine.add(r.ids, cache=r.held, **r.media)
+            active[r.seq] = r
+        for seq, logits in engine.step().items():
+            r = active[seq]
+            r.logits.append(logits)
+            masked = logits.clone()
+            masked[suppressed] = -float("inf")
+            r.tokens.append(masked.argmax())
+            if len(r.tokens) == r.want_tokens.numel():
+                r.cache = engine.remove(seq)
+                del active[seq]
+            else:
+                engine.feed(seq, r.tokens[-1])
+        step += 1
+        assert step < 500, "the schedule does not finish"
+    return step
+
+
+def _random_row(rng: random.Random):
+    kind = rng.choice(["text", "image", "image", "images", "video"])
+    size = lambda: rng.choice([32, 64, 96, 128])  # noqa: E731
+    if kind == "text":
+        return dict(text=rng.choice(["Say something about glyphs.", "List every red glyph you can see."]))
+    if kind == "video":
+        return dict(videos=(draw_test_video(2, size(), size(), seed=rng.randrange(100)),),
+                    text="What happens in the video?")
+    count = 1 if kind == "image" else 2
+    return dict(images=tuple(draw_test_image(size(), size(), seed=rng.randrange(100)) for _ in range(count)),
+                text=rng.choice(["What is in this image?", "Which is red?"]))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fuzz_sequences_match_alone(seed):
+    """Random join schedules, prompts (text, images, videos), modes, retentions, chunk sizes, guards, token
+    budgets (most of them split prompts over several steps) and held conversations that continue, on every
+    family; few initial slots, so slots are reused and the pool grows: each sequence equals its own call."""
+    rng = random.Random(2000 + seed)
+    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
+                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
+                          decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
+                          fast_path=False)
+    requests = [Request(model, processor, cfg, _random_row(rng), n=rng.randint(2, 6), arrive=rng.randint(0, 5),
+                        follow_up=rng.random() < 0.3)
+                for _ in range(rng.randint(2, 5))]
+    budget = rng.choice([None, 5, 9, 16, 33])
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    assert engine.sequences == [] and engine.pool.num_slots - len(engine.pool._free) == 0
+
+
+@pytest.mark.parametrize("name", family_params(ALL_FAMILIES))
+def test_chunked_prefill_while_others_decode(name):
+    """A long image prompt joins while another sequence decodes; under a small budget its prefill takes several
+    steps, during which the other keeps getting a token every step; both equal their own calls."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
+    short = Request(model, processor, cfg, TEXT, n=8, arrive=0)
+    long = Request(model, processor, cfg, TWO_IMAGES, n=3, arrive=2)
+    engine = BatchEngine(model, cfg, token_budget=12, num_slots=2)
+    rows_per_step = []
+    handle = engine.adapter.text_model.register_forward_pre_hook(
+        lambda m, a, kw: rows_per_step.append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
+    try:
+        drive(model, engine, [short, long])
+    finally:
+        handle.remove()
+    for r, what in ((short, "decoding"), (long, "prefilled in pieces")):
+        r.check(f"{name} {what}")
+    prefill = len(long.seq.plan.input_rows)
+    assert prefill > 2 * 12  # its prompt needs at least three steps at this budget
+    # the short one decodes every step; the long one's prefill rides beside it, at most the budget's rows a step
+    assert sum(1 for b, w in rows_per_step if b == 2) >= 3
+    assert all(w <= 12 for _, w in rows_per_step[1:])
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_held_conversation_continues_with_its_leftover_rows(name):
+    """A held conversation whose deferred rows are all still pending joins while another sequence decodes: its
+    first forward's rows (the leftover deferred rows, then the follow-up's input) are split by the budget, the
+    deferred rows' pieces joining at its old boundary (on Qwen3.5: its recorded suffix); it equals its batch-1
+    follow-up."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=3, fast_path=False)
+    other = Request(model, processor, cfg, IMAGE, n=8, arrive=0)
+    held = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=1, follow_up=True)
+    leftover = held.held.num_pending
+    assert leftover > 4  # nothing was restored in its 2-token first turn
+    engine = BatchEngine(model, cfg, token_budget=4)
+    drive(model, engine, [other, held])
+    other.check(f"{name} decoding")
+    held.check(f"{name} continued")
+    assert torch.equal(held.seq.trace.restored_per_forward[0], held.held.pending_sources)
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_reused_slot_shows_nothing_of_its_last_owner(name):
+    """A sequence leaves; garbage is written over everything its slot holds (KV rows beyond any length, on
+    Qwen3.5 its recurrent states too); the next sequence that takes the slot equals its own call. The freed slot's
+    keys are all empty."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
+    first = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=0)
+    engine = BatchEngine(model, cfg, num_slots=1)
+    drive(model, engine, [first])
+    pool = engine.pool
+    assert pool.num_slots == 1 and bool((pool.slot_keys == MAX_KEY).all()) and pool.lengths == [0]
+    gen = torch.Generator().manual_seed(0)
+    for layer in pool.layers:
+        if layer.is_initialized:
+            layer.keys.copy_(1e3 * torch.randn(layer.keys.shape, generator=gen))
+            layer.values.copy_(1e3 * torch.randn(layer.values.shape, generator=gen))
+    if engine.recurrent is not None:
+        assert engine.recurrent.layers
+        for state in engine.recurrent.layers.values():
+            for t in (state.state, state.conv, state.boundary_state, state.rest_map):
+                t.copy_(1e3 * torch.randn(t.shape, generator=gen))
+    second = Request(model, processor, cfg, IMAGE, n=4, arrive=0)
+    third = Request(model, processor, cfg, TEXT, n=3, arrive=1)
+    drive(model, engine, [second, third])
+    first.check("first owner")
+    second.check("next owner")
+    third.check("a grown pool's new slot")
+    assert pool.num_slots == 2
+
+
+def test_engine_runs_attention_rows_of_each_slot_only():
+    """`SlotKVPool` directly: rows land at each slot's own offsets (padding rows after them stay invisible), and
+    the visibility of a step is each slot's keys against its own queries; capacity doubles on overflow."""
+    pool = SlotKVPool(num_layers=1, num_slots=2, capacity=16)
+    a, b = pool.allocate(), pool.allocate()
+    visible = pool.begin_step([a, b], [torch.tensor([0, 1, 2]), torch.tensor([5])], 3)
+    layer = pool.layers[0]
+    k = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 1, 3, 1)
+    keys, _ = layer.update(k, k)
+    pool.end_step()
+    assert pool.lengths == [3, 1]
+    assert keys.shape == (2, 1, 16, 1)
+    assert keys[0, 0, :3, 0].tolist() == [0, 1, 2] and keys[1, 0, :3, 0].tolist() == [3, 4, 5]  # padding at 1, 2
+    assert visible[0, :, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert visible[1, 0, :3].tolist() == [True, False, False]
+    assert visible[1, 1].nonzero().flatten().tolist() == [1]  # a padding query sees only its own row
+    assert visible[1, 2].nonzero().flatten().tolist() == [2]
+    assert pool.slot_keys[b, 1:].eq(MAX_KEY).all()
+    pool.begin_step([b], [torch.arange(6, 6 + 40)], 40)  # overflows 16 rows: capacity doubles to 64
+    layer.update(torch.ones(1, 1, 40, 1), torch.ones(1, 1, 40, 1))
+    pool.end_step()
+    assert pool.capacity == 64 and pool.lengths == [3, 41]
+    assert layer.keys[a, 0, :3, 0].tolist() == [0, 1, 2]  # kept over the reallocation
+    pool.begin_step([a, b], [torch.tensor([50, 51]), torch.tensor([60])], 2)  # a forward that raises: taken back
+    pool.end_step(completed=False)
+    assert pool.lengths == [3, 41]
+    assert pool.slot_keys[a, 3:].eq(MAX_KEY).all() and pool.slot_keys[b, 41:].eq(MAX_KEY).all()
+    pool.release(a)
+    assert pool.slot_keys[a].eq(MAX_KEY).all() and pool.allocate() == a
+    with pytest.raises(ValueError, match="not in use"):
+        pool.release(5)
+
+
+def test_bad_input():
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    for budget in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="token_budget"):
+            BatchEngine(model, RaincheckConfig(), token_budget=budget)
+    with pytest.raises(ValueError, match="fast_path=True"):
+        BatchEngine(model, RaincheckConfig(fast_path=True))
+    engine = BatchEngine(model, RaincheckConfig())
+    with pytest.raises(ValueError, match="one sequence's input_ids"):
+        engine.add(torch.ones(2, 5, dtype=torch.long))
+    ids = make_inputs(processor, **TEXT)["input_ids"]
+    held = _alone(model, make_inputs(processor, **TEXT), RaincheckConfig(), 2).cache
+    with pytest.raises(ValueError, match="held cache's"):
+        engine.add(ids, cache=held)  # not the conversation the cache holds
+    seq = engine.add(ids)
+    with pytest.raises(ValueError, match="still prefilling"):
+        engine.feed(seq, 1)
+    assert engine.remove(seq) is None  # left before its prompt ran: nothing to continue
+    assert engine.sequences == []
