@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import threading
@@ -281,40 +282,41 @@ def test_load_metrics_are_exposed(small_server, dialogues):
 
 # ---- soak: concurrent multi-turn clients ------------------------------------------------------------------
 
-CLIENTS, RUNNING, ANSWER = 14, 4, 16
-
-
-def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogues):
-    """CLIENTS clients at once, each two three-turn image dialogues (raincheck or full mode, streamed or not),
-    every fifth cancelling its second dialogue mid-stream, under a cache budget of about three conversations
-    (so conversations are evicted and rebuilt). Every completed answer equals its conversation run alone
-    (`Conversation`, greedy; a raincheck follow-up whose conversation was evicted: the same request alone on an
-    empty server, the full prefill it then is); no 5xx, no 429 (the queue holds every client); at most
-    --max-running turns at once; the held caches within the budget once idle, and during the run within it
-    plus the conversations answering."""
+def soak(model, processor, dialogues, clients: int, running_places: int, answer: int, config=None,
+         dialogues_per_client: int = 2, duration_s: float | None = None, budget_conversations: int = 3) -> dict:
+    """``clients`` concurrent clients on one server, each running three-turn image dialogues (raincheck or full
+    mode, streamed or not; every fifth client cancels its second, fourth, ... dialogue mid-stream at turn 2),
+    ``dialogues_per_client`` of them, or as many as start within ``duration_s``. The server: ``running_places``,
+    a queue that holds every client, a cache budget of ``budget_conversations`` conversations (so conversations
+    are evicted and rebuilt). Checks: every completed answer equals its conversation run alone (`Conversation`,
+    greedy; a raincheck dialogue from a follow-up whose conversation was evicted on: the same requests sent alone
+    to the server with nothing held, the full prefill it then is; in full mode that prefill answers as the
+    continued cache does); no 5xx and no 429 (nothing but 200 from the chat route); never more than
+    ``running_places`` turns at once; the held caches within the budget once idle and, during the run, within it
+    plus the conversations answering. Returns the figures."""
     from raincheck_hf.serve import ServeSettings, create_app, running
     from raincheck_hf.serve.store import cache_nbytes
 
-    model, processor = glyph
+    config = config or raincheck_hf.RaincheckConfig()
     modes = ("raincheck", "full")
     refs, biggest = {}, 0
     for i, d in enumerate(dialogues):
         questions = [t.question for t in d.turns[:3]]
         for mode in modes:
-            with raincheck_hf.Conversation(model, processor, raincheck_hf.RaincheckConfig(mode=mode),
-                                           background=False) as chat:
-                refs[i, mode] = [chat.ask(q, images=[d.image()] if k == 0 else [], max_new_tokens=ANSWER).text
+            with raincheck_hf.Conversation(model, processor, dataclasses.replace(config, mode=mode), background=False) as chat:
+                refs[i, mode] = [chat.ask(q, images=[d.image()] if k == 0 else [], max_new_tokens=answer).text
                                  for k, q in enumerate(questions)]
                 biggest = max(biggest, cache_nbytes(chat.cache))
-    budget = 3 * biggest
+    budget = budget_conversations * biggest
     urls = {i: data_url(d.image()) for i, d in enumerate(dialogues)}
-    settings = ServeSettings(model_name="glyph", max_tokens=ANSWER, max_running=RUNNING, max_queue=CLIENTS,
-                             max_cache_bytes=budget)
+    settings = ServeSettings(model_name="glyph", config=config, max_tokens=answer, max_running=running_places,
+                             max_queue=clients, max_cache_bytes=budget)
     app = create_app(model, processor, settings)
     server = app.state.server
     records, errors, statuses = [], [], []
     done = threading.Event()
     watch = {"running": 0, "busy": 0, "bytes": 0, "queued": 0}
+    deadline = None if duration_s is None else time.monotonic() + duration_s
 
     def watcher():
         while not done.is_set():
@@ -326,11 +328,12 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
             time.sleep(0.005)
 
     def client_run(c, base):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         try:
-            for j in range(2):
+            j = 0
+            while (j < dialogues_per_client) if deadline is None else (j == 0 or time.monotonic() < deadline):
                 i, mode, stream = (c + j) % len(dialogues), modes[(c + j + c // 4) % 2], (c + j) % 3 != 0
-                cancel_at = 1 if (c % 5 == 4 and j == 1) else None
+                cancel_at = 1 if (c % 5 == 4 and j % 2 == 1) else None
                 messages, run = [], []
                 records.append(("dialogue", i, mode, run))
                 for k, turn in enumerate(dialogues[i].turns[:3]):
@@ -360,6 +363,7 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
                         text, rc = reply.choices[0].message.content, reply.model_extra["raincheck"]
                     run.append((text, rc["reused"], [dict(m) for m in messages]))
                     messages.append({"role": "assistant", "content": text})
+                j += 1
         except openai.APIStatusError as error:
             statuses.append(error.status_code)
         except BaseException as error:  # surfaced below
@@ -368,15 +372,15 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
     with running(app) as base:
         watching = threading.Thread(target=watcher, daemon=True)
         watching.start()
-        threads = [threading.Thread(target=client_run, args=(c, base)) for c in range(CLIENTS)]
+        threads = [threading.Thread(target=client_run, args=(c, base)) for c in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=300)
+            t.join()
         wait_for(lambda: server.admission.snapshot()["running"] == 0 and server.store.snapshot()["busy"] == 0)
         done.set()
         watching.join()
-        assert not errors and not statuses, (errors, statuses)
+        assert not errors and not statuses, (errors[:3], statuses[:10])
         requests_by_status = {}
         for line in httpx.get(base + "/metrics").text.splitlines():
             if line.startswith('raincheck_requests_total{endpoint="/v1/chat/completions"'):
@@ -385,27 +389,29 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
         runs = [r[1:] for r in records if r[0] == "dialogue"]
         cancelled = [r for r in records if r[0] == "cancelled"]
         answered = sum(len(run) for _, _, run in runs)
-        assert len(cancelled) == CLIENTS // 5 and answered == 6 * CLIENTS - 2 * len(cancelled)
+        assert answered + len(cancelled) == requests_by_status.get("200"), requests_by_status
         assert set(requests_by_status) == {"200"}, requests_by_status  # no 5xx, no 429, nothing else
         assert metric(base, "raincheck_cancelled_total") == len(cancelled)
         # bounded: the places, the held caches (idle: within the budget; the answering ones on top)
-        assert watch["running"] <= RUNNING and watch["busy"] <= RUNNING
+        assert watch["running"] <= running_places and watch["busy"] <= running_places
         assert server.store.snapshot()["cache_bytes"] <= budget
-        assert watch["bytes"] <= budget + RUNNING * 2 * biggest, (watch, budget)
-        assert server.store.evictions > 0
+        assert watch["bytes"] <= budget + running_places * 2 * biggest, (watch, budget)
         # every completed answer equals its conversation run alone. A dialogue is answered by one held conversation
         # from its first turn, or, after its conversation was evicted, by a rebuilt one from the follow-up that
         # found it gone (`reused` false): in full mode that prefill answers as the continued cache does, in
         # raincheck mode it defers the image's tokens anew, so from there the reference is the same requests sent
         # alone to the server with nothing held.
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        replayed = set()
         for i, mode, run in runs:
             starts = [k for k, (_, reused, _) in enumerate(run) if k == 0 or not reused]
             library = len(run) if mode == "full" else (starts + [len(run)])[1] if len(starts) > 1 else len(run)
             assert [text for text, _, _ in run[:library]] == refs[i, mode][:library], (i, mode)
             for j, end in zip(starts, starts[1:] + [len(run)]):
-                if j < library:
+                key = (mode, json.dumps(run[end - 1][2]))
+                if j < library or key in replayed:
                     continue
+                replayed.add(key)
                 server.store.close()  # alone: nothing held, as the evicted conversation's follow-up found it
                 for k in range(j, end):
                     text, _, messages = run[k]
@@ -413,6 +419,16 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
                                                            extra_body={"raincheck": {"mode": mode}})
                     assert alone.model_extra["raincheck"]["reused"] == (k > j)
                     assert alone.choices[0].message.content == text, (i, mode, k)
+    return {"answered": answered, "cancelled": len(cancelled), "dialogues": len(runs), "replayed": len(replayed),
+            "evictions": server.store.evictions, "budget": budget, **{f"max_{k}": v for k, v in watch.items()}}
+
+
+def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogues):
+    """14 clients at once, two three-turn dialogues each, four running places (see `soak`)."""
+    model, processor = glyph
+    figures = soak(model, processor, dialogues, clients=14, running_places=4, answer=16)
+    assert figures["cancelled"] == 14 // 5 and figures["answered"] == 6 * 14 - 2 * figures["cancelled"]
+    assert figures["evictions"] > 0 and figures["max_running"] == 4  # the budget and the places were reached
 
 
 def test_serve_load_benchmark_smoke(tmp_path):

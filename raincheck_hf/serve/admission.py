@@ -144,6 +144,7 @@ class Ticket:
         except BaseException:  # gone, or the handler cancelled: leave the queue (or pass on a place just granted)
             with admission._lock:
                 admission.abandoned += 1
+                admission._started.pop(id(self), None)  # a place granted just now: no turn ran, nothing to time
             self.release()
             raise
         finally:

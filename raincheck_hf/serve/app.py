@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI's ``/v1/chat/completions`` over held Raincheck conversations.
 
-Each request is checked (`protocol.parse_chat_request`), tokenized whole with the processor's chat
-template, matched against the held conversations (`store.ConversationStore.checkout`) and answered
-by that conversation in a thread of its own: `Conversation`'s generate call continues the cache,
+Each request takes its place in line (`admission.Admission`: running places, a bounded FIFO queue, 429
+beyond it), is checked (`protocol.parse_chat_request`), tokenized whole with the processor's chat
+template, waits for a running place, is matched against the held conversations
+(`store.ConversationStore.checkout`) and answered by that conversation in a thread of its own (`Server.start`,
+the one place where a turn starts and its tokens come out): `Conversation`'s generate call continues the cache,
 so a follow-up prefills only its new tokens; after the answer the conversation's worker restores
 the deferred leftovers in idle time. Different conversations answer concurrently on the one model
 (the engine is batch 1: their steps interleave on the device; the fast path keeps each thread's
@@ -565,7 +567,9 @@ def _openapi(app):
             responses = post.setdefault("responses", {})
             for code, what in (("400", "Bad request: the message names the parameter and the value"),
                                ("401", "Missing or wrong API key"), ("404", "Model not served here"),
-                               ("413", "Request body over --max-body-mb")):
+                               ("413", "Request body over --max-body-mb"),
+                               ("429", "Every running place (--max-running) and queue place (--max-queue) taken: "
+                                       "retry after the Retry-After header's seconds")):
                 responses[code] = {"description": what, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/Error"}}}}
             app.openapi_schema = spec
