@@ -857,5 +857,5 @@ def test_cuda_serve_soak_64_clients():
     figures = soak(model, processor, benchmark_split("dev", limit=8), clients=64, running_places=8, answer=32,
                    config=config, duration_s=duration, budget_conversations=16)
     print(f"soak: {figures}")
-    assert figures["answered"] >= 64 and figures["cancelled"] >= 64 // 5
+    assert figures["answered"] >= 64 and figures["cancelled"] >= 6  # clients 4, 14, ..., 54 cancel their first
     assert figures["max_running"] == 8

@@ -285,7 +285,8 @@ def test_load_metrics_are_exposed(small_server, dialogues):
 def soak(model, processor, dialogues, clients: int, running_places: int, answer: int, config=None,
          dialogues_per_client: int = 2, duration_s: float | None = None, budget_conversations: int = 3) -> dict:
     """``clients`` concurrent clients on one server, each running three-turn image dialogues (raincheck or full
-    mode, streamed or not; every fifth client cancels its second, fourth, ... dialogue mid-stream at turn 2),
+    mode, streamed or not; every fifth client cancels every other dialogue mid-stream at turn 2, from its first
+    or its second),
     ``dialogues_per_client`` of them, or as many as start within ``duration_s``. The server: ``running_places``,
     a queue that holds every client, a cache budget of ``budget_conversations`` conversations (so conversations
     are evicted and rebuilt). Checks: every completed answer equals its conversation run alone (`Conversation`,
@@ -303,7 +304,8 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
     for i, d in enumerate(dialogues):
         questions = [t.question for t in d.turns[:3]]
         for mode in modes:
-            with raincheck_hf.Conversation(model, processor, dataclasses.replace(config, mode=mode), background=False) as chat:
+            moded = dataclasses.replace(config, mode=mode)
+            with raincheck_hf.Conversation(model, processor, moded, background=False) as chat:
                 refs[i, mode] = [chat.ask(q, images=[d.image()] if k == 0 else [], max_new_tokens=answer).text
                                  for k, q in enumerate(questions)]
                 biggest = max(biggest, cache_nbytes(chat.cache))
@@ -333,7 +335,7 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
             j = 0
             while (j < dialogues_per_client) if deadline is None else (j == 0 or time.monotonic() < deadline):
                 i, mode, stream = (c + j) % len(dialogues), modes[(c + j + c // 4) % 2], (c + j) % 3 != 0
-                cancel_at = 1 if (c % 5 == 4 and j % 2 == 1) else None
+                cancel_at = 1 if (c % 5 == 4 and j % 2 == (c // 5) % 2) else None
                 messages, run = [], []
                 records.append(("dialogue", i, mode, run))
                 for k, turn in enumerate(dialogues[i].turns[:3]):

@@ -35,7 +35,6 @@ import base64
 import datetime
 import gc
 import io
-import statistics
 import sys
 import threading
 import time
@@ -218,6 +217,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
+    try:
+        import openai  # noqa: F401 (the clients)
+    except ImportError:
+        raise ValueError("serve-load drives the server with the official openai client, which is not installed: "
+                         "pip install openai") from None
     clients = tuple(clients)
     if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
         raise ValueError(f"clients must be integers >= 1, got {list(clients)}")

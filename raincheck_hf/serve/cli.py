@@ -118,7 +118,8 @@ def settings_from(args):
         raise ValueError(message) from None
 
 
-_OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue", "api_key": "--api-key", "media_root": "--media-root",
+_OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
+            "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",
             "max_image_pixels": "--max-image-pixels", "max_request_pixels": "--max-request-pixels",
