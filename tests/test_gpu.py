@@ -829,3 +829,33 @@ def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatc
             assert (a.double() - b.double()).abs().max().item() <= rel * scale, (T, name)
     assert {name for name, use in launched if use} == {"recurrent_step_", "suffix_map_update_", "join_", "conv_update_"}
     assert all(use for _, use in launched), launched
+
+
+# ---- the server under load (issue 30): a soak of 64 concurrent clients on the CUDA fast path ----
+# The driver is tests/test_serve_load.py's `soak` (its CPU version runs 14 clients in the suite). Duration:
+# RAINCHECK_SOAK_S seconds of clients starting new dialogues (default 60), then every answer is checked.
+
+
+def test_cuda_serve_soak_64_clients():
+    """64 clients for RAINCHECK_SOAK_S seconds on the bundled Qwen3-VL on CUDA, eight running places: every
+    completed answer equals its conversation run alone, no 5xx / 429, the held caches within the budget."""
+    import os
+
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    from test_serve_load import soak
+
+    from raincheck_hf.quality import load_bundled
+    from raincheck_hf.quality.glyphs import benchmark_split
+
+    duration = float(os.environ.get("RAINCHECK_SOAK_S", "60"))
+    model, processor = load_bundled("qwen3_vl", device="cuda")
+    raincheck_hf.enable(model)
+    config = RaincheckConfig(compile_steps=False)  # the defaults but the compile: this test is not about it
+    figures = soak(model, processor, benchmark_split("dev", limit=8), clients=64, running_places=8, answer=32,
+                   config=config, duration_s=duration, budget_conversations=16)
+    print(f"soak: {figures}")
+    assert figures["answered"] >= 64 and figures["cancelled"] >= 6  # clients 4, 14, ..., 54 cancel their first
+    assert figures["max_running"] == 8

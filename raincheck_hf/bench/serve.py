@@ -106,7 +106,8 @@ def library_conversation(model, processor, config, image, questions, lengths, bi
             clock = _Clock()
             start = time.perf_counter()
             result = chat.ask(question, images=[image] if k == 0 else [], max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, streamer=clock, logits_processor=LogitsProcessorList([_LogitBias(dict.fromkeys(bias, 100.0))]))
+                              do_sample=False, streamer=clock,
+                              logits_processor=LogitsProcessorList([_LogitBias(dict.fromkeys(bias, 100.0))] if bias else []))
             end = time.perf_counter()
             records.append({**_timings(start, clock.times, end), "completion_tokens": int(result.token_ids.numel()),
                             "text": result.text, "restored_during": result.restored_during_answer,

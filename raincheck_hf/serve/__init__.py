@@ -8,9 +8,9 @@ requests each conversation's worker restores the deferred tokens in idle time. S
 
 Layout: `schema` (the request as pydantic models: validation and ``/docs``), `protocol` (the request
 checked against the server: model, vocabulary, limits), `media` (images and videos: sized from their
-headers, decoded under the limits), `store` (held conversations: matching, eviction), `app` (the routes,
-streaming, cancellation, the request log), `metrics` (Prometheus, through prometheus_client), `cli`
-(the command).
+headers, decoded under the limits), `store` (held conversations: matching, eviction), `admission`
+(running places and the queue), `app` (the routes, streaming, cancellation, the request log), `metrics`
+(Prometheus, through prometheus_client), `cli` (the command).
 """
 
 from .app import ServeSettings, Server, create_app, running

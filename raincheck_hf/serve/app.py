@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI's ``/v1/chat/completions`` over held Raincheck conversations.
 
-Each request is checked (`protocol.parse_chat_request`), tokenized whole with the processor's chat
-template, matched against the held conversations (`store.ConversationStore.checkout`) and answered
-by that conversation in a thread of its own: `Conversation`'s generate call continues the cache,
+Each request takes its place in line (`admission.Admission`: running places, a bounded FIFO queue, 429
+beyond it), is checked (`protocol.parse_chat_request`), tokenized whole with the processor's chat
+template, waits for a running place, is matched against the held conversations
+(`store.ConversationStore.checkout`) and answered by that conversation in a thread of its own (`Server.start`,
+the one place where a turn starts and its tokens come out): `Conversation`'s generate call continues the cache,
 so a follow-up prefills only its new tokens; after the answer the conversation's worker restores
 the deferred leftovers in idle time. Different conversations answer concurrently on the one model
 (the engine is batch 1: their steps interleave on the device; the fast path keeps each thread's
@@ -27,6 +29,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
+from .admission import Admission, ClientGone, Ticket
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request
 from .store import ConversationStore, ServedConversation
@@ -48,6 +51,9 @@ class ServeSettings:
         reuse: continue held conversations (False: every request prefills its whole dialogue and
             nothing is held, as a server without a conversation cache does; for comparisons).
         limits: what one request may cost (`Limits`: body size, prompt tokens, images, pixels, video).
+        max_running: turns generating at once; more wait in the queue.
+        max_queue: turns waiting for a running place (first come, first served); a request beyond them is
+            refused at once with HTTP 429 and ``Retry-After``.
     """
 
     model_name: str = "qwen3_vl"
@@ -58,8 +64,14 @@ class ServeSettings:
     max_tokens: int = 256
     reuse: bool = True
     limits: Limits = field(default_factory=Limits)
+    max_running: int = 4
+    max_queue: int = 64
 
     def __post_init__(self):
+        for name, low in (("max_running", 1), ("max_queue", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(self.limits, Limits):
             raise ValueError(f"limits must be a Limits, got {type(self.limits).__name__}")
         if self.max_cache_bytes is not None and self.max_cache_bytes < 0:
@@ -127,14 +139,18 @@ class _Pieces(BaseStreamer):
     """Hands the answer's new text to ``emit`` after every token (from the generating thread); text that
     ends inside a multi-byte character waits for the token that completes it."""
 
-    def __init__(self, tokenizer, emit):
+    def __init__(self, tokenizer, emit, on_tokens=None):
         self.tokenizer, self.emit, self.ids, self.sent, self.prompt_seen = tokenizer, emit, [], 0, False
+        self.on_tokens = on_tokens
 
     def put(self, value):
         if not self.prompt_seen:  # the prompt comes first
             self.prompt_seen = True
             return
-        self.ids.extend(value.reshape(-1).tolist())
+        new = value.reshape(-1).tolist()
+        self.ids.extend(new)
+        if self.on_tokens is not None:
+            self.on_tokens(len(new))
         self._flush(final=False)
 
     def end(self):
@@ -164,6 +180,7 @@ class _Turn:
     error: BaseException | None = None
     stopper: _StopStrings | None = None
     started: float = 0.0
+    ticket: Ticket | None = None  # its place in the admission control, released when the turn ends
 
 
 class Server:
@@ -172,7 +189,8 @@ class Server:
     def __init__(self, model, processor, settings: ServeSettings):
         self.model, self.processor, self.settings = model, processor, settings
         self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse)
-        self.metrics = Metrics(self.store.snapshot)
+        self.admission = Admission(settings.max_running, settings.max_queue)
+        self.metrics = Metrics(self.store.snapshot, self.admission.snapshot)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()
@@ -299,7 +317,19 @@ class Server:
 
     # ---- answering (a thread per request) -----------------------------------------------------
     def start(self, turn: _Turn, emit) -> threading.Thread:
-        """Check out the conversation and answer in a thread; ``emit`` gets ("text", piece) and ("end", turn)."""
+        """Check out the conversation and answer in a thread; ``emit`` gets ("text", piece) and ("end", turn).
+
+        The one place where a turn starts and its tokens come out: the turn holds a running place
+        (``turn.ticket``, from `Admission`), given back when it ends, before ("end", turn) is emitted; its
+        tokens are counted as they come. (A scheduler loop driving a batched engine replaces this thread.)"""
+        try:
+            return self._start(turn, emit)
+        except BaseException:
+            if turn.ticket is not None:
+                turn.ticket.release()
+            raise
+
+    def _start(self, turn: _Turn, emit) -> threading.Thread:
         lent = self.store.checkout(turn.inputs["input_ids"][0], turn.digests, turn.request.config)
         turn.conversation, turn.cached, turn.reused = lent.conversation, lent.cached, lent.reused
         request = turn.request
@@ -314,8 +344,8 @@ class Server:
             conv = turn.conversation
             try:
                 turn.started = time.perf_counter()
-                turn.result = conv.answer(inputs, turn.digests, _Pieces(self.processor.tokenizer, emit), kwargs,
-                                          turn.cancel)
+                pieces = _Pieces(self.processor.tokenizer, emit, self.metrics.tokens)
+                turn.result = conv.answer(inputs, turn.digests, pieces, kwargs, turn.cancel)
             except BaseException as error:  # reported to the client; the cache may be half-written: drop it
                 turn.error = error
                 if not isinstance(error, (APIError, ValueError)):
@@ -325,6 +355,8 @@ class Server:
                 self.store.checkin(conv)
                 self._count(turn)
             finally:
+                if turn.ticket is not None:  # the next queued turn may start
+                    turn.ticket.release()
                 emit(("end", turn))
 
         thread = threading.Thread(target=work, name=f"raincheck-serve-{turn.conversation.id}", daemon=True)
@@ -350,7 +382,7 @@ class Server:
     def _count(self, turn: _Turn) -> None:
         result = turn.result
         self.metrics.add(prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached,
-                         completion_tokens=len(result.token_ids), restored_during_answer=result.restored_during_answer,
+                         restored_during_answer=result.restored_during_answer,
                          restored_at_prefill=int(result.trace.restored_per_forward[0].numel()),
                          cancelled=int(result.cancelled))
         self.metrics.turn(self.time_to_first_token(turn), result.token_times)
@@ -509,7 +541,7 @@ def _too_large(length: int | None, limit: int) -> APIError:
 def _error_response(error: APIError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
 
 def _openapi(app):
@@ -535,7 +567,9 @@ def _openapi(app):
             responses = post.setdefault("responses", {})
             for code, what in (("400", "Bad request: the message names the parameter and the value"),
                                ("401", "Missing or wrong API key"), ("404", "Model not served here"),
-                               ("413", "Request body over --max-body-mb")):
+                               ("413", "Request body over --max-body-mb"),
+                               ("429", "Every running place (--max-running) and queue place (--max-queue) taken: "
+                                       "retry after the Retry-After header's seconds")):
                 responses[code] = {"description": what, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/Error"}}}}
             app.openapi_schema = spec
@@ -613,8 +647,19 @@ def create_app(model, processor, settings: ServeSettings | None = None):
         arrived = time.perf_counter()
         note = request.scope.setdefault("state", {}).setdefault("raincheck_log", {})
         raw = await request.body()
-        # parsing, media decoding and the processor: off the event loop
-        turn = await asyncio.to_thread(server.prepare, raw, arrived)
+        ticket = server.admission.reserve()  # 429 at once when the running places and the queue are full
+        try:
+            # parsing, media decoding and the processor: off the event loop
+            turn = await asyncio.to_thread(server.prepare, raw, arrived)
+            await ticket.run(request.is_disconnected)  # a running place, first come first served
+        except ClientGone:  # the client went away while its request waited: it left the queue
+            note["error"] = "client_gone"
+            return Response(status_code=499)
+        finally:
+            if ticket.state != "running":
+                ticket.release()
+        server.metrics.queued(ticket.waited)
+        turn.ticket = ticket
         if turn.request.user is not None:
             note["user"] = json.dumps(turn.request.user[:64])
         loop = asyncio.get_running_loop()

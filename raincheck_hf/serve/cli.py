@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info",
                         help="log level of uvicorn and the request log (debug | info | warning | error)")
+    load = parser.add_argument_group("load (a request beyond the running places and the queue gets HTTP 429 with "
+                                     "Retry-After at once; /metrics has the queue's figures)")
+    load.add_argument("--max-running", type=int, default=4,
+                      help="turns generating at once; more wait in the queue (default %(default)s)")
+    load.add_argument("--max-queue", type=int, default=64,
+                      help="turns waiting for a running place, first come first served (default %(default)s)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -101,6 +107,8 @@ def settings_from(args):
             media_root=media_root_from(args.media_root),
             max_tokens=args.max_tokens,
             limits=limits,
+            max_running=args.max_running,
+            max_queue=args.max_queue,
         )
     except ValueError as error:
         message = str(error)
@@ -110,7 +118,8 @@ def settings_from(args):
         raise ValueError(message) from None
 
 
-_OPTIONS = {"max_tokens": "--max-tokens", "api_key": "--api-key", "media_root": "--media-root",
+_OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
+            "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",
             "max_image_pixels": "--max-image-pixels", "max_request_pixels": "--max-request-pixels",

@@ -7,6 +7,7 @@ from __future__ import annotations
 # seconds; TTFT spans a tiny model on a CPU to a long video on a GPU, TPOT a few ms to a few hundred
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class _HeldConversations:
@@ -35,20 +36,41 @@ class _HeldConversations:
                                 value=store["pending"])
 
 
+class _Admission:
+    """Collector of the admission control's figures (``snapshot``: `Admission.snapshot`)."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        now = self.snapshot()
+        yield GaugeMetricFamily("raincheck_queue_length", "Requests waiting for a running place (being prepared "
+                                "or queued; --max-queue bounds them).", value=now["queued"])
+        yield GaugeMetricFamily("raincheck_running", "Turns holding a running place: generating (--max-running "
+                                "bounds them).", value=now["running"])
+        yield CounterMetricFamily("raincheck_rejected", "Requests refused with 429 because the running places "
+                                  "and the queue were full.", value=now["rejected"])
+        yield CounterMetricFamily("raincheck_queue_abandoned", "Queued requests whose client went away before "
+                                  "they got a running place.", value=now["abandoned"])
+
+
 class Metrics:
     """Counters of requests and finished turns, TTFT / TPOT histograms; ``render`` is the exposition."""
 
     COUNTERS = {
         "prompt_tokens": "Prompt tokens of answered requests.",
         "cached_tokens": "Prompt tokens served from a held conversation's cache (not prefilled again).",
-        "completion_tokens": "Generated tokens.",
+        "completion_tokens": "Generated tokens, counted as they are generated (a rate is output tokens/s).",
         "restored_during_answer": "Deferred visual tokens prefilled fused into decode steps.",
         "restored_at_prefill": "Deferred tokens of earlier turns prefilled in a follow-up's first forward.",
         "cancelled": "Generations stopped because the client disconnected.",
     }
 
-    def __init__(self, snapshot=None):
-        """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None."""
+    def __init__(self, snapshot=None, admission=None):
+        """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None;
+        ``admission``: one returning the admission control's (`Admission.snapshot`), or None."""
         from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
                                        ProcessCollector)
 
@@ -64,8 +86,13 @@ class Metrics:
                                buckets=TTFT_BUCKETS, registry=self.registry)
         self._tpot = Histogram("raincheck_tpot_seconds", "Time between consecutive generated tokens.",
                                buckets=TPOT_BUCKETS, registry=self.registry)
+        self._queue_wait = Histogram("raincheck_queue_wait_seconds", "Time a request waited for a running place.",
+                                     buckets=QUEUE_BUCKETS, registry=self.registry)
+        self._completion = self._counters["completion_tokens"]
         if snapshot is not None:
             self.registry.register(_HeldConversations(snapshot))
+        if admission is not None:
+            self.registry.register(_Admission(admission))
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -74,6 +101,13 @@ class Metrics:
         for name, n in counts.items():
             if n:
                 self._counters[name].inc(int(n))
+
+    def tokens(self, n: int) -> None:
+        """``n`` tokens just generated (from the answering thread, token by token)."""
+        self._completion.inc(n)
+
+    def queued(self, seconds: float) -> None:
+        self._queue_wait.observe(seconds)
 
     def turn(self, ttft: float, token_times: list[float]) -> None:
         if ttft == ttft:  # not NaN (no token)

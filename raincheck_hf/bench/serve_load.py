@@ -1,0 +1,399 @@
+"""The server under concurrent load, measured from the official `openai` client.
+
+    python -m raincheck_hf.bench serve-load --model qwen3_vl_8b --clients 1,4,8,16,32,64 \\
+        --answer-tokens 128 --follow-up-tokens 64 --json serve_load.json --plot serve_load.png
+
+One model (random weights at the real shape of `bench/shapes.py`, or a bundled glyph model: ``bundled_qwen3_vl``,
+``bundled_qwen3_5``), one server in the process (uvicorn on 127.0.0.1, the `raincheck_hf.serve` app). For each
+mode (``raincheck``, ``full``) and each client count N, N clients start together, each in a thread of its own with
+its own `openai.OpenAI` client, and each runs a three-turn image dialogue, streamed: its own photo-like JPEG (drawn
+from its own seed and encoded before any timing) with a question, then two text follow-ups resending the dialogue
+(``--think-s`` after each answer). The server's held conversations are dropped between client counts.
+
+Every answer has exactly ``--answer-tokens`` tokens (follow-ups ``--follow-up-tokens``): greedy, ``min_tokens``
+and OpenAI's ``logit_bias`` of +100 on words whose text re-tokenizes to the same ids (as ``bench serve`` does), so
+the resent history matches what the server generated and the follow-ups continue their held conversations. (The
+bundled glyph models' tokenizer has no such words: their trained answers go unbiased, and ``reused_follow_ups``
+says how many follow-ups found their conversation.)
+
+Per (mode, N), over every turn of every client: aggregate output tokens/s (all completion tokens over the time
+from the first request to the last answer's end), TTFT p50 / p95 (from just before the request to the first SSE
+chunk with text), TPOT p50 / p95 (per answer, (last chunk - first chunk) / (chunks - 1)); also the first turns'
+TTFT p50 (the image's prefill) and how many follow-ups reused their conversation. At one client, the library
+(`raincheck_hf.Conversation` in the process, the decoded JPEG, the same settings and bias) runs the same dialogue:
+the server's overhead is its one-client turn-1 TTFT and TPOT over the library's.
+
+``--max-running`` (default: the largest client count, so no client waits in the server's queue) and
+``--max-queue`` set the server's admission control. The JSON has the hardware, the settings and one row per
+(mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import gc
+import io
+import sys
+import threading
+import time
+
+import torch
+
+from . import shapes
+from .latency import _write, hardware_info
+from .serve import QUESTION, library_conversation, round_trip_tokens
+
+BUNDLED = {"bundled_qwen3_vl": "qwen3_vl", "bundled_qwen3_5": "qwen3_5"}
+BUNDLED_IMAGE_SIZE = (320, 256)
+DEFAULT_CLIENTS = (1, 4, 8, 16, 32, 64)
+
+
+def photo_jpeg(width: int, height: int, seed: int, quality: int = 90) -> bytes:
+    """A photo-like JPEG: smooth random colour fields at a few scales, soft-edged blobs, fine sensor noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    image = np.zeros((height, width, 3), np.float32)
+    for cells, weight in ((3, 0.5), (9, 0.25), (33, 0.12)):  # low to mid frequencies, bicubic-upsampled
+        field = rng.uniform(0, 255, (cells, max(2, cells * width // height), 3)).astype(np.uint8)
+        up = np.asarray(Image.fromarray(field).resize((width, height), Image.BICUBIC), np.float32)
+        image += weight * up
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    for _ in range(12):  # objects: soft ellipses of their own colour
+        cy, cx = rng.uniform(0, height), rng.uniform(0, width)
+        ry, rx = rng.uniform(0.03, 0.2) * height, rng.uniform(0.03, 0.2) * width
+        mask = np.clip(1.5 - ((yy - cy) / ry) ** 2 - ((xx - cx) / rx) ** 2, 0, 1)[..., None]
+        image = image * (1 - 0.8 * mask) + 0.8 * mask * rng.uniform(0, 255, 3).astype(np.float32)
+    image += rng.normal(0, 4, image.shape).astype(np.float32)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by linear interpolation between order statistics; None for no values."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    position = q * (len(values) - 1)
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def client_dialogue(base: str, name: str, mode: str, settings: dict, image_url: str, questions, lengths, bias,
+                    think_s: float, barrier: threading.Barrier | None) -> list[dict]:
+    """One client's streamed three-turn dialogue through the official client; a record per turn."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    messages = [{"role": "system", "content": shapes.SYSTEM_PROMPT}]
+    records = []
+    if barrier is not None:
+        barrier.wait()
+    for k, (question, n) in enumerate(zip(questions, lengths)):
+        if k and think_s:
+            time.sleep(think_s)
+        content = ([{"type": "image_url", "image_url": {"url": image_url}}] if k == 0 else []) + \
+            [{"type": "text", "text": question}]
+        messages.append({"role": "user", "content": content})
+        times, pieces, usage, rc = [], [], None, None
+        start = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=name, messages=messages, stream=True, stream_options={"include_usage": True}, temperature=0,
+            max_tokens=n, extra_body={"min_tokens": n, "raincheck": {"mode": mode, **settings}},
+            **({"logit_bias": {str(i): 100 for i in bias}} if bias else {}))
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    times.append(time.perf_counter())
+                    pieces.append(choice.delta.content)
+            usage = chunk.usage or usage
+            rc = (chunk.model_extra or {}).get("raincheck") or rc
+        end = time.perf_counter()
+        text = "".join(pieces)
+        messages.append({"role": "assistant", "content": text})
+        records.append({"start": start, "end": end, "ttft_s": times[0] - start if times else None,
+                        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+                        "completion_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens,
+                        "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
+                        "server_t1_s": rc["t1_ms"] / 1e3})
+    return records
+
+
+def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[str]) -> dict:
+    """The figures of one (mode, client count) from its clients' records."""
+    turns = [t for d in dialogues for t in d]
+    wall = (max(t["end"] for t in turns) - min(t["start"] for t in turns)) if turns else None
+    tokens = sum(t["completion_tokens"] for t in turns)
+    ttft, tpot = [t["ttft_s"] for t in turns], [t["tpot_s"] for t in turns]
+    first = [d[0]["ttft_s"] for d in dialogues if d]
+    return {
+        "mode": mode, "clients": clients, "errors": len(errors), "error_messages": errors[:5],
+        "turns": len(turns), "completion_tokens": tokens, "wall_s": wall,
+        "output_tokens_per_s": tokens / wall if wall else None,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p95_s": percentile(tpot, 0.95),
+        "turn1_ttft_p50_s": percentile(first, 0.5),
+        "server_t1_p50_s": percentile([t["server_t1_s"] for t in turns], 0.5),
+        "reused_follow_ups": sum(bool(t["reused"]) for d in dialogues for t in d[1:]),
+    }
+
+
+def _ms(x):
+    return "–" if x is None else f"{x * 1e3:.1f}"
+
+
+def print_table(result: dict, log=print) -> None:
+    log("| mode | clients | tokens/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) | turn-1 TTFT p50 (ms) | errors |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in result["rows"]:
+        rate = "–" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.1f}"
+        log(f"| {r['mode']} | {r['clients']} | {rate} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} | "
+            f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p95_s'])} | {_ms(r['turn1_ttft_p50_s'])} | {r['errors']} |")
+    for mode, o in result.get("overhead", {}).items():
+        log(f"one client, {mode}: server T1 {_ms(o['server_ttft_s'])} ms vs library {_ms(o['library_ttft_s'])} ms, "
+            f"TPOT {_ms(o['server_tpot_s'])} vs {_ms(o['library_tpot_s'])} ms")
+
+
+def plot(result: dict, path: str) -> None:
+    """Aggregate tokens/s and TTFT (p50, p95 dashed) against clients, one line per mode."""
+    from .plot import _pyplot
+
+    plt = _pyplot()
+    fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"raincheck": "#d62728", "full": "#1f77b4"}
+    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["mode"] == mode and r["output_tokens_per_s"] is not None]
+        x = [r["clients"] for r in rows]
+        colour = colours.get(mode)
+        rate.plot(x, [r["output_tokens_per_s"] for r in rows], "o-", color=colour, label=mode)
+        ttft.plot(x, [r["ttft_p50_s"] * 1e3 for r in rows], "o-", color=colour, label=f"{mode} p50")
+        ttft.plot(x, [r["ttft_p95_s"] * 1e3 for r in rows], "x--", color=colour, label=f"{mode} p95")
+    for ax, label in ((rate, "aggregate output tokens/s"), (ttft, "time to first token (ms)")):
+        ax.set_xscale("log", base=2)
+        counts = sorted({r["clients"] for r in result["rows"]})
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    s = result["settings"]
+    hardware = result["hardware"].get("gpu") or result["hardware"].get("cpu") or ""
+    fig.suptitle(f"serve-load: {s['model']}, {s['answer_tokens']}+{s['follow_up_tokens']}x2 tokens per dialogue "
+                 f"({hardware})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _build(model_name: str, device: torch.device):
+    """``(model, processor, info, image size)``."""
+    if model_name in BUNDLED:
+        from ..quality import load_bundled
+
+        begin = time.perf_counter()
+        model, processor = load_bundled(BUNDLED[model_name], device=str(device))
+        info = {"name": model_name, "class": type(model).__name__, "weights": "the bundled glyph model (trained)",
+                "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),
+                "build_s": time.perf_counter() - begin}
+        return model, processor, info, BUNDLED_IMAGE_SIZE
+    model, info = shapes.build_model(model_name, device)
+    return model, shapes.build_processor(), info, shapes.MODELS[model_name].image_size
+
+
+def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("raincheck", "full"),
+        answer_tokens: int = 64, follow_up_tokens: int = 32, think_s: float = 0.0, warmup: bool = True,
+        retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16, selector: str | None = None,
+        max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
+        threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
+        command: str | None = None, log=print) -> dict:
+    """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
+    from ..configuration import RaincheckConfig
+    from ..integration import enable
+    from ..serve import ServeSettings, create_app, running
+
+    try:
+        import openai  # noqa: F401 (the clients)
+    except ImportError:
+        raise ValueError("serve-load drives the server with the official openai client, which is not installed: "
+                         "pip install openai") from None
+    clients = tuple(clients)
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
+        raise ValueError(f"clients must be integers >= 1, got {list(clients)}")
+    if answer_tokens < 2 or follow_up_tokens < 2 or think_s < 0:
+        raise ValueError(f"answer and follow-up tokens must be >= 2 (a TPOT needs two tokens) and think_s >= 0; got "
+                         f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
+    if model_name not in shapes.MODELS and model_name not in BUNDLED:
+        raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
+    selector = selector if selector is not None else RaincheckConfig().selector
+    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, selector=selector)
+    configs = {mode: RaincheckConfig(mode=mode, **settings) for mode in modes}  # checked before compute
+    running_places = max_running if max_running is not None else max(clients)
+    queue_places = max_queue if max_queue is not None else max(clients)
+    ServeSettings(max_running=running_places, max_queue=queue_places)  # checked before compute
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    previous_threads = torch.get_num_threads()
+    if threads is not None or device.type == "cpu":
+        torch.set_num_threads(threads or 1)
+    started = time.perf_counter()
+    try:
+        model, processor, model_info, (width, height) = _build(model_name, device)
+        enable(model)
+        try:
+            bias = round_trip_tokens(processor.tokenizer)
+        except ValueError:
+            if model_name not in BUNDLED:
+                raise
+            bias = []  # a trained model's answers re-tokenize as generated (mostly: `reused_follow_ups` says)
+        questions = [QUESTION, *shapes.FOLLOW_UPS[:2]]
+        lengths = [answer_tokens, follow_up_tokens, follow_up_tokens]
+        jpegs = [photo_jpeg(width, height, seed=c) for c in range(max(clients))]  # before any timing
+        urls = ["data:image/jpeg;base64," + base64.b64encode(j).decode() for j in jpegs]
+        result = {
+            "benchmark": "serve-load",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command or " ".join(["python -m raincheck_hf.bench serve-load"] + sys.argv[2:]),
+            "hardware": hardware_info(device),
+            "settings": dict(settings, model=model_name, clients=list(clients), modes=list(modes),
+                             answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
+                             warmup=warmup, max_running=running_places, max_queue=queue_places,
+                             image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
+                             biased_words=len(bias), client="openai " + _version("openai")),
+            "model_info": model_info, "rows": [], "library": {}, "overhead": {},
+        }
+        name = "bench"
+        app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
+                                                         max_queue=queue_places))
+        server = app.state.server
+        with running(app) as base:
+
+            def round_of(mode: str, n: int) -> tuple[list, list]:
+                barrier, out, errors = threading.Barrier(n), [None] * n, []
+
+                def one(c):
+                    try:
+                        out[c] = client_dialogue(base, name, mode, settings, urls[c], questions, lengths, bias,
+                                                 think_s, barrier)
+                    except BaseException as error:  # counted in the row, the first few kept
+                        errors.append(f"{type(error).__name__}: {str(error)[:300]}")
+                        barrier.abort()
+
+                workers = [threading.Thread(target=one, args=(c,), name=f"serve-load-client-{c}") for c in range(n)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                server.store.close()  # the next round starts with nothing held
+                gc.collect()
+                return [d for d in out if d is not None], errors
+
+            for mode in modes:
+                if warmup:
+                    round_of(mode, 1)
+                    log(f"[serve-load] warmed up {mode}")
+                for n in clients:
+                    dialogues, errors = round_of(mode, n)
+                    row = load_row(mode, n, dialogues, errors)
+                    result["rows"].append(row)
+                    rate = row["output_tokens_per_s"]
+                    log(f"[serve-load] {mode} x{n}: {rate or float('nan'):.1f} tokens/s, TTFT p50 "
+                        f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
+                    if n == 1 and dialogues:
+                        result["server_one_client"] = result.get("server_one_client", {})
+                        result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
+                                                             for t in dialogues[0]]
+                    _write(result, json_path)
+        if library:
+            from PIL import Image
+
+            for mode in modes:
+                image = Image.open(io.BytesIO(jpegs[0])).convert("RGB")
+                records = library_conversation(model, processor, configs[mode], image, questions, lengths, bias,
+                                               think_s)
+                gc.collect()
+                result["library"][mode] = {"ttft_s": records[0]["ttft_s"], "tpot_s": records[0]["tpot_s"],
+                                           "turns": [{k: r[k] for k in ("ttft_s", "tpot_s")} for r in records]}
+                one = result.get("server_one_client", {}).get(mode)
+                if one:
+                    server_ttft, server_tpot = one[0]["ttft_s"], one[0]["tpot_s"]
+                    lib_ttft, lib_tpot = records[0]["ttft_s"], records[0]["tpot_s"]
+                    result["overhead"][mode] = {
+                        "server_ttft_s": server_ttft, "library_ttft_s": lib_ttft,
+                        "server_tpot_s": server_tpot, "library_tpot_s": lib_tpot,
+                        "ttft_s": None if server_ttft is None or lib_ttft is None else server_ttft - lib_ttft,
+                        "tpot_s": None if server_tpot is None or lib_tpot is None else server_tpot - lib_tpot,
+                        "ttft_ratio": server_ttft / lib_ttft if server_ttft and lib_ttft else None,
+                        "tpot_ratio": server_tpot / lib_tpot if server_tpot and lib_tpot else None}
+        result["lengths_ok"] = all(r["completion_tokens"] == r["clients"] * sum(lengths) for r in result["rows"])
+        result["elapsed_s"] = time.perf_counter() - started
+        _write(result, json_path)
+        if plot_path:
+            plot(result, plot_path)
+        print_table(result, log)
+        return result
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _version(package: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "?"
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--clients must be comma-separated integers, got {text!r}") from None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench serve-load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny_qwen3_vl",
+                        help=f"one of {sorted(shapes.MODELS) + sorted(BUNDLED)}")
+    parser.add_argument("--clients", type=_counts, default=DEFAULT_CLIENTS,
+                        help="client counts, comma-separated (default 1,4,8,16,32,64)")
+    parser.add_argument("--modes", default="raincheck,full", help="comma-separated Raincheck modes")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--follow-up-tokens", type=int, default=None, help="default: half of --answer-tokens")
+    parser.add_argument("--think-s", type=float, default=0.0, help="seconds between an answer and the next question")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--no-library", action="store_true", help="skip the library reference at one client")
+    parser.add_argument("--max-running", type=int, default=None, help="the server's (default: the most clients)")
+    parser.add_argument("--max-queue", type=int, default=None, help="the server's (default: the most clients)")
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--selector", default=None,
+                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the results here (rewritten after every client count)")
+    parser.add_argument("--plot", default=None, help="a PNG of tokens/s and TTFT against clients (matplotlib)")
+    args = parser.parse_args(argv)
+    try:
+        return run(model_name=args.model, clients=args.clients,
+                   modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                   answer_tokens=args.answer_tokens,
+                   follow_up_tokens=args.follow_up_tokens or max(2, args.answer_tokens // 2), think_s=args.think_s,
+                   warmup=not args.no_warmup, retention=args.retention, chunk_size=args.chunk_size,
+                   decode_guard=args.decode_guard, selector=args.selector, max_running=args.max_running,
+                   max_queue=args.max_queue, library=not args.no_library, device=args.device, threads=args.threads,
+                   json_path=args.json, plot_path=args.plot, log=lambda *a: print(*a, flush=True))
+    except ValueError as error:
+        print(f"[serve-load] {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The server under load: admission control (running places, a FIFO queue, 429 with Retry-After), clients
+that go away (queued or generating), the load metrics, and a soak test of concurrent multi-turn clients on the
+bundled glyph Qwen3-VL (127.0.0.1, the official `openai` client), every completed answer checked against its
+conversation run alone."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import raincheck_hf  # noqa: E402
+from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
+from raincheck_hf.serve.admission import Admission, ClientGone  # noqa: E402
+from raincheck_hf.serve.errors import APIError  # noqa: E402
+
+LONG = 4000  # min_tokens of an answer that only a cancellation ends early
+
+
+@pytest.fixture(scope="module")
+def glyph():
+    from raincheck_hf.quality import load_bundled
+
+    model, processor = load_bundled("qwen3_vl")
+    return raincheck_hf.enable(model), processor
+
+
+@pytest.fixture(scope="module")
+def dialogues():
+    return benchmark_split("dev", limit=4)
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def first_message(image_url: str, question: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                        {"type": "text", "text": question}]}
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def reference(glyph, image, questions, mode="raincheck", max_new_tokens=16) -> list[str]:
+    """`Conversation`'s greedy answers to the dialogue, alone on the model."""
+    model, processor = glyph
+    config = raincheck_hf.RaincheckConfig(mode=mode)
+    with raincheck_hf.Conversation(model, processor, config, background=False) as chat:
+        return [chat.ask(q, images=[image] if i == 0 else [], max_new_tokens=max_new_tokens).text
+                for i, q in enumerate(questions)]
+
+
+# ---- the admission control on its own -------------------------------------------------------------------
+
+def test_admission_is_fifo_bounded_and_passes_places_on():
+    async def scenario():
+        admission = Admission(max_running=1, max_queue=2)
+        never = _never_gone
+        a = admission.reserve()
+        await a.run(never)  # a free place: granted at once
+        b, c = admission.reserve(), admission.reserve()
+        with pytest.raises(APIError) as refused:
+            admission.reserve()
+        error = refused.value
+        assert error.status == 429 and error.code == "queue_full" and error.type == "rate_limit_error"
+        assert "--max-running 1" in error.message and "--max-queue 2" in error.message
+        assert int(error.headers["Retry-After"]) >= 1
+        order = []
+
+        async def run(ticket, name):
+            await ticket.run(never, poll=0.01)
+            order.append(name)
+
+        tasks = [asyncio.create_task(run(b, "b")), asyncio.create_task(run(c, "c"))]
+        await asyncio.sleep(0.05)
+        now = admission.snapshot()
+        assert order == [] and (now["running"], now["queued"], now["waiting"]) == (1, 2, 2)
+        a.release()
+        a.release()  # idempotent
+        await asyncio.sleep(0.05)
+        assert order == ["b"]  # first come, first served; one place
+        b.release()
+        await asyncio.gather(*tasks)
+        assert order == ["b", "c"]
+        c.release()
+        assert admission.snapshot()["running"] == admission.snapshot()["queued"] == 0
+        assert admission.snapshot()["rejected"] == 1
+
+    asyncio.run(scenario())
+
+
+async def _never_gone():
+    return False
+
+
+def test_a_queued_ticket_whose_client_goes_away_leaves_the_queue():
+    async def scenario():
+        admission = Admission(max_running=1, max_queue=1)
+        a = admission.reserve()
+        await a.run(_never_gone)
+        b = admission.reserve()
+        gone = asyncio.Event()
+
+        async def disconnected():
+            return gone.is_set()
+
+        task = asyncio.create_task(b.run(disconnected, poll=0.01))
+        await asyncio.sleep(0.03)
+        gone.set()
+        with pytest.raises(ClientGone):
+            await task
+        now = admission.snapshot()
+        assert now["queued"] == 0 and now["waiting"] == 0 and now["abandoned"] == 1 and now["running"] == 1
+        admission.reserve()  # its queue place is free again
+        a.release()
+
+    asyncio.run(scenario())
+
+
+def test_retry_after_follows_the_recent_turns():
+    admission = Admission(max_running=2, max_queue=0)
+    assert admission.retry_after() == 1  # nothing measured, nothing running
+    admission._durations.extend([6.0, 10.0])  # two turns of 8 s on average, two places: one ends every ~4 s
+    assert admission.retry_after() == 4
+
+
+@pytest.mark.parametrize("field,value", [("max_running", 0), ("max_running", 1.5), ("max_queue", -1),
+                                         ("max_queue", True)])
+def test_settings_reject_bad_load_values(field, value):
+    from raincheck_hf.serve import ServeSettings
+
+    with pytest.raises(ValueError, match=f"{field} must be an integer"):
+        ServeSettings(**{field: value})
+
+
+@pytest.mark.parametrize("argv,message", [(["--max-running", "0"], "--max-running must be an integer >= 1, got 0"),
+                                          (["--max-queue", "-3"], "--max-queue must be an integer >= 0, got -3")])
+def test_cli_load_options_are_checked_and_named(argv, message):
+    import argparse
+
+    from raincheck_hf.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(ValueError) as error:
+        cli.settings_from(parser.parse_args(argv))
+    assert str(error.value) == message
+    settings = cli.settings_from(parser.parse_args(["--max-running", "2", "--max-queue", "0"]))
+    assert (settings.max_running, settings.max_queue) == (2, 0)
+
+
+# ---- through HTTP -----------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def small_server(glyph):
+    """One running place, one queue place."""
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    model, processor = glyph
+    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=1, max_queue=1))
+    with running(app) as base:
+        yield base, app.state.server
+
+
+def _long_stream(base, image_url, question):
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model="glyph", messages=[first_message(image_url, question)], stream=True,
+                                            temperature=0, max_tokens=LONG, extra_body={"min_tokens": LONG})
+    for chunk in stream:  # the first piece: it is generating
+        if any(c.delta.content for c in chunk.choices):
+            return stream
+    raise AssertionError("the stream ended without text")
+
+
+def test_full_queue_gets_429_and_a_disconnect_frees_the_running_place(small_server, glyph, dialogues):
+    """A generates (the one running place), B waits (the one queue place), C is refused at once with 429,
+    Retry-After and OpenAI's error body; A's client goes away mid-stream: its turn stops, its conversation
+    stays consistent, and B gets the place and answers as its conversation alone does."""
+    base, server = small_server
+    d, e = dialogues[0], dialogues[1]
+    a = _long_stream(base, data_url(d.image()), d.turns[0].question)
+    got = {}
+
+    def queued():
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="glyph", temperature=0,
+                                               messages=[first_message(data_url(e.image()), e.turns[0].question)])
+        got["b"] = reply.choices[0].message.content
+
+    b = threading.Thread(target=queued)
+    b.start()
+    wait_for(lambda: server.admission.snapshot()["waiting"] == 1)
+    assert metric(base, "raincheck_queue_length") == 1 and metric(base, "raincheck_running") == 1
+    began = time.monotonic()
+    refused = httpx.post(base + "/v1/chat/completions", timeout=30, json={
+        "model": "glyph", "messages": [{"role": "user", "content": "Hello"}]})
+    assert time.monotonic() - began < 30  # answered, not held until a place frees
+    assert refused.status_code == 429
+    retry = refused.headers["retry-after"]
+    assert retry.isdigit() and int(retry) >= 1
+    error = refused.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+    assert "--max-queue 1" in error["message"] and "--max-running 1" in error["message"]
+    # the official client sees a RateLimitError (no retry: max_retries=0)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="glyph", messages=[{"role": "user", "content": "Hello"}])
+    assert "b" not in got  # still waiting behind A
+    a.close()  # A's client goes away: its turn stops at the next token and B runs
+    b.join(timeout=120)
+    assert got["b"] == reference(glyph, e.image(), [e.turns[0].question])[0]
+    wait_for(lambda: server.admission.snapshot()["running"] == 0)
+    (conv,) = [server.store.get(i) for i in server.store.ids()
+               if server.store.get(i).turns and server.store.get(i).turns[0].cancelled]
+    assert conv.cache.source_length == conv.sequences.shape[1] - 1  # consistent, held, continuable
+    assert 1 <= conv.turns[0].token_ids.numel() < LONG
+    assert metric(base, "raincheck_rejected_total") == 2 and metric(base, "raincheck_cancelled_total") == 1
+    assert metric(base, 'raincheck_requests_total{endpoint="/v1/chat/completions",status="429"}') == 2
+    assert metric(base, "raincheck_queue_wait_seconds_count") == 2  # A and B got places
+
+
+def test_a_queued_request_whose_client_goes_away_leaves_the_queue(small_server, dialogues):
+    base, server = small_server
+    d = dialogues[2]
+    a = _long_stream(base, data_url(d.image()), d.turns[0].question)
+    held = set(server.store.ids())
+    with pytest.raises(httpx.TimeoutException):  # waits for a place, then gives up and closes the connection
+        httpx.post(base + "/v1/chat/completions", timeout=0.5, json={
+            "model": "glyph", "messages": [first_message(data_url(d.image()), d.turns[1].question)]})
+    wait_for(lambda: server.admission.snapshot()["abandoned"] == 1)
+    now = server.admission.snapshot()
+    assert now["queued"] == now["waiting"] == 0 and now["running"] == 1
+    assert set(server.store.ids()) == held  # it never started a conversation
+    assert metric(base, "raincheck_queue_abandoned_total") == 1
+    a.close()
+    wait_for(lambda: server.admission.snapshot()["running"] == 0)
+
+
+def test_load_metrics_are_exposed(small_server, dialogues):
+    base, server = small_server
+    before = metric(base, "raincheck_completion_tokens_total")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="glyph", temperature=0, max_tokens=7, extra_body={"min_tokens": 7},
+                                           messages=[{"role": "user", "content": dialogues[0].turns[1].question}])
+    assert reply.usage.completion_tokens == 7
+    text = httpx.get(base + "/metrics").text
+    for name in ("# TYPE raincheck_queue_length gauge", "# TYPE raincheck_running gauge",
+                 "# TYPE raincheck_ttft_seconds histogram", "# TYPE raincheck_tpot_seconds histogram",
+                 "# TYPE raincheck_queue_wait_seconds histogram", "# TYPE raincheck_rejected_total counter",
+                 "# TYPE raincheck_completion_tokens_total counter", "# TYPE raincheck_queue_abandoned_total counter"):
+        assert name in text, name
+    assert metric(base, "raincheck_completion_tokens_total") == before + 7
+    assert metric(base, "raincheck_tpot_seconds_count") >= 6
+
+
+# ---- soak: concurrent multi-turn clients ------------------------------------------------------------------
+
+def soak(model, processor, dialogues, clients: int, running_places: int, answer: int, config=None,
+         dialogues_per_client: int = 2, duration_s: float | None = None, budget_conversations: int = 3) -> dict:
+    """``clients`` concurrent clients on one server, each running three-turn image dialogues (raincheck or full
+    mode, streamed or not; every fifth client cancels every other dialogue mid-stream at turn 2, from its first
+    or its second),
+    ``dialogues_per_client`` of them, or as many as start within ``duration_s``. The server: ``running_places``,
+    a queue that holds every client, a cache budget of ``budget_conversations`` conversations (so conversations
+    are evicted and rebuilt). Checks: every completed answer equals its conversation run alone (`Conversation`,
+    greedy; a raincheck dialogue from a follow-up whose conversation was evicted on: the same requests sent alone
+    to the server with nothing held, the full prefill it then is; in full mode that prefill answers as the
+    continued cache does); no 5xx and no 429 (nothing but 200 from the chat route); never more than
+    ``running_places`` turns at once; the held caches within the budget once idle and, during the run, within it
+    plus the conversations answering. Returns the figures."""
+    from raincheck_hf.serve import ServeSettings, create_app, running
+    from raincheck_hf.serve.store import cache_nbytes
+
+    config = config or raincheck_hf.RaincheckConfig()
+    modes = ("raincheck", "full")
+    refs, biggest = {}, 0
+    for i, d in enumerate(dialogues):
+        questions = [t.question for t in d.turns[:3]]
+        for mode in modes:
+            moded = dataclasses.replace(config, mode=mode)
+            with raincheck_hf.Conversation(model, processor, moded, background=False) as chat:
+                refs[i, mode] = [chat.ask(q, images=[d.image()] if k == 0 else [], max_new_tokens=answer).text
+                                 for k, q in enumerate(questions)]
+                biggest = max(biggest, cache_nbytes(chat.cache))
+    budget = budget_conversations * biggest
+    urls = {i: data_url(d.image()) for i, d in enumerate(dialogues)}
+    settings = ServeSettings(model_name="glyph", config=config, max_tokens=answer, max_running=running_places,
+                             max_queue=clients, max_cache_bytes=budget)
+    app = create_app(model, processor, settings)
+    server = app.state.server
+    records, errors, statuses = [], [], []
+    done = threading.Event()
+    watch = {"running": 0, "busy": 0, "bytes": 0, "queued": 0}
+    deadline = None if duration_s is None else time.monotonic() + duration_s
+
+    def watcher():
+        while not done.is_set():
+            adm, store = server.admission.snapshot(), server.store.snapshot()
+            watch["running"] = max(watch["running"], adm["running"])
+            watch["queued"] = max(watch["queued"], adm["queued"])
+            watch["busy"] = max(watch["busy"], store["busy"])
+            watch["bytes"] = max(watch["bytes"], store["cache_bytes"])
+            time.sleep(0.005)
+
+    def client_run(c, base):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            j = 0
+            while (j < dialogues_per_client) if deadline is None else (j == 0 or time.monotonic() < deadline):
+                i, mode, stream = (c + j) % len(dialogues), modes[(c + j + c // 4) % 2], (c + j) % 3 != 0
+                cancel_at = 1 if (c % 5 == 4 and j % 2 == (c // 5) % 2) else None
+                messages, run = [], []
+                records.append(("dialogue", i, mode, run))
+                for k, turn in enumerate(dialogues[i].turns[:3]):
+                    messages.append(first_message(urls[i], turn.question) if k == 0
+                                    else {"role": "user", "content": turn.question})
+                    extra = {"raincheck": {"mode": mode}}
+                    if k == cancel_at:
+                        s = client.chat.completions.create(model="glyph", messages=messages, stream=True,
+                                                           temperature=0, max_tokens=LONG,
+                                                           extra_body={**extra, "min_tokens": LONG})
+                        for chunk in s:
+                            if any(ch.delta.content for ch in chunk.choices):
+                                break
+                        s.close()
+                        records.append(("cancelled", c))
+                        break
+                    if stream:
+                        pieces, rc = [], None
+                        for chunk in client.chat.completions.create(model="glyph", messages=messages, stream=True,
+                                                                    temperature=0, extra_body=extra):
+                            pieces += [ch.delta.content or "" for ch in chunk.choices]
+                            rc = (chunk.model_extra or {}).get("raincheck", rc)
+                        text = "".join(pieces)
+                    else:
+                        reply = client.chat.completions.create(model="glyph", messages=messages, temperature=0,
+                                                               extra_body=extra)
+                        text, rc = reply.choices[0].message.content, reply.model_extra["raincheck"]
+                    run.append((text, rc["reused"], [dict(m) for m in messages]))
+                    messages.append({"role": "assistant", "content": text})
+                j += 1
+        except openai.APIStatusError as error:
+            statuses.append(error.status_code)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    with running(app) as base:
+        watching = threading.Thread(target=watcher, daemon=True)
+        watching.start()
+        threads = [threading.Thread(target=client_run, args=(c, base)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wait_for(lambda: server.admission.snapshot()["running"] == 0 and server.store.snapshot()["busy"] == 0)
+        done.set()
+        watching.join()
+        assert not errors and not statuses, (errors[:3], statuses[:10])
+        requests_by_status = {}
+        for line in httpx.get(base + "/metrics").text.splitlines():
+            if line.startswith('raincheck_requests_total{endpoint="/v1/chat/completions"'):
+                status = line.split('status="')[1].split('"')[0]
+                requests_by_status[status] = float(line.rsplit(" ", 1)[1])
+        runs = [r[1:] for r in records if r[0] == "dialogue"]
+        cancelled = [r for r in records if r[0] == "cancelled"]
+        answered = sum(len(run) for _, _, run in runs)
+        assert answered + len(cancelled) == requests_by_status.get("200"), requests_by_status
+        assert set(requests_by_status) == {"200"}, requests_by_status  # no 5xx, no 429, nothing else
+        assert metric(base, "raincheck_cancelled_total") == len(cancelled)
+        # bounded: the places, the held caches (idle: within the budget; the answering ones on top)
+        assert watch["running"] <= running_places and watch["busy"] <= running_places
+        assert server.store.snapshot()["cache_bytes"] <= budget
+        assert watch["bytes"] <= budget + running_places * 2 * biggest, (watch, budget)
+        # every completed answer equals its conversation run alone. A dialogue is answered by one held conversation
+        # from its first turn, or, after its conversation was evicted, by a rebuilt one from the follow-up that
+        # found it gone (`reused` false): in full mode that prefill answers as the continued cache does, in
+        # raincheck mode it defers the image's tokens anew, so from there the reference is the same requests sent
+        # alone to the server with nothing held.
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        replayed = set()
+        for i, mode, run in runs:
+            starts = [k for k, (_, reused, _) in enumerate(run) if k == 0 or not reused]
+            library = len(run) if mode == "full" else (starts + [len(run)])[1] if len(starts) > 1 else len(run)
+            assert [text for text, _, _ in run[:library]] == refs[i, mode][:library], (i, mode)
+            for j, end in zip(starts, starts[1:] + [len(run)]):
+                key = (mode, json.dumps(run[end - 1][2]))
+                if j < library or key in replayed:
+                    continue
+                replayed.add(key)
+                server.store.close()  # alone: nothing held, as the evicted conversation's follow-up found it
+                for k in range(j, end):
+                    text, _, messages = run[k]
+                    alone = client.chat.completions.create(model="glyph", messages=messages, temperature=0,
+                                                           extra_body={"raincheck": {"mode": mode}})
+                    assert alone.model_extra["raincheck"]["reused"] == (k > j)
+                    assert alone.choices[0].message.content == text, (i, mode, k)
+    return {"answered": answered, "cancelled": len(cancelled), "dialogues": len(runs), "replayed": len(replayed),
+            "evictions": server.store.evictions, "budget": budget, **{f"max_{k}": v for k, v in watch.items()}}
+
+
+def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogues):
+    """14 clients at once, two three-turn dialogues each, four running places (see `soak`)."""
+    model, processor = glyph
+    figures = soak(model, processor, dialogues, clients=14, running_places=4, answer=16)
+    assert figures["cancelled"] == 14 // 5 and figures["answered"] == 6 * 14 - 2 * figures["cancelled"]
+    assert figures["evictions"] > 0 and figures["max_running"] == 4  # the budget and the places were reached
+
+
+def test_serve_load_benchmark_smoke(tmp_path):
+    """`python -m raincheck_hf.bench serve-load` on the tiny model, two client counts: the JSON's structure,
+    answers of the requested length, reuse on the follow-ups, the plot."""
+    pytest.importorskip("matplotlib")
+    from raincheck_hf.bench import serve_load
+
+    path = tmp_path / "load.json"
+    result = serve_load.run(model_name="tiny_qwen3_vl", clients=(1, 2), modes=("raincheck", "full"),
+                            answer_tokens=4, follow_up_tokens=3, warmup=False, json_path=str(path),
+                            plot_path=str(tmp_path / "load.png"), log=lambda *a: None)
+    saved = json.loads(path.read_text())
+    assert saved["benchmark"] == "serve-load" and saved["hardware"]["torch"]
+    assert [(r["mode"], r["clients"]) for r in saved["rows"]] == [("raincheck", 1), ("raincheck", 2), ("full", 1),
+                                                                   ("full", 2)]
+    for row in saved["rows"]:
+        assert row["completion_tokens"] == row["clients"] * (4 + 3 + 3) and row["errors"] == 0
+        assert row["output_tokens_per_s"] > 0 and row["reused_follow_ups"] == 2 * row["clients"]
+        for key in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s"):
+            assert row[key] > 0, key
+        assert row["ttft_p95_s"] >= row["ttft_p50_s"]
+    for mode in ("raincheck", "full"):
+        lib = saved["library"][mode]
+        assert lib["ttft_s"] > 0 and lib["tpot_s"] > 0 and saved["overhead"][mode]["ttft_s"] is not None
+    assert (tmp_path / "load.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="clients"):
+        serve_load.run(clients=(0,))
