@@ -178,6 +178,8 @@ def enable_persistent_caches(cache_dir=None) -> PersistentCaches:
 
 
 def _load_artifacts(root: Path, current: Path) -> bool:
+    """Load torch's compile artifacts an earlier process saved; a file torch cannot read (it checks a checksum and
+    answers None) is set aside with a warning, never half trusted."""
     path = current / ARTIFACTS
     if not path.exists():
         return False
@@ -185,16 +187,20 @@ def _load_artifacts(root: Path, current: Path) -> bool:
 
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
-    except Exception as error:  # a truncated or foreign file: never trusted, set aside
-        stale = root / "stale"
-        stale.mkdir(parents=True, exist_ok=True)
-        path.rename(stale / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{ARTIFACTS}")
-        import warnings
+        error = None if info is not None else "unreadable (a checksum or format mismatch)"
+    except Exception as raised:  # noqa: BLE001 (whatever torch raises on a foreign file: it is not used)
+        info, error = None, f"{type(raised).__name__}: {raised}"
+    if error is None:
+        return True
+    stale = root / "stale"
+    stale.mkdir(parents=True, exist_ok=True)
+    target = stale / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{ARTIFACTS}"
+    path.rename(target)
+    import warnings
 
-        warnings.warn(f"raincheck cache: {path} could not be loaded ({type(error).__name__}); set aside, "
-                      "it is rebuilt by this process's compiles", RuntimeWarning, stacklevel=3)
-        return False
-    return info is not None
+    warnings.warn(f"raincheck cache: {path} could not be loaded ({error}); set aside as {target}, rebuilt by this "
+                  "process's compiles", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def save_compile_artifacts(cache_dir=None) -> Path | None:

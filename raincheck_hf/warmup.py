@@ -266,8 +266,11 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         conversations: how many conversations may hold a slot storage of one size at once (each live
             conversation's cache leases a storage of its own, with its own graphs; a server keeps a conversation's
             cache between its requests): that many storages per size are warmed.
-        cache_dir: the persistent cache folder (`persist.enable_persistent_caches`): a path, None (the default:
-            ``RAINCHECK_CACHE_DIR`` or the user's cache folder), or False (no persistent caches).
+        cache_dir: the persistent cache folder for a model on CUDA (`persist.enable_persistent_caches`: Triton's
+            kernels and autotuning results, torch's compile artifacts): a path, None (the default:
+            ``RAINCHECK_CACHE_DIR`` or the user's cache folder), or False (none). Call
+            `persist.enable_persistent_caches` yourself before loading the model so that kernels compiled while it
+            loads are cached too.
         progress: show a progress bar on stderr.
 
     Returns:
@@ -308,7 +311,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         raise ValueError(f"warm_up: {type(model).__name__} is not enabled: call raincheck_hf.enable(model) first")
 
     summary = WarmUpSummary(path=adapter.execution_path(config))
-    if cache_dir is not False:
+    persistent = cache_dir is not False and adapter.device.type == "cuda"  # Triton / Inductor compile on CUDA
+    if persistent:
         from .persist import enable_persistent_caches
 
         summary.persistent_cache = str(enable_persistent_caches(cache_dir).root)
@@ -333,7 +337,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         summary.coverage = "the fast path's steps run without CUDA graphs on this model"
     else:
         summary.coverage = "the eager engine runs this model"
-    if cache_dir is not False and summary.graphs:
+    if persistent and summary.graphs:
         from .persist import save_compile_artifacts
 
         save_compile_artifacts(cache_dir)

@@ -86,6 +86,11 @@ def _child(args) -> dict:
     }
 
 
+def _launch(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """One fresh process (tests stand in their own)."""
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size="31", warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0) -> dict:
@@ -115,7 +120,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                    "--max-new-tokens", str(max_new_tokens), "--chunk-size", str(chunk_size)]
         if not warm_up:
             command.append("--no-warm-up")
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+        done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
