@@ -164,19 +164,23 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     StepKey, bucket_rows = graphs.StepKey, graphs.PREFILL_BUCKET
     pendings = (0, 1) if config.defers else (0,)
     suffixes = _suffixes(adapter, max_tokens)
-    shapes = [(1, True, [GENERATED])]  # every mode decodes
+    # (rows, logits, kinds, the least suffix length it runs at): decode forward i runs after i - 1 generated rows,
+    # and a chunk rides along from forward ``decode_guard`` on (`generation.chunk_size_for_forward`)
+    shapes = [(1, True, [GENERATED], 0)]  # every mode decodes
     chunks = CHUNK_LADDER if config.auto_chunk else (config.chunk_size,)
+    guarded = max(config.decode_guard, 1) - 1
     if config.mode == "raincheck":
-        shapes += [(c + 1, True, [DEFERRED] * c + [GENERATED]) for c in chunks]
+        shapes += [(c + 1, True, [DEFERRED] * c + [GENERATED], guarded) for c in chunks]
     elif config.mode == "serial":
-        shapes += [(c, False, [DEFERRED] * c) for c in chunks]
+        shapes += [(c, False, [DEFERRED] * c, guarded) for c in chunks]
     if config.defers:
         c = config.idle_chunk_size
-        shapes.append((c, False, [DEFERRED] * c))
+        shapes.append((c, False, [DEFERRED] * c, 0))
     steps = []
-    for rows, want_logits, kinds in dict.fromkeys((r, w, tuple(k)) for r, w, k in shapes):
-        for variant in _variants(adapter, list(kinds), pendings, suffixes):
-            steps.append((rows, want_logits, variant))
+    for rows, want_logits, kinds, least in dict.fromkeys((r, w, tuple(k), m) for r, w, k, m in shapes):
+        for variant in _variants(adapter, list(kinds), pendings, [t for t in suffixes if t >= least] or [least]):
+            if (rows, want_logits, variant) not in steps:
+                steps.append((rows, want_logits, variant))
     caps = capacities(max_tokens)
     out: dict[int, list[tuple]] = {c: [] for c in caps}
     for capacity in caps:
@@ -209,8 +213,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     # rows in front), after at least one earlier row, at every bucket
     for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):
         kinds_seen = []
-        for n in (n_rows - bucket_rows + 1, n_rows):
-            for leftovers in dict.fromkeys((0, 1, n // 2, n - 1)):
+        for n in (max(n_rows - bucket_rows + 1, 2), n_rows):  # (one row is not padded: a decode-like step)
+            for leftovers in dict.fromkeys((0, 1, n // 2, n - 1)):  # at least one input row follows them
                 kinds_seen.append([DEFERRED] * leftovers + [INPUT] * (n - leftovers))
         variants = []
         for kinds in kinds_seen:
