@@ -19,7 +19,7 @@ _EXPORTS = {
     "RaincheckGenerateOutput": "generation", "RaincheckTrace": "generation", "restore_pending": "generation",
     "disable": "integration", "enable": "integration", "is_enabled": "integration", "Selector": "selection",
     "available_selectors": "selection", "get_selector": "selection", "register_selector": "selection",
-    "Conversation": "conversation",
+    "Conversation": "conversation", "warm_up": "warmup", "WarmUpSummary": "warmup",
 }
 
 
@@ -44,5 +44,5 @@ def __dir__():
 __all__ = [
     "Conversation", "DeferredDynamicCache", "MODES", "RaincheckConfig", "RaincheckGenerateOutput", "RaincheckTrace",
     "Selector", "available_selectors", "disable", "enable", "get_selector", "is_enabled", "register_selector",
-    "restore_pending",
+    "restore_pending", "warm_up", "WarmUpSummary",
 ]

@@ -177,6 +177,7 @@ def check_chat_args(args):
     if args.glyphs and resolve_model(args.model)[0] == "checkpoint":
         raise ValueError(f"--glyphs is for --model tiny (the bundled models use the glyph grid anyway), not for "
                          f"a checkpoint ({args.model}): give the grid with --image (see --save-image)")
+    check_warm_up_args(args)
     device = check_device(args.device)
     return config, device, dialogue, images
 
@@ -189,6 +190,7 @@ def chat(args) -> int:
     from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
     from .tiny import draw_test_image
 
+    start_caches(args, device)
     model, processor, kind, _ = _load(args.model, device)
     bundled = kind == "bundled"
     _note_fallbacks(model)
@@ -217,6 +219,8 @@ def chat(args) -> int:
     if args.save_image and images:
         images[0].save(args.save_image)
         print(f"[raincheck] the first image is saved to {args.save_image}", file=sys.stderr)
+    # every graph the chat can need, the first image's tower included, before the first question
+    run_warm_up(args, model, processor, config, args.max_new_tokens, [(image.height, image.width) for image in images[:1]])
     interactive = args.interactive or not questions
     if interactive:
         print(BANNER + (f"\n[raincheck] attached to the first question: {', '.join(attached)}" if attached else ""))
@@ -389,6 +393,51 @@ def add_chat_arguments(c) -> None:
                    "skips it)")
     c.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+    add_warm_up_arguments(c)
+
+
+def add_warm_up_arguments(parser) -> None:
+    """``--warm-up`` / ``--no-warm-up``, ``--warm-up-tokens``, ``--cache-dir`` (chat and serve)."""
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="before the first answer, capture every CUDA graph a conversation of up to "
+                             "--warm-up-tokens rows can need (raincheck_hf.warm_up, with a progress bar), so no "
+                             "answer pauses for one; nothing to do on a CPU")
+    parser.add_argument("--warm-up-tokens", type=int, default=4096, metavar="N",
+                        help="the conversation length (prompts, images and answers, in tokens) the warm-up covers")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="persistent cache folder for compiled and autotuned kernels, on CUDA (default: "
+                             "$RAINCHECK_CACHE_DIR, else ~/.cache/raincheck_hf; python -m raincheck_hf cache info)")
+
+
+def check_warm_up_args(args) -> None:
+    if args.warm_up_tokens < 2:
+        raise ValueError(f"--warm-up-tokens must be >= 2, got {args.warm_up_tokens}")
+
+
+def start_caches(args, device: str) -> None:
+    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads."""
+    if str(device).startswith("cuda"):
+        from .persist import enable_persistent_caches
+
+        caches = enable_persistent_caches(args.cache_dir)
+        if caches.set_aside is not None:
+            print(f"[raincheck] cache folder: the entries in {caches.root} were {caches.set_aside[1]}; set aside "
+                  f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
+
+
+def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=()) -> None:
+    """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr."""
+    if not args.warm_up:
+        return
+    from .integration import enable
+    from .warmup import warm_up
+
+    enable(model)  # as `Conversation` and the server do (idempotent)
+    max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
+    summary = warm_up(model, processor, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
+                      image_sizes=list(image_sizes) or None, cache_dir=args.cache_dir, progress=True)
+    if summary.graphs:
+        print(f"[raincheck] {summary}", file=sys.stderr)
 
 
 def chat_config(args):
@@ -428,7 +477,39 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_serve_arguments(s)
     else:
         sub.add_parser("serve", help=serve_help)
+    k = sub.add_parser("cache", help="show (info) or empty (clear) the persistent cache folder of compiled and "
+                                     "autotuned kernels",
+                       description="The folder where Triton's kernels and autotuning results and torch's compile "
+                                   "artifacts are kept between processes ($RAINCHECK_CACHE_DIR, else "
+                                   "~/.cache/raincheck_hf). info: what it holds and whether it matches this "
+                                   "installation (versions, GPU, CUDA); clear: delete its entries.")
+    k.add_argument("action", choices=["info", "clear"])
+    k.add_argument("--cache-dir", default=None, metavar="DIR", help="the folder (default: as above)")
     return parser
+
+
+def cache_command(args) -> int:
+    from . import persist
+
+    if args.action == "clear":
+        freed = persist.clear(args.cache_dir)
+        print(f"[raincheck] cleared {persist.default_cache_dir() if args.cache_dir is None else args.cache_dir} "
+              f"({freed / 2**20:.1f} MiB freed)")
+        return 0
+    info = persist.info(args.cache_dir)
+    print(f"folder: {info['folder']}" + ("" if info["exists"] else " (does not exist yet)"))
+    if info["manifest"] is None:
+        print("entries: none" if not info["sizes"] else "entries: present, manifest unreadable (set aside at the "
+              "next start)")
+    else:
+        print("built with: " + ", ".join(f"{k} {v}" for k, v in info["manifest"]["fingerprint"].items()))
+        print("matches this installation: " + ("yes" if info["matches"] else f"no ({info['mismatch']}; set aside "
+                                                                              "and rebuilt at the next start)"))
+    for name, size in info["sizes"].items():
+        print(f"  {name}: {size / 2**20:.1f} MiB")
+    for name, size in info.get("stale", {}).items():
+        print(f"  stale/{name}: {size / 2**20:.1f} MiB (python -m raincheck_hf cache clear deletes it)")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -441,6 +522,8 @@ def main(argv=None) -> int:
             from .serve.cli import serve
 
             return serve(args)
+        if args.command == "cache":
+            return cache_command(args)
         return chat(args)
     except ValueError as error:  # bad settings: say what and stop, no traceback
         print(f"[raincheck] {error}", file=sys.stderr)

@@ -364,11 +364,8 @@ class StepGraphs:
             return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
         return n
 
-    def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None,
-               taken: bool):
-        """``(n, n_deferred, rows, padding, key)`` of a forward; ``taken``: its deferred rows were already taken
-        from the pending ones (`run`), not yet (`prepare`): the adapter's step variant depends on what stays
-        pending after it."""
+    def _use_setting(self, adapter, cache: StaticDeferredCache) -> None:
+        """Take the graphs of the model's attention backend and the cache's ``compile_steps``."""
         compiled = bool(getattr(cache, "compile_steps", False))
         setting = (adapter.attn_implementation, compiled)
         if setting != (self.attn_implementation, self.compiled):
@@ -379,6 +376,29 @@ class StepGraphs:
             self._captured, self.timings = self._other_settings.pop(
                 setting, ({}, StepTimings(enabled=self.use_graphs)))
             self.attn_implementation, self.compiled = setting
+
+    def warm(self, adapter, cache: StaticDeferredCache, key: StepKey, prefill: bool) -> float | None:
+        """Capture the step ``key`` before any forward runs it (`raincheck_hf.warm_up`), on ``cache``'s storage;
+        ``prefill``: a padded prefill's shape. Returns the capture's wall seconds, or None: already captured, or
+        a shape this storage runs eagerly (no graphs, prefills not captured, not capturable, no room).
+
+        A capture runs on static buffers of its own whatever the forward's rows (`_capture`), so capturing a key
+        here is what the first forward of that key would do, minus the pause."""
+        self._use_setting(adapter, cache)
+        if (not self.use_graphs or key in self._captured or (prefill and not self.pad_prefill)
+                or not adapter.capturable(key.variant, key.rows)):
+            return None
+        made = len(self.capture_log)
+        self._try_capture(adapter, cache, key.rows, key.want_logits, cache.num_rows, key.bucket, key.variant,
+                          prefill)
+        return self.capture_log[made][1] if len(self.capture_log) > made else None
+
+    def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None,
+               taken: bool):
+        """``(n, n_deferred, rows, padding, key)`` of a forward; ``taken``: its deferred rows were already taken
+        from the pending ones (`run`), not yet (`prepare`): the adapter's step variant depends on what stays
+        pending after it."""
+        self._use_setting(adapter, cache)
         n = int(batch.embeds.shape[0])
         n_deferred = int((kinds == DEFERRED).sum())  # kinds live on the host
         pending_after = cache.num_pending - (0 if taken else n_deferred)

@@ -269,6 +269,7 @@ class SlotStorage:
             i: StaticGDNState(recurrent, self.device) for i in recurrent.layers}
         self.graphs = None
         self._user = None
+        self.kept = False  # warmed ahead (`raincheck_hf.warm_up`): never evicted from the pool, outside its count
 
     @property
     def total_slots(self) -> int:
@@ -318,13 +319,26 @@ def acquire_storage(pool_key, cache, num_layers: int, capacity: int, scratch: in
                     return storage.lease(cache)
         storage = SlotStorage(num_layers, capacity, scratch, device, recurrent)
         if pool is not None:
-            if len(pool) >= POOLED_PER_MODEL:
-                free = [s for s in pool if not s.busy]
+            evictable = [s for s in pool if not s.kept]  # storages warmed ahead stay, outside the count
+            if len(evictable) >= POOLED_PER_MODEL:
+                free = [s for s in evictable if not s.busy]
                 if free:
                     pool.remove(free[0])
-            if len(pool) < POOLED_PER_MODEL:
+                    evictable.remove(free[0])
+            if len(evictable) < POOLED_PER_MODEL:
                 pool.append(storage)
         return storage.lease(cache)
+
+
+def keep_storage(pool_key, storage: SlotStorage) -> None:
+    """Keep ``storage`` in ``pool_key``'s pool for good (`raincheck_hf.warm_up`: the graphs captured on it ahead of
+    the conversations that will use it), beyond the `POOLED_PER_MODEL` storages kept otherwise; `release_storage`
+    still frees it."""
+    with _POOL_LOCK:
+        pool = _POOLS.setdefault(pool_key, [])
+        storage.kept = True
+        if not any(s is storage for s in pool):
+            pool.append(storage)
 
 
 def release_storage(model) -> int:

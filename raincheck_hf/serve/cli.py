@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-compile-steps turns it off (no compile in the warm-up)")
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--device", default=None)
+    from ..__main__ import add_warm_up_arguments
+
+    add_warm_up_arguments(parser)
     parser.add_argument("--log-level", default="info",
                         help="log level of uvicorn and the request log (debug | info | warning | error)")
     load = parser.add_argument_group("load (a request beyond the running places and the queue gets HTTP 429 with "
@@ -87,6 +90,9 @@ def settings_from(args):
     config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
                              selector=args.selector, mode=args.mode, tpot_slack=args.tpot_slack,
                              compile_steps=args.compile_steps)
+    from ..__main__ import check_warm_up_args
+
+    check_warm_up_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_cache_gb is not None and args.max_cache_gb < 0:  # in GB here, in bytes for ServeSettings
@@ -159,9 +165,13 @@ def serve(args) -> int:
 
     from ..loading import load_or_exit, note_fallbacks
 
+    from ..__main__ import run_warm_up, start_caches
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start_caches(args, device)
     model, processor, _, _ = load_or_exit(args.model, device)
     note_fallbacks(model)
+    run_warm_up(args, model, processor, settings.config, settings.max_tokens)  # before the port opens
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)

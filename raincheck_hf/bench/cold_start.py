@@ -1,0 +1,186 @@
+"""Cold start: seconds from a fresh process's start to its first answer, first ever vs with the caches warm.
+
+``python -m raincheck_hf.bench cold-start --model qwen3_vl_8b --processes 3 --out cold_start.json``
+
+Runs ``--processes`` fresh Python processes one after the other. Each: imports, builds the model (random
+weights of the real shape, `bench.shapes`), enables the persistent caches (`persist.enable_persistent_caches`)
+on one cache folder, runs `raincheck_hf.warm_up` (unless ``--no-warm-up``), then answers the benchmark's image
+question once, and reports when its first token and its whole answer came, counted from the moment the parent
+launched it (interpreter start and imports included), with the captures the answer made (its trace's
+``captures``: none after a warm-up that covers it). The first process starts on an empty cache folder (first
+ever: every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON
+with the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _child(args) -> dict:
+    launched = args.launched_at
+    marks = {"interpreter_s": time.time() - launched}
+    import torch
+
+    import raincheck_hf
+    from raincheck_hf.bench import shapes
+    from raincheck_hf.persist import enable_persistent_caches
+
+    marks["imports_s"] = time.time() - launched
+    caches = enable_persistent_caches(args.cache_dir)
+    device = torch.device(args.device)
+    model, info = shapes.build_model(args.model, device)
+    processor = shapes.build_processor()
+    raincheck_hf.enable(model)
+    spec = shapes.MODELS[args.model]
+    config = raincheck_hf.RaincheckConfig(chunk_size=args.chunk_size)
+    marks["model_s"] = time.time() - launched
+    summary = None
+    width, height = spec.image_size
+    if args.warm_up:
+        summary = raincheck_hf.warm_up(model, processor, config, max_tokens=args.max_tokens,
+                                       max_new_tokens=args.max_new_tokens, image_sizes=[(height, width)],
+                                       cache_dir=args.cache_dir, progress=False)
+    marks["warm_up_done_s"] = time.time() - launched
+    inputs, prompt = shapes.build_prompt(processor, spec, "image")
+    inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
+
+    class FirstToken:  # HF's streamer protocol: the prompt first, then each token
+        def __init__(self):
+            self.calls, self.at = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2 and self.at is None:
+                self.at = time.time()
+
+        def end(self):
+            pass
+
+    first = FirstToken()
+    out = model.generate(**inputs, raincheck=config, max_new_tokens=args.max_new_tokens, min_new_tokens=1,
+                         do_sample=False, return_dict_in_generate=True, streamer=first,
+                         suppress_tokens=shapes.special_token_ids(processor))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    marks["first_answer_s"] = time.time() - launched
+    marks["first_token_s"] = (first.at or time.time()) - launched
+    return {
+        **marks,
+        "answer_tokens": int(out.sequences.shape[1] - inputs["input_ids"].shape[1]),
+        "captures_during_answer": [list(c) for c in out.raincheck.captures],
+        "warm_up": None if summary is None else {
+            "seconds": summary.seconds, "path": summary.path, "graphs_captured": len(summary.captured),
+            "already_captured": summary.already_captured, "vision_grids": len(summary.vision),
+            "capacities": summary.capacities, "coverage": summary.coverage},
+        "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
+        "loaded_compile_artifacts": caches.loaded_artifacts,
+        "prompt": prompt,
+        "model": info,
+    }
+
+
+def _launch(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """One fresh process (tests stand in their own)."""
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
+        max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size="31", warm_up: bool = True,
+        out: str | None = None, timeout: float = 1800.0) -> dict:
+    """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
+    import torch
+
+    from .latency import hardware_info
+    from .shapes import MODELS
+
+    if model not in MODELS:
+        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    if processes < 2:
+        raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    fresh = cache_dir is None
+    folder = tempfile.mkdtemp(prefix="raincheck-cold-start-") if fresh else cache_dir
+    if not fresh and os.path.exists(os.path.join(folder, "current")):
+        raise ValueError(f"--cache-dir {folder!r} already holds a cache: the first process must start on an empty "
+                         "folder (leave --cache-dir out for a fresh temporary one)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")}
+    results = []
+    for index in range(processes):
+        launched = time.time()
+        command = [sys.executable, "-m", "raincheck_hf.bench.cold_start", "--child", "--launched-at", repr(launched),
+                   "--model", model, "--device", device, "--cache-dir", folder, "--max-tokens", str(max_tokens),
+                   "--max-new-tokens", str(max_new_tokens), "--chunk-size", str(chunk_size)]
+        if not warm_up:
+            command.append("--no-warm-up")
+        done = _launch(command, env, timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1])
+        result["process"] = index
+        result["cache"] = "empty (first ever)" if index == 0 else "left by the processes before"
+        results.append(result)
+        print(f"[cold-start] process {index} ({result['cache']}): first token {result['first_token_s']:.1f} s, "
+              f"first answer {result['first_answer_s']:.1f} s after launch (warm-up done at "
+              f"{result['warm_up_done_s']:.1f} s; {len(result['captures_during_answer'])} captures in the answer)",
+              file=sys.stderr)
+    report = {
+        "benchmark": "cold_start",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": {"model": model, "processes": processes, "device": device, "max_tokens": max_tokens,
+                     "answer_tokens": max_new_tokens, "chunk_size": chunk_size, "warm_up": warm_up,
+                     "cache_dir": "a fresh temporary folder" if fresh else folder},
+        "hardware": hardware_info(torch.device(device)),
+        "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
+        "later": [{k: r[k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")} for r in results[1:]],
+        "processes": results,
+    }
+    print(f"{'process':>8} {'cache':>22} {'imports':>8} {'model':>8} {'warm-up':>8} {'1st token':>10} "
+          f"{'answer':>8} {'captures':>9}")
+    for r in results:
+        print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>22} {r['imports_s']:>8.1f} "
+              f"{r['model_s']:>8.1f} {r['warm_up_done_s']:>8.1f} {r['first_token_s']:>10.1f} "
+              f"{r['first_answer_s']:>8.1f} {len(r['captures_during_answer']):>9}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"[cold-start] wrote {out}", file=sys.stderr)
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench cold-start", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_vl_8b", help="a model of bench/shapes.py (tiny_* run on a CPU)")
+    parser.add_argument("--processes", type=int, default=2, help="fresh processes, the first on an empty cache")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--cache-dir", default=None,
+                        help="the cache folder (must be empty; default: a fresh temporary folder)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="warm_up's conversation bound")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="the first answer's length limit")
+    parser.add_argument("--chunk-size", default="31")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from ..configuration import parse_chunk_size
+
+    args.chunk_size = parse_chunk_size(args.chunk_size)
+    if args.child:
+        print(json.dumps(_child(args), default=str), flush=True)
+        return 0
+    return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
+               args.chunk_size, args.warm_up, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""`warm_up`: pay a process's one-time costs before its first answer, not inside it.
+
+On the CUDA fast path a step shape is captured as a CUDA graph the first time a forward runs it at its slot
+bucket (`fast.graphs`), and that first run also compiles (``compile_steps``) and autotunes its Triton / fla
+kernels; the vision tower is captured per image grid on its second sighting (`fast.vision_graphs`). Each is a
+pause of the answer it happens in (0.1-0.5 s a capture on an 8B/9B model, tens of seconds for the first
+compile). `warm_up` makes those captures ahead, on the pooled slot storages the conversations will lease, so
+that a conversation within the warmed bounds replays only (its `RaincheckTrace.captures` stay empty).
+
+Which step keys (`fast.graphs.StepKey`: rows, logits or not, the family's step variant, slot bucket) a
+conversation can need comes from the code that picks them, not from a list kept here:
+
+- storages: a conversation starts on a storage of `round_capacity` (prompt + answer rows) slots and moves to
+  the next power-of-two capacity when it grows (`StaticDeferredCache.ensure_capacity`), so every capacity from
+  `SLOT_ROUNDING` up to ``round_capacity(max_tokens)``, each with `scratch_slots` of the config's largest
+  chunk (and of its idle-time chunk);
+- slot buckets: `slot_bucket` of every row count a storage can hold;
+- shapes: the decode step (1 row), the fused ``[chunk, token]`` step of each chunk size the config can pick
+  (``chunk_size``, or `CHUNK_LADDER` with ``"auto"``; ``raincheck`` mode), the chunk-only step (``serial``
+  mode, and idle-time restoration with ``idle_chunk_size``; modes that defer), each with every variant the
+  family's adapter gives for its rows (`ModelAdapter.static_step_variant` over the suffix lengths and
+  pending counts a conversation reaches; Qwen3.5: whether a generated row is recorded in the suffix map),
+  kept only where the adapter captures it (`ModelAdapter.capturable`);
+- prefills (padded to a multiple of `PREFILL_BUCKET` rows, where the family captures them): a prefill's rows
+  depend on the prompt, so what is covered is bounded by arguments: first turns of 1 to ``prompt_tokens``
+  prefilled rows with answers of ``max_new_tokens`` (each such first turn's padded shape at the slot bucket
+  and storage it runs at), and follow-up turns of up to ``follow_up_tokens`` rows (leftover deferred rows
+  included) at every slot bucket. Longer follow-ups, first turns beyond ``prompt_tokens`` or whose answer
+  limit puts them in another storage, are captured when they first run, as without `warm_up`. Qwen3.5's
+  prefills carrying leftover deferred rows run eagerly (never captured).
+
+The vision tower is warmed for the image sizes given (``image_sizes``, with the processor): the grid the
+processor makes of each is encoded twice, so its graph is captured.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache_utils import DEFERRED, GENERATED, INPUT
+from .configuration import CHUNK_LADDER, RaincheckConfig
+
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_FOLLOW_UP_TOKENS = 64
+TEXT_ALLOWANCE = 256  # prompt rows besides the images, when ``prompt_tokens`` is derived from ``image_sizes``
+
+
+@dataclass
+class WarmUpSummary:
+    """What `warm_up` did.
+
+    Attributes:
+        path: ``"fast"`` (the CUDA fast path's graphs) or ``"eager"`` (nothing to capture: a CPU model, the
+            eager engine, an accelerate-split model).
+        graphs: whether the steps are captured as CUDA graphs on this model (False: nothing was captured).
+        captured: ``(capacity, rows, want_logits, variant, bucket, seconds)`` per step graph captured now.
+        already_captured: step keys that were captured before this call (an earlier `warm_up` or conversation).
+        not_captured: step keys that this storage runs eagerly (not capturable, no room), or whose capture failed.
+        vision: ``(grid, seconds)`` per image grid whose tower graph was captured now.
+        capacities: the slot-storage capacities warmed (kept in the model's pool from now on).
+        seconds: wall seconds of the whole call.
+        persistent_cache: the cache folder in use (`persist.enable_persistent_caches`), or None.
+        coverage: what is and is not covered, in words.
+    """
+
+    path: str
+    graphs: bool = False
+    captured: list = field(default_factory=list)
+    already_captured: int = 0
+    not_captured: int = 0
+    vision: list = field(default_factory=list)
+    capacities: list = field(default_factory=list)
+    seconds: float = 0.0
+    persistent_cache: str | None = None
+    coverage: str = ""
+
+    @property
+    def capture_seconds(self) -> float:
+        return float(sum(entry[-1] for entry in self.captured) + sum(s for _, s in self.vision))
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return f"warm-up: nothing to capture ({self.coverage}); {self.seconds:.2f} s"
+        return (f"warm-up: {len(self.captured)} step graphs captured ({self.already_captured} already were, "
+                f"{self.not_captured} run eagerly) on {len(self.capacities)} slot storages "
+                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids; "
+                f"{self.seconds:.1f} s")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"warm_up: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_sizes(image_sizes) -> list[tuple[int, int]]:
+    if image_sizes is None:
+        return []
+    try:
+        sizes = [tuple(size) for size in image_sizes]
+    except TypeError:
+        raise ValueError(f"warm_up: image_sizes must be a list of (height, width) pairs, got {image_sizes!r}") from None
+    for size in sizes:
+        if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size):
+            raise ValueError(f"warm_up: image_sizes must hold (height, width) pairs of ints >= 1, got {size!r}")
+    return sizes
+
+
+# ---- the step keys a conversation can need ------------------------------------------------------
+
+def capacities(max_tokens: int) -> list[int]:
+    """The slot-storage capacities a conversation of at most ``max_tokens`` rows can use (`round_capacity`'s
+    ladder)."""
+    from .fast.static_cache import SLOT_ROUNDING, round_capacity
+
+    out, capacity = [], SLOT_ROUNDING
+    while capacity <= round_capacity(max_tokens):
+        out.append(capacity)
+        capacity *= 2
+    return out
+
+
+def buckets(capacity: int) -> list[int]:
+    """Every slot bucket (`slot_bucket`) a step on a storage of ``capacity`` slots can attend over."""
+    from .fast.static_cache import slot_bucket
+
+    return sorted({slot_bucket(rows, capacity) for rows in range(1, capacity + 1)})
+
+
+def _variants(adapter, kinds: list[int], pendings, suffixes, rows: int | None = None) -> list:
+    """The adapter's step variants for rows of ``kinds`` over the pending counts and suffix lengths given,
+    those it captures at ``rows`` rows (padding included; default ``len(kinds)``) only."""
+    rows = len(kinds) if rows is None else rows
+    kinds_t = torch.tensor(kinds, dtype=torch.int8)
+    out = []
+    for pending_after in pendings:
+        for suffix in suffixes:
+            variant = adapter.static_step_variant(kinds_t, pending_after, suffix)
+            if variant not in out and adapter.capturable(variant, rows):
+                out.append(variant)
+    return out
+
+
+def _suffixes(adapter, max_tokens: int) -> range:
+    """The suffix lengths (generated rows since a turn's input) to probe the variants over. A family's variant
+    depends on the suffix length only up to its conv window (Qwen3.5: ``linear_conv_kernel_dim - 1``); probing
+    up to twice that (and at least 16) finds every value a threshold there gives, without probing every length."""
+    width = int(getattr(adapter.text_model.config, "linear_conv_kernel_dim", 0) or 0)
+    return range(0, min(max_tokens, max(16, 2 * width)) + 1)
+
+
+def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_tokens: int, prompt_tokens: int,
+              follow_up_tokens: int, pad_prefill: bool) -> dict[int, list[tuple]]:
+    """Capacity -> ``[(StepKey, prefill)]``: the step shapes a conversation within the bounds can run on a storage
+    of that capacity (see the module docstring). ``pad_prefill``: the family's prefills are padded and captured."""
+    from .fast import graphs
+    from .fast.static_cache import round_capacity, slot_bucket
+
+    StepKey, bucket_rows = graphs.StepKey, graphs.PREFILL_BUCKET
+    pendings = (0, 1) if config.defers else (0,)
+    suffixes = _suffixes(adapter, max_tokens)
+    # (rows, logits, kinds, the least suffix length it runs at): decode forward i runs after i - 1 generated rows,
+    # and a chunk rides along from forward ``decode_guard`` on (`generation.chunk_size_for_forward`)
+    shapes = [(1, True, [GENERATED], 0)]  # every mode decodes
+    chunks = CHUNK_LADDER if config.auto_chunk else (config.chunk_size,)
+    guarded = max(config.decode_guard, 1) - 1
+    if config.mode == "raincheck":
+        shapes += [(c + 1, True, [DEFERRED] * c + [GENERATED], guarded) for c in chunks]
+    elif config.mode == "serial":
+        shapes += [(c, False, [DEFERRED] * c, guarded) for c in chunks]
+    if config.defers:
+        c = config.idle_chunk_size
+        shapes.append((c, False, [DEFERRED] * c, 0))
+    steps = []
+    for rows, want_logits, kinds, least in dict.fromkeys((r, w, tuple(k), m) for r, w, k, m in shapes):
+        for variant in _variants(adapter, list(kinds), pendings, [t for t in suffixes if t >= least] or [least]):
+            if (rows, want_logits, variant) not in steps:
+                steps.append((rows, want_logits, variant))
+    caps = capacities(max_tokens)
+    out: dict[int, list[tuple]] = {c: [] for c in caps}
+    for capacity in caps:
+        for bucket in buckets(capacity):
+            out[capacity] += [(StepKey(rows, w, v, bucket), False) for rows, w, v in steps]
+    if not pad_prefill:
+        return out
+
+    def padded(n: int) -> int:
+        return n if n == 1 else -(-n // bucket_rows) * bucket_rows
+
+    def prefill_variants(kinds: list[int]) -> list:
+        return _variants(adapter, kinds, pendings, (0,), rows=padded(len(kinds)))  # a prefill resets the suffix
+
+    # first turns: n prefilled rows, on the storage of round_capacity(n + answer), at the bucket of n rows
+    seen = set()
+    for n in range(1, prompt_tokens + 1):
+        capacity = round_capacity(n + max_new_tokens)
+        if capacity not in out:
+            continue
+        rows, bucket = padded(n), slot_bucket(n, capacity)
+        if (rows, bucket) in seen:
+            continue
+        seen.add((rows, bucket))
+        for variant in prefill_variants([INPUT] * n):
+            key = (StepKey(rows, True, variant, bucket), rows > 1)
+            if key not in out[capacity]:
+                out[capacity].append(key)
+    # follow-ups of up to follow_up_tokens rows (a text question, the last answer's final token, leftover deferred
+    # rows in front), after at least one earlier row, at every bucket
+    for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):
+        kinds_seen = []
+        for n in (max(n_rows - bucket_rows + 1, 2), n_rows):  # (one row is not padded: a decode-like step)
+            for leftovers in dict.fromkeys((0, 1, n // 2, n - 1)):  # at least one input row follows them
+                kinds_seen.append([DEFERRED] * leftovers + [INPUT] * (n - leftovers))
+        variants = []
+        for kinds in kinds_seen:
+            variants += [v for v in prefill_variants(kinds) if v not in variants]
+        for capacity in caps:
+            for bucket in buckets(capacity):
+                if bucket < slot_bucket(n_rows - bucket_rows + 2, capacity):
+                    continue  # no follow-up of this size (after at least one row) attends over so few slots
+                for variant in variants:
+                    key = (StepKey(n_rows, True, variant, bucket), True)
+                    if key not in out[capacity]:
+                        out[capacity].append(key)
+    return out
+
+
+# ---- the call ----------------------------------------------------------------------------------
+
+def _bar(total: int, progress: bool, desc: str):
+    from tqdm.auto import tqdm  # a dependency of transformers
+
+    return tqdm(total=total, desc=desc, unit="graph", disable=not progress, file=sys.stderr, leave=True)
+
+
+def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None, *,
+            max_tokens: int = DEFAULT_MAX_TOKENS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+            prompt_tokens: int | None = None, follow_up_tokens: int = DEFAULT_FOLLOW_UP_TOKENS,
+            image_sizes=None, conversations: int = 1, cache_dir=None, progress: bool = True) -> WarmUpSummary:
+    """Pay the one-time costs that a conversation within the given bounds can need before its first answer.
+
+    On the CUDA fast path this captures every step graph such a conversation can run (decode, fused chunk,
+    idle-time chunk and padded prefill steps, at every slot bucket of every slot storage it can use), which also
+    compiles the steps (``compile_steps``) and autotunes their Triton / fla kernels, and the vision tower's graph
+    for each of ``image_sizes``. The captures land on the model's pooled slot storages, kept from now on, so
+    later conversations replay them: their `RaincheckTrace.captures` stay empty. Nothing else about an answer
+    changes (the same graphs would be captured by the first forward that needs them). On the eager engine (a
+    CPU, ``fast_path=False``, an accelerate-split model) there is nothing to capture and it returns at once.
+
+    What a prompt's prefill needs depends on its length: see the module docstring (`raincheck_hf.warmup`) for
+    what the bounds below cover and what they do not.
+
+    Args:
+        model: a supported model, enabled with `raincheck_hf.enable`.
+        processor: its processor; needed for ``image_sizes`` (the image processor makes their grids).
+        config: the `RaincheckConfig` (or dict) the conversations will use (default `RaincheckConfig()`): its
+            mode, chunk size (``"auto"``: every ladder size), ``compile_steps`` and ``fast_path`` decide the shapes.
+        max_tokens: the most rows a conversation holds (prompts, images and answers of all its turns).
+        max_new_tokens: the answer limit of the first turn (it decides the storage a first turn starts on).
+        prompt_tokens: first-turn prompts of up to this many prefilled rows are covered (default: the largest
+            image of ``image_sizes`` plus 256 rows of text, else 256).
+        follow_up_tokens: follow-up turns of up to this many new rows (leftover deferred rows included) are
+            covered at every slot bucket.
+        image_sizes: ``(height, width)`` pixel sizes of the images to warm the vision tower for.
+        conversations: how many conversations may hold a slot storage of one size at once (each live
+            conversation's cache leases a storage of its own, with its own graphs; a server keeps a conversation's
+            cache between its requests): that many storages per size are warmed.
+        cache_dir: the persistent cache folder for a model on CUDA (`persist.enable_persistent_caches`: Triton's
+            kernels and autotuning results, torch's compile artifacts): a path, None (the default:
+            ``RAINCHECK_CACHE_DIR`` or the user's cache folder), or False (none). Call
+            `persist.enable_persistent_caches` yourself before loading the model so that kernels compiled while it
+            loads are cached too.
+        progress: show a progress bar on stderr.
+
+    Returns:
+        A `WarmUpSummary` (what was captured, in how many seconds; ``str()`` gives a one-line account).
+
+    Raises:
+        ValueError: a bad argument, naming it and its value, before any compute.
+    """
+    from .integration import is_enabled
+    from .models import get_adapter
+
+    started = time.perf_counter()
+    # every argument is checked before anything runs
+    if isinstance(config, dict):
+        config = RaincheckConfig(**config)
+    elif config is None:
+        config = RaincheckConfig()
+    elif not isinstance(config, RaincheckConfig):
+        raise ValueError(f"warm_up: config must be a RaincheckConfig, a dict or None, got {type(config).__name__}")
+    max_tokens = _check_int("max_tokens", max_tokens, 1)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    follow_up_tokens = _check_int("follow_up_tokens", follow_up_tokens, 1)
+    conversations = _check_int("conversations", conversations, 1)
+    sizes = _check_sizes(image_sizes)
+    if sizes and processor is None:
+        raise ValueError(f"warm_up: image_sizes={image_sizes!r} needs the model's processor (processor=None)")
+    if prompt_tokens is not None:
+        prompt_tokens = _check_int("prompt_tokens", prompt_tokens, 1)
+    if max_new_tokens >= max_tokens:
+        raise ValueError(f"warm_up: max_new_tokens ({max_new_tokens}) must be below max_tokens ({max_tokens})")
+    if not isinstance(progress, bool):
+        raise ValueError(f"warm_up: progress must be True or False, got {progress!r}")
+    if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, (str, bytes)) \
+            and not hasattr(cache_dir, "__fspath__"):
+        raise ValueError(f"warm_up: cache_dir must be a path, None or False, got {cache_dir!r}")
+    adapter = get_adapter(model)  # a ValueError naming the supported classes
+    if not is_enabled(model):
+        raise ValueError(f"warm_up: {type(model).__name__} is not enabled: call raincheck_hf.enable(model) first")
+
+    summary = WarmUpSummary(path=adapter.execution_path(config))
+    persistent = cache_dir is not False and adapter.device.type == "cuda"  # Triton / Inductor compile on CUDA
+    if persistent:
+        from .persist import enable_persistent_caches
+
+        summary.persistent_cache = str(enable_persistent_caches(cache_dir).root)
+
+    grids = _image_grids(processor, sizes) if sizes else []
+    if prompt_tokens is None:
+        prompt_tokens = (max(tokens for _, tokens in grids) + TEXT_ALLOWANCE) if grids else TEXT_ALLOWANCE
+    prompt_tokens = min(prompt_tokens, max_tokens - max_new_tokens)
+
+    with torch.no_grad():
+        if grids and adapter.use_vision_graphs(config):
+            _warm_vision(adapter, grids, summary)
+        if summary.path == "fast":
+            _warm_steps(adapter, config, summary, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
+                        prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens, conversations=conversations,
+                        progress=progress)
+    if summary.graphs:
+        summary.coverage = (f"conversations of up to {max_tokens} rows: every decode / chunk step; first-turn "
+                            f"prefills of up to {prompt_tokens} rows with answers of up to {max_new_tokens} tokens; "
+                            f"follow-ups of up to {follow_up_tokens} new rows")
+    elif summary.path == "fast":
+        summary.coverage = "the fast path's steps run without CUDA graphs on this model"
+    else:
+        summary.coverage = "the eager engine runs this model"
+    if persistent and summary.graphs:
+        from .persist import save_compile_artifacts
+
+        save_compile_artifacts(cache_dir)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _image_grids(processor, sizes) -> list[tuple[dict, int]]:
+    """``(inputs, visual tokens)`` per image size: the processor's ``pixel_values`` / ``image_grid_thw``."""
+    from .tiny import draw_test_image
+
+    image_processor = getattr(processor, "image_processor", processor)
+    out = []
+    for height, width in sizes:
+        inputs = image_processor(images=[draw_test_image(width, height, seed=0)], return_tensors="pt")
+        grid = inputs["image_grid_thw"]
+        merge = int(getattr(image_processor, "merge_size", 2))
+        out.append(({"pixel_values": inputs["pixel_values"], "image_grid_thw": grid},
+                    int(grid.prod(-1).sum()) // merge ** 2))
+    return out
+
+
+def _warm_vision(adapter, grids, summary: WarmUpSummary) -> None:
+    from .fast.vision_graphs import vision_graphs_for
+
+    vision = vision_graphs_for(adapter)
+    for inputs, _ in grids:
+        grid = tuple(tuple(int(v) for v in row) for row in inputs["image_grid_thw"].tolist())
+        before = len(vision._captured)
+        started = time.perf_counter()
+        # captured on its second sighting (`vision_graphs.CAPTURE_ON_SIGHTING`): encode until it is, at most that often
+        from .fast.vision_graphs import CAPTURE_ON_SIGHTING
+
+        for _ in range(CAPTURE_ON_SIGHTING):
+            vision.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+            if len(vision._captured) > before:
+                break
+        if vision.use_graphs and len(vision._captured) > before:
+            summary.vision.append((grid, time.perf_counter() - started))
+
+
+def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max_tokens, max_new_tokens,
+                prompt_tokens, follow_up_tokens, conversations, progress) -> None:
+    from .fast.compiled import resolve_compile_steps
+    from .fast.graphs import scratch_slots
+    from .fast.static_cache import StaticDeferredCache, keep_storage
+    from .generation import step_graphs
+
+    scratch = max(scratch_slots(config.max_chunk_size), scratch_slots(config.idle_chunk_size))
+    layers = adapter.text_model.config.num_hidden_layers
+    recurrent = adapter.static_recurrent_layout()
+    plan = None
+    bar = None
+    try:
+        for capacity in capacities(max_tokens):
+            # the storages conversations of this size lease (`generation._prepare_cache`), kept in the pool; held
+            # together, so each of them is another storage
+            caches = [StaticDeferredCache(layers, capacity, scratch, adapter.device, pool_key=adapter.text_model,
+                                          recurrent=recurrent) for _ in range(conversations)]
+            for cache in caches:
+                graphs = step_graphs(adapter, cache)
+                if not graphs.use_graphs:
+                    for c in caches:
+                        c.storage.release()
+                    return
+                summary.graphs = True
+                cache.compile_steps = resolve_compile_steps(config.compile_steps, graphs.use_graphs)
+                graphs._use_setting(adapter, cache)  # the graphs of this attention backend and compile setting
+                if plan is None:
+                    plan = step_keys(adapter, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
+                                     prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens,
+                                     pad_prefill=graphs.pad_prefill)
+                    bar = _bar(sum(map(len, plan.values())) * conversations, progress, "raincheck warm-up")
+                keep_storage(adapter.text_model, cache.storage)
+                if capacity not in summary.capacities:
+                    summary.capacities.append(capacity)
+                for key, prefill in plan[capacity]:
+                    if key in graphs._captured:
+                        summary.already_captured += 1
+                    else:
+                        seconds = graphs.warm(adapter, cache, key, prefill)
+                        if seconds is None:
+                            summary.not_captured += 1
+                        else:
+                            summary.captured.append((capacity, key.rows, key.want_logits, key.variant, key.bucket,
+                                                     seconds))
+                    bar.update(1)
+            for cache in caches:
+                cache.storage.release()
+            del caches, cache
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,172 @@
+"""The persistent cache folder (`raincheck_hf.persist`): its manifest keyed by versions, GPU and CUDA; stale or
+corrupt entries set aside, never used; `cache info` / `cache clear`; the environment it sets (only what the user
+has not). Plus the CLI's warm-up options and the cold-start benchmark's harness, on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from raincheck_hf import persist
+from raincheck_hf.__main__ import main
+
+ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ENV + ("RAINCHECK_CACHE_DIR",):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    yield
+
+
+def test_a_fresh_folder_gets_a_manifest_that_matches(tmp_path):
+    current, set_aside = persist.prepare(tmp_path)
+    assert set_aside is None and current == tmp_path / "current"
+    manifest = json.loads((current / persist.MANIFEST).read_text())
+    assert manifest["fingerprint"] == persist.fingerprint()
+    assert set(manifest["fingerprint"]) >= {"torch", "triton", "fla", "transformers", "raincheck_hf", "gpu", "cuda"}
+    assert persist.check(current, persist.fingerprint()) is None
+    assert persist.prepare(tmp_path) == (current, None)  # a second start keeps it
+
+
+@pytest.mark.parametrize("change", ["torch", "gpu", "cuda", "raincheck_hf"])
+def test_entries_built_by_other_versions_are_set_aside_and_rebuilt(tmp_path, change):
+    current, _ = persist.prepare(tmp_path)
+    (current / "triton").mkdir()
+    (current / "triton" / "kernel.bin").write_bytes(b"old kernel")
+    other = dict(persist.fingerprint(), **{change: "something else"})
+    assert persist.check(current, other) == f"built with another {change}"
+    current2, (stale, reason) = persist.prepare(tmp_path, other)
+    assert current2 == current and reason == f"built with another {change}"
+    assert stale.parent == tmp_path / "stale" and (stale / "triton" / "kernel.bin").read_bytes() == b"old kernel"
+    assert not (current / "triton").exists()  # the new folder starts empty ...
+    assert json.loads((current / persist.MANIFEST).read_text())["fingerprint"] == other  # ... with its own manifest
+
+
+@pytest.mark.parametrize("manifest", [b"{not json", b"[1, 2]", b'{"fingerprint": 3}', None])
+def test_a_corrupt_or_missing_manifest_is_never_trusted(tmp_path, manifest):
+    current = tmp_path / "current"
+    current.mkdir()
+    (current / "inductor.bin").write_bytes(b"x")
+    if manifest is not None:
+        (current / persist.MANIFEST).write_bytes(manifest)
+    reason = persist.check(current, persist.fingerprint())
+    assert reason == ("no manifest" if manifest is None else "unreadable manifest")
+    _, (stale, why) = persist.prepare(tmp_path)
+    assert why == reason and (stale / "inductor.bin").exists() and not (current / "inductor.bin").exists()
+
+
+def test_enable_sets_only_the_environment_the_user_has_not(tmp_path, clean_env, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    caches = persist.enable_persistent_caches(tmp_path / "cache")
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "cache").resolve() / "current" / "triton")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")  # the user's own setting wins
+    assert caches.user_env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    assert set(caches.env) == {"TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"}
+    assert persist.enable_persistent_caches(tmp_path / "cache") is caches  # once per folder per process
+
+
+def test_default_folder(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert persist.default_cache_dir() == tmp_path / "xdg" / "raincheck_hf"
+    monkeypatch.setenv("RAINCHECK_CACHE_DIR", str(tmp_path / "set"))
+    assert persist.default_cache_dir() == tmp_path / "set"
+
+
+def test_corrupt_compile_artifacts_are_set_aside(tmp_path, clean_env):
+    current, _ = persist.prepare(tmp_path)
+    (current / persist.ARTIFACTS).write_bytes(b"truncated garbage")
+    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+        caches = persist.enable_persistent_caches(tmp_path)
+    assert not caches.loaded_artifacts and not (current / persist.ARTIFACTS).exists()
+    assert any(p.name.endswith(persist.ARTIFACTS) for p in (tmp_path / "stale").iterdir())
+
+
+def test_cache_info_and_clear(tmp_path, capsys):
+    folder = tmp_path / "c"
+    assert main(["cache", "info", "--cache-dir", str(folder)]) == 0
+    assert "does not exist yet" in capsys.readouterr().out
+    current, _ = persist.prepare(folder, dict(persist.fingerprint(), torch="0.0"))
+    (current / "triton").mkdir()
+    (current / "triton" / "k").write_bytes(b"0" * 2048)
+    (folder / "README.txt").write_text("not ours")
+    assert main(["cache", "info", "--cache-dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "torch 0.0" in out and "matches this installation: no (built with another torch" in out
+    persist.prepare(folder)  # sets the mismatching entries aside
+    assert main(["cache", "info", "--cache-dir", str(folder)]) == 0
+    assert "stale/" in capsys.readouterr().out
+    assert main(["cache", "clear", "--cache-dir", str(folder)]) == 0
+    assert "cleared" in capsys.readouterr().out
+    assert sorted(p.name for p in folder.iterdir()) == ["README.txt"]  # only our entries go
+
+
+@pytest.mark.parametrize("argv", [["chat", "--warm-up-tokens", "1"], ["serve", "--warm-up-tokens", "0"]])
+def test_warm_up_tokens_checked_before_loading(argv, capsys, monkeypatch):
+    if argv[0] == "serve":
+        pytest.importorskip("uvicorn")
+    import raincheck_hf.__main__ as cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded before checking"))
+    assert main(argv) == 2
+    assert "--warm-up-tokens must be >= 2, got" in capsys.readouterr().err
+
+
+def test_chat_warms_up_unless_told_not_to(monkeypatch, capsys):
+    import raincheck_hf.__main__ as cli
+    import raincheck_hf.warmup as warmup
+
+    calls = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: calls.append(k) or real(*a, **k))
+    argv = ["chat", "--model", "tiny", "--question", "hi", "--max-new-tokens", "2", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    assert len(calls) == 1 and calls[0]["max_new_tokens"] == 2 and calls[0]["max_tokens"] == 4096
+    assert calls[0]["image_sizes"] == [(192, 256)] and calls[0]["progress"] is True
+    assert cli.main(argv + ["--no-warm-up"]) == 0
+    assert len(calls) == 1
+
+
+def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
+    """One child in this process (a tiny model on CPU, its first answer), and the parent's report from children
+    stood in by that child's result (fresh processes cost imports, which this test does not need to pay)."""
+    import subprocess
+    import sys
+
+    from raincheck_hf.bench import cold_start
+
+    child = ["--child", "--launched-at", "0", "--model", "tiny_qwen3_vl", "--device", "cpu", "--cache-dir",
+             str(tmp_path / "c"), "--max-tokens", "512", "--max-new-tokens", "2"]
+    import io
+    from contextlib import redirect_stdout
+
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert cold_start.main(child) == 0
+    result = json.loads(buffer.getvalue().strip().splitlines()[-1])
+    assert result["answer_tokens"] == 2 and result["captures_during_answer"] == []
+    assert result["warm_up"]["path"] == "eager"
+    assert result["first_token_s"] <= result["first_answer_s"]
+    launched = []
+
+    def fake_run(command, env, timeout):
+        assert command[:3] == [sys.executable, "-m", "raincheck_hf.bench.cold_start"] and "--child" in command
+        assert not any(name in env for name in ENV)  # each child finds only the cache folder
+        launched.append(command[command.index("--cache-dir") + 1])
+        return subprocess.CompletedProcess(command, 0, stdout="noise\n" + json.dumps(result) + "\n", stderr="")
+
+    monkeypatch.setattr(cold_start, "_launch", fake_run)
+    out = tmp_path / "cold.json"
+    report = cold_start.run("tiny_qwen3_vl", processes=3, device="cpu", max_tokens=512, max_new_tokens=2,
+                            out=str(out))
+    assert len(launched) == 3 and len(set(launched)) == 1  # one folder, empty for the first
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "cold_start" and saved["hardware"]["device"] == "cpu"
+    assert saved["settings"]["answer_tokens"] == 2 and len(saved["later"]) == 2
+    assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
+    with pytest.raises(ValueError, match="--processes must be >= 2"):
+        cold_start.run("tiny_qwen3_vl", processes=1)

@@ -1,0 +1,146 @@
+"""`raincheck_hf.warm_up`: after it, a conversation within its bounds captures nothing during its answers (the
+trace's ``captures`` stay empty) and answers exactly as a cold one. On CPU with the `cpu_graphs` stand-in for
+CUDA-graph capture (tests/test_fast_path.py), which runs the fast path's capture / replay code as on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import raincheck_hf
+from raincheck_hf import RaincheckConfig, restore_pending
+from raincheck_hf.fast.static_cache import _POOLS, release_storage
+from raincheck_hf.warmup import buckets, capacities, step_keys
+
+from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from families import family_params
+from test_fast_path import cpu_graphs  # noqa: F401 (the fixture)
+from test_families import follow_up
+
+FAMILIES = family_params(["qwen3_vl", "qwen3_5"])
+MAX_NEW = (3, 6, 5)  # answer lengths of the three turns
+
+
+def _conversation(model, processor, config):
+    """Three turns (two images; a text follow-up with leftovers; another text follow-up), idle-time chunks
+    between them. Returns the outputs and the captures made outside the answers (idle-time restoration)."""
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    outs, idle_captures = [], 0
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cache = None
+    for turn, max_new in enumerate(MAX_NEW):
+        if turn:
+            inputs = follow_up(model, processor, outs[-1].sequences, text=f"And the colours of part {turn}?")
+        out = model.generate(**inputs, cache=cache, raincheck=config, max_new_tokens=max_new, **kw)
+        outs.append(out)
+        cache = out.cache
+        if turn == 0:  # one idle-time chunk after the first answer, the rest carried into the next prefill
+            log = cache.graphs.capture_log
+            before = len(log)
+            assert cache.num_pending > config.idle_chunk_size  # leftovers for the next prefill too
+            restore_pending(model, cache, max_tokens=config.idle_chunk_size)
+            idle_captures += len(cache.graphs.capture_log) - before
+    return outs, idle_captures
+
+
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_warm_up_leaves_no_capture_to_the_answers(family, cpu_graphs):  # noqa: F811
+    _, model, processor = family
+    config = RaincheckConfig(fast_path=True, chunk_size=3, decode_guard=2, compile_steps=False)
+    cold, cold_idle = _conversation(model, processor, config)
+    assert any(out.raincheck.captures for out in cold)  # without warm_up the answers capture
+    assert any(out.raincheck.restored_during_decode for out in cold)  # chunks rode along
+    del cold[-1].cache
+    _POOLS.clear()
+
+    summary = raincheck_hf.warm_up(model, processor, config, max_tokens=512, max_new_tokens=MAX_NEW[0],
+                                   cache_dir=False, progress=False)
+    assert summary.path == "fast" and summary.graphs and summary.captured and summary.capacities == [256, 512]
+    warm, warm_idle = _conversation(model, processor, config)
+    for out in warm:
+        assert out.raincheck.captures == []
+    assert warm_idle == 0 and cold_idle > 0
+    for a, b in zip(cold, warm):  # warm_up changes no answer
+        assert torch.equal(a.sequences, b.sequences)
+        for x, y in zip(a.logits, b.logits):
+            assert torch.equal(x, y)
+        assert [r.tolist() for r in a.raincheck.restored_per_forward] == [
+            r.tolist() for r in b.raincheck.restored_per_forward]
+
+    del warm, b, out  # the conversation's cache holds its storage: a live conversation's storage is its own
+    again = raincheck_hf.warm_up(model, processor, config, max_tokens=512, max_new_tokens=MAX_NEW[0],
+                                 cache_dir=False, progress=False)
+    assert again.captured == [] and again.already_captured == len(summary.captured)  # the kept storages
+    assert release_storage(model) == 2
+
+    # two conversations at once lease two storages: `conversations=2` warms both
+    _POOLS.clear()
+    raincheck_hf.warm_up(model, processor, config, max_tokens=256, max_new_tokens=MAX_NEW[0], conversations=2,
+                         cache_dir=False, progress=False)
+    first = _conversation(model, processor, config)[0]
+    second = _conversation(model, processor, config)[0]
+    assert first[-1].cache.storage is not second[-1].cache.storage
+    assert all(out.raincheck.captures == [] for out in first + second)
+
+
+def test_step_keys_follow_the_fast_paths_ladders(model):
+    from raincheck_hf.fast.static_cache import slot_bucket
+    from raincheck_hf.models import get_adapter
+
+    assert capacities(4096) == [256, 512, 1024, 2048, 4096] and capacities(300) == [256, 512]
+    assert buckets(2048) == [256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert set(buckets(4096)) == {slot_bucket(r, 4096) for r in range(1, 4097)}
+    adapter = get_adapter(model)
+    auto = step_keys(adapter, RaincheckConfig(chunk_size="auto"), max_tokens=1024, max_new_tokens=64,
+                     prompt_tokens=300, follow_up_tokens=64, pad_prefill=True)
+    steps = {key.rows for keys in auto.values() for key, prefill in keys if not prefill}
+    assert steps == {1, 8, 16, 32, 64, 63}  # decode, every fused ladder size, the idle-time chunk of 63
+    full = step_keys(adapter, RaincheckConfig(mode="full"), max_tokens=1024, max_new_tokens=64, prompt_tokens=300,
+                     follow_up_tokens=64, pad_prefill=False)
+    assert {key.rows for keys in full.values() for key, _ in keys} == {1}  # no chunk, prefills not captured
+    # a first turn of 300 prompt rows + 64 answer tokens starts on 512 slots, its prefill padded to 320
+    first = [key for key, prefill in auto[512] if prefill and key.rows == 320]
+    assert first and all(key.bucket == 512 for key in first)
+
+
+def test_warm_up_on_the_eager_engine_returns_at_once(model, processor):
+    summary = raincheck_hf.warm_up(model, processor, max_tokens=512, cache_dir=False, progress=False)
+    assert summary.path == "eager" and not summary.graphs and summary.captured == []
+    fast = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True), max_tokens=512,
+                                image_sizes=[(96, 128)], cache_dir=False, progress=False)
+    assert fast.path == "fast" and not fast.graphs and fast.vision == []  # no CUDA: nothing to capture
+    assert "eager" in str(summary)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens must be an int >= 1, got 0"),
+    (dict(max_tokens="4k"), "max_tokens must be an int >= 1, got '4k'"),
+    (dict(max_new_tokens=600, max_tokens=512), r"max_new_tokens \(600\) must be below max_tokens \(512\)"),
+    (dict(prompt_tokens=-3), "prompt_tokens must be an int >= 1, got -3"),
+    (dict(follow_up_tokens=True), "follow_up_tokens must be an int >= 1, got True"),
+    (dict(image_sizes=[(96,)]), r"image_sizes must hold \(height, width\) pairs of ints >= 1, got \(96,\)"),
+    (dict(image_sizes=5), "image_sizes must be a list"),
+    (dict(progress="yes"), "progress must be True or False, got 'yes'"),
+    (dict(config={"chunk_size": 0}), "chunk_size"),
+    (dict(cache_dir=3), "cache_dir must be a path, None or False, got 3"),
+])
+def test_bad_arguments_are_refused_before_any_compute(model, kwargs, match, monkeypatch):
+    import raincheck_hf.warmup as warmup
+
+    monkeypatch.setattr(warmup, "_warm_steps", lambda *a, **k: pytest.fail("computed before checking"))
+    with pytest.raises(ValueError, match=match):
+        raincheck_hf.warm_up(model, **kwargs)
+
+
+def test_image_sizes_need_the_processor(model):
+    with pytest.raises(ValueError, match=r"image_sizes=\[\(96, 128\)\] needs the model's processor"):
+        raincheck_hf.warm_up(model, image_sizes=[(96, 128)], cache_dir=False)
+
+
+def test_a_model_not_enabled_is_refused():
+    from families import BY_NAME
+
+    bare = BY_NAME["qwen3_vl"].build(seed=0)
+    with pytest.raises(ValueError, match="not enabled: call raincheck_hf.enable"):
+        raincheck_hf.warm_up(bare, cache_dir=False)
