@@ -11,6 +11,9 @@ the deferred leftovers in idle time. Different conversations answer concurrently
 state apart and runs graph captures one at a time, `fast.scoping`). A client that goes away sets
 the turn's cancel event, `Conversation`'s own cancellation: generation stops at the next step,
 between two forwards, so the cache stays consistent and the conversation stays held.
+
+With ``ServeSettings.batching`` one scheduler thread answers every running turn instead, on the batched engine
+(`scheduler.BatchScheduler`): a turn joins the running batch at its next step and leaves when its answer ends.
 """
 
 import asyncio
