@@ -228,3 +228,33 @@ def test_soak_with_batching(glyph, dialogues):
     assert figures["cancelled"] == 1 and figures["answered"] == 3 * 10 - 2
     assert figures["evictions"] > 0 and figures["max_running"] == 4
     assert figures["steps"] < figures["completion_tokens"], figures  # several sequences per step
+
+
+def test_batching_on_the_gated_deltanet_family(dialogues):
+    """The bundled glyph Qwen3.5 (Gated DeltaNet layers: per-sequence recurrent states in the batch): three
+    concurrent two-turn dialogues answer as their conversations alone do."""
+    import raincheck_hf
+    from raincheck_hf.quality import load_bundled
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    model, processor = load_bundled("qwen3_5")
+    model = raincheck_hf.enable(model)
+    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=3,
+                                                     batching=True, max_batch_tokens=64))
+    got, errors = {}, []
+    with running(app) as base:
+        def run(i):
+            try:
+                got[i] = dialogue(base, dialogues[i], turns=2, stream=i % 2 == 0)
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for i in range(3):
+        d = dialogues[i]
+        assert got[i] == reference((model, processor), d.image(), [t.question for t in d.turns[:2]]), i

@@ -238,7 +238,9 @@ class BatchScheduler:
 
     # ---- stepping -----------------------------------------------------------------------------
     def _step(self, engine: BatchEngine) -> None:
-        before = {s: (s.token is not None, s.prefill) for s in engine.sequences if not s.prefilled or s.token is not None}
+        # who has rows to run: a fed token, or prefill left (whether the step reached it shows after it)
+        before = {s: (s.token is not None, s.prefill) for s in engine.sequences
+                  if not s.prefilled or s.token is not None}
         try:
             logits = engine.step()
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
