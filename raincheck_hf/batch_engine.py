@@ -245,6 +245,17 @@ class BatchEngine:
         self.sequences.remove(seq)
         return cache
 
+    def discard(self, seq: SequenceState) -> None:
+        """``seq`` leaves without a cache (a failed or abandoned turn): its slot is freed and reset as in `remove`,
+        and nothing of its state is built back (it may be half-updated by a step that raised)."""
+        if seq not in self.sequences:
+            raise ValueError("BatchEngine.discard got a sequence that is not in this engine.")
+        self.pool.release(seq.slot)
+        if self.recurrent is not None:
+            self.recurrent.reset(seq.slot)
+        seq.slot = None
+        self.sequences.remove(seq)
+
     # ---- stepping --------------------------------------------------------------------------------
     def feed(self, seq: SequenceState, token) -> None:
         """The token the caller chose from ``seq``'s last logits: its next decode row (generated token i)."""

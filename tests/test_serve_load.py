@@ -283,7 +283,8 @@ def test_load_metrics_are_exposed(small_server, dialogues):
 # ---- soak: concurrent multi-turn clients ------------------------------------------------------------------
 
 def soak(model, processor, dialogues, clients: int, running_places: int, answer: int, config=None,
-         dialogues_per_client: int = 2, duration_s: float | None = None, budget_conversations: int = 3) -> dict:
+         dialogues_per_client: int = 2, duration_s: float | None = None, budget_conversations: int = 3,
+         batching: bool = False, max_batch_tokens: int = 2048) -> dict:
     """``clients`` concurrent clients on one server, each running three-turn image dialogues (raincheck or full
     mode, streamed or not; every fifth client cancels every other dialogue mid-stream at turn 2, from its first
     or its second),
@@ -294,7 +295,8 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
     to the server with nothing held, the full prefill it then is; in full mode that prefill answers as the
     continued cache does); no 5xx and no 429 (nothing but 200 from the chat route); never more than
     ``running_places`` turns at once; the held caches within the budget once idle and, during the run, within it
-    plus the conversations answering. Returns the figures."""
+    plus the conversations answering. ``batching``: the server's batching loop (`ServeSettings.batching`) with
+    ``max_batch_tokens`` rows per step. Returns the figures."""
     from raincheck_hf.serve import ServeSettings, create_app, running
     from raincheck_hf.serve.store import cache_nbytes
 
@@ -312,7 +314,8 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
     budget = budget_conversations * biggest
     urls = {i: data_url(d.image()) for i, d in enumerate(dialogues)}
     settings = ServeSettings(model_name="glyph", config=config, max_tokens=answer, max_running=running_places,
-                             max_queue=clients, max_cache_bytes=budget)
+                             max_queue=clients, max_cache_bytes=budget, batching=batching,
+                             max_batch_tokens=max_batch_tokens)
     app = create_app(model, processor, settings)
     server = app.state.server
     records, errors, statuses = [], [], []
@@ -383,6 +386,9 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
         done.set()
         watching.join()
         assert not errors and not statuses, (errors[:3], statuses[:10])
+        # the clients' tokens and the batching loop's steps (before the replays below add their own)
+        completion_tokens = metric(base, "raincheck_completion_tokens_total")
+        steps = None if server.scheduler is None else server.scheduler.steps
         requests_by_status = {}
         for line in httpx.get(base + "/metrics").text.splitlines():
             if line.startswith('raincheck_requests_total{endpoint="/v1/chat/completions"'):
@@ -422,7 +428,9 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
                     assert alone.model_extra["raincheck"]["reused"] == (k > j)
                     assert alone.choices[0].message.content == text, (i, mode, k)
     return {"answered": answered, "cancelled": len(cancelled), "dialogues": len(runs), "replayed": len(replayed),
-            "evictions": server.store.evictions, "budget": budget, **{f"max_{k}": v for k, v in watch.items()}}
+            "evictions": server.store.evictions, "budget": budget, "completion_tokens": completion_tokens,
+            "steps": steps,
+            **{f"max_{k}": v for k, v in watch.items()}}
 
 
 def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogues):

@@ -11,6 +11,9 @@ the deferred leftovers in idle time. Different conversations answer concurrently
 state apart and runs graph captures one at a time, `fast.scoping`). A client that goes away sets
 the turn's cancel event, `Conversation`'s own cancellation: generation stops at the next step,
 between two forwards, so the cache stays consistent and the conversation stays held.
+
+With ``ServeSettings.batching`` one scheduler thread answers every running turn instead, on the batched engine
+(`scheduler.BatchScheduler`): a turn joins the running batch at its next step and leaves when its answer ends.
 """
 
 import asyncio
@@ -54,6 +57,11 @@ class ServeSettings:
         max_running: turns generating at once; more wait in the queue.
         max_queue: turns waiting for a running place (first come, first served); a request beyond them is
             refused at once with HTTP 429 and ``Retry-After``.
+        batching: answer the running turns in one continuous-batching loop over the batched eager engine
+            (`scheduler.BatchScheduler`; ``max_running`` is then the batch's most sequences) instead of a thread
+            per turn on the batch-1 engine.
+        max_batch_tokens: with ``batching``, rows per step (decode rows first, then prompt pieces: a long prompt
+            is prefilled over several steps while the others keep decoding).
     """
 
     model_name: str = "qwen3_vl"
@@ -66,9 +74,13 @@ class ServeSettings:
     limits: Limits = field(default_factory=Limits)
     max_running: int = 4
     max_queue: int = 64
+    batching: bool = False
+    max_batch_tokens: int = 2048
 
     def __post_init__(self):
-        for name, low in (("max_running", 1), ("max_queue", 0)):
+        if not isinstance(self.batching, bool):
+            raise ValueError(f"batching must be True or False, got {self.batching!r}")
+        for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -188,9 +200,16 @@ class Server:
 
     def __init__(self, model, processor, settings: ServeSettings):
         self.model, self.processor, self.settings = model, processor, settings
-        self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse)
+        self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse,
+                                       background=not settings.batching)
         self.admission = Admission(settings.max_running, settings.max_queue)
-        self.metrics = Metrics(self.store.snapshot, self.admission.snapshot)
+        self.metrics = Metrics(self.store.snapshot, self.admission.snapshot, batching=settings.batching)
+        self.scheduler = None
+        if settings.batching:
+            from .scheduler import BatchScheduler
+
+            self.scheduler = BatchScheduler(model, processor, self.store, settings.max_batch_tokens, settings.config,
+                                            on_step=self.metrics.step)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()
@@ -321,15 +340,19 @@ class Server:
 
         The one place where a turn starts and its tokens come out: the turn holds a running place
         (``turn.ticket``, from `Admission`), given back when it ends, before ("end", turn) is emitted; its
-        tokens are counted as they come. (A scheduler loop driving a batched engine replaces this thread.)"""
+        tokens are counted as they come. With ``batching`` the turn goes to the batching loop instead of a
+        thread of its own (`_start_batched`), and None is returned."""
         try:
+            if self.scheduler is not None:
+                return self._start_batched(turn, emit)
             return self._start(turn, emit)
         except BaseException:
             if turn.ticket is not None:
                 turn.ticket.release()
             raise
 
-    def _start(self, turn: _Turn, emit) -> threading.Thread:
+    def _checkout(self, turn: _Turn) -> tuple[dict, dict]:
+        """Lend the turn its conversation; ``(inputs, generate kwargs)`` of its generate call (both paths')."""
         lent = self.store.checkout(turn.inputs["input_ids"][0], turn.digests, turn.request.config)
         turn.conversation, turn.cached, turn.reused = lent.conversation, lent.cached, lent.reused
         request = turn.request
@@ -339,6 +362,40 @@ class Server:
             kwargs["stopping_criteria"] = StoppingCriteriaList([turn.stopper])
         kwargs["logits_processor"] = LogitsProcessorList(self._processors(request, kwargs))
         inputs = self._new_media_only(turn) if turn.reused else turn.inputs
+        return inputs, kwargs
+
+    def _start_batched(self, turn: _Turn, emit) -> None:
+        from .scheduler import BatchJob
+
+        inputs, kwargs = self._checkout(turn)
+        conv = turn.conversation
+
+        def done(job):  # from the loop's thread, once
+            turn.started = job.started
+            try:
+                if job.error is not None:  # reported to the client; the held conversation was not changed
+                    turn.error = job.error
+                    if not isinstance(job.error, (APIError, ValueError)):
+                        logger.error("conversation %s failed on a request", conv.id, exc_info=job.error)
+                    if conv.cache is None:  # a new conversation: nothing to hold
+                        self.store.discard(conv)
+                    else:
+                        self.store.checkin(conv)
+                else:
+                    turn.result = job.result
+                    self.store.checkin(conv)
+                    self._count(turn)
+            finally:
+                if turn.ticket is not None:  # the next queued turn may start
+                    turn.ticket.release()
+                emit(("end", turn))
+
+        pieces = _Pieces(self.processor.tokenizer, emit, self.metrics.tokens)
+        self.scheduler.submit(BatchJob(conv, turn.request.config, inputs, turn.digests, kwargs, pieces, turn.cancel,
+                                       done))
+
+    def _start(self, turn: _Turn, emit) -> threading.Thread:
+        inputs, kwargs = self._checkout(turn)
 
         def work():
             conv = turn.conversation
@@ -424,6 +481,8 @@ class Server:
         }
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.store.close()
 
 

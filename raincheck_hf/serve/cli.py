@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="turns generating at once; more wait in the queue (default %(default)s)")
     load.add_argument("--max-queue", type=int, default=64,
                       help="turns waiting for a running place, first come first served (default %(default)s)")
+    load.add_argument("--batching", action="store_true",
+                      help="answer the running turns in one continuous-batching loop over the batched eager engine "
+                           "(--max-running is then the batch's most sequences); default: a thread per turn on the "
+                           "batch-1 engine, whose CUDA fast path is faster per token")
+    load.add_argument("--max-batch-tokens", type=int, default=2048,
+                      help="with --batching, rows per step: decode rows first, then prompt pieces, so a long prompt "
+                           "is prefilled over several steps (default %(default)s)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -115,6 +122,8 @@ def settings_from(args):
             limits=limits,
             max_running=args.max_running,
             max_queue=args.max_queue,
+            batching=args.batching,
+            max_batch_tokens=args.max_batch_tokens,
         )
     except ValueError as error:
         message = str(error)
@@ -125,6 +134,7 @@ def settings_from(args):
 
 
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
+            "max_batch_tokens": "--max-batch-tokens",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",

@@ -68,10 +68,11 @@ class Metrics:
         "cancelled": "Generations stopped because the client disconnected.",
     }
 
-    def __init__(self, snapshot=None, admission=None):
+    def __init__(self, snapshot=None, admission=None, batching: bool = False):
         """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None;
-        ``admission``: one returning the admission control's (`Admission.snapshot`), or None."""
-        from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+        ``admission``: one returning the admission control's (`Admission.snapshot`), or None; ``batching``: the
+        batching loop's figures too (`raincheck_batch_size`, `raincheck_steps_total`)."""
+        from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
                                        ProcessCollector)
 
         self.registry = CollectorRegistry()
@@ -89,6 +90,12 @@ class Metrics:
         self._queue_wait = Histogram("raincheck_queue_wait_seconds", "Time a request waited for a running place.",
                                      buckets=QUEUE_BUCKETS, registry=self.registry)
         self._completion = self._counters["completion_tokens"]
+        self._batch_size = self._steps = None
+        if batching:
+            self._batch_size = Gauge("raincheck_batch_size", "Sequences in the batching loop's last step.",
+                                     registry=self.registry)
+            self._steps = Counter("raincheck_steps", "Steps (packed forwards) of the batching loop.",
+                                  registry=self.registry)
         if snapshot is not None:
             self.registry.register(_HeldConversations(snapshot))
         if admission is not None:
@@ -105,6 +112,11 @@ class Metrics:
     def tokens(self, n: int) -> None:
         """``n`` tokens just generated (from the answering thread, token by token)."""
         self._completion.inc(n)
+
+    def step(self, sequences: int) -> None:
+        """A step of the batching loop ran with rows of ``sequences`` sequences."""
+        self._batch_size.set(sequences)
+        self._steps.inc()
 
     def queued(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)

@@ -29,8 +29,8 @@ class ServedConversation(Conversation):
     ``digests`` are the content hashes of the images and videos its cache holds, in order.
     """
 
-    def __init__(self, model, processor, config: RaincheckConfig, conversation_id: str):
-        super().__init__(model, processor, config, background=True, early_follow_up=True)
+    def __init__(self, model, processor, config: RaincheckConfig, conversation_id: str, background: bool = True):
+        super().__init__(model, processor, config, background=background, early_follow_up=True)
         self.id = conversation_id
         self.digests: tuple[str, ...] = ()
 
@@ -50,6 +50,11 @@ class ServedConversation(Conversation):
             result = self._run(inputs, streamer, generate_kwargs, request)
         self.digests = digests
         return result
+
+    def restore_chunk(self) -> int:
+        """Prefill one chunk of the leftover deferred rows now (the server's batching loop calls this in idle
+        time, in place of the conversation's own worker); returns how many."""
+        return self._restore_one_chunk()
 
     @property
     def length(self) -> int:
@@ -100,10 +105,14 @@ class Checkout:
 
 
 class ConversationStore:
-    """Held conversations of one model, least recently used evicted first above ``max_bytes``."""
+    """Held conversations of one model, least recently used evicted first above ``max_bytes``.
 
-    def __init__(self, model, processor, max_bytes: int | None, reuse: bool = True):
+    ``background``: each conversation restores its leftovers in a worker of its own (False: the server's batching
+    loop does it, `next_to_restore`)."""
+
+    def __init__(self, model, processor, max_bytes: int | None, reuse: bool = True, background: bool = True):
         self.model, self.processor, self.max_bytes, self.reuse = model, processor, max_bytes, reuse
+        self.background = background
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -127,7 +136,8 @@ class ConversationStore:
                 best.busy = True
                 best.last_used = time.monotonic()
                 return Checkout(best.conversation, best.conversation.cache.source_length, True)
-            conv = ServedConversation(self.model, self.processor, config, f"conv-{next(self._ids)}")
+            conv = ServedConversation(self.model, self.processor, config, f"conv-{next(self._ids)}",
+                                      background=self.background)
             self._entries[conv.id] = _Entry(conv)
         self.evict()  # a new conversation is about to need memory
         return Checkout(conv, 0, False)
@@ -144,6 +154,13 @@ class ConversationStore:
                 return
             entry.busy, entry.last_used, entry.nbytes = False, time.monotonic(), nbytes
         self.evict()
+
+    def next_to_restore(self) -> ServedConversation | None:
+        """An idle held conversation with leftover deferred rows (the most recently used first: the likeliest to
+        get a follow-up soon), or None."""
+        with self._lock:
+            idle = [e for e in self._entries.values() if not e.busy and e.conversation.pending > 0]
+            return max(idle, key=lambda e: e.last_used).conversation if idle else None
 
     def discard(self, conv: ServedConversation) -> None:
         """A turn failed part way: its cache cannot be trusted, so the conversation is dropped."""
