@@ -244,21 +244,25 @@ class ChunkScheduler:
     keeping the extra time its chosen chunks cost (``spent``), the wall time of the chunk steps' captures made
     during the answer included (`charge_captures`).
 
-    The scheduler reads a cache's pending rows (``num_pending``, `DeferredDynamicCache.peek_pending`) and nothing
-    else of it: any object with those serves (`batched.SequenceState`).
+    Of a cache it reads the pending rows only: `chunk_size` their count (``num_pending``, so `batched.SequenceState`
+    serves as well), `decode_step` also the chunk it lets ride along (``peek_pending``); graph buffers, slots and
+    other cache internals are the runner's.
     """
 
     def __init__(self, config: RaincheckConfig, runner: Runner | None = None):
         self.config = config
-        self.runner = runner  # what "auto" asks for step figures; None: nothing measured
+        self.runner = runner  # what "auto" asks for step figures; None: the runner of the cache asked about
         self.spent = 0.0
 
     def step_costs(self, adapter, cache) -> StepCosts | None:
         """The runner's figures for the steps the next decode forward may take over ``cache``'s pending rows
-        (`StepCosts`), or None: nothing measured (no runner, the eager engine, no plain decode step timed)."""
+        (`StepCosts`), or None: nothing measured (the eager engine, no plain decode step timed, or a cache that is
+        no `DeferredDynamicCache` and no runner given: a batched sequence's rows)."""
         runner = self.runner
         if runner is None:
-            return None
+            if not isinstance(cache, DeferredDynamicCache):
+                return None
+            runner = runner_for(adapter, cache)
         pending = cache.num_pending
         decode = runner.step_figures(1, True, pending_after=pending)
         if decode is None or decode.cost is None:

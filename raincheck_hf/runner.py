@@ -151,7 +151,10 @@ def runner_for(adapter, cache: DeferredDynamicCache) -> Runner:
     """The runner of an existing cache: the fast path's for a `StaticDeferredCache`, else the eager engine's."""
     if isinstance(cache, StaticDeferredCache):
         return StaticRunner(adapter, cache)
-    return EagerRunner(adapter, cache)
+    if isinstance(cache, DeferredDynamicCache):
+        return EagerRunner(adapter, cache)
+    raise TypeError(f"no Raincheck runner for a {type(cache).__name__}: it runs forwards on a DeferredDynamicCache "
+                    "(the `cache` a raincheck generate returns)")
 
 
 def open_runner(model, adapter, given, config, rows_needed: int) -> Runner:

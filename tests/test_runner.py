@@ -158,6 +158,27 @@ def test_the_scheduler_weighs_the_runner_figures(mode):
     assert generation.ChunkScheduler(config, FiguresRunner({})).step_costs(None, Pending(20)) is None
 
 
+def test_a_scheduler_without_a_runner_asks_the_cache_runner(model, processor, monkeypatch):
+    """`ChunkScheduler(config)` (no runner given) weighs the figures of the runner of the cache it is asked about:
+    a static cache's runner's (stand-in figures here: a CPU times nothing), none on the eager engine; an object
+    that is no cache (a batched sequence's rows) gets None, and `runner_for` refuses it."""
+    adapter = get_adapter(model)
+    config = RaincheckConfig(chunk_size="auto", decode_guard=2)
+    static = _generate(model, processor, chunk_size=4, fast_path=True).cache
+    eager = _generate(model, processor, chunk_size=4, fast_path=False).cache
+    assert static.num_pending > 0 and eager.num_pending > 0
+    assert generation.ChunkScheduler(config).step_costs(adapter, static) is None  # no CUDA graphs: nothing timed
+    small = min(CHUNK_LADDER)
+    figures = FiguresRunner({(1, True): StepFigures(0.010, True, 0.5), (small + 1, True): StepFigures(0.012, True, 0.5)})
+    monkeypatch.setattr(StaticRunner, "step_figures", lambda self, *args, **kw: figures.step_figures(*args, **kw))
+    costs = generation.ChunkScheduler(config).step_costs(adapter, static)
+    assert costs.decode == 0.010 and costs.chunk == {small: 0.012} and costs.captured == frozenset({small})
+    assert generation.ChunkScheduler(config).step_costs(adapter, eager) is None
+    assert generation.ChunkScheduler(config).step_costs(adapter, Pending(3)) is None
+    with pytest.raises(TypeError, match="no Raincheck runner for a Pending"):
+        runner_for(adapter, Pending(3))
+
+
 def test_runner_for_picks_the_engine_of_a_cache(model, processor):
     """An existing cache gets the runner of its kind; both satisfy the protocol, and the eager one answers
     neutrally (nothing prepared, no figures, no captures)."""
