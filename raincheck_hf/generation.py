@@ -15,6 +15,12 @@ One call, top to bottom:
 5. logits processors, sampling, stopping criteria and the streamer exactly as HF's `_sample`;
 6. return HF's output plus the cache and a `RaincheckTrace`; pending rows stay with the cache.
 
+The engine in two halves, as vLLM keeps them: the scheduler here (`ChunkScheduler.decode_step`) decides each
+forward's rows (`runner.ForwardRows`); a runner (`runner.Runner`: `runner.EagerRunner` over a `DeferredDynamicCache`,
+`fast.runner.StaticRunner` over the fast path's static cache and its captured steps) executes them and answers
+what the scheduler asks (step costs for ``"auto"``, captures). The runner is chosen once per call, where the cache
+is made (`runner.open_runner`); this loop talks to the `Runner` protocol only.
+
 A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batched.batched_sample`: the eager
 engine with every row's rows packed into one forward per step, each row planned and scheduled as its own call
 (every family; Qwen3.5's Gated DeltaNet states per row, `batched_gdn.py`; the CUDA fast path runs one
@@ -30,11 +36,13 @@ import torch
 from torch import nn
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order_key, to_device
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
 from .configuration import CHUNK_LADDER, RaincheckConfig
+from .fast.vision_graphs import vision_graphs_for
 from .models import get_adapter
 from .models.base import RowBatch
 from .plan import DeferredPlan, build_plan, select_visual_rows
+from .runner import ForwardRows, Runner, open_runner, runner_for
 
 
 @dataclass
@@ -226,25 +234,37 @@ def auto_chunk_size(costs: StepCosts | None, slack: float, pending: int, steps: 
 
 
 class ChunkScheduler:
-    """When a deferred chunk rides along with a decode step, and how large (one per `generate` call).
+    """When a deferred chunk rides along with a decode step, and how large (one per `generate` call): the half of
+    the engine that decides rows (`decode_step`); a `runner.Runner` executes them.
 
     Fixed ``chunk_size``: `chunk_size_for_forward`. ``"auto"``: after the guard, `auto_chunk_size` with the
-    costs the fast path measured for this cache's steps (`StepGraphs.step_figures`, which captures nothing:
-    a size's figures come from its captures and replays, here or at another slot bucket, made when a step
-    carried it; none on the eager engine), keeping the extra time its chosen chunks cost (``spent``), the
-    wall time of the chunk steps' captures made during the answer included (`charge_captures`).
+    costs the runner measured for its cache's steps (`Runner.step_figures`; on the fast path
+    `StepGraphs.step_figures`, which captures nothing: a size's figures come from its captures and replays, here
+    or at another slot bucket, made when a step carried it; none on the eager engine, or without a runner),
+    keeping the extra time its chosen chunks cost (``spent``), the wall time of the chunk steps' captures made
+    during the answer included (`charge_captures`).
+
+    Of a cache it reads the pending rows only: `chunk_size` their count (``num_pending``, so `batched.SequenceState`
+    serves as well), `decode_step` also the chunk it lets ride along (``peek_pending``); graph buffers, slots and
+    other cache internals are the runner's.
     """
 
-    def __init__(self, config: RaincheckConfig):
+    def __init__(self, config: RaincheckConfig, runner: Runner | None = None):
         self.config = config
+        self.runner = runner  # what "auto" asks for step figures; None: the runner of the cache asked about
         self.spent = 0.0
 
     def step_costs(self, adapter, cache) -> StepCosts | None:
-        graphs = getattr(cache, "graphs", None) if getattr(cache, "is_static", False) else None
-        if graphs is None:
-            return None
+        """The runner's figures for the steps the next decode forward may take over ``cache``'s pending rows
+        (`StepCosts`), or None: nothing measured (the eager engine, no plain decode step timed, or a cache that is
+        no `DeferredDynamicCache` and no runner given: a batched sequence's rows)."""
+        runner = self.runner
+        if runner is None:
+            if not isinstance(cache, DeferredDynamicCache):
+                return None
+            runner = runner_for(adapter, cache)
         pending = cache.num_pending
-        decode = graphs.step_figures(adapter, cache, 1, True, pending_after=pending)
+        decode = runner.step_figures(1, True, pending_after=pending)
         if decode is None or decode.cost is None:
             return None
         decode = decode.cost
@@ -252,9 +272,9 @@ class ChunkScheduler:
         for c in CHUNK_LADDER:
             n = min(c, pending)  # real rows of the chunk (a short last one is padded to c)
             if self.config.mode == "serial":
-                fig = graphs.step_figures(adapter, cache, c, False, real_rows=n, pending_after=pending - n)
+                fig = runner.step_figures(c, False, real_rows=n, pending_after=pending - n)
             else:
-                fig = graphs.step_figures(adapter, cache, c + 1, True, real_rows=n + 1, pending_after=pending - n)
+                fig = runner.step_figures(c + 1, True, real_rows=n + 1, pending_after=pending - n)
             if fig is None:
                 continue  # not a captured shape: it would run eagerly, at a cost nobody measured
             chunk[c] = None if fig.cost is None else fig.cost + (decode if self.config.mode == "serial" else 0.0)
@@ -283,104 +303,66 @@ class ChunkScheduler:
         if self.config.auto_chunk:
             self.spent += sum(seconds for _, rows, seconds in captures if rows > 1)
 
-
-# ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
-
-class _CaptureWatch:
-    """The step captures a call's forwards make on its cache's `StepGraphs` (its ``capture_log``)."""
-
-    def __init__(self, cache):
-        self.graphs = cache.graphs if getattr(cache, "is_static", False) else None
-        self.seen = 0 if self.graphs is None else len(self.graphs.capture_log)
-
-    def new(self, forward_index: int) -> list[tuple[int, int, float]]:
-        """``(forward_index, rows, seconds)`` of the captures made since the last look."""
-        if self.graphs is None:
-            return []
-        log = self.graphs.capture_log
-        made, self.seen = log[self.seen:], len(log)
-        return [(forward_index, key.rows, seconds) for key, seconds in made]
-
-
-def step_graphs(adapter, cache):
-    """The static cache's `StepGraphs` (the captured steps of its slot storage), made on first use."""
-    if cache.graphs is None:
-        from .fast.graphs import StepGraphs
-
-        cache.graphs = StepGraphs(adapter, use_graphs=adapter.step_graph_blocker() is None)
-    return cache.graphs
-
-
-def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
-             pad_to: int | None = None, prepared=None):
-    """One forward over ``batch`` with the visibility of its keys; logits of its last row or None.
-
-    ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
-    the shape its CUDA graph was captured at. ``prepared``: this forward from `prepare_rows`.
-    """
-    if prepared is not None:
-        return cache.graphs.launch(cache, prepared)
-    kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
-    if getattr(cache, "is_static", False):
-        return step_graphs(adapter, cache).run(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
-    visible = cache.add_rows(keys, sources, kinds)
-    single_newest = batch.embeds.shape[0] == 1 and bool(visible.all())
-    return adapter.forward(cache, batch, None if single_newest else visible, want_logits, kinds=kinds)
-
-
-def prepare_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
-                 pad_to: int | None = None):
-    """`run_rows`'s forward made ready ahead (fast path, shape already captured), or None: give it to
-    `run_rows` as ``prepared``. The cache's bookkeeping is untouched until then."""
-    if not getattr(cache, "is_static", False) or cache.graphs is None:
-        return None
-    kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(keys.shape[0])
-    return cache.graphs.prepare(adapter, cache, batch, keys, sources, kinds, want_logits, pad_to=pad_to)
-
-
-@dataclass
-class _DecodeForward:
-    """Decode forward i: its ``[chunk?, token]`` row batches (one forward, or two in ``serial`` mode)."""
-
-    forwards: list[tuple]  # run_rows arguments after (adapter, cache)
-    n_chunk: int
-    chunk_size: int  # the chunk's padded size (0: no chunk)
-    position: int  # the token's M-RoPE position
-    restored: torch.Tensor  # sources of the chunk's deferred rows
-    prepared: object = None  # the first forward, prepared (fast path)
-
-    @classmethod
-    def build(cls, adapter, cache, plan, config, scheduler: ChunkScheduler, next_tokens, forward_index: int,
-              first_generated_position: int, sequence_length: int) -> "_DecodeForward":
+    def decode_step(self, adapter, cache, plan, next_tokens, forward_index: int, first_generated_position: int,
+                    sequence_length: int) -> "_DecodeForward":
+        """Decode forward ``forward_index``'s rows: generated token i (``next_tokens``, source
+        ``sequence_length - 1``) and the chunk of pending rows `chunk_size` lets ride along, fused into one forward
+        ``[chunk, token]`` or (``serial``) in a forward of its own just before. The chunk is only peeked at: it
+        leaves the pending rows when the step runs (`_DecodeForward.run`)."""
         token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
         position = first_generated_position + forward_index - 1
         token_source = torch.tensor([sequence_length - 1])
         batch = adapter.text_row(next_tokens, position)
-        token = (batch, token_key, token_source, GENERATED, True, None)
-        size = scheduler.chunk_size(adapter, cache, forward_index)
+        token = ForwardRows(batch, token_key, token_source, GENERATED, True)
+        size = self.chunk_size(adapter, cache, forward_index)
         chunk = cache.peek_pending(min(size, cache.num_pending)) if size else None
         if chunk is None:
-            return cls([token], 0, 0, position, torch.empty(0, dtype=torch.long),
-                       prepare_rows(adapter, cache, *token))
+            return _DecodeForward([token], 0, 0, position, torch.empty(0, dtype=torch.long))
         chunk_kinds = torch.full((len(chunk),), DEFERRED, dtype=torch.int8)
-        if config.mode == "serial":
-            forwards = [(adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds, False, size), token]
+        if self.config.mode == "serial":
+            forwards = [ForwardRows(adapter.pending_batch(chunk), chunk.keys, chunk.sources, chunk_kinds, False, size),
+                        token]
         else:  # fused: one forward over [chunk, decode token]
-            forwards = [(RowBatch.concat([adapter.pending_batch(chunk), batch]),
-                         torch.cat([chunk.keys, to_device(token_key, chunk.keys.device)]),
-                         torch.cat([chunk.sources.cpu(), token_source]),
-                         torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
-                         True, size)]
-        return cls(forwards, len(chunk), size, position, chunk.sources.cpu(),
-                   prepare_rows(adapter, cache, *forwards[0]))
+            forwards = [ForwardRows(RowBatch.concat([adapter.pending_batch(chunk), batch]),
+                                    torch.cat([chunk.keys, to_device(token_key, chunk.keys.device)]),
+                                    torch.cat([chunk.sources.cpu(), token_source]),
+                                    torch.cat([chunk_kinds, torch.tensor([GENERATED], dtype=torch.int8)]),
+                                    True, size)]
+        return _DecodeForward(forwards, len(chunk), size, position, chunk.sources.cpu())
 
-    def run(self, adapter, cache):
-        """Take the chunk from the pending rows and run the forward(s); the token's logits."""
+
+# ---- the engine's steps (shared by generate, idle-time restoration and Conversation) ----------
+
+def run_rows(adapter, cache: DeferredDynamicCache, batch: RowBatch, keys, sources, kinds, want_logits: bool,
+             pad_to: int | None = None):
+    """One forward over ``batch`` with the visibility of its keys, by the cache's runner (`runner.runner_for`);
+    logits of its last row or None.
+
+    ``pad_to`` (fast path only) pads the forward's deferred rows to a fixed count, so the step has
+    the shape its CUDA graph was captured at.
+    """
+    return runner_for(adapter, cache).run(ForwardRows(batch, keys, sources, kinds, want_logits, pad_to))
+
+
+@dataclass
+class _DecodeForward:
+    """Decode forward i, as the scheduler decided it (`ChunkScheduler.decode_step`): its ``[chunk?, token]`` rows
+    (one forward, or two in ``serial`` mode)."""
+
+    forwards: list[ForwardRows]
+    n_chunk: int
+    chunk_size: int  # the chunk's padded size (0: no chunk)
+    position: int  # the token's M-RoPE position
+    restored: torch.Tensor  # sources of the chunk's deferred rows
+    prepared: object = None  # the first forward, made ready ahead by the runner (`Runner.prepare`)
+
+    def run(self, runner: Runner, cache):
+        """Take the chunk from ``cache``'s pending rows and run the forward(s) on ``runner``; the token's logits."""
         if self.n_chunk:
-            cache.take_pending(self.n_chunk)  # the rows `build` peeked at
+            cache.take_pending(self.n_chunk)  # the rows `decode_step` peeked at
         logits = None
         for i, forward in enumerate(self.forwards):
-            logits = run_rows(adapter, cache, *forward, prepared=self.prepared if i == 0 else None)
+            logits = runner.run(forward, self.prepared if i == 0 else None)
         return logits
 
 
@@ -392,43 +374,13 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     adapter = get_adapter(model)
     if cache.num_pending == 0:
         return torch.empty(0, dtype=torch.long)
-    if getattr(cache, "is_static", False) and max_tokens is not None:
-        from .fast.graphs import scratch_slots
-
-        cache.ensure_capacity(cache.num_rows, scratch_slots(max_tokens))  # a chunk is padded up to max_tokens
+    runner = runner_for(adapter, cache)
+    if max_tokens is not None:
+        runner.reserve(0, max_tokens)  # a chunk is padded up to max_tokens
     rows = cache.take_pending(max_tokens)
     with torch.no_grad():
-        run_rows(adapter, cache, adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, want_logits=False,
-                 pad_to=max_tokens)
+        runner.run(ForwardRows(adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, False, max_tokens))
     return rows.sources.cpu()
-
-
-def _prepare_cache(model, adapter, model_kwargs, config, rows_needed: int) -> DeferredDynamicCache:
-    """The cache to continue, or a new one (`StaticDeferredCache` on the fast path) sized for the turn."""
-    cache = model_kwargs.get("cache")
-    if isinstance(cache, DeferredDynamicCache):
-        if getattr(cache, "is_static", False):
-            from .fast.graphs import scratch_slots
-
-            # room for this turn, and padding for its chunk size (which may have grown since the cache was made)
-            cache.ensure_capacity(cache.num_rows + rows_needed, scratch_slots(config.max_chunk_size))
-        return cache
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError(
-            f"generate(raincheck=...) got a non-empty {type(cache).__name__}; Raincheck continues only its own "
-            "DeferredDynamicCache (the `cache` returned by an earlier raincheck generate)."
-        )
-    if adapter.execution_path(config) == "fast":
-        from .fast.graphs import scratch_slots
-        from .fast.static_cache import StaticDeferredCache, round_capacity
-
-        # pooled per text model: a later conversation of the same size reuses the slots and their captured graphs
-        return StaticDeferredCache(adapter.text_model.config.num_hidden_layers, round_capacity(rows_needed),
-                                   scratch_slots(config.max_chunk_size), adapter.device, pool_key=adapter.text_model,
-                                   recurrent=adapter.static_recurrent_layout())
-    # adapter.device, not model.device: the latter is a parameter's device, `meta` under accelerate offload
-    # (order keys must live where the masks are built).
-    return DeferredDynamicCache(config=model.config.get_text_config(), device=adapter.device)
 
 
 def sampling_setup(input_ids, stopping_criteria, generation_config):
@@ -501,20 +453,15 @@ def raincheck_sample(
     start = given.source_length if isinstance(given, DeferredDynamicCache) else 0
     pending_before = given.num_pending if isinstance(given, DeferredDynamicCache) else 0
     rows_needed = input_ids.shape[1] - start + pending_before + generation_config.max_length - input_ids.shape[1]
-    cache = _prepare_cache(model, adapter, model_kwargs, config, rows_needed)
-    if getattr(cache, "is_static", False):
-        from .fast.compiled import resolve_compile_steps
-
-        # its steps (and idle-time chunks after the call) run so; None: compiled when they are captured
-        cache.compile_steps = resolve_compile_steps(config.compile_steps, step_graphs(adapter, cache).use_graphs)
-        cache.time_steps = config.auto_chunk
+    # the engine of this call, chosen once: the runner over the cache to continue, or over a new one sized for the
+    # turn (`runner.open_runner`); from here on the loop talks to it through the `Runner` protocol only
+    runner = open_runner(model, adapter, given, config, rows_needed)
+    cache = runner.cache
 
     # 1. the new tokens of this turn
     new_ids = input_ids[0, start:]
     vision_graphs = None
     if raincheck_pixels is not None:
-        from .fast.vision_graphs import vision_graphs_for
-
         model_kwargs = {**model_kwargs, **raincheck_pixels}
         vision_graphs = vision_graphs_for(adapter)
     turn = adapter.encode_turn(
@@ -543,7 +490,7 @@ def raincheck_sample(
     )
 
     # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
-    watch = _CaptureWatch(cache)
+    watch = runner.capture_watch()
     earlier = cache.take_pending()
     parts, keys, sources, kinds = [], [], [], []
     if earlier is not None:
@@ -562,33 +509,32 @@ def raincheck_sample(
         else:  # hard: gone for good
             cache.drop(plan.sources(plan.deferred_rows))
             trace.dropped = plan.sources(plan.deferred_rows)
-    logits = run_rows(adapter, cache, RowBatch.concat(parts), torch.cat(keys), torch.cat(sources),
-                      torch.cat(kinds), want_logits=True)
+    logits = runner.run(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.cat(sources), torch.cat(kinds),
+                                    want_logits=True))
     cache.extend_source(new_ids, turn.next_position)
     trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
     trace.chunk_size_per_forward.append(0)
     trace.captures.extend(watch.new(0))
 
     # 4-5. decode, HF's way
-    out = _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
+    out = _decode_loop(model, adapter, runner, plan, config, trace, logits, input_ids, logits_processor,
                        stopping_criteria, generation_config, streamer, turn.next_position, watch)
     trace.pending = cache.pending_sources
     return out
 
 
 def _pending_rows(adapter, turn, plan: DeferredPlan):
-    from .cache_utils import PendingRows
-
     batch = adapter.rows(turn, plan.deferred_rows)
     return PendingRows(batch.embeds, batch.positions, to_device(plan.deferred_keys, adapter.device),
                        plan.sources(plan.deferred_rows), batch.deepstack)
 
 
-def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,
+def _decode_loop(model, adapter, runner: Runner, plan, config, trace, logits, input_ids, logits_processor,
                  stopping_criteria, generation_config, streamer, first_generated_position, watch):
     scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    scheduler = ChunkScheduler(config)
+    cache = runner.cache
+    scheduler = ChunkScheduler(config, runner)
     generated = 0
     while True:
         next_tokens, scores, raw_logits = choose_next_tokens(
@@ -596,10 +542,12 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
             finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         generated += 1
-        # forward i = generated consumes y_i: built (and on the fast path its graph's buffers filled) before the
-        # stopping check, so that this host work overlaps the device's; nothing in the cache changes until `run`
-        step = _DecodeForward.build(adapter, cache, plan, config, scheduler, next_tokens, generated,
-                                    first_generated_position, input_ids.shape[1])
+        # forward i = generated consumes y_i: its rows decided by the scheduler and made ready by the runner (on
+        # the fast path its graph's buffers filled) before the stopping check, so that this host work overlaps the
+        # device's; nothing in the cache changes until `run`
+        step = scheduler.decode_step(adapter, cache, plan, next_tokens, generated, first_generated_position,
+                                     input_ids.shape[1])
+        step.prepared = runner.prepare(step.forwards[0])
         # Everything so far was only launched and queues behind the last forward; the stopping check is
         # launched too, then one wait for all of it. The token's host copy is taken after that wait (behind
         # the next forward, `.cpu()` would wait for that forward as well).
@@ -610,7 +558,7 @@ def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, 
             streamer.put(token_host)
         if finished:
             break
-        logits = step.run(adapter, cache)
+        logits = step.run(runner, cache)
         cache.extend_source(token_host, step.position + 1)
         trace.restored_per_forward.append(step.restored)
         trace.chunk_size_per_forward.append(step.chunk_size)

@@ -7,7 +7,7 @@ For each mode, after two warm-up calls (the vision tower captures a grid on its 
 - ``stages``: one `generate` call with a device sync around each stage (so the stages add up to
   the first token; the syncs cost a little on their own): HF's preparation before the loop, the
   vision tower, the rest of `encode_turn`, selection, the prefill forward, and every decode forward
-  (``decode_forward`` = host + device of the step's `run_rows`).
+  (``decode_forward`` = host + device of the step's `Runner.run`).
 - ``replay``: on the fast path, each captured graph replayed alone ``--replays`` times back to back
   with one sync at the end: the device time of one step without any host work in between. The gap
   between a step's TPOT and its replay time is host work between replays.
@@ -37,8 +37,10 @@ from .latency import TokenClock, _sync
 def stage_timers(model, device, record: dict):
     """Wrap the engine's stages (this model's adapter class and the loop's helpers) with synced timers."""
     from .. import generation
+    from ..fast.runner import StaticRunner
     from ..fast.vision_graphs import VisionGraphs
     from ..models import get_adapter
+    from ..runner import EagerRunner
 
     adapter_cls = type(get_adapter(model))
     inner = model.model
@@ -65,7 +67,8 @@ def stage_timers(model, device, record: dict):
     wrap(VisionGraphs, "encode", "vision_tower")  # the fast path's tower (replayed per grid)
     wrap(inner, "get_rope_index", "rope_index", by_instance=True)
     wrap(generation, "select_visual_rows", "selection")
-    wrap(generation, "run_rows", "forward")
+    wrap(EagerRunner, "run", "forward")  # one forward of the loop's, on either engine (`runner.Runner.run`)
+    wrap(StaticRunner, "run", "forward")
     entered = {}
     original_sample = generation.raincheck_sample
 

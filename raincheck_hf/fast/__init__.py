@@ -17,6 +17,9 @@
   attends over the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over
   the whole storage); DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
+- `StaticRunner` (`runner`): the fast path's side of the engine interface (`raincheck_hf.runner.Runner`): it runs
+  the rows the scheduler decided with these captured steps and answers the scheduler from them (step costs,
+  captures, room); `raincheck_hf.runner.open_runner` picks it where the static cache is made.
 - `timing`: the captured steps' device times (CUDA events, read without waiting) and the wall time of
   their captures, the costs `chunk_size="auto"` schedules with (`generation.auto_chunk_size`).
 - `compiled`: ``compile_steps`` (by default on wherever the steps are captured, i.e. on CUDA) runs the

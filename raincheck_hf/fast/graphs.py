@@ -425,7 +425,7 @@ class StepGraphs:
         """
         if not self.use_graphs:
             return None
-        # the forward's deferred rows are still pending (`_DecodeForward.run` takes them before launching)
+        # the forward's deferred rows are still pending (`generation._DecodeForward.run` takes them before launching)
         n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
                                                         taken=False)
         captured = self._captured.get(key)
