@@ -29,10 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from .cache_utils import GENERATED, INPUT
-from .gated_delta import (
+from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
-    SuffixStateMap,
     advance_state,
     causal_conv_with_history,
     gdn_factors,
@@ -42,6 +41,7 @@ from .gated_delta import (
     join_state,
     update_suffix_map,
 )
+from .gdn.suffix_map import SuffixStateMap
 
 __all__ = ["PackedGDNState", "PackedGDNStates", "PackedRowLayout"]
 

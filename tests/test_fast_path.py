@@ -46,7 +46,7 @@ def _assert_same(slow, fast):
 
 def _assert_same_state(slow_cache, fast_cache):
     """Every layer's stored state: attention KV rows, or a GDN layer's live recurrent state and conv window."""
-    from raincheck_hf.gated_delta import hf_conv_state_to_history
+    from raincheck_hf.gdn.algebra import hf_conv_state_to_history
 
     n = slow_cache.num_rows
     for i, (ls, lf) in enumerate(zip(slow_cache.layers, fast_cache.layers)):

@@ -18,7 +18,8 @@ import torch
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig, restore_pending
-from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT, DeferredLinearAttentionLayer
+from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT
+from raincheck_hf.gdn.eager import DeferredLinearAttentionLayer
 from raincheck_hf.models import get_adapter
 from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter, RowSplit
 

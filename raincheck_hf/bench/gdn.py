@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from ..fast import gdn_kernels as gk
-from ..gated_delta import l2norm
+from ..gdn import kernels as gk
+from ..gdn.algebra import l2norm
 from .gdn_state_map import _graphed
 from .latency import _write
 
@@ -125,7 +125,7 @@ class _Layer:
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=False, out=self.y),
             }[op]
         if impl == "reference":
-            from ..gated_delta import join_state, update_suffix_map
+            from ..gdn.algebra import join_state, update_suffix_map
 
             out = self.out
             return {

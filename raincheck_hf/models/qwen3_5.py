@@ -70,8 +70,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
-from ..gated_delta import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gated_delta
+from ..cache_utils import DEFERRED, GENERATED, INPUT
+from ..gdn.algebra import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gated_delta
+from ..gdn.eager import EagerGDNState, deferred_linear_layer
+from ..gdn.static import RecurrentLayout
 from ..masking import visibility_to_attention_mask
 from ..patching import CountedPatches, ThreadScoped
 from .base import ModelAdapter, RowBatch, module_function
@@ -197,7 +199,7 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
         raise RuntimeError("a Gated DeltaNet layer ran on another cache than the Raincheck forward's own.")
     kwargs.pop("attention_mask", None)  # no padding in Raincheck batches; the mask mapping gives None anyway
     split = ctx.split
-    boundary = GDNBoundary(cache, module.layer_idx, _layer_params(module))
+    state = EagerGDNState(cache, module.layer_idx, _layer_params(module))
     n_d = split.n_deferred
     projections = [getattr(module, name) for name in _IN_PROJECTIONS]
     shared = None
@@ -207,24 +209,23 @@ def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **k
     outs = []
     try:
         if n_d:
-            view = boundary.view()
             if shared is not None:
                 ctx.serving.update({id(p): out[:, :n_d] for p, out in zip(projections, shared)})
-            outs.append(original(hidden_states[:, :n_d], cache=view, **kwargs))
-            boundary.join(view)
+            outs.append(state.run_chunk(lambda view: original(hidden_states[:, :n_d], cache=view, **kwargs)))
+            state.join()
         if split.n_rest:
             ctx.recorded.clear()
             if shared is not None:
                 ctx.serving.update({id(p): out[:, n_d:] for p, out in zip(projections, shared)})
-            outs.append(original(hidden_states[:, n_d:], cache=cache, **kwargs))
+            outs.append(state.run_rest(lambda live: original(hidden_states[:, n_d:], cache=live, **kwargs)))
             if split.rest_kind == GENERATED:
                 # The suffix map is only needed while deferred rows wait to be joined at this boundary;
                 # with none pending (full, hard, or all restored) no join can follow before the next
                 # turn's input resets the boundary, so skip the per-token M update.
                 if cache.num_pending:
-                    boundary.append(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
+                    state.record(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
             else:  # a turn's input: its own deferred rows go after it
-                boundary.reset()
+                state.reset_boundary()
     finally:
         ctx.serving.clear()
         ctx.recorded.clear()
@@ -509,8 +510,6 @@ class GatedDeltaNetMixin:
 
     # ---- the fast path ------------------------------------------------------------------------
     def static_recurrent_layout(self):
-        from ..fast.static_cache import RecurrentLayout
-
         if not self._gdn_modules:
             return None
         m = self._gdn_modules[0]
@@ -550,8 +549,6 @@ class GatedDeltaNetMixin:
             states, list(layouts), frozenset(id(m) for m in self._gdn_modules)))
 
     def export_packed_state(self, states, index: int, cache) -> None:
-        from ..cache_utils import deferred_linear_layer
-
         for module in self._gdn_modules:
             layer = deferred_linear_layer(cache, module.layer_idx)
             states.layers[module.layer_idx].export(index, layer, _layer_params(module))
