@@ -927,7 +927,7 @@ def test_compiled_steps_of_other_families_match_the_eager_engine(family):
 def test_gdn_restore_everything_at_once(family):
     """`restore_pending` without a chunk size: one unpadded chunk step of every pending row (more than
     `RECURRENT_CHUNK_MAX`: the chunked GDN rule, not captured) joins as the eager engine's does."""
-    from raincheck_hf.models.qwen3_5 import RECURRENT_CHUNK_MAX
+    from raincheck_hf.gdn.dispatch import RECURRENT_CHUNK_MAX
 
     _, model, processor = family
     inputs = make_inputs(processor, images=(draw_test_image(256, 256, seed=4), draw_test_image(256, 192, seed=5)))

@@ -106,7 +106,7 @@ class StaticGDNState:
                                      rows_in=n_real)
         q, k, v = _split_heads(y, params)
         if chunk_rule is None:
-            # the token-by-token kernel: `gdn_kernels.chunked_step_` computes the same in the chunked form, but a
+            # the token-by-token kernel: `gdn.kernels.chunked_step_` computes the same in the chunked form, but a
             # fused Qwen3.5-9B step with it in this place measured no faster (9.81 against 9.58 ms on an H200)
             return gdn_kernels.recurrent_step_(self.boundary_state, q, k, v, g, beta, valid=n_real, out=out)
         g, beta = gdn_kernels.gate_off(g, beta, (torch.arange(qkv.shape[1], device=qkv.device) < n_real)[None, :, None])
