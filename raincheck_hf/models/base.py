@@ -331,7 +331,7 @@ class ModelAdapter:
 
     # ---- the text model on the fast path's static cache (`fast.graphs`) -------------------------
     def static_recurrent_layout(self):
-        """The recurrent layers the static cache reserves buffers for (`fast.static_cache.RecurrentLayout`),
+        """The recurrent layers the static cache reserves buffers for (`gdn.static.RecurrentLayout`),
         or None when every text layer is attention."""
         return None
 
