@@ -1,4 +1,4 @@
-"""Whether Triton can be used here: the one question the project's Triton kernels (`fast.gdn_kernels`,
+"""Whether Triton can be used here: the one question the project's Triton kernels (`gdn.kernels`,
 `selection.kernels`) ask before their first launch. Importing this module imports no Triton."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ suffix map), and its suffix length is a host integer of its own. A packed forwar
    after them gated off and kept out of the conv history; then, per sequence, the boundary moves after input
    rows, or a generated row is recorded (a leading token, or ``M_R <- A_t M_R``) while deferred rows wait.
 
-Everything is the same algebra as the batch-1 engine (`gated_delta`, transformers' own chunked / recurrent
+Everything is the same algebra as the batch-1 engine (`gdn.algebra`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
 its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
@@ -33,10 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from .cache_utils import GENERATED, INPUT
-from .gated_delta import (
+from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
-    SuffixStateMap,
     advance_state,
     causal_conv_with_history,
     gdn_factors,
@@ -47,6 +46,7 @@ from .gated_delta import (
     join_state,
     update_suffix_map,
 )
+from .gdn.suffix_map import SuffixStateMap
 
 __all__ = ["PackedGDNState", "PackedGDNStates", "PackedRowLayout"]
 

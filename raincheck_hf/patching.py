@@ -3,13 +3,15 @@
 The engine changes how a few modules of a shared model behave while one of its calls runs (Qwen3.5's
 split Gated DeltaNet forward, the fast path's few-query attention and DeepStack adds); several calls
 may run at once, in several threads, so a patch is reference-counted per module instance and the
-patched code itself decides, per thread, whether to act (context variables).
+patched code itself decides, per thread, whether to act (context variables): `patched_for_thread` does both
+for a ``with`` block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import threading
 from typing import Callable
 
@@ -68,3 +70,30 @@ class ThreadScoped:
             yield value
         finally:
             self._var.reset(token)
+
+
+@contextlib.contextmanager
+def patched_for_thread(patches: CountedPatches, modules, apply: Callable[[object], Callable[[], None]],
+                       scoped: ThreadScoped, value):
+    """For the ``with`` block: ``apply`` on each of ``modules`` (counted in ``patches``: the first user applies, the
+    last undoes) and ``value`` as the calling thread's ``scoped`` value, which the patched code reads to decide
+    whether to act. Undone on exit, on error too, also when applying fails part way."""
+    installed = []
+    try:
+        for module in modules:
+            patches.acquire(module, apply)
+            installed.append(module)
+        with scoped.using(value):
+            yield value
+    finally:
+        for module in reversed(installed):
+            patches.release(module)
+
+
+def module_function(module, name: str):
+    """The function ``name`` of the modeling file that defines ``module``'s class (its own rotary, kernels): what
+    a patched forward calls to run the module's own code."""
+    fn = getattr(sys.modules.get(type(module).__module__), name, None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__}'s modeling module has no {name}")
+    return fn

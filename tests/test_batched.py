@@ -76,7 +76,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str):
 def assert_gdn_layer_equal(got, want, what: str, pending: bool):
     """A Gated DeltaNet cache layer: the live state and conv window (HF's last ``Kc - 1`` columns: column 0 is
     never read), and, while deferred rows wait to be joined, the boundary record a join reads."""
-    from raincheck_hf.cache_utils import DeferredLinearAttentionLayer
+    from raincheck_hf.gdn.eager import DeferredLinearAttentionLayer
 
     assert isinstance(got, DeferredLinearAttentionLayer) and isinstance(want, DeferredLinearAttentionLayer), what
     width = got.suffix_map.params.kernel_size - 1
@@ -400,7 +400,7 @@ def test_packed_gdn_state_rows_are_independent():
 
     from raincheck_hf.batched_gdn import PackedGDNState, PackedRowLayout as L
     from raincheck_hf.cache_utils import DEFERRED as D, GENERATED as G, INPUT as I
-    from raincheck_hf.gated_delta import GDNLayerParams
+    from raincheck_hf.gdn.algebra import GDNLayerParams
 
     gen = torch.Generator().manual_seed(42)
     hk, hv, dk, dv = 1, 2, 8, 6

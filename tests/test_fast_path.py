@@ -46,7 +46,7 @@ def _assert_same(slow, fast):
 
 def _assert_same_state(slow_cache, fast_cache):
     """Every layer's stored state: attention KV rows, or a GDN layer's live recurrent state and conv window."""
-    from raincheck_hf.gated_delta import hf_conv_state_to_history
+    from raincheck_hf.gdn.algebra import hf_conv_state_to_history
 
     n = slow_cache.num_rows
     for i, (ls, lf) in enumerate(zip(slow_cache.layers, fast_cache.layers)):
@@ -927,7 +927,7 @@ def test_compiled_steps_of_other_families_match_the_eager_engine(family):
 def test_gdn_restore_everything_at_once(family):
     """`restore_pending` without a chunk size: one unpadded chunk step of every pending row (more than
     `RECURRENT_CHUNK_MAX`: the chunked GDN rule, not captured) joins as the eager engine's does."""
-    from raincheck_hf.models.qwen3_5 import RECURRENT_CHUNK_MAX
+    from raincheck_hf.gdn.dispatch import RECURRENT_CHUNK_MAX
 
     _, model, processor = family
     inputs = make_inputs(processor, images=(draw_test_image(256, 256, seed=4), draw_test_image(256, 192, seed=5)))

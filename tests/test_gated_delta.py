@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raincheck_hf.gated_delta import (
+from raincheck_hf.gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
-    SuffixStateMap,
     advance_state,
     causal_conv_with_history,
     gdn_factors,
@@ -32,6 +31,7 @@ from raincheck_hf.gated_delta import (
     suffix_factors,
     update_suffix_map,
 )
+from raincheck_hf.gdn.suffix_map import SuffixStateMap
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

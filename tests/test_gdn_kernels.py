@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from raincheck_hf.fast import gdn_kernels as gk
-from raincheck_hf.gated_delta import (
+from raincheck_hf.gdn import kernels as gk
+from raincheck_hf.gdn.algebra import (
     causal_conv_with_history,
     join_state,
     l2norm,
@@ -45,8 +45,8 @@ CONV_SIZES = [(1, 1, 40, 4, False, "float32"), (2, 2, 50, 4, True, "float32"), (
 
 SCRIPT = r"""
 import json, sys, torch
-from raincheck_hf.fast import gdn_kernels as gk
-from raincheck_hf.gated_delta import l2norm
+from raincheck_hf.gdn import kernels as gk
+from raincheck_hf.gdn.algebra import l2norm
 
 def err(a, b):
     return (a.double() - b.double()).abs().max().item()
@@ -338,7 +338,7 @@ AOT_SCRIPT = r"""
 import json, os, re, subprocess, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from raincheck_hf.fast import _triton_gdn as K, gdn_kernels as gk
+from raincheck_hf.gdn import _triton as K, kernels as gk
 
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = {}

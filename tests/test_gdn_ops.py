@@ -10,10 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raincheck_hf.fast import gdn_kernels as gdn_ops
-from raincheck_hf.fast.static_cache import RecurrentLayout, StaticGDNState
-from raincheck_hf.gated_delta import (
-    SuffixStateMap,
+from raincheck_hf.gdn import kernels as gdn_ops
+from raincheck_hf.gdn.algebra import (
     advance_state,
     causal_conv_with_history,
     gdn_factors,
@@ -23,6 +21,8 @@ from raincheck_hf.gated_delta import (
     roll_conv_history,
     suffix_factors,
 )
+from raincheck_hf.gdn.static import RecurrentLayout, StaticGDNState
+from raincheck_hf.gdn.suffix_map import SuffixStateMap
 
 from test_gated_delta import KERNEL, SHAPES, random_params, random_preconv, random_qkv, random_state, rel_err
 

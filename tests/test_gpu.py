@@ -677,8 +677,8 @@ def _close(got, want, rel):
 
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 1)])
 def test_cuda_gdn_kernels_match_references(B, T):
-    from raincheck_hf.fast import gdn_kernels as gk
-    from raincheck_hf.gated_delta import l2norm
+    from raincheck_hf.gdn import kernels as gk
+    from raincheck_hf.gdn.algebra import l2norm
 
     HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
     M = torch.eye(K, device="cuda").expand(B, HV, K, K) + 0.1 * _gdn_rand(B, HV, K, K)
@@ -712,8 +712,8 @@ def test_cuda_gdn_kernels_match_references(B, T):
 
 def test_cuda_gdn_kernels_replay_in_a_graph():
     """The four kernels captured in one CUDA graph on static buffers replay exactly what eager launches do."""
-    from raincheck_hf.fast import gdn_kernels as gk
-    from raincheck_hf.gated_delta import l2norm
+    from raincheck_hf.gdn import kernels as gk
+    from raincheck_hf.gdn.algebra import l2norm
 
     HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))
     M0 = torch.eye(K, device="cuda").expand(1, HV, K, K).contiguous()
@@ -756,7 +756,7 @@ def test_cuda_gdn_kernels_replay_in_a_graph():
 def _record_kernel_choices(monkeypatch) -> list:
     """A list that receives ``(op, launched a kernel?)`` for every `gdn_kernels` call on CUDA tensors from now on
     (the same calls on CPU, which run the references, are not listed)."""
-    from raincheck_hf.fast import gdn_kernels as gk
+    from raincheck_hf.gdn import kernels as gk
 
     launched, choose = [], gk._use_kernel
 
@@ -772,7 +772,8 @@ def _record_kernel_choices(monkeypatch) -> list:
 
 def test_cuda_suffix_state_map_uses_kernels_and_matches_cpu(monkeypatch):
     """`SuffixStateMap` on CUDA (M_R update and join through the kernels) against the same calls on CPU."""
-    from raincheck_hf.gated_delta import GDNLayerParams, SuffixStateMap
+    from raincheck_hf.gdn.algebra import GDNLayerParams
+    from raincheck_hf.gdn.suffix_map import SuffixStateMap
 
     launched = _record_kernel_choices(monkeypatch)
 
@@ -801,8 +802,8 @@ def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatc
     """`fast.gdn_kernels` as the fast path's static GDN state calls them (no ``reference`` argument): on CUDA
     through the kernels, agreeing with the same calls on CPU (the references), at the Qwen3.5-9B sizes, one
     token and a 32-token chunk."""
-    from raincheck_hf.fast import gdn_kernels as gdn_ops
-    from raincheck_hf.gated_delta import l2norm
+    from raincheck_hf.gdn import kernels as gdn_ops
+    from raincheck_hf.gdn.algebra import l2norm
 
     launched = _record_kernel_choices(monkeypatch)
     HK, HV, K, V, C, Kc = (GDN_9B[n] for n in ("HK", "HV", "K", "V", "C", "Kc"))

@@ -18,9 +18,11 @@ import torch
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig, restore_pending
-from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT, DeferredLinearAttentionLayer
+from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT
+from raincheck_hf.gdn.dispatch import RowSplit
+from raincheck_hf.gdn.eager import DeferredLinearAttentionLayer
 from raincheck_hf.models import get_adapter
-from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter, RowSplit
+from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
 from reference import TurnRecord
@@ -360,7 +362,7 @@ def test_stock_forward_in_another_thread_is_untouched(qwen35):
     import threading
 
     from raincheck_hf.cache_utils import DeferredDynamicCache
-    from raincheck_hf.models.qwen3_5 import _DeferredGDNStreams
+    from raincheck_hf.gdn.dispatch import eager_forward as _DeferredGDNStreams
 
     ids = torch.arange(5, 25)[None]
 
@@ -385,7 +387,7 @@ def test_state_layout_guard(monkeypatch):
     """The kernels transformers will call must keep the [B, HV, K, V] state; a transposed one is refused."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    from raincheck_hf.models.qwen3_5 import _check_gdn_state_layout
+    from raincheck_hf.gdn.dispatch import check_state_layout as _check_gdn_state_layout
 
     _check_gdn_state_layout.__wrapped__("cpu")  # the torch fallbacks pass
     real = hf.torch_chunk_gated_delta_rule

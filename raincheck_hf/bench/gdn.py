@@ -1,11 +1,11 @@
-"""Per-layer cost of the Gated DeltaNet kernels (`fast.gdn_kernels`) against their references.
+"""Per-layer cost of the Gated DeltaNet kernels (`gdn.kernels`) against their references.
 
 For one GDN layer and one decode token at the Qwen3.5-9B shape (16 key heads, 32 value heads,
 dk = dv = 128, 8,192 conv channels, conv width 4): the suffix-map update ``M <- A M``, the join
 ``S += M (S_new - S_old)``, the recurrent step (also over a 32-token chunk, as a deferred chunk runs
 from the boundary state: ``recurrent_step_chunk``; the same chunk in the chunked form, which the fast path
 runs: ``chunked_step``) and the short-conv update, each as the Triton
-kernel and as its PyTorch reference (the `gated_delta` functions; for the step, transformers' torch
+kernel and as its PyTorch reference (the `gdn.algebra` functions; for the step, transformers' torch
 rule). Where fla is installed, its fused recurrent kernel (``fla``) and, for the chunk, its chunked
 kernel (``fla_chunk``) too. Timed with CUDA events over many calls (median), both as eager calls
 (host launch cost included) and replayed inside a CUDA graph (``replays`` calls captured in one
@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from ..fast import gdn_kernels as gk
-from ..gated_delta import l2norm
+from ..gdn import kernels as gk
+from ..gdn.algebra import l2norm
 from .gdn_state_map import _graphed
 from .latency import _write
 
@@ -41,7 +41,7 @@ GDN_LAYERS = 24  # Qwen3.5-9B: 24 of its 32 layers are Gated DeltaNet
 CHUNK = 32  # tokens of the recurrent step's second row: a deferred chunk run from the boundary state
 OPS = ("suffix_map_update", "join", "recurrent_step", "recurrent_step_chunk", "chunked_step", "conv_update")
 
-# settings tried by --sweep: per op, (the tile constant of gdn_kernels, its values, the op's warps constant)
+# settings tried by --sweep: per op, (the tile constant of gdn.kernels, its values, the op's warps constant)
 SWEEP = {"suffix_map_update": ("SUFFIX_BLOCK_J", (8, 16, 32, 64), "SUFFIX_WARPS"),
          "join": ("JOIN_BLOCK", (32, 64), "JOIN_WARPS"),
          "recurrent_step": ("STEP_BLOCK_V", (16, 32, 64), "STEP_WARPS"),
@@ -125,7 +125,7 @@ class _Layer:
                 "conv_update": lambda: gk.conv_update_(self.history, self.x, self.weight, reference=False, out=self.y),
             }[op]
         if impl == "reference":
-            from ..gated_delta import join_state, update_suffix_map
+            from ..gdn.algebra import join_state, update_suffix_map
 
             out = self.out
             return {

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..gated_delta import identity_map, join_state, l2norm, update_suffix_map
+from ..gdn.algebra import identity_map, join_state, l2norm, update_suffix_map
 
 
 def _timer(device):

@@ -3,13 +3,13 @@
 - `StaticDeferredCache`: KV buffers preallocated for the whole conversation (every deferred row
   has its slot reserved, so restoring it allocates nothing) plus a scratch region for padding;
   visibility is computed on the device from a per-slot key buffer.
-- `SlotStorage`: the KV tensors, slot keys, Gated DeltaNet state buffers (`StaticGDNState`: live,
+- `SlotStorage`: the KV tensors, slot keys, Gated DeltaNet state buffers (`gdn.static.StaticGDNState`: live,
   boundary and leading-segment states, the suffix map, conv histories; Qwen3.5) and captured graphs;
   pooled per model, so a later conversation of the same size reuses them instead of capturing again
   (`release_storage` frees them).
-- `gdn_kernels`: the per-step GDN operations (recurrent step, suffix-map update, join, short convolution),
-  in place on those buffers: on CUDA Triton kernels (one launch per layer each), on CPU the references
-  of `gated_delta`.
+- the per-step GDN operations (recurrent step, suffix-map update, join, short convolution) run in place on
+  those buffers through `raincheck_hf.gdn.kernels`: on CUDA Triton kernels (one launch per layer each), on
+  CPU the references of `gdn.algebra`.
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked; GDN layers gate it off
   by a real-row count on the device), of the idle-time chunk-only step and of prefills padded to
@@ -38,15 +38,8 @@
 The eager engine stays the reference: tests compare the two step by step.
 """
 
-from .static_cache import (
-    RecurrentLayout,
-    SlotStorage,
-    StaticDeferredCache,
-    StaticDeferredLayer,
-    StaticGDNState,
-    release_storage,
-)
+from .static_cache import SlotStorage, StaticDeferredCache, StaticDeferredLayer, release_storage
 from .vision_graphs import VisionGraphs, release_vision_graphs, vision_graphs_for
 
-__all__ = ["RecurrentLayout", "SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "StaticGDNState",
-           "VisionGraphs", "release_storage", "release_vision_graphs", "vision_graphs_for"]
+__all__ = ["SlotStorage", "StaticDeferredCache", "StaticDeferredLayer", "VisionGraphs", "release_storage",
+           "release_vision_graphs", "vision_graphs_for"]

@@ -6,7 +6,7 @@ stock modules do not do: the few-query attention (`fast.attention`) in an ``sdpa
 layers, and DeepStack addends added to the first decoder layers' outputs as a plain, graph-safe add.
 Neither may go through state that other threads read: not the text config's ``_attn_implementation``
 (one object, read by every attention layer and by a stock ``generate`` elsewhere), not hooks that
-act for every caller. So, as Qwen3.5's Gated DeltaNet dispatch does (`models.qwen3_5`):
+act for every caller. So, as Qwen3.5's Gated DeltaNet dispatch does (`gdn.dispatch`):
 
 - per module *instance*, a dispatcher is installed while at least one step uses it (reference-counted,
   removed by the last user, on error too): each attention module reads its config through a view

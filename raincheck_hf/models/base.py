@@ -8,12 +8,12 @@ adapter: the rows of a turn (`TurnInputs`), the rows of one forward (`RowBatch`)
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from ..masking import check_attention_implementation, visibility_to_attention_mask
+from ..patching import module_function
 from ..selection import Segment
 
 
@@ -331,7 +331,7 @@ class ModelAdapter:
 
     # ---- the text model on the fast path's static cache (`fast.graphs`) -------------------------
     def static_recurrent_layout(self):
-        """The recurrent layers the static cache reserves buffers for (`fast.static_cache.RecurrentLayout`),
+        """The recurrent layers the static cache reserves buffers for (`gdn.static.RecurrentLayout`),
         or None when every text layer is attention."""
         return None
 
@@ -426,11 +426,3 @@ class ModelAdapter:
         rotary; ``rotary(q, k, cos, sin)`` (``[B, H, L, d]``) applies the layer's position embedding."""
         attn = self.text_model.layers[layer].self_attn
         return attn, attn.q_norm, attn.k_norm, module_function(attn, "apply_rotary_pos_emb")
-
-
-def module_function(module, name: str):
-    """The function ``name`` of the modeling file that defines ``module``'s class (its own rotary, kernels)."""
-    fn = getattr(sys.modules.get(type(module).__module__), name, None)
-    if fn is None:
-        raise ValueError(f"{type(module).__name__}'s modeling module has no {name}")
-    return fn

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..patching import module_function
 from ..selection import Segment
-from .base import TurnInputs, module_function
+from .base import TurnInputs
 
 
 class QwenVisionLanguageMixin:

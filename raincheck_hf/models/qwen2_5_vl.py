@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelAdapter, module_function
+from ..patching import module_function
+from .base import ModelAdapter
 from .mixins import QwenVisionLanguageMixin
 
 

@@ -10,471 +10,41 @@ vision tower API and rope index: `QwenVisionLanguageMixin`, `Qwen3VisionTowerMix
   additive, exactly as for Qwen3-VL; HF's gated attention passes it to the attention function
   untouched and only gates the output), the ``linear_attention`` layers get None (they have no
   padding to zero; their "visibility" is the recurrent state itself).
-- **Gated DeltaNet deferral** (docs/method.md §4, §5). Every forward's rows are ``[deferred chunk
-  (optional), rest]`` where the rest is a turn's input rows, one generated row, or nothing
-  (``kinds`` says which). For the duration of one engine forward, `_DeferredGDNStreams` swaps the
-  ``forward`` of each ``Qwen3_5GatedDeltaNet`` *instance* (and of its four input projections) for a
-  dispatcher (restored on exit, also on error; nothing is patched at import or on the class). The
-  dispatcher reads this thread's active engine forward from a context variable, so a stock forward
-  of the same model in another thread runs the original code. For the engine it is
-  `_split_gdn_forward`, which
-
-  1. runs the chunk through the stock module forward on a `BoundaryStateView` (from the boundary
-     state and conv history, so it never sees generated rows), giving S_b', h_b';
-  2. joins: ``S_live += M_R (S_L' - S_L)`` with the leading-segment conv repair
-     (`GDNBoundary.join`, i.e. `SuffixStateMap.join`), written back into HF's cache layer;
-  3. runs the rest through the stock module forward on the real cache (from the corrected live
-     state), recording the ``in_proj_qkv`` / ``in_proj_a`` / ``in_proj_b`` outputs of those rows
-     (pre-conv and gate inputs), then extends the suffix (generated row) or moves the boundary
-     after the input rows (prefill).
-
-  All GDN math (conv, delta rule, gated norm, projections) is transformers' own module code; the
-  only extra arithmetic is the join (one ``[dk, dk] @ [dk, dv]`` matmul per head plus at most
-  ``Kc - 1`` rank-1 updates) and ``M_R <- A_t M_R`` for the generated row.
-
-  Weights are read once per fused forward, as docs/method.md §5 wants, for the attention layers, the
-  MLPs, the LM head and the GDN input projections (``in_proj_*`` run once over ``[chunk, token]``
-  and the projection dispatchers hand each stream its rows). Only a GDN layer's ``out_proj`` and its
-  conv / delta-rule kernels run once per stream: they sit after the join, inside the module forward.
-
-**The fast path** (`GatedDeltaNetMixin`'s ``static_*`` methods; `fast.graphs` runs the steps). The GDN
-layers' states of docs/method.md §4 live in `fast.static_cache.StaticGDNState` buffers of the static
-cache, the gated attention layers in its KV slots. Inside a fast-path step the same dispatchers route
-each GDN layer to `_static_gdn_forward`, which runs the split forward above on those buffers for rows
-``[deferred rows, padding, rest]``: the chunk from the boundary (how many rows are real is a device
-scalar, so padding gets ``g = 0, beta = 0`` and stays out of the conv history), the join, the rest from
-the corrected live state, then ``M <- A_t M`` (or the leading segment's record for the first ``Kc - 1``
-suffix tokens) for a generated row while deferred rows are pending, or the boundary reset after input
-rows. What the host decides (is the row recorded, as a leading token or into M) is part of the step's
-captured-graph key (`StaticSplit`); the suffix length comes as a device scalar. Decode, fused and
-idle-time chunk steps (up to `RECURRENT_CHUNK_MAX` deferred rows, token by token through
-`fast.gdn_kernels`) are captured, and so are prefills of input rows only, padded in front to a bucket
-(``[padding, input rows]``: padding gets ``g = 0, beta = 0`` and the conv history is moved next to the first
-input row, `StaticGDNState.run_input`; the chunked rule runs all rows). A prefill with leftover deferred rows
-in front, and chunks longer than that, run eagerly (the chunked rule).
-
-Kernels: on CPU (and on CUDA without ``flash-linear-attention``) transformers runs its torch
-fallbacks, whose state layout ``[B, HV, K, V]`` is the one `raincheck_hf.gated_delta` uses. When
-``fla`` (or a hub kernel) is importable transformers uses it instead; `_check_gdn_state_layout`
-checks once per device type, numerically, that the state is still ``[B, HV, K, V]`` (a transposed
-state would pass every shape check when ``dk == dv``, as in real Qwen3.5) and refuses otherwise.
-The CPU tests exercise the torch fallbacks; the fla path runs in the GPU tests and benchmarks.
+- **Gated DeltaNet deferral** (docs/method.md §4, §5): every forward's rows are ``[deferred chunk
+  (optional), rest]``, and the GDN layers place the chunk at the insertion boundary and join it into
+  their live state. All of that is `raincheck_hf.gdn`: the algebra (`gdn.algebra`), the eager and
+  static states (`gdn.eager`, `gdn.static`), the kernels (`gdn.kernels`) and the layer dispatch
+  (`gdn.dispatch`), which this adapter enters once per engine forward (`forward`), fast-path step
+  (`static_step`) or packed forward (`packed_step`). What is Qwen3.5's own here: which layers are GDN
+  layers (``config.layer_types``), their module (``decoder_layer.linear_attn``), its head split and conv
+  width (`static_recurrent_layout`, `static_step_variant`) and the modeling file whose kernels
+  `gdn.dispatch.check_state_layout` checks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-from dataclasses import dataclass
-
 import torch
 
-from ..cache_utils import DEFERRED, GENERATED, INPUT, GDNBoundary
-from ..gated_delta import GDNLayerParams, gdn_gates, l2norm, naive_recurrent_gated_delta
+from ..batched_gdn import PackedGDNStates
+from ..cache_utils import GENERATED, INPUT
+from ..gdn import dispatch
+from ..gdn.dispatch import RECURRENT_CHUNK_MAX, RowSplit, StaticSplit, check_state_layout, layer_params
+from ..gdn.eager import deferred_linear_layer
+from ..gdn.static import RecurrentLayout
 from ..masking import visibility_to_attention_mask
-from ..patching import CountedPatches, ThreadScoped
-from .base import ModelAdapter, RowBatch, module_function
+from .base import ModelAdapter, RowBatch
 from .mixins import Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
-__all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter", "RowSplit"]
-
-_KIND_NAMES = {INPUT: "INPUT", DEFERRED: "DEFERRED", GENERATED: "GENERATED"}
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """How one forward's ``L`` rows split for the GDN layers: ``n_deferred`` leading deferred rows,
-    then ``n_rest`` rows of kind ``rest_kind`` (INPUT or GENERATED; None when there are none)."""
-
-    n_deferred: int
-    n_rest: int
-    rest_kind: int | None
-
-    @classmethod
-    def from_kinds(cls, kinds: torch.Tensor | None, length: int) -> "RowSplit":
-        if kinds is None:
-            raise ValueError(
-                "Qwen3.5's Gated DeltaNet layers need the row kinds of every forward (INPUT / DEFERRED / GENERATED) "
-                "to place deferred rows at the insertion boundary; pass kinds= (run_rows does)."
-            )
-        kinds = torch.as_tensor(kinds, dtype=torch.int8).expand(length).cpu()
-        is_deferred = kinds == DEFERRED
-        n_deferred = int(is_deferred.sum())
-        if n_deferred and not bool(is_deferred[:n_deferred].all()):
-            raise ValueError(f"deferred rows must come first in a forward; got kinds {kinds.tolist()}.")
-        rest = kinds[n_deferred:]
-        rest_kinds = set(rest.tolist())
-        if len(rest_kinds) > 1 or rest_kinds - {INPUT, GENERATED}:
-            names = sorted(_KIND_NAMES.get(k, str(k)) for k in rest_kinds)
-            raise ValueError(
-                f"after the deferred rows a forward holds either input rows or generated rows, not {names}."
-            )
-        if GENERATED in rest_kinds and rest.numel() != 1:
-            raise ValueError(f"a decode forward consumes exactly one generated row, got {rest.numel()}.")
-        return cls(n_deferred, int(rest.numel()), rest_kinds.pop() if rest_kinds else None)
-
-
-_IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
-_RECORDED = {"in_proj_qkv": "qkv", "in_proj_a": "a", "in_proj_b": "b"}  # what the suffix map keeps
-
-
-@dataclass
-class _StreamContext:
-    """One engine forward, as the GDN layers see it: the cache, the row split, and per projection
-    module either the rows it should hand out (a fused forward's stream) or nothing."""
-
-    cache: object
-    split: RowSplit
-    modules: frozenset  # ids of the GDN modules of this model
-    serving: dict  # id(projection) -> precomputed rows of the stream that runs now
-    recorded: dict  # "qkv" / "a" / "b" -> the last output of that projection
-
-
-# The active engine forward of *this* thread (or task): the dispatchers below read it, so a stock
-# forward of the same model in another thread, while a Raincheck forward runs, is left untouched.
-_ACTIVE = ThreadScoped("raincheck_gdn_forward")  # a context of this module, for the thread that set it only
-_PATCHES = CountedPatches()  # the GDN modules routed through the dispatchers (counted per instance)
-
-
-def _dispatch_gdn(module, original, hidden_states, *args, **kwargs):
-    ctx = _ACTIVE.get()
-    if ctx is None or id(module) not in ctx.modules:
-        return original(hidden_states, *args, **kwargs)
-    if args:  # the decoder layer passes everything by keyword; be strict rather than guess
-        raise TypeError("the Raincheck GDN split forward takes hidden_states and keyword arguments only.")
-    if isinstance(ctx, _StaticStepContext):
-        return _static_gdn_forward(module, ctx, hidden_states, **kwargs)
-    if isinstance(ctx, _PackedStepContext):
-        return _packed_gdn_forward(module, ctx, hidden_states, **kwargs)
-    return _split_gdn_forward(module, original, ctx, hidden_states, **kwargs)
-
-
-def _dispatch_projection(projection, original, name, x, *args, **kwargs):
-    ctx = _ACTIVE.get()
-    if ctx is None:
-        return original(x, *args, **kwargs)
-    served = ctx.serving.get(id(projection))
-    if served is None:
-        out = original(x, *args, **kwargs)
-    elif x.shape[:-1] != served.shape[:-1]:
-        raise RuntimeError(f"{name} was called on {list(x.shape)} while serving precomputed rows {list(served.shape)}.")
-    else:
-        out = served
-    if name in _RECORDED:
-        ctx.recorded[_RECORDED[name]] = out  # the last call wins: the rest stream runs after the chunk stream
-    return out
-
-
-def _layer_params(module) -> GDNLayerParams:
-    """The GDN layer's conv / gate parameters with their data, also under accelerate offload.
-
-    With cpu / disk offload (``device_map`` with "cpu" / "disk" entries, `cpu_offload`) ``A_log``, ``dt_bias``
-    and ``conv1d.weight`` sit on ``meta`` outside their own module's forward, while the state map needs them
-    around it (`SuffixStateMap.join` / ``append_suffix``). Their hooks load them onto the execution device
-    for the span of `align_module_device`; the detached references kept in `GDNLayerParams` stay valid after
-    the hooks put the modules back on ``meta`` (one small copy per layer and forward, offloaded models only).
-    """
-    tensors = (module.A_log, module.dt_bias, module.conv1d.weight, module.conv1d.bias)
-    if not any(t is not None and t.device.type == "meta" for t in tensors):
-        return GDNLayerParams.from_module(module)
-    from accelerate.utils import align_module_device
-
-    with align_module_device(module), align_module_device(module.conv1d):
-        params = GDNLayerParams.from_module(module)
-    if any(t is not None and t.device.type == "meta" for t in (params.A_log, params.dt_bias, params.conv_weight)):
-        raise RuntimeError(
-            f"Gated DeltaNet layer {module.layer_idx}: its parameters are on the meta device and no accelerate "
-            "offload hook loads them; load the model with weights (or dispatch it with accelerate)."
-        )
-    return params
-
-
-def _split_gdn_forward(module, original, ctx: _StreamContext, hidden_states, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for rows ``[deferred chunk, rest]`` (see the module docstring)."""
-    cache = kwargs.pop("cache", None)
-    if cache is not ctx.cache:
-        raise RuntimeError("a Gated DeltaNet layer ran on another cache than the Raincheck forward's own.")
-    kwargs.pop("attention_mask", None)  # no padding in Raincheck batches; the mask mapping gives None anyway
-    split = ctx.split
-    boundary = GDNBoundary(cache, module.layer_idx, _layer_params(module))
-    n_d = split.n_deferred
-    projections = [getattr(module, name) for name in _IN_PROJECTIONS]
-    shared = None
-    if n_d and split.n_rest:
-        # Fusion: each input projection multiplies [chunk, rest] once; the streams get their rows.
-        shared = [proj(hidden_states) for proj in projections]
-    outs = []
-    try:
-        if n_d:
-            view = boundary.view()
-            if shared is not None:
-                ctx.serving.update({id(p): out[:, :n_d] for p, out in zip(projections, shared)})
-            outs.append(original(hidden_states[:, :n_d], cache=view, **kwargs))
-            boundary.join(view)
-        if split.n_rest:
-            ctx.recorded.clear()
-            if shared is not None:
-                ctx.serving.update({id(p): out[:, n_d:] for p, out in zip(projections, shared)})
-            outs.append(original(hidden_states[:, n_d:], cache=cache, **kwargs))
-            if split.rest_kind == GENERATED:
-                # The suffix map is only needed while deferred rows wait to be joined at this boundary;
-                # with none pending (full, hard, or all restored) no join can follow before the next
-                # turn's input resets the boundary, so skip the per-token M update.
-                if cache.num_pending:
-                    boundary.append(ctx.recorded["qkv"], ctx.recorded["a"], ctx.recorded["b"])
-            else:  # a turn's input: its own deferred rows go after it
-                boundary.reset()
-    finally:
-        ctx.serving.clear()
-        ctx.recorded.clear()
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-# ---- the fast path: the same split forward on the static cache's buffers ------------------------------
-
-# Deferred rows of a fast-path step up to this many run the recurrent rule token by token in one kernel (a
-# captured chunk step: c = 31 by default); longer ones (an idle-time restore of everything at once, a large
-# chunk size) transformers' chunked rule, eagerly.
-RECURRENT_CHUNK_MAX = 64
-
-@dataclass(frozen=True)
-class StaticSplit:
-    """What a fast-path step's GDN layers run (part of its captured graph's key): the last ``n_rest`` rows
-    are of kind ``rest_kind`` (INPUT, GENERATED or None), the rows before them are deferred rows and
-    padding; a generated row is recorded as a ``"lead"`` token (the suffix's first ``Kc - 1``), into the
-    suffix map (``"map"``), or not at all (None: nothing is pending any more, so no join can follow before
-    the next turn's input moves the boundary)."""
-
-    n_rest: int
-    rest_kind: int | None
-    record: str | None = None
-    # a turn's input rows with no deferred rows in front: the step's rows are ``[padding, input rows]``, how
-    # many are padding is the device scalar ``step_info[2]`` (``n_rest`` is then 0), so one captured graph
-    # serves every prefill of a bucket (`StaticGDNState.run_input`)
-    padded_input: bool = False
-
-
-@dataclass
-class _StaticStepContext:
-    """One fast-path step, as the GDN dispatchers see it (the projections run unchanged)."""
-
-    cache: object
-    step_info: torch.Tensor  # [3] long on the device: real deferred rows, suffix length before the step, leading
-    # padding rows of a padded input (`StaticSplit.padded_input`)
-    split: StaticSplit
-    modules: frozenset
-    serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
-    recorded: dict = dataclasses.field(default_factory=dict)
-
-
-def _static_gdn_forward(module, ctx: _StaticStepContext, hidden_states, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for a fast-path step ``[deferred rows, padding, rest]`` on the static
-    cache (`fast.static_cache.StaticGDNState`): the chunk from the boundary (padding gated off by the real
-    row count in ``step_info``), the join, the rest from the corrected live state, then the record of a
-    generated row or the boundary reset after input rows. Projections, gates, the gated norm and
-    ``out_proj`` are the module's own, each run once over all rows."""
-    cache = kwargs.get("cache")
-    if cache is not ctx.cache:
-        raise RuntimeError("a Gated DeltaNet layer ran on another cache than the fast-path step's own.")
-    state = cache.gdn_state(module.layer_idx)
-    params = GDNLayerParams.from_module(module)
-    split = ctx.split
-    bsz, rows, _ = hidden_states.shape
-    n_chunk = rows - split.n_rest
-    qkv = module.in_proj_qkv(hidden_states)
-    z = module.in_proj_z(hidden_states)
-    b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-    g, beta = gdn_gates(a, b, params)
-    n_real, suffix_length = ctx.step_info[0:1], ctx.step_info[1:2]
-    chunk_rule = module_function(module, "torch_chunk_gated_delta_rule")
-    if split.padded_input:  # [padding, a turn's input rows]: the boundary moves after them
-        core = state.run_input(qkv, g, beta, ctx.step_info[2:3], params, chunk_rule=chunk_rule)[0]
-        state.reset_boundary()
-    else:
-        # each part writes its rows of the core output (no concatenation)
-        core = torch.empty(bsz, rows, params.num_v_heads, params.head_v_dim, dtype=qkv.dtype, device=qkv.device)
-        if n_chunk:
-            state.run_chunk(qkv[:, :n_chunk], g[:, :n_chunk], beta[:, :n_chunk], n_real, params,
-                            chunk_rule=chunk_rule if n_chunk > RECURRENT_CHUNK_MAX else None, out=core[:, :n_chunk])
-            state.join(suffix_length, params)
-        if split.n_rest:
-            rest = slice(n_chunk, rows)
-            _, k, v = state.run_rest(qkv[:, rest], g[:, rest], beta[:, rest], params, chunk_rule=chunk_rule,
-                                     out=core[:, rest])
-            if split.rest_kind == INPUT:
-                state.reset_boundary()
-            elif split.record is not None:
-                state.record(qkv[:, rest], k, v, g[:, rest], beta[:, rest], suffix_length,
-                             leading=split.record == "lead")
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(bsz, rows, -1))
-
-
-# ---- the batched eager engine: several sequences in one packed forward (`batch_engine.ForwardRunner`) -------------
-
-@dataclass
-class _PackedStepContext:
-    """One packed forward of several sequences, as the GDN dispatchers see it: each sequence's states are its row
-    of ``states`` (`batched_gdn.PackedGDNStates`), its rows laid out as ``layouts[b]`` (`PackedRowLayout`)."""
-
-    states: object
-    layouts: list
-    modules: frozenset
-    serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
-    recorded: dict = dataclasses.field(default_factory=dict)
-
-
-def _packed_gdn_forward(module, ctx: _PackedStepContext, hidden_states, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for a packed forward ``[B, W]`` of several sequences: the projections, gates,
-    gated norm and ``out_proj`` are the module's own, each run once over all rows; the recurrent part (chunks from
-    each sequence's boundary, the joins, the rests from each live state, the records) is per sequence, batched
-    over them (`batched_gdn.PackedGDNState.step`), padding rows gated off and kept out of the conv histories."""
-    params = _layer_params(module)
-    bsz, rows, _ = hidden_states.shape
-    qkv = module.in_proj_qkv(hidden_states)
-    z = module.in_proj_z(hidden_states)
-    b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-    state = ctx.states.layer(module.layer_idx, params, qkv.dtype, qkv.device)
-    core = state.step(qkv, a, b, ctx.layouts, params, module_function(module, "torch_chunk_gated_delta_rule"),
-                      module_function(module, "torch_recurrent_gated_delta_rule"))
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(bsz, rows, -1))
-
-
-def _swap_forward(module, new_forward):
-    """Set ``module.forward`` on the instance; return the callback that puts the old one back."""
-    had_own, own = "forward" in vars(module), vars(module).get("forward")
-    module.forward = new_forward
-
-    def restore():
-        if had_own:
-            module.forward = own
-        else:
-            vars(module).pop("forward", None)
-
-    return restore
-
-
-def _patch(module):
-    """Route ``module``'s and its input projections' forwards through the dispatchers; returns the undo."""
-    restores = [_swap_forward(module, functools.partial(_dispatch_gdn, module, module.forward))]
-    for name in _IN_PROJECTIONS:
-        proj = getattr(module, name)
-        restores.append(_swap_forward(proj, functools.partial(_dispatch_projection, proj, proj.forward, name)))
-
-    def undo():
-        for restore in reversed(restores):
-            restore()
-
-    return undo
-
-
-def _install(module) -> None:
-    _PATCHES.acquire(module, _patch)
-
-
-def _uninstall(module) -> None:
-    _PATCHES.release(module)
-
-
-@contextlib.contextmanager
-def _static_gdn_scope(modules, context: _StaticStepContext):
-    """`_DeferredGDNStreams` for a fast-path step: the dispatchers route this thread's GDN layers to
-    `_static_gdn_forward` inside the block."""
-    installed = []
-    try:
-        for module in modules:
-            _install(module)
-            installed.append(module)
-        with _ACTIVE.using(context):
-            yield
-    finally:
-        for module in reversed(installed):
-            _uninstall(module)
-
-
-class _DeferredGDNStreams(contextlib.AbstractContextManager):
-    """Scoped and reversible, for one engine forward: each GDN *instance*'s ``forward`` (and its input
-    projections') goes through a dispatcher that applies the split forward for this thread's
-    Raincheck forward and the original one otherwise. Installed on entry, removed on exit (on error
-    too; reference-counted, so overlapping Raincheck forwards in several threads are fine)."""
-
-    def __init__(self, modules, cache, split: RowSplit):
-        self.modules = list(modules)
-        self.context = _StreamContext(cache, split, frozenset(id(m) for m in self.modules), {}, {})
-        self._installed, self._scope = [], None
-
-    def __enter__(self):
-        try:
-            for module in self.modules:
-                _install(module)
-                self._installed.append(module)
-            self._scope = _ACTIVE.using(self.context)
-            self._scope.__enter__()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        if self._scope is not None:
-            self._scope.__exit__(None, None, None)
-            self._scope = None
-        for module in reversed(self._installed):
-            _uninstall(module)
-        self._installed = []
-        return False
-
-
-@functools.lru_cache(maxsize=8)
-def _check_gdn_state_layout(device_type: str, modeling: str = "transformers.models.qwen3_5.modeling_qwen3_5") -> None:
-    """Refuse GDN kernels whose state is not ``[B, HV, K, V]``, once per device type.
-
-    transformers picks its kernels at import (flash-linear-attention or hub kernels when present,
-    else its torch fallbacks, whose layout `raincheck_hf.gated_delta` is tested against), so the
-    check runs the functions the model will call, on a tiny input with ``dk == dv`` (where a
-    transposed state passes every shape check), against the naive reference. A few milliseconds.
-    """
-    import importlib
-
-    hf = importlib.import_module(modeling)  # the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
-    gen = torch.Generator().manual_seed(0)
-    bsz, seq, heads, dim = 1, 5, 2, 64
-    q, k, v = (torch.randn(bsz, seq, heads, dim, generator=gen) for _ in range(3))
-    g = -0.1 * torch.rand(bsz, seq, heads, generator=gen)
-    beta = torch.rand(bsz, seq, heads, generator=gen)
-    s0 = torch.randn(bsz, heads, dim, dim, generator=gen)
-    _, want = naive_recurrent_gated_delta(l2norm(q), l2norm(k), v, g, beta, s0)
-    dev = torch.device(device_type)
-    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        _, got = fn(q.to(dev), k.to(dev), v.to(dev), g=g.to(dev), beta=beta.to(dev), initial_state=s0.to(dev),
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-        got = got.float().cpu()
-        # fla's Triton kernels run their dots in TF32 (relative error ~1e-3 per step), so compare
-        # relative errors against both layouts instead of a tight absolute tolerance
-        scale = want.abs().max()
-        err = ((got - want).abs().max() / scale).item()
-        err_transposed = ((got.transpose(-1, -2) - want).abs().max() / scale).item()
-        if err < 2e-2 and err < err_transposed:
-            continue
-        transposed = err_transposed < 2e-2
-        raise ValueError(
-            f"transformers' Qwen3.5 GDN kernel {getattr(fn, '__name__', fn)!r} on {device_type} returns a recurrent "
-            f"state that is not [B, HV, K, V]{' (it is transposed: [B, HV, V, K])' if transposed else ''}; "
-            "Raincheck's state map assumes [B, HV, K, V]. Uninstall flash-linear-attention to use the torch "
-            "fallbacks, or use a version whose kernels keep the key-first layout "
-            f"(relative error {err:.2e}, transposed {err_transposed:.2e})."
-        )
+__all__ = ["GatedDeltaNetMixin", "Qwen3_5Adapter"]
 
 
 class GatedDeltaNetMixin:
     """Text models of Gated DeltaNet + gated full-attention layers (Qwen3.5, dense and MoE): the GDN split
-    forward of the module docstring. The MLP (dense or mixture of experts) needs nothing: it is per token."""
+    forward of `gdn.dispatch`. The MLP (dense or mixture of experts) needs nothing: it is per token."""
 
     has_linear_attention = True
     # The fast path keeps the GDN layers' states (live, boundary, suffix map, leading record) in the static
-    # cache's buffers (`fast.static_cache.StaticGDNState`) and the gated attention layers in its KV slots.
+    # cache's buffers (`gdn.static.StaticGDNState`) and the gated attention layers in its KV slots.
     supports_fast_path = True
     static_layer_types = ("full_attention", "linear_attention")
     # A prefill of input rows only (every turn 1; a later turn whose deferred rows are all restored) is padded
@@ -489,6 +59,10 @@ class GatedDeltaNetMixin:
         self._gdn_modules = [layer.linear_attn for layer, kind in zip(self.text_model.layers, layer_types)
                              if kind == "linear_attention"]
 
+    def _check_state_layout(self) -> None:
+        if self._gdn_modules:  # the kernels of the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
+            check_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
+
     # ---- one forward over arbitrary rows --------------------------------------------------
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
         """Run ``batch`` on ``cache``; logits of its last row (``[1, V]``) or None.
@@ -497,20 +71,16 @@ class GatedDeltaNetMixin:
         the full-attention layers; ``kinds`` (``[L]``, deferred rows first) drives the GDN layers.
         """
         split = RowSplit.from_kinds(kinds, batch.embeds.shape[0])
-        if self._gdn_modules:
-            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
+        self._check_state_layout()
         mask = None
         if visible is not None:
             full = visibility_to_attention_mask(visible.to(self.device), self.attn_implementation, self.dtype)
             mask = {"full_attention": full, "linear_attention": None}
-        with _DeferredGDNStreams(self._gdn_modules, cache, split):
+        with dispatch.eager_forward(self._gdn_modules, cache, split):
             return self.run_text_model(cache, batch, mask, want_logits)
-
 
     # ---- the fast path ------------------------------------------------------------------------
     def static_recurrent_layout(self):
-        from ..fast.static_cache import RecurrentLayout
-
         if not self._gdn_modules:
             return None
         m = self._gdn_modules[0]
@@ -539,36 +109,26 @@ class GatedDeltaNetMixin:
 
     # ---- the batched eager engine (`batched.py`) ------------------------------------------------------
     def packed_states(self, batch: int):
-        from ..batched_gdn import PackedGDNStates
-
         return PackedGDNStates(batch)
 
     def packed_step(self, states, layouts):
-        if self._gdn_modules:
-            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
-        return _static_gdn_scope(self._gdn_modules, _PackedStepContext(
-            states, list(layouts), frozenset(id(m) for m in self._gdn_modules)))
+        self._check_state_layout()
+        return dispatch.packed_step(self._gdn_modules, states, layouts)
 
     def export_packed_state(self, states, index: int, cache) -> None:
-        from ..cache_utils import deferred_linear_layer
-
         for module in self._gdn_modules:
             layer = deferred_linear_layer(cache, module.layer_idx)
-            states.layers[module.layer_idx].export(index, layer, _layer_params(module))
+            states.layers[module.layer_idx].export(index, layer, layer_params(module))
 
     def load_packed_state(self, states, index: int, cache) -> None:
-        from ..cache_utils import deferred_linear_layer
-
         for module in self._gdn_modules:
-            params = _layer_params(module)
+            params = layer_params(module)
             state = states.layer(module.layer_idx, params, module.in_proj_qkv.weight.dtype, self.device)
             state.load(index, deferred_linear_layer(cache, module.layer_idx), params)
 
     def static_step(self, cache, step_info, variant: StaticSplit):
-        if self._gdn_modules:
-            _check_gdn_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
-        return _static_gdn_scope(self._gdn_modules, _StaticStepContext(
-            cache, step_info, variant, frozenset(id(m) for m in self._gdn_modules)))
+        self._check_state_layout()
+        return dispatch.static_step(self._gdn_modules, cache, step_info, variant)
 
 
 class Qwen3_5Adapter(GatedDeltaNetMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``): Qwen3.5 with mixture-of-experts MLPs (routed
 experts plus a gated shared expert).
 
-The text layers are Qwen3.5's (Gated DeltaNet + gated full attention, `models/qwen3_5.py`'s split
+The text layers are Qwen3.5's (Gated DeltaNet + gated full attention, `gdn.dispatch`'s split
 forward, through `GatedDeltaNetMixin`); the GDN kernels checked for their state layout are the ones of
 ``modeling_qwen3_5_moe``, the layer's own modeling file. The experts are per token (no capacity limit),
 so deferral changes nothing about routing. The fast path is Qwen3.5's (GDN states in static buffers,

@@ -15,7 +15,8 @@ activation and the residual adds; the tests compare it with the stock layer step
 
 from __future__ import annotations
 
-from .base import ModelAdapter, module_function
+from ..patching import module_function
+from .base import ModelAdapter
 from .mixins import DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the hot Gated DeltaNet work (see `raincheck_hf.fast.gdn_kernels`, which imports this
+"""Triton kernels of the hot Gated DeltaNet work (see `raincheck_hf.gdn.kernels`, which imports this
 module on first launch, so that importing the package needs no Triton).
 
 Buffers written in place are contiguous; inputs may be strided views (a split of a projection) whose last

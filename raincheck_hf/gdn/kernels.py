@@ -8,13 +8,13 @@ a captured CUDA graph can hold them:
   depends on column ``j`` of ``M`` only, so each program owns a ``[K, BLOCK_J]`` column slab of one head's
   map and the whole map is read once and written once (2 MiB per Qwen3.5-9B layer).
 - `join_`: the state-difference identity ``S_live += M (S_new - S_old)``, the difference taken first (as
-  `gated_delta.join_state`), fp32 products.
+  `algebra.join_state`), fp32 products.
 - `recurrent_step_`: the gated delta rule for one or a few tokens (transformers'
   ``torch_recurrent_gated_delta_rule``: q/k L2-normalised inside, q scaled, output read after the update).
 - `conv_update_`: the depthwise causal short convolution continuing after a sequence-first history
-  (``[B, Kc - 1, C]``, as `gated_delta`), SiLU after, the history rolled in place.
+  (``[B, Kc - 1, C]``, as `algebra`), SiLU after, the history rolled in place.
 
-Conventions are `raincheck_hf.gated_delta`'s: state ``[B, HV, K, V]`` fp32 (keys first), key head ``h``
+Conventions are `raincheck_hf.gdn.algebra`'s: state ``[B, HV, K, V]`` fp32 (keys first), key head ``h``
 serves value heads ``h*r .. h*r + r - 1`` (``r = HV // HK``, transformers' ``repeat_interleave``).
 
 Dispatch: every function takes ``reference``. ``None`` (default) launches the Triton kernel when the
@@ -23,8 +23,9 @@ reference otherwise (on CPU the fast path's code then computes exactly what the 
 ``True`` always runs the reference; ``False`` always launches the kernel (on CPU that needs Triton's
 interpreter, ``TRITON_INTERPRET=1``, which is how the CPU tests run them). Inputs that are only read may be
 strided views (e.g. the q / k / v split of the conv output) as long as their last axis is contiguous. The references are
-`gated_delta.update_suffix_map`, `gated_delta.join_state`, `recurrent_step_reference` (transformers'
-recurrent rule, op for op) and `gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`.
+`algebra.update_suffix_map`, `algebra.join_state`, `recurrent_step_reference` (transformers'
+recurrent rule, op for op) and `algebra.causal_conv_with_history` + `algebra.roll_conv_history`; each
+wrapper's docstring names its reference, and its Triton kernel (the name without the underscore) is in `gdn._triton`.
 
 Nothing here synchronises with the host or allocates more than the returned output, so the kernel paths
 can be captured in a CUDA graph. Triton is imported on the first launch only.
@@ -37,9 +38,9 @@ import os
 
 import torch
 
-from ..gated_delta import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
-from ..gated_delta import l2norm as l2norm_keys
 from .._triton import triton_available
+from .algebra import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
+from .algebra import l2norm as l2norm_keys
 
 __all__ = [
     "chunked_step_",
@@ -91,9 +92,9 @@ def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    from . import _triton_gdn
+    from . import _triton
 
-    return _triton_gdn
+    return _triton
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -183,8 +184,8 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         k: ``[B, T, HK, K]`` normalised keys (raw ones with ``l2norm``), any float dtype; ``HK`` divides ``HV``.
         g: ``[B, T, HV]`` log decay; beta: ``[B, T, HV]``. A token with ``beta = 0`` and ``g = 0`` leaves
             ``M`` unchanged (padding).
-        l2norm: normalise ``k`` first, in fp32 (`gated_delta.l2norm` of ``k.float()``).
-        reference: None (auto), True (`gated_delta.update_suffix_map`), False (the kernel).
+        l2norm: normalise ``k`` first, in fp32 (`algebra.l2norm` of ``k.float()``).
+        reference: None (auto), True (`algebra.update_suffix_map`), False (the kernel).
 
     Returns:
         ``M``, updated.
@@ -213,14 +214,14 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
 
 def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: torch.Tensor, *,
           reference: bool | None = None) -> torch.Tensor:
-    """``S_live += M @ (S_new - S_old)`` in place (the difference first, as `gated_delta.join_state`).
+    """``S_live += M @ (S_new - S_old)`` in place (the difference first, as `algebra.join_state`).
 
     Args:
         S_live: ``[B, HV, K, V]`` the live state, corrected in place (fp32 for the kernel).
         M: ``[B, HV, K, K]`` the suffix map.
         S_new, S_old: ``[B, HV, K, V]`` the boundary-side state after / before the insertion (note the order:
             ``join_state`` takes them as ``S_b_old, S_b_new``).
-        reference: None (auto), True (`gated_delta.join_state`), False (the kernel).
+        reference: None (auto), True (`algebra.join_state`), False (the kernel).
 
     Returns:
         ``S_live``, updated.
@@ -251,7 +252,7 @@ def recurrent_step_reference(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              beta: torch.Tensor, scale: float | None = None, l2norm: bool = True) -> torch.Tensor:
     """`recurrent_step_` in PyTorch, transformers' ``torch_recurrent_gated_delta_rule`` op for op (so the CPU
     path computes what the eager engine computes); ``S`` updated in place, ``o`` returned in fp32
-    (`recurrent_step_` casts it to ``v``'s dtype). Agrees with `gated_delta.naive_recurrent_gated_delta`
+    (`recurrent_step_` casts it to ``v``'s dtype). Agrees with `algebra.naive_recurrent_gated_delta`
     (tests check both)."""
     dk = q.shape[-1]
     r = v.shape[2] // q.shape[2]
@@ -383,13 +384,13 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     history written to ``history_out``).
 
     Args:
-        history: ``[B, Kc - 1, C]`` the last pre-conv inputs before ``x`` (sequence-first, as `gated_delta`);
+        history: ``[B, Kc - 1, C]`` the last pre-conv inputs before ``x`` (sequence-first, as `algebra`);
             afterwards the last ``Kc - 1`` rows of ``cat(history, x)``.
         x: ``[B, T, C]`` pre-conv inputs, ``T >= 1``.
         weight: ``[C, Kc]`` or ``[C, 1, Kc]``; bias: ``[C]`` or None.
         activation: ``"silu"`` or None.
         reference: None (auto; the kernel needs a contiguous history of any float dtype), True
-            (`gated_delta.causal_conv_with_history` + `gated_delta.roll_conv_history`), False (the kernel).
+            (`algebra.causal_conv_with_history` + `algebra.roll_conv_history`), False (the kernel).
         out: optional ``[B, T, C]`` buffer in ``x``'s dtype for the output.
         rows_in: optional device scalar ``[1]`` (integer) ``n``: only the first ``min(n, T)`` rows of ``x``
             enter the history (the real rows of a padded chunk; every output is computed as usual, and a
@@ -400,7 +401,7 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
             window of a suffix shorter than the window; a longer one keeps its own).
 
     Returns:
-        ``y`` ``[B, T, C]`` in ``x``'s dtype, as `gated_delta.causal_conv_with_history`.
+        ``y`` ``[B, T, C]`` in ``x``'s dtype, as `algebra.causal_conv_with_history`.
     """
     if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
