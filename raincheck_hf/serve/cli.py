@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-compile-steps turns it off (no compile in the warm-up)")
     parser.add_argument("--decode-guard", type=int, default=16)
     parser.add_argument("--device", default=None)
-    from ..__main__ import add_warm_up_arguments
+    from ..startup import add_warm_up_arguments
 
     add_warm_up_arguments(parser)
     parser.add_argument("--log-level", default="info",
@@ -97,7 +97,7 @@ def settings_from(args):
     config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
                              selector=args.selector, mode=args.mode, tpot_slack=args.tpot_slack,
                              compile_steps=args.compile_steps)
-    from ..__main__ import check_warm_up_args
+    from ..startup import check_warm_up_args
 
     check_warm_up_args(args)
     if not 0 < args.port < 65536:
@@ -175,7 +175,7 @@ def serve(args) -> int:
 
     from ..loading import load_or_exit, note_fallbacks
 
-    from ..__main__ import run_warm_up, start_caches
+    from ..startup import run_warm_up, start_caches
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start_caches(args, device)

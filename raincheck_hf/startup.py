@@ -1,0 +1,54 @@
+"""What the CLI chat and the server do at start on CUDA: the persistent caches, then `warm_up`.
+
+Shared by `raincheck_hf.__main__` (chat) and `raincheck_hf.serve.cli` (serve). Imports nothing heavy at import
+time: the options are added and checked before torch or transformers load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_warm_up_arguments(parser) -> None:
+    """``--warm-up`` / ``--no-warm-up``, ``--warm-up-tokens``, ``--cache-dir`` (chat and serve)."""
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="before the first answer, capture every CUDA graph a conversation of up to "
+                             "--warm-up-tokens rows can need (raincheck_hf.warm_up, with a progress bar), so no "
+                             "answer pauses for one; nothing to do on a CPU")
+    parser.add_argument("--warm-up-tokens", type=int, default=4096, metavar="N",
+                        help="the conversation length (prompts, images and answers, in tokens) the warm-up covers")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="persistent cache folder for compiled and autotuned kernels, on CUDA (default: "
+                             "$RAINCHECK_CACHE_DIR, else ~/.cache/raincheck_hf; python -m raincheck_hf cache info)")
+
+
+def check_warm_up_args(args) -> None:
+    if args.warm_up_tokens < 2:
+        raise ValueError(f"--warm-up-tokens must be >= 2, got {args.warm_up_tokens}")
+
+
+def start_caches(args, device: str) -> None:
+    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads."""
+    if str(device).startswith("cuda"):
+        from .persist import enable_persistent_caches
+
+        caches = enable_persistent_caches(args.cache_dir)
+        if caches.set_aside is not None:
+            print(f"[raincheck] cache folder: the entries in {caches.root} were {caches.set_aside[1]}; set aside "
+                  f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
+
+
+def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=()) -> None:
+    """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr."""
+    if not args.warm_up:
+        return
+    from .integration import enable
+    from .warmup import warm_up
+
+    enable(model)  # as `Conversation` and the server do (idempotent)
+    max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
+    summary = warm_up(model, processor, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
+                      image_sizes=list(image_sizes) or None, cache_dir=args.cache_dir, progress=True)
+    if summary.graphs:
+        print(f"[raincheck] {summary}", file=sys.stderr)
