@@ -73,21 +73,28 @@ class ThreadScoped:
 
 
 @contextlib.contextmanager
-def patched_for_thread(patches: CountedPatches, modules, apply: Callable[[object], Callable[[], None]],
-                       scoped: ThreadScoped, value):
-    """For the ``with`` block: ``apply`` on each of ``modules`` (counted in ``patches``: the first user applies, the
-    last undoes) and ``value`` as the calling thread's ``scoped`` value, which the patched code reads to decide
-    whether to act. Undone on exit, on error too, also when applying fails part way."""
+def patched(patches: CountedPatches, modules, apply: Callable[[object], Callable[[], None]]):
+    """For the ``with`` block: ``apply`` on each of ``modules``, counted in ``patches`` (the first user applies, the
+    last undoes). Undone on exit, on error too, also when applying fails part way."""
     installed = []
     try:
         for module in modules:
             patches.acquire(module, apply)
             installed.append(module)
-        with scoped.using(value):
-            yield value
+        yield
     finally:
         for module in reversed(installed):
             patches.release(module)
+
+
+@contextlib.contextmanager
+def patched_for_thread(patches: CountedPatches, modules, apply: Callable[[object], Callable[[], None]],
+                       scoped: ThreadScoped, value):
+    """`patched` for the ``with`` block, with ``value`` as the calling thread's ``scoped`` value, which the patched
+    code reads to decide whether to act (the one way the engine changes a shared model's modules: Qwen3.5's Gated
+    DeltaNet dispatch, `gdn.dispatch`, and the fast path's step scope, `fast.scoping.step_scope`)."""
+    with patched(patches, modules, apply), scoped.using(value):
+        yield value
 
 
 def module_function(module, name: str):

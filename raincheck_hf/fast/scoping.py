@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from ..patching import CountedPatches
+from ..patching import CountedPatches, patched, patched_for_thread
 from .context import STEP, StepScope, active_scope  # noqa: F401 (active_scope: asked here by callers)
 
 CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
@@ -104,25 +104,15 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
         from .attention import register
 
         register()
-    installed, installed_compiled = [], []
-    try:
-        for module in attention:
-            _PATCHES.acquire(module, _view_config)
-            installed.append(module)
-        for module in layers:
-            _PATCHES.acquire(module, _hook_deepstack)
-            installed.append(module)
+    scope = StepScope(frozenset(id(m) for m in attention), {id(layer): a for layer, a in zip(layers, addends)},
+                      bool(compile_targets))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(_PATCHES, layers, _hook_deepstack))
         if compile_targets:
             from .compiled import dispatcher
 
             for module, impl in compile_targets:
-                _COMPILE_PATCHES.acquire(module, dispatcher(impl))
-                installed_compiled.append(module)
-        with STEP.using(StepScope(frozenset(id(m) for m in attention),
-                                  {id(layer): a for layer, a in zip(layers, addends)}, bool(compile_targets))):
-            yield
-    finally:
-        for module in reversed(installed):
-            _PATCHES.release(module)
-        for module in reversed(installed_compiled):
-            _COMPILE_PATCHES.release(module)
+                stack.enter_context(patched(_COMPILE_PATCHES, [module], dispatcher(impl)))
+        # the attention views, and the scope they (and the hooks, the dispatchers) act for: this thread's only
+        stack.enter_context(patched_for_thread(_PATCHES, attention, _view_config, STEP, scope))
+        yield
