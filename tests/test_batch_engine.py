@@ -17,11 +17,11 @@ import torch
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
 from raincheck_hf.kv_pool import MAX_KEY, SlotKVPool
-from raincheck_hf.tiny import draw_test_image, draw_test_video
 
 from conftest import make_inputs, no_placeholder_ids
 from families import family_model, family_processor, family_params
-from test_batched import ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal
+from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal,
+                          random_row)
 
 TOL = 1e-4
 MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -93,17 +93,18 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
     return step
 
 
-def _random_row(rng: random.Random):
-    kind = rng.choice(["text", "image", "image", "images", "video"])
-    size = lambda: rng.choice([32, 64, 96, 128])  # noqa: E731
-    if kind == "text":
-        return dict(text=rng.choice(["Say something about glyphs.", "List every red glyph you can see."]))
-    if kind == "video":
-        return dict(videos=(draw_test_video(2, size(), size(), seed=rng.randrange(100)),),
-                    text="What happens in the video?")
-    count = 1 if kind == "image" else 2
-    return dict(images=tuple(draw_test_image(size(), size(), seed=rng.randrange(100)) for _ in range(count)),
-                text=rng.choice(["What is in this image?", "Which is red?"]))
+def draw_case(rng: random.Random, model, processor) -> tuple[RaincheckConfig, list[Request], int | None]:
+    """One random case of the fuzz (here and on CUDA in tests/test_gpu.py): the config (mode, retention, chunk
+    size, guard, selector), two to five requests (prompt, answer length, arrival step, held or not) and the
+    engine's token budget."""
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
+                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
+                          decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
+                          fast_path=False)
+    requests = [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
+                        n=rng.randint(2, 6), arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
+                for _ in range(rng.randint(2, 5))]
+    return cfg, requests, rng.choice([None, 5, 9, 16, 33])
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -114,14 +115,7 @@ def test_fuzz_sequences_match_alone(seed):
     rng = random.Random(2000 + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
-    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
-                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
-                          decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
-                          fast_path=False)
-    requests = [Request(model, processor, cfg, _random_row(rng), n=rng.randint(2, 6), arrive=rng.randint(0, 5),
-                        follow_up=rng.random() < 0.3)
-                for _ in range(rng.randint(2, 5))]
-    budget = rng.choice([None, 5, 9, 16, 33])
+    cfg, requests, budget = draw_case(rng, model, processor)
     engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
     drive(model, engine, requests)
     for i, r in enumerate(requests):

@@ -355,13 +355,16 @@ def test_refusals():
 
 # ---- fuzz ---------------------------------------------------------------------------------------------
 
-def _random_row(rng: random.Random):
+def random_row(rng: random.Random, sizes=(32, 64, 96, 128, 160), video_frames=(2, 4)):
+    """A random prompt row: text, one or two glyph images, or a video (``video_frames`` frames, drawn only when
+    there is a choice), each image side one of ``sizes``."""
     kind = rng.choice(["text", "image", "image", "images", "video"])
-    size = lambda: rng.choice([32, 64, 96, 128, 160])  # noqa: E731
+    size = lambda: rng.choice(sizes)  # noqa: E731
     if kind == "text":
         return dict(text=rng.choice(["Say something about glyphs.", "List every red glyph you can see."]))
     if kind == "video":
-        return dict(videos=(draw_test_video(rng.choice([2, 4]), size(), size(), seed=rng.randrange(100)),),
+        frames = rng.choice(video_frames) if len(video_frames) > 1 else video_frames[0]
+        return dict(videos=(draw_test_video(frames, size(), size(), seed=rng.randrange(100)),),
                     text="What happens in the video?")
     count = 1 if kind == "image" else 2
     return dict(images=tuple(draw_test_image(size(), size(), seed=rng.randrange(100)) for _ in range(count)),
@@ -375,7 +378,7 @@ def test_fuzz_rows_match_alone(seed):
     rng = random.Random(1000 + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
-    rows = [_random_row(rng) for _ in range(rng.randint(2, 4))]
+    rows = [random_row(rng) for _ in range(rng.randint(2, 4))]
     cfg = RaincheckConfig(mode=rng.choice(MODES + ("raincheck", "raincheck", "serial")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5, 1.0]),
                           chunk_size=rng.choice([1, 2, 3, 5, 8, "auto"]), decode_guard=rng.randint(0, 3),

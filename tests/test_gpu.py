@@ -881,14 +881,8 @@ def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, monkeypatch):
     rng = random.Random(5000 + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = _cuda_family_model(name), family_processor(name)
-    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
-                          retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
-                          decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
-                          fast_path=False)
-    requests = [tbe.Request(model, processor, cfg, tbe._random_row(rng), n=rng.randint(2, 6),
-                            arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
-                for _ in range(rng.randint(2, 5))]
-    engine = BatchEngine(model, cfg, token_budget=rng.choice([None, 5, 9, 16, 33]), num_slots=1, capacity=16)
+    cfg, requests, budget = tbe.draw_case(rng, model, processor)
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
     tbe.drive(model, engine, requests)
     for i, r in enumerate(requests):
         what = f"{name} seed {seed} sequence {i}"
