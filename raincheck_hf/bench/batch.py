@@ -31,33 +31,14 @@ import statistics
 import time
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
 from ..integration import enable
-from .latency import _write, hardware_info
+from .latency import TokenClock, _sync, _write, hardware_info
 from .shapes import MODELS, QUESTIONS, SYSTEM_PROMPT, build_model, build_processor, special_token_ids
 
 VARIANTS = ("raincheck", "full", "raincheck_eager", "full_eager", "stock")
 EAGER_AT_ONE = ("raincheck_eager", "full_eager")
-
-
-class StepClock(BaseStreamer):
-    """When each decode step's tokens reach the host (after a device sync); the first ``put`` is the prompt."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.times, self._prompt_seen = device, [], False
-
-    def put(self, value):
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def build_batch(processor, spec, batch: int, image_size=None) -> dict:
@@ -83,13 +64,11 @@ def _kwargs(variant: str, answer_tokens: int, suppress: list[int]) -> dict:
 
 
 def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
-    clock = StepClock(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    clock = TokenClock(device)
+    _sync(device)
     start = time.perf_counter()
     out = model.generate(**inputs, **kwargs, streamer=clock)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     end = time.perf_counter()
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     generated = int(sequences.shape[1] - inputs["input_ids"].shape[1])
