@@ -81,6 +81,45 @@ class _Clock(BaseStreamer):
         pass
 
 
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both server benchmarks take: the Raincheck settings, ``--device`` and ``--threads``."""
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--selector", default=None,
+                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def raincheck_settings(retention: float, chunk_size: int, decode_guard: int, selector: str | None,
+                       modes) -> tuple[dict, dict]:
+    """``(settings, {mode: RaincheckConfig})``: the settings every request sends (the library's default selector
+    when ``selector`` is None, what a user gets by default) and one config a mode, built (so checked) before any
+    compute."""
+    from ..configuration import RaincheckConfig
+
+    selector = selector if selector is not None else RaincheckConfig().selector
+    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, selector=selector)
+    return settings, {mode: RaincheckConfig(mode=mode, **settings) for mode in modes}
+
+
+def claim_device(device, threads: int | None) -> tuple[torch.device, int]:
+    """``(device, torch's thread count before)``: ``device`` (default: CUDA when there is one) and torch's threads
+    set to ``threads`` (default: 1 on CPU, torch's own on CUDA); the caller puts the count back when done."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    previous_threads = torch.get_num_threads()
+    if threads is not None or device.type == "cpu":
+        torch.set_num_threads(threads or 1)
+    return device, previous_threads
+
+
+def user_turn(question: str, image_url: str | None = None) -> dict:
+    """A user message of the OpenAI chat API: the image (first turn only) then the question."""
+    content = [{"type": "image_url", "image_url": {"url": image_url}}] if image_url is not None else []
+    return {"role": "user", "content": content + [{"type": "text", "text": question}]}
+
+
 def _png_data_url(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
@@ -122,9 +161,7 @@ def server_conversation(client, base: str, raincheck: dict, image_url: str, ques
     for k, (question, n) in enumerate(zip(questions, lengths)):
         if k:
             time.sleep(think_s)
-        content = ([{"type": "image_url", "image_url": {"url": image_url}}] if k == 0 else []) + \
-            [{"type": "text", "text": question}]
-        messages.append({"role": "user", "content": content})
+        messages.append(user_turn(question, image_url if k == 0 else None))
         body = {"model": model_name, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": 0, "max_tokens": n, "min_tokens": n, "raincheck": raincheck,
                 "logit_bias": {str(i): 100 for i in bias}}
@@ -228,7 +265,6 @@ def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tok
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
     import httpx
 
-    from ..configuration import RaincheckConfig
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -238,15 +274,10 @@ def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tok
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}.")
-    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
-    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, selector=selector)
-    configs = {mode: RaincheckConfig(mode=mode, **settings) for mode in ("raincheck", "full")}  # checked before compute
+    settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, ("raincheck", "full"))
     if model_name not in shapes.MODELS:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS)}.")
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    previous_threads = torch.get_num_threads()
-    if threads is not None or device.type == "cpu":
-        torch.set_num_threads(threads or 1)
+    device, previous_threads = claim_device(device, threads)
     started = time.perf_counter()
     try:
         model, model_info = shapes.build_model(model_name, device)
@@ -323,13 +354,7 @@ def main(argv=None):
     parser.add_argument("--think-s", type=float, default=1.0, help="seconds between an answer and the next question")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
-    parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
-    parser.add_argument("--decode-guard", type=int, default=16)
-    parser.add_argument("--selector", default=None,
-                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_setting_arguments(parser)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every conversation)")
     args = parser.parse_args(argv)
     try:

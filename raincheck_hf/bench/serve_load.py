@@ -43,7 +43,8 @@ import torch
 
 from . import shapes
 from .latency import _write, hardware_info
-from .serve import QUESTION, library_conversation, round_trip_tokens
+from .serve import (QUESTION, _timings, add_setting_arguments, claim_device, library_conversation,
+                    raincheck_settings, round_trip_tokens, user_turn)
 
 BUNDLED = {"bundled_qwen3_vl": "qwen3_vl", "bundled_qwen3_5": "qwen3_5"}
 BUNDLED_IMAGE_SIZE = (320, 256)
@@ -97,9 +98,7 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, image_url: 
     for k, (question, n) in enumerate(zip(questions, lengths)):
         if k and think_s:
             time.sleep(think_s)
-        content = ([{"type": "image_url", "image_url": {"url": image_url}}] if k == 0 else []) + \
-            [{"type": "text", "text": question}]
-        messages.append({"role": "user", "content": content})
+        messages.append(user_turn(question, image_url if k == 0 else None))
         times, pieces, usage, rc = [], [], None, None
         start = time.perf_counter()
         stream = client.chat.completions.create(
@@ -116,8 +115,7 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, image_url: 
         end = time.perf_counter()
         text = "".join(pieces)
         messages.append({"role": "assistant", "content": text})
-        records.append({"start": start, "end": end, "ttft_s": times[0] - start if times else None,
-                        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+        records.append({"start": start, "end": end, **_timings(start, times, end),
                         "completion_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens,
                         "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
                         "server_t1_s": rc["t1_ms"] / 1e3})
@@ -213,7 +211,6 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
-    from ..configuration import RaincheckConfig
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -230,16 +227,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                          f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
     if model_name not in shapes.MODELS and model_name not in BUNDLED:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
-    selector = selector if selector is not None else RaincheckConfig().selector
-    settings = dict(retention=retention, chunk_size=chunk_size, decode_guard=decode_guard, selector=selector)
-    configs = {mode: RaincheckConfig(mode=mode, **settings) for mode in modes}  # checked before compute
+    settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
     ServeSettings(max_running=running_places, max_queue=queue_places)  # checked before compute
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    previous_threads = torch.get_num_threads()
-    if threads is not None or device.type == "cpu":
-        torch.set_num_threads(threads or 1)
+    device, previous_threads = claim_device(device, threads)
     started = time.perf_counter()
     try:
         model, processor, model_info, (width, height) = _build(model_name, device)
@@ -371,13 +363,7 @@ def main(argv=None):
     parser.add_argument("--no-library", action="store_true", help="skip the library reference at one client")
     parser.add_argument("--max-running", type=int, default=None, help="the server's (default: the most clients)")
     parser.add_argument("--max-queue", type=int, default=None, help="the server's (default: the most clients)")
-    parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
-    parser.add_argument("--decode-guard", type=int, default=16)
-    parser.add_argument("--selector", default=None,
-                        help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_setting_arguments(parser)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every client count)")
     parser.add_argument("--plot", default=None, help="a PNG of tokens/s and TTFT against clients (matplotlib)")
     args = parser.parse_args(argv)
