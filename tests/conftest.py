@@ -88,6 +88,27 @@ def case_inputs(request, processor):
     return make_inputs(processor, **INPUT_CASES[request.param])
 
 
+@pytest.fixture(scope="module")
+def glyph():
+    """The bundled glyph Qwen3-VL, Raincheck enabled: ``(model, processor)``, one a test module."""
+    import raincheck_hf
+    from raincheck_hf.quality import load_bundled
+
+    model, processor = load_bundled("qwen3_vl")
+    return raincheck_hf.enable(model), processor
+
+
+def serve_settings(argv: list[str]):
+    """The `ServeSettings` that ``raincheck_hf serve``'s command line ``argv`` gives (`serve.cli`'s options)."""
+    import argparse
+
+    from raincheck_hf.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.settings_from(parser.parse_args(argv))
+
+
 @contextlib.contextmanager
 def serve_demo(**build_kwargs):
     """The Gradio demo served on a free local port for the span of the block; yields its URL."""

@@ -21,16 +21,10 @@ httpx = pytest.importorskip("httpx")
 import raincheck_hf  # noqa: E402
 from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
 
+from conftest import serve_settings  # noqa: E402
+
 KEY = "test-key"
 MAX_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def glyph():
-    from raincheck_hf.quality import load_bundled
-
-    model, processor = load_bundled("qwen3_vl")
-    return raincheck_hf.enable(model), processor
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +60,11 @@ def first_message(image_url: str, question: str) -> dict:
                                         {"type": "text", "text": question}]}
 
 
-def reference(glyph, image, questions, max_new_tokens=MAX_TOKENS) -> list[str]:
-    """`Conversation`'s greedy answers to the same dialogue (the same model and settings)."""
+def reference(glyph, image, questions, max_new_tokens=MAX_TOKENS, mode="raincheck") -> list[str]:
+    """`Conversation`'s greedy answers to the same dialogue (the same model and settings), alone on the model."""
     model, processor = glyph
-    with raincheck_hf.Conversation(model, processor, raincheck_hf.RaincheckConfig(), background=False) as chat:
+    config = raincheck_hf.RaincheckConfig(mode=mode)
+    with raincheck_hf.Conversation(model, processor, config, background=False) as chat:
         return [chat.ask(q, images=[image] if i == 0 else [], max_new_tokens=max_new_tokens).text
                 for i, q in enumerate(questions)]
 
@@ -187,12 +182,12 @@ def test_two_clients_in_parallel(served, glyph, dialogues):
     assert answers[0][0][2]["conversation_id"] != answers[1][0][2]["conversation_id"]
 
 
-def _wait(predicate, timeout=60.0):
+def wait_for(predicate, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("timed out")
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 def test_disconnect_mid_stream_cancels_and_the_conversation_continues(client, served, glyph, dialogues):
@@ -214,7 +209,7 @@ def test_disconnect_mid_stream_cancels_and_the_conversation_continues(client, se
         if received >= 2:
             break
     stream.close()
-    _wait(lambda: server.metrics.counters["cancelled"] > cancelled_before)
+    wait_for(lambda: server.metrics.counters["cancelled"] > cancelled_before)
     (conv,) = [server.store.get(i) for i in server.store.ids() if i not in held_before]
     generated = conv.turns[0].token_ids
     assert 2 <= generated.numel() < limit and conv.turns[0].cancelled
@@ -316,7 +311,7 @@ def test_idle_time_restoration_between_requests(client, served, dialogues):
     text, usage, rc, _ = ask(client, [first_message(data_url(d.image()), d.turns[1].question)])
     assert rc["restored_during"] == 0 and rc["deferred"] > 0
     conv = server.store.get(rc["conversation_id"])
-    _wait(lambda: conv.pending == 0 and conv.turns[-1].restored_after_answer == rc["deferred"])
+    wait_for(lambda: conv.pending == 0 and conv.turns[-1].restored_after_answer == rc["deferred"])
     _, _, rc2, _ = ask(client, [first_message(data_url(d.image()), d.turns[1].question),
                                 {"role": "assistant", "content": text}, {"role": "user", "content": d.turns[2].question}])
     assert rc2["reused"] and rc2["restored_at_prefill"] == 0
@@ -364,14 +359,10 @@ def test_cli_rejects_bad_settings_before_loading():
                                            (["--media-root", "/no/such/folder"], "--media-root must be an existing")])
 def test_cli_settings_errors_name_the_option(argv, message):
     """ServeSettings checks its fields (for the library too); from the command line the error names the option."""
-    import argparse
+    from raincheck_hf.serve import ServeSettings
 
-    from raincheck_hf.serve import ServeSettings, cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
-        cli.settings_from(parser.parse_args(argv))
+        serve_settings(argv)
     with pytest.raises(ValueError, match="media_root must be an existing folder"):
         ServeSettings(media_root="/no/such/folder")
 
@@ -379,13 +370,7 @@ def test_cli_settings_errors_name_the_option(argv, message):
 @pytest.mark.parametrize("argv, want", [([], None), (["--compile-steps"], True), (["--no-compile-steps"], False)])
 def test_cli_compile_steps_is_auto_unless_forced(argv, want):
     """Neither flag: RaincheckConfig's default (None: compiled where the steps are captured as CUDA graphs)."""
-    import argparse
-
-    from raincheck_hf.serve import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.settings_from(parser.parse_args(argv)).config.compile_steps is want
+    assert serve_settings(argv).config.compile_steps is want
 
 
 def test_serve_benchmark_smoke(tmp_path):
@@ -442,7 +427,7 @@ def test_client_gone_while_waiting_for_a_whole_answer_cancels_it(served, dialogu
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
         httpx.post(served[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=0.5)
-    _wait(lambda: server.metrics.counters["cancelled"] > before)
+    wait_for(lambda: server.metrics.counters["cancelled"] > before)
     assert server.store.snapshot()["busy"] == 0
 
 

@@ -4,7 +4,6 @@ its rows, a failing request (or step) leaving the others alone, the settings and
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 import pytest
@@ -15,8 +14,9 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_serve_load import (LONG, data_url, first_message, glyph, dialogues, metric, reference,  # noqa: E402,F401
-                             soak, wait_for)
+from conftest import serve_settings  # noqa: E402
+from test_serve_load import (LONG, data_url, first_message, dialogues, metric, reference, soak,  # noqa: E402,F401
+                             wait_for)
 
 
 def client(base):
@@ -76,16 +76,12 @@ def test_settings_reject_bad_batching_values(field, value, message):
 
 
 def test_cli_batching_options():
-    from raincheck_hf.serve import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
     with pytest.raises(ValueError) as error:
-        cli.settings_from(parser.parse_args(["--batching", "--max-batch-tokens", "0"]))
+        serve_settings(["--batching", "--max-batch-tokens", "0"])
     assert str(error.value) == "--max-batch-tokens must be an integer >= 1, got 0"
-    settings = cli.settings_from(parser.parse_args(["--batching", "--max-batch-tokens", "512"]))
+    settings = serve_settings(["--batching", "--max-batch-tokens", "512"])
     assert settings.batching is True and settings.max_batch_tokens == 512
-    assert cli.settings_from(parser.parse_args([])).batching is False  # the per-turn path stays the default
+    assert serve_settings([]).batching is False  # the per-turn path stays the default
 
 
 # ---- through HTTP ------------------------------------------------------------------------------------------

@@ -21,20 +21,13 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
-import raincheck_hf  # noqa: E402
 from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
 from raincheck_hf.tiny import draw_test_image  # noqa: E402
 
+from conftest import serve_settings  # noqa: E402
+
 KEY = "limits-key"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def glyph():
-    from raincheck_hf.quality import load_bundled
-
-    model, processor = load_bundled("qwen3_vl")
-    return raincheck_hf.enable(model), processor
 
 
 @pytest.fixture(scope="module")
@@ -540,14 +533,7 @@ def test_fuzz_malformed_requests_get_4xx_and_leave_the_held_conversation_alone(s
                                            (["--media-timeout", "nan"], "--media-timeout must be a number > 0"),
                                            (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be")])
 def test_limit_options_are_checked_and_name_the_option(argv, message):
-    import argparse
-
-    from raincheck_hf.serve import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
-        cli.settings_from(parser.parse_args(argv))
-    limits = cli.settings_from(parser.parse_args(["--max-body-mb", "0.5", "--max-images", "3",
-                                                  "--max-prompt-tokens", "100"])).limits
+        serve_settings(argv)
+    limits = serve_settings(["--max-body-mb", "0.5", "--max-images", "3", "--max-prompt-tokens", "100"]).limits
     assert (limits.max_body_bytes, limits.max_images, limits.max_prompt_tokens) == (1 << 19, 3, 100)

@@ -6,9 +6,7 @@ conversation run alone."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import io
 import json
 import threading
 import time
@@ -26,39 +24,16 @@ from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
 from raincheck_hf.serve.admission import Admission, ClientGone  # noqa: E402
 from raincheck_hf.serve.errors import APIError  # noqa: E402
 
+from conftest import serve_settings  # noqa: E402
+from test_serve import data_url, first_message, wait_for  # noqa: E402
+from test_serve import reference as serve_reference  # noqa: E402
+
 LONG = 4000  # min_tokens of an answer that only a cancellation ends early
-
-
-@pytest.fixture(scope="module")
-def glyph():
-    from raincheck_hf.quality import load_bundled
-
-    model, processor = load_bundled("qwen3_vl")
-    return raincheck_hf.enable(model), processor
 
 
 @pytest.fixture(scope="module")
 def dialogues():
     return benchmark_split("dev", limit=4)
-
-
-def data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def first_message(image_url: str, question: str) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
-                                        {"type": "text", "text": question}]}
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.01)
 
 
 def metric(base: str, name: str) -> float:
@@ -69,12 +44,8 @@ def metric(base: str, name: str) -> float:
 
 
 def reference(glyph, image, questions, mode="raincheck", max_new_tokens=16) -> list[str]:
-    """`Conversation`'s greedy answers to the dialogue, alone on the model."""
-    model, processor = glyph
-    config = raincheck_hf.RaincheckConfig(mode=mode)
-    with raincheck_hf.Conversation(model, processor, config, background=False) as chat:
-        return [chat.ask(q, images=[image] if i == 0 else [], max_new_tokens=max_new_tokens).text
-                for i, q in enumerate(questions)]
+    """test_serve's reference, at the 16 tokens of this file's servers."""
+    return serve_reference(glyph, image, questions, max_new_tokens, mode)
 
 
 # ---- the admission control on its own -------------------------------------------------------------------
@@ -163,16 +134,10 @@ def test_settings_reject_bad_load_values(field, value):
 @pytest.mark.parametrize("argv,message", [(["--max-running", "0"], "--max-running must be an integer >= 1, got 0"),
                                           (["--max-queue", "-3"], "--max-queue must be an integer >= 0, got -3")])
 def test_cli_load_options_are_checked_and_named(argv, message):
-    import argparse
-
-    from raincheck_hf.serve import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
     with pytest.raises(ValueError) as error:
-        cli.settings_from(parser.parse_args(argv))
+        serve_settings(argv)
     assert str(error.value) == message
-    settings = cli.settings_from(parser.parse_args(["--max-running", "2", "--max-queue", "0"]))
+    settings = serve_settings(["--max-running", "2", "--max-queue", "0"])
     assert (settings.max_running, settings.max_queue) == (2, 0)
 
 

@@ -92,6 +92,12 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
 
 
+def setting_values(args: argparse.Namespace) -> dict:
+    """The values of `add_setting_arguments`'s options, as keyword arguments of both benchmarks' ``run``."""
+    return dict(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
+                selector=args.selector, device=args.device, threads=args.threads)
+
+
 def raincheck_settings(retention: float, chunk_size: int, decode_guard: int, selector: str | None,
                        modes) -> tuple[dict, dict]:
     """``(settings, {mode: RaincheckConfig})``: the settings every request sends (the library's default selector
@@ -360,10 +366,8 @@ def main(argv=None):
     try:
         return run(model_name=args.model, answer_tokens=args.answer_tokens,
                    follow_up_tokens=args.follow_up_tokens or args.answer_tokens, reps=args.reps, think_s=args.think_s,
-                   warmup=not args.no_warmup, retention=args.retention, chunk_size=args.chunk_size,
-                   decode_guard=args.decode_guard, selector=args.selector,
-                   variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()), device=args.device,
-                   threads=args.threads, json_path=args.json, log=lambda *a: print(*a, flush=True))
+                   warmup=not args.no_warmup, variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+                   json_path=args.json, log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve] {error}", file=sys.stderr)
         return 2

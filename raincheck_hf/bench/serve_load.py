@@ -44,7 +44,7 @@ import torch
 from . import shapes
 from .latency import _write, hardware_info
 from .serve import (QUESTION, _timings, add_setting_arguments, claim_device, library_conversation,
-                    raincheck_settings, round_trip_tokens, user_turn)
+                    raincheck_settings, round_trip_tokens, setting_values, user_turn)
 
 BUNDLED = {"bundled_qwen3_vl": "qwen3_vl", "bundled_qwen3_5": "qwen3_5"}
 BUNDLED_IMAGE_SIZE = (320, 256)
@@ -372,10 +372,9 @@ def main(argv=None):
                    modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                    answer_tokens=args.answer_tokens,
                    follow_up_tokens=args.follow_up_tokens or max(2, args.answer_tokens // 2), think_s=args.think_s,
-                   warmup=not args.no_warmup, retention=args.retention, chunk_size=args.chunk_size,
-                   decode_guard=args.decode_guard, selector=args.selector, max_running=args.max_running,
-                   max_queue=args.max_queue, library=not args.no_library, device=args.device, threads=args.threads,
-                   json_path=args.json, plot_path=args.plot, log=lambda *a: print(*a, flush=True))
+                   warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
+                   library=not args.no_library, json_path=args.json, plot_path=args.plot,
+                   log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
         return 2
