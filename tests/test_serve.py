@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 import time
 
 import pytest
@@ -21,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 import raincheck_hf  # noqa: E402
 from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
 
-from conftest import serve_settings  # noqa: E402
+from conftest import in_threads, serve_settings  # noqa: E402
 
 KEY = "test-key"
 MAX_TOKENS = 64
@@ -158,21 +157,14 @@ def test_file_url_and_re_encoded_image_reuse_by_content(client, glyph, dialogues
 
 
 def test_two_clients_in_parallel(served, glyph, dialogues):
-    answers, errors = {}, []
+    answers = {}
 
     def run(i):
-        try:
-            c = openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
-            d = dialogues[i]
-            answers[i] = run_dialogue(c, data_url(d.image()), [t.question for t in d.turns[:2]], stream=i == 1)
-        except BaseException as error:  # surfaced below
-            errors.append(error)
+        c = openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        d = dialogues[i]
+        answers[i] = run_dialogue(c, data_url(d.image()), [t.question for t in d.turns[:2]], stream=i == 1)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(run, 2)
     assert not errors, errors
     for i in (0, 1):
         d = dialogues[i]

@@ -4,7 +4,6 @@ its rows, a failing request (or step) leaving the others alone, the settings and
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -14,7 +13,7 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import serve_settings  # noqa: E402
+from conftest import in_threads, serve_settings  # noqa: E402
 from test_serve_load import (LONG, data_url, first_message, dialogues, metric, reference, soak,  # noqa: E402,F401
                              wait_for)
 
@@ -49,6 +48,19 @@ def dialogue(base, d, turns=2, stream=False) -> list[str]:
         texts.append(text)
         messages.append({"role": "assistant", "content": text})
     return texts
+
+
+def dialogues_at_once(base, dialogues, count: int) -> dict:
+    """The first ``count`` dialogues' first two turns, each from a client thread of its own, all at once (the even
+    ones streamed): ``{i: answers}``."""
+    got = {}
+
+    def run(i):
+        got[i] = dialogue(base, dialogues[i], turns=2, stream=i % 2 == 0)
+
+    errors = in_threads(run, count)
+    assert not errors, errors
+    return got
 
 
 @pytest.fixture()
@@ -108,20 +120,7 @@ def test_a_turn_joins_a_running_answer_and_they_share_steps(batching_server, gly
 def test_concurrent_dialogues_equal_their_conversations_alone(batching_server, glyph, dialogues):
     """Four clients (two running places, two queued), streamed and not, two turns each."""
     base, _ = batching_server
-    got, errors = {}, []
-
-    def run(i):
-        try:
-            got[i] = dialogue(base, dialogues[i], turns=2, stream=i % 2 == 0)
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    got = dialogues_at_once(base, dialogues, 4)
     for i in range(4):
         d = dialogues[i]
         assert got[i] == reference(glyph, d.image(), [t.question for t in d.turns[:2]]), i
@@ -237,20 +236,8 @@ def test_batching_on_the_gated_deltanet_family(dialogues):
     model = raincheck_hf.enable(model)
     app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=3,
                                                      batching=True, max_batch_tokens=64))
-    got, errors = {}, []
     with running(app) as base:
-        def run(i):
-            try:
-                got[i] = dialogue(base, dialogues[i], turns=2, stream=i % 2 == 0)
-            except BaseException as error:
-                errors.append(error)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors, errors
+        got = dialogues_at_once(base, dialogues, 3)
     for i in range(3):
         d = dialogues[i]
         assert got[i] == reference((model, processor), d.image(), [t.question for t in d.turns[:2]]), i

@@ -372,23 +372,10 @@ class Server:
 
         def done(job):  # from the loop's thread, once
             turn.started = job.started
-            try:
-                if job.error is not None:  # reported to the client; the held conversation was not changed
-                    turn.error = job.error
-                    if not isinstance(job.error, (APIError, ValueError)):
-                        logger.error("conversation %s failed on a request", conv.id, exc_info=job.error)
-                    if conv.cache is None:  # a new conversation: nothing to hold
-                        self.store.discard(conv)
-                    else:
-                        self.store.checkin(conv)
-                else:
-                    turn.result = job.result
-                    self.store.checkin(conv)
-                    self._count(turn)
-            finally:
-                if turn.ticket is not None:  # the next queued turn may start
-                    turn.ticket.release()
-                emit(("end", turn))
+            if job.error is None:
+                turn.result = job.result
+            # after an error the held conversation was not changed; a new one holds nothing
+            self._end(turn, emit, job.error, keep=conv.cache is not None)
 
         pieces = _Pieces(self.processor.tokenizer, emit, self.metrics.tokens)
         self.scheduler.submit(BatchJob(conv, turn.request.config, inputs, turn.digests, kwargs, pieces, turn.cancel,
@@ -398,23 +385,14 @@ class Server:
         inputs, kwargs = self._checkout(turn)
 
         def work():
-            conv = turn.conversation
+            error = None
             try:
                 turn.started = time.perf_counter()
                 pieces = _Pieces(self.processor.tokenizer, emit, self.metrics.tokens)
-                turn.result = conv.answer(inputs, turn.digests, pieces, kwargs, turn.cancel)
-            except BaseException as error:  # reported to the client; the cache may be half-written: drop it
-                turn.error = error
-                if not isinstance(error, (APIError, ValueError)):
-                    logger.error("conversation %s failed on a request", conv.id, exc_info=error)
-                self.store.discard(conv)
-            else:
-                self.store.checkin(conv)
-                self._count(turn)
-            finally:
-                if turn.ticket is not None:  # the next queued turn may start
-                    turn.ticket.release()
-                emit(("end", turn))
+                turn.result = turn.conversation.answer(inputs, turn.digests, pieces, kwargs, turn.cancel)
+            except BaseException as failure:  # reported to the client; the cache may be half-written: drop it
+                error = failure
+            self._end(turn, emit, error, keep=False)
 
         thread = threading.Thread(target=work, name=f"raincheck-serve-{turn.conversation.id}", daemon=True)
         thread.start()
@@ -435,6 +413,28 @@ class Server:
             processors.append(_Sampling(temperature, top_k, top_p, seed, device))
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         return processors
+
+    def _end(self, turn: _Turn, emit, error: BaseException | None, keep: bool) -> None:
+        """A turn's end, on either path: its error (logged unless it is the request's) or its counted result; its
+        conversation back to the store (after an error only if ``keep``, else dropped); its running place given
+        back (the next queued turn may start); then ("end", turn) emitted."""
+        conv = turn.conversation
+        try:
+            if error is not None:  # reported to the client
+                turn.error = error
+                if not isinstance(error, (APIError, ValueError)):
+                    logger.error("conversation %s failed on a request", conv.id, exc_info=error)
+                if keep:
+                    self.store.checkin(conv)
+                else:
+                    self.store.discard(conv)
+            else:
+                self.store.checkin(conv)
+                self._count(turn)
+        finally:
+            if turn.ticket is not None:
+                turn.ticket.release()
+            emit(("end", turn))
 
     def _count(self, turn: _Turn) -> None:
         result = turn.result
