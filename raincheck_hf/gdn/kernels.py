@@ -139,6 +139,21 @@ def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> 
         raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(x.shape)}.")
 
 
+def _like(name: str, out: torch.Tensor, of: str, x: torch.Tensor, what: str) -> None:
+    """An output buffer ``out`` must have ``x``'s shape and dtype."""
+    _shape(name, out, tuple(x.shape), what)
+    if out.dtype != x.dtype:
+        raise ValueError(f"{name} must have {of}'s dtype {x.dtype}, got {out.dtype}.")
+
+
+def _suffix_map_dims(M: torch.Tensor) -> tuple[int, int, int]:
+    """``(B, HV, K)`` of a suffix map ``M`` ``[B, HV, K, K]``, checked."""
+    if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"M must be [B, HV, K, K], got {list(M.shape)}.")
+    bsz, heads, dk, _ = M.shape
+    return bsz, heads, dk
+
+
 def _heads(name: str, k: torch.Tensor, heads_v: int) -> int:
     """Key heads of ``k`` ``[B, T, HK, K]`` checked against ``HV`` value heads; returns ``r = HV // HK``."""
     heads_k = int(k.shape[2])
@@ -190,9 +205,7 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     Returns:
         ``M``, updated.
     """
-    if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
-        raise ValueError(f"M must be [B, HV, K, K], got {list(M.shape)}.")
-    bsz, heads, dk, _ = M.shape
+    bsz, heads, dk = _suffix_map_dims(M)
     if k.dim() != 4 or k.shape[0] != bsz or k.shape[-1] != dk or k.shape[1] < 1:
         raise ValueError(f"k must be [B, T, HK, K] = [{bsz}, T >= 1, HK, {dk}], got {list(k.shape)}.")
     seq = int(k.shape[1])
@@ -226,9 +239,7 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
     Returns:
         ``S_live``, updated.
     """
-    if M.dim() != 4 or M.shape[-1] != M.shape[-2]:
-        raise ValueError(f"M must be [B, HV, K, K], got {list(M.shape)}.")
-    bsz, heads, dk, _ = M.shape
+    bsz, heads, dk = _suffix_map_dims(M)
     if S_live.dim() != 4:
         raise ValueError(f"S_live must be [B, HV, K, V], got {list(S_live.shape)}.")
     dv = int(S_live.shape[-1])
@@ -318,9 +329,7 @@ def _check_step(S, q, k, v, g, beta, out, valid, state_out) -> None:
     _shape("g", g, (bsz, seq, heads), "[B, T, HV]")
     _shape("beta", beta, (bsz, seq, heads), "[B, T, HV]")
     if out is not None:
-        _shape("out", out, tuple(v.shape), "[B, T, HV, V]")
-        if out.dtype != v.dtype:
-            raise ValueError(f"out must have v's dtype {v.dtype}, got {out.dtype}.")
+        _like("out", out, "v", v, "[B, T, HV, V]")
     if state_out is not None:
         _shape("state_out", state_out, tuple(S.shape), "[B, HV, K, V]")
     _check_count("valid", valid, S.device)
@@ -417,13 +426,9 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be 'silu' (Qwen3.5's hidden_act) or None, got {activation!r}.")
     if out is not None:
-        _shape("out", out, tuple(x.shape), "[B, T, C]")
-        if out.dtype != x.dtype:
-            raise ValueError(f"out must have x's dtype {x.dtype}, got {out.dtype}.")
+        _like("out", out, "x", x, "[B, T, C]")
     if history_out is not None:
-        _shape("history_out", history_out, tuple(history.shape), "[B, Kc - 1, C]")
-        if history_out.dtype != history.dtype:
-            raise ValueError(f"history_out must have history's dtype {history.dtype}, got {history_out.dtype}.")
+        _like("history_out", history_out, "history", history, "[B, Kc - 1, C]")
     _check_count("rows_in", rows_in, history.device)
     if only_within_window and rows_in is None:
         raise ValueError("only_within_window needs rows_in (the count it compares with the window).")
