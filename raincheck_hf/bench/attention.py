@@ -14,7 +14,6 @@ between the two outputs. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -71,7 +70,7 @@ def _timed(fn, device, layers: int, reps: int) -> list[float]:
 
 def run(rows=(1, 32), slots=(2112, 4160), heads=32, kv_heads=8, dim=128, layers=36, reps=30, device=None,
         json_path=None, log=print) -> dict:
-    from .latency import hardware_info
+    from .latency import _write, hardware_info
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -99,9 +98,7 @@ def run(rows=(1, 32), slots=(2112, 4160), heads=32, kv_heads=8, dim=128, layers=
     for e in results:
         log(f"{e['rows']:>5} {e['slots']:>6} {e['median_s']['sdpa'] * 1e6:>9.1f} {e['median_s']['few_query'] * 1e6:>10.1f} "
             f"{e['ratio_few_query_to_sdpa']:>6.2f} {e['max_abs_diff']:>11.2e}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+    _write(result, json_path)
     return result
 
 

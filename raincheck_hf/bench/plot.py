@@ -95,22 +95,27 @@ def _sweep(run: dict, family: str, key: str):
     return [c for c, _ in points], [v * 1e3 for _, v in points]
 
 
-def plot_ttft(plt, runs, path):
-    fig, axes = _panels(plt, len(runs))
-    for ax, run in zip(axes, runs):
-        _bars(ax, run, "t1_s", "time to first token, turn 1 (ms)")
+def _save(plt, fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _bar_panels(plt, runs, path, key: str, label: str, hatch_key: str | None = None):
+    """One panel of `_bars` a run."""
+    fig, axes = _panels(plt, len(runs))
+    for ax, run in zip(axes, runs):
+        _bars(ax, run, key, label, hatch_key=hatch_key)
+    _save(plt, fig, path)
+
+
+def plot_ttft(plt, runs, path):
+    _bar_panels(plt, runs, path, "t1_s", "time to first token, turn 1 (ms)")
 
 
 def plot_tpot(plt, runs, path):
-    fig, axes = _panels(plt, len(runs))
-    for ax, run in zip(axes, runs):
-        _bars(ax, run, "tpot1_s", "TPOT, turn 1 (ms); hatched: chunk-carrying steps", hatch_key="tpot1_restoring_s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _bar_panels(plt, runs, path, "tpot1_s", "TPOT, turn 1 (ms); hatched: chunk-carrying steps",
+                hatch_key="tpot1_restoring_s")
 
 
 def plot_chunk_sweep(plt, runs, path):
@@ -144,9 +149,7 @@ def plot_chunk_sweep(plt, runs, path):
         ax.set_ylabel("ms per output token")
         ax.set_title(_title(run), fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_fused_vs_serial(plt, runs, path):
@@ -167,9 +170,7 @@ def plot_fused_vs_serial(plt, runs, path):
         ax.set_ylabel("ms per chunk-carrying decode step\n(label: serial / fused)")
         ax.set_title(_title(run) + ("" if sizes else ": no chunk ran during the answer"), fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_follow_up(plt, runs, path):
@@ -189,9 +190,7 @@ def plot_follow_up(plt, runs, path):
         ax.set_ylabel("time to first token, follow-up 2 (ms)")
         ax.set_title(_title(run), fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -214,9 +213,7 @@ def plot_step_times(plt, runs, path):
         ax.set_yscale("log")
         ax.set_title(_title(run) + (f", c={primary}" if primary else ""), fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return drawn
 
 

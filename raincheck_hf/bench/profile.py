@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -30,7 +29,7 @@ from collections import defaultdict
 import torch
 
 from . import shapes
-from .latency import TokenClock, _sync
+from .latency import TokenClock, _sync, _write
 
 
 @contextlib.contextmanager
@@ -214,9 +213,7 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
         log(f"[profile] {model_name}/{input_kind} {mode}: " + ", ".join(
             f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in s.items() if isinstance(v, float)))
         log(f"[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result["modes"][mode]["replay_s"].items()))
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=1)
+        _write(result, json_path)
     return result
 
 
