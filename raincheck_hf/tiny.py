@@ -287,9 +287,7 @@ def tiny_qwen3_vl_moe_config(tokenizer=None, num_hidden_layers: int = 4, hidden_
     from transformers import Qwen3VLMoeConfig
 
     dense = tiny_qwen3_vl_config(tokenizer, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size)
-    text = {k: v for k, v in dense.text_config.to_dict().items() if k in _TEXT_KEYS}
-    text.update(TINY_MOE, decoder_sparse_step=1, **text_overrides)
-    return Qwen3VLMoeConfig(text_config=text, vision_config=_vision_dict(dense), **_ids_of(dense))
+    return _moe_config(Qwen3VLMoeConfig, dense, _TEXT_KEYS, decoder_sparse_step=1, **text_overrides)
 
 
 def build_tiny_qwen3_vl_moe(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
@@ -310,9 +308,8 @@ def tiny_qwen3_5_moe_config(tokenizer=None, layer_types=TINY_QWEN3_5_LAYER_TYPES
     from transformers import Qwen3_5MoeConfig
 
     dense = tiny_qwen3_5_config(tokenizer, layer_types=layer_types, hidden_size=hidden_size)
-    text = {k: v for k, v in dense.text_config.to_dict().items() if k in _TEXT_KEYS + _GDN_KEYS}
-    text.update(TINY_MOE, shared_expert_intermediate_size=32, **text_overrides)
-    return Qwen3_5MoeConfig(text_config=text, vision_config=_vision_dict(dense), **_ids_of(dense))
+    return _moe_config(Qwen3_5MoeConfig, dense, _TEXT_KEYS + _GDN_KEYS, shared_expert_intermediate_size=32,
+                       **text_overrides)
 
 
 def build_tiny_qwen3_5_moe(seed: int = 0, attn_implementation: str = "sdpa", dtype=torch.float32, **config_kwargs):
@@ -332,6 +329,14 @@ _TEXT_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
               "bos_token_id"]
 _GDN_KEYS = ["layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
              "linear_value_head_dim", "linear_conv_kernel_dim"]
+
+
+def _moe_config(config_class, dense, text_keys, **text_updates):
+    """``config_class`` (an MoE family's config) with ``dense``'s text settings named in ``text_keys``, `TINY_MOE`'s
+    experts, ``text_updates``, and ``dense``'s vision tower and special token ids."""
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k in text_keys}
+    text.update(TINY_MOE, **text_updates)
+    return config_class(text_config=text, vision_config=_vision_dict(dense), **_ids_of(dense))
 
 
 def _vision_dict(config) -> dict:
