@@ -51,6 +51,34 @@ def rope_index(model, ids, mm_types, turns: list[TurnRecord]) -> torch.Tensor:
     return positions[:, 0]
 
 
+def classify_rows(turns: list[TurnRecord], n_rows: int):
+    """``(turn_of, segment, forward, keep)``, each ``[n_rows]``, of the conversation's rows: the turn, the segment (0
+    input, 1 deferred, 2 generated), the forward that wrote it (``turn * BIG + index``) and whether the cache holds
+    it (a dropped row or one still pending at the end does not)."""
+    starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
+    segment = torch.zeros(n_rows, dtype=torch.long)
+    turn_of = torch.zeros(n_rows, dtype=torch.long)
+    forward = torch.zeros(n_rows, dtype=torch.long)
+    keep = torch.ones(n_rows, dtype=torch.bool)
+    for k, t in enumerate(turns):
+        prompt_len = t.input_ids.shape[1]
+        end = t.output.sequences.shape[1] - 1
+        trace = t.output.raincheck
+        turn_of[starts[k]:end] = k
+        forward[starts[k]:prompt_len] = k * BIG
+        gen = torch.arange(prompt_len, end)
+        segment[gen] = 2
+        forward[gen] = k * BIG + (gen - prompt_len + 1)
+        for p in trace.deferred.tolist():
+            segment[p] = 1
+            forward[p] = k * BIG + (BIG - 1)  # restored in idle time after the answer unless a trace says otherwise
+        for i, restored in enumerate(trace.restored_per_forward):
+            forward[restored] = k * BIG + i  # forward 0 of turn k restores earlier turns' leftovers
+        keep[trace.dropped] = False
+    keep[turns[-1].output.raincheck.pending] = False
+    return turn_of, segment, forward, keep
+
+
 def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]:
     """Per turn, the reference logits ``[V]`` of each of its forwards (0 = prefill)."""
     cfg = model.config
@@ -88,28 +116,7 @@ def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]
     mm_types = is_image.long() + 2 * is_video.long()
     positions = rope_index(model, final, mm_types, turns)
 
-    # classify each row: turn, segment (0 input, 1 deferred, 2 generated), forward (turn, index)
-    starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
-    segment = torch.zeros(n_rows, dtype=torch.long)
-    turn_of = torch.zeros(n_rows, dtype=torch.long)
-    fwd = torch.zeros(n_rows, dtype=torch.long)
-    keep = torch.ones(n_rows, dtype=torch.bool)
-    for k, t in enumerate(turns):
-        prompt_len = t.input_ids.shape[1]
-        end = t.output.sequences.shape[1] - 1
-        trace = t.output.raincheck
-        turn_of[starts[k]:end] = k
-        fwd[starts[k]:prompt_len] = k * BIG
-        gen = torch.arange(prompt_len, end)
-        segment[gen] = 2
-        fwd[gen] = k * BIG + (gen - prompt_len + 1)
-        for p in trace.deferred.tolist():
-            segment[p] = 1
-            fwd[p] = k * BIG + (BIG - 1)  # restored in idle time unless a trace says otherwise
-        for i, restored in enumerate(trace.restored_per_forward):
-            fwd[restored] = k * BIG + i
-        keep[trace.dropped] = False
-    keep[turns[-1].output.raincheck.pending] = False
+    turn_of, segment, fwd, keep = classify_rows(turns, n_rows)
 
     order = sorted(range(n_rows), key=lambda r: (int(turn_of[r]), int(segment[r]), r))
     order = torch.tensor([r for r in order if keep[r]])

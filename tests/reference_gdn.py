@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reference import BIG, TurnRecord, _cat, rope_index
+from reference import TurnRecord, _cat, classify_rows, rope_index
 
 __all__ = ["TurnRecord", "conversation_rows", "full_rerun_logits", "gdn_reference_logits"]
 
@@ -83,30 +83,13 @@ def conversation_rows(model, turns: list[TurnRecord]) -> Rows:
     mm_types = is_image.long() + 2 * is_video.long()
     positions = rope_index(model, final, mm_types, turns)
 
-    starts = [0] + [t.output.sequences.shape[1] - 1 for t in turns[:-1]]
-    segment = torch.zeros(n_rows, dtype=torch.long)
-    turn_of = torch.zeros(n_rows, dtype=torch.long)
-    forward = torch.zeros(n_rows, dtype=torch.long)
-    keep = torch.ones(n_rows, dtype=torch.bool)
+    turn_of, segment, forward, keep = classify_rows(turns, n_rows)
     logit_rows = []
-    for k, t in enumerate(turns):
+    for t in turns:
         prompt_len = t.input_ids.shape[1]
         end = t.output.sequences.shape[1] - 1
-        trace = t.output.raincheck
-        turn_of[starts[k]:end] = k
-        forward[starts[k]:prompt_len] = k * BIG
-        gen = torch.arange(prompt_len, end)
-        segment[gen] = 2
-        forward[gen] = k * BIG + (gen - prompt_len + 1)
-        for p in trace.deferred.tolist():
-            segment[p] = 1
-            forward[p] = k * BIG + (BIG - 1)  # idle time after the answer, unless a trace says otherwise
-        for i, restored in enumerate(trace.restored_per_forward):
-            forward[restored] = k * BIG + i  # forward 0 of turn k restores earlier turns' leftovers
-        keep[trace.dropped] = False
         n_forwards = len(t.output.logits) if t.output.logits is not None else end - prompt_len + 1
         logit_rows.append([prompt_len - 1] + [prompt_len + i - 1 for i in range(1, n_forwards)])
-    keep[turns[-1].output.raincheck.pending] = False
     return Rows(embeds, positions, turn_of, segment, forward, keep, logit_rows)
 
 
