@@ -109,6 +109,29 @@ def serve_settings(argv: list[str]):
     return cli.settings_from(parser.parse_args(argv))
 
 
+def in_threads(worker, count: int, on_error=None) -> list[BaseException]:
+    """Run ``worker(i)`` for each ``i < count`` in a thread of its own and wait for them all; returns what they
+    raised. ``on_error()`` runs after each failure (a barrier's ``abort``, so the others do not wait for it)."""
+    import threading
+
+    errors = []
+
+    def run(i):
+        try:
+            worker(i)
+        except BaseException as error:  # noqa: BLE001 - returned to the test
+            errors.append(error)
+            if on_error is not None:
+                on_error()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 @contextlib.contextmanager
 def serve_demo(**build_kwargs):
     """The Gradio demo served on a free local port for the span of the block; yields its URL."""

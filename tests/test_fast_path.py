@@ -16,7 +16,7 @@ from raincheck_hf import Conversation, RaincheckConfig, restore_pending
 from raincheck_hf.fast import StaticDeferredCache
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
-from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from conftest import INPUT_CASES, in_threads, make_inputs, no_placeholder_ids
 from families import family_model, family_params, family_processor
 
 KW = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -595,20 +595,12 @@ def test_two_fast_path_conversations_in_two_threads_on_one_model(family):
         barrier.wait()
         return scores
 
-    results, errors = [None, None], []
+    results = [None, None]
 
     def run(i):
-        try:
-            results[i] = chat(images[i], [lockstep])
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-            barrier.abort()
+        results[i] = chat(images[i], [lockstep])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(run, 2, on_error=barrier.abort)
     assert not errors, errors
     for got, want in zip(results, alone):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -652,23 +644,16 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
     steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]
     towers = [VisionGraphs(adapter, use_graphs=False) for _ in caches]
     inputs = make_inputs(processor, **INPUT_CASES["one_image"])
-    barrier, errors = threading.Barrier(2), []
+    barrier = threading.Barrier(2)
 
     def capture(i):
-        try:
-            barrier.wait()
-            steps[i]._capture(adapter, caches[i], 1, True, 0)
-            towers[i]._capture(model.model.visual, ("grid", i), inputs["pixel_values"], inputs["image_grid_thw"],
-                               adapter.vision_grid_kwargs(model.model.visual, inputs["image_grid_thw"]))
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+        barrier.wait()
+        steps[i]._capture(adapter, caches[i], 1, True, 0)
+        towers[i]._capture(model.model.visual, ("grid", i), inputs["pixel_values"], inputs["image_grid_thw"],
+                           adapter.vision_grid_kwargs(model.model.visual, inputs["image_grid_thw"]))
 
     with torch.no_grad():
-        threads = [threading.Thread(target=capture, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = in_threads(capture, 2)
     assert not errors, errors
     assert state["overlaps"] == 0 and all(s._captured for s in steps) and all(t._captured for t in towers)
 

@@ -98,27 +98,36 @@ def test_eager_attention_matches_reference(eager_model, processor):
     assert_matches_reference(eager_model, [record(inputs, out)])
 
 
-def test_trace_accounts_for_every_multimodal_token(model, case_inputs):
-    out = greedy(model, case_inputs, n=6, raincheck=RaincheckConfig(chunk_size=3, decode_guard=2),
-                 return_dict_in_generate=True)
-    t = out.raincheck
-    ids = case_inputs["input_ids"][0]
+def assert_trace_accounts_for_every_multimodal_token(model, inputs, run=greedy):
+    """Each image / video token selected or deferred, each deferred one restored (or pending) exactly once, in
+    source order; ``run`` is the file's greedy call (here and in test_qwen3_5)."""
+    t = run(model, inputs, n=6, raincheck=RaincheckConfig(chunk_size=3, decode_guard=2),
+            return_dict_in_generate=True).raincheck
+    ids = inputs["input_ids"][0]
     visual = ((ids == model.config.image_token_id) | (ids == model.config.video_token_id)).nonzero().flatten()
     assert torch.equal(torch.sort(torch.cat([t.selected, t.deferred])).values, visual)
     restored = torch.cat(t.restored_per_forward + [t.pending])
     assert torch.equal(torch.sort(restored).values, t.deferred)  # each deferred token exactly once
-    assert torch.equal(t.deferred, torch.sort(t.deferred).values)  # source order
+    assert torch.equal(t.deferred, torch.sort(t.deferred).values)
+
+
+def test_trace_accounts_for_every_multimodal_token(model, case_inputs):
+    assert_trace_accounts_for_every_multimodal_token(model, case_inputs)  # source order
 
 
 # ---- hard, post_answer, serial --------------------------------------------------------------------
 
-def test_modes_share_one_selection(model, case_inputs):
-    traces = {m: greedy(model, case_inputs, n=3, raincheck=RaincheckConfig(mode=m, retention=0.3),
-                        return_dict_in_generate=True).raincheck for m in ("hard", "post_answer", "raincheck", "serial")}
+def assert_modes_share_one_selection(model, inputs, run=greedy):
+    traces = {m: run(model, inputs, n=3, raincheck=RaincheckConfig(mode=m, retention=0.3),
+                     return_dict_in_generate=True).raincheck for m in ("hard", "post_answer", "raincheck", "serial")}
     for t in traces.values():
         assert torch.equal(t.selected, traces["raincheck"].selected)
     assert torch.equal(traces["hard"].dropped, traces["hard"].deferred)
     assert torch.equal(traces["post_answer"].pending, traces["post_answer"].deferred)
+
+
+def test_modes_share_one_selection(model, case_inputs):
+    assert_modes_share_one_selection(model, case_inputs)
 
 
 def test_hard_equals_stock_on_pruned_sequence(model, processor):
@@ -154,10 +163,10 @@ def test_hard_equals_stock_on_pruned_sequence(model, processor):
     assert out.sequences[0, ids.shape[0]:].tolist() == tokens[: out.sequences.shape[1] - ids.shape[0]]
 
 
-def test_serial_agrees_with_fused(model, case_inputs):
+def assert_serial_agrees_with_fused(model, inputs, run=greedy):
     kw = dict(n=12, return_dict_in_generate=True, output_logits=True)
-    fused = greedy(model, case_inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1), **kw)
-    serial = greedy(model, case_inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1, mode="serial"), **kw)
+    fused = run(model, inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1), **kw)
+    serial = run(model, inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1, mode="serial"), **kw)
     assert torch.equal(fused.sequences, serial.sequences)
     for a, b in zip(fused.logits, serial.logits):
         assert (a - b).abs().max() <= TOL
@@ -165,14 +174,21 @@ def test_serial_agrees_with_fused(model, case_inputs):
         r.tolist() for r in serial.raincheck.restored_per_forward]
 
 
+def test_serial_agrees_with_fused(model, case_inputs):
+    assert_serial_agrees_with_fused(model, case_inputs)
+
+
+def assert_post_answer_restores_nothing_during_decode(model, inputs, run=greedy, **kw):
+    out = run(model, inputs, raincheck=RaincheckConfig(mode="post_answer", decode_guard=0),
+              return_dict_in_generate=True, **kw)
+    assert out.raincheck.restored_during_decode == 0
+    hard = run(model, inputs, raincheck=RaincheckConfig(mode="hard"), return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, hard.sequences)  # same visible context during the answer
+
+
 def test_post_answer_restores_nothing_during_decode(model, processor):
     inputs = make_inputs(processor, **INPUT_CASES["one_image"])
-    out = greedy(model, inputs, raincheck=RaincheckConfig(mode="post_answer", decode_guard=0),
-                 return_dict_in_generate=True, output_logits=True)
-    assert out.raincheck.restored_during_decode == 0
-    hard = greedy(model, inputs, raincheck=RaincheckConfig(mode="hard"), return_dict_in_generate=True,
-                  output_logits=True)
-    assert torch.equal(out.sequences, hard.sequences)  # same visible context during the answer
+    assert_post_answer_restores_nothing_during_decode(model, inputs, output_logits=True)
 
 
 # ---- multi-turn ------------------------------------------------------------------------------------
@@ -215,6 +231,11 @@ def test_completed_cache_holds_every_prompt_token_once(model, processor):
     inputs = make_inputs(processor, **INPUT_CASES["image_and_video"])
     out = greedy(model, inputs, n=5, raincheck=RaincheckConfig(decode_guard=2, chunk_size=2),
                  return_dict_in_generate=True)
+    assert_completed_cache_holds_every_prompt_token_once(model, inputs, out)
+
+
+def assert_completed_cache_holds_every_prompt_token_once(model, inputs, out):
+    """Once ``out``'s pending rows are restored, its cache holds each prompt position exactly once."""
     cache = out.cache
     restore_pending(model, cache)
     prompt_len = inputs["input_ids"].shape[1]
@@ -224,15 +245,21 @@ def test_completed_cache_holds_every_prompt_token_once(model, processor):
     assert cache.get_seq_length() == cache.num_rows == out.sequences.shape[1] - 1
 
 
-def test_completion_barrier_same_cache_either_way(model, processor):
-    """Restoring chunk by chunk and all at once leave the same keys and values."""
-    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+def restored_both_ways(model, inputs, n, run=greedy):
+    """The caches of two equal calls (most tokens deferred, none restored during the answer), the pending rows of
+    one restored all at once, of the other three at a time."""
     cfg = RaincheckConfig(retention=0.2, decode_guard=100)
-    a = greedy(model, inputs, n=4, raincheck=cfg, return_dict_in_generate=True).cache
-    b = greedy(model, inputs, n=4, raincheck=cfg, return_dict_in_generate=True).cache
+    a = run(model, inputs, n=n, raincheck=cfg, return_dict_in_generate=True).cache
+    b = run(model, inputs, n=n, raincheck=cfg, return_dict_in_generate=True).cache
     restore_pending(model, a)
     while b.num_pending:
         restore_pending(model, b, max_tokens=3)
+    return a, b
+
+
+def test_completion_barrier_same_cache_either_way(model, processor):
+    """Restoring chunk by chunk and all at once leave the same keys and values."""
+    a, b = restored_both_ways(model, make_inputs(processor, **INPUT_CASES["one_image"]), 4)
     assert torch.equal(a.row_keys, b.row_keys)
     for la, lb in zip(a.layers, b.layers):
         assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)

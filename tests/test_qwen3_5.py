@@ -25,8 +25,11 @@ from raincheck_hf.models import get_adapter
 from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
-from reference import TurnRecord
 from reference_gdn import full_rerun_logits, gdn_reference_logits
+from test_generation import (assert_completed_cache_holds_every_prompt_token_once, assert_modes_share_one_selection,
+                             assert_post_answer_restores_nothing_during_decode, assert_serial_agrees_with_fused,
+                             assert_trace_accounts_for_every_multimodal_token, record, restored_both_ways,
+                             second_turn)
 
 TOL = 1e-4
 
@@ -36,11 +39,6 @@ TOL = 1e-4
 
 def greedy(model, inputs, n=12, **kw):
     return model.generate(**inputs, max_new_tokens=n, do_sample=False, suppress_tokens=no_placeholder_ids(model), **kw)
-
-
-def record(inputs, out):
-    return TurnRecord(inputs["input_ids"], out, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
-                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
 
 
 def max_diffs(records, refs):
@@ -53,19 +51,6 @@ def assert_close_per_forward(records, refs, what):
         assert len(rec.output.logits) == len(refs[k])
         for i, diff in enumerate(diffs):
             assert diff <= TOL, f"{what}: turn {k} forward {i}: max abs logit diff {diff:.2e}"
-
-
-def second_turn(processor, sequences, images=(), text="And what colour is the corner?"):
-    turn = make_inputs(processor, images=images, text=text)
-    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    glue = [eos] if sequences[0, -1] != eos else []
-    glue += processor.tokenizer("\n", add_special_tokens=False)["input_ids"]
-    ids = torch.cat([sequences, torch.tensor([glue]), turn["input_ids"]], dim=1)
-    turn = dict(turn)
-    turn["input_ids"] = ids
-    turn["attention_mask"] = torch.ones_like(ids)
-    turn.pop("mm_token_type_ids", None)
-    return turn
 
 
 # ---- identical to stock -------------------------------------------------------------------------
@@ -166,26 +151,11 @@ def test_eager_attention_matches_reference(eager_qwen35, processor):
 
 def test_trace_accounts_for_every_multimodal_token(qwen35, processor):
     for case in ("two_images", "image_and_video"):
-        inputs = make_inputs(processor, **INPUT_CASES[case])
-        t = greedy(qwen35, inputs, n=6, raincheck=RaincheckConfig(chunk_size=3, decode_guard=2),
-                   return_dict_in_generate=True).raincheck
-        ids = inputs["input_ids"][0]
-        cfg = qwen35.config
-        visual = ((ids == cfg.image_token_id) | (ids == cfg.video_token_id)).nonzero().flatten()
-        assert torch.equal(torch.sort(torch.cat([t.selected, t.deferred])).values, visual)
-        restored = torch.cat(t.restored_per_forward + [t.pending])
-        assert torch.equal(torch.sort(restored).values, t.deferred)  # each deferred token exactly once
-        assert torch.equal(t.deferred, torch.sort(t.deferred).values)
+        assert_trace_accounts_for_every_multimodal_token(qwen35, make_inputs(processor, **INPUT_CASES[case]), greedy)
 
 
 def test_modes_share_one_selection(qwen35, processor):
-    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
-    traces = {m: greedy(qwen35, inputs, n=3, raincheck=RaincheckConfig(mode=m, retention=0.3),
-                        return_dict_in_generate=True).raincheck for m in ("hard", "post_answer", "raincheck", "serial")}
-    for t in traces.values():
-        assert torch.equal(t.selected, traces["raincheck"].selected)
-    assert torch.equal(traces["hard"].dropped, traces["hard"].deferred)
-    assert torch.equal(traces["post_answer"].pending, traces["post_answer"].deferred)
+    assert_modes_share_one_selection(qwen35, make_inputs(processor, **INPUT_CASES["one_image"]), greedy)
 
 
 def test_hard_equals_stock_on_pruned_sequence(qwen35, processor):
@@ -228,24 +198,12 @@ def test_hard_equals_stock_on_pruned_sequence(qwen35, processor):
 
 
 def test_serial_agrees_with_fused(qwen35, processor):
-    inputs = make_inputs(processor, **INPUT_CASES["video"])
-    kw = dict(n=12, return_dict_in_generate=True, output_logits=True)
-    fused = greedy(qwen35, inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1), **kw)
-    serial = greedy(qwen35, inputs, raincheck=RaincheckConfig(chunk_size=4, decode_guard=1, mode="serial"), **kw)
-    assert torch.equal(fused.sequences, serial.sequences)
-    for a, b in zip(fused.logits, serial.logits):
-        assert (a - b).abs().max() <= TOL
-    assert [r.tolist() for r in fused.raincheck.restored_per_forward] == [
-        r.tolist() for r in serial.raincheck.restored_per_forward]
+    assert_serial_agrees_with_fused(qwen35, make_inputs(processor, **INPUT_CASES["video"]), greedy)
 
 
 def test_post_answer_restores_nothing_during_decode(qwen35, processor):
-    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
-    out = greedy(qwen35, inputs, raincheck=RaincheckConfig(mode="post_answer", decode_guard=0),
-                 return_dict_in_generate=True)
-    assert out.raincheck.restored_during_decode == 0
-    hard = greedy(qwen35, inputs, raincheck=RaincheckConfig(mode="hard"), return_dict_in_generate=True)
-    assert torch.equal(out.sequences, hard.sequences)  # same visible context during the answer
+    assert_post_answer_restores_nothing_during_decode(qwen35, make_inputs(processor, **INPUT_CASES["one_image"]),
+                                                      greedy)
 
 
 # ---- the cache ------------------------------------------------------------------------------------
@@ -260,25 +218,14 @@ def test_completed_cache_holds_every_prompt_token_once(qwen35, processor):
                  return_dict_in_generate=True)
     cache = out.cache
     assert len(_gdn_layers(cache)) == 3  # HF's layers, upgraded in place on the first forward
-    restore_pending(qwen35, cache)
-    prompt_len = inputs["input_ids"].shape[1]
-    sources = cache.row_sources
-    prompt_rows = sources[sources < prompt_len]
-    assert torch.equal(torch.sort(prompt_rows).values, torch.arange(prompt_len))
-    assert cache.get_seq_length() == cache.num_rows == out.sequences.shape[1] - 1
+    assert_completed_cache_holds_every_prompt_token_once(qwen35, inputs, out)
     cache.reset()
     assert all(layer.suffix_map is None for layer in _gdn_layers(cache))
 
 
 def test_completion_barrier_same_state_either_way(qwen35, processor):
     """Restoring chunk by chunk and all at once leave the same keys, values and GDN states."""
-    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
-    cfg = RaincheckConfig(retention=0.2, decode_guard=100)
-    a = greedy(qwen35, inputs, n=6, raincheck=cfg, return_dict_in_generate=True).cache
-    b = greedy(qwen35, inputs, n=6, raincheck=cfg, return_dict_in_generate=True).cache
-    restore_pending(qwen35, a)
-    while b.num_pending:
-        restore_pending(qwen35, b, max_tokens=3)
+    a, b = restored_both_ways(qwen35, make_inputs(processor, **INPUT_CASES["one_image"]), 6, greedy)
     assert torch.equal(a.row_keys, b.row_keys)
     n_gdn = 0
     for idx, (la, lb) in enumerate(zip(a.layers, b.layers)):
