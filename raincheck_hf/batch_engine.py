@@ -14,7 +14,7 @@ mode) over the rows of every sequence that has work:
   that ran its last piece. While the decode rows alone fill the budget, prompts wait.
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
-caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched.batched_sample`).
+caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
 
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
@@ -37,14 +37,15 @@ import contextlib
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .batched import RowGroup, SequenceState, new_sequence
+from .batched import RowGroup, SequenceState, new_sequence, start_sequences
 from .cache_utils import DeferredDynamicCache
+from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .configuration import RaincheckConfig
 from .kv_pool import SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
-__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler"]
+__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "batched_sample"]
 
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
 
@@ -278,3 +279,67 @@ class BatchEngine:
         for entries in self.scheduler.schedule(self.adapter, self.sequences):
             logits.update(self.runner.run(entries))
         return logits
+
+
+# ---- `generate` with a batch of prompts: every row joins at step 0 ----------------------------------------
+
+def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                   streamer=None, raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
+                   raincheck_streamer=None, raincheck_captures=None, raincheck_pixels=None, **model_kwargs):
+    """The ``custom_generate`` callable for ``input_ids [B, L]``, B > 1 (`integration.enable` passes it instead of
+    `generation.raincheck_sample`; same signature; see `batched`'s module docstring): one driver over a
+    `BatchEngine` in which every row joins at step 0 (its whole prompt in the first forward) and leaves when it
+    finishes; choosing tokens (HF's processors, sampling, stopping criteria, streamer) stays here.
+    ``raincheck_pixels`` is always None for a batch (the wrapper holds pixels back for batch 1 only)."""
+    streamer = streamer if streamer is not None else raincheck_streamer
+    if raincheck_streamer is not None:
+        raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
+    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    adapter = get_adapter(model)
+    grids = raincheck_grids or {}
+    states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
+                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
+    engine = BatchEngine(model, config, num_slots=len(states),
+                         capacity=max(len(s.prefill) + s.num_pending for s in states)
+                         + generation_config.max_length - input_ids.shape[1] + 1)
+    for s in states:
+        engine.join(s)
+    caches: list[DeferredDynamicCache | None] = [None] * len(states)
+
+    logits = engine.step()  # forward 0: each sequence's T ∪ S
+    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
+    leaves = finished_pad is not None  # a finished row's tokens are pads from then on
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    active = list(states)  # the sequences still in the engine
+    while True:
+        first = next(iter(logits.values()))
+        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
+        for s in active:
+            full[s.index] = logits[s]
+        next_tokens, scores, raw_logits = choose_next_tokens(
+            full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
+            finished_pad)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        if bool(unfinished.max() == 0):
+            break
+        if leaves:  # finished sequences leave the engine (their slots with them)
+            for s in [s for s in active if not bool(unfinished[s.index])]:
+                caches[s.index] = engine.remove(s)
+                active.remove(s)
+        tokens = next_tokens.cpu()
+        for s in active:
+            engine.feed(s, tokens[s.index])
+        logits = engine.step()
+
+    for s in active:
+        caches[s.index] = engine.remove(s)
+    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
+                                   raincheck=traces)

@@ -1,7 +1,7 @@
 """Batched `generate(raincheck=...)`: several sequences' rows in one forward (eager engine, every family).
 
-``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here from
-`generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
+``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here through
+`batch_engine.batched_sample`. The prompts are left-padded as HF users pass them (the processor with
 ``padding_side="left"`` and its ``attention_mask``), each row with its own images / videos. Every row is
 its own sequence (`SequenceState`): it is encoded, selected and planned exactly as the same call on that
 row alone (without its padding) would do it (`new_sequence`), keeps its own pending deferred rows, 3-D
@@ -13,8 +13,8 @@ writes its rows at its own offsets there; one packed forward ``[B, W]`` per step
 ``RowGroup`` (a prefill: its T ∪ S rows; a decode step: its ``[chunk?, token]``), shorter groups padded at the
 end, and a query sees the rows of its own slot whose order key is not larger than its own (the batch-1
 engine's rule; padding rows keep the empty key, so nothing of another sequence or of padding is visible).
-`batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in the first
-forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
+`batch_engine.batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in
+the first forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
 
 A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
 `generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove`: its slot is
@@ -190,7 +190,7 @@ class SequenceState:
     """Everything of one sequence in a batched engine: what the batch-1 loop keeps in its locals and cache.
 
     Attributes:
-        index: its row in the call's ``input_ids`` (`batched_sample`), or its arrival number (`BatchEngine.add`).
+        index: its row in the call's ``input_ids`` (`batch_engine.batched_sample`), or its arrival number (`BatchEngine.add`).
         pad: the row's left padding (its source positions count from the first real token).
         ids: ``[L_i]`` the conversation's source tokens before its answer (for a continued conversation: the held
             cache's source ids, then the new turn's).
@@ -454,63 +454,3 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
                                 else None),
         ))
     return states
-
-
-def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                   raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
-                   raincheck_captures=None, **model_kwargs):
-    """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring): one driver over a
-    `batch_engine.BatchEngine` in which every row joins at step 0 (its whole prompt in the first forward) and leaves
-    when it finishes; choosing tokens (HF's processors, sampling, stopping criteria, streamer) stays here."""
-    from .batch_engine import BatchEngine
-    from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
-
-    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
-    adapter = get_adapter(model)
-    grids = raincheck_grids or {}
-    states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
-                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
-    engine = BatchEngine(model, config, num_slots=len(states),
-                         capacity=max(len(s.prefill) + s.num_pending for s in states)
-                         + generation_config.max_length - input_ids.shape[1] + 1)
-    for s in states:
-        engine.join(s)
-    caches: list[DeferredDynamicCache | None] = [None] * len(states)
-
-    logits = engine.step()  # forward 0: each sequence's T ∪ S
-    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
-    leaves = finished_pad is not None  # a finished row's tokens are pads from then on
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    active = list(states)  # the sequences still in the engine
-    while True:
-        first = next(iter(logits.values()))
-        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
-        for s in active:
-            full[s.index] = logits[s]
-        next_tokens, scores, raw_logits = choose_next_tokens(
-            full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
-            finished_pad)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if streamer is not None:
-            streamer.put(next_tokens.cpu())
-        if bool(unfinished.max() == 0):
-            break
-        if leaves:  # finished sequences leave the engine (their slots with them)
-            for s in [s for s in active if not bool(unfinished[s.index])]:
-                caches[s.index] = engine.remove(s)
-                active.remove(s)
-        tokens = next_tokens.cpu()
-        for s in active:
-            engine.feed(s, tokens[s.index])
-        logits = engine.step()
-
-    for s in active:
-        caches[s.index] = engine.remove(s)
-    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
-                                   raincheck=traces)
