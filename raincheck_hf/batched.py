@@ -190,7 +190,8 @@ class SequenceState:
     """Everything of one sequence in a batched engine: what the batch-1 loop keeps in its locals and cache.
 
     Attributes:
-        index: its row in the call's ``input_ids`` (`batch_engine.batched_sample`), or its arrival number (`BatchEngine.add`).
+        index: its row in the call's ``input_ids`` (`batch_engine.batched_sample`), or its arrival number
+            (`BatchEngine.add`).
         pad: the row's left padding (its source positions count from the first real token).
         ids: ``[L_i]`` the conversation's source tokens before its answer (for a continued conversation: the held
             cache's source ids, then the new turn's).
