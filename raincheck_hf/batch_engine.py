@@ -40,6 +40,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from .batched import RowGroup, SequenceState, new_sequence
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
+from .fast import batched_graphs
 from .kv_pool import SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
@@ -170,24 +171,34 @@ class BatchEngine:
         token_budget: rows per step (decode rows first, then prompt pieces); None: no limit (a prompt's whole
             prefill in its first step).
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
+        graphs: run the steps that carry decode rows only as captured CUDA graphs per (batch bucket, width, span
+            bucket) (`fast.batched_graphs`; on a CPU model the same static-buffer step runs eagerly); None: follow
+            ``config.fast_path`` (None: on CUDA for the families that support it: the attention families, the
+            MoE ones with transformers' ``grouped_mm`` experts in bfloat16). Prompt pieces and the Gated DeltaNet
+            families always run on the eager `ForwardRunner`. With graphs, the pool (and its graphs) comes from
+            the ones kept per model and goes back with `close`.
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
-                 num_slots: int = 4, capacity: int = 256):
+                 num_slots: int = 4, capacity: int = 256, graphs: bool | None = None):
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
-        if self.config.fast_path is True:
-            raise ValueError("RaincheckConfig.fast_path=True: BatchEngine is the eager engine (the CUDA fast path runs "
-                             "one conversation at a time); use fast_path=None or False with it.")
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
+        use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
         self.scheduler = RowScheduler(self.config, token_budget)
         self.text_config = model.config.get_text_config()
-        self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
+        self.graphs = None
+        if use_graphs:
+            self.graphs = batched_graphs.acquire(self.adapter, self.text_config.num_hidden_layers, num_slots, capacity)
+            self.pool = self.graphs.pool
+        else:
+            self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
         self.recurrent = self.adapter.packed_states(self.pool.num_slots)  # None: attention layers only
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._arrivals = 0
+        self._closed = False
 
     # ---- joining and leaving ------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, *, cache: DeferredDynamicCache | None = None, captures=None,
@@ -197,6 +208,8 @@ class BatchEngine:
         ``image_grid_thw`` / ``video_grid_thw``, ``second_per_grid_ts``), or the next turn of a held
         conversation: ``cache`` (a batch-1 `DeferredDynamicCache`, left unchanged) and ``input_ids`` the whole
         conversation as a batch-1 follow-up takes them. ``captures``: the prompt's VisionZip record."""
+        if self._closed:
+            raise ValueError("BatchEngine.add after close(): the engine gave its pool back; make a new engine.")
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
@@ -215,6 +228,8 @@ class BatchEngine:
     def join(self, state: SequenceState, cache: DeferredDynamicCache | None = None) -> None:
         """Give ``state`` (from `batched.new_sequence`) a slot; with ``cache`` (the held conversation it continues),
         copy its KV rows, order keys and recurrent states in."""
+        if self._closed:
+            raise ValueError("BatchEngine.join after close(): the engine gave its pool back; make a new engine.")
         slot = self.pool.allocate()
         if self.recurrent is not None:
             self.recurrent.grow(self.pool.num_slots)
@@ -265,5 +280,16 @@ class BatchEngine:
         ``[V]`` of each sequence that has them (a fed token ran, or its prompt's last piece)."""
         logits = {}
         for entries in self.scheduler.schedule(self.adapter, self.sequences):
-            logits.update(self.runner.run(entries))
+            if self.graphs is not None and batched_graphs.decode_only(entries):
+                logits.update(self.graphs.run(entries, self.config))
+            else:
+                logits.update(self.runner.run(entries))
         return logits
+
+    def close(self) -> None:
+        """Give the pool (with its captured graphs) back for later engines on the model, once every sequence has
+        left (else it is simply dropped with the engine). The engine takes no sequence after this."""
+        if self.graphs is not None and not self.sequences:
+            batched_graphs.release(self.graphs)
+        self.graphs = None
+        self._closed = True

@@ -30,6 +30,10 @@ layout (the paging only pays with an attention kernel that reads blocks in place
 does not have). Slots waste the unused tail of each slot's capacity; blocks waste less. That trade was not
 measured here: it is the fast path's decision.
 
+A pool made with ``scratch_slot=True`` (the captured decode steps of `fast.batched_graphs`) holds one more slot
+than it hands out, ``scratch``: the padding rows of a batch-size bucket write there (their keys stay ``MAX_KEY``;
+nobody reads them). ``version`` counts reallocations: graphs captured on the old tensors are recaptured.
+
 Gated DeltaNet layers keep no KV rows: their layers here stay empty (the family's packed GDN step keeps the
 states per slot, `batched_gdn.PackedGDNStates`).
 """
@@ -81,7 +85,7 @@ class SlotKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states):
         pool = self.pool
-        shape = lambda t: (pool.num_slots, t.shape[1], pool.capacity, t.shape[-1])  # noqa: E731
+        shape = lambda t: (pool.total_slots, t.shape[1], pool.capacity, t.shape[-1])  # noqa: E731
         self.keys = key_states.new_zeros(shape(key_states))
         self.values = value_states.new_zeros(shape(value_states))
         self.is_initialized = True
@@ -137,17 +141,31 @@ class SlotKVPool(Cache):
         device: where ``slot_keys`` live (the model's input device).
     """
 
-    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None):
+    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None,
+                 scratch_slot: bool = False):
         if int(num_slots) < 1 or int(capacity) < 1:
             raise ValueError(f"SlotKVPool needs num_slots >= 1 and capacity >= 1, got {num_slots} and {capacity}.")
         self.num_slots = int(num_slots)
         self.capacity = _round_up(max(int(capacity), MIN_CAPACITY), ROW_ROUNDING)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.has_scratch = bool(scratch_slot)
         super().__init__(layers=[SlotKVLayer(self, i) for i in range(int(num_layers))])
-        self.slot_keys = torch.full((self.num_slots, self.capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        self.slot_keys = torch.full((self.total_slots, self.capacity), MAX_KEY, dtype=torch.long, device=self.device)
         self.lengths = [0] * self.num_slots
         self._free = list(range(self.num_slots))
         self.step: SlotStep | None = None
+        self.version = 0  # bumped whenever the tensors are reallocated (captured graphs hold their addresses)
+
+    @property
+    def total_slots(self) -> int:
+        """Slots in the tensors: ``num_slots``, plus the scratch slot (index ``num_slots``) where the pool has one."""
+        return self.num_slots + int(self.has_scratch)
+
+    @property
+    def scratch(self) -> int | None:
+        """The scratch slot (never allocated; the padding rows of a batch bucket write there, its keys stay
+        ``MAX_KEY``), or None."""
+        return self.num_slots if self.has_scratch else None
 
     # ---- slots ------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -174,14 +192,16 @@ class SlotKVPool(Cache):
             self._resize(self.num_slots, capacity)
 
     def _resize(self, num_slots: int, capacity: int) -> None:
-        keys = torch.full((num_slots, capacity), MAX_KEY, dtype=torch.long, device=self.device)
-        keys[:self.num_slots, :self.capacity] = self.slot_keys
+        total = num_slots + int(self.has_scratch)
+        keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)
         self.slot_keys = keys
         for layer in self.layers:
-            layer.resize(num_slots, capacity)
+            layer.resize(total, capacity)
         self._free += list(range(self.num_slots, num_slots))
         self.lengths += [0] * (num_slots - self.num_slots)
         self.num_slots, self.capacity = num_slots, capacity
+        self.version += 1
 
     # ---- one forward ------------------------------------------------------------------------
     def begin_step(self, slots: list[int], query_keys: list[torch.Tensor], width: int) -> torch.Tensor:
