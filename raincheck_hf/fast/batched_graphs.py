@@ -304,37 +304,43 @@ class BatchedStepGraphs:
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
-        padding sequences in the scratch slot."""
+        padding sequences in the scratch slot. A few copies per buffer, whatever the batch (host time per step)."""
+        device = buffers.embeds.device
         batch, width = buffers.query_keys.shape
         n = len(entries)
         lengths = [len(g) for _, g in entries]
-        host_slots = torch.full((batch,), scratch, dtype=torch.long)
-        host_slots[:n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
-        host_starts = torch.zeros(batch, dtype=torch.long)
-        host_starts[:n] = torch.tensor(starts, dtype=torch.long)
-        host_last = torch.zeros(batch, dtype=torch.long)
-        host_last[:n] = torch.tensor(lengths, dtype=torch.long) - 1
-        buffers.slots.copy_(host_slots)
-        buffers.write.copy_(host_starts[:, None] + torch.arange(width)[None])
-        buffers.last.copy_(host_last)
+        host = torch.zeros(3, batch, dtype=torch.long)  # slots, starts, last rows
+        host[0].fill_(scratch)
+        host[0, :n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
+        host[1, :n] = torch.tensor(starts, dtype=torch.long)
+        host[2, :n] = torch.tensor(lengths, dtype=torch.long) - 1
+        dest = torch.cat([b * width + torch.arange(rows) for b, rows in enumerate(lengths)])
+        visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
+        if buffers.deepstack:
+            for rows, v in zip(lengths, visual):
+                if v >= rows:  # a decode group's visual rows are its leading deferred rows (`decode_only`)
+                    raise RuntimeError(f"a decode group of {rows} rows carries {v} DeepStack rows")
+        ds_dest = torch.cat([b * width + torch.arange(v) for b, v in enumerate(visual)])
+        host = host.to(device, non_blocking=True)
+        dest, ds_dest = dest.to(device, non_blocking=True), ds_dest.to(device, non_blocking=True)
+        buffers.slots.copy_(host[0])
+        buffers.write.copy_(host[1][:, None] + torch.arange(width, device=device)[None])
+        buffers.last.copy_(host[2])
         buffers.embeds.zero_()
         buffers.positions.zero_()
         buffers.query_keys.fill_(MAX_KEY)
-        for addend in buffers.deepstack:
+        groups = [g for _, g in entries]
+        buffers.embeds.view(batch * width, -1).index_copy_(
+            0, dest, torch.cat([g.batch.embeds.to(device, buffers.embeds.dtype) for g in groups]))
+        buffers.positions.view(3, batch * width).index_copy_(
+            1, dest, torch.cat([g.batch.positions.to(device) for g in groups], dim=1))
+        buffers.query_keys.view(-1).index_copy_(0, dest, torch.cat([g.keys.to(device) for g in groups]))
+        for i, addend in enumerate(buffers.deepstack):
             addend.zero_()
-        for b, (_, group) in enumerate(entries):
-            rows = lengths[b]
-            buffers.embeds[b, :rows].copy_(group.batch.embeds)
-            buffers.positions[:, b, :rows].copy_(group.batch.positions)
-            buffers.query_keys[b, :rows].copy_(group.keys)
-            features = group.batch.deepstack
-            if buffers.deepstack and features is not None and features[0].shape[0]:
-                # a decode group's visual rows are its leading deferred rows (`decode_only`), in order
-                visual = int(features[0].shape[0])
-                if visual >= rows:
-                    raise RuntimeError(f"a decode group of {rows} rows carries {visual} DeepStack rows")
-                for addend, layer in zip(buffers.deepstack, features):
-                    addend[b, :visual].copy_(layer)
+            features = [g.batch.deepstack[i] for g, v in zip(groups, visual) if v]
+            if features:
+                addend.view(batch * width, -1).index_copy_(
+                    0, ds_dest, torch.cat(features).to(device, addend.dtype))
 
 
 # ---- pools and their graphs, kept per model for later engines (a capture is paid once per key and model) ----
