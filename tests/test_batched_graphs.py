@@ -229,3 +229,20 @@ def test_buckets():
     auto, fixed = RaincheckConfig(chunk_size="auto"), RaincheckConfig(chunk_size=3)
     assert [batched_graphs.width_bucket(w, auto) for w in (1, 2, 8, 9, 33, 64)] == [1, 8, 8, 16, 64, 64]
     assert [batched_graphs.width_bucket(w, fixed) for w in (1, 2, 3, 4, 5)] == [1, 4, 4, 4, 8]
+
+
+def test_a_kept_pool_does_not_keep_its_model_alive(replay_log):
+    """The pool a batched call leaves for the model's next call holds no reference to the model: once the model is
+    gone, so is its entry."""
+    import gc
+
+    import raincheck_hf
+    from families import BY_NAME
+
+    model = raincheck_hf.enable(BY_NAME["qwen3_vl"].build(seed=0))
+    inputs = batched_inputs(family_processor("qwen3_vl"), [IMAGE, TEXT])
+    run(model, inputs, RaincheckConfig(chunk_size=2, fast_path=True), 3)
+    assert len(batched_graphs._POOLED) == 1 and replay_log
+    del model
+    gc.collect()
+    assert len(batched_graphs._POOLED) == 0

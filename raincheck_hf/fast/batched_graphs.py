@@ -372,9 +372,11 @@ def release(graphs: BatchedStepGraphs) -> None:
     pool = graphs.pool
     if pool.step is not None or len(pool._free) != pool.num_slots:
         return
+    text_model = graphs.adapter.text_model
     with _POOLED_LOCK:
-        free = _POOLED.setdefault(graphs.adapter.text_model, [])
+        free = _POOLED.setdefault(text_model, [])
         if len(free) < POOLED_PER_MODEL and all(g is not graphs for g in free):
+            graphs.adapter = None  # a kept pool holds no reference to the model (the key is weak)
             free.append(graphs)
 
 
