@@ -253,11 +253,17 @@ class BatchEngine:
         if seq.prefilled:
             cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
             seq.trace.pending = cache.pending_sources
-        self.pool.release(seq.slot)
+        hole = seq.slot
+        self.pool.release(hole)
         if self.recurrent is not None:
-            self.recurrent.reset(seq.slot)
+            self.recurrent.reset(hole)
         seq.slot = None
         self.sequences.remove(seq)
+        if self.graphs is not None:  # keep the sequences in the lowest slots (captured steps read views of them)
+            last = max(self.sequences, key=lambda s: s.slot, default=None)
+            if last is not None and last.slot > hole:
+                self.pool.move(last.slot, hole)
+                last.slot = hole
         return cache
 
     # ---- stepping --------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ One forward over the sequences in slots ``slots [B]`` (`begin_step` ... `end_ste
   output, so no NaN reaches a later layer's stored rows);
 - each attention layer's `SlotKVLayer.update` scatters the forward's ``[B, H, W, D]`` keys / values to their
   offsets and hands attention ``[B, H, T, D]`` gathered over the step's slots (a copy of the used rows, not a
-  view: slots of one step need not be adjacent; the fast path would read the slots in its attention kernel).
+  view: slots of one step need not be adjacent), or, when the step's slots are ``0 .. B - 1`` in batch order
+  (``SlotStep.dense``: the captured decode steps of `fast.batched_graphs`, whose engine keeps its sequences in the
+  lowest slots, `move`), a view of them.
 
 A slot that would overflow doubles the capacity of every slot (reallocation; a new capacity's memory is zeros);
 a pool without a free slot doubles its slots. `release` resets a slot's keys to ``MAX_KEY`` and its length to 0:
@@ -58,9 +60,11 @@ class SlotStep:
     """The running forward's placement: ``slots [B]`` (long, host), ``write [B, W]`` (long, host; each row's offset
     in its slot, padding rows after the real ones) and ``span`` (``T``, rows of each slot attention reads)."""
 
-    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int]):
+    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int],
+                 dense: int | None = None):
         self.slots, self.write, self.span = slots, write, int(span)
         self.lengths_before = lengths_before
+        self.dense = dense  # the step's slots are 0 .. dense - 1 in batch order: attention reads a view of them
         self._on: dict = {}
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +116,8 @@ class SlotKVLayer(CacheLayerMixin):
         self.keys[slots[:, None], :, write] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[slots[:, None], :, write] = value_states.transpose(1, 2).to(self.values.dtype)
         span = step.span
+        if step.dense:  # slots 0 .. B - 1 in batch order: a view, no copy
+            return self.keys[:step.dense, :, :span], self.values[:step.dense, :, :span]
         return self.keys[:, :, :span].index_select(0, slots), self.values[:, :, :span].index_select(0, slots)
 
     def get_seq_length(self) -> int:
@@ -182,6 +188,26 @@ class SlotKVPool(Cache):
         self.lengths[slot] = 0
         self._free.append(slot)
         self._free.sort()
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the rows, keys and length of slot ``src`` (in use) to the free slot ``dst``; ``src`` is freed (its
+        keys reset). ``dst``'s rows past the moved length keep the empty key."""
+        if dst not in self._free or src in self._free or not 0 <= src < self.num_slots:
+            raise ValueError(f"SlotKVPool.move from slot {src} to slot {dst}: needs a slot in use and a free one.")
+        n = self.lengths[src]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[dst, :, :n] = layer.keys[src, :, :n]
+                layer.values[dst, :, :n] = layer.values[src, :, :n]
+        self.slot_keys[dst] = self.slot_keys[src]
+        self.lengths[dst] = n
+        self._free.remove(dst)
+        self.release(src)
+
+    def grow_slots(self, num_slots: int) -> None:
+        """At least ``num_slots`` slots (a reallocation when there are fewer)."""
+        if num_slots > self.num_slots:
+            self._resize(int(num_slots), self.capacity)
 
     def reserve(self, rows_after: int) -> None:
         """Make every slot hold at least ``rows_after`` rows (capacity doubling)."""

@@ -22,6 +22,7 @@ from raincheck_hf.fast import batched_graphs, static_cache
 from raincheck_hf.kv_pool import MAX_KEY
 
 from families import family_model, family_params, family_processor
+from conftest import no_placeholder_ids
 from test_batch_engine import Request, _random_row, drive
 from test_batched import IMAGE, TEXT, TWO_IMAGES, VIDEO, batched_inputs, run
 
@@ -77,11 +78,14 @@ def _decode_forwards(engine):
     return counts
 
 
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
 @pytest.mark.parametrize("seed", range(9))
-def test_fuzz_captured_steps_match_alone(seed, replay_log):
+def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
     """Random join schedules, prompts, modes, chunk sizes, budgets and held conversations on the attention families,
-    decode steps through the static-buffer step: each sequence equals its own eager batch-1 call (tokens, logits
-    1e-4, cache, trace), every decode-only forward was a replay, and the pool ends empty."""
+    decode steps through the static-buffer step (attention reading views of the lowest slots, or gathering the
+    step's slots with the bucket's padding in the scratch slot): each sequence equals its own eager batch-1 call
+    (tokens, logits 1e-4, cache, trace), every decode-only forward was a replay, and the pool ends empty."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
     rng = random.Random(7000 + seed)
     name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
@@ -99,6 +103,7 @@ def test_fuzz_captured_steps_match_alone(seed, replay_log):
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
     assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
+    assert all(key.dense == views for key in replay_log)
     pool = engine.pool
     assert engine.sequences == [] and len(pool._free) == pool.num_slots
     assert bool((pool.slot_keys == MAX_KEY).all())  # the scratch slot's keys included
@@ -152,9 +157,10 @@ def test_padding_rows_of_a_bucket_change_nothing(name, replay_log, monkeypatch):
 
 
 def test_replays_after_sequences_leave_and_join_read_nothing_stale(replay_log):
-    """Three sequences decode; one leaves, garbage is written over its slot's rows, and a new sequence takes the
-    slot; the same captured keys replay across the change (their buffers poisoned after every replay): each
-    sequence equals its own call."""
+    """Three sequences decode; one leaves (the sequence in the highest slot moves into its hole), garbage is written
+    over every row no sequence holds, and a new sequence joins; the same captured keys replay across the change
+    (their buffers poisoned after every replay): each sequence equals its own call, and every decode step read
+    views of slots 0 .. B - 1."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
     first = [Request(model, processor, cfg, row, n=n, arrive=0) for row, n in ((IMAGE, 10), (TWO_IMAGES, 3),
@@ -165,12 +171,14 @@ def test_replays_after_sequences_leave_and_join_read_nothing_stale(replay_log):
     gen = torch.Generator().manual_seed(1)
 
     def remove_and_soil(seq):
-        slot = seq.slot
         cache = remove(seq)
-        for layer in engine.pool.layers:
+        pool = engine.pool
+        for layer in pool.layers:  # every row no sequence holds: free slots, the scratch slot, rows past a length
             if layer.is_initialized:
-                layer.keys[slot].copy_(1e3 * torch.randn(layer.keys[slot].shape, generator=gen))
-                layer.values[slot].copy_(1e3 * torch.randn(layer.values[slot].shape, generator=gen))
+                for slot in range(pool.total_slots):
+                    past = 0 if slot >= pool.num_slots or slot in pool._free else pool.lengths[slot]
+                    for t in (layer.keys, layer.values):
+                        t[slot, :, past:] = 1e3 * torch.randn(t[slot, :, past:].shape, generator=gen)
         return cache
 
     engine.remove = remove_and_soil
@@ -182,6 +190,7 @@ def test_replays_after_sequences_leave_and_join_read_nothing_stale(replay_log):
     fours = [i for i, key in enumerate(replay_log) if key.batch == 4]
     twos = [i for i, key in enumerate(replay_log) if key.batch == 2]
     assert fours and twos and fours[0] < twos[0] < fours[-1]
+    assert all(key.dense for key in replay_log)
 
 
 def test_pools_and_their_graphs_serve_the_next_call(replay_log):
@@ -246,3 +255,44 @@ def test_a_kept_pool_does_not_keep_its_model_alive(replay_log):
     del model
     gc.collect()
     assert len(batched_graphs._POOLED) == 0
+
+
+def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
+    """Four sequences in slots 0 .. 3; the one in slot 0 is not fed for a few steps (its caller holds its token),
+    so the others' steps (slots 1 .. 3) gather their slots, the bucket's padding in the scratch slot; with every
+    sequence fed again, and after leaves (the highest slot moving into the hole), steps read views. Each sequence
+    equals its own call."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    suppressed = torch.tensor(no_placeholder_ids(model))
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
+    requests = [Request(model, processor, cfg, row, n=n, arrive=0)
+                for row, n in ((IMAGE, 9), (TEXT, 3), (TWO_IMAGES, 8), (VIDEO, 6))]
+    engine = BatchEngine(model, _with(cfg, None), num_slots=4, graphs=True)
+    for r in requests:
+        r.seq = engine.add(r.ids, **r.media)
+    active = {r.seq: r for r in requests}
+    held, step = None, 0
+    while active:
+        if step == 4 and held is not None:  # the paused sequence is fed again
+            engine.feed(*held)
+            held = None
+        for seq, logits in engine.step().items():
+            r = active[seq]
+            r.logits.append(logits)
+            masked = logits.clone()
+            masked[suppressed] = -float("inf")
+            r.tokens.append(masked.argmax())
+            if len(r.tokens) == r.want_tokens.numel():
+                r.cache = engine.remove(seq)
+                del active[seq]
+            elif step == 1 and seq is requests[0].seq:
+                held = (seq, r.tokens[-1])  # not fed at steps 2 and 3
+            else:
+                engine.feed(seq, r.tokens[-1])
+        step += 1
+        assert step < 100
+    for i, r in enumerate(requests):
+        r.check(f"sequence {i}")
+    gathered = [key for key in replay_log if not key.dense]
+    assert [key.batch for key in gathered] == [4, 2]  # steps 2 and 3 (the 3-token sequence left after step 2)
+    assert sum(1 for key in replay_log if key.dense) > 4

@@ -5,8 +5,9 @@ prompt piece) through `BatchedStepGraphs` instead of the eager `batch_engine.For
 are copied into static buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`):
 
 - ``batch``: the step's sequences rounded up on `BATCH_BUCKETS` (1, 2, 4, ..., 64, then multiples of 64); the
-  unused rows of a bucket are padding rows in the pool's scratch slot (`kv_pool.SlotKVPool.scratch`): their
-  keys are ``MAX_KEY``, so no real query sees what they write, and their logits are ignored;
+  unused rows of a bucket are padding sequences in free slots or the pool's scratch slot
+  (`kv_pool.SlotKVPool.scratch`): their keys are ``MAX_KEY``, so no real query sees what they write, and their
+  logits are ignored;
 - ``width``: the widest sequence's rows rounded up to the chunk ladder (`width_bucket`: 1, or ``c + 1`` for a
   chunk size ``c`` the configuration can take); a shorter sequence's rows are padded at its end, as on the
   eager engine (they write after its length with the empty key, which its next rows overwrite);
@@ -23,9 +24,13 @@ the visibility ``[B, W, T]`` is computed from them on the device (docs/method.md
 sees its slot's rows whose key is not larger than its own; a padding query sees only its own row, so its output
 stays finite); no value is read back to the host.
 
-Attention reads the step's slots through the pool layers' gather (``index_select`` over ``slots``, a copy of
-``[B, H, T, D]`` per layer), as on the eager engine: the gather is capturable, and views of adjacent slots would
-need the sequences kept in slot order (compaction on leave), which is not done here.
+Attention reads views ``keys[:B, :, :T]`` of the pool's layers (no copy) when the step's sequences hold slots
+``0 .. n - 1`` (a *dense* step; the bucket's padding sequences then take the free slots ``n .. B - 1``, the pool
+growing to ``B`` slots): an engine with graphs keeps its sequences in the lowest slots, moving the one in the
+highest slot into the hole a leaving sequence makes (`kv_pool.SlotKVPool.move`, in `BatchEngine.remove`), and a
+step orders its sequences by slot. Otherwise (a sequence still prefilling holds a low slot) the step gathers its
+slots (``index_select``, a copy of ``[B, H, T, D]`` per layer, as the eager engine does) and its padding
+sequences write to the pool's scratch slot; ``dense`` is part of the key.
 
 Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
 (`kv_pool.SlotKVPool.version`). A capture's warm-up runs the real step it is captured for: on attention-only
@@ -129,6 +134,7 @@ class BatchStepKey(NamedTuple):
     batch: int  # sequences, padding rows included (`batch_bucket`)
     width: int  # rows per sequence (`width_bucket`)
     span: int  # slot rows attention reads
+    dense: bool  # the step's slots are 0 .. batch - 1 (padding sequences in the free ones): attention reads views
 
 
 @dataclass
@@ -159,8 +165,8 @@ class BatchStepBuffers:
 class _DeviceStep(SlotStep):
     """The pool's running step as device tensors (the step's buffers), for `kv_pool.SlotKVLayer.update`."""
 
-    def __init__(self, buffers: BatchStepBuffers, span: int):
-        super().__init__(buffers.slots, buffers.write, span, [])
+    def __init__(self, buffers: BatchStepBuffers, span: int, dense: bool):
+        super().__init__(buffers.slots, buffers.write, span, [], int(buffers.slots.shape[0]) if dense else None)
         self._buffers = buffers
 
     def on(self, device):
@@ -182,6 +188,8 @@ class _EagerStep:
 class BatchedStepGraphs:
     """The captured decode steps of one `BatchEngine` (its adapter and pool; see the module docstring)."""
 
+    views = True  # dense steps read views of their slots (False: every step gathers, as the eager engine does)
+
     def __init__(self, adapter, pool: SlotKVPool):
         if not pool.has_scratch:
             raise ValueError("BatchedStepGraphs needs a SlotKVPool with a scratch slot (scratch_slot=True).")
@@ -198,7 +206,7 @@ class BatchedStepGraphs:
         self.failed = False  # a capture raised: every decode step runs eagerly from then on
 
     # ---- the step itself, identical in eager and captured form ----
-    def _step(self, buffers: BatchStepBuffers, span: int) -> None:
+    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False) -> None:
         adapter, pool = self.adapter, self.pool
         slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
         pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
@@ -208,7 +216,7 @@ class BatchedStepGraphs:
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        pool.step = _DeviceStep(buffers, span)
+        pool.step = _DeviceStep(buffers, span, dense)
         try:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
@@ -226,8 +234,8 @@ class BatchedStepGraphs:
     def _capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
         """A replayable step on ``buffers`` (filled with the real step: the warm-up runs execute it)."""
         if not self.use_cuda:
-            self._step(buffers, key.span)  # (the first run: `BatchStepBuffers.logits` gets its tensor)
-            return _EagerStep(lambda: self._step(buffers, key.span))
+            self._step(buffers, key.span, key.dense)  # (the first run: `BatchStepBuffers.logits` gets its tensor)
+            return _EagerStep(lambda: self._step(buffers, key.span, key.dense))
         with CAPTURE_LOCK:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
@@ -236,11 +244,11 @@ class BatchedStepGraphs:
             try:
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        self._step(buffers, key.span)
+                        self._step(buffers, key.span, key.dense)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                    self._step(buffers, key.span)
+                    self._step(buffers, key.span, key.dense)
                 self._mempool = graph.pool()
             finally:
                 torch.cuda.current_stream().wait_stream(stream)
@@ -251,10 +259,15 @@ class BatchedStepGraphs:
         """Run the decode-only forward ``entries`` (`decode_only`) of an engine with ``config``; the logits ``[V]`` of
         each sequence."""
         pool, adapter = self.pool, self.adapter
+        entries = sorted(entries, key=lambda e: e[0].slot)  # batch row b: the b-th lowest slot
         n = len(entries)
         widest = max(len(g) for _, g in entries)
         key_batch, width = batch_bucket(n), width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
+        dense = self.views and slots == list(range(n))  # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
+        if dense:
+            pool.grow_slots(key_batch)  # the bucket's padding sequences take the free slots after them
+            dense = all(s in pool._free for s in range(n, key_batch))
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         setting = (pool.version, adapter.attn_implementation)
         if setting != self._setting:  # the tensors moved (graphs hold the old addresses), or another backend
@@ -262,11 +275,11 @@ class BatchedStepGraphs:
             self._mempool, self._setting = None, setting
         starts = [pool.lengths[s] for s in slots]
         span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
-        key = BatchStepKey(key_batch, width, span)
+        key = BatchStepKey(key_batch, width, span, dense)
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
-        self._fill(buffers, entries, starts, pool.scratch)
+        self._fill(buffers, entries, starts, None if dense else pool.scratch)
         before = list(starts)
         for slot, (_, group) in zip(slots, entries):
             pool.lengths[slot] += len(group)
@@ -287,7 +300,7 @@ class BatchedStepGraphs:
                     self.capture_log.append(key)
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self._step(buffers, span)
+                self._step(buffers, span, dense)
             else:
                 captured[0].replay()
                 self.replays += 1
@@ -302,15 +315,19 @@ class BatchedStepGraphs:
         logits = buffers.logits[:n].clone()
         return {seq: logits[b] for b, (seq, _) in enumerate(entries)}
 
-    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int) -> None:
+    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
-        padding sequences in the scratch slot. A few copies per buffer, whatever the batch (host time per step)."""
+        padding sequences in the scratch slot (None: in the free slots ``n .. B - 1``, a dense step). A few copies
+        per buffer, whatever the batch (host time per step)."""
         device = buffers.embeds.device
         batch, width = buffers.query_keys.shape
         n = len(entries)
         lengths = [len(g) for _, g in entries]
         host = torch.zeros(3, batch, dtype=torch.long)  # slots, starts, last rows
-        host[0].fill_(scratch)
+        if scratch is None:
+            host[0] = torch.arange(batch)
+        else:
+            host[0].fill_(scratch)
         host[0, :n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
         host[1, :n] = torch.tensor(starts, dtype=torch.long)
         host[2, :n] = torch.tensor(lengths, dtype=torch.long) - 1
