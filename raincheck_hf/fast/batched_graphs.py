@@ -38,6 +38,9 @@ families a step is idempotent (it writes the same rows with the same values and 
 follows gives the same result. Families with recurrent state (Qwen3.5's Gated DeltaNet) and prompt pieces run
 on the eager `ForwardRunner`.
 
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
+(``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
+
 Without CUDA (``graphs=True`` on a CPU model) the same step runs eagerly on the same static buffers (no capture:
 there is nothing to replay), which is what the CPU tests exercise.
 """
@@ -264,7 +267,8 @@ class BatchedStepGraphs:
         widest = max(len(g) for _, g in entries)
         key_batch, width = batch_bucket(n), width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
-        dense = self.views and slots == list(range(n))  # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
+        # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
+        dense = self.views and slots == list(range(n))
         if dense:
             pool.grow_slots(key_batch)  # the bucket's padding sequences take the free slots after them
             dense = all(s in pool._free for s in range(n, key_batch))
