@@ -197,6 +197,7 @@ class BatchedStepGraphs:
         if not pool.has_scratch:
             raise ValueError("BatchedStepGraphs needs a SlotKVPool with a scratch slot (scratch_slot=True).")
         self.adapter, self.pool = adapter, pool
+        self.made_for = (adapter.device, adapter.dtype)  # where the pool's tensors live
         self.use_cuda = torch.cuda.is_available() and adapter.device.type == "cuda"
         self.hidden = adapter.text_model.config.hidden_size
         self.num_deepstack = adapter.num_deepstack_layers
@@ -376,14 +377,12 @@ def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedS
     with _POOLED_LOCK:
         free = _POOLED.get(adapter.text_model)
         graphs = free.pop() if free else None
-    if graphs is None:
+    if graphs is None or graphs.made_for != (adapter.device, adapter.dtype):  # (the model moved or was cast since)
         pool = SlotKVPool(num_layers, num_slots, capacity, adapter.device, scratch_slot=True)
         return BatchedStepGraphs(adapter, pool)
     graphs.adapter = adapter
-    pool = graphs.pool
-    if pool.num_slots < num_slots:
-        pool._resize(max(num_slots, pool.num_slots), pool.capacity)
-    pool.reserve(capacity)
+    graphs.pool.grow_slots(num_slots)
+    graphs.pool.reserve(capacity)
     return graphs
 
 
