@@ -34,8 +34,14 @@ forward gives the family each sequence's row layout (`SequenceState.layout`: def
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
 A sequence's cache gets its states and boundary record when it leaves.
 
-Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``;
-``fast_path=None`` takes this eager engine for B > 1), continuing a cache in a batched call (a held
+Decode steps (every row's ``[chunk?, token]``, no prompt piece) run as captured CUDA graphs per (batch bucket,
+width, span bucket) (`fast.batched_graphs`) where the engine's ``graphs`` setting resolves on: ``fast_path=None``
+on CUDA for the attention families (the MoE one with ``grouped_mm`` experts in bfloat16), ``fast_path=True`` for
+them on any device (on a CPU the same static-buffer step runs eagerly); the prompt pieces, ``fast_path=False`` and
+the Gated DeltaNet families run on the eager `batch_engine.ForwardRunner`.
+
+Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a family without captured
+batched steps (the Gated DeltaNet families, an accelerate-split model), continuing a cache in a batched call (a held
 conversation joins a `BatchEngine` with ``add(..., cache=)``), and a keep-mask tensor as selector.
 VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
 (`_row_capture`).
@@ -88,11 +94,15 @@ def validate_batch(model, config: RaincheckConfig, input_ids: torch.Tensor, kwar
     adapter = get_adapter(model)
     batch = input_ids.shape[0]
     if config.fast_path is True:
-        raise ValueError(
-            f"RaincheckConfig.fast_path=True with batch size {batch}: the CUDA fast path runs one conversation at a "
-            "time; batched generate runs on the eager engine. Use fast_path=None (auto: the eager engine for "
-            "batch > 1) or fast_path=False, or call generate per prompt."
-        )
+        from .fast.batched_graphs import batched_graph_blocker, resolve_graphs
+
+        blocker = batched_graph_blocker(adapter)
+        if blocker is not None:
+            raise ValueError(
+                f"RaincheckConfig.fast_path=True with batch size {batch}: {blocker}. Use fast_path=None (auto) or "
+                "fast_path=False for batches on this model, or call generate per prompt."
+            )
+        resolve_graphs(adapter, config, None)  # a ValueError where the captured steps cannot run on this model
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and (isinstance(cache, DeferredDynamicCache) or cache.get_seq_length() > 0):
         raise ValueError(

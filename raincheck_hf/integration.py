@@ -202,7 +202,7 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError("generate(raincheck=...) needs input_ids of shape [batch, length] (as the processor returns).")
     attention_mask = kwargs.get("attention_mask")
-    if input_ids.shape[0] != 1:  # a batch of prompts: the batched eager engine's own checks
+    if input_ids.shape[0] != 1:  # a batch of prompts: the batched engine's own checks
         validate_batch(model, config, input_ids, kwargs)
     elif attention_mask is not None and not bool((attention_mask == 1).all()):
         raise ValueError("generate(raincheck=...) got an attention_mask with padding; pass the unpadded prompt.")
