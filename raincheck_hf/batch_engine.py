@@ -14,7 +14,7 @@ mode) over the rows of every sequence that has work:
   that ran its last piece. While the decode rows alone fill the budget, prompts wait.
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
-caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched.batched_sample`).
+caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
 
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
@@ -37,14 +37,16 @@ import contextlib
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .batched import RowGroup, SequenceState, new_sequence
+from .batched import RowGroup, SequenceState, new_sequence, start_sequences
 from .cache_utils import DeferredDynamicCache
+from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .configuration import RaincheckConfig
+from .fast import batched_graphs
 from .kv_pool import SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
-__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler"]
+__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "batched_sample"]
 
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
 
@@ -170,24 +172,34 @@ class BatchEngine:
         token_budget: rows per step (decode rows first, then prompt pieces); None: no limit (a prompt's whole
             prefill in its first step).
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
+        graphs: run the steps that carry decode rows only as captured CUDA graphs per (batch bucket, width, span
+            bucket) (`fast.batched_graphs`; on a CPU model the same static-buffer step runs eagerly); None: follow
+            ``config.fast_path`` (None: on CUDA for the families that support it: the attention families, the
+            MoE ones with transformers' ``grouped_mm`` experts in bfloat16). Prompt pieces and the Gated DeltaNet
+            families always run on the eager `ForwardRunner`. With graphs, the pool (and its graphs) comes from
+            the ones kept per model and goes back with `close`.
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
-                 num_slots: int = 4, capacity: int = 256):
+                 num_slots: int = 4, capacity: int = 256, graphs: bool | None = None):
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
-        if self.config.fast_path is True:
-            raise ValueError("RaincheckConfig.fast_path=True: BatchEngine is the eager engine (the CUDA fast path runs "
-                             "one conversation at a time); use fast_path=None or False with it.")
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
+        use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
         self.scheduler = RowScheduler(self.config, token_budget)
         self.text_config = model.config.get_text_config()
-        self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
+        self.graphs = None
+        if use_graphs:
+            self.graphs = batched_graphs.acquire(self.adapter, self.text_config.num_hidden_layers, num_slots, capacity)
+            self.pool = self.graphs.pool
+        else:
+            self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
         self.recurrent = self.adapter.packed_states(self.pool.num_slots)  # None: attention layers only
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._arrivals = 0
+        self._closed = False
 
     # ---- joining and leaving ------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, *, cache: DeferredDynamicCache | None = None, captures=None,
@@ -197,6 +209,8 @@ class BatchEngine:
         ``image_grid_thw`` / ``video_grid_thw``, ``second_per_grid_ts``), or the next turn of a held
         conversation: ``cache`` (a batch-1 `DeferredDynamicCache`, left unchanged) and ``input_ids`` the whole
         conversation as a batch-1 follow-up takes them. ``captures``: the prompt's VisionZip record."""
+        if self._closed:
+            raise ValueError("BatchEngine.add after close(): the engine gave its pool back; make a new engine.")
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
@@ -215,6 +229,8 @@ class BatchEngine:
     def join(self, state: SequenceState, cache: DeferredDynamicCache | None = None) -> None:
         """Give ``state`` (from `batched.new_sequence`) a slot; with ``cache`` (the held conversation it continues),
         copy its KV rows, order keys and recurrent states in."""
+        if self._closed:
+            raise ValueError("BatchEngine.join after close(): the engine gave its pool back; make a new engine.")
         slot = self.pool.allocate()
         if self.recurrent is not None:
             self.recurrent.grow(self.pool.num_slots)
@@ -238,11 +254,7 @@ class BatchEngine:
         if seq.prefilled:
             cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
             seq.trace.pending = cache.pending_sources
-        self.pool.release(seq.slot)
-        if self.recurrent is not None:
-            self.recurrent.reset(seq.slot)
-        seq.slot = None
-        self.sequences.remove(seq)
+        self._free(seq)
         return cache
 
     def discard(self, seq: SequenceState) -> None:
@@ -250,11 +262,22 @@ class BatchEngine:
         and nothing of its state is built back (it may be half-updated by a step that raised)."""
         if seq not in self.sequences:
             raise ValueError("BatchEngine.discard got a sequence that is not in this engine.")
-        self.pool.release(seq.slot)
+        self._free(seq)
+
+    def _free(self, seq: SequenceState) -> None:
+        """Release ``seq``'s slot (keys reset, recurrent row reset) and take it out of the engine; with captured
+        steps, the sequence in the highest slot moves into the hole (they read views of the lowest slots)."""
+        hole = seq.slot
+        self.pool.release(hole)
         if self.recurrent is not None:
-            self.recurrent.reset(seq.slot)
+            self.recurrent.reset(hole)
         seq.slot = None
         self.sequences.remove(seq)
+        if self.graphs is not None:
+            last = max(self.sequences, key=lambda s: s.slot, default=None)
+            if last is not None and last.slot > hole:
+                self.pool.move(last.slot, hole)
+                last.slot = hole
 
     # ---- stepping --------------------------------------------------------------------------------
     def feed(self, seq: SequenceState, token) -> None:
@@ -276,5 +299,87 @@ class BatchEngine:
         ``[V]`` of each sequence that has them (a fed token ran, or its prompt's last piece)."""
         logits = {}
         for entries in self.scheduler.schedule(self.adapter, self.sequences):
-            logits.update(self.runner.run(entries))
+            if self.graphs is not None and batched_graphs.decode_only(entries):
+                logits.update(self.graphs.run(entries, self.config))
+            else:
+                logits.update(self.runner.run(entries))
         return logits
+
+    def close(self) -> None:
+        """Give the pool (with its captured graphs) back for later engines on the model, once every sequence has
+        left (else it is simply dropped with the engine). The engine takes no sequence after this."""
+        if self.graphs is not None and not self.sequences:
+            batched_graphs.release(self.graphs)
+        self.graphs = None
+        self._closed = True
+
+# ---- `generate` with a batch of prompts: every row joins at step 0 ----------------------------------------
+
+def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                   streamer=None, raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
+                   raincheck_streamer=None, raincheck_captures=None, raincheck_pixels=None, **model_kwargs):
+    """The ``custom_generate`` callable for ``input_ids [B, L]``, B > 1 (`integration.enable` passes it instead of
+    `generation.raincheck_sample`; same signature; see `batched`'s module docstring): one driver over a
+    `BatchEngine` in which every row joins at step 0 (its whole prompt in the first forward) and leaves when it
+    finishes; choosing tokens (HF's processors, sampling, stopping criteria, streamer) stays here.
+    ``raincheck_pixels`` is always None for a batch (the wrapper holds pixels back for batch 1 only)."""
+    streamer = streamer if streamer is not None else raincheck_streamer
+    if raincheck_streamer is not None:
+        raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
+    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    adapter = get_adapter(model)
+    grids = raincheck_grids or {}
+    states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
+                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
+    engine = BatchEngine(model, config, num_slots=len(states),
+                         capacity=max(len(s.prefill) + s.num_pending for s in states)
+                         + generation_config.max_length - input_ids.shape[1] + 1)
+    try:
+        return _drive(engine, states, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    finally:
+        engine.close()  # its pool (and captured decode steps) go back for the model's next batched call
+
+
+def _drive(engine, states, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+    """`batched_sample`'s loop over ``engine``: every sequence joins, steps until every row has finished."""
+    for s in states:
+        engine.join(s)
+    caches: list[DeferredDynamicCache | None] = [None] * len(states)
+
+    logits = engine.step()  # forward 0: each sequence's T ∪ S
+    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
+    leaves = finished_pad is not None  # a finished row's tokens are pads from then on
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    active = list(states)  # the sequences still in the engine
+    while True:
+        first = next(iter(logits.values()))
+        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
+        for s in active:
+            full[s.index] = logits[s]
+        next_tokens, scores, raw_logits = choose_next_tokens(
+            full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
+            finished_pad)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        if bool(unfinished.max() == 0):
+            break
+        if leaves:  # finished sequences leave the engine (their slots with them)
+            for s in [s for s in active if not bool(unfinished[s.index])]:
+                caches[s.index] = engine.remove(s)
+                active.remove(s)
+        tokens = next_tokens.cpu()
+        for s in active:
+            engine.feed(s, tokens[s.index])
+        logits = engine.step()
+
+    for s in active:
+        caches[s.index] = engine.remove(s)
+    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
+                                   raincheck=traces)

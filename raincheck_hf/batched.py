@@ -1,7 +1,7 @@
 """Batched `generate(raincheck=...)`: several sequences' rows in one forward (eager engine, every family).
 
-``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here from
-`generation.raincheck_sample`. The prompts are left-padded as HF users pass them (the processor with
+``model.generate(**inputs, raincheck=cfg)`` with ``input_ids [B, L]``, B > 1, comes here through
+`batch_engine.batched_sample`. The prompts are left-padded as HF users pass them (the processor with
 ``padding_side="left"`` and its ``attention_mask``), each row with its own images / videos. Every row is
 its own sequence (`SequenceState`): it is encoded, selected and planned exactly as the same call on that
 row alone (without its padding) would do it (`new_sequence`), keeps its own pending deferred rows, 3-D
@@ -13,8 +13,8 @@ writes its rows at its own offsets there; one packed forward ``[B, W]`` per step
 ``RowGroup`` (a prefill: its T ∪ S rows; a decode step: its ``[chunk?, token]``), shorter groups padded at the
 end, and a query sees the rows of its own slot whose order key is not larger than its own (the batch-1
 engine's rule; padding rows keep the empty key, so nothing of another sequence or of padding is visible).
-`batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in the first
-forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
+`batch_engine.batched_sample` is one driver over the engine: every row joins at step 0 with its whole prompt in
+the first forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
 
 A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
 `generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove`: its slot is
@@ -34,8 +34,14 @@ forward gives the family each sequence's row layout (`SequenceState.layout`: def
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
 A sequence's cache gets its states and boundary record when it leaves.
 
-Not here (refused before any compute by `validate_batch`): the CUDA fast path (``fast_path=True``;
-``fast_path=None`` takes this eager engine for B > 1), continuing a cache in a batched call (a held
+Decode steps (every row's ``[chunk?, token]``, no prompt piece) run as captured CUDA graphs per (batch bucket,
+width, span bucket) (`fast.batched_graphs`) where the engine's ``graphs`` setting resolves on: ``fast_path=None``
+on CUDA for the attention families (the MoE one with ``grouped_mm`` experts in bfloat16), ``fast_path=True`` for
+them on any device (on a CPU the same static-buffer step runs eagerly); the prompt pieces, ``fast_path=False`` and
+the Gated DeltaNet families run on the eager `batch_engine.ForwardRunner`.
+
+Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a family without captured
+batched steps (the Gated DeltaNet families, an accelerate-split model), continuing a cache in a batched call (a held
 conversation joins a `BatchEngine` with ``add(..., cache=)``), and a keep-mask tensor as selector.
 VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
 (`_row_capture`).
@@ -88,11 +94,15 @@ def validate_batch(model, config: RaincheckConfig, input_ids: torch.Tensor, kwar
     adapter = get_adapter(model)
     batch = input_ids.shape[0]
     if config.fast_path is True:
-        raise ValueError(
-            f"RaincheckConfig.fast_path=True with batch size {batch}: the CUDA fast path runs one conversation at a "
-            "time; batched generate runs on the eager engine. Use fast_path=None (auto: the eager engine for "
-            "batch > 1) or fast_path=False, or call generate per prompt."
-        )
+        from .fast.batched_graphs import batched_graph_blocker, resolve_graphs
+
+        blocker = batched_graph_blocker(adapter)
+        if blocker is not None:
+            raise ValueError(
+                f"RaincheckConfig.fast_path=True with batch size {batch}: {blocker}. Use fast_path=None (auto) or "
+                "fast_path=False for batches on this model, or call generate per prompt."
+            )
+        resolve_graphs(adapter, config, None)  # a ValueError where the captured steps cannot run on this model
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and (isinstance(cache, DeferredDynamicCache) or cache.get_seq_length() > 0):
         raise ValueError(
@@ -190,7 +200,8 @@ class SequenceState:
     """Everything of one sequence in a batched engine: what the batch-1 loop keeps in its locals and cache.
 
     Attributes:
-        index: its row in the call's ``input_ids`` (`batched_sample`), or its arrival number (`BatchEngine.add`).
+        index: its row in the call's ``input_ids`` (`batch_engine.batched_sample`), or its arrival number
+            (`BatchEngine.add`).
         pad: the row's left padding (its source positions count from the first real token).
         ids: ``[L_i]`` the conversation's source tokens before its answer (for a continued conversation: the held
             cache's source ids, then the new turn's).
@@ -454,63 +465,3 @@ def start_sequences(model, adapter, config: RaincheckConfig, input_ids, attentio
                                 else None),
         ))
     return states
-
-
-def batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                   raincheck_config: RaincheckConfig | None = None, raincheck_grids: dict | None = None,
-                   raincheck_captures=None, **model_kwargs):
-    """`generation.raincheck_sample` for ``input_ids [B, L]``, B > 1 (see the module docstring): one driver over a
-    `batch_engine.BatchEngine` in which every row joins at step 0 (its whole prompt in the first forward) and leaves
-    when it finishes; choosing tokens (HF's processors, sampling, stopping criteria, streamer) stays here."""
-    from .batch_engine import BatchEngine
-    from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
-
-    config = raincheck_config if raincheck_config is not None else RaincheckConfig()
-    adapter = get_adapter(model)
-    grids = raincheck_grids or {}
-    states = start_sequences(model, adapter, config, input_ids, model_kwargs.get("attention_mask"), grids,
-                             model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
-    engine = BatchEngine(model, config, num_slots=len(states),
-                         capacity=max(len(s.prefill) + s.num_pending for s in states)
-                         + generation_config.max_length - input_ids.shape[1] + 1)
-    for s in states:
-        engine.join(s)
-    caches: list[DeferredDynamicCache | None] = [None] * len(states)
-
-    logits = engine.step()  # forward 0: each sequence's T ∪ S
-    scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
-    leaves = finished_pad is not None  # a finished row's tokens are pads from then on
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    active = list(states)  # the sequences still in the engine
-    while True:
-        first = next(iter(logits.values()))
-        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
-        for s in active:
-            full[s.index] = logits[s]
-        next_tokens, scores, raw_logits = choose_next_tokens(
-            full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
-            finished_pad)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if streamer is not None:
-            streamer.put(next_tokens.cpu())
-        if bool(unfinished.max() == 0):
-            break
-        if leaves:  # finished sequences leave the engine (their slots with them)
-            for s in [s for s in active if not bool(unfinished[s.index])]:
-                caches[s.index] = engine.remove(s)
-                active.remove(s)
-        tokens = next_tokens.cpu()
-        for s in active:
-            engine.feed(s, tokens[s.index])
-        logits = engine.step()
-
-    for s in active:
-        caches[s.index] = engine.remove(s)
-    traces = [s.trace for s in states]  # (each one's pending rows set as it left)
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    return RaincheckGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=caches,
-                                   raincheck=traces)

@@ -21,10 +21,11 @@ forward's rows (`runner.ForwardRows`); a runner (`runner.Runner`: `runner.EagerR
 what the scheduler asks (step costs for ``"auto"``, captures). The runner is chosen once per call, where the cache
 is made (`runner.open_runner`); this loop talks to the `Runner` protocol only.
 
-A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batched.batched_sample`: the eager
-engine with every row's rows packed into one forward per step, each row planned and scheduled as its own call
-(every family; Qwen3.5's Gated DeltaNet states per row, `batched_gdn.py`; the CUDA fast path runs one
-conversation at a time, so a batch takes the eager engine).
+A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batch_engine.batched_sample` instead
+(`integration.enable` picks it): `batch_engine.BatchEngine`, every row's rows packed into one forward per step
+over per-sequence KV slots, each row planned and scheduled as its own call (every family; Qwen3.5's Gated DeltaNet
+states per row, `batched_gdn.py`); on CUDA its decode steps replay CUDA graphs per batch-size bucket for the
+attention families (`fast.batched_graphs`).
 """
 
 from __future__ import annotations
@@ -437,16 +438,13 @@ def raincheck_sample(
     ``raincheck_pixels`` (``pixel_values`` / ``pixel_values_videos``, held back from HF's own encoding
     by `integration.enable`'s wrapper) are encoded by the captured vision tower (`ModelAdapter.use_vision_graphs`).
     """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"raincheck_sample runs one sequence, got input_ids of batch {input_ids.shape[0]}; a batch of "
+                         "prompts goes to batch_engine.batched_sample (model.generate picks it after enable(model)).")
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
-    if input_ids.shape[0] > 1:  # several prompts: the batched eager engine (`batched.py`)
-        from .batched import batched_sample
-
-        return batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer=streamer, raincheck_config=config, raincheck_grids=raincheck_grids,
-                              raincheck_captures=raincheck_captures, **model_kwargs)
     grids = raincheck_grids or {}
     adapter = get_adapter(model)
     given = model_kwargs.get("cache")

@@ -27,6 +27,8 @@ import torch
 
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
+from .batch_engine import batched_sample
+from .batched import validate_batch
 from .generation import raincheck_sample
 from .models import get_adapter
 
@@ -63,7 +65,8 @@ def enable(model):
                 # the loop encodes these itself, through the captured tower (HF would run it eagerly first);
                 # a selector reading the tower's attention needs the eager tower and its hooks: kept with HF
                 pixels = {k: kwargs.pop(k) for k in ("pixel_values", "pixel_values_videos") if kwargs.get(k) is not None}
-            return original(*args, custom_generate=raincheck_sample, raincheck_config=config, raincheck_grids=grids,
+            loop = raincheck_sample if _batch_size(args, kwargs) == 1 else batched_sample  # a batch: its own driver
+            return original(*args, custom_generate=loop, raincheck_config=config, raincheck_grids=grids,
                             raincheck_streamer=streamer, raincheck_captures=captures, raincheck_pixels=pixels,
                             **kwargs)
 
@@ -199,9 +202,7 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError("generate(raincheck=...) needs input_ids of shape [batch, length] (as the processor returns).")
     attention_mask = kwargs.get("attention_mask")
-    if input_ids.shape[0] != 1:  # a batch of prompts: the batched eager engine's own checks
-        from .batched import validate_batch
-
+    if input_ids.shape[0] != 1:  # a batch of prompts: the batched engine's own checks
         validate_batch(model, config, input_ids, kwargs)
     elif attention_mask is not None and not bool((attention_mask == 1).all()):
         raise ValueError("generate(raincheck=...) got an attention_mask with padding; pass the unpadded prompt.")

@@ -16,7 +16,9 @@ One forward over the sequences in slots ``slots [B]`` (`begin_step` ... `end_ste
   output, so no NaN reaches a later layer's stored rows);
 - each attention layer's `SlotKVLayer.update` scatters the forward's ``[B, H, W, D]`` keys / values to their
   offsets and hands attention ``[B, H, T, D]`` gathered over the step's slots (a copy of the used rows, not a
-  view: slots of one step need not be adjacent; the fast path would read the slots in its attention kernel).
+  view: slots of one step need not be adjacent), or, when the step's slots are ``0 .. B - 1`` in batch order
+  (``SlotStep.dense``: the captured decode steps of `fast.batched_graphs`, whose engine keeps its sequences in the
+  lowest slots, `move`), a view of them.
 
 A slot that would overflow doubles the capacity of every slot (reallocation; a new capacity's memory is zeros);
 a pool without a free slot doubles its slots. `release` resets a slot's keys to ``MAX_KEY`` and its length to 0:
@@ -29,6 +31,10 @@ step's slots, where a block table would need a gather of every block of every se
 layout (the paging only pays with an attention kernel that reads blocks in place, which this eager reference
 does not have). Slots waste the unused tail of each slot's capacity; blocks waste less. That trade was not
 measured here: it is the fast path's decision.
+
+A pool made with ``scratch_slot=True`` (the captured decode steps of `fast.batched_graphs`) holds one more slot
+than it hands out, ``scratch``: the padding rows of a batch-size bucket write there (their keys stay ``MAX_KEY``;
+nobody reads them). ``version`` counts reallocations: graphs captured on the old tensors are recaptured.
 
 Gated DeltaNet layers keep no KV rows: their layers here stay empty (the family's packed GDN step keeps the
 states per slot, `batched_gdn.PackedGDNStates`).
@@ -54,9 +60,11 @@ class SlotStep:
     """The running forward's placement: ``slots [B]`` (long, host), ``write [B, W]`` (long, host; each row's offset
     in its slot, padding rows after the real ones) and ``span`` (``T``, rows of each slot attention reads)."""
 
-    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int]):
+    def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int],
+                 dense: int | None = None):
         self.slots, self.write, self.span = slots, write, int(span)
         self.lengths_before = lengths_before
+        self.dense = dense  # the step's slots are 0 .. dense - 1 in batch order: attention reads a view of them
         self._on: dict = {}
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +89,7 @@ class SlotKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states):
         pool = self.pool
-        shape = lambda t: (pool.num_slots, t.shape[1], pool.capacity, t.shape[-1])  # noqa: E731
+        shape = lambda t: (pool.total_slots, t.shape[1], pool.capacity, t.shape[-1])  # noqa: E731
         self.keys = key_states.new_zeros(shape(key_states))
         self.values = value_states.new_zeros(shape(value_states))
         self.is_initialized = True
@@ -108,6 +116,8 @@ class SlotKVLayer(CacheLayerMixin):
         self.keys[slots[:, None], :, write] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[slots[:, None], :, write] = value_states.transpose(1, 2).to(self.values.dtype)
         span = step.span
+        if step.dense:  # slots 0 .. B - 1 in batch order: a view, no copy
+            return self.keys[:step.dense, :, :span], self.values[:step.dense, :, :span]
         return self.keys[:, :, :span].index_select(0, slots), self.values[:, :, :span].index_select(0, slots)
 
     def get_seq_length(self) -> int:
@@ -137,17 +147,31 @@ class SlotKVPool(Cache):
         device: where ``slot_keys`` live (the model's input device).
     """
 
-    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None):
+    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None,
+                 scratch_slot: bool = False):
         if int(num_slots) < 1 or int(capacity) < 1:
             raise ValueError(f"SlotKVPool needs num_slots >= 1 and capacity >= 1, got {num_slots} and {capacity}.")
         self.num_slots = int(num_slots)
         self.capacity = _round_up(max(int(capacity), MIN_CAPACITY), ROW_ROUNDING)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.has_scratch = bool(scratch_slot)
         super().__init__(layers=[SlotKVLayer(self, i) for i in range(int(num_layers))])
-        self.slot_keys = torch.full((self.num_slots, self.capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        self.slot_keys = torch.full((self.total_slots, self.capacity), MAX_KEY, dtype=torch.long, device=self.device)
         self.lengths = [0] * self.num_slots
         self._free = list(range(self.num_slots))
         self.step: SlotStep | None = None
+        self.version = 0  # bumped whenever the tensors are reallocated (captured graphs hold their addresses)
+
+    @property
+    def total_slots(self) -> int:
+        """Slots in the tensors: ``num_slots``, plus the scratch slot (index ``num_slots``) where the pool has one."""
+        return self.num_slots + int(self.has_scratch)
+
+    @property
+    def scratch(self) -> int | None:
+        """The scratch slot (never allocated; the padding rows of a batch bucket write there, its keys stay
+        ``MAX_KEY``), or None."""
+        return self.num_slots if self.has_scratch else None
 
     # ---- slots ------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -165,6 +189,26 @@ class SlotKVPool(Cache):
         self._free.append(slot)
         self._free.sort()
 
+    def move(self, src: int, dst: int) -> None:
+        """Move the rows, keys and length of slot ``src`` (in use) to the free slot ``dst``; ``src`` is freed (its
+        keys reset). ``dst``'s rows past the moved length keep the empty key."""
+        if dst not in self._free or src in self._free or not 0 <= src < self.num_slots:
+            raise ValueError(f"SlotKVPool.move from slot {src} to slot {dst}: needs a slot in use and a free one.")
+        n = self.lengths[src]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[dst, :, :n] = layer.keys[src, :, :n]
+                layer.values[dst, :, :n] = layer.values[src, :, :n]
+        self.slot_keys[dst] = self.slot_keys[src]
+        self.lengths[dst] = n
+        self._free.remove(dst)
+        self.release(src)
+
+    def grow_slots(self, num_slots: int) -> None:
+        """At least ``num_slots`` slots (a reallocation when there are fewer)."""
+        if num_slots > self.num_slots:
+            self._resize(int(num_slots), self.capacity)
+
     def reserve(self, rows_after: int) -> None:
         """Make every slot hold at least ``rows_after`` rows (capacity doubling)."""
         capacity = self.capacity
@@ -174,14 +218,16 @@ class SlotKVPool(Cache):
             self._resize(self.num_slots, capacity)
 
     def _resize(self, num_slots: int, capacity: int) -> None:
-        keys = torch.full((num_slots, capacity), MAX_KEY, dtype=torch.long, device=self.device)
-        keys[:self.num_slots, :self.capacity] = self.slot_keys
+        total = num_slots + int(self.has_scratch)
+        keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)
         self.slot_keys = keys
         for layer in self.layers:
-            layer.resize(num_slots, capacity)
+            layer.resize(total, capacity)
         self._free += list(range(self.num_slots, num_slots))
         self.lengths += [0] * (num_slots - self.num_slots)
         self.num_slots, self.capacity = num_slots, capacity
+        self.version += 1
 
     # ---- one forward ------------------------------------------------------------------------
     def begin_step(self, slots: list[int], query_keys: list[torch.Tensor], width: int) -> torch.Tensor:

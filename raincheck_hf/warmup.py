@@ -388,7 +388,7 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
     from .fast.compiled import resolve_compile_steps
     from .fast.graphs import scratch_slots
     from .fast.static_cache import StaticDeferredCache, keep_storage
-    from .generation import step_graphs
+    from .fast.runner import StaticRunner
 
     scratch = max(scratch_slots(config.max_chunk_size), scratch_slots(config.idle_chunk_size))
     layers = adapter.text_model.config.num_hidden_layers
@@ -397,12 +397,12 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
     bar = None
     try:
         for capacity in capacities(max_tokens):
-            # the storages conversations of this size lease (`generation._prepare_cache`), kept in the pool; held
+            # the storages conversations of this size lease (`runner.open_runner`), kept in the pool; held
             # together, so each of them is another storage
             caches = [StaticDeferredCache(layers, capacity, scratch, adapter.device, pool_key=adapter.text_model,
                                           recurrent=recurrent) for _ in range(conversations)]
             for cache in caches:
-                graphs = step_graphs(adapter, cache)
+                graphs = StaticRunner(adapter, cache).step_graphs  # the storage's graphs, made on first use
                 if not graphs.use_graphs:
                     for c in caches:
                         c.storage.release()

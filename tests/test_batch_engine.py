@@ -51,6 +51,15 @@ class Request:
         self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
         self.tokens, self.logits, self.cache, self.seq = [], [], None, None
 
+    def take(self, logits: torch.Tensor, suppressed: torch.Tensor) -> bool:
+        """Record a step's logits and take its greedy token (``suppressed`` ids excluded, as in the reference);
+        True once it has as many tokens as its reference."""
+        self.logits.append(logits)
+        masked = logits.clone()
+        masked[suppressed] = -float("inf")
+        self.tokens.append(masked.argmax())
+        return len(self.tokens) == self.want_tokens.numel()
+
     def check(self, what: str):
         got = torch.stack(self.tokens)
         assert torch.equal(got, self.want_tokens), f"{what}: tokens {got.tolist()} != {self.want_tokens.tolist()}"
@@ -79,11 +88,7 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
             active[r.seq] = r
         for seq, logits in engine.step().items():
             r = active[seq]
-            r.logits.append(logits)
-            masked = logits.clone()
-            masked[suppressed] = -float("inf")
-            r.tokens.append(masked.argmax())
-            if len(r.tokens) == r.want_tokens.numel():
+            if r.take(logits, suppressed):
                 r.cache = engine.remove(seq)
                 del active[seq]
             else:
@@ -93,17 +98,18 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
     return step
 
 
-def draw_case(rng: random.Random, model, processor) -> tuple[RaincheckConfig, list[Request], int | None]:
-    """One random case of the fuzz (here and on CUDA in tests/test_gpu.py): the config (mode, retention, chunk
-    size, guard, selector), two to five requests (prompt, answer length, arrival step, held or not) and the
-    engine's token budget."""
+def draw_case(rng: random.Random, model, processor, longest: int = 6,
+              most: int = 5) -> tuple[RaincheckConfig, list[Request], int | None]:
+    """One random case of the batch engine's fuzzes (here, tests/test_batched_graphs.py and on CUDA in
+    tests/test_gpu.py): the config (mode, retention, chunk size, guard, selector), two to ``most`` requests (prompt,
+    answer length 2 to ``longest``, arrival step, held or not) and the engine's token budget."""
     cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
                           decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
                           fast_path=False)
     requests = [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
-                        n=rng.randint(2, 6), arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
-                for _ in range(rng.randint(2, 5))]
+                        n=rng.randint(2, longest), arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
+                for _ in range(rng.randint(2, most))]
     return cfg, requests, rng.choice([None, 5, 9, 16, 33])
 
 
@@ -236,8 +242,8 @@ def test_bad_input():
     for budget in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="token_budget"):
             BatchEngine(model, RaincheckConfig(), token_budget=budget)
-    with pytest.raises(ValueError, match="fast_path=True"):
-        BatchEngine(model, RaincheckConfig(fast_path=True))
+    with pytest.raises(ValueError, match="fast_path=True"):  # no captured batched steps for Gated DeltaNet layers
+        BatchEngine(family_model("qwen3_5"), RaincheckConfig(fast_path=True))
     engine = BatchEngine(model, RaincheckConfig())
     with pytest.raises(ValueError, match="one sequence's input_ids"):
         engine.add(torch.ones(2, 5, dtype=torch.long))

@@ -864,6 +864,21 @@ def test_cuda_serve_soak_64_clients():
 
 # ---- the batched engine (batch_engine.BatchEngine on kv_pool.SlotKVPool) on CUDA (issue 29) ----
 
+def _assert_cuda_sequences_equal_alone(case: str, requests) -> None:
+    """Each driven request (test_batch_engine.Request) against its own batch-1 call: tokens identical, logits within
+    1e-3 + 1e-3 of the step's largest logit, its cache's rows, keys and pending rows equal."""
+    for i, r in enumerate(requests):
+        what = f"{case} sequence {i}"
+        got = torch.stack(r.tokens).cpu()
+        assert torch.equal(got, r.want_tokens.cpu()), f"{what}: tokens {got.tolist()} != {r.want_tokens.tolist()}"
+        for step, (a, b) in enumerate(zip(r.logits, r.want.logits)):
+            diff = (a.float() - b[0].float()).abs().max().item()
+            assert diff <= 1e-3 + 1e-3 * b.abs().max().item(), f"{what} step {step}: max abs logit diff {diff:.2e}"
+        assert torch.equal(r.cache.row_keys.cpu(), r.want.cache.row_keys.cpu()), what
+        assert torch.equal(r.cache.row_sources, r.want.cache.row_sources), what
+        assert torch.equal(r.cache.pending_sources, r.want.cache.pending_sources), what
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, monkeypatch):
     """The CPU fuzz of tests/test_batch_engine.py on CUDA (fp32 tiny models of every family): random join schedules,
@@ -884,16 +899,7 @@ def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, monkeypatch):
     cfg, requests, budget = tbe.draw_case(rng, model, processor)
     engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
     tbe.drive(model, engine, requests)
-    for i, r in enumerate(requests):
-        what = f"{name} seed {seed} sequence {i}"
-        got = torch.stack(r.tokens).cpu()
-        assert torch.equal(got, r.want_tokens.cpu()), f"{what}: tokens {got.tolist()} != {r.want_tokens.tolist()}"
-        for step, (a, b) in enumerate(zip(r.logits, r.want.logits)):
-            diff = (a.float() - b[0].float()).abs().max().item()
-            assert diff <= 1e-3 + 1e-3 * b.abs().max().item(), f"{what} step {step}: max abs logit diff {diff:.2e}"
-        assert torch.equal(r.cache.row_keys.cpu(), r.want.cache.row_keys.cpu()), what
-        assert torch.equal(r.cache.row_sources, r.want.cache.row_sources), what
-        assert torch.equal(r.cache.pending_sources, r.want.cache.pending_sources), what
+    _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
     assert engine.sequences == []
 
 
@@ -932,3 +938,61 @@ def test_cuda_bf16_batched_generate_rows_equal_themselves_alone(name):
             worst = max(worst, diff / b.float().abs().max().item())
     print(f"{name}: bf16 batched vs alone, largest logit difference / largest logit = {worst:.2e}")
     assert worst <= 2 * 2**-7
+
+
+# ---- the batched engine's decode steps as CUDA graphs (fast/batched_graphs.py, issue 29) ----
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch):
+    """The CPU fuzz of tests/test_batched_graphs.py on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 tiny
+    models of the attention families whose experts capture in fp32: Qwen3-VL, Qwen2.5-VL): random join schedules,
+    prompts, modes, chunk sizes, token budgets and held conversations, the decode steps replayed per (batch bucket,
+    width, span bucket); each sequence's tokens identical to its own eager batch-1 call, logits within 1e-3 + 1e-3
+    of the step's largest logit, its cache's rows, keys and pending rows equal."""
+    import random
+
+    import test_batch_engine as tbe
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs, static_cache
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", 16)  # several span buckets on the tiny prompts
+    rng = random.Random(9000 + seed)
+    name = ("qwen3_vl", "qwen2_5_vl")[seed % 2]
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg, requests, budget = tbe.draw_case(rng, model, processor, longest=8, most=6)
+    batched_graphs.release_all()
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=None), token_budget=budget, num_slots=1,
+                         capacity=16)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.use_cuda  # fast_path=None on CUDA takes the captured steps
+    tbe.drive(model, engine, requests)
+    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
+    _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
+    assert engine.sequences == []
+    engine.close()
+    batched_graphs.release_all()
+
+
+def test_cuda_batched_generate_replays_its_decode_steps():
+    """``generate`` with B = 3 on CUDA (fast_path=None) runs its decode steps as captured graphs, equals the eager
+    batched engine (tokens identical, logits within 1e-3 + 1e-3 x max), and a second call captures nothing new."""
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model("qwen3_vl"), family_processor("qwen3_vl")
+    inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=False), **kw)
+    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw) for _ in range(2)]
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert kept.use_cuda and kept.capture_log and kept.replays > 0
+    captures = len(kept.capture_log)
+    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw)
+    assert len(kept.capture_log) == captures
+    for got in outs + [again]:
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.logits, want.logits):
+            assert (a.float() - b.float()).abs().max().item() <= 1e-3 + 1e-3 * b.abs().max().item()
+    batched_graphs.release_all()

@@ -8,10 +8,11 @@ processor's left padding is a no-op and every row does the same work) and answer
 tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, greedy), through the public API:
 
 - ``raincheck``: ``model.generate(**batch, raincheck=RaincheckConfig())``, the default settings. At B = 1 on
-  CUDA that is the fast path (``fast_path=None``); at B > 1 the batched eager engine.
+  CUDA that is the fast path (``fast_path=None``); at B > 1 the batched engine, its decode steps replayed from
+  CUDA graphs on the attention families (`fast.batched_graphs`; eager on the Gated DeltaNet families).
 - ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).
-- ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the engine a batch runs on,
-  so the batch's scaling over one row is also given engine for engine.
+- ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the eager engine (a batch's
+  prompt pieces run on it), so the batch's scaling over one row is also given engine for engine.
 - ``stock``: transformers' own ``model.generate(**batch)`` (dynamic cache), the batch HF users run today.
 
 Per (batch size, variant), after one untimed warm-up call of the same length at that batch size (so one-time

@@ -1,0 +1,411 @@
+"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket).
+
+`batch_engine.BatchEngine` runs a step whose rows are decode rows only (each sequence ``[chunk?, token]``, no
+prompt piece) through `BatchedStepGraphs` instead of the eager `batch_engine.ForwardRunner`: the step's inputs
+are copied into static buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`):
+
+- ``batch``: the step's sequences rounded up on `BATCH_BUCKETS` (1, 2, 4, ..., 64, then multiples of 64); the
+  unused rows of a bucket are padding sequences in free slots or the pool's scratch slot
+  (`kv_pool.SlotKVPool.scratch`): their keys are ``MAX_KEY``, so no real query sees what they write, and their
+  logits are ignored;
+- ``width``: the widest sequence's rows rounded up to the chunk ladder (`width_bucket`: 1, or ``c + 1`` for a
+  chunk size ``c`` the configuration can take); a shorter sequence's rows are padded at its end, as on the
+  eager engine (they write after its length with the empty key, which its next rows overwrite);
+- ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
+  `static_cache.slot_bucket` (at most the pool's capacity).
+
+Static buffers (`BatchStepBuffers`): embeddings ``[B, W, D]``, positions ``[3, B, W]``, query keys ``[B, W]``,
+the step's slots ``[B]`` and write offsets ``[B, W]``, one dense DeepStack addend ``[B, W, D]`` per DeepStack
+layer (zero on rows without features; added by the decoder layers' hooks of `fast.scoping`, as the
+single-sequence fast path does, instead of HF's boolean-indexed add), the last real row of each sequence, and the
+logits ``[B, V]``. Every buffer is rewritten before every replay, so nothing of one step (or call) is read by
+the next. Inside the step (`BatchedStepGraphs._step`) the keys are written into the pool's ``slot_keys`` and
+the visibility ``[B, W, T]`` is computed from them on the device (docs/method.md §3 per sequence: a real query
+sees its slot's rows whose key is not larger than its own; a padding query sees only its own row, so its output
+stays finite); no value is read back to the host.
+
+Attention reads views ``keys[:B, :, :T]`` of the pool's layers (no copy) when the step's sequences hold slots
+``0 .. n - 1`` (a *dense* step; the bucket's padding sequences then take the free slots ``n .. B - 1``, the pool
+growing to ``B`` slots): an engine with graphs keeps its sequences in the lowest slots, moving the one in the
+highest slot into the hole a leaving sequence makes (`kv_pool.SlotKVPool.move`, in `BatchEngine.remove`), and a
+step orders its sequences by slot. Otherwise (a sequence still prefilling holds a low slot) the step gathers its
+slots (``index_select``, a copy of ``[B, H, T, D]`` per layer, as the eager engine does) and its padding
+sequences write to the pool's scratch slot; ``dense`` is part of the key.
+
+Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
+(`kv_pool.SlotKVPool.version`). A capture's warm-up runs the real step it is captured for: on attention-only
+families a step is idempotent (it writes the same rows with the same values and keys), so the replay that
+follows gives the same result. Families with recurrent state (Qwen3.5's Gated DeltaNet) and prompt pieces run
+on the eager `ForwardRunner`.
+
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
+(``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
+
+Without CUDA (``graphs=True`` on a CPU model) the same step runs eagerly on the same static buffers (no capture:
+there is nothing to replay), which is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..cache_utils import DEFERRED, GENERATED
+from ..configuration import CHUNK_LADDER, RaincheckConfig
+from ..kv_pool import MAX_KEY, SlotKVPool, SlotStep
+from ..masking import batched_visibility_to_attention_mask
+from ..models.base import accelerate_split
+from . import static_cache
+from .scoping import CAPTURE_LOCK, step_scope
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of the largest
+
+
+def batch_bucket(n: int) -> int:
+    """The batch size a step of ``n`` sequences runs at (`BATCH_BUCKETS`, then multiples of 64)."""
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    top = BATCH_BUCKETS[-1]
+    return -(-int(n) // top) * top
+
+
+def width_bucket(widest: int, config: RaincheckConfig) -> int:
+    """Rows per sequence of a decode step whose widest sequence has ``widest`` rows: 1 (tokens only), else the
+    smallest ``c + 1`` >= ``widest`` for a chunk size ``c`` of the configuration (its fixed size, the ladder)."""
+    if widest <= 1:
+        return 1
+    sizes = {c + 1 for c in CHUNK_LADDER}
+    if not config.auto_chunk:
+        sizes.add(int(config.chunk_size) + 1)
+    fitting = [s for s in sorted(sizes) if s >= widest]
+    return fitting[0] if fitting else int(widest)
+
+
+def batched_graph_blocker(adapter) -> str | None:
+    """Why this model's batched decode steps cannot run as captured steps, or None."""
+    if adapter.has_linear_attention:
+        return ("its Gated DeltaNet layers keep per-sequence recurrent state that the batched engine steps on the "
+                "host, so batched steps run on the eager batched engine")
+    if not adapter.supports_fast_path:
+        return "the family has no fast path"
+    split = accelerate_split(adapter.model)
+    if split is not None:
+        return f"accelerate placed the model {split} (captured steps need it on one device)"
+    return None
+
+
+def resolve_graphs(adapter, config: RaincheckConfig, graphs: bool | None) -> bool:
+    """Whether a `BatchEngine` runs its decode steps through `BatchedStepGraphs` (``graphs``: the engine's setting;
+    None follows ``config.fast_path``). A ValueError where they were asked for and cannot run, or where the two
+    settings disagree."""
+    if graphs is not None and not isinstance(graphs, bool):
+        raise ValueError(f"BatchEngine graphs must be None (auto), True or False, got {graphs!r}.")
+    if graphs is not None and config.fast_path is not None and graphs != config.fast_path:
+        raise ValueError(f"BatchEngine graphs={graphs} contradicts RaincheckConfig.fast_path={config.fast_path}; "
+                         "set one of them (or both the same).")
+    wanted = config.fast_path if graphs is None else graphs
+    blocker = batched_graph_blocker(adapter)
+    on_cuda = adapter.device.type == "cuda"
+    if wanted is True:
+        if blocker is None and on_cuda:
+            blocker = adapter.step_graph_blocker()
+        if blocker is not None:
+            raise ValueError(f"RaincheckConfig.fast_path=True (BatchEngine graphs=True) with a batch: {blocker}. "
+                             "Use fast_path=None (auto) or False for batches on this model.")
+        return True
+    if wanted is False:
+        return False
+    return on_cuda and blocker is None and adapter.step_graph_blocker() is None
+
+
+def decode_only(entries) -> bool:
+    """Every entry is a decode group ``[deferred chunk?, generated token]`` that wants its logits."""
+    for _, group in entries:
+        kinds = torch.as_tensor(group.kinds)
+        if not group.want_logits or int(kinds[-1]) != GENERATED or bool((kinds[:-1] != DEFERRED).any()):
+            return False
+    return True
+
+
+class BatchStepKey(NamedTuple):
+    batch: int  # sequences, padding rows included (`batch_bucket`)
+    width: int  # rows per sequence (`width_bucket`)
+    span: int  # slot rows attention reads
+    dense: bool  # the step's slots are 0 .. batch - 1 (padding sequences in the free ones): attention reads views
+
+
+@dataclass
+class BatchStepBuffers:
+    embeds: torch.Tensor  # [B, W, D]
+    positions: torch.Tensor  # [3, B, W]
+    query_keys: torch.Tensor  # [B, W]
+    slots: torch.Tensor  # [B]
+    write: torch.Tensor  # [B, W]
+    last: torch.Tensor  # [B]: each sequence's last real row
+    deepstack: list[torch.Tensor]  # [B, W, D] per DeepStack layer
+    logits: torch.Tensor | None = None  # [B, V], set by the step
+
+    @classmethod
+    def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device) -> "BatchStepBuffers":
+        b, w = key.batch, key.width
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(b, w, hidden, dtype=dtype, device=device), torch.zeros(3, b, w, **long),
+                   torch.full((b, w), MAX_KEY, **long), torch.zeros(b, **long), torch.zeros(b, w, **long),
+                   torch.zeros(b, **long),
+                   [torch.zeros(b, w, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The input buffers (what every fill rewrites)."""
+        return [self.embeds, self.positions, self.query_keys, self.slots, self.write, self.last, *self.deepstack]
+
+
+class _DeviceStep(SlotStep):
+    """The pool's running step as device tensors (the step's buffers), for `kv_pool.SlotKVLayer.update`."""
+
+    def __init__(self, buffers: BatchStepBuffers, span: int, dense: bool):
+        super().__init__(buffers.slots, buffers.write, span, [], int(buffers.slots.shape[0]) if dense else None)
+        self._buffers = buffers
+
+    def on(self, device):
+        if device != self._buffers.slots.device:  # one device only (`batched_graph_blocker`)
+            raise RuntimeError(f"a captured batched step runs on {self._buffers.slots.device}, a layer on {device}")
+        return self._buffers.slots, self._buffers.write
+
+
+class _EagerStep:
+    """A step that runs the captured callable eagerly on its buffers (no CUDA: nothing to capture)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.run()
+
+
+class BatchedStepGraphs:
+    """The captured decode steps of one `BatchEngine` (its adapter and pool; see the module docstring)."""
+
+    views = True  # dense steps read views of their slots (False: every step gathers, as the eager engine does)
+
+    def __init__(self, adapter, pool: SlotKVPool):
+        if not pool.has_scratch:
+            raise ValueError("BatchedStepGraphs needs a SlotKVPool with a scratch slot (scratch_slot=True).")
+        self.adapter, self.pool = adapter, pool
+        self.made_for = (adapter.device, adapter.dtype)  # where the pool's tensors live
+        self.use_cuda = torch.cuda.is_available() and adapter.device.type == "cuda"
+        self.hidden = adapter.text_model.config.hidden_size
+        self.num_deepstack = adapter.num_deepstack_layers
+        self._captured: dict[BatchStepKey, tuple] = {}
+        self._setting = (pool.version, adapter.attn_implementation)  # what the captured graphs were made on
+        self._mempool = None
+        self._stream = None
+        self.capture_log: list[BatchStepKey] = []  # every capture, in order
+        self.replays = 0
+        self.failed = False  # a capture raised: every decode step runs eagerly from then on
+
+    # ---- the step itself, identical in eager and captured form ----
+    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False) -> None:
+        adapter, pool = self.adapter, self.pool
+        slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
+        pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
+        stored = pool.slot_keys[:, :span].index_select(0, slots)  # [B, T]
+        visible = stored[:, None, :] <= queries[:, :, None]
+        own = write[:, :, None] == torch.arange(span, device=write.device)[None, None]
+        visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
+        mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
+        text_model = adapter.text_model
+        pool.step = _DeviceStep(buffers, span, dense)
+        try:
+            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
+                hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
+                                    attention_mask=adapter.text_attention_mask(mask), cache=pool,
+                                    use_cache=True).last_hidden_state
+        finally:
+            pool.step = None
+        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), buffers.last]  # [B, D]
+        logits = adapter.lm_head(picked[:, None])[:, 0]
+        if buffers.logits is None:
+            buffers.logits = logits
+        else:
+            buffers.logits.copy_(logits)
+
+    def _capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
+        """A replayable step on ``buffers`` (filled with the real step: the warm-up runs execute it)."""
+        if not self.use_cuda:
+            self._step(buffers, key.span, key.dense)  # (the first run: `BatchStepBuffers.logits` gets its tensor)
+            return _EagerStep(lambda: self._step(buffers, key.span, key.dense))
+        with CAPTURE_LOCK:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._step(buffers, key.span, key.dense)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                    self._step(buffers, key.span, key.dense)
+                self._mempool = graph.pool()
+            finally:
+                torch.cuda.current_stream().wait_stream(stream)
+        return graph
+
+    # ---- one step ----
+    def run(self, entries, config: RaincheckConfig) -> dict:
+        """Run the decode-only forward ``entries`` (`decode_only`) of an engine with ``config``; the logits ``[V]`` of
+        each sequence."""
+        pool, adapter = self.pool, self.adapter
+        entries = sorted(entries, key=lambda e: e[0].slot)  # batch row b: the b-th lowest slot
+        n = len(entries)
+        widest = max(len(g) for _, g in entries)
+        key_batch, width = batch_bucket(n), width_bucket(widest, config)
+        slots = [seq.slot for seq, _ in entries]
+        # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
+        dense = self.views and slots == list(range(n))
+        if dense:
+            pool.grow_slots(key_batch)  # the bucket's padding sequences take the free slots after them
+            dense = all(s in pool._free for s in range(n, key_batch))
+        pool.reserve(max(pool.lengths[s] for s in slots) + width)
+        setting = (pool.version, adapter.attn_implementation)
+        if setting != self._setting:  # the tensors moved (graphs hold the old addresses), or another backend
+            self._captured.clear()
+            self._mempool, self._setting = None, setting
+        starts = [pool.lengths[s] for s in slots]
+        span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
+        key = BatchStepKey(key_batch, width, span, dense)
+        captured = self._captured.get(key)
+        buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
+            key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+        self._fill(buffers, entries, starts, None if dense else pool.scratch)
+        before = list(starts)
+        for slot, (_, group) in zip(slots, entries):
+            pool.lengths[slot] += len(group)
+        ok = False
+        try:
+            if captured is None and not self.failed:
+                try:
+                    graph = self._capture(key, buffers)
+                except RuntimeError as error:
+                    if not self.use_cuda:
+                        raise
+                    warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} "
+                                  f"failed ({error}); running batched decode steps eagerly instead.",
+                                  RuntimeWarning, stacklevel=3)
+                    self.failed = True
+                else:
+                    self._captured[key] = (graph, buffers)
+                    self.capture_log.append(key)
+                    captured = (graph, buffers)
+            if captured is None:  # capture failed: the same step, eagerly on these buffers
+                self._step(buffers, span, dense)
+            else:
+                captured[0].replay()
+                self.replays += 1
+            ok = True
+        finally:
+            if not ok:  # the step's rows are taken back (as `SlotKVPool.end_step(False)`)
+                for slot, was in zip(slots, before):
+                    pool.slot_keys[slot, was:pool.lengths[slot]] = MAX_KEY
+                    pool.lengths[slot] = was
+        for seq, group in entries:
+            seq.stored(group)
+        logits = buffers.logits[:n].clone()
+        return {seq: logits[b] for b, (seq, _) in enumerate(entries)}
+
+    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
+        """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
+        padding sequences in the scratch slot (None: in the free slots ``n .. B - 1``, a dense step). A few copies
+        per buffer, whatever the batch (host time per step)."""
+        device = buffers.embeds.device
+        batch, width = buffers.query_keys.shape
+        n = len(entries)
+        lengths = [len(g) for _, g in entries]
+        host = torch.zeros(3, batch, dtype=torch.long)  # slots, starts, last rows
+        if scratch is None:
+            host[0] = torch.arange(batch)
+        else:
+            host[0].fill_(scratch)
+        host[0, :n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
+        host[1, :n] = torch.tensor(starts, dtype=torch.long)
+        host[2, :n] = torch.tensor(lengths, dtype=torch.long) - 1
+        dest = torch.cat([b * width + torch.arange(rows) for b, rows in enumerate(lengths)])
+        visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
+        if buffers.deepstack:
+            for rows, v in zip(lengths, visual):
+                if v >= rows:  # a decode group's visual rows are its leading deferred rows (`decode_only`)
+                    raise RuntimeError(f"a decode group of {rows} rows carries {v} DeepStack rows")
+        ds_dest = torch.cat([b * width + torch.arange(v) for b, v in enumerate(visual)])
+        host = host.to(device, non_blocking=True)
+        dest, ds_dest = dest.to(device, non_blocking=True), ds_dest.to(device, non_blocking=True)
+        buffers.slots.copy_(host[0])
+        buffers.write.copy_(host[1][:, None] + torch.arange(width, device=device)[None])
+        buffers.last.copy_(host[2])
+        buffers.embeds.zero_()
+        buffers.positions.zero_()
+        buffers.query_keys.fill_(MAX_KEY)
+        groups = [g for _, g in entries]
+        buffers.embeds.view(batch * width, -1).index_copy_(
+            0, dest, torch.cat([g.batch.embeds.to(device, buffers.embeds.dtype) for g in groups]))
+        buffers.positions.view(3, batch * width).index_copy_(
+            1, dest, torch.cat([g.batch.positions.to(device) for g in groups], dim=1))
+        buffers.query_keys.view(-1).index_copy_(0, dest, torch.cat([g.keys.to(device) for g in groups]))
+        for i, addend in enumerate(buffers.deepstack):
+            addend.zero_()
+            features = [g.batch.deepstack[i] for g, v in zip(groups, visual) if v]
+            if features:
+                addend.view(batch * width, -1).index_copy_(
+                    0, ds_dest, torch.cat(features).to(device, addend.dtype))
+
+
+# ---- pools and their graphs, kept per model for later engines (a capture is paid once per key and model) ----
+
+_POOLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # text model -> [BatchedStepGraphs], free ones
+_POOLED_LOCK = threading.Lock()
+POOLED_PER_MODEL = 2
+
+
+def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedStepGraphs:
+    """A free pool of this model (with its captured graphs) grown to ``num_slots`` x ``capacity``, or a new one."""
+    with _POOLED_LOCK:
+        free = _POOLED.get(adapter.text_model)
+        graphs = free.pop() if free else None
+    if graphs is None or graphs.made_for != (adapter.device, adapter.dtype):  # (the model moved or was cast since)
+        pool = SlotKVPool(num_layers, num_slots, capacity, adapter.device, scratch_slot=True)
+        return BatchedStepGraphs(adapter, pool)
+    graphs.adapter = adapter
+    graphs.pool.grow_slots(num_slots)
+    graphs.pool.reserve(capacity)
+    return graphs
+
+
+def release(graphs: BatchedStepGraphs) -> None:
+    """Give an engine's pool back for the next engine on the model (only when every slot is free: its keys are all
+    ``MAX_KEY`` then, so nothing it held is visible to the next user)."""
+    pool = graphs.pool
+    if pool.step is not None or len(pool._free) != pool.num_slots:
+        return
+    text_model = graphs.adapter.text_model
+    with _POOLED_LOCK:
+        free = _POOLED.setdefault(text_model, [])
+        if len(free) < POOLED_PER_MODEL and all(g is not graphs for g in free):
+            graphs.adapter = None  # a kept pool holds no reference to the model (the key is weak)
+            free.append(graphs)
+
+
+def release_all(model=None) -> None:
+    """Drop the kept pools (of ``model``'s text model, or of every model)."""
+    with _POOLED_LOCK:
+        if model is None:
+            _POOLED.clear()
+        else:
+            from ..models import get_adapter
+
+            _POOLED.pop(get_adapter(model).text_model, None)
