@@ -109,6 +109,16 @@ def serve_settings(argv: list[str]):
     return cli.settings_from(parser.parse_args(argv))
 
 
+def assert_same_output(got, want, tol: float, what: str = "forward") -> None:
+    """Two `generate` outputs (``return_dict_in_generate``, ``output_logits``): the same sequences, and each
+    forward's logits within ``tol`` (max abs)."""
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.logits) == len(want.logits)
+    for i, (a, b) in enumerate(zip(got.logits, want.logits)):
+        diff = (a - b).abs().max().item()
+        assert diff <= tol, f"{what} {i}: max abs logit diff {diff:.2e}"
+
+
 def in_threads(worker, count: int, on_error=None) -> list[BaseException]:
     """Run ``worker(i)`` for each ``i < count`` in a thread of its own and wait for them all; returns what they
     raised. ``on_error()`` runs after each failure (a barrier's ``abort``, so the others do not wait for it)."""

@@ -22,7 +22,7 @@ from raincheck_hf.fast import batched_graphs, static_cache
 from raincheck_hf.kv_pool import MAX_KEY
 
 from families import family_model, family_params, family_processor
-from conftest import no_placeholder_ids
+from conftest import assert_same_output, no_placeholder_ids
 from test_batch_engine import Request, draw_case, drive
 from test_batched import IMAGE, TEXT, TWO_IMAGES, VIDEO, batched_inputs, run
 
@@ -114,21 +114,13 @@ def _eager_and_graphs(name, rows, cfg, n, monkeypatch=None, **patches):
     return want, got
 
 
-def _assert_same(want, got):
-    assert torch.equal(got.sequences, want.sequences)
-    assert len(got.logits) == len(want.logits)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        diff = (a - b).abs().max().item()
-        assert diff <= TOL, f"step {step}: max abs logit diff {diff:.2e}"
-
-
 @pytest.mark.parametrize("name", family_params(GRAPH_FAMILIES))
 def test_generate_batch_with_fast_path_true_equals_the_eager_engine(name, replay_log):
     """``generate(**batch, raincheck=RaincheckConfig(fast_path=True))`` with B = 3 (images, video, text): the decode
     steps replay the static-buffer step (batch bucket 4: one padding row) and the answer equals the eager engine's."""
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1)
     want, got = _eager_and_graphs(name, [TWO_IMAGES, VIDEO, TEXT], cfg, 8)
-    _assert_same(want, got)
+    assert_same_output(got, want, TOL, "step")
     assert replay_log and all(key.batch in (1, 2, 4) for key in replay_log)
     assert any(key.batch == 4 for key in replay_log) and any(key.width == 4 for key in replay_log)
 
@@ -141,7 +133,7 @@ def test_padding_rows_of_a_bucket_change_nothing(name, replay_log, monkeypatch):
     want, got = _eager_and_graphs(name, [IMAGE, TWO_IMAGES], cfg, 7, monkeypatch,
                                   batch_bucket=lambda n: n + 5,
                                   width_bucket=lambda widest, config: widest + 3)
-    _assert_same(want, got)
+    assert_same_output(got, want, TOL, "step")
     assert replay_log and all(key.batch in (6, 7) for key in replay_log)
     widths = {key.width for key in replay_log}
     assert 6 in widths and min(widths) >= 4  # a token with a 2-row chunk (3 + 3), at least 3 padding rows each
@@ -199,8 +191,8 @@ def test_pools_and_their_graphs_serve_the_next_call(replay_log):
     assert captured and len(kept.pool._free) == kept.pool.num_slots and bool((kept.pool.slot_keys == MAX_KEY).all())
     second = run(model, inputs, _with(cfg, True), 6)
     assert batched_graphs._POOLED[model.model.language_model] == [kept] and kept.capture_log == captured
-    _assert_same(want, first)
-    _assert_same(want, second)
+    assert_same_output(first, want, TOL, "step")
+    assert_same_output(second, want, TOL, "step")
 
 
 def test_settings_and_refusals(replay_log):

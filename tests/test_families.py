@@ -16,7 +16,7 @@ from raincheck_hf import Conversation, RaincheckConfig
 from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
-from conftest import INPUT_CASES, make_inputs, no_placeholder_ids, video_metadata
+from conftest import INPUT_CASES, assert_same_output, make_inputs, no_placeholder_ids, video_metadata
 from families import family_model, family_params, family_processor
 from reference import TurnRecord
 
@@ -89,14 +89,6 @@ def _positions_run_past_the_text(model, inputs) -> bool:
     return int(positions.max()) > int(positions[:, -1].max())
 
 
-def _assert_stock(out, stock):
-    assert torch.equal(out.sequences, stock.sequences)
-    assert len(out.logits) == len(stock.logits)
-    for i, (got, want) in enumerate(zip(out.logits, stock.logits)):
-        diff = (got - want).abs().max().item()
-        assert diff <= TOL, f"forward {i}: max abs logit diff {diff:.2e}"
-
-
 @pytest.mark.parametrize("family", family_params(), indirect=True)
 @pytest.mark.parametrize("fps", VIDEO_FPS)
 def test_low_fps_video_retention_one_and_full_are_stock(family, fps):
@@ -111,7 +103,7 @@ def test_low_fps_video_retention_one_and_full_are_stock(family, fps):
     stock = greedy(model, inputs, n=8, **kw)
     for cfg in (RaincheckConfig(retention=1.0, fast_path=False), RaincheckConfig(mode="full", fast_path=False),
                 RaincheckConfig(retention=1.0, fast_path=True)):
-        _assert_stock(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock)
+        assert_same_output(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock, TOL)
 
 
 @pytest.mark.parametrize("family", family_params(), indirect=True)
@@ -152,7 +144,7 @@ def test_low_fps_video_follow_up_in_conversation_is_stock_on_the_whole_dialogue(
     inputs.update(input_ids=dialogue, attention_mask=torch.ones_like(dialogue),
                   mm_token_type_ids=(dialogue == cfg.image_token_id).long() + 2 * (dialogue == cfg.video_token_id).long())
     stock = greedy(model, inputs, n=6, return_dict_in_generate=True, output_logits=True)
-    _assert_stock(second.output, stock)
+    assert_same_output(second.output, stock, TOL)
 
 
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen2_5_vl")))
@@ -170,7 +162,7 @@ def test_low_fps_videos_in_a_batch_are_stock(name):
     kw = dict(return_dict_in_generate=True, output_logits=True)
     stock = greedy(model, inputs, n=8, **kw)
     for cfg in (RaincheckConfig(retention=1.0), RaincheckConfig(mode="full")):
-        _assert_stock(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock)
+        assert_same_output(greedy(model, inputs, n=8, raincheck=cfg, **kw), stock, TOL)
 
 
 @pytest.mark.parametrize("family", family_params(), indirect=True)
