@@ -174,8 +174,8 @@ class BatchEngine:
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
         graphs: run the steps that carry decode rows only as captured CUDA graphs per (batch bucket, width, span
             bucket) (`fast.batched_graphs`; on a CPU model the same static-buffer step runs eagerly); None: follow
-            ``config.fast_path`` (None: on CUDA for the families that support it: the attention families, the
-            MoE ones with transformers' ``grouped_mm`` experts in bfloat16). Prompt pieces and the Gated DeltaNet
+            ``config.fast_path`` (None: eager; True where the family supports it: the attention families, the MoE
+            ones with transformers' ``grouped_mm`` experts in bfloat16, on CUDA). Prompt pieces and the Gated DeltaNet
             families always run on the eager `ForwardRunner`. With graphs, the pool (and its graphs) comes from
             the ones kept per model and goes back with `close`.
     """

@@ -24,8 +24,8 @@ is made (`runner.open_runner`); this loop talks to the `Runner` protocol only.
 A batch of prompts (``input_ids [B, L]``, B > 1, left-padded) goes to `batch_engine.batched_sample` instead
 (`integration.enable` picks it): `batch_engine.BatchEngine`, every row's rows packed into one forward per step
 over per-sequence KV slots, each row planned and scheduled as its own call (every family; Qwen3.5's Gated DeltaNet
-states per row, `batched_gdn.py`); on CUDA its decode steps replay CUDA graphs per batch-size bucket for the
-attention families (`fast.batched_graphs`).
+states per row, `batched_gdn.py`); with ``fast_path=True`` its decode steps replay CUDA graphs per batch-size
+bucket for the attention families (`fast.batched_graphs`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class Request:
             first = _alone(model, inputs, cfg, 2)
             self.held = first.cache
             self.held_was = (repr(first.cache), first.cache.row_keys.clone(), first.cache.pending_sources.clone())
-            follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"]
+            follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"].to(first.sequences.device)
             inputs = {"input_ids": torch.cat([first.sequences, follow], dim=1)}
         self.ids = inputs["input_ids"][0]
         self.media = {k: v for k, v in inputs.items() if k in MEDIA}
