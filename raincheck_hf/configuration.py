@@ -12,6 +12,8 @@ import torch
 from .selection import Selector, get_selector
 
 MODES = ("full", "hard", "post_answer", "raincheck", "serial")
+#: ``restore_order`` values (`plan.restoration_order`)
+RESTORE_ORDERS = ("source", "relevance", "attention")
 AUTO = "auto"
 # chunk sizes `chunk_size="auto"` chooses from (padded rows; with the decode token a fused step has 8 .. 64 rows)
 CHUNK_LADDER = (7, 15, 31, 63)
@@ -51,6 +53,13 @@ class RaincheckConfig:
             token saw (and, under greedy decoding, possibly the tokens while restoration runs) may
             differ between runs; a fixed size gives reproducible runs.
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
+        restore_order: which deferred tokens go first (`plan.restoration_order`): ``"source"`` (default:
+            source order, docs/method.md's chunks of consecutive deferred tokens), ``"relevance"`` (most
+            similar to the question's text embeddings first; no extra model pass) or ``"attention"`` (the
+            rows the question's last prompt token attends to most at the first full-attention layer after
+            DeepStack first; an extra scoring pass of those few layers before the prefill unless the selector
+            is ``fastv``). Any order is exact: a restored row is stored with its true position and is seen
+            by every later forward. Single prompts only (a batch restores in source order).
         tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
             that of plain decode steps (0.02: 2%), the pauses of chunk-step graph captures made during the
             answer included, a number >= 0; unused with a fixed chunk size.
@@ -89,6 +98,7 @@ class RaincheckConfig:
     fast_path: bool | None = None
     tpot_slack: float = 0.02
     compile_steps: bool | None = None
+    restore_order: str = "source"
 
     def __post_init__(self):
         self.validate()
@@ -143,6 +153,9 @@ class RaincheckConfig:
         object.__setattr__(self, "tpot_slack", float(slack))
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"RaincheckConfig.mode={self.mode!r} is not one of {list(MODES)}.")
+        if not isinstance(self.restore_order, str) or self.restore_order not in RESTORE_ORDERS:
+            raise ValueError(f"RaincheckConfig.restore_order={self.restore_order!r} is not one of "
+                             f"{list(RESTORE_ORDERS)}.")
         if not isinstance(self.selector_kwargs, dict):
             raise ValueError(f"RaincheckConfig.selector_kwargs={self.selector_kwargs!r} must be a dict of keyword "
                              "arguments for the selector named by RaincheckConfig.selector.")

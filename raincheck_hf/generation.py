@@ -34,7 +34,7 @@ from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, order
 from .configuration import CHUNK_LADDER, RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
-from .plan import DeferredPlan, build_plan, select_visual_rows
+from .plan import DeferredPlan, build_plan, restoration_order, select_visual_rows
 
 
 @dataclass
@@ -492,6 +492,12 @@ def raincheck_sample(
     if input_ids.shape[0] > 1:  # several prompts: the batched eager engine (`batched.py`)
         from .batched import batched_sample
 
+        if config.restore_order != "source" and config.defers:
+            raise ValueError(
+                f"RaincheckConfig.restore_order={config.restore_order!r} is not supported for a batch of prompts "
+                "yet (the batched engine restores in source order); use restore_order='source' or one prompt per call."
+            )
+
         return batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                               streamer=streamer, raincheck_config=config, raincheck_grids=raincheck_grids,
                               raincheck_captures=raincheck_captures, **model_kwargs)
@@ -531,10 +537,13 @@ def raincheck_sample(
     )
 
     # 2. selection and plan
-    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
+    selector = config.build_selector()
+    keep = select_visual_rows(turn, config, selector, model=model, captures=raincheck_captures)
     turn_index = cache.turn
     cache.turn += 1
     plan = build_plan(turn, keep, turn_index, start)
+    if config.defers:
+        plan.restore_order = restoration_order(turn, plan, config.restore_order, model=model, selector=selector)
     trace = RaincheckTrace(
         mode=config.mode,
         selected=plan.sources(plan.selected_rows),
@@ -579,9 +588,10 @@ def raincheck_sample(
 def _pending_rows(adapter, turn, plan: DeferredPlan):
     from .cache_utils import PendingRows
 
-    batch = adapter.rows(turn, plan.deferred_rows)
+    rows = plan.restore_rows  # restoration order: the scheduler takes chunks from the head
+    batch = adapter.rows(turn, rows)
     return PendingRows(batch.embeds, batch.positions, to_device(plan.deferred_keys, adapter.device),
-                       plan.sources(plan.deferred_rows), batch.deepstack)
+                       plan.sources(rows), batch.deepstack)
 
 
 def _decode_loop(model, adapter, cache, plan, config, trace, logits, input_ids, logits_processor,

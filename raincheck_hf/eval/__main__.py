@@ -18,6 +18,7 @@ import shlex
 import sys
 import time
 
+from ..configuration import RESTORE_ORDERS, RaincheckConfig
 from ..selection import available_selectors
 from .harness import CATEGORIES, MODES, evaluate, summarize
 
@@ -133,11 +134,11 @@ def cmd_run(args) -> dict:
     began = time.time()
     runs = evaluate(model, processor, dialogues, modes=modes, selectors=selectors, scorer=scorer,
                     retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                    margin=args.margin)
+                    restore_order=args.restore_order, margin=args.margin)
     result = {
         "model": args.model, "data": args.data, "dialogues": len(dialogues),
         "settings": {"retention": args.retention, "chunk_size": args.chunk_size, "decode_guard": args.decode_guard,
-                     "margin": args.margin, "scorer": args.scorer or "default", "selectors": selectors, "modes": modes},
+                     "restore_order": args.restore_order, "margin": args.margin, "scorer": args.scorer or "default", "selectors": selectors, "modes": modes},
         "command": "python -m raincheck_hf.eval " + shlex.join(sys.argv[1:]),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "device": args.device, "threads": args.threads},
@@ -158,14 +159,14 @@ def merge(results: list[dict], bootstrap: int = 1000) -> dict:
     """One result from runs of the same model and data split over several processes (by selector / mode)."""
     first = results[0]
     keys = ("model", "data", "dialogues", "uids")
-    fixed = ("retention", "chunk_size", "decode_guard", "margin", "scorer")
+    fixed = ("retention", "chunk_size", "decode_guard", "restore_order", "margin", "scorer")
     for other in results[1:]:
         for k in keys:
             if other[k] != first[k]:
                 raise ValueError(f"cannot merge: {k} differs ({first[k]!r} vs {other[k]!r})")
         for k in fixed:
-            if other["settings"][k] != first["settings"][k]:
-                raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'][k]!r} vs {other['settings'][k]!r})")
+            if other["settings"].get(k) != first["settings"].get(k):
+                raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'].get(k)!r} vs {other['settings'].get(k)!r})")
     runs = {}
     for r in results:
         for name, run in r["runs"].items():
@@ -194,8 +195,10 @@ def main(argv=None):
     run.add_argument("--modes", default=",".join(MODES))
     run.add_argument("--selectors", default="all", help="'all' or a comma-separated list")
     run.add_argument("--retention", type=float, default=0.3)
-    run.add_argument("--chunk-size", type=int, default=31)
-    run.add_argument("--decode-guard", type=int, default=16)
+    run.add_argument("--chunk-size", type=int, default=RaincheckConfig.chunk_size)
+    run.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard)
+    run.add_argument("--restore-order", default=RaincheckConfig.restore_order, choices=RESTORE_ORDERS,
+                     help="which deferred tokens are restored first (RaincheckConfig.restore_order)")
     run.add_argument("--margin", type=int, default=2, help="answer budget: reference tokens + this (same for every mode)")
     run.add_argument("--scorer", default=None, help="glyph | exact | contains | module:function")
     run.add_argument("--bootstrap", type=int, default=1000)
