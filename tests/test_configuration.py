@@ -44,7 +44,8 @@ def test_invalid_config_names_the_setting(kwargs, name):
 
 def test_defaults_follow_the_method():
     cfg = RaincheckConfig()
-    assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode) == (0.3, 31, 16, "raincheck")
+    assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode, cfg.restore_order) == (
+        0.3, 31, 1, "raincheck", "source")
 
 
 @pytest.mark.parametrize("value", [None, True, False])
