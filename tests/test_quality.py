@@ -253,6 +253,14 @@ def test_recovery_and_merging_results_split_over_processes():
     assert "raincheck | uniform" in markdown([merged])
     with pytest.raises(ValueError, match="model"):
         merge([a, dict(b, model="other")])
+    # full / hard runs do not depend on the restoration settings: they merge with a run under another guard ...
+    b4 = dict(b, settings=dict(b["settings"], decode_guard=4, restore_order="attention"))
+    merged4 = merge([a, b4], bootstrap=200)
+    assert merged4["settings"]["decode_guard"] == 4 and merged4["settings"]["restore_order"] == "attention"
+    assert merged4["summary"]["accuracy"] == summary["accuracy"]
+    # ... but two results that restore must agree on them
+    with pytest.raises(ValueError, match="decode_guard"):
+        merge([a, b, dict(b4, runs={"post_answer/uniform": runs["raincheck/uniform"]})])
 
 
 def test_eval_cli_on_a_saved_checkpoint_and_user_jsonl(tmp_path):

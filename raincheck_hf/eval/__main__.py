@@ -249,10 +249,14 @@ def levers_markdown(results: list[dict]) -> str:
 
 
 def merge(results: list[dict], bootstrap: int = 1000) -> dict:
-    """One result from runs of the same model and data split over several processes (by selector / mode)."""
+    """One result from runs of the same model and data split over several processes (by selector / mode). The
+    restoration settings (chunk size, guard, order) must agree between results holding runs that restore
+    deferred tokens; results of ``full`` / ``hard`` runs only merge with any (those runs do not depend on them)."""
     first = results[0]
     keys = ("model", "data", "dialogues", "uids")
-    fixed = ("retention", "chunk_size", "decode_guard", "restore_order", "margin", "scorer")
+    fixed = ("retention", "margin", "scorer")
+    # restoration settings only matter to runs that restore: results holding only full / hard runs merge with any
+    restoring = [r for r in results if any(name.split("/")[0] not in ("full", "hard") for name in r["runs"])]
     for other in results[1:]:
         for k in keys:
             if other[k] != first[k]:
@@ -260,6 +264,11 @@ def merge(results: list[dict], bootstrap: int = 1000) -> dict:
         for k in fixed:
             if other["settings"].get(k) != first["settings"].get(k):
                 raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'].get(k)!r} vs {other['settings'].get(k)!r})")
+    for other in restoring[1:]:
+        for k in ("chunk_size", "decode_guard", "restore_order"):
+            if other["settings"].get(k) != restoring[0]["settings"].get(k):
+                raise ValueError(f"cannot merge: settings.{k} differs between runs that restore deferred tokens "
+                                 f"({restoring[0]['settings'].get(k)!r} vs {other['settings'].get(k)!r})")
     runs = {}
     for r in results:
         for name, run in r["runs"].items():
@@ -267,7 +276,9 @@ def merge(results: list[dict], bootstrap: int = 1000) -> dict:
                 raise ValueError(f"cannot merge: run {name} appears twice with different records")
             runs[name] = run
     merged = dict(first)
-    merged["settings"] = dict(first["settings"],
+    restore = {k: restoring[0]["settings"].get(k) for k in ("chunk_size", "decode_guard", "restore_order")} \
+        if restoring else {}
+    merged["settings"] = dict(first["settings"], **restore,
                               selectors=sorted({s for r in results for s in r["settings"]["selectors"]}),
                               modes=sorted({m for r in results for m in r["settings"]["modes"]}))
     merged["command"] = [r["command"] for r in results]
