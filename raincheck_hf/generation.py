@@ -486,17 +486,16 @@ def raincheck_sample(
     by `integration.enable`'s wrapper) are encoded by the captured vision tower (`ModelAdapter.use_vision_graphs`).
     """
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    if input_ids.shape[0] > 1 and config.restore_order != "source" and config.defers:
+        raise ValueError(
+            f"RaincheckConfig.restore_order={config.restore_order!r} is not supported for a batch of prompts "
+            "yet (the batched engine restores in source order); use restore_order='source' or one prompt per call."
+        )
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
     if input_ids.shape[0] > 1:  # several prompts: the batched eager engine (`batched.py`)
         from .batched import batched_sample
-
-        if config.restore_order != "source" and config.defers:
-            raise ValueError(
-                f"RaincheckConfig.restore_order={config.restore_order!r} is not supported for a batch of prompts "
-                "yet (the batched engine restores in source order); use restore_order='source' or one prompt per call."
-            )
 
         return batched_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                               streamer=streamer, raincheck_config=config, raincheck_grids=raincheck_grids,
