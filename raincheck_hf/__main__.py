@@ -329,7 +329,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # (tests/test_cli.py checks them against raincheck_hf.configuration)
 CHAT_MODES = ("full", "hard", "post_answer", "raincheck", "serial")
 CHAT_SELECTORS = ("cdpruner", "divprune", "fastv", "mmtok", "random", "uniform", "visionzip")
-CHAT_DEFAULTS = {"retention": 0.3, "chunk_size": 31, "decode_guard": 16, "tpot_slack": 0.02, "selector": "mmtok",
+CHAT_DEFAULTS = {"retention": 0.3, "chunk_size": 31, "decode_guard": 1, "tpot_slack": 0.02, "selector": "mmtok",
                  "mode": "raincheck", "compile_steps": None}
 
 

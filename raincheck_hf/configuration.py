@@ -12,6 +12,8 @@ import torch
 from .selection import Selector, get_selector
 
 MODES = ("full", "hard", "post_answer", "raincheck", "serial")
+#: ``restore_order`` values (`plan.restoration_order`)
+RESTORE_ORDERS = ("source", "relevance", "attention")
 AUTO = "auto"
 # chunk sizes `chunk_size="auto"` chooses from (padded rows; with the decode token a fused step has 8 .. 64 rows)
 CHUNK_LADDER = (7, 15, 31, 63)
@@ -50,7 +52,21 @@ class RaincheckConfig:
             every step. With ``"auto"`` the restoration schedule depends on timings, so which chunks a
             token saw (and, under greedy decoding, possibly the tokens while restoration runs) may
             differ between runs; a fixed size gives reproducible runs.
-        decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0.
+        decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0. Default 1: the
+            first token comes from the prefill alone (as fast as with pruning) and every decode step from
+            then on carries a chunk until nothing is pending (0 is the same: the prefill never carries one).
+            The guard moves the chunk steps, it does not change their size, so an answer long enough to hold
+            them all has the same mean time per token whatever the guard; a larger guard keeps more of the
+            answer's first tokens at plain-step speed but lets them see only the selected tokens (on the
+            project's glyph benchmark, long first answers recover 70-78% of what pruning loses with 16,
+            about 95% or more with 1: README, Quality).
+        restore_order: which deferred tokens go first (`plan.restoration_order`): ``"source"`` (default:
+            source order, docs/method.md's chunks of consecutive deferred tokens), ``"relevance"`` (most
+            similar to the question's text embeddings first; no extra model pass) or ``"attention"`` (the
+            rows the question's last prompt token attends to most at the first full-attention layer after
+            DeepStack first; an extra scoring pass of those few layers before the prefill unless the selector
+            is ``fastv``). Any order is exact: a restored row is stored with its true position and is seen
+            by every later forward. Single prompts only (a batch restores in source order).
         tpot_slack: with ``chunk_size="auto"``, how much the answer's mean time per token may exceed
             that of plain decode steps (0.02: 2%), the pauses of chunk-step graph captures made during the
             answer included, a number >= 0; unused with a fixed chunk size.
@@ -82,13 +98,14 @@ class RaincheckConfig:
 
     retention: float = 0.3
     chunk_size: int | str = 31
-    decode_guard: int = 16
+    decode_guard: int = 1
     selector: str | Selector | torch.Tensor = "mmtok"
     mode: str = "raincheck"
     selector_kwargs: dict = field(default_factory=dict)
     fast_path: bool | None = None
     tpot_slack: float = 0.02
     compile_steps: bool | None = None
+    restore_order: str = "source"
 
     def __post_init__(self):
         self.validate()
@@ -143,6 +160,9 @@ class RaincheckConfig:
         object.__setattr__(self, "tpot_slack", float(slack))
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"RaincheckConfig.mode={self.mode!r} is not one of {list(MODES)}.")
+        if not isinstance(self.restore_order, str) or self.restore_order not in RESTORE_ORDERS:
+            raise ValueError(f"RaincheckConfig.restore_order={self.restore_order!r} is not one of "
+                             f"{list(RESTORE_ORDERS)}.")
         if not isinstance(self.selector_kwargs, dict):
             raise ValueError(f"RaincheckConfig.selector_kwargs={self.selector_kwargs!r} must be a dict of keyword "
                              "arguments for the selector named by RaincheckConfig.selector.")

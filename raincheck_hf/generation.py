@@ -42,7 +42,7 @@ from .configuration import CHUNK_LADDER, RaincheckConfig
 from .fast.vision_graphs import vision_graphs_for
 from .models import get_adapter
 from .models.base import RowBatch
-from .plan import DeferredPlan, build_plan, select_visual_rows
+from .plan import DeferredPlan, build_plan, restoration_order, select_visual_rows
 from .runner import ForwardRows, Runner, open_runner, runner_for
 
 
@@ -442,6 +442,11 @@ def raincheck_sample(
         raise ValueError(f"raincheck_sample runs one sequence, got input_ids of batch {input_ids.shape[0]}; a batch of "
                          "prompts goes to batch_engine.batched_sample (model.generate picks it after enable(model)).")
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+    if input_ids.shape[0] > 1 and config.restore_order != "source" and config.defers:
+        raise ValueError(
+            f"RaincheckConfig.restore_order={config.restore_order!r} is not supported for a batch of prompts "
+            "yet (the batched engine restores in source order); use restore_order='source' or one prompt per call."
+        )
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop
@@ -476,10 +481,13 @@ def raincheck_sample(
     )
 
     # 2. selection and plan
-    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=raincheck_captures)
+    selector = config.build_selector()
+    keep = select_visual_rows(turn, config, selector, model=model, captures=raincheck_captures)
     turn_index = cache.turn
     cache.turn += 1
     plan = build_plan(turn, keep, turn_index, start)
+    if config.defers:
+        plan.restore_order = restoration_order(turn, plan, config.restore_order, model=model, selector=selector)
     trace = RaincheckTrace(
         mode=config.mode,
         selected=plan.sources(plan.selected_rows),
@@ -522,9 +530,10 @@ def raincheck_sample(
 
 
 def _pending_rows(adapter, turn, plan: DeferredPlan):
-    batch = adapter.rows(turn, plan.deferred_rows)
+    rows = plan.restore_rows  # restoration order: the scheduler takes chunks from the head
+    batch = adapter.rows(turn, rows)
     return PendingRows(batch.embeds, batch.positions, to_device(plan.deferred_keys, adapter.device),
-                       plan.sources(plan.deferred_rows), batch.deepstack)
+                       plan.sources(rows), batch.deepstack)
 
 
 def _decode_loop(model, adapter, runner: Runner, plan, config, trace, logits, input_ids, logits_processor,

@@ -1,7 +1,8 @@
 """`DeferredPlan`: which rows of a turn are prefilled first and which are deferred.
 
-Selection (`selection/`) decides *which* visual rows go first; this module only turns its masks
-into row lists with their order keys, in source order.
+Selection (`selection/`) decides *which* visual rows go first; this module turns its masks into
+row lists with their order keys, and decides in which order the deferred rows are restored
+(`restoration_order`, ``RaincheckConfig.restore_order``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .cache_utils import DEFERRED, INPUT, order_key
 from .selection import SelectionContext, Selector
 
 
+
 @dataclass
 class DeferredPlan:
     """Rows of one turn (indices into the turn's new tokens), all in source order.
@@ -24,6 +26,9 @@ class DeferredPlan:
         input_rows: text rows and selected visual rows, prefilled first (T ∪ S).
         selected_rows: the selected visual rows (S).
         deferred_rows: the deferred visual rows (D).
+        restore_order: ``[d]`` a permutation of ``range(d)``: ``deferred_rows[restore_order]`` is the order in
+            which the deferred rows are restored (their physical order, docs/method.md §3), or None for
+            source order.
     """
 
     turn: int
@@ -31,13 +36,22 @@ class DeferredPlan:
     input_rows: torch.Tensor
     selected_rows: torch.Tensor
     deferred_rows: torch.Tensor
+    restore_order: torch.Tensor | None = None
 
     @property
     def input_keys(self) -> torch.Tensor:
         return order_key(self.turn, INPUT, self.input_rows)
 
     @property
+    def restore_rows(self) -> torch.Tensor:
+        """``[d]`` the deferred rows in restoration order."""
+        return self.deferred_rows if self.restore_order is None else self.deferred_rows[self.restore_order]
+
+    @property
     def deferred_keys(self) -> torch.Tensor:
+        """``[d]`` order keys of `restore_rows`: increasing in restoration order, so that visibility (keys and
+        forward indices, `masking.reference_visibility`) follows the physical order whatever the order is. The
+        k-th restored row takes the k-th smallest deferred row's key: the same set of keys as source order."""
         return order_key(self.turn, DEFERRED, self.deferred_rows)
 
     def sources(self, rows: torch.Tensor) -> torch.Tensor:
@@ -76,3 +90,36 @@ def build_plan(turn, keep: torch.Tensor, turn_index: int, source_offset: int) ->
     is_input = torch.ones(turn.input_ids.shape[0], dtype=torch.bool)
     is_input[deferred] = False
     return DeferredPlan(turn_index, source_offset, is_input.nonzero().flatten(), selected, deferred)
+
+
+def restoration_order(turn, plan: DeferredPlan, order: str, model=None, selector=None) -> torch.Tensor | None:
+    """The order in which the deferred rows of ``plan`` are restored: a permutation of ``range(d)`` over
+    ``plan.deferred_rows`` (None: source order). Ties keep source order (stable sort).
+
+    - ``"source"``: source order (docs/method.md §1's chunks of consecutive deferred tokens).
+    - ``"relevance"``: most relevant to the turn's text first, by the mean cosine similarity of each deferred
+      row's embedding to the text rows' embeddings (`selection.cdpruner.relevance_scores`; no model pass).
+    - ``"attention"``: what the question attends to first: the attention the turn's last prompt row pays
+      each row at the first full-attention layer after DeepStack, from a scoring pass over the turn's rows
+      (`selection.fastv.turn_last_row_attention`; with the ``fastv`` selector it is the selection's own pass,
+      otherwise an extra pass of a few layers before the prefill).
+    """
+    n = int(plan.deferred_rows.numel())
+    if order == "source" or n < 2:
+        return None
+    device = turn.embeds.device
+    rows = plan.deferred_rows.to(device)
+    if order == "relevance":
+        from .selection.cdpruner import relevance_scores
+
+        scores = relevance_scores(turn.embeds[rows].float(), turn.embeds[turn.text_rows].float())
+    elif order == "attention":
+        from .selection.fastv import FastVSelector, turn_last_row_attention
+
+        layer = selector.layer if isinstance(selector, FastVSelector) else None
+        scores = turn_last_row_attention(model, turn, layer)[0].to(device)[rows]
+    else:
+        from .configuration import RESTORE_ORDERS
+
+        raise ValueError(f"RaincheckConfig.restore_order={order!r} is not one of {list(RESTORE_ORDERS)}.")
+    return torch.sort(scores.float().cpu(), descending=True, stable=True).indices

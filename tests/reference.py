@@ -3,7 +3,7 @@
 Given what each `generate` call returned, rebuild every row of the conversation the way stock
 transformers would for a full re-tokenised conversation (embeddings with all images scattered in,
 `get_rope_index` over the whole sequence, DeepStack features per visual row), put the rows in the
-logical physical order ``[T∪S] [deferred] [generated]`` per turn, and run **one** forward of the
+logical physical order ``[T∪S] [deferred, in restoration order] [generated]`` per turn, and run **one** forward of the
 stock text model with the visibility "earlier in that order and already computed". Its logits at
 each decode row are what the incremental engine must reproduce.
 
@@ -79,6 +79,24 @@ def classify_rows(turns: list[TurnRecord], n_rows: int):
     return turn_of, segment, forward, keep
 
 
+def restoration_place(turns: list[TurnRecord], n_rows: int) -> torch.Tensor:
+    """``[n_rows]`` each row's place within its segment of the physical order: its source position, except
+    that a turn's deferred rows go in the order they were restored (``RaincheckConfig.restore_order``): those
+    its trace restored during the answer, then those still pending when the call returned (restored later,
+    in that order). Source order when the trace restored them in source order."""
+    place = torch.arange(n_rows)
+    for t in turns:
+        trace = t.output.raincheck
+        restored = [r for r in trace.restored_per_forward[1:]] + [trace.pending]
+        rows = torch.cat([r.reshape(-1).long() for r in restored]) if restored else torch.empty(0, dtype=torch.long)
+        deferred = trace.deferred.reshape(-1).long()
+        if trace.dropped.numel():
+            continue  # hard: nothing restored
+        assert sorted(rows.tolist()) == sorted(deferred.tolist()), "every deferred row is restored exactly once"
+        place[rows] = deferred.sort().values[: rows.numel()]  # the k-th restored row takes the k-th place
+    return place
+
+
 def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]:
     """Per turn, the reference logits ``[V]`` of each of its forwards (0 = prefill)."""
     cfg = model.config
@@ -118,7 +136,8 @@ def reference_logits(model, turns: list[TurnRecord]) -> list[list[torch.Tensor]]
 
     turn_of, segment, fwd, keep = classify_rows(turns, n_rows)
 
-    order = sorted(range(n_rows), key=lambda r: (int(turn_of[r]), int(segment[r]), r))
+    place = restoration_place(turns, n_rows)
+    order = sorted(range(n_rows), key=lambda r: (int(turn_of[r]), int(segment[r]), int(place[r])))
     order = torch.tensor([r for r in order if keep[r]])
     rank = torch.empty(n_rows, dtype=torch.long)
     rank[order] = torch.arange(order.numel())

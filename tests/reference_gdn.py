@@ -4,8 +4,9 @@ What the engine must compute, written without its machinery: every row of the co
 rebuilt the way stock transformers would (embeddings with all images and videos scattered in,
 `get_rope_index` over the whole conversation), and given
 
-- its **order key** ``(turn, segment, source)`` with segment 0 = input (T ∪ S), 1 = deferred,
-  2 = generated: its place in the logical physical order of docs/method.md §3;
+- its **order key** ``(turn, segment, place)`` with segment 0 = input (T ∪ S), 1 = deferred,
+  2 = generated (place: the source position, deferred rows in restoration order,
+  `reference.restoration_place`): its place in the logical physical order of docs/method.md §3;
 - its **forward**: when it was computed (turn k's prefill, decode step i, or idle time), read
   from the traces.
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reference import TurnRecord, _cat, classify_rows, rope_index
+from reference import TurnRecord, _cat, classify_rows, restoration_place, rope_index
 
 __all__ = ["TurnRecord", "conversation_rows", "full_rerun_logits", "gdn_reference_logits"]
 
@@ -45,16 +46,17 @@ class Rows:
     ``forward`` (``[N]`` each), ``keep`` (rows that were ever computed) and, per turn, the rows whose
     logits the engine returned (forward 0 = prefill, then one per decode forward)."""
 
-    def __init__(self, embeds, positions, turn, segment, forward, keep, logit_rows):
+    def __init__(self, embeds, positions, turn, segment, forward, keep, logit_rows, place=None):
         self.embeds, self.positions = embeds, positions
+        self.place = torch.arange(embeds.shape[0]) if place is None else place  # `reference.restoration_place`
         self.turn, self.segment, self.forward, self.keep = turn, segment, forward, keep
         self.logit_rows = logit_rows
 
     @property
     def order(self) -> torch.Tensor:
-        """Kept rows in key order (turn, segment, source)."""
+        """Kept rows in key order (turn, segment, source; deferred rows in restoration order)."""
         n = self.embeds.shape[0]
-        ranked = sorted(range(n), key=lambda r: (int(self.turn[r]), int(self.segment[r]), r))
+        ranked = sorted(range(n), key=lambda r: (int(self.turn[r]), int(self.segment[r]), int(self.place[r])))
         return torch.tensor([r for r in ranked if self.keep[r]])
 
 
@@ -90,7 +92,7 @@ def conversation_rows(model, turns: list[TurnRecord]) -> Rows:
         end = t.output.sequences.shape[1] - 1
         n_forwards = len(t.output.logits) if t.output.logits is not None else end - prompt_len + 1
         logit_rows.append([prompt_len - 1] + [prompt_len + i - 1 for i in range(1, n_forwards)])
-    return Rows(embeds, positions, turn_of, segment, forward, keep, logit_rows)
+    return Rows(embeds, positions, turn_of, segment, forward, keep, logit_rows, restoration_place(turns, n_rows))
 
 
 # ---- the layers, written out -------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Seeded schedule fuzz (issue 28): many conversations on one model, each on the engine under test against the
 eager engine (`fast_path=False`), which is the reference for the fast path.
 
-A case is a family, a `RaincheckConfig` (mode, retention, chunk size including ``"auto"``, guard, selector) and
+A case is a family, a `RaincheckConfig` (mode, retention, chunk size including ``"auto"``, guard, selector,
+restoration order) and
 two or three turns (an image, two images or a video at 0.5 / 1 / 2 fps first; sometimes new media later; answer
 lengths from 1 to 20 tokens), and before each follow-up one of: the leftovers merged into its prefill,
 `Conversation.complete`, ``k`` idle-time chunks (`restore_pending`), or the previous answer streamed and cancelled
@@ -30,6 +31,7 @@ MODES = ["raincheck", "serial", "post_answer", "hard", "full"]
 SELECTORS = ["mmtok", "fastv", "visionzip", "divprune", "cdpruner", "random", "uniform"]
 QUESTIONS = ["What is in this image?", "And the corner?", "Which colour is most common?", "Anything else?"]
 BEFORE = ["merge", "complete", "idle", "cancel"]
+RESTORE_ORDERS = ["source", "relevance", "attention"]
 
 
 @dataclass
@@ -60,6 +62,8 @@ def make_case(seed: int, family: str, videos: bool = True) -> Case:
     config = dict(mode=rng.choice(MODES), retention=rng.choice([0.0, 0.15, 0.3, 0.5, 1.0]),
                   chunk_size=rng.choice([1, 2, 5, 31, "auto"]), decode_guard=rng.choice([0, 1, 3, 16]),
                   selector=rng.choice(SELECTORS))
+    # drawn from a stream of its own, so that the rest of a seed's case stays what it was before this setting
+    config["restore_order"] = random.Random(f"restore_order-{seed}").choice(RESTORE_ORDERS)
 
     def media():
         kind = rng.choice(["image", "two_images", "video"] if videos else ["image", "two_images"])

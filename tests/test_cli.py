@@ -112,8 +112,9 @@ def test_help_names_every_option_with_its_default_and_choices(capsys):
                    "--device"):
         assert option in options
     for default in ("(default: qwen3_vl)", "(default: 0)", "(default: 2)", "(default: raincheck)", "(default: mmtok)",
-                    "(default: 0.3)", "(default: 31)", "(default: 16)", "(default: 64)", "(default: 5.0)"):
+                    "(default: 0.3)", "(default: 31)", "(default: 64)", "(default: 5.0)"):
         assert default in options, default
+    assert "(default: 1)" in options.split("--decode-guard", 1)[1].split(" --", 1)[0]
     assert "{full,hard,post_answer,raincheck,serial}" in options and "mmtok" in options.split("--selector", 1)[1]
     assert "these machines" not in text and "sandbox" not in text
 

@@ -28,6 +28,8 @@ from conftest import INPUT_CASES, make_inputs
         (dict(compile_steps=1), "compile_steps=1"),
         (dict(compile_steps="yes"), "compile_steps='yes'"),
         (dict(mode="fast"), "mode='fast'"),
+        (dict(restore_order="score"), "restore_order='score'"),
+        (dict(restore_order=None), "restore_order=None"),
         (dict(selector="no-such-method"), "selector='no-such-method'"),
         (dict(selector=torch.ones(3)), "selector as a tensor"),
         (dict(selector=3), "selector=3"),
@@ -42,7 +44,8 @@ def test_invalid_config_names_the_setting(kwargs, name):
 
 def test_defaults_follow_the_method():
     cfg = RaincheckConfig()
-    assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode) == (0.3, 31, 16, "raincheck")
+    assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode, cfg.restore_order) == (
+        0.3, 31, 1, "raincheck", "source")
 
 
 @pytest.mark.parametrize("value", [None, True, False])
@@ -142,6 +145,7 @@ CHANGED = [
     ("retention", "0.3", "retention='0.3'"),
     ("retention", 1.5, "retention=1.5"),
     ("mode", "fast", "mode='fast'"),
+    ("restore_order", "backwards", "restore_order='backwards'"),
     ("selector", torch.ones(4, dtype=torch.int64), "dtype=torch.int64"),
     ("selector", torch.ones(4), "dtype=torch.float32"),
     ("selector", "no-such-method", "selector='no-such-method'"),

@@ -111,12 +111,12 @@ def test_cli_chat_default_replays_a_dev_dialogue_on_the_bundled_model(capsys):
 
 
 def test_cli_chat_fact_first_restores_in_idle_time_and_qwen3_5_is_bundled_too(capsys):
-    code, out, err = run_cli(capsys, "--model", "qwen3_5", "--dialogue", "1")
+    code, out, err = run_cli(capsys, "--model", "qwen3_5", "--dialogue", "1", "--decode-guard", "16")
     assert code == 0 and "bundled glyph Qwen3.5" in err and "Qwen3_5ForConditionalGeneration" in err
     assert "falling back to its reference PyTorch" not in out  # said once on stderr instead, not mid-answer
     first, second = FACT_FIRST.turns[:2]
     assert f"reference> {first.answer}   [right]" in out and f"reference> {second.answer}   [right]" in out
-    assert "restored during the answer 0, after it 0, pending 70" in out  # the answer is shorter than the guard
+    assert "restored during the answer 0, after it 0, pending 70" in out  # the answer is shorter than guard 16
     assert "[idle-time restoration: 70 restored after the answer, 0 still pending]" in out
 
 

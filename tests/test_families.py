@@ -170,8 +170,26 @@ def test_low_fps_videos_in_a_batch_are_stock(name):
 def test_every_mode_matches_reference_over_three_turns(family, mode):
     """Turn 1: an image and a video; turn 2: a four-frame video at 4 fps (two temporal slices) with turn 1's leftovers
     in its prefill; turn 3: text only. Every forward's logits against the family's slow reference."""
+    _three_turns_match_reference(family, RaincheckConfig(mode=mode, retention=0.3, chunk_size=2, decode_guard=3))
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("order", ["relevance", "attention"])
+@pytest.mark.parametrize("mode", ["raincheck", "serial"])
+def test_restore_orders_match_reference_over_three_turns(family, order, mode):
+    """The same conversation with the deferred rows restored out of source order (Qwen3.5: the GDN join takes
+    the chunks in restoration order); the reference puts them in that order (`reference.restoration_place`)."""
+    outs = _three_turns_match_reference(family, RaincheckConfig(mode=mode, retention=0.3, chunk_size=2,
+                                                                decode_guard=3, restore_order=order))
+    for out in outs[:2]:
+        trace = out.raincheck
+        restored = torch.cat([r for r in trace.restored_per_forward[1:]] + [trace.pending]).tolist()
+        assert sorted(restored) == trace.deferred.tolist() and restored != trace.deferred.tolist()
+
+
+def _three_turns_match_reference(family, cfg):
     fam, model, processor = family
-    cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=2, decode_guard=3)
+    mode = cfg.mode
     kw = dict(raincheck=cfg, return_dict_in_generate=True, output_logits=True)
     inputs = [make_inputs(processor, **INPUT_CASES["image_and_video"])]
     outs = [greedy(model, inputs[0], n=5, **kw)]
@@ -188,6 +206,7 @@ def test_every_mode_matches_reference_over_three_turns(family, mode):
     inputs.append(follow_up(model, processor, outs[1].sequences, text="And the colours?"))
     outs.append(greedy(model, inputs[2], n=5, cache=outs[1].cache, **kw))
     assert_matches(fam, model, [record(i, o) for i, o in zip(inputs, outs)])
+    return outs
 
 
 @pytest.mark.parametrize("family", family_params(), indirect=True)

@@ -92,10 +92,26 @@ def test_fast_path_eager_attention_gdn(eager_qwen35, processor):
 def test_fast_path_matches_eager_engine_over_three_turns(family, mode):
     """Turn 1: an image and a video; turn 2: a four-frame video with turn 1's leftovers in its prefill; turn 3:
     text only (a chunk of 2 leaves a short last chunk; the guard holds chunks back for two tokens)."""
+    _three_turns_fast_equals_eager(family, mode=mode, retention=0.3, chunk_size=2, decode_guard=3)
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
+@pytest.mark.parametrize("order", ["relevance", "attention"])
+def test_fast_path_restore_orders_match_eager_engine_over_three_turns(family, order):
+    """The same with the deferred rows restored out of source order: the static slots and GDN buffers take the
+    chunks in restoration order, as the eager engine does (the eager engine against the reference: test_families)."""
+    outs = _three_turns_fast_equals_eager(family, mode="raincheck", retention=0.3, chunk_size=2, decode_guard=3,
+                                          restore_order=order)
+    trace = outs[0][1].raincheck
+    restored = torch.cat([r for r in trace.restored_per_forward[1:]] + [trace.pending]).tolist()
+    assert sorted(restored) == trace.deferred.tolist() and restored != trace.deferred.tolist()
+
+
+def _three_turns_fast_equals_eager(family, **cfg):
     from test_families import follow_up
 
     _, model, processor = family
-    cfg = dict(mode=mode, retention=0.3, chunk_size=2, decode_guard=3)
+    mode = cfg["mode"]
     kw = _kw(model, max_new_tokens=6)
     turns = [make_inputs(processor, **INPUT_CASES["image_and_video"])]
     outs = [_pair(model, turns[0], _kw(model, max_new_tokens=5), **cfg)]
@@ -111,6 +127,7 @@ def test_fast_path_matches_eager_engine_over_three_turns(family, mode):
     if mode not in ("hard", "full"):
         assert outs[1][1].raincheck.restored_per_forward[0].numel() > 0  # leftovers rode on the prefill
     _assert_same_state(outs[2][0].cache, outs[2][1].cache)
+    return outs
 
 
 @pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)

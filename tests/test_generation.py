@@ -8,6 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig, restore_pending
+from raincheck_hf.tiny import draw_test_image
 
 from conftest import INPUT_CASES, make_inputs
 from reference import TurnRecord, reference_logits
@@ -89,6 +90,62 @@ def test_raincheck_matches_reference(model, case_inputs, retention, chunk, guard
             assert restored.numel() == 0, "a chunk ran before the decode guard"
         assert restored.numel() <= chunk
     assert_matches_reference(model, [record(case_inputs, out)])
+
+
+def _restoration_sequence(trace) -> list[int]:
+    """The deferred source positions in the order they were restored (during the answer, then pending)."""
+    return torch.cat([r.reshape(-1) for r in trace.restored_per_forward[1:]] + [trace.pending]).tolist()
+
+
+def _expected_order(model, inputs, trace, order) -> list[int]:
+    """The order ``restore_order`` asks for, computed here from its definition (stable sort, source order on ties)."""
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.selection.fastv import turn_last_row_attention
+
+    adapter = get_adapter(model)
+    ids = inputs["input_ids"][0]
+    with torch.no_grad():
+        turn = adapter.encode_turn(ids, 0, image_grid_thw=inputs.get("image_grid_thw"),
+                                   video_grid_thw=inputs.get("video_grid_thw"), pixel_values=inputs.get("pixel_values"),
+                                   pixel_values_videos=inputs.get("pixel_values_videos"))
+        deferred = trace.deferred
+        if order == "attention":
+            scores = turn_last_row_attention(model, turn, None)[0][deferred]
+        else:
+            feats = torch.nn.functional.normalize(turn.embeds[deferred].float(), dim=-1)
+            text = torch.nn.functional.normalize(turn.embeds[turn.text_rows].float(), dim=-1)
+            scores = (feats @ text.T).mean(dim=-1)  # min-max normalising keeps the order
+    return deferred[torch.sort(scores, descending=True, stable=True).indices].tolist()
+
+
+@pytest.mark.parametrize("order", ["relevance", "attention"])
+@pytest.mark.parametrize("retention,chunk,guard", SETTINGS[:3])
+def test_restore_order_matches_reference(model, case_inputs, retention, chunk, guard, order):
+    """Deferred rows restored out of source order: each decode forward's logits equal one masked forward of the
+    stock model over ``[T∪S] [deferred, in restoration order] [generated]``, and the order is the one asked for."""
+    cfg = RaincheckConfig(retention=retention, chunk_size=chunk, decode_guard=guard, restore_order=order)
+    out = greedy(model, case_inputs, n=14, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    trace = out.raincheck
+    sequence = _restoration_sequence(trace)
+    assert sorted(sequence) == trace.deferred.tolist()  # every deferred token once
+    assert sequence == _expected_order(model, case_inputs, trace, order)
+    if trace.deferred.numel() > 2:
+        assert sequence != trace.deferred.tolist(), "the case should restore out of source order"
+    assert_matches_reference(model, [record(case_inputs, out)])
+
+
+def test_restore_order_source_is_source_order(model, case_inputs):
+    out = greedy(model, case_inputs, n=10, raincheck=RaincheckConfig(chunk_size=3, decode_guard=1),
+                 return_dict_in_generate=True)
+    assert _restoration_sequence(out.raincheck) == out.raincheck.deferred.tolist()
+
+
+def test_restore_order_in_a_batch_is_refused_before_compute(model, processor):
+    from test_batched import batched_inputs
+
+    batch = batched_inputs(processor, [{"images": [draw_test_image(64, 64, seed=1)]}, {"text": "Hello?"}])
+    with pytest.raises(ValueError, match="restore_order='attention'"):
+        greedy(model, batch, n=3, raincheck=RaincheckConfig(restore_order="attention"))
 
 
 def test_eager_attention_matches_reference(eager_model, processor):

@@ -253,6 +253,14 @@ def test_recovery_and_merging_results_split_over_processes():
     assert "raincheck | uniform" in markdown([merged])
     with pytest.raises(ValueError, match="model"):
         merge([a, dict(b, model="other")])
+    # full / hard runs do not depend on the restoration settings: they merge with a run under another guard ...
+    b4 = dict(b, settings=dict(b["settings"], decode_guard=4, restore_order="attention"))
+    merged4 = merge([a, b4], bootstrap=200)
+    assert merged4["settings"]["decode_guard"] == 4 and merged4["settings"]["restore_order"] == "attention"
+    assert merged4["summary"]["accuracy"] == summary["accuracy"]
+    # ... but two results that restore must agree on them
+    with pytest.raises(ValueError, match="decode_guard"):
+        merge([a, b, dict(b4, runs={"post_answer/uniform": runs["raincheck/uniform"]})])
 
 
 def test_eval_cli_on_a_saved_checkpoint_and_user_jsonl(tmp_path):
@@ -277,3 +285,28 @@ def test_eval_cli_on_a_saved_checkpoint_and_user_jsonl(tmp_path):
     assert [r["category"] for r in records] == ["first_text", "follow_up"]
     assert records[0]["selected"] > 0 and records[0]["deferred"] > 0
     assert "raincheck | uniform" in (tmp_path / "out.md").read_text()
+
+
+def test_levers_cli_runs_full_and_hard_once_and_each_lever(tmp_path):
+    """`python -m raincheck_hf.eval levers`: one table row per ORDER/GUARD/CHUNK against the same full / hard runs."""
+    from raincheck_hf.eval.__main__ import main, parse_lever
+
+    assert parse_lever("attention/4/31") == {"restore_order": "attention", "decode_guard": 4, "chunk_size": 31}
+    for bad, match in (("source/4", "ORDER/GUARD/CHUNK"), ("source/x/31", "integers"),
+                       ("sideways/4/31", "restore_order"), ("source/-1/31", "decode_guard")):
+        with pytest.raises(ValueError, match=match):
+            parse_lever(bad)
+    main(["levers", "--model", "qwen3_vl", "--data", "glyph:dev", "--limit", "2", "--selectors", "uniform",
+          "--levers", "source/16/31,relevance/0/31", "--bootstrap", "10", "--json", str(tmp_path / "l.json"),
+          "--markdown", str(tmp_path / "l.md")])
+    out = json.loads((tmp_path / "l.json").read_text())
+    assert set(out["base"]["runs"]) == {"full/-", "hard/uniform"}
+    assert [e["lever"]["decode_guard"] for e in out["levers"]] == [16, 0]
+    for entry in out["levers"]:
+        assert set(entry["runs"]) == {"raincheck/uniform"}
+        assert "first_list" in entry["summary"]["recovery"]["raincheck/uniform"]
+    # the list answer (turn 1 of the first dialogue): guard 0 restores during the whole answer, guard 16 later
+    restored = [e["runs"]["raincheck/uniform"][0][0]["restored_during_answer"] for e in out["levers"]]
+    assert restored[1] >= restored[0] > 0
+    table = (tmp_path / "l.md").read_text()
+    assert "| relevance | 0 | 31 |" in table and "levers --model qwen3_vl" in table

@@ -296,16 +296,18 @@ def test_stop_seed_models_health_and_metrics(client, served, dialogues):
 
 
 def test_idle_time_restoration_between_requests(client, served, dialogues):
-    """A short first answer ends before the decode guard: its deferred tokens are restored after it, by the
-    conversation's worker, before any follow-up."""
+    """A short first answer ends before the decode guard (16 here): its deferred tokens are restored after it, by
+    the conversation's worker, before any follow-up."""
     server = served[1]
     d = dialogues[2]
-    text, usage, rc, _ = ask(client, [first_message(data_url(d.image()), d.turns[1].question)])
+    guard = {"raincheck": {"decode_guard": 16}}
+    text, usage, rc, _ = ask(client, [first_message(data_url(d.image()), d.turns[1].question)], extra_body=guard)
     assert rc["restored_during"] == 0 and rc["deferred"] > 0
     conv = server.store.get(rc["conversation_id"])
     wait_for(lambda: conv.pending == 0 and conv.turns[-1].restored_after_answer == rc["deferred"])
     _, _, rc2, _ = ask(client, [first_message(data_url(d.image()), d.turns[1].question),
-                                {"role": "assistant", "content": text}, {"role": "user", "content": d.turns[2].question}])
+                                {"role": "assistant", "content": text}, {"role": "user", "content": d.turns[2].question}],
+                          extra_body=guard)
     assert rc2["reused"] and rc2["restored_at_prefill"] == 0
 
 

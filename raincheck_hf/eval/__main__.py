@@ -3,6 +3,7 @@
     python -m raincheck_hf.eval run --model qwen3_vl --json vl.json --markdown vl.md
     python -m raincheck_hf.eval run --model /path/to/Qwen3-VL-8B-Instruct --data dialogues.jsonl --scorer contains
     python -m raincheck_hf.eval report vl.json q35.json --markdown quality.md --figure quality.png
+    python -m raincheck_hf.eval levers --model qwen3_vl --levers source/16/31,attention/16/31,source/4/31
 
 ``--model`` is a bundled glyph model (``qwen3_vl``, ``qwen3_5``), a local directory or a Hub id
 (`from_pretrained`). ``--data`` is ``glyph:test`` (the benchmark's test split, default),
@@ -18,6 +19,7 @@ import shlex
 import sys
 import time
 
+from ..configuration import RESTORE_ORDERS, RaincheckConfig
 from ..selection import available_selectors
 from .harness import CATEGORIES, MODES, evaluate, summarize
 
@@ -133,12 +135,12 @@ def cmd_run(args) -> dict:
     began = time.time()
     runs = evaluate(model, processor, dialogues, modes=modes, selectors=selectors, scorer=scorer,
                     retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
-                    margin=args.margin)
+                    restore_order=args.restore_order, margin=args.margin)
     result = {
         "model": args.model, "data": args.data, "dialogues": len(dialogues),
         "settings": {"retention": args.retention, "chunk_size": args.chunk_size, "decode_guard": args.decode_guard,
-                     "margin": args.margin, "scorer": args.scorer or "default", "selectors": selectors, "modes": modes},
-        "command": "python -m raincheck_hf.eval " + shlex.join(sys.argv[1:]),
+                     "restore_order": args.restore_order, "margin": args.margin, "scorer": args.scorer or "default", "selectors": selectors, "modes": modes},
+        "command": "python -m raincheck_hf.eval " + shlex.join(args.argv),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "device": args.device, "threads": args.threads},
         "elapsed_s": round(time.time() - began, 1),
@@ -154,18 +156,119 @@ def cmd_run(args) -> dict:
     return result
 
 
+def parse_lever(text: str) -> dict:
+    """``"ORDER/GUARD/CHUNK"`` (e.g. ``"attention/4/31"``) -> the raincheck settings of one lever, checked by
+    `RaincheckConfig` (ValueError naming the setting)."""
+    parts = text.split("/")
+    if len(parts) != 3:
+        raise ValueError(f"--levers: {text!r} must be ORDER/GUARD/CHUNK, e.g. 'source/16/31' or 'attention/4/31'")
+    order, guard, chunk = parts
+    try:
+        guard, chunk = int(guard), int(chunk)
+    except ValueError:
+        raise ValueError(f"--levers: {text!r}: GUARD and CHUNK must be integers") from None
+    RaincheckConfig(restore_order=order, decode_guard=guard, chunk_size=chunk)
+    return {"restore_order": order, "decode_guard": guard, "chunk_size": chunk}
+
+
+def cmd_levers(args) -> dict:
+    """``full`` and ``hard`` once per selector, then ``raincheck`` under each lever; recovery per lever and selector
+    against the same ``full`` / ``hard`` runs (they do not depend on the restoration settings)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    levers = [parse_lever(t) for t in args.levers.split(",") if t]
+    selectors = available_selectors() if args.selectors == "all" else [s for s in args.selectors.split(",") if s]
+    for s in selectors:
+        if s not in available_selectors():
+            raise SystemExit(f"--selectors: {s!r} is not one of {available_selectors()}")
+    from .scoring import get_scorer
+
+    scorer = get_scorer(args.scorer if args.scorer else ("glyph" if args.data.startswith("glyph:") else "contains"))
+    model, processor = _load_model(args.model, args.device)
+    dialogues = _load_data(args.data, args.limit)
+    began = time.time()
+    base = evaluate(model, processor, dialogues, modes=("full", "hard"), selectors=selectors, scorer=scorer,
+                    retention=args.retention, margin=args.margin)
+    entries = []
+    for lever in levers:
+        runs = evaluate(model, processor, dialogues, modes=("raincheck",), selectors=selectors, scorer=scorer,
+                        retention=args.retention, margin=args.margin, **lever)
+        entries.append({"lever": lever, "summary": summarize({**base, **runs}, bootstrap=args.bootstrap), "runs": runs})
+    result = {
+        "model": args.model, "data": args.data, "dialogues": len(dialogues),
+        "settings": {"retention": args.retention, "margin": args.margin, "scorer": args.scorer or "default",
+                     "selectors": selectors},
+        "command": "python -m raincheck_hf.eval " + shlex.join(args.argv),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "device": args.device, "threads": args.threads},
+        "elapsed_s": round(time.time() - began, 1),
+        "base": {"summary": summarize(base, bootstrap=0), "runs": base},
+        "levers": entries,
+        "uids": [d.uid for d in dialogues],
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    text = levers_markdown([result])
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    print(text)
+    return result
+
+
+def levers_markdown(results: list[dict]) -> str:
+    """Per model, one row per lever: list-answer recovery per selector (95% interval), the least of them, and the
+    least follow-up recovery."""
+    lines = []
+    for res in results:
+        selectors = res["settings"]["selectors"]
+        lines += [f"### {res['model']} — {res['data']} ({res['dialogues']} dialogues, retention "
+                  f"{res['settings']['retention']})", "",
+                  "| order | guard | chunk | " + " | ".join(selectors) + " | least (list) | least (follow-ups) |",
+                  "|---|---:|---:|" + "---:|" * (len(selectors) + 2)]
+        for entry in res["levers"]:
+            lever, rec = entry["lever"], entry["summary"]["recovery"]
+            cells, lows, follow = [], [], []
+            for s in selectors:
+                e = rec.get(f"raincheck/{s}", {})
+                lst, fu = e.get("first_list"), e.get("follow_up")
+                cells.append("–" if lst is None else
+                             f"{_fmt(lst['ratio'])}% [{_fmt(lst['ci95'][0])}, {_fmt(lst['ci95'][1])}]")
+                if lst is not None:
+                    lows.append(lst["ratio"])
+                if fu is not None:
+                    follow.append(fu["ratio"])
+            lines.append(f"| {lever['restore_order']} | {lever['decode_guard']} | {lever['chunk_size']} | "
+                         + " | ".join(cells) + f" | {_fmt(min(lows) if lows else None)}% | "
+                         f"{_fmt(min(follow) if follow else None)}% |")
+        lines += ["", f"    {res['command']}", ""]
+    return "\n".join(lines)
+
+
 def merge(results: list[dict], bootstrap: int = 1000) -> dict:
-    """One result from runs of the same model and data split over several processes (by selector / mode)."""
+    """One result from runs of the same model and data split over several processes (by selector / mode). The
+    restoration settings (chunk size, guard, order) must agree between results holding runs that restore
+    deferred tokens; results of ``full`` / ``hard`` runs only merge with any (those runs do not depend on them)."""
     first = results[0]
     keys = ("model", "data", "dialogues", "uids")
-    fixed = ("retention", "chunk_size", "decode_guard", "margin", "scorer")
+    fixed = ("retention", "margin", "scorer")
+    # restoration settings only matter to runs that restore: results holding only full / hard runs merge with any
+    restoring = [r for r in results if any(name.split("/")[0] not in ("full", "hard") for name in r["runs"])]
     for other in results[1:]:
         for k in keys:
             if other[k] != first[k]:
                 raise ValueError(f"cannot merge: {k} differs ({first[k]!r} vs {other[k]!r})")
         for k in fixed:
-            if other["settings"][k] != first["settings"][k]:
-                raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'][k]!r} vs {other['settings'][k]!r})")
+            if other["settings"].get(k) != first["settings"].get(k):
+                raise ValueError(f"cannot merge: settings.{k} differs ({first['settings'].get(k)!r} vs {other['settings'].get(k)!r})")
+    for other in restoring[1:]:
+        for k in ("chunk_size", "decode_guard", "restore_order"):
+            if other["settings"].get(k) != restoring[0]["settings"].get(k):
+                raise ValueError(f"cannot merge: settings.{k} differs between runs that restore deferred tokens "
+                                 f"({restoring[0]['settings'].get(k)!r} vs {other['settings'].get(k)!r})")
     runs = {}
     for r in results:
         for name, run in r["runs"].items():
@@ -173,7 +276,9 @@ def merge(results: list[dict], bootstrap: int = 1000) -> dict:
                 raise ValueError(f"cannot merge: run {name} appears twice with different records")
             runs[name] = run
     merged = dict(first)
-    merged["settings"] = dict(first["settings"],
+    restore = {k: restoring[0]["settings"].get(k) for k in ("chunk_size", "decode_guard", "restore_order")} \
+        if restoring else {}
+    merged["settings"] = dict(first["settings"], **restore,
                               selectors=sorted({s for r in results for s in r["settings"]["selectors"]}),
                               modes=sorted({m for r in results for m in r["settings"]["modes"]}))
     merged["command"] = [r["command"] for r in results]
@@ -194,8 +299,10 @@ def main(argv=None):
     run.add_argument("--modes", default=",".join(MODES))
     run.add_argument("--selectors", default="all", help="'all' or a comma-separated list")
     run.add_argument("--retention", type=float, default=0.3)
-    run.add_argument("--chunk-size", type=int, default=31)
-    run.add_argument("--decode-guard", type=int, default=16)
+    run.add_argument("--chunk-size", type=int, default=RaincheckConfig.chunk_size)
+    run.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard)
+    run.add_argument("--restore-order", default=RaincheckConfig.restore_order, choices=RESTORE_ORDERS,
+                     help="which deferred tokens are restored first (RaincheckConfig.restore_order)")
     run.add_argument("--margin", type=int, default=2, help="answer budget: reference tokens + this (same for every mode)")
     run.add_argument("--scorer", default=None, help="glyph | exact | contains | module:function")
     run.add_argument("--bootstrap", type=int, default=1000)
@@ -204,16 +311,42 @@ def main(argv=None):
     run.add_argument("--json")
     run.add_argument("--markdown")
     run.add_argument("--figure")
+    levers = sub.add_parser("levers", help="recovery of long first answers under several restoration settings")
+    levers.add_argument("--model", default="qwen3_vl")
+    levers.add_argument("--data", default="glyph:test")
+    levers.add_argument("--limit", type=int, default=None)
+    levers.add_argument("--levers", required=True,
+                        help="comma-separated ORDER/GUARD/CHUNK (restore_order / decode_guard / chunk_size), "
+                             "e.g. 'source/16/31,attention/16/31,source/4/31'")
+    levers.add_argument("--selectors", default="all", help="'all' or a comma-separated list")
+    levers.add_argument("--retention", type=float, default=0.3)
+    levers.add_argument("--margin", type=int, default=2)
+    levers.add_argument("--scorer", default=None)
+    levers.add_argument("--bootstrap", type=int, default=1000)
+    levers.add_argument("--device", default="cpu")
+    levers.add_argument("--threads", type=int, default=1)
+    levers.add_argument("--json")
+    levers.add_argument("--markdown")
     report = sub.add_parser("report", help="merge result JSONs into one table and figure")
     report.add_argument("inputs", nargs="+")
     report.add_argument("--markdown")
     report.add_argument("--figure")
     report.add_argument("--merge", help="merge the inputs (one model, split over processes) into this JSON")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the results record as their command
     if args.command == "run":
         if args.limit is not None and args.limit <= 0:
             parser.error(f"--limit must be positive, got {args.limit}")
         cmd_run(args)
+    elif args.command == "levers":
+        if args.limit is not None and args.limit <= 0:
+            parser.error(f"--limit must be positive, got {args.limit}")
+        try:
+            for text in args.levers.split(","):
+                parse_lever(text)
+        except ValueError as e:
+            parser.error(str(e))
+        cmd_levers(args)
     else:
         results = [json.load(open(p)) for p in args.inputs]
         if args.merge:
