@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..configuration import parse_chunk_size
+from ..configuration import RaincheckConfig, parse_chunk_size
 from . import shapes
 
 STOCK_VARIANTS = ("stock_dynamic", "stock_static", "stock_static_reused")
@@ -551,7 +551,7 @@ class LatencySettings:
     sweep_turns: int = 1
     variants: tuple | None = None
     retention: float = 0.3
-    decode_guard: int = 16
+    decode_guard: int = RaincheckConfig.decode_guard
     tpot_slack: float = 0.02
     compile_steps: bool | None = None
     selector: str | None = None
@@ -923,7 +923,7 @@ def main(argv=None):
                         "families (stock_dynamic, stock_static, full, hard, post_answer, raincheck, serial; the twins full_compiled, "
                         "raincheck_compiled, full_uncompiled, raincheck_uncompiled only when named)")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard)
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")

@@ -46,6 +46,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..configuration import RaincheckConfig
 from . import shapes
 from .latency import _write, hardware_info
 
@@ -85,7 +86,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     """The options both server benchmarks take: the Raincheck settings, ``--device`` and ``--threads``."""
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
-    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard)
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--device", default=None)
@@ -265,8 +266,8 @@ def print_table(result: dict, log=print) -> None:
 
 
 def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tokens: int = 4, reps: int = 1,
-        think_s: float = 1.0, warmup: bool = True, retention: float = 0.3, chunk_size: int = 31, decode_guard: int = 16,
-        selector: str | None = None, variants=VARIANTS, device=None, threads: int | None = None,
+        think_s: float = 1.0, warmup: bool = True, retention: float = 0.3, chunk_size: int = 31,
+        decode_guard: int = RaincheckConfig.decode_guard, selector: str | None = None, variants=VARIANTS, device=None, threads: int | None = None,
         json_path: str | None = None, command: str | None = None, log=print) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
     import httpx

@@ -7,7 +7,7 @@ import ipaddress
 import math
 import sys
 
-from ..configuration import parse_chunk_size
+from ..configuration import RaincheckConfig, parse_chunk_size
 from .media import Limits
 
 DESCRIPTION = """\
@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile the fast path's element-wise work (RaincheckConfig.compile_steps); "
                              "default: on where the steps are captured as CUDA graphs (a model on CUDA), "
                              "--no-compile-steps turns it off (no compile in the warm-up)")
-    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard,
+                        help=f"decode steps before the first chunk (default {RaincheckConfig.decode_guard}, the library's)")
     parser.add_argument("--device", default=None)
     from ..startup import add_warm_up_arguments
 
