@@ -267,7 +267,8 @@ def print_table(result: dict, log=print) -> None:
 
 def run(model_name: str = "tiny_qwen3_vl", answer_tokens: int = 8, follow_up_tokens: int = 4, reps: int = 1,
         think_s: float = 1.0, warmup: bool = True, retention: float = 0.3, chunk_size: int = 31,
-        decode_guard: int = RaincheckConfig.decode_guard, selector: str | None = None, variants=VARIANTS, device=None, threads: int | None = None,
+        decode_guard: int = RaincheckConfig.decode_guard, selector: str | None = None, variants=VARIANTS,
+        device=None, threads: int | None = None,
         json_path: str | None = None, command: str | None = None, log=print) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
     import httpx

@@ -207,7 +207,8 @@ def _build(model_name: str, device: torch.device):
 
 def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("raincheck", "full"),
         answer_tokens: int = 64, follow_up_tokens: int = 32, think_s: float = 0.0, warmup: bool = True,
-        retention: float = 0.3, chunk_size: int = 31, decode_guard: int = RaincheckConfig.decode_guard, selector: str | None = None,
+        retention: float = 0.3, chunk_size: int = 31, decode_guard: int = RaincheckConfig.decode_guard,
+        selector: str | None = None,
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print) -> dict:

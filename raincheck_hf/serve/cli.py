@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: on where the steps are captured as CUDA graphs (a model on CUDA), "
                              "--no-compile-steps turns it off (no compile in the warm-up)")
     parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard,
-                        help=f"decode steps before the first chunk (default {RaincheckConfig.decode_guard}, the library's)")
+                        help=f"decode steps before the first chunk (default: the library's, "
+                             f"{RaincheckConfig.decode_guard})")
     parser.add_argument("--device", default=None)
     from ..startup import add_warm_up_arguments
 
