@@ -395,7 +395,7 @@ def new_sequence(model, adapter, config: RaincheckConfig, index: int, ids: torch
     ``pixel_values`` / ``pixel_values_videos``, the grids). ``captures``: the turn's VisionZip record.
     The sequence's prefill (leftover deferred rows of the cache, then T ∪ S) is ready in ``state.prefill``."""
     from .generation import ChunkScheduler, RaincheckTrace, _pending_rows
-    from .plan import build_plan, select_visual_rows
+    from .plan import build_plan, restoration_order, select_visual_rows
 
     ids = ids.reshape(-1)
     start = 0 if cache is None else cache.source_length
@@ -409,8 +409,11 @@ def new_sequence(model, adapter, config: RaincheckConfig, index: int, ids: torch
     turn = adapter.encode_turn(new_ids, 0 if cache is None else cache.next_position,
                                text_prefix=1 if start > 0 else 0,  # the previous answer's last token, not yet fed
                                **encode)
-    keep = select_visual_rows(turn, config, config.build_selector(), model=model, captures=captures)
+    selector = config.build_selector()
+    keep = select_visual_rows(turn, config, selector, model=model, captures=captures)
     plan = build_plan(turn, keep, 0 if cache is None else cache.turn, start)
+    if config.defers:  # the order its deferred rows are restored in, as its own call orders them
+        plan.restore_order = restoration_order(turn, plan, config.restore_order, model=model, selector=selector)
     trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
                            deferred=plan.sources(plan.deferred_rows),
                            segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments])

@@ -442,11 +442,6 @@ def raincheck_sample(
         raise ValueError(f"raincheck_sample runs one sequence, got input_ids of batch {input_ids.shape[0]}; a batch of "
                          "prompts goes to batch_engine.batched_sample (model.generate picks it after enable(model)).")
     config = raincheck_config if raincheck_config is not None else RaincheckConfig()
-    if input_ids.shape[0] > 1 and config.restore_order != "source" and config.defers:
-        raise ValueError(
-            f"RaincheckConfig.restore_order={config.restore_order!r} is not supported for a batch of prompts "
-            "yet (the batched engine restores in source order); use restore_order='source' or one prompt per call."
-        )
     streamer = streamer if streamer is not None else raincheck_streamer
     if raincheck_streamer is not None:
         raincheck_streamer.put(input_ids.cpu())  # what HF's generate does before calling the loop

@@ -158,6 +158,18 @@ def test_rows_match_alone(name, mode):
         assert out.raincheck[0].restored_during_decode > 0
 
 
+@pytest.mark.parametrize("order", ["relevance", "attention"])
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_rows_restore_in_their_own_order(name, order):
+    """``restore_order`` in a batch: each row restores its deferred rows in the order its own call does (traces
+    equal, so the chunks are the same rows in the same forwards), tokens and logits as alone."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, restore_order=order, fast_path=False)
+    out = assert_rows_match_alone(model, processor, [IMAGE, TWO_IMAGES, TEXT], cfg, n=6)
+    restored = torch.cat(out.raincheck[1].restored_per_forward[1:])
+    assert restored.numel() and not torch.equal(restored, restored.sort().values)  # not source order here
+
+
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
 def test_eager_attention_backend(name):
     """The additive float mask of ``attn_implementation="eager"`` (padding rows see only themselves there too)."""

@@ -140,14 +140,6 @@ def test_restore_order_source_is_source_order(model, case_inputs):
     assert _restoration_sequence(out.raincheck) == out.raincheck.deferred.tolist()
 
 
-def test_restore_order_in_a_batch_is_refused_before_compute(model, processor):
-    from test_batched import batched_inputs
-
-    batch = batched_inputs(processor, [{"images": [draw_test_image(64, 64, seed=1)]}, {"text": "Hello?"}])
-    with pytest.raises(ValueError, match="restore_order='attention'"):
-        greedy(model, batch, n=3, raincheck=RaincheckConfig(restore_order="attention"))
-
-
 def test_eager_attention_matches_reference(eager_model, processor):
     inputs = make_inputs(processor, **INPUT_CASES["two_images"])
     out = greedy(eager_model, inputs, raincheck=RaincheckConfig(chunk_size=3, decode_guard=1),
