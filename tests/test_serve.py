@@ -59,10 +59,10 @@ def first_message(image_url: str, question: str) -> dict:
                                         {"type": "text", "text": question}]}
 
 
-def reference(glyph, image, questions, max_new_tokens=MAX_TOKENS, mode="raincheck") -> list[str]:
+def reference(glyph, image, questions, max_new_tokens=MAX_TOKENS, mode="raincheck", **settings) -> list[str]:
     """`Conversation`'s greedy answers to the same dialogue (the same model and settings), alone on the model."""
     model, processor = glyph
-    config = raincheck_hf.RaincheckConfig(mode=mode)
+    config = raincheck_hf.RaincheckConfig(mode=mode, **settings)
     with raincheck_hf.Conversation(model, processor, config, background=False) as chat:
         return [chat.ask(q, images=[image] if i == 0 else [], max_new_tokens=max_new_tokens).text
                 for i, q in enumerate(questions)]

@@ -129,23 +129,25 @@ def test_concurrent_dialogues_equal_their_conversations_alone(batching_server, g
 def test_idle_time_restoration_by_the_loop(batching_server, glyph, dialogues):
     """With no answer running, the loop restores a held conversation's deferred tokens (a chunk at a time; the
     conversations have no worker of their own); the follow-up then continues with nothing left to restore and
-    answers as its conversation alone does."""
+    answers as its conversation alone does. Guard 16: the short answer ends before any chunk runs in it."""
     base, server = batching_server
     d = dialogues[0]
-    reply = client(base).chat.completions.create(model="glyph", temperature=0,
+    guard = {"raincheck": {"decode_guard": 16}}
+    reply = client(base).chat.completions.create(model="glyph", temperature=0, extra_body=guard,
                                                  messages=[first_message(data_url(d.image()), d.turns[0].question)])
     deferred = reply.model_extra["raincheck"]["deferred"]
-    assert deferred > 0
+    assert deferred > 0 and reply.model_extra["raincheck"]["restored_during"] == 0
     conv = server.store.get(reply.model_extra["raincheck"]["conversation_id"])
     assert conv._worker is None
     wait_for(lambda: conv.turns[0].restored_after_answer == deferred)  # counted once its chunk's forward ran
     assert conv.pending == 0 and conv.turns[0].pending == 0
     text = reply.choices[0].message.content
-    follow = client(base).chat.completions.create(model="glyph", temperature=0, messages=[
+    follow = client(base).chat.completions.create(model="glyph", temperature=0, extra_body=guard, messages=[
         first_message(data_url(d.image()), d.turns[0].question), {"role": "assistant", "content": text},
         {"role": "user", "content": d.turns[1].question}])
     assert follow.model_extra["raincheck"]["reused"] and follow.model_extra["raincheck"]["restored_at_prefill"] == 0
-    assert [text, follow.choices[0].message.content] == reference(glyph, d.image(), [t.question for t in d.turns[:2]])
+    assert [text, follow.choices[0].message.content] == reference(glyph, d.image(), [t.question for t in d.turns[:2]],
+                                                                  decode_guard=16)
 
 
 def test_a_client_gone_mid_stream_frees_its_rows(batching_server, glyph, dialogues):

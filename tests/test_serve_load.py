@@ -43,9 +43,9 @@ def metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def reference(glyph, image, questions, mode="raincheck", max_new_tokens=16) -> list[str]:
+def reference(glyph, image, questions, mode="raincheck", max_new_tokens=16, **settings) -> list[str]:
     """test_serve's reference, at the 16 tokens of this file's servers."""
-    return serve_reference(glyph, image, questions, max_new_tokens, mode)
+    return serve_reference(glyph, image, questions, max_new_tokens, mode, **settings)
 
 
 # ---- the admission control on its own -------------------------------------------------------------------

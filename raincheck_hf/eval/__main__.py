@@ -114,24 +114,30 @@ def _write(results, args):
         figure(results, args.figure)
 
 
+def _prepare(args):
+    """``(selectors, scorer, model, processor, dialogues)`` of a ``run`` / ``levers`` command: the selectors checked
+    against the registry (before the model loads), the scorer (``glyph`` for the glyph data, else ``contains``)."""
+    from .scoring import get_scorer
+
+    selectors = available_selectors() if args.selectors == "all" else [s for s in args.selectors.split(",") if s]
+    for s in selectors:
+        if s not in available_selectors():
+            raise SystemExit(f"--selectors: {s!r} is not one of {available_selectors()}")
+    scorer = get_scorer(args.scorer if args.scorer else ("glyph" if args.data.startswith("glyph:") else "contains"))
+    model, processor = _load_model(args.model, args.device)
+    return selectors, scorer, model, processor, _load_data(args.data, args.limit)
+
+
 def cmd_run(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    selectors = available_selectors() if args.selectors == "all" else [s for s in args.selectors.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"--modes: {m!r} is not one of {MODES}")
-    for s in selectors:
-        if s not in available_selectors():
-            raise SystemExit(f"--selectors: {s!r} is not one of {available_selectors()}")
-    from .scoring import get_scorer
-
-    scorer = get_scorer(args.scorer if args.scorer else ("glyph" if args.data.startswith("glyph:") else "contains"))
-    model, processor = _load_model(args.model, args.device)
-    dialogues = _load_data(args.data, args.limit)
+    selectors, scorer, model, processor, dialogues = _prepare(args)
     began = time.time()
     runs = evaluate(model, processor, dialogues, modes=modes, selectors=selectors, scorer=scorer,
                     retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
@@ -179,15 +185,7 @@ def cmd_levers(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     levers = [parse_lever(t) for t in args.levers.split(",") if t]
-    selectors = available_selectors() if args.selectors == "all" else [s for s in args.selectors.split(",") if s]
-    for s in selectors:
-        if s not in available_selectors():
-            raise SystemExit(f"--selectors: {s!r} is not one of {available_selectors()}")
-    from .scoring import get_scorer
-
-    scorer = get_scorer(args.scorer if args.scorer else ("glyph" if args.data.startswith("glyph:") else "contains"))
-    model, processor = _load_model(args.model, args.device)
-    dialogues = _load_data(args.data, args.limit)
+    selectors, scorer, model, processor, dialogues = _prepare(args)
     began = time.time()
     base = evaluate(model, processor, dialogues, modes=("full", "hard"), selectors=selectors, scorer=scorer,
                     retention=args.retention, margin=args.margin)
