@@ -214,7 +214,8 @@ def _settings_panel(start: Settings, max_new_tokens: int, slow_motion_ms: int) -
         chunk_box = gr.Slider(1, 128, value=start.chunk_size, step=1, label="Chunk size",
                               info="deferred tokens restored per step", elem_id="rc-chunk")
         guard_box = gr.Slider(0, 64, value=start.decode_guard, step=1, label="Decode guard",
-                              info="tokens answered before restoration starts", elem_id="rc-guard")
+                              info="tokens answered before restoration starts (the library's default: 1)",
+                              elem_id="rc-guard")
     with gr.Row():
         max_new_box = gr.Slider(1, 512, value=max_new_tokens, step=1, label="Answer length",
                                 info="max new tokens (does not restart)", elem_id="rc-max-new")

@@ -30,7 +30,7 @@ class Settings:
     selector: str = "uniform"
     retention: float = 0.3
     chunk_size: int = 31
-    decode_guard: int = 16
+    decode_guard: int = 16  # the library's default is 1; the demo starts later so the map shows each phase
 
     @classmethod
     def from_controls(cls, model, mode, selector, retention, chunk_size, decode_guard) -> "Settings":

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # outputs of /chat: chatbot, picture, caption, figures, status, timer, model, model note, textbox
 CHAT, PICTURE, CAPTION, FIGURES, STATUS, TIMER, MODEL, MODEL_NOTE = range(8)
 ANSWER_TOKENS = 64  # room for a 20-fact list answer (60 words and the end token)
-GUARD = 16  # RaincheckConfig's default decode guard: no restoration during shorter answers
+GUARD = 16  # the demo's starting decode guard (not the library's 1): no restoration during shorter answers
 DEV = benchmark_split("dev", limit=3)
 LIST_FIRST, FACT_FIRST = DEV[0], DEV[1]  # dev-000 starts with a list question, dev-001 with a fact
 SMALL = dialogue(7, 4, long_first=True, uid="small-4")  # a 4×4 grid: 16 visual tokens
