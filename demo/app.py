@@ -29,6 +29,8 @@ import argparse
 import sys
 
 from raincheck_hf.__main__ import plain
+from raincheck_hf.configuration import RaincheckConfig
+from raincheck_hf.startup import add_warm_up_arguments, check_warm_up_args, run_warm_up, start_caches
 
 from .layout import build_demo
 from .media import MediaLimits
@@ -65,16 +67,23 @@ def main(argv=None) -> int:
                         help="the starting answer length (default 64; the page can change it)")
     parser.add_argument("--slow-motion-ms", type=int, default=0, metavar="MS",
                         help="the starting pause per generated token, to watch the picture fill in (default 0)")
+    add_warm_up_arguments(parser)
     args = parser.parse_args(argv)
     # checked before the model loads
+    try:
+        check_warm_up_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     if not 1 <= args.max_new_tokens <= 512:
         parser.error(f"--max-new-tokens must be in [1, 512] (the page's slider), got {args.max_new_tokens}")
     if not 0 <= args.slow_motion_ms <= 200:
         parser.error(f"--slow-motion-ms must be in [0, 200] (the page's slider), got {args.slow_motion_ms}")
     if args.port is not None and not 0 < args.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
+    start_caches(args, _device())  # persistent compile / autotune caches on CUDA, before the model loads
     demo = build_demo(args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
                       slow_motion_ms=args.slow_motion_ms)
+    warm_up_loaded(args)  # the fast path's captures before the first answer, not in it (nothing to do on a CPU)
     # quiet: Gradio's own banner would say "set `share=True` in `launch()`", where this command's flag is --share
     demo.launch(server_name=args.host, server_port=args.port, share=bool(args.share), quiet=True,
                 prevent_thread_lock=True, max_file_size=MediaLimits().max_file_bytes)
@@ -89,6 +98,22 @@ def main(argv=None) -> int:
     print(where, file=sys.stderr, flush=True)
     demo.block_thread()
     return 0
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def warm_up_loaded(args) -> None:
+    """`raincheck_hf.warm_up` (through the CLI's `startup.run_warm_up`: progress bar, ``--no-warm-up``) for the model
+    the page starts with, at its starting settings."""
+    from .models import _MODELS
+
+    for loaded in list(_MODELS.values()):
+        config = Settings(loaded.name, args.mode, RaincheckConfig().selector).config()
+        run_warm_up(args, loaded.model, loaded.processor, config, args.max_new_tokens)
 
 
 if __name__ == "__main__":

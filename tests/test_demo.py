@@ -610,7 +610,10 @@ def test_the_share_hint_names_the_flag_and_uploads_are_capped(monkeypatch, capsy
             launched["blocked"] = True
 
     monkeypatch.setattr(app, "build_demo", lambda *args, **kwargs: Blocks())
+    warmed = []
+    monkeypatch.setattr(app, "warm_up_loaded", lambda args: warmed.append(args.warm_up))
     assert app.main(["--port", "7999"]) == 0
+    assert warmed == [True]  # the page's model warms up before the page serves (--no-warm-up skips it)
     err = capsys.readouterr().err
     assert launched["quiet"] and launched["blocked"] and not launched["share"]  # Gradio's own banner is off
     assert launched["max_file_size"] == app.MediaLimits().max_file_bytes
@@ -717,7 +720,8 @@ def test_an_upload_over_a_limit_never_reaches_the_model(client, files, tmp_path)
 
 @pytest.mark.parametrize("argv, message", [(["--max-new-tokens", "-3"], "--max-new-tokens must be in [1, 512]"),
                                            (["--slow-motion-ms", "-1"], "--slow-motion-ms must be in [0, 200]"),
-                                           (["--port", "70000"], "--port must be in [1, 65535]")])
+                                           (["--port", "70000"], "--port must be in [1, 65535]"),
+                                           (["--warm-up-tokens", "1"], "--warm-up-tokens must be >= 2")])
 def test_the_demo_command_checks_its_options_before_loading(argv, message, monkeypatch, capsys):
     import demo.app as app
 
@@ -812,3 +816,27 @@ def test_no_function_in_the_demo_is_over_80_lines():
                 if lines > 80:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not too_long, too_long
+
+
+def test_the_demo_warms_up_its_loaded_model_at_its_starting_settings(monkeypatch):
+    import argparse
+
+    import demo.app as app
+    import raincheck_hf.warmup as warmup
+    from demo.models import load_model
+
+    loaded = load_model("tiny")
+    calls = []
+    real = warmup.warm_up
+
+    def recording(model, processor, config, **kwargs):
+        calls.append((model, config))
+        return real(model, processor, config, **kwargs)
+
+    monkeypatch.setattr(warmup, "warm_up", recording)
+    args = argparse.Namespace(warm_up=True, warm_up_tokens=256, cache_dir=None, mode="raincheck", max_new_tokens=8)
+    app.warm_up_loaded(args)
+    assert any(model is loaded.model and config.mode == "raincheck" for model, config in calls)
+    calls.clear()
+    app.warm_up_loaded(argparse.Namespace(**{**vars(args), "warm_up": False}))
+    assert calls == []  # --no-warm-up
