@@ -56,7 +56,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
@@ -177,6 +177,13 @@ class RowGroup:
                         torch.cat([torch.as_tensor(g.kinds, dtype=torch.int8).cpu() for g in groups]),
                         groups[-1].want_logits)
 
+    @staticmethod
+    def of(rows) -> "RowGroup":
+        """One forward's rows as the scheduler decided them (`runner.ForwardRows`), as a group of one sequence."""
+        n = int(rows.keys.shape[0])
+        return RowGroup(rows.batch, rows.keys, rows.sources.to("cpu", torch.long),
+                        torch.as_tensor(rows.kinds, dtype=torch.int8).expand(n).clone(), rows.want_logits)
+
     def split(self, n: int) -> tuple["RowGroup", "RowGroup | None"]:
         """``(first n rows, the rest or None)``; the first wants no logits unless it is all of them (a chunked
         prefill's pieces: only the last piece's last row gives the sequence's next-token logits)."""
@@ -237,8 +244,6 @@ class SequenceState:
     fed: list = field(default_factory=list)
     token: torch.Tensor | None = None
 
-    is_static = False  # for `ChunkScheduler` (eager storage: no measured step costs)
-
     # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
     @property
     def num_pending(self) -> int:
@@ -274,29 +279,25 @@ class SequenceState:
         piece, self.prefill = self.prefill.split(len(self.prefill) if n is None else n)
         return piece
 
+    def peek_pending(self, n: int | None = None) -> PendingRows | None:
+        """The rows `take_pending` would return, left pending (what `ChunkScheduler.decode_step` reads)."""
+        if self.num_pending == 0:
+            return None
+        return self.pending if n is None or n >= len(self.pending) else self.pending.split(n)[0]
+
     def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor) -> list[RowGroup]:
-        """Decode forward ``self.generated`` (it consumes ``token``, generated token i): ``[chunk?, token]`` as
-        one group (fused), or ``[chunk, token]`` as two groups (``serial``; a first forward of its own for the
-        chunk); the chunk leaves the pending rows and goes to the trace."""
+        """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
+        for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
+        ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace."""
         i = self.generated
-        position = self.first_generated_position + i - 1
-        source = torch.tensor([self.ids.shape[0] + i - 1])
-        key = order_key(self.plan.turn, GENERATED, i - 1).reshape(1)
-        token_group = RowGroup(adapter.text_row(token, position), key, source,
-                               torch.tensor([GENERATED], dtype=torch.int8))
-        size = self.scheduler.chunk_size(adapter, self, i)
-        chunk = self.take_pending(min(size, self.num_pending)) if size else None
-        self.trace.restored_per_forward.append(torch.empty(0, dtype=torch.long) if chunk is None
-                                               else chunk.sources.cpu())
-        self.trace.chunk_size_per_forward.append(size if chunk is not None else 0)
+        step = self.scheduler.decode_step(adapter, self, self.plan, token, i, self.first_generated_position,
+                                          self.ids.shape[0] + i)
+        if step.n_chunk:
+            self.take_pending(step.n_chunk)
+        self.trace.restored_per_forward.append(step.restored)
+        self.trace.chunk_size_per_forward.append(step.chunk_size)
         self.fed.append(int(token))
-        if chunk is None:
-            return [token_group]
-        chunk_group = RowGroup(adapter.pending_batch(chunk), chunk.keys, chunk.sources.cpu(),
-                               torch.full((len(chunk),), DEFERRED, dtype=torch.int8), want_logits=False)
-        if config.mode == "serial":
-            return [chunk_group, token_group]
-        return [RowGroup.concat([chunk_group, token_group])]
+        return [RowGroup.of(rows) for rows in step.forwards]
 
     # ---- storage bookkeeping ----
     def stored(self, group: RowGroup) -> None:

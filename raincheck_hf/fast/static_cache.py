@@ -226,8 +226,6 @@ class StaticDeferredCache(DeferredDynamicCache):
     transitions the GDN layers record while deferred rows are pending).
     """
 
-    is_static = True
-
     def __init__(self, num_layers: int, capacity: int, scratch: int, device, pool_key=None,
                  recurrent: RecurrentLayout | None = None):
         super().__init__(config=None, device=device)
