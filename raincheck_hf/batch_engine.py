@@ -127,7 +127,7 @@ class ForwardRunner:
             embeds[b, :n] = group.batch.embeds.to(device, adapter.dtype)
             positions[:, b, :n] = group.batch.positions.to(device)
             visual[b, :n] = group.batch.visual.to(device)
-            if group.batch.deepstack is not None and bool(group.batch.visual.any()):
+            if group.batch.deepstack is not None:  # (a group without visual rows adds zero rows: no host sync)
                 deepstack.append(group.batch.deepstack)
         slots = [seq.slot for seq, _ in entries]
         visible = pool.begin_step(slots, [g.keys for _, g in entries], width)
