@@ -359,31 +359,38 @@ class Conversation:
                 if self.cache is not None and self.cache.turn != turn_before:
                     self._failed = error
                 raise
-            self.cache, self.sequences = out.cache, out.sequences.cpu()
             # the turn's record is made under the lock too: the worker's next chunk counts for this turn
-            wall = time.perf_counter() - start
-            if self.turns and previous_pending:
-                earlier = self.turns[-1]
-                earlier.restored_after_answer += int(out.raincheck.restored_per_forward[0].numel())
-                earlier.pending = 0
-            prompt_len = inputs["input_ids"].shape[1]
-            new_ids = out.sequences[0, prompt_len:].cpu()
-            times = clock.times
-            result = TurnResult(
-                text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
-                token_ids=new_ids,
-                trace=out.raincheck,
-                time_to_first_token=(times[0] - start) if times else float("nan"),
-                token_times=[b - a for a, b in zip(times, times[1:])],
-                restored_during_answer=out.raincheck.restored_during_decode,
-                pending=self.cache.num_pending,
-                wall_time=wall,
-                cancelled=request.stopped,
-                output=out,
-            )
-            self.turns.append(result)
+            result = self._record_turn(out.cache, out.sequences, out.raincheck, inputs["input_ids"].shape[1],
+                                       clock.times, start, previous_pending, request.stopped, output=out)
         with self._wake:
             self._wake.notify_all()
+        return result
+
+    def _record_turn(self, cache, sequences: torch.Tensor, trace, prompt_length: int, times: list[float],
+                     started: float, previous_pending: bool, cancelled: bool, output=None) -> TurnResult:
+        """Under the lock, after a turn's answer: the conversation continues from ``cache`` (its whole ``sequences``),
+        the earlier turn's leftovers that this turn's prefill restored count for the earlier turn, and the turn
+        joins the history (also the batching server's turns, `serve.scheduler`)."""
+        wall = time.perf_counter() - started
+        if self.turns and previous_pending:
+            earlier = self.turns[-1]
+            earlier.restored_after_answer += int(trace.restored_per_forward[0].numel())
+            earlier.pending = 0
+        self.cache, self.sequences = cache, sequences.cpu()
+        new_ids = self.sequences[0, prompt_length:]
+        result = TurnResult(
+            text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
+            token_ids=new_ids,
+            trace=trace,
+            time_to_first_token=(times[0] - started) if times else float("nan"),
+            token_times=[b - a for a, b in zip(times, times[1:])],
+            restored_during_answer=trace.restored_during_decode,
+            pending=cache.num_pending,
+            wall_time=wall,
+            cancelled=cancelled,
+            output=output,
+        )
+        self.turns.append(result)
         return result
 
     def _restore_one_chunk(self) -> int:

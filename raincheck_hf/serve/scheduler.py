@@ -316,33 +316,15 @@ class BatchScheduler:
         """The answer ended (``cache``: the sequence's, from `BatchEngine.remove`): the conversation continues from
         it, with the turn in its history, as `Conversation`'s own turn leaves it."""
         self._jobs.pop(job.seq, None)
-        conv, seq = job.conversation, job.seq
-        trace = seq.trace
-        new_ids = job.ids[0, job.prompt_length:].cpu()
-        times = job.times
+        conv = job.conversation
         try:
             job.streamer.end()
         except BaseException as error:
             self._end(job, error=error)
             return
         with conv._lock:
-            if conv.turns and job.previous_pending:
-                earlier = conv.turns[-1]
-                earlier.restored_after_answer += int(trace.restored_per_forward[0].numel())
-                earlier.pending = 0
-            conv.cache, conv.sequences = cache, job.ids.cpu()
-            result = TurnResult(
-                text=self.processor.tokenizer.decode(new_ids, skip_special_tokens=True),
-                token_ids=new_ids,
-                trace=trace,
-                time_to_first_token=(times[0] - job.started) if times else float("nan"),
-                token_times=[b - a for a, b in zip(times, times[1:])],
-                restored_during_answer=trace.restored_during_decode,
-                pending=cache.num_pending,
-                wall_time=time.perf_counter() - job.started,
-                cancelled=job.request.stopped,
-            )
-            conv.turns.append(result)
+            result = conv._record_turn(cache, job.ids, job.seq.trace, job.prompt_length, job.times, job.started,
+                                       job.previous_pending, job.request.stopped)
         conv.digests = job.digests
         self._end(job, result=result)
 
