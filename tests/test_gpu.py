@@ -962,10 +962,10 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     model, processor = _cuda_family_model(name), family_processor(name)
     cfg, requests, budget = tbe.draw_case(rng, model, processor, longest=8, most=6)
     batched_graphs.release_all()
-    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=None), token_budget=budget, num_slots=1,
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), token_budget=budget, num_slots=1,
                          capacity=16)
     graphs = engine.graphs
-    assert graphs is not None and graphs.use_cuda  # fast_path=None on CUDA takes the captured steps
+    assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     tbe.drive(model, engine, requests)
     assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
@@ -975,7 +975,7 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
 
 
 def test_cuda_batched_generate_replays_its_decode_steps():
-    """``generate`` with B = 3 on CUDA (fast_path=None) runs its decode steps as captured graphs, equals the eager
+    """``generate`` with B = 3 on CUDA (fast_path=True) runs its decode steps as captured graphs, equals the eager
     batched engine (tokens identical, logits within 1e-3 + 1e-3 x max), and a second call captures nothing new."""
     from raincheck_hf.fast import batched_graphs
     from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
@@ -985,11 +985,11 @@ def test_cuda_batched_generate_replays_its_decode_steps():
     inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=False), **kw)
-    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw) for _ in range(2)]
+    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw) for _ in range(2)]
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     assert kept.use_cuda and kept.capture_log and kept.replays > 0
     captures = len(kept.capture_log)
-    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw)
+    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw)
     assert len(kept.capture_log) == captures
     for got in outs + [again]:
         assert torch.equal(got.sequences, want.sequences)
