@@ -256,6 +256,30 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
             assert (a - b).abs().max().item() <= 1e-3
 
 
+# ---- few-query attention reading bf16 keys as they are (fast/attention.py) ----
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 32), (8, 1), (8, 32)])
+def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch, rows):
+    """On CUDA in bf16 the few-query attention's scores come from one ``bmm`` over bf16 keys with float32 output
+    (no float32 copy of the keys): within bf16 rounding of the upcast form (the same products, summed in another
+    order) and of stock SDPA, on pool views of a batch, each sequence with its own visibility."""
+    from raincheck_hf.fast import attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from test_fast_attention import _batched_views
+
+    module, q, k, v, mask = _batched_views(batch * 100 + rows, batch, 32, 8, rows, slots=1500, capacity=2112,
+                                           dim=128, dtype=torch.bfloat16, device="cuda")
+    assert attention.low_precision_scores(q, k)
+    fast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=True)
+    upcast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=False)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - upcast.float()).abs().max().item() <= 2 ** -7
+    assert (fast.float() - want).abs().max().item() <= 2e-2
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=128 ** -0.5)
+    assert torch.equal(got, fast)
+
+
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----
 
 GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)
