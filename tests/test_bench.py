@@ -252,7 +252,7 @@ def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path
     assert [(e["batch"], e["rows"], e["slots"]) for e in result["results"]] == [(1, 1, 40), (1, 5, 40), (3, 1, 40),
                                                                                  (3, 5, 40)]
     for e in result["results"]:
-        assert set(e["median_s"]) == {"sdpa", "few_query", "few_query_upcast"}
+        assert set(e["median_s"]) == {"sdpa", "few_query", "few_query_matmul", "few_query_upcast"}
         assert all(t > 0 for t in e["median_s"].values())
         assert e["max_abs_diff"] <= 1e-5
     assert json.loads(path.read_text())["shape"]["kv_heads"] == 2

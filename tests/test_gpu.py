@@ -260,9 +260,10 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
 
 @pytest.mark.parametrize("batch,rows", [(1, 1), (1, 32), (8, 1), (8, 32)])
 def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch, rows):
-    """On CUDA in bf16 the few-query attention's scores come from one ``bmm`` over bf16 keys with float32 output
-    (no float32 copy of the keys): within bf16 rounding of the upcast form (the same products, summed in another
-    order) and of stock SDPA, on pool views of a batch, each sequence with its own visibility."""
+    """On CUDA in bf16 the few-query attention runs the Triton kernel (`fast._triton_attention`); its matmul form
+    reads the bf16 keys with one ``bmm`` with float32 output (no float32 copy of the keys). Both within bf16
+    rounding of the upcast form (the same products, summed in another order) and of stock SDPA, on pool views of a
+    batch, each sequence with its own visibility; in fp32 the kernel (IEEE products) within 1e-5 of the form."""
     from raincheck_hf.fast import attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from test_fast_attention import _batched_views
@@ -276,8 +277,14 @@ def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch
     assert fast.dtype == torch.bfloat16
     assert (fast.float() - upcast.float()).abs().max().item() <= 2 ** -7
     assert (fast.float() - want).abs().max().item() <= 2e-2
-    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=128 ** -0.5)
-    assert torch.equal(got, fast)
+    assert attention.triton_usable(q, k, v, mask)
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=128 ** -0.5)  # the Triton kernel on CUDA
+    assert torch.equal(got, attention._few_query_triton(q, k, v, mask, 128 ** -0.5))
+    assert (got.float() - upcast.float()).abs().max().item() <= 2 ** -7
+    assert (got.float() - want).abs().max().item() <= 2e-2
+    fp32 = [t.float() for t in (q, k, v)]  # fp32 inputs: IEEE products, as the fp32 tiny models' steps run them
+    want32 = attention._few_query(*fp32, mask, 128 ** -0.5)
+    assert (attention._few_query_triton(*fp32, mask, 128 ** -0.5) - want32).abs().max().item() <= 1e-5
 
 
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----

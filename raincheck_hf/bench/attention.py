@@ -12,8 +12,9 @@ medians over ``--reps`` replays (microseconds per layer call), the ratio, and th
 between the two outputs. Nothing is asserted.
 
 Variants: ``sdpa`` (stock `sdpa_attention_forward`, the reference), ``few_query`` (what the steps run:
-`few_query_attention`, on CUDA reading half-precision keys as they are) and ``few_query_upcast`` (the same
-matmul form with the keys upcast to float32 first, as compiled steps trace it and as it ran before).
+`few_query_attention`, on CUDA its Triton kernel), ``few_query_matmul`` (its matmul form reading half-precision
+keys as they are) and ``few_query_upcast`` (the matmul form with the keys upcast to float32 first, as compiled
+steps trace it and as it ran before).
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def _variants():
     def upcast(module, q, k, v, mask, scaling):
         return _few_query(q, k, v, mask, scaling, low_precision_reads=False), None
 
-    return {"sdpa": sdpa_attention_forward, "few_query": few_query_attention, "few_query_upcast": upcast}
+    def matmul(module, q, k, v, mask, scaling):
+        return _few_query(q, k, v, mask, scaling, low_precision_reads=True), None
+
+    return {"sdpa": sdpa_attention_forward, "few_query": few_query_attention, "few_query_matmul": matmul,
+            "few_query_upcast": upcast}
 
 
 def _case(rows, slots, heads, kv_heads, dim, device, dtype, seed=0, batch=1):
@@ -105,12 +110,13 @@ def run(rows=(1, 32), slots=(2112, 4160), heads=32, kv_heads=8, dim=128, layers=
               "reps": reps, "results": results}
     log(f"few-query attention vs stock sdpa on {result['hardware'].get('gpu') or 'cpu'} ({result['dtype']}; "
         f"{heads} query / {kv_heads} key-value heads, dim {dim}); microseconds per layer call, medians of {reps}")
-    log(f"{'batch':>5} {'rows':>5} {'slots':>6} {'sdpa':>9} {'few_query':>10} {'upcast':>9} {'ratio':>6} "
-        f"{'max |diff|':>11}")
+    log(f"{'batch':>5} {'rows':>5} {'slots':>6} {'sdpa':>9} {'few_query':>10} {'matmul':>9} {'upcast':>9} "
+        f"{'ratio':>6} {'max |diff|':>11}")
     for e in results:
         m = e["median_s"]
         log(f"{e['batch']:>5} {e['rows']:>5} {e['slots']:>6} {m['sdpa'] * 1e6:>9.1f} {m['few_query'] * 1e6:>10.1f} "
-            f"{m['few_query_upcast'] * 1e6:>9.1f} {e['ratio_few_query_to_sdpa']:>6.2f} {e['max_abs_diff']:>11.2e}")
+            f"{m['few_query_matmul'] * 1e6:>9.1f} {m['few_query_upcast'] * 1e6:>9.1f} "
+            f"{e['ratio_few_query_to_sdpa']:>6.2f} {e['max_abs_diff']:>11.2e}")
     _write(result, json_path)
     return result
 
