@@ -411,6 +411,24 @@ def test_refusals():
     _refused(model, broken, r"image_grid_thw", raincheck=True)
 
 
+def test_chunk_schedule_refusals():
+    """``generate(raincheck_chunk_schedule=...)`` (the replay the batched tests use) is checked before any compute:
+    one prompt only, a list of sizes from 0 to the config's largest chunk, 0 for the prefill, none where the mode
+    restores nothing during decoding."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    one = make_inputs(processor, **IMAGE)
+    cfg = RaincheckConfig(chunk_size=15)
+    _refused(model, batched_inputs(processor, [IMAGE, TEXT]), r"replays one sequence's chunk sizes; got a batch of 2",
+             raincheck=cfg, raincheck_chunk_schedule=[0, 7])
+    for bad in ([0, -1], [0, 16], [7, 7], (0, 2.0), [0, True], "0,7", 7):
+        _refused(model, one, r"raincheck_chunk_schedule=.* must be a list of per-forward chunk sizes", raincheck=cfg,
+                 raincheck_chunk_schedule=bad)
+    _refused(model, one, r"integers from 0 to 0 \(mode='full'", raincheck=RaincheckConfig(mode="full"),
+             raincheck_chunk_schedule=[0, 7])
+    _refused(model, one, r"integers from 0 to 63", raincheck=RaincheckConfig(chunk_size="auto"),
+             raincheck_chunk_schedule=[0, 64])
+
+
 # ---- fuzz ---------------------------------------------------------------------------------------------
 
 def random_row(rng: random.Random, sizes=(32, 64, 96, 128, 160), video_frames=(2, 4)):
