@@ -248,10 +248,12 @@ def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path
 
     path = tmp_path / "attention.json"
     result = attention.run(rows=(1, 5), slots=(40,), heads=4, kv_heads=2, dim=16, layers=2, reps=2,
-                           device="cpu", json_path=str(path), log=lambda *_: None)
-    assert [(e["rows"], e["slots"]) for e in result["results"]] == [(1, 40), (5, 40)]
+                           device="cpu", json_path=str(path), log=lambda *_: None, batches=(1, 3))
+    assert [(e["batch"], e["rows"], e["slots"]) for e in result["results"]] == [(1, 1, 40), (1, 5, 40), (3, 1, 40),
+                                                                                 (3, 5, 40)]
     for e in result["results"]:
-        assert set(e["median_s"]) == {"sdpa", "few_query"} and all(t > 0 for t in e["median_s"].values())
+        assert set(e["median_s"]) == {"sdpa", "few_query", "few_query_upcast"}
+        assert all(t > 0 for t in e["median_s"].values())
         assert e["max_abs_diff"] <= 1e-5
     assert json.loads(path.read_text())["shape"]["kv_heads"] == 2
     with pytest.raises(SystemExit):

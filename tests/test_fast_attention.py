@@ -97,3 +97,33 @@ def test_fast_path_steps_use_it_and_the_eager_engine_does_not(model, processor, 
     layers = model.config.text_config.num_hidden_layers
     assert len(calls) == layers * 6  # the prefill and every decode forward, each layer
     assert 1 in calls and 5 in calls  # plain decode steps and fused [chunk of 4, token] steps
+
+
+def _batched_views(seed, batch, heads, kv_heads, rows, slots, capacity, dim=16, dtype=torch.float32, device="cpu"):
+    """A batched step's inputs as the slot pool hands them over: keys / values are views ``[:batch, :, :slots]`` of
+    larger ``[slots_total, Hkv, capacity, D]`` tensors, each sequence with its own visibility."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, rows, dim, generator=g).to(device, dtype)
+    k_pool = torch.randn(batch + 2, kv_heads, capacity, dim, generator=g).to(device, dtype)
+    v_pool = torch.randn(batch + 2, kv_heads, capacity, dim, generator=g).to(device, dtype)
+    visible = torch.rand(batch, 1, rows, slots, generator=g) < 0.6
+    visible[..., 0] = True
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    return module, q, k_pool[:batch, :, :slots], v_pool[:batch, :, :slots], visible.to(device)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_few_query_attention_of_a_batch_over_pool_views_matches_sdpa(rows):
+    module, q, k, v, mask = _batched_views(rows, 3, 8, 2, rows, slots=50, capacity=64)
+    assert not k.is_contiguous()
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=0.25)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_low_precision_reads_fall_back_to_the_upcast_form_off_cuda():
+    """On the CPU (no ``bmm`` with ``out_dtype`` there) asking for half-precision reads gives the upcast form."""
+    module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40, dtype=torch.bfloat16)
+    assert not attention.low_precision_scores(q, k)
+    assert torch.equal(attention._few_query(q, k, v, mask, 0.25, low_precision_reads=True),
+                       attention._few_query(q, k, v, mask, 0.25, low_precision_reads=False))

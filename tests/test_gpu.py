@@ -256,6 +256,30 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
             assert (a - b).abs().max().item() <= 1e-3
 
 
+# ---- few-query attention reading bf16 keys as they are (fast/attention.py) ----
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 32), (8, 1), (8, 32)])
+def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch, rows):
+    """On CUDA in bf16 the few-query attention's scores come from one ``bmm`` over bf16 keys with float32 output
+    (no float32 copy of the keys): within bf16 rounding of the upcast form (the same products, summed in another
+    order) and of stock SDPA, on pool views of a batch, each sequence with its own visibility."""
+    from raincheck_hf.fast import attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from test_fast_attention import _batched_views
+
+    module, q, k, v, mask = _batched_views(batch * 100 + rows, batch, 32, 8, rows, slots=1500, capacity=2112,
+                                           dim=128, dtype=torch.bfloat16, device="cuda")
+    assert attention.low_precision_scores(q, k)
+    fast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=True)
+    upcast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=False)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - upcast.float()).abs().max().item() <= 2 ** -7
+    assert (fast.float() - want).abs().max().item() <= 2e-2
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=128 ** -0.5)
+    assert torch.equal(got, fast)
+
+
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----
 
 GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)
@@ -973,10 +997,10 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     draw = tbe.draw_shared_case if seed >= 8 else tbe.draw_case
     cfg, requests, budget = draw(rng, model, processor, longest=8, most=6)
     batched_graphs.release_all()
-    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=None), token_budget=budget, num_slots=1,
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), token_budget=budget, num_slots=1,
                          capacity=16)
     graphs = engine.graphs
-    assert graphs is not None and graphs.use_cuda  # fast_path=None on CUDA takes the captured steps
+    assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     tbe.drive(model, engine, requests)
     assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
@@ -986,7 +1010,7 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
 
 
 def test_cuda_batched_generate_replays_its_decode_steps():
-    """``generate`` with B = 3 on CUDA (fast_path=None) runs its decode steps as captured graphs, equals the eager
+    """``generate`` with B = 3 on CUDA (fast_path=True) runs its decode steps as captured graphs, equals the eager
     batched engine (tokens identical, logits within 1e-3 + 1e-3 x max), and a second call captures nothing new."""
     from raincheck_hf.fast import batched_graphs
     from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
@@ -996,11 +1020,11 @@ def test_cuda_batched_generate_replays_its_decode_steps():
     inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=False), **kw)
-    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw) for _ in range(2)]
+    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw) for _ in range(2)]
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     assert kept.use_cuda and kept.capture_log and kept.replays > 0
     captures = len(kept.capture_log)
-    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw)
+    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw)
     assert len(kept.capture_log) == captures
     for got in outs + [again]:
         assert torch.equal(got.sequences, want.sequences)
