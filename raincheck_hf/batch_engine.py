@@ -7,6 +7,8 @@ mode) over the rows of every sequence that has work:
 
 - each running sequence that was fed a token (`feed`) contributes its decode row with its deferred chunk when
   its scheduler gives it one (``[chunk, token]`` fused; ``serial``: the chunks in a forward of their own first);
+  when several carry one, each chunk is cut to the step's share of `RaincheckConfig.batch_chunk_rows`
+  (`RowScheduler.chunk_cap`, `generation.shared_chunk_cap`: ladder sizes, a lone sequence never cut);
 - sequences still prefilling contribute the next piece of their prompt (for a continued conversation: its
   leftover deferred rows, then the new turn's T ∪ S), under a per-step token budget (``token_budget`` rows per
   step, decode rows first, the rest to the waiting prompts in arrival order: vLLM's chunked prefill). A long
@@ -21,8 +23,10 @@ Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows ea
 and runs the forward from them (packing, the slot placement and mask, the family's packed recurrent step).
 
 Every sequence sees only its own rows (docs/method.md §3 per sequence, through its slot's order keys), so each
-sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` (to float
-rounding: a chunked prefill sums attention and the Gated DeltaNet recurrence in pieces).
+sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` under the same
+chunk schedule (its trace's ``chunk_size_per_forward``, which a shared budget may have cut; with
+``batch_chunk_rows=None`` it is the schedule it gets alone), to float rounding (a chunked prefill sums attention
+and the Gated DeltaNet recurrence in pieces).
 
 A held conversation joins with its batch-1 `DeferredDynamicCache` (`add(..., cache=)`): its KV rows and order
 keys are copied into a slot, its GDN states into the slot's row, its pending deferred rows go in front of the
@@ -39,7 +43,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched import RowGroup, SequenceState, new_sequence, start_sequences
 from .cache_utils import DeferredDynamicCache
-from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
+from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
 from .fast import batched_graphs
 from .kv_pool import SlotKVPool
@@ -67,13 +71,21 @@ class RowScheduler:
         self.config = config
         self.token_budget = token_budget
 
+    def chunk_cap(self, sequences: list[SequenceState]) -> int | None:
+        """The cap on each chunk of this step (`generation.shared_chunk_cap` over the fed sequences whose next forward
+        may carry a chunk, `RaincheckConfig.batch_chunk_rows`), or None: every sequence its own chunk."""
+        carrying = sum(1 for seq in sequences if seq.prefilled and seq.token is not None and seq.may_carry_chunk())
+        return shared_chunk_cap(carrying, self.config.batch_chunk_rows, self.config.max_chunk_size)
+
     def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
         """The step's forwards (one; two in ``serial`` mode when a chunk rides), each a list of entries in the order
-        of ``sequences``. Takes the fed tokens, chunks and prompt pieces from the sequences."""
+        of ``sequences``. Takes the fed tokens, chunks (each within the step's `chunk_cap`) and prompt pieces from
+        the sequences."""
+        cap = self.chunk_cap(sequences)
         decode, used = [], 0
         for seq in sequences:
             if seq.prefilled and seq.token is not None:
-                groups = seq.decode_groups(adapter, self.config, seq.token)
+                groups = seq.decode_groups(adapter, self.config, seq.token, cap)
                 seq.token = None
                 decode.append((seq, groups))
                 used += sum(len(g) for g in groups)

@@ -285,13 +285,20 @@ class SequenceState:
             return None
         return self.pending if n is None or n >= len(self.pending) else self.pending.split(n)[0]
 
-    def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor) -> list[RowGroup]:
+    def may_carry_chunk(self) -> bool:
+        """Whether its next decode forward (``self.generated``) may carry a chunk (`ChunkScheduler.may_carry_chunk`):
+        what `batch_engine.RowScheduler` counts to share a step's chunk budget."""
+        return self.scheduler.may_carry_chunk(self, self.generated)
+
+    def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor,
+                      cap: int | None = None) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
         for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
-        ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace."""
+        ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace.
+        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`)."""
         i = self.generated
         step = self.scheduler.decode_step(adapter, self, self.plan, token, i, self.first_generated_position,
-                                          self.ids.shape[0] + i)
+                                          self.ids.shape[0] + i, cap)
         if step.n_chunk:
             self.take_pending(step.n_chunk)
         self.trace.restored_per_forward.append(step.restored)

@@ -1,7 +1,10 @@
 """`batch_engine.BatchEngine` (continuous batching on the slot pool `kv_pool.SlotKVPool`), eager engine, CPU.
 
-The reference for every sequence is the same sequence run alone through batch-1 ``generate`` (greedy): identical
-tokens, logits within 1e-4 (fp32), and the cache `BatchEngine.remove` returns equal to the call's own cache.
+The reference for every sequence is the same sequence run alone through batch-1 ``generate`` (greedy) under the
+same chunk schedule (`test_batched.alone_schedule`: where the engine shares a chunk budget, the reference replays the
+chunk sizes the sequence's trace recorded; without sharing it decides them itself and the traces must agree):
+identical tokens, logits within 1e-4 (fp32), and the cache `BatchEngine.remove` returns equal to the call's own
+cache.
 Sequences join at random steps (fresh prompts with images or videos, or the next turn of a held conversation),
 prompts are prefilled in pieces under random token budgets, and slots are reused.
 """
@@ -16,28 +19,35 @@ import torch
 
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
+from raincheck_hf.configuration import CHUNK_LADDER
 from raincheck_hf.kv_pool import MAX_KEY, SlotKVPool
+from raincheck_hf.tiny import draw_test_image
 
 from conftest import make_inputs, no_placeholder_ids
 from families import family_model, family_processor, family_params
-from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal,
-                          random_row)
+from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, alone_schedule, assert_cache_equal,
+                          assert_trace_equal, random_row)
 
 TOL = 1e-4
 MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 FOLLOW = "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _alone(model, inputs, cfg, n, cache=None):
+def _alone(model, inputs, cfg, n, cache=None, schedule=None):
     return model.generate(**inputs, max_new_tokens=n, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
-                          output_logits=True, suppress_tokens=no_placeholder_ids(model), cache=cache)
+                          output_logits=True, suppress_tokens=no_placeholder_ids(model), cache=cache,
+                          raincheck_chunk_schedule=schedule)
 
 
 class Request:
-    """One sequence of a schedule: what it adds to the engine, and its reference (its batch-1 call)."""
+    """One sequence of a schedule: what it adds to the engine, and its reference (its batch-1 call, `reference`,
+    made once the sequence ran: it replays the sequence's chunk schedule)."""
 
     def __init__(self, model, processor, cfg, row: dict, n: int, arrive: int, follow_up: bool = False):
+        self.model, self.cfg, self.n = model, cfg, n
         self.arrive, self.held = arrive, None
+        eos = model.generation_config.eos_token_id
+        self.eos = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1)}
         inputs = make_inputs(processor, **row)
         if follow_up:  # a held conversation: its first turn ran alone, the engine runs the next one
             first = _alone(model, inputs, cfg, 2)
@@ -46,21 +56,31 @@ class Request:
             follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"].to(first.sequences.device)
             inputs = {"input_ids": torch.cat([first.sequences, follow], dim=1)}
         self.ids = inputs["input_ids"][0]
+        self.inputs = inputs
         self.media = {k: v for k, v in inputs.items() if k in MEDIA}
-        self.want = _alone(model, inputs, cfg, n, cache=copy.deepcopy(self.held))
-        self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
+        self.want = self.want_tokens = None
         self.tokens, self.logits, self.cache, self.seq = [], [], None, None
 
     def take(self, logits: torch.Tensor, suppressed: torch.Tensor) -> bool:
         """Record a step's logits and take its greedy token (``suppressed`` ids excluded, as in the reference);
-        True once it has as many tokens as its reference."""
+        True once it has its ``n`` tokens or took an EOS (where its reference's stopping criteria end it too)."""
         self.logits.append(logits)
         masked = logits.clone()
         masked[suppressed] = -float("inf")
         self.tokens.append(masked.argmax())
-        return len(self.tokens) == self.want_tokens.numel()
+        return len(self.tokens) == self.n or int(self.tokens[-1]) in self.eos
+
+    def reference(self):
+        """Its own batch-1 call, once the engine ran it (made once): under its chunk schedule
+        (`test_batched.alone_schedule` of its trace), from a copy of the held conversation it continues."""
+        if self.want is None:
+            self.want = _alone(self.model, self.inputs, self.cfg, self.n, cache=copy.deepcopy(self.held),
+                               schedule=alone_schedule(self.cfg, self.seq.trace))
+            self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
+        return self.want
 
     def check(self, what: str):
+        self.reference()
         got = torch.stack(self.tokens)
         assert torch.equal(got, self.want_tokens), f"{what}: tokens {got.tolist()} != {self.want_tokens.tolist()}"
         for step, (a, b) in enumerate(zip(self.logits, self.want.logits)):
@@ -101,8 +121,9 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
 def draw_case(rng: random.Random, model, processor, longest: int = 6,
               most: int = 5) -> tuple[RaincheckConfig, list[Request], int | None]:
     """One random case of the batch engine's fuzzes (here, tests/test_batched_graphs.py and on CUDA in
-    tests/test_gpu.py): the config (mode, retention, chunk size, guard, selector), two to ``most`` requests (prompt,
-    answer length 2 to ``longest``, arrival step, held or not) and the engine's token budget."""
+    tests/test_gpu.py): the config (mode, retention, chunk size, guard, selector, shared chunk budget or none), two
+    to ``most`` requests (prompt, answer length 2 to ``longest``, arrival step, held or not) and the engine's token
+    budget."""
     cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
                           decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
@@ -110,7 +131,42 @@ def draw_case(rng: random.Random, model, processor, longest: int = 6,
     requests = [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
                         n=rng.randint(2, longest), arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
                 for _ in range(rng.randint(2, most))]
-    return cfg, requests, rng.choice([None, 5, 9, 16, 33])
+    budget = rng.choice([None, 5, 9, 16, 33])
+    # drawn last, so that the rest of a seed's case stays what it was before this setting (the requests share cfg)
+    cfg.batch_chunk_rows = rng.choice([None, 64, 8])
+    return cfg, requests, budget
+
+
+def draw_shared_case(rng: random.Random, model, processor, longest: int = 6,
+                     most: int = 5) -> tuple[RaincheckConfig, list[Request], int | None]:
+    """One random case of the shared chunk budget's fuzzes (here, tests/test_batched_graphs.py and on CUDA in
+    tests/test_gpu.py): chunks of 15 to 63 rows under a ``batch_chunk_rows`` of 8 to 24, so that two sequences
+    carrying chunks at once are always cut; two image prompts join at step 0 (they decode, and carry chunks,
+    together), then up to ``most - 2`` random ones (held or not) at random steps; no token budget (both prompts run
+    in the first step)."""
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial")), retention=rng.choice([0.0, 0.1, 0.2]),
+                          chunk_size=rng.choice([15, 20, 31, 63]), decode_guard=rng.randint(0, 1),
+                          selector=rng.choice(("mmtok", "uniform", "divprune")),
+                          batch_chunk_rows=rng.choice([8, 12, 16, 24]), fast_path=False)
+
+    def image():
+        side = lambda: rng.choice([96, 128, 160])  # noqa: E731
+        return dict(images=(draw_test_image(side(), side(), seed=rng.randrange(100)),), text="What is in this image?")
+
+    requests = [Request(model, processor, cfg, image(), n=rng.randint(3, longest), arrive=0) for _ in range(2)]
+    requests += [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
+                         n=rng.randint(2, longest), arrive=rng.randint(0, 3), follow_up=rng.random() < 0.3)
+                 for _ in range(rng.randint(0, most - 2))]
+    return cfg, requests, None
+
+
+def assert_some_chunks_cut(cfg: RaincheckConfig, requests: list[Request], what: str) -> None:
+    """Some driven request's chunk sizes differ from those of its own call deciding them itself (no replay)."""
+    differ = []
+    for r in requests:
+        free = _alone(r.model, r.inputs, cfg, r.n, cache=copy.deepcopy(r.held))
+        differ.append(r.seq.trace.chunk_size_per_forward != free.raincheck.chunk_size_per_forward)
+    assert any(differ), f"{what}: the shared budget cut no chunk"
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -127,6 +183,76 @@ def test_fuzz_sequences_match_alone(seed):
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
     assert engine.sequences == [] and engine.pool.num_slots - len(engine.pool._free) == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_shared_chunk_budget_sequences_match_alone_under_their_schedule(seed):
+    """Random cases where the shared chunk budget cuts chunks (`draw_shared_case`), on every family: some sequence's
+    chunk sizes differ from its own call's, and each sequence equals its own call replaying its schedule (tokens,
+    logits 1e-4, cache, trace)."""
+    rng = random.Random(3000 + seed)
+    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw_shared_case(rng, model, processor)
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
+
+
+# (sequences carrying a chunk, budget, chunk size) -> the cap (None: none); CHUNK_LADDER = (7, 15, 31, 63)
+CAP_CASES = [
+    (0, 64, 31, None), (1, 64, 31, None), (1, 1, 63, None),  # a lone sequence: what it gets alone
+    (8, None, 31, None), (32, None, 63, None),  # no sharing
+    (2, 64, 31, None), (3, 93, 31, None),  # its full chunks fit
+    (3, 64, 31, 15), (4, 64, 31, 15), (5, 64, 31, 7), (8, 64, 31, 7), (9, 64, 31, 7), (32, 64, 31, 7),  # 7 at least
+    (2, 64, 63, 31), (4, 64, 63, 15), (8, 64, 63, 7), (2, 125, 63, 31), (2, 126, 63, None),
+    (4, 64, 20, 15), (3, 64, 20, None), (7, 64, 20, 7), (2, 1, 31, 7),  # a size off the ladder is cut onto it
+    (8, 64, 5, None), (8, 8, 7, None), (2, 8, 8, 7),  # at or below the ladder's smallest: never cut
+]
+
+
+@pytest.mark.parametrize("carrying,budget,chunk,cap", CAP_CASES)
+def test_shared_chunk_cap(carrying, budget, chunk, cap):
+    from raincheck_hf.generation import shared_chunk_cap
+
+    assert shared_chunk_cap(carrying, budget, chunk) == cap
+    if cap is not None:
+        assert cap < chunk and cap in CHUNK_LADDER
+        assert carrying * cap <= budget or cap == min(CHUNK_LADDER)
+
+
+def test_chunk_scheduler_applies_a_cap_and_replays_a_schedule(monkeypatch):
+    """`ChunkScheduler.chunk_size` with a cap: a fixed size cut to it (not below the guard, not with nothing pending),
+    ``"auto"`` choosing among the ladder sizes up to it (here from injected costs under which it takes 63 uncapped),
+    ``serial`` the same; no cap: unchanged. With ``schedule`` it replays the given sizes (a forward past its end or
+    with nothing pending: none), whatever the cap, and `may_carry_chunk` follows the replay."""
+    from raincheck_hf.generation import ChunkScheduler, StepCosts
+
+    class Pending:
+        def __init__(self, n):
+            self.num_pending = n
+
+    for mode in ("raincheck", "serial"):
+        fixed = ChunkScheduler(RaincheckConfig(chunk_size=31, decode_guard=2, mode=mode))
+        assert [fixed.chunk_size(None, Pending(40), i) for i in (1, 2, 3)] == [0, 31, 31]
+        assert [fixed.chunk_size(None, Pending(40), i, cap=7) for i in (1, 2, 3)] == [0, 7, 7]
+        assert fixed.chunk_size(None, Pending(40), 2, cap=63) == 31
+        assert fixed.chunk_size(None, Pending(0), 2, cap=7) == 0
+        assert not fixed.may_carry_chunk(Pending(40), 1) and fixed.may_carry_chunk(Pending(40), 2)
+    assert ChunkScheduler(RaincheckConfig(chunk_size=31, mode="post_answer")).chunk_size(None, Pending(40), 3, 7) == 0
+    ms = 1e-3  # a step costs little more with a larger chunk: the slack pays for 63 at once
+    costs = StepCosts(10 * ms, {7: 10.1 * ms, 15: 10.1 * ms, 31: 10.1 * ms, 63: 10.1 * ms})
+    monkeypatch.setattr(ChunkScheduler, "step_costs", lambda self, adapter, cache: costs)
+    auto = RaincheckConfig(chunk_size="auto", decode_guard=1, tpot_slack=0.5)
+    assert ChunkScheduler(auto).chunk_size(None, Pending(500), 1) == 63
+    for cap in (7, 15, 31):
+        assert ChunkScheduler(auto).chunk_size(None, Pending(500), 1, cap=cap) == cap
+    replay = ChunkScheduler(RaincheckConfig(chunk_size=31), schedule=[0, 7, 0, 15])
+    assert [replay.chunk_size(None, Pending(40), i, cap=7) for i in (1, 2, 3, 4, 5)] == [7, 0, 15, 0, 0]
+    assert replay.chunk_size(None, Pending(0), 3) == 0
+    assert [replay.may_carry_chunk(Pending(40), i) for i in (1, 2, 3, 4)] == [True, False, True, False]
 
 
 @pytest.mark.parametrize("name", family_params(ALL_FAMILIES))
