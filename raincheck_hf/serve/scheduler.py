@@ -34,9 +34,9 @@ their own in this mode), in the order `ConversationStore.next_to_restore` gives 
   answer's token is never left out of a step for them. A restoring conversation leaves with its cache (the held
   one, the restored rows stored) when its rows are done, when a follow-up for it arrives (before the turn joins,
   which then continues from that cache), and when the engine has no answer left; one evicted meanwhile
-  (``--max-cache-bytes``: eviction does not wait for the loop) or in a step that raised leaves without it, and
-  its conversation stays as it was. With captured decode steps (``fast_path`` on CUDA) restoring rows ride only
-  in steps that carry a prompt piece, which run eagerly anyway.
+  (``max_cache_bytes``: eviction does not wait for the loop) or in a step that raised leaves without it, and
+  its conversation stays as it was. With captured decode steps (``fast_path=True``) restoring rows ride only in
+  steps that carry a prompt piece, which run eagerly anyway.
 - while no engine has an answer's rows to run, one chunk at a time (`ServedConversation.restore_chunk`, then the
   loop looks for new turns again).
 
