@@ -9,6 +9,7 @@ prompts are prefilled in pieces under random token budgets, and slots are reused
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -425,3 +426,27 @@ def test_restore_bad_input():
     assert engine.idle  # a restoring sequence alone is no work of an answer
     engine.discard(state)
     assert engine.sequences == []
+
+
+def test_restoring_rides_only_in_eager_steps_with_captured_decode_steps():
+    """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
+    piece never turns a decode-only step into an eager one: it rides in the step that carries a prompt piece, and in
+    steps without any decode row; the restored cache still equals idle-time restoration's."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    eager = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    cfg = dataclasses.replace(eager, fast_path=True)
+    cache, follow = _held(model, processor, eager, TWO_IMAGES)  # (a held cache as the batching server holds them)
+    other = Request(model, processor, eager, TEXT, n=6, arrive=0)  # its reference: the eager batch-1 call
+    engine = BatchEngine(model, cfg, num_slots=2)
+    assert engine.graphs is not None and not engine.scheduler.restore_beside_decode
+    state = engine.restore(cache)
+    _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
+    other.check("answer on captured decode steps beside a restoring sequence")
+    assert per_step[0] == cfg.idle_chunk_size and not any(per_step[1:])  # only beside the prompt's prefill
+    while state.num_pending:  # nothing else left: every step is eager
+        assert engine.step() == {}
+    got = engine.remove(state)
+    engine.close()
+    want = _idle_restored(model, cache, eager)
+    assert_cache_equal(got, want)
+    _assert_same_follow_up(model, follow, eager, got, want, "restored beside captured decode steps")
