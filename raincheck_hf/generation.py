@@ -431,10 +431,21 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     runner = runner_for(adapter, cache)
     if max_tokens is not None:
         runner.reserve(0, max_tokens)  # a chunk is padded up to max_tokens
-    rows = cache.take_pending(max_tokens)
+    forward = idle_rows(adapter, cache, max_tokens)
     with torch.no_grad():
-        runner.run(ForwardRows(adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, False, max_tokens))
-    return rows.sources.cpu()
+        runner.run(forward)
+    return forward.sources.cpu()
+
+
+def idle_rows(adapter, pending, max_tokens: int | None = None) -> ForwardRows:
+    """An idle-time restoration forward's rows: the first ``max_tokens`` pending deferred rows of ``pending`` (all
+    when None; at least one must be pending), taken from them. ``pending`` is anything with ``take_pending``: a
+    `DeferredDynamicCache` (`restore_pending`) or a restoring sequence of the batched engine
+    (`batched.RestoringState`), so both restore the same rows in the same order (restoration order: the head of
+    the pending rows, whose order keys increase along it, so any split into pieces gives each row the same
+    visible rows). On the fast path the forward is padded to ``max_tokens`` rows (`run_rows`' ``pad_to``)."""
+    rows = pending.take_pending(max_tokens)
+    return ForwardRows(adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, False, max_tokens)
 
 
 def sampling_setup(input_ids, stopping_criteria, generation_config):

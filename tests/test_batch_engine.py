@@ -12,6 +12,7 @@ prompts are prefilled in pieces under random token budgets, and slots are reused
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -382,3 +383,196 @@ def test_bad_input():
         engine.feed(seq, 1)
     assert engine.remove(seq) is None  # left before its prompt ran: nothing to continue
     assert engine.sequences == []
+
+
+# ---- restoring sequences: held conversations restored in the spare budget of busy steps -------------------
+
+def _held(model, processor, cfg, row):
+    """A conversation's first turn run alone, too short for any chunk: ``(its cache, the follow-up's inputs)``."""
+    inputs = make_inputs(processor, **row)
+    first = _alone(model, inputs, cfg, 2)
+    follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"].to(first.sequences.device)
+    return first.cache, {"input_ids": torch.cat([first.sequences, follow], dim=1)}
+
+
+def _idle_restored(model, cache, cfg, rows: int | None = None):
+    """``cache`` (a copy) after `Conversation`'s idle-time restoration: its idle chunks, one forward each (``rows``:
+    only the first that many pending rows, in one forward, as a restoration cut short leaves them)."""
+    from raincheck_hf.generation import restore_pending
+
+    cache = copy.deepcopy(cache)
+    if rows is not None:
+        restore_pending(model, cache, max_tokens=rows)
+        return cache
+    while cache.num_pending:
+        restore_pending(model, cache, max_tokens=cfg.idle_chunk_size)
+    return cache
+
+
+def _assert_same_follow_up(model, inputs, cfg, got_cache, want_cache, what: str):
+    """The follow-up from each cache: the same tokens, logits within TOL."""
+    got = _alone(model, inputs, cfg, 4, cache=got_cache)
+    want = _alone(model, inputs, cfg, 4, cache=want_cache)
+    assert torch.equal(got.sequences, want.sequences), f"{what}: follow-up tokens differ"
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL, f"{what} follow-up step {step}: max abs logit diff {diff:.2e}"
+
+
+def _drive_with_restoring(engine, decoding: list[Request], restoring: list, suppressed, on_step=None):
+    """Step while the ``decoding`` requests answer (each joined at step 0): every step, each fed sequence's token
+    must run (its logits come back), and a restoring sequence whose rows are all restored leaves with its cache.
+    ``on_step(step)`` after each step. Returns ``{restoring state: its cache}`` and the rows each step restored."""
+    active = {}
+    for r in decoding:
+        r.seq = engine.add(r.ids, **r.media)
+        active[r.seq] = r
+    left, per_step, step = {}, [], 0
+    while active:
+        fed = [s for s in active if s.token is not None]
+        before = {s: s.num_pending for s in restoring if s in engine.sequences}
+        logits = engine.step()
+        assert all(s in logits for s in fed), "a decode row was left out of a step"
+        per_step.append(sum(n - s.num_pending for s, n in before.items()))
+        for seq, row in logits.items():
+            r = active[seq]
+            if r.take(row, suppressed):
+                r.cache = engine.remove(seq)
+                del active[seq]
+            else:
+                engine.feed(seq, r.tokens[-1])
+        for s in restoring:
+            if s in engine.sequences and s.num_pending == 0:
+                left[s] = engine.remove(s)
+        step += 1
+        if on_step is not None:
+            on_step(step)
+        assert step < 500, "the schedule does not finish"
+    return left, per_step
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_restoring_sequence_equals_idle_restoration(name, budget):
+    """Two held conversations restore while two sequences answer: each step's restoring pieces come only from what
+    the budget leaves after the decode rows and chunks (budget None: at most an idle chunk each), no decode row is
+    ever left out, and the answers equal their own calls. Each restored cache equals `Conversation`'s idle-time
+    restoration of the same held cache, and the follow-up from it answers identically."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    held = [_held(model, processor, cfg, row) for row in (TWO_IMAGES, IMAGE)]
+    assert all(cache.num_pending > 2 * cfg.chunk_size for cache, _ in held)
+    answers = [Request(model, processor, cfg, IMAGE, n=12, arrive=0), Request(model, processor, cfg, TEXT, n=10,
+                                                                              arrive=0)]
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=2)
+    states = [engine.restore(cache) for cache, _ in held]
+    assert all(s.max_rows == cfg.idle_chunk_size for s in states)
+    rows, entries = [], []
+    schedule = engine.scheduler.schedule
+
+    def watched(adapter, sequences):  # each forward's rows per kind of sequence
+        forwards = schedule(adapter, sequences)
+        entries.append(forwards)
+        rows.append(sum(len(g) for f in forwards for _, g in f))
+        return forwards
+
+    engine.scheduler.schedule = watched
+    got, _ = _drive_with_restoring(engine, answers, states, torch.tensor(no_placeholder_ids(model)))
+    for r, what in zip(answers, ("image answer", "text answer")):
+        r.check(f"{name} {what} beside restoring sequences")
+    for forwards in entries:
+        pieces = [len(g) for f in forwards for s, g in f if s in states]
+        assert all(p <= cfg.idle_chunk_size for p in pieces)
+        if budget is not None:  # restoring rows only in what decode rows and chunks left
+            others = sum(len(g) for f in forwards for s, g in f if s not in states)
+            assert not pieces or others + sum(pieces) <= budget
+    assert sum(1 for f in entries if any(s in states for fw in f for s, _ in fw)) >= 2
+    assert set(got) == set(states) and engine.sequences == []
+    for k, (state, (cache, follow)) in enumerate(zip(states, held)):
+        assert cache.num_pending > 0  # the held cache itself is left as it was
+        want = _idle_restored(model, cache, cfg)
+        assert want.num_pending == 0
+        assert torch.equal(torch.cat(state.restored), cache.pending_sources)
+        assert_cache_equal(got[state], want)
+        _assert_same_follow_up(model, follow, cfg, got[state], want, f"{name} held conversation {k}")
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_restoring_sequence_taken_back_for_a_follow_up(name):
+    """A follow-up arrives while its conversation restores: the restoring sequence leaves part way (its cache: the
+    held one with the rows restored so far), and the follow-up joins the same engine with that cache and its
+    leftover rows ahead of it; it answers as the batch-1 follow-up from the same rows restored alone does."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=1, fast_path=False)
+    cache, follow = _held(model, processor, cfg, TWO_IMAGES)
+    other = Request(model, processor, cfg, IMAGE, n=10, arrive=0)
+    engine = BatchEngine(model, cfg, token_budget=5)
+    state = engine.restore(cache, max_rows=3)
+    taken = {}
+
+    def follow_up(step):  # once it has restored a piece or two (its prompt's prefill first fills the budget)
+        if state in engine.sequences and len(state.restored) == 2:
+            assert 0 < state.num_pending < cache.num_pending  # part way
+            taken["cache"] = engine.remove(state)
+
+    _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)), on_step=follow_up)
+    other.check(f"{name} answer beside a restoring sequence")
+    partial = taken["cache"]
+    restored = cache.num_pending - partial.num_pending
+    want = _idle_restored(model, cache, cfg, rows=restored)
+    assert_cache_equal(partial, want)
+    # the follow-up in the engine, from the taken-back cache, against the batch-1 follow-up from the reference
+    held = Request.__new__(Request)
+    held.arrive, held.held = 0, partial
+    held.held_was = (repr(partial), partial.row_keys.clone(), partial.pending_sources.clone())
+    held.ids, held.media = follow["input_ids"][0], {}
+    held.want = _alone(model, follow, cfg, 4, cache=copy.deepcopy(want))
+    held.want_tokens = held.want.sequences[0, held.ids.shape[0]:]
+    held.tokens, held.logits, held.cache, held.seq = [], [], None, None
+    drive(model, engine, [held])
+    held.check(f"{name} follow-up after a restoration cut short")
+
+
+def test_restore_bad_input():
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.2, chunk_size=3, fast_path=False)
+    engine = BatchEngine(model, cfg)
+    cache, _ = _held(model, processor, cfg, IMAGE)
+    with pytest.raises(ValueError, match="DeferredDynamicCache"):
+        engine.restore(object())
+    for rows in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_rows must be an int >= 1"):
+            engine.restore(cache, max_rows=rows)
+    done = _idle_restored(model, cache, cfg)
+    with pytest.raises(ValueError, match="no pending deferred rows"):
+        engine.restore(done)
+    state = engine.restore(cache)
+    with pytest.raises(ValueError, match="restoring only"):
+        engine.feed(state, 1)
+    assert engine.idle  # a restoring sequence alone is no work of an answer
+    engine.discard(state)
+    assert engine.sequences == []
+
+
+def test_restoring_rides_only_in_eager_steps_with_captured_decode_steps():
+    """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
+    piece never turns a decode-only step into an eager one: it rides in the step that carries a prompt piece, and in
+    steps without any decode row; the restored cache still equals idle-time restoration's."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    eager = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    cfg = dataclasses.replace(eager, fast_path=True)
+    cache, follow = _held(model, processor, eager, TWO_IMAGES)  # (a held cache as the batching server holds them)
+    other = Request(model, processor, eager, TEXT, n=6, arrive=0)  # its reference: the eager batch-1 call
+    engine = BatchEngine(model, cfg, num_slots=2)
+    assert engine.graphs is not None and not engine.scheduler.restore_beside_decode
+    state = engine.restore(cache)
+    _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
+    other.check("answer on captured decode steps beside a restoring sequence")
+    assert per_step[0] == cfg.idle_chunk_size and not any(per_step[1:])  # only beside the prompt's prefill
+    while state.num_pending:  # nothing else left: every step is eager
+        assert engine.step() == {}
+    got = engine.remove(state)
+    engine.close()
+    want = _idle_restored(model, cache, eager)
+    assert_cache_equal(got, want)
+    _assert_same_follow_up(model, follow, eager, got, want, "restored beside captured decode steps")
