@@ -523,6 +523,9 @@ def test_restoring_sequence_taken_back_for_a_follow_up(name):
     assert_cache_equal(partial, want)
     # the follow-up in the engine, from the taken-back cache, against the batch-1 follow-up from the reference
     held = Request.__new__(Request)
+    held.model, held.cfg, held.n, held.inputs = model, cfg, 4, follow
+    eos = model.generation_config.eos_token_id
+    held.eos = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1)}
     held.arrive, held.held = 0, partial
     held.held_was = (repr(partial), partial.row_keys.clone(), partial.pending_sources.clone())
     held.ids, held.media = follow["input_ids"][0], {}
