@@ -30,6 +30,8 @@
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
 #   bash benchmarks/h200_run.sh batch      # issue 29: batched generate at B = 1, 8, 32 vs stock (Qwen3-VL-8B, Qwen3.5-9B)
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
+#   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
+#   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -47,10 +49,25 @@ batch)
         tail -14 "$OUT/batch_${m}_h200.log"
     done
     ;;
+attention_batch)
+    # the few-query attention (Triton kernel, matmul form, upcast form) against stock SDPA at batches 1 / 8 / 32
+    timeout "${ATTN_S:-150}" python3 -m raincheck_hf.bench attention --batch 1,8,32 --rows 1,32 --slots 2112 --reps 20 \
+        --json "$OUT/attention_batch_h200.json" > "$OUT/attention_batch_h200.log" 2>&1
+    tail -8 "$OUT/attention_batch_h200.log"
+    ;;
+serve_load)
+    # issue 30: the server under 1 / 8 / 32 clients through its continuous-batching loop, raincheck and full
+    timeout "${LOAD_S:-400}" python3 -m raincheck_hf.bench serve-load --model qwen3_vl_8b --clients "${CLIENTS:-1,8,32}" \
+        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching \
+        --json "$OUT/serve_load_qwen3_vl_8b_h200.json" --plot "$OUT/serve_load_qwen3_vl_8b_h200.png" \
+        > "$OUT/serve_load_qwen3_vl_8b_h200.log" 2>&1
+    tail -14 "$OUT/serve_load_qwen3_vl_8b_h200.log"
+    ;;
 gpu_tests)
-    # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is
+    # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is.
+    # GPU_WORKERS > 0 spreads the tests over that many pytest-xdist processes on the one GPU (wheel carried in .whl/)
     timeout "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
-        > "$OUT/gpu_tests_h200.log" 2>&1
+        $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") > "$OUT/gpu_tests_h200.log" 2>&1
     grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
     ;;
 final_tests)
