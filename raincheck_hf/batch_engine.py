@@ -15,6 +15,10 @@ mode) over the rows of every sequence that has work:
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
+A decode step waits for the device once: the driver reads every row's sampled token (and which rows go on) in one
+copy and feeds host ints; the rows' placement, order keys, sources and lengths are host data, and what a step
+needs of them on the device goes over pinned and non-blocking (`cache_utils.to_device_all`): building a step never
+stalls on the device.
 
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
