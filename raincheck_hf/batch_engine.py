@@ -7,11 +7,17 @@ mode) over the rows of every sequence that has work:
 
 - each running sequence that was fed a token (`feed`) contributes its decode row with its deferred chunk when
   its scheduler gives it one (``[chunk, token]`` fused; ``serial``: the chunks in a forward of their own first);
+  when several carry one, each chunk is cut to the step's share of `RaincheckConfig.batch_chunk_rows`
+  (`RowScheduler.chunk_cap`, `generation.shared_chunk_cap`: ladder sizes, a lone sequence never cut);
 - sequences still prefilling contribute the next piece of their prompt (for a continued conversation: its
   leftover deferred rows, then the new turn's T ∪ S), under a per-step token budget (``token_budget`` rows per
   step, decode rows first, the rest to the waiting prompts in arrival order: vLLM's chunked prefill). A long
   image prompt is prefilled over several steps while the others keep decoding; its logits come with the step
-  that ran its last piece. While the decode rows alone fill the budget, prompts wait.
+  that ran its last piece. While the decode rows alone fill the budget, prompts wait;
+- held conversations that only restore (`restore`: a `batched.RestoringState`, which generates nothing) get
+  pieces of their pending deferred rows in what the budget has left after all of that (the step's spare rows;
+  without a budget a piece of at most their idle chunk each), taken as idle-time restoration takes them
+  (`generation.idle_rows`), so they never take a row from an answer.
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
@@ -25,13 +31,16 @@ Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows ea
 and runs the forward from them (packing, the slot placement and mask, the family's packed recurrent step).
 
 Every sequence sees only its own rows (docs/method.md §3 per sequence, through its slot's order keys), so each
-sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` (to float
-rounding: a chunked prefill sums attention and the Gated DeltaNet recurrence in pieces).
+sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` under the same
+chunk schedule (its trace's ``chunk_size_per_forward``, which a shared budget may have cut; with
+``batch_chunk_rows=None`` it is the schedule it gets alone), to float rounding (a chunked prefill sums attention
+and the Gated DeltaNet recurrence in pieces).
 
 A held conversation joins with its batch-1 `DeferredDynamicCache` (`add(..., cache=)`): its KV rows and order
 keys are copied into a slot, its GDN states into the slot's row, its pending deferred rows go in front of the
 new turn's prefill (docs/method.md §7), and the turn continues as the batch-1 follow-up would. `remove` gives a
-sequence's state back as the `DeferredDynamicCache` its own call would have returned.
+sequence's state back as the `DeferredDynamicCache` its own call would have returned; for a restoring sequence,
+the held cache with the rows it restored stored, as idle-time restoration (`generation.restore_pending`) leaves it.
 """
 
 from __future__ import annotations
@@ -41,9 +50,9 @@ import contextlib
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .batched import RowGroup, SequenceState, new_sequence, start_sequences
+from .batched import RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence, start_sequences
 from .cache_utils import DeferredDynamicCache, to_device
-from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
+from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
 from .fast import batched_graphs
 from .kv_pool import SlotKVPool
@@ -61,23 +70,36 @@ class RowScheduler:
     Args:
         config: the engine's `RaincheckConfig` (``mode``: ``serial`` splits chunks into a forward of their own).
         token_budget: rows per step (decode rows, their chunks and prompt pieces together), None: unbounded.
+        restore_beside_decode: restoring sequences (`batched.RestoringState`) may ride in a step of decode rows
+            only; False (the engine replays captured decode steps): only in a step that runs eagerly anyway (one
+            that carries a prompt piece, or no decode row): a restoring piece would turn a captured decode step
+            into an eager one.
     """
 
-    def __init__(self, config: RaincheckConfig, token_budget: int | None = None):
+    def __init__(self, config: RaincheckConfig, token_budget: int | None = None, restore_beside_decode: bool = True):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
         self.config = config
         self.token_budget = token_budget
+        self.restore_beside_decode = restore_beside_decode
+
+    def chunk_cap(self, sequences: list[SequenceState]) -> int | None:
+        """The cap on each chunk of this step (`generation.shared_chunk_cap` over the fed sequences whose next forward
+        may carry a chunk, `RaincheckConfig.batch_chunk_rows`), or None: every sequence its own chunk."""
+        carrying = sum(1 for seq in sequences if seq.prefilled and seq.token is not None and seq.may_carry_chunk())
+        return shared_chunk_cap(carrying, self.config.batch_chunk_rows, self.config.max_chunk_size)
 
     def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
         """The step's forwards (one; two in ``serial`` mode when a chunk rides), each a list of entries in the order
-        of ``sequences``. Takes the fed tokens, chunks and prompt pieces from the sequences."""
+        of ``sequences``. Takes the fed tokens, chunks (each within the step's `chunk_cap`) and prompt pieces from
+        the sequences."""
+        cap = self.chunk_cap(sequences)
         decode, used = [], 0
         for seq in sequences:
             if seq.prefilled and seq.token is not None:
-                groups = seq.decode_groups(adapter, self.config, seq.token)
+                groups = seq.decode_groups(adapter, self.config, seq.token, cap)
                 seq.token = None
                 decode.append((seq, groups))
                 used += sum(len(g) for g in groups)
@@ -95,14 +117,36 @@ class RowScheduler:
             if seq.prefilled:  # its forward 0 completes in this step
                 seq.trace.restored_per_forward.append(seq.prefill_restored)
                 seq.trace.chunk_size_per_forward.append(0)
+        restoring = self.restoring_pieces(adapter, sequences, left, eager=bool(prefill) or not decode)
         forwards = []
         chunks = [(seq, groups[0]) for seq, groups in decode if len(groups) == 2]
         if chunks:
             forwards.append(chunks)
-        main = [(seq, groups[-1]) for seq, groups in decode] + prefill
+        main = [(seq, groups[-1]) for seq, groups in decode] + prefill + restoring
         if main:
             forwards.append(main)
         return forwards
+
+    def restoring_pieces(self, adapter, sequences: list[SequenceState], left: int | None,
+                         eager: bool) -> list[Entry]:
+        """The restoring sequences' pieces in the step's spare budget: ``left``, the rows the budget has after every
+        decode row, its chunk and the prompt pieces (None: no budget; each piece is then its sequence's
+        ``max_rows``, so a step stays bounded). In arrival order, a piece each while rows are left; taken from
+        their pending rows. ``eager``: the step runs eagerly anyway: it carries a prompt piece, or no decode row
+        (see ``restore_beside_decode``)."""
+        if not (self.restore_beside_decode or eager):
+            return []
+        pieces = []
+        for seq in sequences:
+            if not isinstance(seq, RestoringState) or seq.num_pending == 0:
+                continue
+            if left is not None and left <= 0:
+                break
+            piece = seq.take_piece(adapter, left)
+            pieces.append((seq, piece))
+            if left is not None:
+                left -= len(piece)
+        return pieces
 
 
 class ForwardRunner:
@@ -192,7 +236,7 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        self.scheduler = RowScheduler(self.config, token_budget)
+        self.scheduler = RowScheduler(self.config, token_budget, restore_beside_decode=not use_graphs)
         self.text_config = model.config.get_text_config()
         self.graphs = None
         if use_graphs:
@@ -231,6 +275,29 @@ class BatchEngine:
         self.join(state, cache)
         return state
 
+    def restore(self, cache: DeferredDynamicCache, max_rows: int | None = None) -> RestoringState:
+        """A held conversation joins only to restore its pending deferred rows in the spare budget of the steps
+        (a `batched.RestoringState`: it generates nothing; ``cache``, a batch-1 `DeferredDynamicCache` with
+        pending rows, is left unchanged). Each step gives it at most ``max_rows`` (default: the engine config's
+        ``idle_chunk_size``), the head of its pending rows, as `generation.restore_pending` takes them, and only
+        rows the step's ``token_budget`` has left after every decode row, chunk and prompt piece. It leaves with
+        `remove` (its cache: the held one with the restored rows stored) or `discard`, whenever the caller says:
+        once ``num_pending`` is 0, or when its conversation gets a follow-up (which then joins with that cache)."""
+        if self._closed:
+            raise ValueError("BatchEngine.restore after close(): the engine gave its pool back; make a new engine.")
+        if not isinstance(cache, DeferredDynamicCache):
+            raise ValueError(f"BatchEngine.restore takes a held conversation's DeferredDynamicCache, got a "
+                             f"{type(cache).__name__}.")
+        if cache.num_pending == 0:
+            raise ValueError("BatchEngine.restore got a cache with no pending deferred rows: nothing to restore.")
+        max_rows = self.config.idle_chunk_size if max_rows is None else max_rows
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"BatchEngine.restore max_rows must be an int >= 1 (rows per step), got {max_rows!r}.")
+        state = restoring_sequence(cache, self._arrivals, max_rows)
+        self._arrivals += 1
+        self.join(state, cache)
+        return state
+
     def join(self, state: SequenceState, cache: DeferredDynamicCache | None = None) -> None:
         """Give ``state`` (from `batched.new_sequence`) a slot; with ``cache`` (the held conversation it continues),
         copy its KV rows, order keys and recurrent states in."""
@@ -258,7 +325,8 @@ class BatchEngine:
         cache = None
         if seq.prefilled:
             cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
-            seq.trace.pending = cache.pending_sources
+            if seq.trace is not None:  # (a restoring sequence has no turn of its own)
+                seq.trace.pending = cache.pending_sources
         self._free(seq)
         return cache
 
@@ -288,8 +356,10 @@ class BatchEngine:
     def feed(self, seq: SequenceState, token) -> None:
         """The token the caller chose from ``seq``'s last logits (an int, or a one-element tensor, best on the host: a
         device tensor is read back here): its next decode row (generated token i)."""
-        if seq not in self.sequences or not seq.prefilled or seq.token is not None:
+        if (seq not in self.sequences or not seq.prefilled or seq.token is not None
+                or isinstance(seq, RestoringState)):
             what = ("not in this engine" if seq not in self.sequences else "still prefilling" if not seq.prefilled
+                    else "restoring only (it generates nothing)" if isinstance(seq, RestoringState)
                     else "already fed a token for the next step")
             raise ValueError(f"BatchEngine.feed: the sequence is {what}.")
         if isinstance(token, torch.Tensor):
@@ -301,12 +371,18 @@ class BatchEngine:
 
     @property
     def idle(self) -> bool:
-        """No sequence has rows to run."""
+        """No sequence has rows of an answer to run (restoring sequences do not count: they only fill steps)."""
         return all(s.prefilled and s.token is None for s in self.sequences)
 
+    @property
+    def restoring(self) -> list[RestoringState]:
+        """The restoring sequences (`restore`), in arrival order."""
+        return [s for s in self.sequences if isinstance(s, RestoringState)]
+
     def step(self) -> dict[SequenceState, torch.Tensor]:
-        """One step: every fed token (with its chunk), prompt pieces under the budget. The next-token logits
-        ``[V]`` of each sequence that has them (a fed token ran, or its prompt's last piece)."""
+        """One step: every fed token (with its chunk), prompt pieces under the budget, then restoring sequences'
+        pieces in what the budget has left. The next-token logits ``[V]`` of each sequence that has them (a fed
+        token ran, or its prompt's last piece)."""
         logits = {}
         for entries in self.scheduler.schedule(self.adapter, self.sequences):
             if self.graphs is not None and batched_graphs.decode_only(entries):

@@ -285,14 +285,21 @@ class SequenceState:
             return None
         return self.pending if n is None or n >= len(self.pending) else self.pending.split(n)[0]
 
-    def decode_groups(self, adapter, config: RaincheckConfig, token: int) -> list[RowGroup]:
+    def may_carry_chunk(self) -> bool:
+        """Whether its next decode forward (``self.generated``) may carry a chunk (`ChunkScheduler.may_carry_chunk`):
+        what `batch_engine.RowScheduler` counts to share a step's chunk budget."""
+        return self.scheduler.may_carry_chunk(self, self.generated)
+
+    def decode_groups(self, adapter, config: RaincheckConfig, token: int,
+                      cap: int | None = None) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
         for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
-        ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace."""
+        ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace.
+        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`)."""
         i = self.generated
         ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
         step = self.scheduler.decode_step(adapter, self, self.plan, ids, i, self.first_generated_position,
-                                          self.ids.shape[0] + i)
+                                          self.ids.shape[0] + i, cap)
         if step.n_chunk:
             self.take_pending(step.n_chunk)
         self.trace.restored_per_forward.append(step.restored)
@@ -341,8 +348,51 @@ class SequenceState:
         # the tokens whose forward ran (the last generated token is fed by the next turn, as at batch 1)
         fed = torch.tensor(self.fed, dtype=torch.long)
         cache.extend_source(torch.cat([self.ids.cpu(), fed]), self.first_generated_position + len(self.fed))
-        cache.turn = self.plan.turn + 1
+        cache.turn = self.turns_started
         return cache
+
+    @property
+    def turns_started(self) -> int:
+        """Turns started on its conversation (its cache's ``turn``): this one included."""
+        return self.plan.turn + 1
+
+
+@dataclass(eq=False)
+class RestoringState(SequenceState):
+    """A held conversation in a batched engine only to restore its pending deferred rows (`BatchEngine.restore`):
+    it generates nothing (never fed a token) and has no turn of its own; each step it may run a piece of its pending
+    rows, in the step's spare budget (`batch_engine.RowScheduler`), taken as idle-time restoration takes them
+    (`generation.idle_rows`: the head of the pending rows, at most ``max_rows``, its config's idle chunk).
+    ``held_turns``: the held cache's ``turn``; ``restored``: the sources of each piece it ran."""
+
+    max_rows: int = 1
+    held_turns: int = 0
+    restored: list = field(default_factory=list)
+
+    @property
+    def turns_started(self) -> int:
+        return self.held_turns
+
+    def take_piece(self, adapter, budget: int | None) -> RowGroup:
+        """Its next piece (``min(max_rows, budget)`` rows, ``budget`` None: ``max_rows``), taken from its pending
+        rows (at least one must be pending)."""
+        from .generation import idle_rows
+
+        n = self.max_rows if budget is None else min(self.max_rows, budget)
+        group = RowGroup.of(idle_rows(adapter, self, n))
+        self.restored.append(group.sources)
+        return group
+
+
+def restoring_sequence(cache: DeferredDynamicCache, index: int, max_rows: int) -> RestoringState:
+    """A `RestoringState` for the held ``cache`` (left unchanged): its pending rows (shared, never written), its
+    stored rows' accounting and its source accounting; `BatchEngine.join` copies its KV rows and states in."""
+    state = RestoringState(index, 0, cache.source_ids.clone(), None, None, None, None, cache.next_position,
+                           max_rows=max_rows, held_turns=cache.turn)
+    state.pending = cache.peek_pending()
+    state.dropped = cache.dropped.clone()
+    state.row_sources, state.row_kinds = cache.row_sources.clone(), cache.row_kinds.clone()
+    return state
 
 
 # ---- the call ------------------------------------------------------------------------------------

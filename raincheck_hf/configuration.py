@@ -94,6 +94,19 @@ class RaincheckConfig:
             split by accelerate run the eager engine, the Qwen3.5 families' vision tower is captured too); False = always the eager reference engine; True = the fast path (on CPU
             it runs the fast path's code without graphs, which the tests compare). Graph replay was
             checked against the eager engine on the H200 (`tests/test_gpu.py`).
+        batch_chunk_rows: with a batch of sequences (``generate`` with B > 1, `batch_engine.BatchEngine`, the
+            server's ``--batching``), the deferred chunk rows one step may carry in all, shared by the
+            sequences of the step that carry a chunk (`generation.shared_chunk_cap`): while n of them times
+            ``chunk_size`` fits, each carries its full chunk; otherwise each carries the largest size of
+            `CHUNK_LADDER` below ``chunk_size`` with n times it within the budget, at least the ladder's
+            smallest (7; a ``chunk_size`` below that is never cut). A single sequence always carries what
+            it carries alone, so batch 1 is unchanged. Each sequence of a batch then equals itself alone
+            *under the same chunk schedule* (its trace's ``chunk_size_per_forward``). An integer >= 1, or
+            None: no sharing (every sequence carries its full chunk, each row equals its own call exactly).
+            Default 64: a step of 8 sequences carries 7 chunk rows each (56, with their tokens 64 rows),
+            well below the ~200 rows under which a bf16 decode step of an 8B-parameter model stays
+            memory-bound on an H200 by its roofline (arithmetic from its published bandwidth and bf16
+            throughput, not a measurement), so the chunks cost little beside the weights every step reads.
     """
 
     retention: float = 0.3
@@ -106,6 +119,7 @@ class RaincheckConfig:
     tpot_slack: float = 0.02
     compile_steps: bool | None = None
     restore_order: str = "source"
+    batch_chunk_rows: int | None = 64
 
     def __post_init__(self):
         self.validate()
@@ -151,6 +165,13 @@ class RaincheckConfig:
                 extra = ' or "auto"' if name == "chunk_size" else ""
                 raise ValueError(f"RaincheckConfig.{name}={value!r} must be an integer >= {low}{extra}.")
             object.__setattr__(self, name, int(value))
+        rows = self.batch_chunk_rows
+        if rows is not None:
+            if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
+                raise ValueError(f"RaincheckConfig.batch_chunk_rows={rows!r} must be None (no sharing: every sequence "
+                                 "of a batched step carries its full chunk) or an integer >= 1 (the chunk rows one "
+                                 "batched step may carry in all).")
+            object.__setattr__(self, "batch_chunk_rows", int(rows))
         slack = self.tpot_slack
         if isinstance(slack, bool) or not isinstance(slack, numbers.Real) or not (
             math.isfinite(slack) and slack >= 0.0

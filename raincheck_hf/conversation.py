@@ -398,10 +398,15 @@ class Conversation:
             if self.cache is None or self.cache.num_pending == 0:
                 return 0
             restored = restore_pending(self.model, self.cache, max_tokens=self.config.idle_chunk_size)
-            if self.turns:
-                self.turns[-1].restored_after_answer += int(restored.numel())
-                self.turns[-1].pending = self.cache.num_pending
+            self._count_restored(int(restored.numel()))
             return int(restored.numel())
+
+    def _count_restored(self, n: int) -> None:
+        """Under the lock: ``n`` leftover deferred rows were just restored after the last answer (the cache holds
+        them); they count for the last turn (also the batching server's restoration, `serve.scheduler`)."""
+        if self.turns:
+            self.turns[-1].restored_after_answer += n
+            self.turns[-1].pending = self.cache.num_pending
 
     def _restore_in_background(self):
         while not self._closed:

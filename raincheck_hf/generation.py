@@ -107,6 +107,26 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
     return min(config.max_chunk_size, num_pending)
 
 
+def shared_chunk_cap(carrying: int, budget: int | None, chunk_size: int, ladder=CHUNK_LADDER) -> int | None:
+    """The cap on each sequence's chunk in a batched step where ``carrying`` sequences carry one, all with chunks of
+    up to ``chunk_size`` rows (`RaincheckConfig.max_chunk_size`), sharing ``budget`` chunk rows
+    (`RaincheckConfig.batch_chunk_rows`); None: no cap (each carries its full chunk).
+
+    A pure function (the rule `batch_engine.RowScheduler` applies at the start of each step). No cap for a single
+    sequence (batch 1 is unchanged), without a budget, or while ``carrying * chunk_size`` fits the budget;
+    otherwise the largest ladder size below ``chunk_size`` whose ``carrying`` chunks fit, at least the ladder's
+    smallest (so a crowded step still restores, in few captured shapes; ``carrying`` times it may then exceed
+    the budget); a ``chunk_size`` at or below the ladder's smallest is never cut.
+    """
+    if budget is None or carrying <= 1 or carrying * chunk_size <= budget:
+        return None
+    smallest = min(ladder)
+    if chunk_size <= smallest:
+        return None
+    fitting = [s for s in ladder if s < chunk_size and carrying * s <= budget]
+    return max(fitting) if fitting else smallest
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """What decode step ``steps`` may weigh with ``chunk_size="auto"`` (`auto_chunk_size`).
@@ -248,12 +268,24 @@ class ChunkScheduler:
     Of a cache it reads the pending rows only: `chunk_size` their count (``num_pending``, so `batched.SequenceState`
     serves as well), `decode_step` also the chunk it lets ride along (``peek_pending``); graph buffers, slots and
     other cache internals are the runner's.
+
+    A batched sequence's scheduler may be given a cap for one forward (``cap`` of `chunk_size` / `decode_step`:
+    the step's shared chunk budget, `shared_chunk_cap`); the batch-1 loop never gives one.
+
+    Args:
+        config: the call's `RaincheckConfig`.
+        runner: the runner ``"auto"`` asks for step figures; None: the runner of the cache asked about.
+        schedule: internal, for tests: the padded chunk size of each forward to replay (indexed by forward, as a
+            trace's ``chunk_size_per_forward``; a forward past its end, or one with nothing pending, carries
+            none) instead of deciding them. It reproduces a schedule decided elsewhere (a batched row's, cut by
+            the step's shared budget) so that the same sequence can be run alone under it.
     """
 
-    def __init__(self, config: RaincheckConfig, runner: Runner | None = None):
+    def __init__(self, config: RaincheckConfig, runner: Runner | None = None, *, schedule=None):
         self.config = config
         self.runner = runner  # what "auto" asks for step figures; None: the runner of the cache asked about
         self.spent = 0.0
+        self.schedule = None if schedule is None else [int(c) for c in schedule]
 
     def step_costs(self, adapter, cache) -> StepCosts | None:
         """The runner's figures for the steps the next decode forward may take over ``cache``'s pending rows
@@ -284,17 +316,37 @@ class ChunkScheduler:
             capture[c] = fig.capture
         return StepCosts(decode, chunk, frozenset(captured), capture)
 
-    def chunk_size(self, adapter, cache, forward_index: int) -> int:
-        """The padded chunk size decode forward ``forward_index`` carries (0: none); counts it as spent."""
+    def may_carry_chunk(self, cache, forward_index: int) -> bool:
+        """Whether decode forward ``forward_index`` over ``cache``'s pending rows may carry a chunk (the guard passed,
+        rows pending, a mode that restores during decode; with ``"auto"`` it may still carry none)."""
+        if self.schedule is not None:
+            return self._replayed(cache, forward_index) > 0
+        return chunk_size_for_forward(forward_index, self.config, cache.num_pending) > 0
+
+    def _replayed(self, cache, forward_index: int) -> int:
+        schedule = self.schedule
+        if cache.num_pending == 0 or forward_index >= len(schedule):
+            return 0
+        return schedule[forward_index]
+
+    def chunk_size(self, adapter, cache, forward_index: int, cap: int | None = None) -> int:
+        """The padded chunk size decode forward ``forward_index`` carries (0: none); counts it as spent. ``cap``
+        (a batched step's share, `shared_chunk_cap`): at most this many rows; with ``"auto"``, a choice among the
+        ladder sizes up to it."""
         config = self.config
+        if self.schedule is not None:
+            return self._replayed(cache, forward_index)
         if not config.auto_chunk:
-            return config.chunk_size if chunk_size_for_forward(forward_index, config, cache.num_pending) else 0
+            if not chunk_size_for_forward(forward_index, config, cache.num_pending):
+                return 0
+            return config.chunk_size if cap is None else min(config.chunk_size, cap)
         if chunk_size_for_forward(forward_index, config, cache.num_pending) == 0:
             return 0
+        ladder = CHUNK_LADDER if cap is None else tuple(c for c in CHUNK_LADDER if c <= cap) or (min(CHUNK_LADDER),)
         costs = self.step_costs(adapter, cache)
-        c = auto_chunk_size(costs, config.tpot_slack, cache.num_pending, forward_index, self.spent)
+        c = auto_chunk_size(costs, config.tpot_slack, cache.num_pending, forward_index, self.spent, ladder)
         if c and costs is not None:
-            self.spent += chunk_extras(costs).get(c, 0.0)
+            self.spent += chunk_extras(costs, ladder).get(c, 0.0)
         return c
 
     def charge_captures(self, captures) -> None:
@@ -305,17 +357,18 @@ class ChunkScheduler:
             self.spent += sum(seconds for _, rows, seconds in captures if rows > 1)
 
     def decode_step(self, adapter, cache, plan, next_tokens, forward_index: int, first_generated_position: int,
-                    sequence_length: int) -> "_DecodeForward":
+                    sequence_length: int, cap: int | None = None) -> "_DecodeForward":
         """Decode forward ``forward_index``'s rows: generated token i (``next_tokens``, source
         ``sequence_length - 1``) and the chunk of pending rows `chunk_size` lets ride along, fused into one forward
         ``[chunk, token]`` or (``serial``) in a forward of its own just before. The chunk is only peeked at: it
-        leaves the pending rows when the step runs (`_DecodeForward.run`)."""
+        leaves the pending rows when the step runs (`_DecodeForward.run`). ``cap``: at most this many chunk rows
+        (a batched step's share of `RaincheckConfig.batch_chunk_rows`; None: the sequence's own choice)."""
         token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
         position = first_generated_position + forward_index - 1
         token_source = torch.tensor([sequence_length - 1])
         batch = adapter.text_row(next_tokens, position)
         token = ForwardRows(batch, token_key, token_source, GENERATED, True)
-        size = self.chunk_size(adapter, cache, forward_index)
+        size = self.chunk_size(adapter, cache, forward_index, cap)
         chunk = cache.peek_pending(min(size, cache.num_pending)) if size else None
         if chunk is None:
             return _DecodeForward([token], 0, 0, position, torch.empty(0, dtype=torch.long))
@@ -378,10 +431,21 @@ def restore_pending(model, cache: DeferredDynamicCache, max_tokens: int | None =
     runner = runner_for(adapter, cache)
     if max_tokens is not None:
         runner.reserve(0, max_tokens)  # a chunk is padded up to max_tokens
-    rows = cache.take_pending(max_tokens)
+    forward = idle_rows(adapter, cache, max_tokens)
     with torch.no_grad():
-        runner.run(ForwardRows(adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, False, max_tokens))
-    return rows.sources.cpu()
+        runner.run(forward)
+    return forward.sources.cpu()
+
+
+def idle_rows(adapter, pending, max_tokens: int | None = None) -> ForwardRows:
+    """An idle-time restoration forward's rows: the first ``max_tokens`` pending deferred rows of ``pending`` (all
+    when None; at least one must be pending), taken from them. ``pending`` is anything with ``take_pending``: a
+    `DeferredDynamicCache` (`restore_pending`) or a restoring sequence of the batched engine
+    (`batched.RestoringState`), so both restore the same rows in the same order (restoration order: the head of
+    the pending rows, whose order keys increase along it, so any split into pieces gives each row the same
+    visible rows). On the fast path the forward is padded to ``max_tokens`` rows (`run_rows`' ``pad_to``)."""
+    rows = pending.take_pending(max_tokens)
+    return ForwardRows(adapter.pending_batch(rows), rows.keys, rows.sources, DEFERRED, False, max_tokens)
 
 
 def sampling_setup(input_ids, stopping_criteria, generation_config):
@@ -431,12 +495,17 @@ def raincheck_sample(
     raincheck_streamer=None,
     raincheck_captures=None,
     raincheck_pixels: dict | None = None,
+    raincheck_chunk_schedule=None,
     **model_kwargs,
 ):
     """`_sample` with deferred multimodal prefill (the `custom_generate` callable).
 
     ``raincheck_pixels`` (``pixel_values`` / ``pixel_values_videos``, held back from HF's own encoding
     by `integration.enable`'s wrapper) are encoded by the captured vision tower (`ModelAdapter.use_vision_graphs`).
+    ``raincheck_chunk_schedule`` (internal, for tests; ``generate(..., raincheck_chunk_schedule=...)``, checked by
+    `integration.validate_request`): per forward, the padded chunk size to replay instead of deciding it (a batched
+    row's ``trace.chunk_size_per_forward``: the row alone under its batch's chunk schedule; `ChunkScheduler`'s
+    ``schedule``).
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"raincheck_sample runs one sequence, got input_ids of batch {input_ids.shape[0]}; a batch of "
@@ -518,7 +587,8 @@ def raincheck_sample(
     trace.captures.extend(watch.new(0))
 
     # 4-5. decode, HF's way
-    out = _decode_loop(model, adapter, runner, plan, config, trace, logits, input_ids, logits_processor,
+    scheduler = ChunkScheduler(config, runner, schedule=raincheck_chunk_schedule)
+    out = _decode_loop(model, adapter, runner, scheduler, plan, config, trace, logits, input_ids, logits_processor,
                        stopping_criteria, generation_config, streamer, turn.next_position, watch)
     trace.pending = cache.pending_sources
     return out
@@ -531,12 +601,11 @@ def _pending_rows(adapter, turn, plan: DeferredPlan):
                        plan.sources(rows), batch.deepstack)
 
 
-def _decode_loop(model, adapter, runner: Runner, plan, config, trace, logits, input_ids, logits_processor,
-                 stopping_criteria, generation_config, streamer, first_generated_position, watch):
+def _decode_loop(model, adapter, runner: Runner, scheduler: ChunkScheduler, plan, config, trace, logits, input_ids,
+                 logits_processor, stopping_criteria, generation_config, streamer, first_generated_position, watch):
     scores, raw_logits, finished_pad = sampling_setup(input_ids, stopping_criteria, generation_config)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     cache = runner.cache
-    scheduler = ChunkScheduler(config, runner)
     generated = 0
     while True:
         next_tokens, scores, raw_logits = choose_next_tokens(

@@ -183,6 +183,25 @@ _UNSUPPORTED_GENERATE_KWARGS = {
 }
 
 
+def _check_chunk_schedule(config: RaincheckConfig, schedule, batch: int) -> None:
+    """``generate(..., raincheck_chunk_schedule=...)`` (internal, for tests: a chunk schedule that
+    `generation.ChunkScheduler` replays): one prompt, a list of per-forward padded chunk sizes, forward 0 (the
+    prefill) 0, none above the config's largest chunk, and none at all in a mode that restores nothing during
+    decoding."""
+    if schedule is None:
+        return
+    if batch != 1:
+        raise ValueError(f"generate(raincheck_chunk_schedule=...) replays one sequence's chunk sizes; got a batch of "
+                         f"{batch} prompts. Run each row alone with its row's trace.chunk_size_per_forward.")
+    sizes = list(schedule) if isinstance(schedule, (list, tuple)) else None
+    limit = config.max_chunk_size if config.restores_during_decode else 0
+    if (sizes is None or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= limit for c in sizes)
+            or (sizes and sizes[0] != 0)):
+        raise ValueError(f"generate(raincheck_chunk_schedule={schedule!r}) must be a list of per-forward chunk sizes "
+                         f"(a trace's chunk_size_per_forward): integers from 0 to {limit} (mode={config.mode!r}, "
+                         f"chunk_size={config.chunk_size!r}), 0 for forward 0 (the prefill).")
+
+
 def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     """Everything that can be checked before any compute. Returns the kwargs to pass on to HF."""
     adapter = get_adapter(model)
@@ -201,6 +220,7 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError("generate(raincheck=...) needs input_ids of shape [batch, length] (as the processor returns).")
+    _check_chunk_schedule(config, kwargs.get("raincheck_chunk_schedule"), input_ids.shape[0])
     attention_mask = kwargs.get("attention_mask")
     if input_ids.shape[0] != 1:  # a batch of prompts: the batched engine's own checks
         validate_batch(model, config, input_ids, kwargs)

@@ -95,10 +95,10 @@ def replayed_chunk_sizes():
     replays it: ``_SCHEDULE.sizes`` a list per turn of per-forward sizes, ``_SCHEDULE.turn`` the current turn."""
     original = ChunkScheduler.chunk_size
 
-    def chunk_size(self, adapter, cache, forward_index: int) -> int:
+    def chunk_size(self, adapter, cache, forward_index: int, cap=None) -> int:
         sizes = getattr(_SCHEDULE, "sizes", None)
         if sizes is None or not self.config.auto_chunk:
-            return original(self, adapter, cache, forward_index)
+            return original(self, adapter, cache, forward_index, cap)
         turn = sizes[_SCHEDULE.turn]
         return turn[forward_index] if forward_index < len(turn) else 0
 

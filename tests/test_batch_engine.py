@@ -1,7 +1,10 @@
 """`batch_engine.BatchEngine` (continuous batching on the slot pool `kv_pool.SlotKVPool`), eager engine, CPU.
 
-The reference for every sequence is the same sequence run alone through batch-1 ``generate`` (greedy): identical
-tokens, logits within 1e-4 (fp32), and the cache `BatchEngine.remove` returns equal to the call's own cache.
+The reference for every sequence is the same sequence run alone through batch-1 ``generate`` (greedy) under the
+same chunk schedule (`test_batched.alone_schedule`: where the engine shares a chunk budget, the reference replays the
+chunk sizes the sequence's trace recorded; without sharing it decides them itself and the traces must agree):
+identical tokens, logits within 1e-4 (fp32), and the cache `BatchEngine.remove` returns equal to the call's own
+cache.
 Sequences join at random steps (fresh prompts with images or videos, or the next turn of a held conversation),
 prompts are prefilled in pieces under random token budgets, and slots are reused.
 """
@@ -9,6 +12,7 @@ prompts are prefilled in pieces under random token budgets, and slots are reused
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -16,28 +20,35 @@ import torch
 
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
+from raincheck_hf.configuration import CHUNK_LADDER
 from raincheck_hf.kv_pool import MAX_KEY, SlotKVPool
+from raincheck_hf.tiny import draw_test_image
 
 from conftest import make_inputs, no_placeholder_ids
 from families import family_model, family_processor, family_params
-from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal,
-                          random_row)
+from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, alone_schedule, assert_cache_equal,
+                          assert_trace_equal, random_row)
 
 TOL = 1e-4
 MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 FOLLOW = "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _alone(model, inputs, cfg, n, cache=None):
+def _alone(model, inputs, cfg, n, cache=None, schedule=None):
     return model.generate(**inputs, max_new_tokens=n, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
-                          output_logits=True, suppress_tokens=no_placeholder_ids(model), cache=cache)
+                          output_logits=True, suppress_tokens=no_placeholder_ids(model), cache=cache,
+                          raincheck_chunk_schedule=schedule)
 
 
 class Request:
-    """One sequence of a schedule: what it adds to the engine, and its reference (its batch-1 call)."""
+    """One sequence of a schedule: what it adds to the engine, and its reference (its batch-1 call, `reference`,
+    made once the sequence ran: it replays the sequence's chunk schedule)."""
 
     def __init__(self, model, processor, cfg, row: dict, n: int, arrive: int, follow_up: bool = False):
+        self.model, self.cfg, self.n = model, cfg, n
         self.arrive, self.held = arrive, None
+        eos = model.generation_config.eos_token_id
+        self.eos = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1)}
         inputs = make_inputs(processor, **row)
         if follow_up:  # a held conversation: its first turn ran alone, the engine runs the next one
             first = _alone(model, inputs, cfg, 2)
@@ -46,21 +57,31 @@ class Request:
             follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"].to(first.sequences.device)
             inputs = {"input_ids": torch.cat([first.sequences, follow], dim=1)}
         self.ids = inputs["input_ids"][0]
+        self.inputs = inputs
         self.media = {k: v for k, v in inputs.items() if k in MEDIA}
-        self.want = _alone(model, inputs, cfg, n, cache=copy.deepcopy(self.held))
-        self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
+        self.want = self.want_tokens = None
         self.tokens, self.logits, self.cache, self.seq = [], [], None, None
 
     def take(self, logits: torch.Tensor, suppressed: torch.Tensor) -> bool:
         """Record a step's logits and take its greedy token (``suppressed`` ids excluded, as in the reference);
-        True once it has as many tokens as its reference."""
+        True once it has its ``n`` tokens or took an EOS (where its reference's stopping criteria end it too)."""
         self.logits.append(logits)
         masked = logits.clone()
         masked[suppressed] = -float("inf")
         self.tokens.append(masked.argmax())
-        return len(self.tokens) == self.want_tokens.numel()
+        return len(self.tokens) == self.n or int(self.tokens[-1]) in self.eos
+
+    def reference(self):
+        """Its own batch-1 call, once the engine ran it (made once): under its chunk schedule
+        (`test_batched.alone_schedule` of its trace), from a copy of the held conversation it continues."""
+        if self.want is None:
+            self.want = _alone(self.model, self.inputs, self.cfg, self.n, cache=copy.deepcopy(self.held),
+                               schedule=alone_schedule(self.cfg, self.seq.trace))
+            self.want_tokens = self.want.sequences[0, self.ids.shape[0]:]
+        return self.want
 
     def check(self, what: str):
+        self.reference()
         got = torch.stack(self.tokens)
         assert torch.equal(got, self.want_tokens), f"{what}: tokens {got.tolist()} != {self.want_tokens.tolist()}"
         for step, (a, b) in enumerate(zip(self.logits, self.want.logits)):
@@ -101,8 +122,9 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
 def draw_case(rng: random.Random, model, processor, longest: int = 6,
               most: int = 5) -> tuple[RaincheckConfig, list[Request], int | None]:
     """One random case of the batch engine's fuzzes (here, tests/test_batched_graphs.py and on CUDA in
-    tests/test_gpu.py): the config (mode, retention, chunk size, guard, selector), two to ``most`` requests (prompt,
-    answer length 2 to ``longest``, arrival step, held or not) and the engine's token budget."""
+    tests/test_gpu.py): the config (mode, retention, chunk size, guard, selector, shared chunk budget or none), two
+    to ``most`` requests (prompt, answer length 2 to ``longest``, arrival step, held or not) and the engine's token
+    budget."""
     cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "hard", "full", "post_answer")),
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
                           decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
@@ -110,7 +132,42 @@ def draw_case(rng: random.Random, model, processor, longest: int = 6,
     requests = [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
                         n=rng.randint(2, longest), arrive=rng.randint(0, 5), follow_up=rng.random() < 0.3)
                 for _ in range(rng.randint(2, most))]
-    return cfg, requests, rng.choice([None, 5, 9, 16, 33])
+    budget = rng.choice([None, 5, 9, 16, 33])
+    # drawn last, so that the rest of a seed's case stays what it was before this setting (the requests share cfg)
+    cfg.batch_chunk_rows = rng.choice([None, 64, 8])
+    return cfg, requests, budget
+
+
+def draw_shared_case(rng: random.Random, model, processor, longest: int = 6,
+                     most: int = 5) -> tuple[RaincheckConfig, list[Request], int | None]:
+    """One random case of the shared chunk budget's fuzzes (here, tests/test_batched_graphs.py and on CUDA in
+    tests/test_gpu.py): chunks of 15 to 63 rows under a ``batch_chunk_rows`` of 8 to 24, so that two sequences
+    carrying chunks at once are always cut; two image prompts join at step 0 (they decode, and carry chunks,
+    together), then up to ``most - 2`` random ones (held or not) at random steps; no token budget (both prompts run
+    in the first step)."""
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial")), retention=rng.choice([0.0, 0.1, 0.2]),
+                          chunk_size=rng.choice([15, 20, 31, 63]), decode_guard=rng.randint(0, 1),
+                          selector=rng.choice(("mmtok", "uniform", "divprune")),
+                          batch_chunk_rows=rng.choice([8, 12, 16, 24]), fast_path=False)
+
+    def image():
+        side = lambda: rng.choice([96, 128, 160])  # noqa: E731
+        return dict(images=(draw_test_image(side(), side(), seed=rng.randrange(100)),), text="What is in this image?")
+
+    requests = [Request(model, processor, cfg, image(), n=rng.randint(3, longest), arrive=0) for _ in range(2)]
+    requests += [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
+                         n=rng.randint(2, longest), arrive=rng.randint(0, 3), follow_up=rng.random() < 0.3)
+                 for _ in range(rng.randint(0, most - 2))]
+    return cfg, requests, None
+
+
+def assert_some_chunks_cut(cfg: RaincheckConfig, requests: list[Request], what: str) -> None:
+    """Some driven request's chunk sizes differ from those of its own call deciding them itself (no replay)."""
+    differ = []
+    for r in requests:
+        free = _alone(r.model, r.inputs, cfg, r.n, cache=copy.deepcopy(r.held))
+        differ.append(r.seq.trace.chunk_size_per_forward != free.raincheck.chunk_size_per_forward)
+    assert any(differ), f"{what}: the shared budget cut no chunk"
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -127,6 +184,76 @@ def test_fuzz_sequences_match_alone(seed):
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
     assert engine.sequences == [] and engine.pool.num_slots - len(engine.pool._free) == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_shared_chunk_budget_sequences_match_alone_under_their_schedule(seed):
+    """Random cases where the shared chunk budget cuts chunks (`draw_shared_case`), on every family: some sequence's
+    chunk sizes differ from its own call's, and each sequence equals its own call replaying its schedule (tokens,
+    logits 1e-4, cache, trace)."""
+    rng = random.Random(3000 + seed)
+    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw_shared_case(rng, model, processor)
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
+
+
+# (sequences carrying a chunk, budget, chunk size) -> the cap (None: none); CHUNK_LADDER = (7, 15, 31, 63)
+CAP_CASES = [
+    (0, 64, 31, None), (1, 64, 31, None), (1, 1, 63, None),  # a lone sequence: what it gets alone
+    (8, None, 31, None), (32, None, 63, None),  # no sharing
+    (2, 64, 31, None), (3, 93, 31, None),  # its full chunks fit
+    (3, 64, 31, 15), (4, 64, 31, 15), (5, 64, 31, 7), (8, 64, 31, 7), (9, 64, 31, 7), (32, 64, 31, 7),  # 7 at least
+    (2, 64, 63, 31), (4, 64, 63, 15), (8, 64, 63, 7), (2, 125, 63, 31), (2, 126, 63, None),
+    (4, 64, 20, 15), (3, 64, 20, None), (7, 64, 20, 7), (2, 1, 31, 7),  # a size off the ladder is cut onto it
+    (8, 64, 5, None), (8, 8, 7, None), (2, 8, 8, 7),  # at or below the ladder's smallest: never cut
+]
+
+
+@pytest.mark.parametrize("carrying,budget,chunk,cap", CAP_CASES)
+def test_shared_chunk_cap(carrying, budget, chunk, cap):
+    from raincheck_hf.generation import shared_chunk_cap
+
+    assert shared_chunk_cap(carrying, budget, chunk) == cap
+    if cap is not None:
+        assert cap < chunk and cap in CHUNK_LADDER
+        assert carrying * cap <= budget or cap == min(CHUNK_LADDER)
+
+
+def test_chunk_scheduler_applies_a_cap_and_replays_a_schedule(monkeypatch):
+    """`ChunkScheduler.chunk_size` with a cap: a fixed size cut to it (not below the guard, not with nothing pending),
+    ``"auto"`` choosing among the ladder sizes up to it (here from injected costs under which it takes 63 uncapped),
+    ``serial`` the same; no cap: unchanged. With ``schedule`` it replays the given sizes (a forward past its end or
+    with nothing pending: none), whatever the cap, and `may_carry_chunk` follows the replay."""
+    from raincheck_hf.generation import ChunkScheduler, StepCosts
+
+    class Pending:
+        def __init__(self, n):
+            self.num_pending = n
+
+    for mode in ("raincheck", "serial"):
+        fixed = ChunkScheduler(RaincheckConfig(chunk_size=31, decode_guard=2, mode=mode))
+        assert [fixed.chunk_size(None, Pending(40), i) for i in (1, 2, 3)] == [0, 31, 31]
+        assert [fixed.chunk_size(None, Pending(40), i, cap=7) for i in (1, 2, 3)] == [0, 7, 7]
+        assert fixed.chunk_size(None, Pending(40), 2, cap=63) == 31
+        assert fixed.chunk_size(None, Pending(0), 2, cap=7) == 0
+        assert not fixed.may_carry_chunk(Pending(40), 1) and fixed.may_carry_chunk(Pending(40), 2)
+    assert ChunkScheduler(RaincheckConfig(chunk_size=31, mode="post_answer")).chunk_size(None, Pending(40), 3, 7) == 0
+    ms = 1e-3  # a step costs little more with a larger chunk: the slack pays for 63 at once
+    costs = StepCosts(10 * ms, {7: 10.1 * ms, 15: 10.1 * ms, 31: 10.1 * ms, 63: 10.1 * ms})
+    monkeypatch.setattr(ChunkScheduler, "step_costs", lambda self, adapter, cache: costs)
+    auto = RaincheckConfig(chunk_size="auto", decode_guard=1, tpot_slack=0.5)
+    assert ChunkScheduler(auto).chunk_size(None, Pending(500), 1) == 63
+    for cap in (7, 15, 31):
+        assert ChunkScheduler(auto).chunk_size(None, Pending(500), 1, cap=cap) == cap
+    replay = ChunkScheduler(RaincheckConfig(chunk_size=31), schedule=[0, 7, 0, 15])
+    assert [replay.chunk_size(None, Pending(40), i, cap=7) for i in (1, 2, 3, 4, 5)] == [7, 0, 15, 0, 0]
+    assert replay.chunk_size(None, Pending(0), 3) == 0
+    assert [replay.may_carry_chunk(Pending(40), i) for i in (1, 2, 3, 4)] == [True, False, True, False]
 
 
 @pytest.mark.parametrize("name", family_params(ALL_FAMILIES))
@@ -256,3 +383,196 @@ def test_bad_input():
         engine.feed(seq, 1)
     assert engine.remove(seq) is None  # left before its prompt ran: nothing to continue
     assert engine.sequences == []
+
+
+# ---- restoring sequences: held conversations restored in the spare budget of busy steps -------------------
+
+def _held(model, processor, cfg, row):
+    """A conversation's first turn run alone, too short for any chunk: ``(its cache, the follow-up's inputs)``."""
+    inputs = make_inputs(processor, **row)
+    first = _alone(model, inputs, cfg, 2)
+    follow = processor(text=[FOLLOW], return_tensors="pt")["input_ids"].to(first.sequences.device)
+    return first.cache, {"input_ids": torch.cat([first.sequences, follow], dim=1)}
+
+
+def _idle_restored(model, cache, cfg, rows: int | None = None):
+    """``cache`` (a copy) after `Conversation`'s idle-time restoration: its idle chunks, one forward each (``rows``:
+    only the first that many pending rows, in one forward, as a restoration cut short leaves them)."""
+    from raincheck_hf.generation import restore_pending
+
+    cache = copy.deepcopy(cache)
+    if rows is not None:
+        restore_pending(model, cache, max_tokens=rows)
+        return cache
+    while cache.num_pending:
+        restore_pending(model, cache, max_tokens=cfg.idle_chunk_size)
+    return cache
+
+
+def _assert_same_follow_up(model, inputs, cfg, got_cache, want_cache, what: str):
+    """The follow-up from each cache: the same tokens, logits within TOL."""
+    got = _alone(model, inputs, cfg, 4, cache=got_cache)
+    want = _alone(model, inputs, cfg, 4, cache=want_cache)
+    assert torch.equal(got.sequences, want.sequences), f"{what}: follow-up tokens differ"
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL, f"{what} follow-up step {step}: max abs logit diff {diff:.2e}"
+
+
+def _drive_with_restoring(engine, decoding: list[Request], restoring: list, suppressed, on_step=None):
+    """Step while the ``decoding`` requests answer (each joined at step 0): every step, each fed sequence's token
+    must run (its logits come back), and a restoring sequence whose rows are all restored leaves with its cache.
+    ``on_step(step)`` after each step. Returns ``{restoring state: its cache}`` and the rows each step restored."""
+    active = {}
+    for r in decoding:
+        r.seq = engine.add(r.ids, **r.media)
+        active[r.seq] = r
+    left, per_step, step = {}, [], 0
+    while active:
+        fed = [s for s in active if s.token is not None]
+        before = {s: s.num_pending for s in restoring if s in engine.sequences}
+        logits = engine.step()
+        assert all(s in logits for s in fed), "a decode row was left out of a step"
+        per_step.append(sum(n - s.num_pending for s, n in before.items()))
+        for seq, row in logits.items():
+            r = active[seq]
+            if r.take(row, suppressed):
+                r.cache = engine.remove(seq)
+                del active[seq]
+            else:
+                engine.feed(seq, r.tokens[-1])
+        for s in restoring:
+            if s in engine.sequences and s.num_pending == 0:
+                left[s] = engine.remove(s)
+        step += 1
+        if on_step is not None:
+            on_step(step)
+        assert step < 500, "the schedule does not finish"
+    return left, per_step
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_restoring_sequence_equals_idle_restoration(name, budget):
+    """Two held conversations restore while two sequences answer: each step's restoring pieces come only from what
+    the budget leaves after the decode rows and chunks (budget None: at most an idle chunk each), no decode row is
+    ever left out, and the answers equal their own calls. Each restored cache equals `Conversation`'s idle-time
+    restoration of the same held cache, and the follow-up from it answers identically."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    held = [_held(model, processor, cfg, row) for row in (TWO_IMAGES, IMAGE)]
+    assert all(cache.num_pending > 2 * cfg.chunk_size for cache, _ in held)
+    answers = [Request(model, processor, cfg, IMAGE, n=12, arrive=0), Request(model, processor, cfg, TEXT, n=10,
+                                                                              arrive=0)]
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=2)
+    states = [engine.restore(cache) for cache, _ in held]
+    assert all(s.max_rows == cfg.idle_chunk_size for s in states)
+    rows, entries = [], []
+    schedule = engine.scheduler.schedule
+
+    def watched(adapter, sequences):  # each forward's rows per kind of sequence
+        forwards = schedule(adapter, sequences)
+        entries.append(forwards)
+        rows.append(sum(len(g) for f in forwards for _, g in f))
+        return forwards
+
+    engine.scheduler.schedule = watched
+    got, _ = _drive_with_restoring(engine, answers, states, torch.tensor(no_placeholder_ids(model)))
+    for r, what in zip(answers, ("image answer", "text answer")):
+        r.check(f"{name} {what} beside restoring sequences")
+    for forwards in entries:
+        pieces = [len(g) for f in forwards for s, g in f if s in states]
+        assert all(p <= cfg.idle_chunk_size for p in pieces)
+        if budget is not None:  # restoring rows only in what decode rows and chunks left
+            others = sum(len(g) for f in forwards for s, g in f if s not in states)
+            assert not pieces or others + sum(pieces) <= budget
+    assert sum(1 for f in entries if any(s in states for fw in f for s, _ in fw)) >= 2
+    assert set(got) == set(states) and engine.sequences == []
+    for k, (state, (cache, follow)) in enumerate(zip(states, held)):
+        assert cache.num_pending > 0  # the held cache itself is left as it was
+        want = _idle_restored(model, cache, cfg)
+        assert want.num_pending == 0
+        assert torch.equal(torch.cat(state.restored), cache.pending_sources)
+        assert_cache_equal(got[state], want)
+        _assert_same_follow_up(model, follow, cfg, got[state], want, f"{name} held conversation {k}")
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_restoring_sequence_taken_back_for_a_follow_up(name):
+    """A follow-up arrives while its conversation restores: the restoring sequence leaves part way (its cache: the
+    held one with the rows restored so far), and the follow-up joins the same engine with that cache and its
+    leftover rows ahead of it; it answers as the batch-1 follow-up from the same rows restored alone does."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=1, fast_path=False)
+    cache, follow = _held(model, processor, cfg, TWO_IMAGES)
+    other = Request(model, processor, cfg, IMAGE, n=10, arrive=0)
+    engine = BatchEngine(model, cfg, token_budget=5)
+    state = engine.restore(cache, max_rows=3)
+    taken = {}
+
+    def follow_up(step):  # once it has restored a piece or two (its prompt's prefill first fills the budget)
+        if state in engine.sequences and len(state.restored) == 2:
+            assert 0 < state.num_pending < cache.num_pending  # part way
+            taken["cache"] = engine.remove(state)
+
+    _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)), on_step=follow_up)
+    other.check(f"{name} answer beside a restoring sequence")
+    partial = taken["cache"]
+    restored = cache.num_pending - partial.num_pending
+    want = _idle_restored(model, cache, cfg, rows=restored)
+    assert_cache_equal(partial, want)
+    # the follow-up in the engine, from the taken-back cache, against the batch-1 follow-up from the reference
+    held = Request.__new__(Request)
+    held.arrive, held.held = 0, partial
+    held.held_was = (repr(partial), partial.row_keys.clone(), partial.pending_sources.clone())
+    held.ids, held.media = follow["input_ids"][0], {}
+    held.want = _alone(model, follow, cfg, 4, cache=copy.deepcopy(want))
+    held.want_tokens = held.want.sequences[0, held.ids.shape[0]:]
+    held.tokens, held.logits, held.cache, held.seq = [], [], None, None
+    drive(model, engine, [held])
+    held.check(f"{name} follow-up after a restoration cut short")
+
+
+def test_restore_bad_input():
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.2, chunk_size=3, fast_path=False)
+    engine = BatchEngine(model, cfg)
+    cache, _ = _held(model, processor, cfg, IMAGE)
+    with pytest.raises(ValueError, match="DeferredDynamicCache"):
+        engine.restore(object())
+    for rows in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_rows must be an int >= 1"):
+            engine.restore(cache, max_rows=rows)
+    done = _idle_restored(model, cache, cfg)
+    with pytest.raises(ValueError, match="no pending deferred rows"):
+        engine.restore(done)
+    state = engine.restore(cache)
+    with pytest.raises(ValueError, match="restoring only"):
+        engine.feed(state, 1)
+    assert engine.idle  # a restoring sequence alone is no work of an answer
+    engine.discard(state)
+    assert engine.sequences == []
+
+
+def test_restoring_rides_only_in_eager_steps_with_captured_decode_steps():
+    """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
+    piece never turns a decode-only step into an eager one: it rides in the step that carries a prompt piece, and in
+    steps without any decode row; the restored cache still equals idle-time restoration's."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    eager = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    cfg = dataclasses.replace(eager, fast_path=True)
+    cache, follow = _held(model, processor, eager, TWO_IMAGES)  # (a held cache as the batching server holds them)
+    other = Request(model, processor, eager, TEXT, n=6, arrive=0)  # its reference: the eager batch-1 call
+    engine = BatchEngine(model, cfg, num_slots=2)
+    assert engine.graphs is not None and not engine.scheduler.restore_beside_decode
+    state = engine.restore(cache)
+    _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
+    other.check("answer on captured decode steps beside a restoring sequence")
+    assert per_step[0] == cfg.idle_chunk_size and not any(per_step[1:])  # only beside the prompt's prefill
+    while state.num_pending:  # nothing else left: every step is eager
+        assert engine.step() == {}
+    got = engine.remove(state)
+    engine.close()
+    want = _idle_restored(model, cache, eager)
+    assert_cache_equal(got, want)
+    _assert_same_follow_up(model, follow, eager, got, want, "restored beside captured decode steps")

@@ -1,12 +1,15 @@
 """`generate(raincheck=...)` with a batch of left-padded prompts (`raincheck_hf.batched`), on the eager engine.
 
 The reference for each row is the same call on that row alone, unpadded (itself checked against the masked
-reference forward in test_generation.py / test_families.py): identical tokens, logits within 1e-4 (fp32, CPU),
-the same trace and the same cache.
+reference forward in test_generation.py / test_families.py), under the same chunk schedule: where the batch shares
+a chunk budget (``RaincheckConfig.batch_chunk_rows``, which may cut a row's chunks), the row alone replays the
+chunk sizes its batched trace recorded (`alone_schedule`); without sharing it decides them itself and the traces
+must agree. Identical tokens, logits within 1e-4 (fp32, CPU), the same trace and the same cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -54,6 +57,13 @@ def batched_inputs(processor, rows):
 def run(model, inputs, cfg, n, **kw):
     return model.generate(**inputs, max_new_tokens=n, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
                           output_logits=True, **kw)
+
+
+def alone_schedule(cfg: RaincheckConfig, trace) -> list[int] | None:
+    """The chunk schedule a batched sequence's own batch-1 call replays (``generate(raincheck_chunk_schedule=...)``):
+    its trace's chunk sizes when the batch shares a chunk budget (they may be cut), else None: the call decides them
+    itself, and with sharing off they must be the batched ones (the caller compares the traces)."""
+    return None if cfg.batch_chunk_rows is None else list(trace.chunk_size_per_forward)
 
 
 def assert_trace_equal(got, want):
@@ -112,7 +122,8 @@ def assert_cache_equal(got: DeferredDynamicCache, want: DeferredDynamicCache):
 
 
 def assert_rows_match_alone(model, processor, rows, cfg, n=8, **kw):
-    """The batched call against each row's own call: tokens, logits, trace, cache. Returns the batched output."""
+    """The batched call against each row's own call under the row's chunk schedule (`alone_schedule`): tokens,
+    logits, trace, cache. Returns the batched output."""
     inputs = batched_inputs(processor, rows)
     length = inputs["input_ids"].shape[1]
     out = run(model, inputs, cfg, n, **kw)
@@ -123,7 +134,7 @@ def assert_rows_match_alone(model, processor, rows, cfg, n=8, **kw):
         alone_inputs = make_inputs(processor, **row)
         padding = int((inputs["attention_mask"][i] == 0).sum())
         assert torch.equal(inputs["input_ids"][i, padding:], alone_inputs["input_ids"][0])
-        alone = run(model, alone_inputs, cfg, n, **kw)
+        alone = run(model, alone_inputs, cfg, n, raincheck_chunk_schedule=alone_schedule(cfg, out.raincheck[i]), **kw)
         tokens = alone.sequences[0, alone_inputs["input_ids"].shape[1]:]
         got = out.sequences[i, length:]
         assert torch.equal(got[:tokens.numel()], tokens), f"row {i}"
@@ -156,6 +167,39 @@ def test_rows_match_alone(name, mode):
         assert len(set(deferred)) > 2 and deferred[1] == 0
     if mode in ("raincheck", "serial"):
         assert out.raincheck[0].restored_during_decode > 0
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "serial"])
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_shared_chunk_budget(name, mode):
+    """Four image prompts, ``chunk_size=31``, ``batch_chunk_rows=32``: each step's chunks are cut to the share that
+    `generation.shared_chunk_cap` gives the sequences carrying one (7 rows each for three or four of them, 15 for
+    two, a lone one its full 31), so a step's chunk rows stay within the budget, and each row equals itself alone
+    under its schedule. With sharing off (None) every row carries its full chunk and equals its own call without
+    any replay (its schedule is its own), and the shared schedules differ from those."""
+    from raincheck_hf.generation import shared_chunk_cap
+
+    model, processor = family_model(name), family_processor(name)
+    rows = [BIG_IMAGE, TWO_IMAGES, IMAGE, BIG_IMAGE]
+    shared = RaincheckConfig(mode=mode, retention=0.1, chunk_size=31, decode_guard=1, batch_chunk_rows=32,
+                             fast_path=False)
+    out = assert_rows_match_alone(model, processor, rows, shared, n=8)
+    traces = out.raincheck
+    cut = set()
+    for f in range(1, max(len(t.chunk_size_per_forward) for t in traces)):
+        sizes = [t.chunk_size_per_forward[f] for t in traces if len(t.chunk_size_per_forward) > f]
+        carrying = sum(1 for c in sizes if c)
+        share = shared_chunk_cap(carrying, 32, 31) or 31
+        assert all(c in (0, share) for c in sizes), (f, sizes)
+        if carrying > 1:
+            assert carrying * share <= 32, (f, sizes)
+            cut.add(share)
+        restored = sum(t.restored_per_forward[f].numel() for t in traces if len(t.restored_per_forward) > f)
+        assert restored <= max(32, share)
+    assert cut == {7, 15}  # four, then two sequences carrying chunks at once
+    off = assert_rows_match_alone(model, processor, rows, dataclasses.replace(shared, batch_chunk_rows=None), n=8)
+    assert all(c in (0, 31) for t in off.raincheck for c in t.chunk_size_per_forward)
+    assert any(a.chunk_size_per_forward != b.chunk_size_per_forward for a, b in zip(traces, off.raincheck))
 
 
 @pytest.mark.parametrize("order", ["relevance", "attention"])
@@ -365,6 +409,24 @@ def test_refusals():
     broken = dict(inputs)
     broken["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], inputs["image_grid_thw"]])
     _refused(model, broken, r"image_grid_thw", raincheck=True)
+
+
+def test_chunk_schedule_refusals():
+    """``generate(raincheck_chunk_schedule=...)`` (the replay the batched tests use) is checked before any compute:
+    one prompt only, a list of sizes from 0 to the config's largest chunk, 0 for the prefill, none where the mode
+    restores nothing during decoding."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    one = make_inputs(processor, **IMAGE)
+    cfg = RaincheckConfig(chunk_size=15)
+    _refused(model, batched_inputs(processor, [IMAGE, TEXT]), r"replays one sequence's chunk sizes; got a batch of 2",
+             raincheck=cfg, raincheck_chunk_schedule=[0, 7])
+    for bad in ([0, -1], [0, 16], [7, 7], (0, 2.0), [0, True], "0,7", 7):
+        _refused(model, one, r"raincheck_chunk_schedule=.* must be a list of per-forward chunk sizes", raincheck=cfg,
+                 raincheck_chunk_schedule=bad)
+    _refused(model, one, r"integers from 0 to 0 \(mode='full'", raincheck=RaincheckConfig(mode="full"),
+             raincheck_chunk_schedule=[0, 7])
+    _refused(model, one, r"integers from 0 to 63", raincheck=RaincheckConfig(chunk_size="auto"),
+             raincheck_chunk_schedule=[0, 64])
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------------

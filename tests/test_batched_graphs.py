@@ -19,12 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
+from raincheck_hf.configuration import CHUNK_LADDER
 from raincheck_hf.fast import batched_graphs, static_cache
 from raincheck_hf.kv_pool import MAX_KEY
 
 from families import family_model, family_params, family_processor
 from conftest import assert_same_output, no_placeholder_ids
-from test_batch_engine import Request, draw_case, drive
+from test_batch_engine import Request, assert_some_chunks_cut, draw_case, draw_shared_case, drive
 from test_batched import IMAGE, TEXT, TWO_IMAGES, VIDEO, batched_inputs, run
 
 TOL = 1e-4
@@ -101,6 +102,26 @@ def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
     pool = engine.pool
     assert engine.sequences == [] and len(pool._free) == pool.num_slots
     assert bool((pool.slot_keys == MAX_KEY).all())  # the scratch slot's keys included
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_shared_chunk_budget_on_captured_steps(seed, replay_log):
+    """The shared chunk budget's fuzz (`draw_shared_case`: chunks cut to ladder sizes) through the static-buffer
+    steps: the cut chunks' widths are among the ladder's buckets, every decode-only forward was a replay, and each
+    sequence equals its own eager batch-1 call under its schedule."""
+    rng = random.Random(8000 + seed)
+    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw_shared_case(rng, model, processor, longest=7, most=5)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _decode_forwards(engine)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
+    assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
+    allowed = {1, cfg.chunk_size + 1} | {c + 1 for c in CHUNK_LADDER}  # `width_bucket`'s sizes: nothing new
+    assert {key.width for key in replay_log} <= allowed
 
 
 def _eager_and_graphs(name, rows, cfg, n, monkeypatch=None, **patches):

@@ -248,10 +248,12 @@ def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path
 
     path = tmp_path / "attention.json"
     result = attention.run(rows=(1, 5), slots=(40,), heads=4, kv_heads=2, dim=16, layers=2, reps=2,
-                           device="cpu", json_path=str(path), log=lambda *_: None)
-    assert [(e["rows"], e["slots"]) for e in result["results"]] == [(1, 40), (5, 40)]
+                           device="cpu", json_path=str(path), log=lambda *_: None, batches=(1, 3))
+    assert [(e["batch"], e["rows"], e["slots"]) for e in result["results"]] == [(1, 1, 40), (1, 5, 40), (3, 1, 40),
+                                                                                 (3, 5, 40)]
     for e in result["results"]:
-        assert set(e["median_s"]) == {"sdpa", "few_query"} and all(t > 0 for t in e["median_s"].values())
+        assert set(e["median_s"]) == {"sdpa", "few_query", "few_query_matmul", "few_query_upcast"}
+        assert all(t > 0 for t in e["median_s"].values())
         assert e["max_abs_diff"] <= 1e-5
     assert json.loads(path.read_text())["shape"]["kv_heads"] == 2
     with pytest.raises(SystemExit):
@@ -337,15 +339,35 @@ def test_batch_benchmark_rows_ratios_and_exact_lengths(tmp_path):
     assert two["tpot_over_full"] == pytest.approx(two["tpot_s"] / rows[("full", 2)]["tpot_s"])
     assert two["tokens_per_s_over_stock"] == pytest.approx(two["tokens_per_s"] / rows[("stock", 2)]["tokens_per_s"])
     assert "tpot_over_full" not in rows[("full", 2)]
+    assert result["settings"]["batch_chunk_rows"] == 64
+
+
+def test_batch_benchmark_takes_the_shared_chunk_budget(tmp_path, monkeypatch):
+    """``--batch-chunk-rows`` reaches the raincheck / full variants' configs (``none``: no sharing) and the JSON."""
+    from raincheck_hf.bench import batch
+
+    seen = []
+    time_call = batch.time_call
+    monkeypatch.setattr(batch, "time_call", lambda model, device, inputs, kwargs: (
+        seen.append(kwargs["raincheck"].batch_chunk_rows), time_call(model, device, inputs, kwargs))[1])
+    for arg, want in (("none", None), ("8", 8)):
+        seen.clear()
+        result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck", "--answer-tokens",
+                             "2", "--reps", "1", "--device", "cpu", "--batch-chunk-rows", arg])
+        assert seen == [want, want] and result["settings"]["batch_chunk_rows"] == want
+    with pytest.raises(SystemExit):
+        batch.main(["--batch-chunk-rows", "many"])
 
 
 @pytest.mark.parametrize("kwargs, word", [({"batches": [0]}, "--batch"), ({"variants": ["fast"]}, "--variants"),
-                                          ({"answer_tokens": 1}, "--answer-tokens")])
+                                          ({"answer_tokens": 1}, "--answer-tokens"),
+                                          ({"batch_chunk_rows": 0}, "--batch-chunk-rows")])
 def test_batch_benchmark_refuses_bad_settings_before_building(kwargs, word, monkeypatch):
     from raincheck_hf.bench import batch
 
     monkeypatch.setattr(batch, "build_model", lambda *a, **k: pytest.fail("built a model"))
-    args = {"batches": [1], "variants": ["stock"], "answer_tokens": 4}
+    args = {"batches": [1], "variants": ["stock"], "answer_tokens": 4, "batch_chunk_rows": 64}
     args.update(kwargs)
     with pytest.raises(ValueError, match=word):
-        batch.run("tiny_qwen3_vl", args["batches"], args["variants"], args["answer_tokens"], device="cpu")
+        batch.run("tiny_qwen3_vl", args["batches"], args["variants"], args["answer_tokens"], device="cpu",
+                  batch_chunk_rows=args["batch_chunk_rows"])

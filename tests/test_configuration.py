@@ -34,6 +34,11 @@ from conftest import INPUT_CASES, make_inputs
         (dict(selector=torch.ones(3)), "selector as a tensor"),
         (dict(selector=3), "selector=3"),
         (dict(selector="uniform", selector_kwargs={"x": 1}), "uniform"),
+        (dict(batch_chunk_rows=0), "batch_chunk_rows=0"),
+        (dict(batch_chunk_rows=-8), "batch_chunk_rows=-8"),
+        (dict(batch_chunk_rows=2.5), "batch_chunk_rows=2.5"),
+        (dict(batch_chunk_rows=True), "batch_chunk_rows=True"),
+        (dict(batch_chunk_rows="64"), "batch_chunk_rows='64'"),
     ],
 )
 def test_invalid_config_names_the_setting(kwargs, name):
@@ -46,6 +51,23 @@ def test_defaults_follow_the_method():
     cfg = RaincheckConfig()
     assert (cfg.retention, cfg.chunk_size, cfg.decode_guard, cfg.mode, cfg.restore_order) == (
         0.3, 31, 1, "raincheck", "source")
+
+
+def test_batch_chunk_rows_is_64_by_default_and_takes_none_or_a_positive_int():
+    """The batched steps' shared chunk budget: 64 by default (8 sequences x 7 rows fit), None (no sharing) or an
+    integer >= 1 (numpy integers normalised); anything else is refused by name, on assignment too (the old value
+    stays)."""
+    import numpy as np
+
+    assert RaincheckConfig().batch_chunk_rows == 64
+    assert RaincheckConfig(batch_chunk_rows=None).batch_chunk_rows is None
+    cfg = RaincheckConfig(batch_chunk_rows=np.int64(1))
+    assert cfg.batch_chunk_rows == 1 and type(cfg.batch_chunk_rows) is int
+    for bad in (0, 1.0, "all"):
+        with pytest.raises(ValueError, match=r"RaincheckConfig\.batch_chunk_rows=.* must be None \(no sharing"):
+            cfg.batch_chunk_rows = bad
+    assert cfg.batch_chunk_rows == 1
+    assert RaincheckConfig.coerce({"batch_chunk_rows": None}).batch_chunk_rows is None
 
 
 @pytest.mark.parametrize("value", [None, True, False])

@@ -97,3 +97,97 @@ def test_fast_path_steps_use_it_and_the_eager_engine_does_not(model, processor, 
     layers = model.config.text_config.num_hidden_layers
     assert len(calls) == layers * 6  # the prefill and every decode forward, each layer
     assert 1 in calls and 5 in calls  # plain decode steps and fused [chunk of 4, token] steps
+
+
+def _batched_views(seed, batch, heads, kv_heads, rows, slots, capacity, dim=16, dtype=torch.float32, device="cpu"):
+    """A batched step's inputs as the slot pool hands them over: keys / values are views ``[:batch, :, :slots]`` of
+    larger ``[slots_total, Hkv, capacity, D]`` tensors, each sequence with its own visibility."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, rows, dim, generator=g).to(device, dtype)
+    k_pool = torch.randn(batch + 2, kv_heads, capacity, dim, generator=g).to(device, dtype)
+    v_pool = torch.randn(batch + 2, kv_heads, capacity, dim, generator=g).to(device, dtype)
+    visible = torch.rand(batch, 1, rows, slots, generator=g) < 0.6
+    visible[..., 0] = True
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    return module, q, k_pool[:batch, :, :slots], v_pool[:batch, :, :slots], visible.to(device)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_few_query_attention_of_a_batch_over_pool_views_matches_sdpa(rows):
+    module, q, k, v, mask = _batched_views(rows, 3, 8, 2, rows, slots=50, capacity=64)
+    assert not k.is_contiguous()
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=0.25)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_low_precision_reads_fall_back_to_the_upcast_form_off_cuda():
+    """On the CPU (no ``bmm`` with ``out_dtype`` there) asking for half-precision reads gives the upcast form."""
+    module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40, dtype=torch.bfloat16)
+    assert not attention.low_precision_scores(q, k)
+    assert torch.equal(attention._few_query(q, k, v, mask, 0.25, low_precision_reads=True),
+                       attention._few_query(q, k, v, mask, 0.25, low_precision_reads=False))
+
+
+def test_split_count_and_row_blocks():
+    assert attention.split_count(programs=8, slots=2112, processors=132) == 33  # 2 waves over 8 programs
+    assert attention.split_count(programs=512, slots=2112, processors=132) == 1
+    assert attention.split_count(programs=1, slots=100, processors=132) == 2  # at most one split per 64-slot tile
+    assert [attention._block_m(n) for n in (1, 4, 16, 17, 64, 128)] == [16, 16, 16, 32, 64, 64]
+
+
+TRITON_SCRIPT = r"""
+import json, sys, torch
+from types import SimpleNamespace
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from raincheck_hf.fast import attention
+out = {}
+for b, hq, hkv, rows, slots, cap, d, bcast in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(b * 1000 + rows * 10 + slots)
+    q = torch.randn(b, hq, rows, d, generator=g)
+    k = torch.randn(b + 1, hkv, cap, d, generator=g)[:b, :, :slots]  # pool views, as the batched steps read
+    v = torch.randn(b + 1, hkv, cap, d, generator=g)[:b, :, :slots]
+    visible = torch.rand(1 if bcast else b, 1, rows, slots, generator=g) < 0.5
+    visible[..., 0] = True
+    visible[..., 0, 70:] = False  # a row that sees nothing in the later splits
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    usable = attention.triton_usable(q, k, v, visible)
+    got = attention._few_query_triton(q, k, v, visible, 0.3)
+    want, _ = sdpa_attention_forward(module, q, k, v, visible, scaling=0.3)
+    routed, _ = attention.few_query_attention(module, q, k, v, visible, scaling=0.3)
+    out[str([b, hq, hkv, rows, slots])] = {"usable": usable, "err": (got - want).abs().max().item(),
+                                           "routed": torch.equal(routed, got), "shape": list(got.shape)}
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_matches_sdpa_in_the_interpreter():
+    """The Triton kernel (`fast._triton_attention`) in Triton's interpreter on CPU (fp32, IEEE products): decode
+    and chunk-sized row counts, GQA groups of 1 to 4, several row blocks (4 x 20 = 80 rows), several slot splits
+    (a row that sees nothing in some), a mask shared by the batch, key / value views of a larger pool; within 1e-5
+    of stock SDPA, and `few_query_attention` routes to it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    cases = [(1, 4, 2, 1, 97, 128, 16, False), (3, 8, 2, 5, 150, 160, 32, False), (2, 8, 2, 20, 200, 256, 16, True),
+             (2, 4, 4, 1, 33, 40, 16, False), (1, 8, 2, 32, 130, 130, 64, False)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    for name, r in results.items():
+        assert r["usable"] and r["routed"] and r["err"] <= 1e-5, (name, r)
+
+
+def test_the_triton_kernel_is_not_used_on_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)
+    assert not attention.triton_usable(q, k, v, mask)

@@ -257,6 +257,37 @@ def test_cuda_generate_replays_the_tower_on_a_repeated_image(cuda_model, process
             assert (a - b).abs().max().item() <= 1e-3
 
 
+# ---- few-query attention reading bf16 keys as they are (fast/attention.py) ----
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 32), (8, 1), (8, 32)])
+def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch, rows):
+    """On CUDA in bf16 the few-query attention runs the Triton kernel (`fast._triton_attention`); its matmul form
+    reads the bf16 keys with one ``bmm`` with float32 output (no float32 copy of the keys). Both within bf16
+    rounding of the upcast form (the same products, summed in another order) and of stock SDPA, on pool views of a
+    batch, each sequence with its own visibility; in fp32 the kernel (IEEE products) within 1e-5 of the form."""
+    from raincheck_hf.fast import attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from test_fast_attention import _batched_views
+
+    module, q, k, v, mask = _batched_views(batch * 100 + rows, batch, 32, 8, rows, slots=1500, capacity=2112,
+                                           dim=128, dtype=torch.bfloat16, device="cuda")
+    assert attention.low_precision_scores(q, k)
+    fast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=True)
+    upcast = attention._few_query(q, k, v, mask, 128 ** -0.5, low_precision_reads=False)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - upcast.float()).abs().max().item() <= 2 ** -7
+    assert (fast.float() - want).abs().max().item() <= 2e-2
+    assert attention.triton_usable(q, k, v, mask)
+    got, _ = attention.few_query_attention(module, q, k, v, mask, scaling=128 ** -0.5)  # the Triton kernel on CUDA
+    assert torch.equal(got, attention._few_query_triton(q, k, v, mask, 128 ** -0.5))
+    assert (got.float() - upcast.float()).abs().max().item() <= 2 ** -7
+    assert (got.float() - want).abs().max().item() <= 2e-2
+    fp32 = [t.float() for t in (q, k, v)]  # fp32 inputs: IEEE products, as the fp32 tiny models' steps run them
+    want32 = attention._few_query(*fp32, mask, 128 ** -0.5)
+    assert (attention._few_query_triton(*fp32, mask, 128 ** -0.5) - want32).abs().max().item() <= 1e-5
+
+
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----
 
 GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)
@@ -866,10 +897,12 @@ def test_cuda_serve_soak_64_clients():
 # ---- the batched engine (batch_engine.BatchEngine on kv_pool.SlotKVPool) on CUDA (issue 29) ----
 
 def _assert_cuda_sequences_equal_alone(case: str, requests) -> None:
-    """Each driven request (test_batch_engine.Request) against its own batch-1 call: tokens identical, logits within
-    1e-3 + 1e-3 of the step's largest logit, its cache's rows, keys and pending rows equal."""
+    """Each driven request (test_batch_engine.Request) against its own batch-1 call under its chunk schedule
+    (`Request.reference`): tokens identical, logits within 1e-3 + 1e-3 of the step's largest logit, its cache's rows,
+    keys and pending rows equal."""
     for i, r in enumerate(requests):
         what = f"{case} sequence {i}"
+        r.reference()
         got = torch.stack(r.tokens).cpu()
         assert torch.equal(got, r.want_tokens.cpu()), f"{what}: tokens {got.tolist()} != {r.want_tokens.tolist()}"
         for step, (a, b) in enumerate(zip(r.logits, r.want.logits)):
@@ -880,11 +913,12 @@ def _assert_cuda_sequences_equal_alone(case: str, requests) -> None:
         assert torch.equal(r.cache.pending_sources, r.want.cache.pending_sources), what
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, monkeypatch):
-    """The CPU fuzz of tests/test_batch_engine.py on CUDA (fp32 tiny models of every family): random join schedules,
-    prompts, modes, chunk sizes, token budgets and held conversations; each sequence's tokens identical to its own
-    batch-1 call, logits within 1e-3 + 1e-3 of the step's largest logit (fla's chunk kernels compute in TF32 on
+@pytest.mark.parametrize("seed,shared", [(s, False) for s in range(10)] + [(s, True) for s in range(5)])
+def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, shared, monkeypatch):
+    """The CPU fuzzes of tests/test_batch_engine.py on CUDA (fp32 tiny models of every family): random join
+    schedules, prompts, modes, chunk sizes, token budgets and held conversations (``shared``: cases where the shared
+    chunk budget cuts chunks, `draw_shared_case`); each sequence's tokens identical to its own batch-1 call under its
+    chunk schedule, logits within 1e-3 + 1e-3 of the step's largest logit (fla's chunk kernels compute in TF32 on
     CUDA, over pieces aligned differently when a prompt is split), and its cache's rows, keys and pending rows
     equal."""
     import random
@@ -894,13 +928,15 @@ def test_cuda_batch_engine_sequences_equal_themselves_alone(seed, monkeypatch):
     from test_batched import ALL_FAMILIES
 
     monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
-    rng = random.Random(5000 + seed)
+    rng = random.Random((6000 if shared else 5000) + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = _cuda_family_model(name), family_processor(name)
-    cfg, requests, budget = tbe.draw_case(rng, model, processor)
+    cfg, requests, budget = (tbe.draw_shared_case if shared else tbe.draw_case)(rng, model, processor)
     engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
     tbe.drive(model, engine, requests)
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
+    if shared:
+        tbe.assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
     assert engine.sequences == []
 
 
@@ -911,9 +947,11 @@ def test_cuda_bf16_batched_generate_rows_equal_themselves_alone(name):
     step's largest logit (2 * 2**-7 relative: a bf16 logit of magnitude ~16 is stored to 0.0625, so no difference
     between two batch shapes, whose matmuls round differently, can be below one ulp unless the two computations
     are bit-identical); the measured difference is printed for the log. (Trained models: random tiny ones have
-    near-ties that bf16's different rounding in a batch of 3 flips.)"""
+    near-ties that bf16's different rounding in a batch of 3 flips.) Each row alone replays its batched chunk
+    schedule (the default shared budget cuts the three rows' 31-row chunks to 15 while all three carry one)."""
     from raincheck_hf.quality import load_bundled
     from raincheck_hf.quality.glyphs import benchmark_split
+    from test_batched import alone_schedule
 
     model, processor = load_bundled(name, device="cuda")
     model = raincheck_hf.enable(model.to(torch.bfloat16))
@@ -931,7 +969,9 @@ def test_cuda_bf16_batched_generate_rows_equal_themselves_alone(name):
     worst = 0.0
     for i in range(len(texts)):
         inputs = _cuda(dict(processor(text=[texts[i]], images=[images[i]], return_tensors="pt")))
-        alone = model.generate(**inputs, **kw)
+        alone = model.generate(**inputs, **kw,
+                               raincheck_chunk_schedule=alone_schedule(kw["raincheck"], out.raincheck[i]))
+        assert alone.raincheck.chunk_size_per_forward == out.raincheck[i].chunk_size_per_forward, f"row {i}"
         mine = alone.sequences[0, inputs["input_ids"].shape[1]:]
         assert torch.equal(out.sequences[i, length:length + mine.numel()], mine), f"row {i}"
         for a, b in zip(out.logits, alone.logits):
@@ -943,13 +983,14 @@ def test_cuda_bf16_batched_generate_rows_equal_themselves_alone(name):
 
 # ---- the batched engine's decode steps as CUDA graphs (fast/batched_graphs.py, issue 29) ----
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(10))
 def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch):
     """The CPU fuzz of tests/test_batched_graphs.py on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 tiny
     models of the attention families whose experts capture in fp32: Qwen3-VL, Qwen2.5-VL): random join schedules,
-    prompts, modes, chunk sizes, token budgets and held conversations, the decode steps replayed per (batch bucket,
-    width, span bucket); each sequence's tokens identical to its own eager batch-1 call, logits within 1e-3 + 1e-3
-    of the step's largest logit, its cache's rows, keys and pending rows equal."""
+    prompts, modes, chunk sizes, token budgets and held conversations (seeds 8 and 9: chunks cut by the shared
+    budget, `draw_shared_case`), the decode steps replayed per (batch bucket, width, span bucket); each sequence's
+    tokens identical to its own eager batch-1 call under its chunk schedule, logits within 1e-3 + 1e-3 of the
+    step's largest logit, its cache's rows, keys and pending rows equal."""
     import random
 
     import test_batch_engine as tbe
@@ -961,12 +1002,13 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     rng = random.Random(9000 + seed)
     name = ("qwen3_vl", "qwen2_5_vl")[seed % 2]
     model, processor = _cuda_family_model(name), family_processor(name)
-    cfg, requests, budget = tbe.draw_case(rng, model, processor, longest=8, most=6)
+    draw = tbe.draw_shared_case if seed >= 8 else tbe.draw_case
+    cfg, requests, budget = draw(rng, model, processor, longest=8, most=6)
     batched_graphs.release_all()
-    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=None), token_budget=budget, num_slots=1,
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), token_budget=budget, num_slots=1,
                          capacity=16)
     graphs = engine.graphs
-    assert graphs is not None and graphs.use_cuda  # fast_path=None on CUDA takes the captured steps
+    assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     tbe.drive(model, engine, requests)
     assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
@@ -976,7 +1018,7 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
 
 
 def test_cuda_batched_generate_replays_its_decode_steps():
-    """``generate`` with B = 3 on CUDA (fast_path=None) runs its decode steps as captured graphs, equals the eager
+    """``generate`` with B = 3 on CUDA (fast_path=True) runs its decode steps as captured graphs, equals the eager
     batched engine (tokens identical, logits within 1e-3 + 1e-3 x max), and a second call captures nothing new."""
     from raincheck_hf.fast import batched_graphs
     from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
@@ -986,11 +1028,11 @@ def test_cuda_batched_generate_replays_its_decode_steps():
     inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
     kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=False), **kw)
-    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw) for _ in range(2)]
+    outs = [model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw) for _ in range(2)]
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     assert kept.use_cuda and kept.capture_log and kept.replays > 0
     captures = len(kept.capture_log)
-    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw)
+    again = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=True), **kw)
     assert len(kept.capture_log) == captures
     for got in outs + [again]:
         assert torch.equal(got.sequences, want.sequences)

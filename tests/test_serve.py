@@ -474,6 +474,8 @@ def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
 
 
 def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting():
+    """A request's ``raincheck`` settings over the server's config: the server-wide ones (``compile_steps``,
+    ``batch_chunk_rows``) stay the server's."""
     from raincheck_hf import RaincheckConfig
     from raincheck_hf.serve import protocol
 
@@ -481,6 +483,9 @@ def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting
         defaults = RaincheckConfig(compile_steps=server)
         config = protocol._config({"raincheck": {"chunk_size": "auto", "tpot_slack": 0.05}}, defaults)
         assert (config.chunk_size, config.tpot_slack, config.compile_steps) == ("auto", 0.05, server)
+    for rows in (None, 16):  # the batching loop's shared chunk budget: the server's too
+        config = protocol._config({"raincheck": {"chunk_size": 15}}, RaincheckConfig(batch_chunk_rows=rows))
+        assert (config.chunk_size, config.batch_chunk_rows) == (15, rows)
     with pytest.raises(protocol.APIError, match="compile_steps"):  # the server's setting, not a request's
         protocol._config({"raincheck": {"compile_steps": True}}, defaults)
     with pytest.raises(protocol.APIError, match="tpot_slack=-1"):

@@ -243,3 +243,137 @@ def test_batching_on_the_gated_deltanet_family(dialogues):
     for i in range(3):
         d = dialogues[i]
         assert got[i] == reference((model, processor), d.image(), [t.question for t in d.turns[:2]]), i
+
+
+# ---- held conversations restored in the spare budget of busy steps -------------------------------------
+
+GUARD16 = {"decode_guard": 16}  # the 16-token answers end before any chunk runs in them: every deferred row waits
+
+
+def watch_steps(monkeypatch) -> dict:
+    """Record the batching loop's steps that carried a restoring sequence: ``steps`` (how many), ``missing`` (fed
+    sequences whose decode row was left out of such a step), ``over`` (such steps with more rows than the budget)."""
+    import torch
+
+    from raincheck_hf.batch_engine import RowScheduler
+    from raincheck_hf.batched import RestoringState
+    from raincheck_hf.cache_utils import GENERATED
+
+    schedule, seen = RowScheduler.schedule, {"steps": 0, "missing": [], "over": []}
+
+    def watched(self, adapter, sequences):
+        fed = [s for s in sequences if s.prefilled and s.token is not None]
+        forwards = schedule(self, adapter, sequences)
+        entries = [(s, g) for f in forwards for s, g in f]
+        if any(isinstance(s, RestoringState) for s, _ in entries):
+            seen["steps"] += 1
+            tokens = {s for s, g in entries if int(torch.as_tensor(g.kinds)[-1]) == GENERATED}
+            seen["missing"] += [s for s in fed if s not in tokens]
+            rows = sum(len(g) for _, g in entries)
+            if self.token_budget is not None and rows > self.token_budget:
+                seen["over"].append(rows)
+        return forwards
+
+    monkeypatch.setattr(RowScheduler, "schedule", watched)
+    return seen
+
+
+def restored_held(base: str, step: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(f'raincheck_restored_held_total{{step="{step}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"raincheck_restored_held_total{{step={step!r}}} not in /metrics")
+
+
+def ask_turns(base, d, turns: int, texts: list[str], settings: dict):
+    """Turn ``turns`` of dialogue ``d`` (its earlier answers ``texts``): the reply."""
+    messages = [first_message(data_url(d.image()), d.turns[0].question)]
+    for k in range(1, turns):
+        messages += [{"role": "assistant", "content": texts[k - 1]}, {"role": "user", "content": d.turns[k].question}]
+    return client(base).chat.completions.create(model="glyph", temperature=0, messages=messages,
+                                                extra_body={"raincheck": settings})
+
+
+def test_held_conversations_restore_beside_a_running_answer(glyph, dialogues, monkeypatch):
+    """A long answer keeps the loop busy (the idle-time restoration never runs). Two dialogues' first turns answer
+    beside it, leaving every deferred row pending; their held conversations then restore in the spare budget of the
+    long answer's steps, down to nothing while it still streams. In every step that carried a restoring sequence,
+    every fed sequence's decode row ran and the step stayed within the budget. The follow-ups then find nothing to
+    restore and every answer equals its conversation alone."""
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    seen = watch_steps(monkeypatch)
+    model, processor = glyph
+    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=3,
+                                                     batching=True, max_batch_tokens=64))
+    with running(app) as base:
+        server = app.state.server
+        a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
+        firsts = {i: ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (1, 2)}
+        convs = {i: server.store.get(r.model_extra["raincheck"]["conversation_id"]) for i, r in firsts.items()}
+        deferred = {i: r.model_extra["raincheck"]["deferred"] for i, r in firsts.items()}
+        assert all(n > 0 for n in deferred.values())
+        assert all(r.model_extra["raincheck"]["restored_during"] == 0 for r in firsts.values())
+        wait_for(lambda: all(c.pending == 0 for c in convs.values()))
+        assert server.scheduler.running == 1  # the long answer still streams
+        for i, conv in convs.items():
+            assert conv.turns[0].restored_after_answer == deferred[i] and conv.turns[0].pending == 0
+        assert restored_held(base, "busy") == sum(deferred.values()) and restored_held(base, "idle") == 0
+        assert seen["steps"] > 0 and seen["missing"] == [] and seen["over"] == []
+        texts = {i: [r.choices[0].message.content] for i, r in firsts.items()}
+        for i in (1, 2):
+            follow = ask_turns(base, dialogues[i], 2, texts[i], GUARD16)
+            assert follow.model_extra["raincheck"]["reused"]
+            assert follow.model_extra["raincheck"]["restored_at_prefill"] == 0
+            texts[i].append(follow.choices[0].message.content)
+        assert server.scheduler.running == 1
+        a.close()
+        wait_for(lambda: server.scheduler.running == 0 and all(not e.sequences for e in server.scheduler._engines))
+    for i in (1, 2):
+        d = dialogues[i]
+        assert texts[i] == reference(glyph, d.image(), [t.question for t in d.turns[:2]], decode_guard=16), i
+
+
+def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogues, monkeypatch):
+    """A held conversation restores beside a long answer; after two pieces (of its idle chunk, 2 rows) its
+    restoration is held back, and its follow-up arrives: the loop takes its cache back with those 4 rows restored
+    before the turn joins, the turn prefills the rest ahead of its question, and answers as its conversation
+    alone does."""
+    from raincheck_hf.batch_engine import RowScheduler
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
+
+    def gated(self, adapter, sequences, left, eager):  # only the first two steps' pieces
+        if gate["left"] <= 0:
+            return []
+        taken = pieces(self, adapter, sequences, left, eager)
+        gate["left"] -= bool(taken)
+        return taken
+
+    monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
+    seen = watch_steps(monkeypatch)
+    settings = {**GUARD16, "chunk_size": 2}
+    model, processor = glyph
+    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=2,
+                                                     batching=True, max_batch_tokens=64))
+    with running(app) as base:
+        server = app.state.server
+        a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
+        d = dialogues[3]
+        first = ask_turns(base, d, 1, [], settings)
+        conv = server.store.get(first.model_extra["raincheck"]["conversation_id"])
+        deferred = first.model_extra["raincheck"]["deferred"]
+        assert deferred > 4
+        wait_for(lambda: gate["left"] == 0)
+        assert conv in server.scheduler._restoring and conv.pending == deferred  # restoring, not yet taken back
+        text = first.choices[0].message.content
+        follow = ask_turns(base, d, 2, [text], settings)
+        assert follow.model_extra["raincheck"]["restored_at_prefill"] == deferred - 4
+        assert conv.turns[0].restored_after_answer == deferred  # 4 beside the long answer, the rest at the prefill
+        assert restored_held(base, "busy") == 4 and restored_held(base, "idle") == 0
+        assert seen["steps"] == 2 and seen["missing"] == []
+        a.close()
+        wait_for(lambda: server.scheduler.running == 0)
+    assert [text, follow.choices[0].message.content] == reference(
+        glyph, d.image(), [t.question for t in d.turns[:2]], chunk_size=2, decode_guard=16)

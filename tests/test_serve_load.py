@@ -395,6 +395,8 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
     return {"answered": answered, "cancelled": len(cancelled), "dialogues": len(runs), "replayed": len(replayed),
             "evictions": server.store.evictions, "budget": budget, "completion_tokens": completion_tokens,
             "steps": steps,
+            "restored_busy": None if server.scheduler is None else server.scheduler.restored_busy,
+            "restored_idle": None if server.scheduler is None else server.scheduler.restored_idle,
             **{f"max_{k}": v for k, v in watch.items()}}
 
 

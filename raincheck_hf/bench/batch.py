@@ -10,6 +10,8 @@ tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, gre
 - ``raincheck``: ``model.generate(**batch, raincheck=RaincheckConfig())``, the default settings. At B = 1 on
   CUDA that is the fast path (``fast_path=None``); at B > 1 the batched engine, its decode steps replayed from
   CUDA graphs on the attention families (`fast.batched_graphs`; eager on the Gated DeltaNet families).
+  ``--batch-chunk-rows`` sets the batched steps' shared chunk budget (`RaincheckConfig.batch_chunk_rows`; ``none``:
+  every row its full chunk), the one setting that differs from the defaults when given.
 - ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).
 - ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the eager engine (a batch's
   prompt pieces run on it), so the batch's scaling over one row is also given engine for engine.
@@ -55,12 +57,16 @@ def build_batch(processor, spec, batch: int, image_size=None) -> dict:
     return dict(processor(text=[prompt] * batch, images=images, padding=True, return_tensors="pt"))
 
 
-def _kwargs(variant: str, answer_tokens: int, suppress: list[int]) -> dict:
+DEFAULT_CHUNK_ROWS = RaincheckConfig.batch_chunk_rows
+
+
+def _kwargs(variant: str, answer_tokens: int, suppress: list[int], batch_chunk_rows=DEFAULT_CHUNK_ROWS) -> dict:
     kw = dict(max_new_tokens=answer_tokens, min_new_tokens=answer_tokens, do_sample=False, suppress_tokens=suppress)
     if variant == "stock":
         return kw
     mode = "full" if variant.startswith("full") else "raincheck"
-    kw["raincheck"] = RaincheckConfig(mode=mode, fast_path=False if variant in EAGER_AT_ONE else None)
+    kw["raincheck"] = RaincheckConfig(mode=mode, fast_path=False if variant in EAGER_AT_ONE else None,
+                                      batch_chunk_rows=batch_chunk_rows)
     return kw
 
 
@@ -109,8 +115,13 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def run(model_name: str, batches: list[int], variants: list[str], answer_tokens: int = 128, reps: int = 2,
-        device=None, image_size=None, json_path: str | None = None, log=print) -> dict:
+        device=None, image_size=None, json_path: str | None = None, log=print,
+        batch_chunk_rows=DEFAULT_CHUNK_ROWS) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        RaincheckConfig(batch_chunk_rows=batch_chunk_rows)
+    except ValueError as error:
+        raise ValueError(f"--batch-chunk-rows: {error}") from None
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"--variants has {bad}; choose from {list(VARIANTS)}.")
@@ -125,7 +136,9 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
     result = {"benchmark": "batch", "hardware": hardware_info(device), "model": info,
               "settings": {"batches": batches, "variants": variants, "answer_tokens": answer_tokens, "reps": reps,
                            "image_size": list(image_size or MODELS[model_name].image_size),
-                           "raincheck_config": "RaincheckConfig() (defaults)"},
+                           "batch_chunk_rows": batch_chunk_rows,
+                           "raincheck_config": ("RaincheckConfig() (defaults)" if batch_chunk_rows == DEFAULT_CHUNK_ROWS
+                                                else f"RaincheckConfig(batch_chunk_rows={batch_chunk_rows!r})")},
               "rows": []}
     for batch in batches:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
@@ -134,7 +147,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
         for variant in variants:
             if variant in EAGER_AT_ONE and batch != 1:
                 continue
-            kwargs = _kwargs(variant, answer_tokens, suppress)
+            kwargs = _kwargs(variant, answer_tokens, suppress, batch_chunk_rows)
             time_call(model, device, inputs, kwargs)  # warm-up: the same call (captures, compiles, autotuning)
             runs = [time_call(model, device, inputs, kwargs) for _ in range(reps)]
             row = {"variant": variant, **summarize(runs, batch, answer_tokens)}
@@ -158,11 +171,23 @@ def main(argv=None):
     parser.add_argument("--answer-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--batch-chunk-rows", default=str(DEFAULT_CHUNK_ROWS),
+                        help="RaincheckConfig.batch_chunk_rows of the raincheck / full variants: an integer >= 1, or "
+                             f"'none' (no sharing); default {DEFAULT_CHUNK_ROWS}")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
+    rows = args.batch_chunk_rows.strip()
+    if rows.lower() == "none":
+        chunk_rows = None
+    else:
+        try:
+            chunk_rows = int(rows)
+        except ValueError:
+            parser.error(f"--batch-chunk-rows must be an integer >= 1 or 'none', got {args.batch_chunk_rows!r}")
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:
         parser.error(f"--batch must be comma-separated integers, got {args.batch!r}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    return run(args.model, batches, variants, args.answer_tokens, args.reps, args.device, json_path=args.json)
+    return run(args.model, batches, variants, args.answer_tokens, args.reps, args.device, json_path=args.json,
+               batch_chunk_rows=chunk_rows)

@@ -5,7 +5,12 @@ visibility mask, so SDPA cannot take its flash kernel and, on the H200, picked c
 56 µs per layer for one query over 2,112 slots (36 layers: ≈ 2 ms of a 10.25 ms decode graph, in
 `benchmarks/results/profile_qwen3_vl_8b_image_h200.json`), parallel only over the 32 heads. For few
 queries the same attention is two small batched matmuls over the key/value heads (the query heads
-of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots.
+of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots
+(`_few_query`, the reference form). On CUDA (outside compiled steps) one Triton kernel does it
+(`_few_query_triton`, `fast._triton_attention`): each program one key/value head of one sequence over a
+split of the slots with an online softmax, the splits merged after. At a batch of 8 sequences with
+32-row chunk steps the matmul form wrote and re-read float32 scores and masks several times per layer
+(227-342 µs per layer on the H200, `bench attention --batch`).
 
 `few_query_attention` is registered with transformers' `AttentionInterface` (on first use, not at
 import) and selected only inside a fast-path step of the calling thread, and only when the model runs
@@ -14,15 +19,24 @@ there, while the model's config itself keeps ``sdpa`` (other threads never see t
 `FEW_QUERY_MAX` (prefills) and anything it does not handle go to stock `sdpa_attention_forward`,
 which is also its reference in the tests.
 
-Precision: scores in float32 (bf16 keys are upcast; a bf16 score of magnitude ~10 would carry an
-error of ~0.04 into the exponent), probabilities cast to the value dtype for the second product, as
-flash attention does.
+Precision: scores in float32 (a bf16 score of magnitude ~10 would carry an error of ~0.04 into the
+exponent), probabilities cast to the value dtype for the second product, as flash attention does. On CUDA
+with half-precision inputs the first product reads the bf16 / fp16 keys as they are and accumulates and
+returns float32 (``torch.bmm(..., out_dtype=torch.float32)``, `_scores`): the same products as upcasting
+first (a product of two bf16 numbers is exact in float32) without writing a float32 copy of every key, which
+at a batch of 8 sequences was most of a decode step's attention time (an fp32 GEMM of 47 µs per layer on the
+H200). On the CPU, and inside compiled steps (Inductor fuses the upcast there), the keys are upcast.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .._triton import triton_available
 
 FEW_QUERY_MAX = 64  # query rows up to which the matmul form runs (decode: 1, fused chunk 31: 32)
 NAME = "raincheck_few_query_sdpa"
@@ -51,17 +65,108 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
         from .compiled import compiled
 
         return compiled(_few_query)(query, key, value, attention_mask, scale), None
-    return _few_query(query, key, value, attention_mask, scale), None
+    if triton_usable(query, key, value, attention_mask):
+        return _few_query_triton(query, key, value, attention_mask, scale), None
+    return _few_query(query, key, value, attention_mask, scale, low_precision_reads=True), None
 
 
-def _few_query(query, key, value, attention_mask, scale: float):
+def triton_usable(query, key, value, attention_mask) -> bool:
+    """Whether `_few_query_triton` takes these inputs: CUDA tensors (or Triton's interpreter,
+    ``TRITON_INTERPRET=1``, as the CPU tests run it), one dtype among fp32 / bf16 / fp16, a power-of-two head
+    dim of 16 to 256, the last axis of every input contiguous, a boolean mask ``[B | 1, 1, L, S]``."""
+    if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or not triton_available():
+        return False
+    d = query.shape[-1]
+    return (query.dtype in (torch.float32, torch.bfloat16, torch.float16) and key.dtype == query.dtype
+            and value.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0 and value.shape[-1] == d
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+            and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[0] in (1, query.shape[0]) and attention_mask.device == query.device)
+
+
+BLOCK_N = 64  # key slots per tile
+
+
+def _block_m(group_rows: int) -> int:
+    """Query rows (a group's heads x positions) per program: a power of two from 16 (`tl.dot`'s least) to 64."""
+    return min(64, max(16, 1 << (int(group_rows) - 1).bit_length()))
+
+
+def split_count(programs: int, slots: int, processors: int, block_n: int = BLOCK_N) -> int:
+    """Splits of the key slots so that ``programs`` x splits fill about two waves of ``processors``; at least one,
+    at most one per ``block_n`` tile."""
+    want = -(-2 * max(1, processors) // max(1, programs))
+    return max(1, min(want, -(-slots // block_n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _processors(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: two splits, so the CPU tests cover the merge
+
+
+def _few_query_triton(query, key, value, attention_mask, scale: float):
+    """`_few_query` as one Triton kernel over the key slots in splits (`fast._triton_attention`), then the splits'
+    merge; ``[B, L, Hq, D]`` in the value dtype."""
+    from . import _triton_attention as kernels
+
+    b, hq, rows, d = query.shape
+    hkv, slots = key.shape[1], key.shape[2]
+    group = hq // hkv
+    group_rows = group * rows
+    block_m = _block_m(group_rows)
+    m_blocks = -(-group_rows // block_m)
+    splits = split_count(b * hkv * m_blocks, slots, _processors(query.device))
+    split_len = -(-(-(-slots // splits)) // BLOCK_N) * BLOCK_N
+    splits = -(-slots // split_len)
+    out = torch.empty(splits, b * hkv, group_rows, d, device=query.device, dtype=torch.float32)
+    peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
+    total = torch.empty_like(peak)
+    mask = attention_mask.view(torch.uint8)
+    kernels.few_query_split[(b * hkv, m_blocks, splits)](
+        query, key, value, mask, out, peak, total, slots, hkv, group, rows, split_len, float(scale),
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
+        mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        IEEE=query.dtype == torch.float32, num_warps=4)
+    if splits == 1:
+        merged = out[0] / total[0, ..., None]
+    else:
+        weight = torch.exp(peak - peak.amax(0))  # [splits, B * Hkv, rows]
+        merged = (out * weight[..., None]).sum(0) / (total * weight).sum(0)[..., None]
+    return merged.to(value.dtype).view(b, hq, rows, d).transpose(1, 2).contiguous()
+
+
+def low_precision_scores(query, key) -> bool:
+    """Whether `_scores` can read half-precision keys as they are (CUDA, bf16 / fp16, torch's ``out_dtype``)."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
+            and hasattr(torch.ops.aten.bmm, "dtype"))
+
+
+def _scores(q, key, scale: float, low_precision_reads: bool):
+    """``scale * q @ key^T`` in float32, ``q [B, Hkv, M, D]`` and ``key [B, Hkv, S, D]`` -> ``[B, Hkv, M, S]``.
+
+    With ``low_precision_reads`` on CUDA half-precision inputs: one batched product over (B, Hkv) that reads the
+    keys in their dtype and accumulates into a float32 result (no float32 copy of the keys); otherwise both
+    operands upcast first (the reference form; also what compiled steps trace)."""
+    if low_precision_reads and low_precision_scores(q, key):
+        b, hkv, m, d = q.shape
+        s = key.shape[2]
+        scores = torch.bmm(q.reshape(b * hkv, m, d), key.reshape(b * hkv, s, d).transpose(1, 2),
+                           out_dtype=torch.float32)
+        return scores.view(b, hkv, m, s).mul_(scale)
+    return torch.matmul(q.float() * scale, key.float().transpose(-1, -2))
+
+
+def _few_query(query, key, value, attention_mask, scale: float, low_precision_reads: bool = False):
     """The matmul form (see `few_query_attention`); ``[B, L, Hq, D]``."""
     b, hq, rows, d = query.shape
     hkv = key.shape[1]
     group = hq // hkv
     # query head h reads key/value head h // group: stack a group's queries as rows of its key/value head
-    q = query.reshape(b, hkv, group * rows, d).float()
-    scores = torch.matmul(q * scale, key.float().transpose(-1, -2))  # [B, Hkv, group * L, S]
+    q = query.reshape(b, hkv, group * rows, d)
+    scores = _scores(q, key, scale, low_precision_reads)  # [B, Hkv, group * L, S], float32
     visible = attention_mask[:, :, None].expand(-1, hkv, group, -1, -1).reshape(attention_mask.shape[0], hkv,
                                                                                  group * rows, -1)
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -102,8 +102,8 @@ def batched_graph_blocker(adapter) -> str | None:
 
 def resolve_graphs(adapter, config: RaincheckConfig, graphs: bool | None) -> bool:
     """Whether a `BatchEngine` runs its decode steps through `BatchedStepGraphs` (``graphs``: the engine's setting;
-    None follows ``config.fast_path``; auto, None for both, runs eagerly). A ValueError where they were asked for
-    and cannot run, or where the two settings disagree."""
+    None follows ``config.fast_path``; auto, None for both: captured on CUDA where the family and the model allow
+    it, else eager). A ValueError where they were asked for and cannot run, or where the two settings disagree."""
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"BatchEngine graphs must be None (auto), True or False, got {graphs!r}.")
     if graphs is not None and config.fast_path is not None and graphs != config.fast_path:
@@ -119,9 +119,10 @@ def resolve_graphs(adapter, config: RaincheckConfig, graphs: bool | None) -> boo
             raise ValueError(f"RaincheckConfig.fast_path=True (BatchEngine graphs=True) with a batch: {blocker}. "
                              "Use fast_path=None (auto) or False for batches on this model.")
         return True
-    # auto (None): the eager batched engine. The captured steps are opt-in (fast_path=True) until they have passed
-    # their CUDA tests (tests/test_gpu.py, "the batched engine's decode steps as CUDA graphs"), which have not run.
-    return False
+    if wanted is False or not on_cuda or blocker is not None:
+        return False
+    # auto (None) on CUDA: the captured steps wherever they can run, as the single-sequence fast path
+    return adapter.step_graph_blocker() is None
 
 
 def decode_only(entries) -> bool:

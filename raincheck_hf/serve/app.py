@@ -209,7 +209,7 @@ class Server:
             from .scheduler import BatchScheduler
 
             self.scheduler = BatchScheduler(model, processor, self.store, settings.max_batch_tokens, settings.config,
-                                            on_step=self.metrics.step)
+                                            on_step=self.metrics.step, on_restore=self.metrics.restored)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

@@ -71,7 +71,8 @@ class Metrics:
     def __init__(self, snapshot=None, admission=None, batching: bool = False):
         """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None;
         ``admission``: one returning the admission control's (`Admission.snapshot`), or None; ``batching``: the
-        batching loop's figures too (`raincheck_batch_size`, `raincheck_steps_total`)."""
+        batching loop's figures too (`raincheck_batch_size`, `raincheck_steps_total`,
+        `raincheck_restored_held_total` by ``step``)."""
         from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
                                        ProcessCollector)
 
@@ -90,12 +91,18 @@ class Metrics:
         self._queue_wait = Histogram("raincheck_queue_wait_seconds", "Time a request waited for a running place.",
                                      buckets=QUEUE_BUCKETS, registry=self.registry)
         self._completion = self._counters["completion_tokens"]
-        self._batch_size = self._steps = None
+        self._batch_size = self._steps = self._restored_held = None
         if batching:
             self._batch_size = Gauge("raincheck_batch_size", "Sequences in the batching loop's last step.",
                                      registry=self.registry)
             self._steps = Counter("raincheck_steps", "Steps (packed forwards) of the batching loop.",
                                   registry=self.registry)
+            self._restored_held = Counter(
+                "raincheck_restored_held", "Deferred tokens of held conversations restored by the batching loop: in "
+                "the spare budget of steps beside answers (step=busy) or while no answer ran (step=idle).", ["step"],
+                registry=self.registry)
+            for step in ("busy", "idle"):  # both series from the start (a rate of a missing series is no rate)
+                self._restored_held.labels(step=step)
         if snapshot is not None:
             self.registry.register(_HeldConversations(snapshot))
         if admission is not None:
@@ -117,6 +124,11 @@ class Metrics:
         """A step of the batching loop ran with rows of ``sequences`` sequences."""
         self._batch_size.set(sequences)
         self._steps.inc()
+
+    def restored(self, rows: int, busy: bool) -> None:
+        """The batching loop restored ``rows`` deferred tokens of held conversations, in a step beside answers
+        (``busy``) or in idle time."""
+        self._restored_held.labels(step="busy" if busy else "idle").inc(rows)
 
     def queued(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)

@@ -141,7 +141,8 @@ def _check_text(value, path: str) -> None:
 def _raincheck(given: RaincheckSettings | None, defaults: RaincheckConfig) -> RaincheckConfig:
     if given is None:
         return defaults
-    settings = {name: getattr(defaults, name) for name in (*RAINCHECK_FIELDS, "fast_path", "compile_steps")}
+    settings = {name: getattr(defaults, name)
+                for name in (*RAINCHECK_FIELDS, "fast_path", "compile_steps", "batch_chunk_rows")}
     settings.update(given.model_dump(exclude_none=True))
     try:
         return RaincheckConfig(**settings)

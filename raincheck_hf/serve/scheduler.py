@@ -24,10 +24,24 @@ in turn: the engine's config decides its row scheduling (``serial`` splits chunk
 every sequence's planning, so one engine per config keeps `BatchEngine` unchanged; the usual server has one
 config and one engine. An engine left empty is dropped (its pool's memory with it), the default config's kept.
 
-Idle-time restoration of held conversations runs in this thread only while no engine has rows to run (one chunk,
-`ServedConversation.restore_chunk`, then the loop looks for new turns again), so it never delays an answer's
-token; packing it into a busy step's spare budget is not done (a held conversation's leftovers are otherwise
-prefilled with its follow-up, ahead of it, as on the per-turn path).
+Held conversations' leftover deferred rows are restored by this thread too (the conversations have no worker of
+their own in this mode), in the order `ConversationStore.next_to_restore` gives them:
+
+- while answers run, in the steps' spare budget: up to `MAX_RESTORING` held conversations with pending rows join
+  the engine being stepped as restoring sequences (`BatchEngine.restore`, a copy of the held cache in a slot);
+  each step gives them pieces of their pending rows (at most an idle chunk each, as idle-time restoration takes
+  them) only from the rows its token budget has left after every decode row, chunk and prompt piece, so an
+  answer's token is never left out of a step for them. A restoring conversation leaves with its cache (the held
+  one, the restored rows stored) when its rows are done, when a follow-up for it arrives (before the turn joins,
+  which then continues from that cache), and when the engine has no answer left; one evicted meanwhile
+  (``max_cache_bytes``: eviction does not wait for the loop) or in a step that raised leaves without it, and
+  its conversation stays as it was. With captured decode steps (``fast_path=True``) restoring rows ride only in
+  steps that carry a prompt piece, which run eagerly anyway.
+- while no engine has an answer's rows to run, one chunk at a time (`ServedConversation.restore_chunk`, then the
+  loop looks for new turns again).
+
+A held conversation's leftovers not restored by then are prefilled with its follow-up, ahead of it, as on the
+per-turn path.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from ..batch_engine import BatchEngine
+from ..batched import RestoringState
 from ..conversation import TurnResult, _CancelRequest
 from ..generation import choose_next_tokens, sampling_setup
 from ..integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
@@ -104,13 +119,18 @@ class BatchScheduler:
         token_budget: rows per step (`BatchEngine`'s ``token_budget``).
         default_config: the server's default `RaincheckConfig` (its engine is kept while empty).
         on_step: called with the step's sequence count after every step (the metrics).
+        on_restore: called with ``(rows, busy)`` when held conversations' deferred rows were restored: in a step
+            beside answers (``busy``) or in idle time (the metrics).
     """
 
     IDLE_WAIT_S = 0.5
+    MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
 
-    def __init__(self, model, processor, store, token_budget: int | None, default_config, on_step=None):
+    def __init__(self, model, processor, store, token_budget: int | None, default_config, on_step=None,
+                 on_restore=None):
         self.model, self.processor, self.store = enable(model), processor, store
         self.token_budget, self.default_config, self.on_step = token_budget, default_config, on_step
+        self.on_restore = on_restore
         self.adapter = get_adapter(model)
         self._incoming: collections.deque[BatchJob] = collections.deque()
         self._wake = threading.Condition()
@@ -118,6 +138,9 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._engines: list[BatchEngine] = []
         self._jobs: dict[object, BatchJob] = {}  # sequence -> its job
+        self._restoring: dict[object, tuple[BatchEngine, RestoringState]] = {}  # conversation -> its restoring seq
+        self.restored_busy = 0  # held conversations' rows restored in steps beside answers
+        self.restored_idle = 0  # ... and in idle time
         self._turn = 0  # round robin over the engines with work
         self.steps = 0
         self.batch_size = 0
@@ -161,13 +184,18 @@ class BatchScheduler:
                 self._leave_cancelled()
                 engine = self._next_engine()
                 if engine is not None:
+                    self._restore_beside(engine)
                     self._step(engine)
                     continue
+                for conv in list(self._restoring):  # no answer left: back to idle-time restoration
+                    self._stop_restoring(conv, keep=True)
                 if self._restore_idle():
                     continue
                 with self._wake:
                     if not self._incoming and not self._closed:
                         self._wake.wait(self.IDLE_WAIT_S)
+            for conv in list(self._restoring):
+                self._stop_restoring(conv, keep=False)
             for job in list(self._jobs.values()) + list(self._incoming):
                 self._end(job, error=RuntimeError("the server shut down while this turn was running"))
 
@@ -196,6 +224,8 @@ class BatchScheduler:
             self._end(job, error=client_gone())
             return
         conv, model = job.conversation, self.model
+        if conv in self._restoring:  # its cache back (the rows restored so far stored) before the turn reads it
+            self._stop_restoring(conv, keep=True)
         try:
             kwargs = dict(job.generate_kwargs)
             job.request.event = job.cancel
@@ -241,6 +271,7 @@ class BatchScheduler:
         # who has rows to run: a fed token, or prefill left (whether the step reached it shows after it)
         before = {s: (s.token is not None, s.prefill) for s in engine.sequences
                   if not s.prefilled or s.token is not None}
+        restoring = {conv: seq.num_pending for conv, (e, seq) in self._restoring.items() if e is engine}
         try:
             logits = engine.step()
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
@@ -248,8 +279,20 @@ class BatchScheduler:
             for seq, (fed, prefill) in before.items():
                 if fed or seq.prefill is not prefill:
                     self._fail(seq, error)
+            for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
+                self._stop_restoring(conv, keep=False)
             return
         self.steps += 1
+        restored = 0
+        for conv, pending in restoring.items():
+            seq = self._restoring[conv][1]
+            restored += pending - seq.num_pending
+            if seq.num_pending == 0:
+                self._stop_restoring(conv, keep=True)
+        if restored:
+            self.restored_busy += restored
+            if self.on_restore is not None:
+                self.on_restore(restored, True)
         self.batch_size = sum(1 for s, (fed, prefill) in before.items() if fed or s.prefill is not prefill)
         if self.on_step is not None:
             self.on_step(self.batch_size)
@@ -292,15 +335,64 @@ class BatchScheduler:
 
     def _restore_idle(self) -> bool:
         """One chunk of a held conversation's leftover deferred rows, while no engine has rows to run."""
-        conv = self.store.next_to_restore()
+        conv = self.store.next_to_restore(skip=self._restoring)
         if conv is None:
             return False
         try:
-            return conv.restore_chunk() > 0
+            restored = conv.restore_chunk()
         except BaseException as error:  # its cache cannot be trusted any more
             logger.error("idle-time restoration of %s failed; the conversation is dropped", conv.id, exc_info=error)
             self.store.discard(conv)
             return True
+        if restored:
+            self.restored_idle += restored
+            if self.on_restore is not None:
+                self.on_restore(restored, False)
+        return restored > 0
+
+    # ---- restoring held conversations beside the answers ---------------------------------------------
+    def _restore_beside(self, engine: BatchEngine) -> None:
+        """Before ``engine``'s step: restoring conversations no longer held leave; held ones with pending rows join
+        it as restoring sequences, up to `MAX_RESTORING` in it, while its answers leave rows of the budget (an
+        estimate; the step itself gives them only the rows its budget has left)."""
+        for conv in [c for c in self._restoring if not self._held(c)]:
+            self._stop_restoring(conv, keep=False)
+        scheduler = engine.scheduler
+        if not scheduler.restore_beside_decode and all(s.prefilled for s in engine.sequences):
+            return  # captured decode steps: restoring rows would ride only with a prompt piece
+        answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
+        if scheduler.token_budget is not None and answering >= scheduler.token_budget:
+            return  # their decode rows alone fill the steps
+        while sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING:
+            conv = self.store.next_to_restore(skip=self._restoring)
+            if conv is None:
+                return
+            try:
+                seq = engine.restore(conv.cache, max_rows=conv.config.idle_chunk_size)
+            except BaseException as error:  # e.g. no memory for its slot: it restores in idle time instead
+                logger.error("%s could not join the batch to restore its deferred tokens", conv.id, exc_info=error)
+                return
+            self._restoring[conv] = (engine, seq)
+
+    def _stop_restoring(self, conv, keep: bool) -> None:
+        """``conv``'s restoring sequence leaves its engine; with ``keep`` (and the conversation still held) its cache,
+        the rows restored so far stored, becomes the conversation's; else the conversation stays as it was."""
+        engine, seq = self._restoring.pop(conv)
+        if not (keep and self._held(conv)):
+            engine.discard(seq)
+            return
+        try:
+            cache = engine.remove(seq)
+        except BaseException as error:  # its held cache is still whole: it stays
+            logger.error("taking %s's restored rows back failed; it keeps its cache", conv.id, exc_info=error)
+            if seq in engine.sequences:
+                engine.discard(seq)
+            return
+        conv.restored_beside(cache)
+
+    def _held(self, conv) -> bool:
+        """The store still holds ``conv`` (it was not evicted or dropped)."""
+        return self.store.get(conv.id) is conv
 
     # ---- leaving ------------------------------------------------------------------------------
     def _drop(self, seq) -> None:

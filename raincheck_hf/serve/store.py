@@ -56,6 +56,16 @@ class ServedConversation(Conversation):
         time, in place of the conversation's own worker); returns how many."""
         return self._restore_one_chunk()
 
+    def restored_beside(self, cache) -> int:
+        """The batching loop restored some of the leftover deferred rows in the spare budget of its steps
+        (`batch_engine.BatchEngine.restore`): ``cache``, the held one with them stored, becomes the conversation's.
+        Returns how many."""
+        with self._lock:
+            restored = self.pending - cache.num_pending
+            self.cache = cache
+            self._count_restored(restored)
+        return restored
+
     @property
     def length(self) -> int:
         return 0 if self.sequences is None else int(self.sequences.shape[1])
@@ -155,11 +165,12 @@ class ConversationStore:
             entry.busy, entry.last_used, entry.nbytes = False, time.monotonic(), nbytes
         self.evict()
 
-    def next_to_restore(self) -> ServedConversation | None:
+    def next_to_restore(self, skip=()) -> ServedConversation | None:
         """An idle held conversation with leftover deferred rows (the most recently used first: the likeliest to
-        get a follow-up soon), or None."""
+        get a follow-up soon), or None; conversations in ``skip`` (those restoring already) are passed over."""
         with self._lock:
-            idle = [e for e in self._entries.values() if not e.busy and e.conversation.pending > 0]
+            idle = [e for e in self._entries.values()
+                    if not e.busy and e.conversation.pending > 0 and e.conversation not in skip]
             return max(idle, key=lambda e: e.last_used).conversation if idle else None
 
     def discard(self, conv: ServedConversation) -> None:
