@@ -55,6 +55,7 @@ from .cache_utils import DeferredDynamicCache, to_device
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
 from .fast import batched_graphs
+from .fast.static_cache import StaticDeferredCache
 from .kv_pool import SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
@@ -62,6 +63,15 @@ from .models import get_adapter
 __all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "batched_sample"]
 
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
+
+
+def _check_dynamic(cache, what: str) -> None:
+    """A held cache joins a batch by copying its rows into a slot: a batch-1 fast-path cache (static slots of CUDA
+    graphs, `fast.static_cache.StaticDeferredCache`) has no such rows to copy; say so instead of failing mid-copy."""
+    if isinstance(cache, StaticDeferredCache):
+        raise ValueError(f"BatchEngine.{what} got a {type(cache).__name__} (a fast-path conversation's static cache); "
+                         "a batch continues conversations held in a DeferredDynamicCache: run that conversation with "
+                         "RaincheckConfig(fast_path=False), or in the batch from its first turn.")
 
 
 class RowScheduler:
@@ -269,6 +279,7 @@ class BatchEngine:
         if cache is not None and not isinstance(cache, DeferredDynamicCache):
             raise ValueError(f"BatchEngine.add(cache=...) continues a raincheck conversation and takes the "
                              f"DeferredDynamicCache of its last turn, got a {type(cache).__name__}.")
+        _check_dynamic(cache, "add(cache=...)")
         state = new_sequence(self.model, self.adapter, self.config, self._arrivals, ids, cache=cache,
                              captures=captures, **media)
         self._arrivals += 1
@@ -288,6 +299,7 @@ class BatchEngine:
         if not isinstance(cache, DeferredDynamicCache):
             raise ValueError(f"BatchEngine.restore takes a held conversation's DeferredDynamicCache, got a "
                              f"{type(cache).__name__}.")
+        _check_dynamic(cache, "restore")
         if cache.num_pending == 0:
             raise ValueError("BatchEngine.restore got a cache with no pending deferred rows: nothing to restore.")
         max_rows = self.config.idle_chunk_size if max_rows is None else max_rows

@@ -523,6 +523,9 @@ def test_restoring_sequence_taken_back_for_a_follow_up(name):
     assert_cache_equal(partial, want)
     # the follow-up in the engine, from the taken-back cache, against the batch-1 follow-up from the reference
     held = Request.__new__(Request)
+    held.model, held.cfg, held.n, held.inputs = model, cfg, 4, follow
+    eos = model.generation_config.eos_token_id
+    held.eos = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1)}
     held.arrive, held.held = 0, partial
     held.held_was = (repr(partial), partial.row_keys.clone(), partial.pending_sources.clone())
     held.ids, held.media = follow["input_ids"][0], {}
@@ -576,3 +579,17 @@ def test_restoring_rides_only_in_eager_steps_with_captured_decode_steps():
     want = _idle_restored(model, cache, eager)
     assert_cache_equal(got, want)
     _assert_same_follow_up(model, follow, eager, got, want, "restored beside captured decode steps")
+
+
+def test_a_fast_path_cache_cannot_join_a_batch_and_says_why():
+    """A batch-1 fast-path conversation's static cache has no rows a slot can copy: a clear error, before any compute."""
+    from raincheck_hf.fast.static_cache import StaticDeferredCache
+
+    model = family_model("qwen3_vl")
+    engine = BatchEngine(model, RaincheckConfig(fast_path=False))
+    static = StaticDeferredCache.__new__(StaticDeferredCache)
+    with pytest.raises(ValueError, match="fast-path conversation's static cache"):
+        engine.add(torch.tensor([1, 2, 3]), cache=static)
+    with pytest.raises(ValueError, match="fast-path conversation's static cache"):
+        engine.restore(static)
+    assert engine.sequences == []

@@ -434,3 +434,18 @@ def test_serve_load_benchmark_smoke(tmp_path):
     assert (tmp_path / "load.png").stat().st_size > 0
     with pytest.raises(ValueError, match="clients"):
         serve_load.run(clients=(0,))
+
+
+def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
+    """``--batching``: the same dialogues through the server's continuous-batching loop; every answer of the
+    requested length, follow-ups reuse their conversations, the setting is recorded."""
+    from raincheck_hf.bench import serve_load
+
+    path = tmp_path / "load.json"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
+                   batching=True)
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["batching"] is True
+    (row,) = saved["rows"]
+    assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4

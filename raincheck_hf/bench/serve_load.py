@@ -24,7 +24,8 @@ TTFT p50 (the image's prefill) and how many follow-ups reused their conversation
 the server's overhead is its one-client turn-1 TTFT and TPOT over the library's.
 
 ``--max-running`` (default: the largest client count, so no client waits in the server's queue) and
-``--max-queue`` set the server's admission control. The JSON has the hardware, the settings and one row per
+``--max-queue`` set the server's admission control; ``--batching`` runs the server's continuous-batching loop
+(one forward for every running turn, `serve --batching`) instead of a thread per turn. The JSON has the hardware, the settings and one row per
 (mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
 """
 
@@ -211,7 +212,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         selector: str | None = None,
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
-        command: str | None = None, log=print) -> dict:
+        command: str | None = None, log=print, batching: bool = False) -> dict:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
@@ -232,7 +233,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
-    ServeSettings(max_running=running_places, max_queue=queue_places)  # checked before compute
+    ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
     device, previous_threads = claim_device(device, threads)
     started = time.perf_counter()
     try:
@@ -255,14 +256,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             "hardware": hardware_info(device),
             "settings": dict(settings, model=model_name, clients=list(clients), modes=list(modes),
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
-                             warmup=warmup, max_running=running_places, max_queue=queue_places,
+                             warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
         }
         name = "bench"
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
-                                                         max_queue=queue_places))
+                                                         max_queue=queue_places, batching=batching))
         server = app.state.server
         with running(app) as base:
 
@@ -365,6 +366,8 @@ def main(argv=None):
     parser.add_argument("--no-library", action="store_true", help="skip the library reference at one client")
     parser.add_argument("--max-running", type=int, default=None, help="the server's (default: the most clients)")
     parser.add_argument("--max-queue", type=int, default=None, help="the server's (default: the most clients)")
+    parser.add_argument("--batching", action="store_true",
+                        help="the server's continuous-batching loop (serve --batching) instead of a thread per turn")
     add_setting_arguments(parser)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every client count)")
     parser.add_argument("--plot", default=None, help="a PNG of tokens/s and TTFT against clients (matplotlib)")
@@ -375,7 +378,7 @@ def main(argv=None):
                    answer_tokens=args.answer_tokens,
                    follow_up_tokens=args.follow_up_tokens or max(2, args.answer_tokens // 2), think_s=args.think_s,
                    warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
-                   library=not args.no_library, json_path=args.json, plot_path=args.plot,
+                   library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
