@@ -21,6 +21,10 @@ mode) over the rows of every sequence that has work:
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
+A decode step waits for the device once: the driver reads every row's sampled token (and which rows go on) in one
+copy and feeds host ints; the rows' placement, order keys, sources and lengths are host data, and what a step
+needs of them on the device goes over pinned and non-blocking (`cache_utils.to_device_all`): building a step never
+stalls on the device.
 
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
@@ -47,7 +51,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched import RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence, start_sequences
-from .cache_utils import DeferredDynamicCache
+from .cache_utils import DeferredDynamicCache, to_device
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
 from .fast import batched_graphs
@@ -181,7 +185,7 @@ class ForwardRunner:
             embeds[b, :n] = group.batch.embeds.to(device, adapter.dtype)
             positions[:, b, :n] = group.batch.positions.to(device)
             visual[b, :n] = group.batch.visual.to(device)
-            if group.batch.deepstack is not None:  # (a group without visual rows adds zero rows: no host sync)
+            if group.batch.deepstack is not None and group.batch.deepstack[0].shape[0]:  # (shapes: no host sync)
                 deepstack.append(group.batch.deepstack)
         slots = [seq.slot for seq, _ in entries]
         visible = pool.begin_step(slots, [g.keys for _, g in entries], width)
@@ -211,8 +215,9 @@ class ForwardRunner:
         wanted = [b for b, (_, g) in enumerate(entries) if g.want_logits]
         if not wanted:
             return {}
-        rows = torch.tensor([len(entries[b][1]) - 1 for b in wanted], device=device)
-        picked = out.last_hidden_state[torch.tensor(wanted, device=device), rows]
+        picks = torch.tensor([wanted, [len(entries[b][1]) - 1 for b in wanted]], dtype=torch.long)
+        picks = to_device(picks, device)  # (pinned, non-blocking: the host does not wait for the forward)
+        picked = out.last_hidden_state[picks[0], picks[1]]
         head = adapter.lm_head(picked[:, None])[:, 0]
         return {entries[b][0]: head[k] for k, b in enumerate(wanted)}
 
@@ -361,14 +366,19 @@ class BatchEngine:
 
     # ---- stepping --------------------------------------------------------------------------------
     def feed(self, seq: SequenceState, token) -> None:
-        """The token the caller chose from ``seq``'s last logits: its next decode row (generated token i)."""
+        """The token the caller chose from ``seq``'s last logits (an int, or a one-element tensor, best on the host: a
+        device tensor is read back here): its next decode row (generated token i)."""
         if (seq not in self.sequences or not seq.prefilled or seq.token is not None
                 or isinstance(seq, RestoringState)):
             what = ("not in this engine" if seq not in self.sequences else "still prefilling" if not seq.prefilled
                     else "restoring only (it generates nothing)" if isinstance(seq, RestoringState)
                     else "already fed a token for the next step")
             raise ValueError(f"BatchEngine.feed: the sequence is {what}.")
-        seq.token = torch.as_tensor(token).reshape(())
+        if isinstance(token, torch.Tensor):
+            if token.numel() != 1:
+                raise ValueError(f"BatchEngine.feed takes one token id, got a tensor of shape {tuple(token.shape)}.")
+            token = token.item()  # (a host int from here on: a device tensor is read back once, here)
+        seq.token = int(token)
         seq.generated += 1
 
     @property
@@ -449,15 +459,17 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
             finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        # The step's one wait for the device: the sampled tokens and the rows still going, read back together.
+        # Everything the host decides from here (who leaves, the fed tokens, the next step's rows) uses these ints.
+        tokens, going = torch.stack([next_tokens.long(), unfinished.long()]).tolist()
         if streamer is not None:
-            streamer.put(next_tokens.cpu())
-        if bool(unfinished.max() == 0):
+            streamer.put(torch.tensor(tokens, dtype=next_tokens.dtype))
+        if max(going) == 0:
             break
         if leaves:  # finished sequences leave the engine (their slots with them)
-            for s in [s for s in active if not bool(unfinished[s.index])]:
+            for s in [s for s in active if not going[s.index]]:
                 caches[s.index] = engine.remove(s)
                 active.remove(s)
-        tokens = next_tokens.cpu()
         for s in active:
             engine.feed(s, tokens[s.index])
         logits = engine.step()

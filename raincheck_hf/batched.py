@@ -222,7 +222,7 @@ class SequenceState:
         slot: its slot of the engine's `kv_pool.SlotKVPool` (and row of its recurrent states), None outside one.
         row_sources / row_kinds: per stored row of its slot (host).
         generated: tokens generated so far; ``fed``: generated tokens whose forward ran (its source ids);
-        ``token``: the generated token its next forward consumes (`BatchEngine.feed`), or None.
+        ``token``: the generated token id its next forward consumes (`BatchEngine.feed`; a host int), or None.
     """
 
     index: int
@@ -242,7 +242,7 @@ class SequenceState:
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     generated: int = 0
     fed: list = field(default_factory=list)
-    token: torch.Tensor | None = None
+    token: int | None = None
 
     # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
     @property
@@ -290,20 +290,21 @@ class SequenceState:
         what `batch_engine.RowScheduler` counts to share a step's chunk budget."""
         return self.scheduler.may_carry_chunk(self, self.generated)
 
-    def decode_groups(self, adapter, config: RaincheckConfig, token: torch.Tensor,
+    def decode_groups(self, adapter, config: RaincheckConfig, token: int,
                       cap: int | None = None) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
         for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
         ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace.
         ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`)."""
         i = self.generated
-        step = self.scheduler.decode_step(adapter, self, self.plan, token, i, self.first_generated_position,
+        ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
+        step = self.scheduler.decode_step(adapter, self, self.plan, ids, i, self.first_generated_position,
                                           self.ids.shape[0] + i, cap)
         if step.n_chunk:
             self.take_pending(step.n_chunk)
         self.trace.restored_per_forward.append(step.restored)
         self.trace.chunk_size_per_forward.append(step.chunk_size)
-        self.fed.append(int(token))
+        self.fed.append(token)
         return [RowGroup.of(rows) for rows in step.forwards]
 
     # ---- storage bookkeeping ----

@@ -49,6 +49,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def to_device_all(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``, the host ones of a GPU step moved together: one pinned buffer, one non-blocking
+    copy (where `to_device` one by one would make a copy each). Those already there pass through. The host tensors
+    share one dtype (the engine's index and key tensors, int64); otherwise each goes through `to_device`."""
+    device = torch.device(device)
+    moving = [i for i, t in enumerate(tensors) if t.device != device]
+    out = list(tensors)
+    if not moving:
+        return out
+    if (device.type != "cuda" or len(moving) == 1 or any(tensors[i].device.type != "cpu" for i in moving)
+            or len({tensors[i].dtype for i in moving}) > 1):
+        return [to_device(t, device) for t in tensors]
+    moved = to_device(torch.cat([tensors[i].reshape(-1) for i in moving]), device)
+    offset = 0
+    for i in moving:
+        n = tensors[i].numel()
+        out[i] = moved[offset:offset + n].view(tensors[i].shape)
+        offset += n
+    return out
+
+
 def order_key(turn: int, segment: int, index: torch.Tensor | int) -> torch.Tensor:
     """Pack (turn, segment, index) into sortable int64 keys (index < 2**40, turn < 2**21)."""
     index = torch.as_tensor(index, dtype=torch.long)

@@ -47,6 +47,8 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .cache_utils import to_device_all
+
 MAX_KEY = torch.iinfo(torch.long).max  # the key of an empty row: never visible to a real query
 ROW_ROUNDING = 16  # a step attends over its longest slot in use rounded up to this
 MIN_CAPACITY = 64
@@ -71,7 +73,7 @@ class SlotStep:
         """``(slots, write)`` on ``device`` (copied once per device and step: a model split by accelerate)."""
         got = self._on.get(device)
         if got is None:
-            got = self._on[device] = (self.slots.to(device), self.write.to(device))
+            got = self._on[device] = tuple(to_device_all([self.slots, self.write], device))
         return got
 
 
@@ -237,24 +239,28 @@ class SlotKVPool(Cache):
         if self.step is not None:
             raise RuntimeError("SlotKVPool.begin_step inside a running step.")
         self.reserve(max(self.lengths[s] for s in slots) + width)
-        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
+        before = [self.lengths[s] for s in slots]
+        starts = torch.tensor(before, dtype=torch.long)
         write = starts[:, None] + torch.arange(width)[None]
-        span = min(self.capacity, _round_up(int(starts.max()) + width, ROW_ROUNDING))
+        span = min(self.capacity, _round_up(max(before) + width, ROW_ROUNDING))
+        host_slots = torch.tensor(slots, dtype=torch.long)
+        # the step's placement and the keys made on the host go to the device in one non-blocking copy (no wait)
+        moved = to_device_all([host_slots, write, *[k.long() for k in query_keys]], self.device)
+        index, write_on, query_keys = moved[0], moved[1], moved[2:]
         queries = torch.full((len(slots), width), MAX_KEY, dtype=torch.long, device=self.device)
         for b, (slot, keys) in enumerate(zip(slots, query_keys)):
             n = int(keys.shape[0])
             if n:
-                keys = keys.to(self.device)
                 queries[b, :n] = keys
                 self.slot_keys[slot, self.lengths[slot]:self.lengths[slot] + n] = keys
             self.lengths[slot] += n
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
         stored = self.slot_keys[:, :span].index_select(0, index)  # [B, T]
         visible = stored[:, None, :] <= queries[:, :, None]
-        own = write.to(self.device)[:, :, None] == torch.arange(span, device=self.device)[None, None]
+        own = write_on[:, :, None] == torch.arange(span, device=self.device)[None, None]
         padding = queries == MAX_KEY
         visible = torch.where(padding[:, :, None], own, visible)
-        self.step = SlotStep(torch.tensor(slots, dtype=torch.long), write, span, starts.tolist())
+        self.step = SlotStep(host_slots, write, span, before)
+        self.step._on[self.device] = (index, write_on)  # (the layers on the pool's device read these)
         return visible
 
     def end_step(self, completed: bool = True) -> None:

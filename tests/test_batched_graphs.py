@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
@@ -298,3 +299,128 @@ def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
     gathered = [key for key in replay_log if not key.dense]
     assert [key.batch for key in gathered] == [4, 2]  # steps 2 and 3 (the 3-token sequence left after step 2)
     assert sum(1 for key in replay_log if key.dense) > 4
+
+
+# ---- the host waits for the device once per decode step (issue 29) ----
+
+class HostReads(TorchDispatchMode):
+    """Counts, on a CPU model, the host's reads of what the device computed: each would make a GPU host wait.
+
+    *Device data* is what derives from the model's parameters and buffers (every forward's output, the logits, the
+    sampled tokens, the stopping criteria's flags, anything computed from them, and buffers they are copied into).
+    A read is ``item`` / ``int`` / ``bool`` of device data (``_local_scalar_dense``), an op whose output size depends
+    on device values (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` by a tensor, indexing with a
+    boolean mask), or ``tolist`` / ``cpu`` / ``numpy`` of device data (`patch`: on a CPU these do not dispatch).
+    What it cannot see: tensors the host makes on the device itself (``torch.full(..., device=...)``) and host to
+    device copies, which are no copies on a CPU; tests/test_gpu.py counts those on CUDA."""
+
+    SIZED = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim"}
+
+    def __init__(self, model):
+        super().__init__()
+        self.reads = 0
+        for t in [*model.parameters(), *model.buffers()]:
+            t._raincheck_device = True
+
+    @staticmethod
+    def on_device(t) -> bool:
+        return isinstance(t, torch.Tensor) and getattr(t, "_raincheck_device", False)
+
+    def patch(self, monkeypatch):
+        for name in ("tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _original=original, _name=name, **kwargs):
+                if not self.on_device(t):
+                    return _original(t, *args, **kwargs)
+                self.reads += 1
+                if _name != "cpu":
+                    return _original(t, *args, **kwargs)
+                host = t.detach().clone()  # what a GPU gives back: a new host tensor, host data from then on
+                host._raincheck_device = False
+                return host
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [*args, *kwargs.values()]
+        flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]  # (index's list of indices)
+        device = any(self.on_device(t) for t in flat)
+        name = func.overloadpacket.__name__
+        if device and (name == "_local_scalar_dense" or name in self.SIZED
+                       or (name == "repeat_interleave" and isinstance(args[-1] if args else None, torch.Tensor))):
+            self.reads += 1
+        if device and name in ("index", "index_put", "index_put_") and any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1]):
+            self.reads += 1
+        out = func(*args, **kwargs)
+        if device:
+            for t in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    t._raincheck_device = True
+            if name.endswith("_") or "out" in kwargs:  # in place: the written tensor now holds device data
+                for t in ([args[0]] if args and isinstance(args[0], torch.Tensor) else []) + (
+                        [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []):
+                    t._raincheck_device = True
+        return out
+
+
+def test_host_reads_counts_what_would_wait_for_the_device(monkeypatch):
+    """The counter itself: reads of data derived from parameters count, host bookkeeping does not."""
+    layer = torch.nn.Linear(3, 3)
+    reads = HostReads(layer)
+    reads.patch(monkeypatch)
+    host = torch.arange(3)
+    with torch.no_grad(), reads:
+        out = layer(torch.ones(3))
+        host.tolist(), int(host[0]), host.cpu(), host[host > 0]  # noqa: B018 (host data: free)
+        assert reads.reads == 0
+        out.argmax().tolist()
+        int(out[0] > 0)
+        out.cpu()
+        out[out > 0]
+        torch.nonzero(out)
+        buffer = torch.zeros(3)
+        buffer.copy_(out)
+        buffer.tolist()
+    assert reads.reads == 6
+
+
+@pytest.mark.parametrize("mode,fast_path", [(None, True), ("full", True), ("full", False)],
+                         ids=["default-captured", "full-captured", "full-eager"])  # None: the default mode (raincheck)
+def test_batched_generate_reads_the_device_once_per_decode_step(mode, fast_path, monkeypatch):
+    """``generate`` with B = 4 and ``fast_path=True`` (the captured decode steps, run eagerly on a CPU; in ``full``
+    mode also the eager engine): the host reads what the device computed at most once per decode step (the sampled
+    tokens and the rows still going, together), plus what the call does once (planning, prefill, leaving): 12
+    answer tokens cost no more reads than 4 tokens plus 8. `HostReads` counts the reads; tests/test_gpu.py counts
+    the real synchronizations on CUDA. (The eager engine's chunk steps are not bound: transformers' Qwen3-VL adds
+    DeepStack features by boolean-mask indexing, a read per DeepStack layer.)"""
+    batched_graphs.release_all()
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT, IMAGE])
+    kw = {} if mode is None else {"mode": mode}
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, fast_path=fast_path, **kw)
+    counter = HostReads(model)
+    counter.patch(monkeypatch)
+    replays = []
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "run",
+                        lambda self, *a, _run=batched_graphs.BatchedStepGraphs.run: replays.append(1) or _run(self, *a))
+
+    def reads(n: int) -> int:
+        counter.reads = 0
+        with counter:
+            out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, raincheck=cfg,
+                                 return_dict_in_generate=True)
+        assert out.sequences.shape[1] == inputs["input_ids"].shape[1] + n
+        if mode is None:  # deferred chunks rode along with the decode steps
+            assert all(t.restored_during_decode for t in out.raincheck if t.deferred.numel())
+        return counter.reads
+
+    short, long = 4, 12
+    counts = {short: reads(short), long: reads(long)}
+    print(f"host reads of device data: {counts}")
+    assert bool(replays) == fast_path  # the decode steps ran as captured steps (fast_path=True)
+    assert counts[short] >= short  # the counter sees the per-step read of the tokens
+    assert counts[long] - counts[short] <= long - short, counts
+    batched_graphs.release_all()

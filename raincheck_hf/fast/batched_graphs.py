@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache_utils import DEFERRED, GENERATED
+from ..cache_utils import DEFERRED, GENERATED, to_device_all
 from ..configuration import CHUNK_LADDER, RaincheckConfig
 from ..kv_pool import MAX_KEY, SlotKVPool, SlotStep
 from ..masking import batched_visibility_to_attention_mask
@@ -324,7 +324,7 @@ class BatchedStepGraphs:
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
         padding sequences in the scratch slot (None: in the free slots ``n .. B - 1``, a dense step). A few copies
-        per buffer, whatever the batch (host time per step)."""
+        per buffer, whatever the batch (host time per step), and nothing read back from the device."""
         device = buffers.embeds.device
         batch, width = buffers.query_keys.shape
         n = len(entries)
@@ -344,20 +344,22 @@ class BatchedStepGraphs:
                 if v >= rows:  # a decode group's visual rows are its leading deferred rows (`decode_only`)
                     raise RuntimeError(f"a decode group of {rows} rows carries {v} DeepStack rows")
         ds_dest = torch.cat([b * width + torch.arange(v) for b, v in enumerate(visual)])
-        host = host.to(device, non_blocking=True)
-        dest, ds_dest = dest.to(device, non_blocking=True), ds_dest.to(device, non_blocking=True)
+        groups = [g for _, g in entries]
+        # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
+        # scheduler makes on the host) goes over in one non-blocking copy from pinned memory: no wait for the device
+        moved = to_device_all([host, dest, ds_dest, *[g.keys.long() for g in groups]], device)
+        host, dest, ds_dest, keys = moved[0], moved[1], moved[2], moved[3:]
         buffers.slots.copy_(host[0])
         buffers.write.copy_(host[1][:, None] + torch.arange(width, device=device)[None])
         buffers.last.copy_(host[2])
         buffers.embeds.zero_()
         buffers.positions.zero_()
         buffers.query_keys.fill_(MAX_KEY)
-        groups = [g for _, g in entries]
         buffers.embeds.view(batch * width, -1).index_copy_(
             0, dest, torch.cat([g.batch.embeds.to(device, buffers.embeds.dtype) for g in groups]))
         buffers.positions.view(3, batch * width).index_copy_(
             1, dest, torch.cat([g.batch.positions.to(device) for g in groups], dim=1))
-        buffers.query_keys.view(-1).index_copy_(0, dest, torch.cat([g.keys.to(device) for g in groups]))
+        buffers.query_keys.view(-1).index_copy_(0, dest, torch.cat(keys))
         for i, addend in enumerate(buffers.deepstack):
             addend.zero_()
             features = [g.batch.deepstack[i] for g, v in zip(groups, visual) if v]

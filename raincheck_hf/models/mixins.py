@@ -261,7 +261,8 @@ class DeepStackMixin:
         return {"visual_pos_masks": visual[None], "deepstack_visual_embeds": deepstack}
 
     def packed_deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
-        if deepstack is None or not bool(visual.any()):
+        # the features' rows are the visual rows: their count is a shape, read without waiting for the device
+        if deepstack is None or not deepstack or deepstack[0].shape[0] == 0:
             return {}
         return {"visual_pos_masks": visual, "deepstack_visual_embeds": deepstack}
 
