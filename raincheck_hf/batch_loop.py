@@ -208,7 +208,7 @@ class BatchLoop:
 
     def call(self, fn):
         """Run ``fn()`` on the loop's thread, between steps, and return what it returns (raise what it raises)."""
-        if threading.current_thread() is self._thread:
+        if self.on_loop_thread():
             return fn()
         holder, finished = {}, threading.Event()
         with self._wake:
@@ -246,6 +246,10 @@ class BatchLoop:
             return conversation._complete_here()
 
         return self.call(work)
+
+    def on_loop_thread(self) -> bool:
+        """The calling thread is the loop's (a turn's processor, criterion or streamer runs there)."""
+        return threading.current_thread() is self._thread
 
     def notify(self) -> None:
         """Something changed for the idle-time restoration (a turn ended): look again without waiting."""
@@ -404,9 +408,14 @@ class BatchLoop:
         conv, model = job.conversation, self.model
         if conv in self._restoring:  # its cache back (the rows restored so far stored) before the turn reads it
             self._stop_restoring(conv, keep=True)
+        if not conv.early_follow_up:  # the completion barrier, on this thread (it runs the model)
+            try:
+                conv._complete_here()
+            except BaseException as error:  # part of the leftovers may be stored: the cache cannot be trusted
+                conv._failed = error
+                self._end(job, error=error)
+                return
         try:
-            if not conv.early_follow_up:
-                conv._complete_here()  # the completion barrier, on this thread (it runs the model)
             kwargs = dict(job.generate_kwargs)
             if job.request is None:
                 job.request = _CancelRequest()
@@ -447,7 +456,10 @@ class BatchLoop:
         job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
         self._jobs[seq] = job
         if job.streamer is not None:
-            job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer
+            try:
+                job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer
+            except BaseException as error:  # the turn's streamer: it alone fails
+                self._fail(seq, error)
 
     # ---- stepping -----------------------------------------------------------------------------
     def _step(self, engine: BatchEngine) -> None:

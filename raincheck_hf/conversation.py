@@ -365,6 +365,10 @@ class Conversation:
 
     def _loop_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
         """The turn on the loop: handed over, then waited for (the loop writes the history, `_record_turn`)."""
+        if self.loop.on_loop_thread():
+            raise RuntimeError("Conversation.ask() was called from its BatchLoop's own thread (a logits processor, "
+                               "stopping criterion or streamer of a turn on the loop): the turn would wait for the "
+                               "thread that runs it. Ask from another thread.")
         start = time.perf_counter()
         generate_kwargs = dict(generate_kwargs)
         generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)

@@ -263,6 +263,59 @@ def test_closing_the_loop_ends_it_cleanly(model, processor):
         conv.close()
 
 
+def test_the_completion_barrier_on_the_loop(model, processor):
+    """``early_follow_up=False``: the loop restores every leftover before the follow-up joins (on its own thread),
+    and the follow-up equals the same dialogue alone with the barrier."""
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)
+    kw = dict(background=False, early_follow_up=False, max_new_tokens=6)
+    with BatchLoop(model) as loop, Conversation(model, processor, late, loop=loop, **kw) as conv:
+        first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+        deferred = first.pending
+        assert deferred > 0
+        follow = ask(conv, QUESTIONS[1])
+        assert first.restored_after_answer == deferred and follow.trace.restored_per_forward[0].numel() == 0
+    with Conversation(model, processor, late, **kw) as fresh:
+        want = [ask(fresh, QUESTIONS[0], [IMAGES[0]]), ask(fresh, QUESTIONS[1])]
+    for got, expected in zip((first, follow), want):
+        assert torch.equal(got.token_ids, expected.token_ids)
+        for a, b in zip(got.output.logits, expected.output.logits):
+            assert (a - b).abs().max() <= TOL
+
+
+def test_asking_from_the_loops_own_thread_or_with_a_failing_streamer(model, processor):
+    """A turn's processor that asks another conversation on the loop gets a clear error (it would wait for itself);
+    a turn whose streamer raises fails alone, its conversation as it was, and the loop goes on."""
+    with BatchLoop(model) as loop, \
+            Conversation(model, processor, CFG, background=False, max_new_tokens=3, loop=loop) as conv, \
+            Conversation(model, processor, CFG, background=False, max_new_tokens=3, loop=loop) as other:
+        seen = []
+
+        class AsksOther:
+            def __call__(self, input_ids, scores):
+                if not seen:
+                    try:
+                        other.ask("hi")
+                    except RuntimeError as error:
+                        seen.append(str(error))
+                return scores
+
+        ask(conv, QUESTIONS[0], [IMAGES[0]], logits_processor=LogitsProcessorList([AsksOther()]))
+        assert len(seen) == 1 and "BatchLoop's own thread" in seen[0] and other.turns == []
+
+        class Broken:
+            def put(self, value):
+                raise OSError("the terminal went away")
+
+            def end(self):
+                pass
+
+        cache = conv.cache
+        with pytest.raises(OSError, match="terminal"):
+            conv.ask(QUESTIONS[1], streamer=Broken())
+        assert conv.cache is cache and len(conv.turns) == 1 and loop.running == 0
+        assert not ask(conv, QUESTIONS[1]).cancelled and len(conv.turns) == 2
+
+
 def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, processor):
     for value in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=rf"BatchLoop\(max_batch_tokens=\.\.\.\) must be an integer >= 1 .*"
