@@ -22,6 +22,7 @@ the loop (continuous batching), and restores the leftovers in idle time or in th
 of the conversation's own). `ask` blocks (or streams) until the turn ends; its `TurnResult`, the history, the held
 cache and cancellation are as without the loop (the tokens and logits are those of the same dialogue run alone
 under the same chunk schedule: with a shared chunk budget, several answers at once may carry smaller chunks).
+A turn that fails on the loop leaves the conversation as it was before it (the loop ran it on a copy of the cache).
 
 Positions are never taken from ``model.rope_deltas``: the engine builds every turn's 3-D
 positions from the cache's own position counter.
