@@ -370,6 +370,9 @@ class BatchLoop:
             for _, holder, finished in tasks:
                 holder["error"] = self._closed_error(running=False)
                 finished.set()
+            for engine in self._engines:  # every sequence has left: pools and graphs back for the model
+                engine.close()
+            self._engines = []
 
     def _run_task(self, fn, holder: dict, finished: threading.Event) -> None:
         try:
@@ -389,7 +392,11 @@ class BatchLoop:
 
     def _next_engine(self) -> BatchEngine | None:
         """The next engine (round robin) with rows to run; empty engines no longer needed (`_keeps`) are dropped."""
-        self._engines = [e for e in self._engines if e.sequences or self._keeps(e)]
+        kept = [e for e in self._engines if e.sequences or self._keeps(e)]
+        for engine in self._engines:
+            if engine not in kept:
+                engine.close()  # its pool and captured graphs go back for the model's later engines
+        self._engines = kept
         busy = [e for e in self._engines if not e.idle]
         if not busy:
             return None
