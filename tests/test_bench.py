@@ -342,6 +342,22 @@ def test_batch_benchmark_rows_ratios_and_exact_lengths(tmp_path):
     assert result["settings"]["batch_chunk_rows"] == 64
 
 
+def test_batch_benchmark_profiles_a_call_per_row(tmp_path):
+    """``--profile``: one more call per row under torch.profiler; on CPU its top operators by self time and no device
+    figures."""
+    from raincheck_hf.bench import batch
+
+    result = batch.run("tiny_qwen3_vl", [2], ["raincheck"], answer_tokens=3, reps=1, device="cpu",
+                       json_path=str(tmp_path / "batch.json"), log=lambda *a: None, profile=True)
+    (row,) = result["rows"]
+    prof = row["profile"]
+    assert result["settings"]["profile"] is True
+    assert prof["wall_s"] > 0 and prof["device_s"] is None and prof["host_waits"] == 0
+    assert 0 < len(prof["top"]) <= 12 and all(t["calls"] >= 1 and t["self_s"] >= 0 for t in prof["top"])
+    assert prof["top"] == sorted(prof["top"], key=lambda t: -t["self_s"])
+    assert any(t["name"] in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul") for t in prof["top"])
+
+
 def test_batch_benchmark_takes_the_shared_chunk_budget(tmp_path, monkeypatch):
     """``--batch-chunk-rows`` reaches the raincheck / full variants' configs (``none``: no sharing) and the JSON."""
     from raincheck_hf.bench import batch

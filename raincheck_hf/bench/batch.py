@@ -22,7 +22,8 @@ costs, CUDA-graph captures and compiles, are paid before timing): ``e2e_s`` (the
 encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
-``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. The JSON carries the hardware and the
+``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. ``--profile`` adds one more call per row under
+`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed. The JSON carries the hardware and the
 ratios the batching targets read: each variant's tokens/s over its own B = 1 (and over the eager engine's B = 1
 for ``raincheck`` / ``full``), ``raincheck`` TPOT over ``full``'s, and each variant's tokens/s over ``stock``'s.
 """
@@ -85,6 +86,36 @@ def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
             "generated_tokens": generated, "steps": len(times)}
 
 
+HOST_WAITS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 12) -> dict:
+    """One more call of the same kind under `torch.profiler` (after the timed ones): where its time went. Wall
+    seconds; device seconds (the sum of the kernels' time, CUDA only); the host's seconds in the calls that wait for
+    the device (`HOST_WAITS`) and how many; the ``top`` kernels (CUDA) or operators (CPU) by self time. A profiled
+    call runs slower than a timed one: the figures say where time goes, not how long a call takes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        time_call(model, device, inputs, kwargs)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+    device_us = sum(e.self_device_time_total for e in events) if on_device else 0.0
+    waits = [e for e in events if e.key in HOST_WAITS]
+    ranked = sorted(events, key=lambda e: e.self_device_time_total if on_device else e.self_cpu_time_total,
+                    reverse=True)[:top]
+    return {"wall_s": wall, "device_s": device_us / 1e6 if on_device else None,
+            "host_wait_s": sum(e.self_cpu_time_total for e in waits) / 1e6,
+            "host_waits": sum(e.count for e in waits),
+            "top": [{"name": e.key[:120], "calls": e.count,
+                     "self_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e6}
+                    for e in ranked]}
+
+
 def summarize(reps: list[dict], batch: int, answer_tokens: int) -> dict:
     def med(key):
         values = [r[key] for r in reps if r[key] is not None]
@@ -116,7 +147,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 def run(model_name: str, batches: list[int], variants: list[str], answer_tokens: int = 128, reps: int = 2,
         device=None, image_size=None, json_path: str | None = None, log=print,
-        batch_chunk_rows=DEFAULT_CHUNK_ROWS) -> dict:
+        batch_chunk_rows=DEFAULT_CHUNK_ROWS, profile: bool = False) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         RaincheckConfig(batch_chunk_rows=batch_chunk_rows)
@@ -135,6 +166,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
     suppress = special_token_ids(processor)
     result = {"benchmark": "batch", "hardware": hardware_info(device), "model": info,
               "settings": {"batches": batches, "variants": variants, "answer_tokens": answer_tokens, "reps": reps,
+                           "profile": profile,
                            "image_size": list(image_size or MODELS[model_name].image_size),
                            "batch_chunk_rows": batch_chunk_rows,
                            "raincheck_config": ("RaincheckConfig() (defaults)" if batch_chunk_rows == DEFAULT_CHUNK_ROWS
@@ -151,6 +183,8 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
             time_call(model, device, inputs, kwargs)  # warm-up: the same call (captures, compiles, autotuning)
             runs = [time_call(model, device, inputs, kwargs) for _ in range(reps)]
             row = {"variant": variant, **summarize(runs, batch, answer_tokens)}
+            if profile:
+                row["profile"] = profile_call(model, device, inputs, kwargs)
             result["rows"].append(row)
             log(f"B={batch:3d} {variant:16s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
                 f"TPOT {row['tpot_s'] * 1e3:7.2f} ms")
@@ -174,6 +208,9 @@ def main(argv=None):
     parser.add_argument("--batch-chunk-rows", default=str(DEFAULT_CHUNK_ROWS),
                         help="RaincheckConfig.batch_chunk_rows of the raincheck / full variants: an integer >= 1, or "
                              f"'none' (no sharing); default {DEFAULT_CHUNK_ROWS}")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed calls, one more under torch.profiler per row: device time, the host's "
+                             "waits for the device, the top kernels (in the JSON's rows)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     rows = args.batch_chunk_rows.strip()
@@ -190,4 +227,4 @@ def main(argv=None):
         parser.error(f"--batch must be comma-separated integers, got {args.batch!r}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     return run(args.model, batches, variants, args.answer_tokens, args.reps, args.device, json_path=args.json,
-               batch_chunk_rows=chunk_rows)
+               batch_chunk_rows=chunk_rows, profile=args.profile)
