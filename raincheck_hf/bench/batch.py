@@ -23,7 +23,8 @@ encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (ag
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
 ``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. ``--profile`` adds one more call per row under
-`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed. The JSON carries the hardware and the
+`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed.
+The JSON carries the hardware and the
 ratios the batching targets read: each variant's tokens/s over its own B = 1 (and over the eager engine's B = 1
 for ``raincheck`` / ``full``), ``raincheck`` TPOT over ``full``'s, and each variant's tokens/s over ``stock``'s.
 """
