@@ -39,8 +39,27 @@ def is_enabled(model) -> bool:
     return _ORIGINAL in vars(model)
 
 
+TRANSFORMERS_RANGE = ("5.24", "5.25")  # >= the first, < the second: pyproject.toml's pin (a test keeps them equal)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """A clear error where the installed transformers is outside the range the engine is built on (its cache layer
+    API, ``custom_generate`` and the Qwen3-VL DeepStack arguments change between minor versions: another version
+    fails later and obscurely, mid-generate)."""
+    from packaging.version import Version
+
+    import transformers
+
+    found = transformers.__version__ if version is None else version
+    low, high = TRANSFORMERS_RANGE
+    if not Version(low) <= Version(Version(found).base_version) < Version(high):  # (a dev / local build counts)
+        raise RuntimeError(f"raincheck_hf needs transformers >={low},<{high}; this environment has transformers "
+                           f"{found}. Install a supported version: pip install 'transformers>={low},<{high}'.")
+
+
 def enable(model):
     """Make ``model.generate`` accept ``raincheck=True | RaincheckConfig | dict``. Idempotent; returns the model."""
+    check_transformers()
     get_adapter(model)  # unsupported models fail here, with the list of supported classes
     if is_enabled(model):
         return model

@@ -285,3 +285,27 @@ def test_readme_and_docstrings_say_what_retention_zero_does():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "`retention=0` selects none" in readme  # not "at least one" without the exception
     assert "r = 0 selects none" in RaincheckConfig.__doc__
+
+
+def test_enable_names_an_unsupported_transformers_version_before_any_compute(monkeypatch):
+    """The engine is built on one transformers minor version (pyproject.toml's pin): another one gets a clear error
+    from `enable` (and so from `Conversation`, `load`, the server), not an obscure failure mid-generate."""
+    import pathlib
+    import re
+
+    import transformers
+
+    from raincheck_hf import integration
+
+    pin = re.search(r'"transformers>=([\d.]+),<([\d.]+)"',
+                    (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pin and pin.groups() == integration.TRANSFORMERS_RANGE  # the check and the pin say the same
+    integration.check_transformers()  # the installed one
+    integration.check_transformers("5.24.3.dev0")
+    for bad in ("5.17.0", "5.25.0", "6.0.0"):
+        with pytest.raises(RuntimeError, match=rf"needs transformers >=5.24,<5.25; this environment has transformers "
+                                               rf"{re.escape(bad)}"):
+            integration.check_transformers(bad)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match="transformers 5.17.0"):
+        integration.enable(object())
