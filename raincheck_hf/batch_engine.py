@@ -65,9 +65,13 @@ __all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "batched_sample"]
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
 
 
-def _check_dynamic(cache, what: str) -> None:
-    """A held cache joins a batch by copying its rows into a slot: a batch-1 fast-path cache (static slots of CUDA
-    graphs, `fast.static_cache.StaticDeferredCache`) has no such rows to copy; say so instead of failing mid-copy."""
+def _check_held(cache, what: str) -> None:
+    """A held conversation's cache joins a batch by copying its rows into a slot: it must be a batch-1
+    `DeferredDynamicCache`, and not a fast-path one (static slots of CUDA graphs,
+    `fast.static_cache.StaticDeferredCache`), which has no such rows to copy; say so instead of failing mid-copy."""
+    if not isinstance(cache, DeferredDynamicCache):
+        raise ValueError(f"BatchEngine.{what} takes a held conversation's DeferredDynamicCache (of its last turn), "
+                         f"got a {type(cache).__name__}.")
     if isinstance(cache, StaticDeferredCache):
         raise ValueError(f"BatchEngine.{what} got a {type(cache).__name__} (a fast-path conversation's static cache); "
                          "a batch continues conversations held in a DeferredDynamicCache: run that conversation with "
@@ -276,10 +280,8 @@ class BatchEngine:
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"BatchEngine.add takes one sequence's input_ids ([L] or [1, L], L >= 1), got shape "
                              f"{tuple(ids.shape)}; add each prompt of a batch on its own.")
-        if cache is not None and not isinstance(cache, DeferredDynamicCache):
-            raise ValueError(f"BatchEngine.add(cache=...) continues a raincheck conversation and takes the "
-                             f"DeferredDynamicCache of its last turn, got a {type(cache).__name__}.")
-        _check_dynamic(cache, "add(cache=...)")
+        if cache is not None:
+            _check_held(cache, "add(cache=...)")
         state = new_sequence(self.model, self.adapter, self.config, self._arrivals, ids, cache=cache,
                              captures=captures, **media)
         self._arrivals += 1
@@ -296,10 +298,7 @@ class BatchEngine:
         once ``num_pending`` is 0, or when its conversation gets a follow-up (which then joins with that cache)."""
         if self._closed:
             raise ValueError("BatchEngine.restore after close(): the engine gave its pool back; make a new engine.")
-        if not isinstance(cache, DeferredDynamicCache):
-            raise ValueError(f"BatchEngine.restore takes a held conversation's DeferredDynamicCache, got a "
-                             f"{type(cache).__name__}.")
-        _check_dynamic(cache, "restore")
+        _check_held(cache, "restore")
         if cache.num_pending == 0:
             raise ValueError("BatchEngine.restore got a cache with no pending deferred rows: nothing to restore.")
         max_rows = self.config.idle_chunk_size if max_rows is None else max_rows

@@ -336,12 +336,10 @@ class ChunkScheduler:
         config = self.config
         if self.schedule is not None:
             return self._replayed(cache, forward_index)
-        if not config.auto_chunk:
-            if not chunk_size_for_forward(forward_index, config, cache.num_pending):
-                return 0
-            return config.chunk_size if cap is None else min(config.chunk_size, cap)
-        if chunk_size_for_forward(forward_index, config, cache.num_pending) == 0:
+        if not self.may_carry_chunk(cache, forward_index):
             return 0
+        if not config.auto_chunk:
+            return config.chunk_size if cap is None else min(config.chunk_size, cap)
         ladder = CHUNK_LADDER if cap is None else tuple(c for c in CHUNK_LADDER if c <= cap) or (min(CHUNK_LADDER),)
         costs = self.step_costs(adapter, cache)
         c = auto_chunk_size(costs, config.tpot_slack, cache.num_pending, forward_index, self.spent, ladder)

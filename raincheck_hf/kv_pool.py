@@ -63,11 +63,11 @@ class SlotStep:
     in its slot, padding rows after the real ones) and ``span`` (``T``, rows of each slot attention reads)."""
 
     def __init__(self, slots: torch.Tensor, write: torch.Tensor, span: int, lengths_before: list[int],
-                 dense: int | None = None):
+                 dense: int | None = None, on: dict | None = None):
         self.slots, self.write, self.span = slots, write, int(span)
         self.lengths_before = lengths_before
         self.dense = dense  # the step's slots are 0 .. dense - 1 in batch order: attention reads a view of them
-        self._on: dict = {}
+        self._on: dict = dict(on or {})  # device -> (slots, write) there, those already moved
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, write)`` on ``device`` (copied once per device and step: a model split by accelerate)."""
@@ -259,8 +259,7 @@ class SlotKVPool(Cache):
         own = write_on[:, :, None] == torch.arange(span, device=self.device)[None, None]
         padding = queries == MAX_KEY
         visible = torch.where(padding[:, :, None], own, visible)
-        self.step = SlotStep(host_slots, write, span, before)
-        self.step._on[self.device] = (index, write_on)  # (the layers on the pool's device read these)
+        self.step = SlotStep(host_slots, write, span, before, on={self.device: (index, write_on)})
         return visible
 
     def end_step(self, completed: bool = True) -> None:
