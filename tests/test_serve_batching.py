@@ -4,6 +4,8 @@ its rows, a failing request (or step) leaving the others alone, the settings and
 
 from __future__ import annotations
 
+import contextlib
+
 
 import pytest
 
@@ -294,21 +296,27 @@ def ask_turns(base, d, turns: int, texts: list[str], settings: dict):
                                                 extra_body={"raincheck": settings})
 
 
+@contextlib.contextmanager
+def busy_batching_server(glyph, dialogue, max_running: int):
+    """A batching server on the glyph model (64-row steps, 16-token answers) kept busy by a long streamed answer to
+    ``dialogue``'s first question: ``(base url, server, the long stream)``."""
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    model, processor = glyph
+    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=max_running,
+                                                     batching=True, max_batch_tokens=64))
+    with running(app) as base:
+        yield base, app.state.server, long_stream(base, data_url(dialogue.image()), dialogue.turns[0].question)
+
+
 def test_held_conversations_restore_beside_a_running_answer(glyph, dialogues, monkeypatch):
     """A long answer keeps the loop busy (the idle-time restoration never runs). Two dialogues' first turns answer
     beside it, leaving every deferred row pending; their held conversations then restore in the spare budget of the
     long answer's steps, down to nothing while it still streams. In every step that carried a restoring sequence,
     every fed sequence's decode row ran and the step stayed within the budget. The follow-ups then find nothing to
     restore and every answer equals its conversation alone."""
-    from raincheck_hf.serve import ServeSettings, create_app, running
-
     seen = watch_steps(monkeypatch)
-    model, processor = glyph
-    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=3,
-                                                     batching=True, max_batch_tokens=64))
-    with running(app) as base:
-        server = app.state.server
-        a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
+    with busy_batching_server(glyph, dialogues[0], max_running=3) as (base, server, a):
         firsts = {i: ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (1, 2)}
         convs = {i: server.store.get(r.model_extra["raincheck"]["conversation_id"]) for i, r in firsts.items()}
         deferred = {i: r.model_extra["raincheck"]["deferred"] for i, r in firsts.items()}
@@ -341,7 +349,6 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
     before the turn joins, the turn prefills the rest ahead of its question, and answers as its conversation
     alone does."""
     from raincheck_hf.batch_engine import RowScheduler
-    from raincheck_hf.serve import ServeSettings, create_app, running
 
     pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
 
@@ -355,12 +362,7 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
     monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
     seen = watch_steps(monkeypatch)
     settings = {**GUARD16, "chunk_size": 2}
-    model, processor = glyph
-    app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=2,
-                                                     batching=True, max_batch_tokens=64))
-    with running(app) as base:
-        server = app.state.server
-        a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
+    with busy_batching_server(glyph, dialogues[0], max_running=2) as (base, server, a):
         d = dialogues[3]
         first = ask_turns(base, d, 1, [], settings)
         conv = server.store.get(first.model_extra["raincheck"]["conversation_id"])
