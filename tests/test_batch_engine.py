@@ -485,7 +485,7 @@ def test_restoring_sequence_equals_idle_restoration(name, budget):
         r.check(f"{name} {what} beside restoring sequences")
     for forwards in entries:
         pieces = [len(g) for f in forwards for s, g in f if s in states]
-        assert all(p <= (max_rows or cfg.idle_chunk_size) for p in pieces)
+        assert all(p <= cfg.idle_chunk_size for p in pieces)
         if budget is not None:  # restoring rows only in what decode rows and chunks left
             others = sum(len(g) for f in forwards for s, g in f if s not in states)
             assert not pieces or others + sum(pieces) <= budget
@@ -627,7 +627,7 @@ def run_restoring_case(model, engine: BatchEngine, cfg: RaincheckConfig, answers
             got[state] = engine.remove(state)
     for forwards in entries:
         pieces = [len(g) for f in forwards for s, g in f if s in states]
-        assert all(p <= (max_rows or cfg.idle_chunk_size) for p in pieces)
+        assert all(p <= max_rows for p in pieces)
         if budget is not None:  # restoring rows only in what the others left
             others = sum(len(g) for f in forwards for s, g in f if s not in states)
             assert not pieces or others + sum(pieces) <= budget
