@@ -59,7 +59,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..batched import RestoringState
 from ..cache_utils import DEFERRED, GENERATED, to_device_all
 from ..configuration import CHUNK_LADDER, RaincheckConfig
 from ..kv_pool import MAX_KEY, SlotKVPool, SlotStep
@@ -132,11 +131,11 @@ def resolve_graphs(adapter, config: RaincheckConfig, graphs: bool | None) -> boo
 
 def decode_only(entries) -> bool:
     """The step carries no prompt piece, so it can be replayed: every entry is a decode group ``[deferred chunk?,
-    generated token]`` that wants its logits, or a restoring sequence's piece (`batched.RestoringState`: deferred rows
-    only, no logits wanted)."""
+    generated token]`` that wants its logits, or a restoring sequence's piece (a sequence with ``restores_only``,
+    `batched.RestoringState`: deferred rows only, no logits wanted)."""
     for seq, group in entries:
         kinds = torch.as_tensor(group.kinds)
-        if isinstance(seq, RestoringState):
+        if seq.restores_only:
             if group.want_logits or bool((kinds != DEFERRED).any()):
                 return False
         elif not group.want_logits or int(kinds[-1]) != GENERATED or bool((kinds[:-1] != DEFERRED).any()):
