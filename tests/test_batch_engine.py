@@ -605,9 +605,10 @@ def draw_restoring_case(rng: random.Random, model, processor, longest: int = 6, 
 def run_restoring_case(model, engine: BatchEngine, cfg: RaincheckConfig, answers: list[Request], held: list,
                        max_rows: int | None, budget: int | None) -> tuple[list, list]:
     """Drive a `draw_restoring_case` on ``engine`` (made with ``budget``): the held conversations join as restoring
-    sequences (pieces of at most ``max_rows``), the answers at their steps; once the answers are done, the engine restores what is left alone. Checks
-    the scheduling rules on every step (no fed token left out, restoring pieces within the budget's spare rows and
-    their idle chunk). Returns each held conversation's restored cache, and `count_paths`' log."""
+    sequences (pieces of at most ``max_rows``), the answers at their steps; once the answers are done, the engine
+    restores what is left alone. Checks the scheduling rules on every step (no fed token left out, restoring pieces
+    within the budget's spare rows and ``max_rows``). Returns each held conversation's restored cache, and
+    `count_paths`' log."""
     states = [engine.restore(cache, max_rows=max_rows) for cache in held]
     paths = count_paths(engine)
     entries = []

@@ -324,7 +324,7 @@ def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log
     what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
     for i, r in enumerate(answers):
         r.check(f"{what} answer {i}")
-    for k, (cache, got) in enumerate(zip(held, restored)):
+    for cache, got in zip(held, restored):
         assert_cache_equal(got, _idle_restored(model, cache, cfg))
     assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
     assert [p for p, _, _ in paths].count("replay") == counts["decode"] == len(replay_log)
