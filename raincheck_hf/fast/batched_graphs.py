@@ -10,9 +10,9 @@ buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`)
   (`kv_pool.SlotKVPool.scratch`): their keys are ``MAX_KEY``, so no real query sees what they write, and their
   logits are ignored;
 - ``width``: the widest sequence's rows rounded up to the chunk ladder (`width_bucket`: 1, or ``c + 1`` for a
-  chunk size ``c`` the configuration can take; a restoring piece has at most its idle chunk's rows, so it lands on
-  the same ladder); a shorter sequence's rows are padded at its end, as on the eager engine (they write after its
-  length with the empty key, which its next rows overwrite);
+  chunk size ``c`` the configuration can take; a restoring piece of at most the idle chunk, `BatchEngine.restore`'s
+  default, lands on the same ladder); a shorter sequence's rows are padded at its end, as on the eager engine (they
+  write after its length with the empty key, which its next rows overwrite);
 - ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
   `static_cache.slot_bucket` (at most the pool's capacity).
 
