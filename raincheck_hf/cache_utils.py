@@ -54,6 +54,8 @@ def to_device_all(tensors: list[torch.Tensor], device: torch.device) -> list[tor
     copy (where `to_device` one by one would make a copy each). Those already there pass through. The host tensors
     share one dtype (the engine's index and key tensors, int64); otherwise each goes through `to_device`."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current device: tensors say "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
     moving = [i for i, t in enumerate(tensors) if t.device != device]
     out = list(tensors)
     if not moving:

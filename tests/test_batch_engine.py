@@ -170,19 +170,26 @@ def assert_some_chunks_cut(cfg: RaincheckConfig, requests: list[Request], what: 
     assert any(differ), f"{what}: the shared budget cut no chunk"
 
 
+def _run_fuzz_case(base: int, seed: int, draw):
+    """Seed ``base + seed``'s case drawn by ``draw`` on the family the seed picks, driven through a fresh engine with
+    few slots, each sequence checked against its own call; ``(family, config, requests, engine)``."""
+    rng = random.Random(base + seed)
+    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw(rng, model, processor)
+    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    return name, cfg, requests, engine
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_fuzz_sequences_match_alone(seed):
     """Random join schedules, prompts (text, images, videos), modes, retentions, chunk sizes, guards, token
     budgets (most of them split prompts over several steps) and held conversations that continue, on every
     family; few initial slots, so slots are reused and the pool grows: each sequence equals its own call."""
-    rng = random.Random(2000 + seed)
-    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
-    model, processor = family_model(name), family_processor(name)
-    cfg, requests, budget = draw_case(rng, model, processor)
-    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
-    drive(model, engine, requests)
-    for i, r in enumerate(requests):
-        r.check(f"{name} seed {seed} sequence {i}")
+    name, _, _, engine = _run_fuzz_case(2000, seed, draw_case)
     assert engine.sequences == [] and engine.pool.num_slots - len(engine.pool._free) == 0
 
 
@@ -191,14 +198,7 @@ def test_fuzz_shared_chunk_budget_sequences_match_alone_under_their_schedule(see
     """Random cases where the shared chunk budget cuts chunks (`draw_shared_case`), on every family: some sequence's
     chunk sizes differ from its own call's, and each sequence equals its own call replaying its schedule (tokens,
     logits 1e-4, cache, trace)."""
-    rng = random.Random(3000 + seed)
-    name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
-    model, processor = family_model(name), family_processor(name)
-    cfg, requests, budget = draw_shared_case(rng, model, processor)
-    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
-    drive(model, engine, requests)
-    for i, r in enumerate(requests):
-        r.check(f"{name} seed {seed} sequence {i}")
+    name, cfg, requests, _ = _run_fuzz_case(3000, seed, draw_shared_case)
     assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
 
 

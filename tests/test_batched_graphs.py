@@ -81,6 +81,22 @@ def _decode_forwards(engine):
     return counts
 
 
+def _run_captured_case(rng_seed: int, seed: int, draw, most: int):
+    """A drawn case (``draw``, prompts of at most 7 rows, ``most`` sequences) on the attention family the seed picks,
+    through an engine with the static-buffer steps, each sequence checked against its own eager batch-1 call;
+    ``(family, config, requests, engine, decode-only forward counts)``."""
+    rng = random.Random(rng_seed)
+    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw(rng, model, processor, longest=7, most=most)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _decode_forwards(engine)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    return name, cfg, requests, engine, counts
+
+
 @pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
 @pytest.mark.parametrize("seed", range(9))
 def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
@@ -89,15 +105,7 @@ def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
     step's slots with the bucket's padding in the scratch slot): each sequence equals its own eager batch-1 call
     (tokens, logits 1e-4, cache, trace), every decode-only forward was a replay, and the pool ends empty."""
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
-    rng = random.Random(7000 + seed)
-    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
-    model, processor = family_model(name), family_processor(name)
-    cfg, requests, budget = draw_case(rng, model, processor, longest=7, most=6)
-    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
-    counts = _decode_forwards(engine)
-    drive(model, engine, requests)
-    for i, r in enumerate(requests):
-        r.check(f"{name} seed {seed} sequence {i}")
+    name, cfg, requests, engine, counts = _run_captured_case(7000 + seed, seed, draw_case, most=6)
     assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
     assert all(key.dense == views for key in replay_log)
     pool = engine.pool
@@ -110,15 +118,7 @@ def test_fuzz_shared_chunk_budget_on_captured_steps(seed, replay_log):
     """The shared chunk budget's fuzz (`draw_shared_case`: chunks cut to ladder sizes) through the static-buffer
     steps: the cut chunks' widths are among the ladder's buckets, every decode-only forward was a replay, and each
     sequence equals its own eager batch-1 call under its schedule."""
-    rng = random.Random(8000 + seed)
-    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
-    model, processor = family_model(name), family_processor(name)
-    cfg, requests, budget = draw_shared_case(rng, model, processor, longest=7, most=5)
-    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
-    counts = _decode_forwards(engine)
-    drive(model, engine, requests)
-    for i, r in enumerate(requests):
-        r.check(f"{name} seed {seed} sequence {i}")
+    name, cfg, requests, engine, counts = _run_captured_case(8000 + seed, seed, draw_shared_case, most=5)
     assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
     assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
     allowed = {1, cfg.chunk_size + 1} | {c + 1 for c in CHUNK_LADDER}  # `width_bucket`'s sizes: nothing new

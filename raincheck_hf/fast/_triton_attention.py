@@ -13,7 +13,7 @@ so a tile (or a split) in which a row sees nothing adds exactly nothing.
 import triton
 import triton.language as tl
 
-NEG = -1.0e30  # the running maximum's start: finite, so exp(-inf - NEG) = 0 and exp(NEG - NEG) = 1
+NEG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp(-inf - NEG) = 0 and exp(NEG - NEG) = 1
 
 
 @triton.jit

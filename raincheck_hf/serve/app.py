@@ -57,8 +57,8 @@ class ServeSettings:
         max_running: turns generating at once; more wait in the queue.
         max_queue: turns waiting for a running place (first come, first served); a request beyond them is
             refused at once with HTTP 429 and ``Retry-After``.
-        batching: answer the running turns in one continuous-batching loop over the batched eager engine
-            (`scheduler.BatchScheduler`; ``max_running`` is then the batch's most sequences) instead of a thread
+        batching: answer the running turns in one continuous-batching loop over the batched engine (its decode
+            steps captured as CUDA graphs on CUDA, `fast_path=None`; `scheduler.BatchScheduler`; ``max_running`` is then the batch's most sequences) instead of a thread
             per turn on the batch-1 engine.
         max_batch_tokens: with ``batching``, rows per step (decode rows first, then prompt pieces: a long prompt
             is prefilled over several steps while the others keep decoding).

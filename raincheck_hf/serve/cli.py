@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-queue", type=int, default=64,
                       help="turns waiting for a running place, first come first served (default %(default)s)")
     load.add_argument("--batching", action="store_true",
-                      help="answer the running turns in one continuous-batching loop over the batched eager engine "
-                           "(--max-running is then the batch's most sequences); default: a thread per turn on the "
-                           "batch-1 engine, whose CUDA fast path is faster per token")
+                      help="answer the running turns in one continuous-batching loop over the batched engine "
+                           "(its decode steps captured on CUDA; --max-running is then the batch's most sequences); "
+                           "default: a thread per turn on the batch-1 engine")
     load.add_argument("--max-batch-tokens", type=int, default=2048,
                       help="with --batching, rows per step: decode rows first, then prompt pieces, so a long prompt "
                            "is prefilled over several steps (default %(default)s)")
