@@ -19,7 +19,7 @@ _EXPORTS = {
     "RaincheckGenerateOutput": "generation", "RaincheckTrace": "generation", "restore_pending": "generation",
     "disable": "integration", "enable": "integration", "is_enabled": "integration", "Selector": "selection",
     "available_selectors": "selection", "get_selector": "selection", "register_selector": "selection",
-    "Conversation": "conversation", "warm_up": "warmup", "WarmUpSummary": "warmup",
+    "Conversation": "conversation", "BatchLoop": "batch_loop", "warm_up": "warmup", "WarmUpSummary": "warmup",
 }
 
 
@@ -42,7 +42,7 @@ def __dir__():
 
 
 __all__ = [
-    "Conversation", "DeferredDynamicCache", "MODES", "RaincheckConfig", "RaincheckGenerateOutput", "RaincheckTrace",
+    "BatchLoop", "Conversation", "DeferredDynamicCache", "MODES", "RaincheckConfig", "RaincheckGenerateOutput", "RaincheckTrace",
     "Selector", "available_selectors", "disable", "enable", "get_selector", "is_enabled", "register_selector",
     "restore_pending", "warm_up", "WarmUpSummary",
 ]

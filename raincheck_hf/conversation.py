@@ -16,20 +16,30 @@ the stream, or dropping it unread): a stopping criterion the conversation owns e
 loop, the history keeps exactly the tokens generated up to there, pending deferred rows stay pending
 (none is lost or prefilled twice), and the next turn continues from that history as usual.
 
+With ``loop=`` (a `batch_loop.BatchLoop` on the same model) a turn is handed to the loop instead of its own
+``generate`` call: the loop's thread runs it in one forward per step with the turns of the other conversations on
+the loop (continuous batching), and restores the leftovers in idle time or in the steps' spare budget (no worker
+of the conversation's own). `ask` blocks (or streams) until the turn ends; its `TurnResult`, the history, the held
+cache and cancellation are as without the loop (the tokens and logits are those of the same dialogue run alone
+under the same chunk schedule: with a shared chunk budget, several answers at once may carry smaller chunks).
+A turn that fails on the loop leaves the conversation as it was before it (the loop ran it on a copy of the cache).
+
 Positions are never taken from ``model.rope_deltas``: the engine builds every turn's 3-D
 positions from the cache's own position counter.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from .batch_loop import BatchLoop, BatchTurn, _CancelRequest
 from .configuration import RaincheckConfig
 from .generation import RaincheckTrace, restore_pending
 from .integration import enable
@@ -89,20 +99,6 @@ class _TokenClock(BaseStreamer):
             self.inner.end()
 
 
-class _CancelRequest(StoppingCriteria):
-    """The stopping criterion a conversation adds to each turn: once ``event`` is set, the decoding
-    loop stops at its next stopping check (after the token it just sampled)."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.stopped = False  # the event ended the answer
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        cancelled = self.event.is_set()
-        self.stopped = self.stopped or cancelled
-        return torch.full((input_ids.shape[0],), cancelled, dtype=torch.bool, device=input_ids.device)
-
-
 class StreamingTurn:
     """Iterator over the text pieces of an answer; ``.result`` is the `TurnResult` once it ends.
 
@@ -159,15 +155,28 @@ class Conversation:
         processor: its processor (chat template, image and video processors).
         config: the `RaincheckConfig` for every turn (default: `RaincheckConfig()`).
         system: optional system prompt for the first turn.
-        background: restore leftovers in a background worker between turns (else only on
-            `complete()` or at the next turn).
+        background: restore leftovers between turns, in a background worker (with ``loop``: by the loop's
+            thread); False: only on `complete()` or at the next turn.
         early_follow_up: prefill leftovers together with a follow-up instead of waiting for them.
         max_new_tokens: default answer length limit (a per-call ``max_new_tokens`` wins).
+        loop: a `BatchLoop` on the same model: the turns run in its batch, beside the other conversations' on it
+            (default None: each turn is its own ``generate`` call).
     """
 
     def __init__(self, model, processor, config: RaincheckConfig | None = None, *, system: str | None = None,
-                 background: bool = True, early_follow_up: bool = True, max_new_tokens: int = 256):
+                 background: bool = True, early_follow_up: bool = True, max_new_tokens: int = 256,
+                 loop: BatchLoop | None = None):
+        if loop is not None:
+            if not isinstance(loop, BatchLoop):
+                raise ValueError(f"Conversation(loop={loop!r}) must be a raincheck_hf.BatchLoop or None.")
+            if loop.model is not model:
+                raise ValueError(f"Conversation(loop=...) got a BatchLoop on another model (the loop's is a "
+                                 f"{type(loop.model).__name__} at {id(loop.model):#x}, this conversation's a "
+                                 f"{type(model).__name__} at {id(model):#x}); make the loop with this model.")
+            if loop.closed:
+                raise ValueError("Conversation(loop=...) got a closed BatchLoop; make a new one (or leave loop=None).")
         self.model = enable(model)
+        self.loop = loop
         self.processor = processor
         self.config = config if config is not None else RaincheckConfig()
         if not isinstance(self.config, RaincheckConfig):
@@ -188,8 +197,12 @@ class Conversation:
         self._failed: BaseException | None = None  # a turn failed after it changed the cache
         self._wake = threading.Condition()
         self._closed = False
+        self._background = background
+        self._last_used = time.monotonic()  # the loop restores the most recently used conversation first
         self._worker = None
-        if background:
+        if loop is not None:
+            loop.attach(self)  # the loop restores its leftovers: no worker of its own
+        elif background:
             self._worker = threading.Thread(target=self._restore_in_background, name="raincheck-restore", daemon=True)
             self._worker.start()
 
@@ -207,11 +220,18 @@ class Conversation:
         """
         if self._closed:
             raise RuntimeError("this Conversation is closed")
+        if self.loop is not None and self.loop.closed:
+            raise RuntimeError("this Conversation's BatchLoop is closed: it takes no more turns (make a new "
+                               "Conversation, on a new BatchLoop or with loop=None).")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("Conversation.ask(text=...) needs a non-empty question.")
         for name in ("input_ids", "cache", "raincheck", "return_dict_in_generate"):
             if name in generate_kwargs:
                 raise ValueError(f"Conversation.ask() sets {name} itself; do not pass it.")
+        if self.loop is not None and "raincheck_chunk_schedule" in generate_kwargs:
+            raise ValueError("Conversation.ask(raincheck_chunk_schedule=...) replays a chunk schedule in a turn of "
+                             "its own; a turn on a BatchLoop gets its chunks from the batch. Ask it on a Conversation "
+                             "without loop=.")
         self._check_config()
         with self._ask_lock:
             in_flight = self._in_flight
@@ -221,7 +241,8 @@ class Conversation:
                 in_flight.join()  # a streamed answer (cancelled or not) finishes first: it writes the history
             if self._failed is not None:
                 raise RuntimeError(
-                    f"an earlier turn of this Conversation failed while it was generating ({type(self._failed).__name__}: "
+                    f"an earlier turn of this Conversation (or the restoration of its deferred tokens) failed while "
+                    f"it was running ({type(self._failed).__name__}: "
                     f"{self._failed}), so its cache no longer matches its history; start a new Conversation."
                 ) from self._failed
             with self._lock:
@@ -259,7 +280,13 @@ class Conversation:
         return True
 
     def complete(self) -> int:
-        """Prefill every leftover deferred token now (chunk by chunk); returns how many."""
+        """Prefill every leftover deferred token now (chunk by chunk); returns how many. With a loop, its thread
+        does it, between steps."""
+        if self.loop is not None and not self.loop.closed:
+            return self.loop.complete(self)
+        return self._complete_here()
+
+    def _complete_here(self) -> int:
         total = 0
         while True:
             n = self._restore_one_chunk()
@@ -279,6 +306,8 @@ class Conversation:
             self._wake.notify_all()
         if self._worker is not None:
             self._worker.join()
+        if self.loop is not None:
+            self.loop.detach(self)
 
     def __enter__(self):
         return self
@@ -326,10 +355,42 @@ class Conversation:
 
     def _run(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
         try:
+            if self.loop is not None:
+                return self._loop_turn(inputs, streamer, generate_kwargs, request)
             return self._generate_turn(inputs, streamer, generate_kwargs, request)
         finally:
             if self._request is request:
                 self._request = None
+            if self.loop is not None:
+                self.loop.notify()  # its leftovers may be restored now
+
+    def _loop_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
+        """The turn on the loop: handed over, then waited for (the loop writes the history, `_record_turn`)."""
+        if self.loop.on_loop_thread():
+            raise RuntimeError("Conversation.ask() was called from its BatchLoop's own thread (a logits processor, "
+                               "stopping criterion or streamer of a turn on the loop): the turn would wait for the "
+                               "thread that runs it. Ask from another thread.")
+        start = time.perf_counter()
+        generate_kwargs = dict(generate_kwargs)
+        generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)
+        user_streamer = generate_kwargs.pop("streamer", None)
+        if streamer is not None and user_streamer is not None:
+            raise ValueError("Conversation.ask(stream=True) streams itself; do not pass a streamer as well.")
+        generate_kwargs["return_dict_in_generate"] = True
+        ended = threading.Event()
+        turn = BatchTurn(self, copy.copy(self.config), inputs, generate_kwargs,
+                         streamer if streamer is not None else user_streamer, request.event,
+                         lambda _: ended.set(), started=start, request=request)
+        self.loop.submit(turn)
+        try:
+            ended.wait()
+        except BaseException:  # interrupted while waiting (KeyboardInterrupt): the answer stops at its next step
+            request.event.set()
+            ended.wait()
+            raise
+        if turn.error is not None:
+            raise turn.error
+        return turn.result
 
     def _generate_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
         generate_kwargs = dict(generate_kwargs)
@@ -370,8 +431,9 @@ class Conversation:
                      started: float, previous_pending: bool, cancelled: bool, output=None) -> TurnResult:
         """Under the lock, after a turn's answer: the conversation continues from ``cache`` (its whole ``sequences``),
         the earlier turn's leftovers that this turn's prefill restored count for the earlier turn, and the turn
-        joins the history (also the batching server's turns, `serve.scheduler`)."""
+        joins the history (also the turns of a `BatchLoop`, the batching server's included)."""
         wall = time.perf_counter() - started
+        self._last_used = time.monotonic()
         if self.turns and previous_pending:
             earlier = self.turns[-1]
             earlier.restored_after_answer += int(trace.restored_per_forward[0].numel())
@@ -401,9 +463,19 @@ class Conversation:
             self._count_restored(int(restored.numel()))
             return int(restored.numel())
 
+    def restored_beside(self, cache) -> int:
+        """A `BatchLoop` restored some of the leftover deferred rows in the spare budget of its steps
+        (`batch_engine.BatchEngine.restore`): ``cache``, the held one with them stored, becomes the conversation's.
+        Returns how many."""
+        with self._lock:
+            restored = self.pending - cache.num_pending
+            self.cache = cache
+            self._count_restored(restored)
+        return restored
+
     def _count_restored(self, n: int) -> None:
         """Under the lock: ``n`` leftover deferred rows were just restored after the last answer (the cache holds
-        them); they count for the last turn (also the batching server's restoration, `serve.scheduler`)."""
+        them); they count for the last turn (also a `BatchLoop`'s restoration)."""
         if self.turns:
             self.turns[-1].restored_after_answer += n
             self.turns[-1].pending = self.cache.num_pending

@@ -27,7 +27,7 @@ LAYERS = [
     ("scheduling and drivers", ["raincheck_hf.generation", "raincheck_hf.batched", "raincheck_hf.batch_engine"]),
     ("public API", ["raincheck_hf.integration", "raincheck_hf.warmup", "raincheck_hf.loading",
                     "raincheck_hf.startup"]),
-    ("sessions", ["raincheck_hf.conversation", "raincheck_hf.serve.scheduler", "raincheck_hf.serve.store",
+    ("sessions", ["raincheck_hf.batch_loop", "raincheck_hf.conversation", "raincheck_hf.serve.scheduler", "raincheck_hf.serve.store",
                   "raincheck_hf.serve.errors", "raincheck_hf.serve.schema", "raincheck_hf.serve.media",
                   "raincheck_hf.serve.protocol", "raincheck_hf.serve.admission", "raincheck_hf.serve.metrics",
                   "raincheck_hf.eval.harness"]),

@@ -95,6 +95,18 @@ class Request:
         assert_trace_equal(self.seq.trace, self.want.raincheck)
 
 
+def settle(engine: BatchEngine, active: dict, step_logits: dict, suppressed) -> None:
+    """After a step: each request that got logits takes its token, then leaves with its cache once done, or is fed
+    its token for the next step."""
+    for seq, logits in step_logits.items():
+        r = active[seq]
+        if r.take(logits, suppressed):
+            r.cache = engine.remove(seq)
+            del active[seq]
+        else:
+            engine.feed(seq, r.tokens[-1])
+
+
 def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
     """Run the schedule: each request joins at its step, takes greedy tokens (placeholders suppressed, as in its
     reference) until it has as many as its reference, then leaves with its cache. Returns the steps taken."""
@@ -107,13 +119,7 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
             r = waiting.pop(0)
             r.seq = engine.add(r.ids, cache=r.held, **r.media)
             active[r.seq] = r
-        for seq, logits in engine.step().items():
-            r = active[seq]
-            if r.take(logits, suppressed):
-                r.cache = engine.remove(seq)
-                del active[seq]
-            else:
-                engine.feed(seq, r.tokens[-1])
+        settle(engine, active, engine.step(), suppressed)
         step += 1
         assert step < 500, "the schedule does not finish"
     return step
@@ -437,13 +443,7 @@ def _drive_with_restoring(engine, decoding: list[Request], restoring: list, supp
         logits = engine.step()
         assert all(s in logits for s in fed), "a decode row was left out of a step"
         per_step.append(sum(n - s.num_pending for s, n in before.items()))
-        for seq, row in logits.items():
-            r = active[seq]
-            if r.take(row, suppressed):
-                r.cache = engine.remove(seq)
-                del active[seq]
-            else:
-                engine.feed(seq, r.tokens[-1])
+        settle(engine, active, logits, suppressed)
         for s in restoring:
             if s in engine.sequences and s.num_pending == 0:
                 left[s] = engine.remove(s)

@@ -314,7 +314,8 @@ def test_held_conversations_restore_beside_a_running_answer(glyph, dialogues, mo
         deferred = {i: r.model_extra["raincheck"]["deferred"] for i, r in firsts.items()}
         assert all(n > 0 for n in deferred.values())
         assert all(r.model_extra["raincheck"]["restored_during"] == 0 for r in firsts.values())
-        wait_for(lambda: all(c.pending == 0 for c in convs.values()))
+        # the turns' figures (recorded under the conversation's lock with the restored cache), not the live count
+        wait_for(lambda: all(c.turns[0].restored_after_answer == deferred[i] for i, c in convs.items()))
         assert server.scheduler.running == 1  # the long answer still streams
         for i, conv in convs.items():
             assert conv.turns[0].restored_after_answer == deferred[i] and conv.turns[0].pending == 0

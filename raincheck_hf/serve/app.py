@@ -378,8 +378,8 @@ class Server:
             self._end(turn, emit, job.error, keep=conv.cache is not None)
 
         pieces = _Pieces(self.processor.tokenizer, emit, self.metrics.tokens)
-        self.scheduler.submit(BatchJob(conv, turn.request.config, inputs, turn.digests, kwargs, pieces, turn.cancel,
-                                       done))
+        self.scheduler.submit(BatchJob(conv, turn.request.config, inputs, kwargs, pieces, turn.cancel, done,
+                                       digests=turn.digests))
 
     def _start(self, turn: _Turn, emit) -> threading.Thread:
         inputs, kwargs = self._checkout(turn)

@@ -51,21 +51,6 @@ class ServedConversation(Conversation):
         self.digests = digests
         return result
 
-    def restore_chunk(self) -> int:
-        """Prefill one chunk of the leftover deferred rows now (the server's batching loop calls this in idle
-        time, in place of the conversation's own worker); returns how many."""
-        return self._restore_one_chunk()
-
-    def restored_beside(self, cache) -> int:
-        """The batching loop restored some of the leftover deferred rows in the spare budget of its steps
-        (`batch_engine.BatchEngine.restore`): ``cache``, the held one with them stored, becomes the conversation's.
-        Returns how many."""
-        with self._lock:
-            restored = self.pending - cache.num_pending
-            self.cache = cache
-            self._count_restored(restored)
-        return restored
-
     @property
     def length(self) -> int:
         return 0 if self.sequences is None else int(self.sequences.shape[1])

@@ -1,0 +1,635 @@
+"""`BatchLoop`: one thread drives `batch_engine.BatchEngine` for the turns of several conversations on one model.
+
+Each turn is handed to `BatchLoop.submit` (a `BatchTurn`); `Conversation(..., loop=loop)` does it for its `ask`, the
+server's batching mode (`serve.scheduler.BatchScheduler`, a thin layer over this class) for its requests. The loop's
+thread (the only one that runs the model for them) takes the turn at its next iteration and
+
+- prepares it as `generate(raincheck=...)` would: `integration.validate_request`, then HF's own preparation of
+  the call through ``generate(custom_generate=...)`` (the generation config, HF's logits processors and stopping
+  criteria merged with the turn's, the vision encoder's outputs), with a callable that only records them;
+- joins it to the running batch: ``engine.add(input_ids, cache=<the conversation's cache>, ...)``; its prompt
+  is prefilled under the step's token budget (``max_batch_tokens``), beside the others' decode rows;
+- after each step, chooses the tokens of the sequences that got logits with their own processors
+  (`generation.choose_next_tokens`, the per-turn path's step; a turn's processors see only its row), streams
+  them, checks its stopping criteria (EOS, ``max_new_tokens``, stop strings, a cancellation) and either feeds the
+  token back (`BatchEngine.feed`) or removes the sequence (`BatchEngine.remove`), whose `DeferredDynamicCache`
+  becomes the conversation's cache: its follow-up continues from it, as on the per-turn path.
+
+A cancelled turn (its ``cancel`` event set): a decoding sequence leaves before the next step with the tokens it
+answered, as `Conversation.cancel` leaves them. One still prefilling runs on to its first token, where its stopping
+criterion ends it, as on the per-turn path (the server instead drops it: its client is gone). A turn whose
+preparation or processors fail leaves alone and gets its error; a step that raises fails the sequences that had
+rows in it and the loop goes on. The engine copies a conversation's cache when the turn joins, so a failed turn
+leaves its conversation as it was.
+
+Turns with different `RaincheckConfig`s run on one engine per config, the loop stepping the engines with work in
+turn: the engine's config decides its row scheduling (``serial`` splits chunks into forwards of their own) and
+every sequence's planning, so one engine per config keeps `BatchEngine` unchanged. An engine left empty is dropped
+(its pool's memory with it) unless a conversation on the loop still uses its config (`_keeps`).
+
+Conversations on the loop have no restoring worker of their own: their leftover deferred rows are restored by the
+loop's thread, in the order `_next_to_restore` gives them (the most recently used first):
+
+- while answers run, in the steps' spare budget: up to `MAX_RESTORING` conversations with pending rows join the
+  engine being stepped as restoring sequences (`BatchEngine.restore`, a copy of the cache in a slot); each step
+  gives them pieces of their pending rows (at most an idle chunk each) only from the rows its token budget has left
+  after every decode row, chunk and prompt piece, so an answer's token is never left out of a step for them. A
+  restoring conversation leaves with its cache (the restored rows stored) when its rows are done, when a turn of
+  it arrives (before the turn joins, which then continues from that cache), and when the engine has no answer
+  left; one no longer held (closed, or evicted by the server) or in a step that raised leaves without it, and its
+  conversation stays as it was. With captured decode steps (CUDA, ``fast_path`` not False) the restoring pieces
+  ride in the captured decode steps too (a step of decode rows and restoring pieces is replayed, not run eagerly).
+- while no engine has an answer's rows to run, one chunk at a time (then the loop looks for new turns again).
+
+Leftovers not restored by then are prefilled with the conversation's next turn, ahead of it, as on the per-turn
+path.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteria
+
+from .batch_engine import BatchEngine
+from .batched import RestoringState
+from .configuration import RaincheckConfig
+from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
+from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
+from .models import get_adapter
+
+logger = logging.getLogger("raincheck_hf.batch_loop")
+
+GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+MEDIA = ("mm_encoder_outputs", "pixel_values", "pixel_values_videos")
+
+
+class _CancelRequest(StoppingCriteria):
+    """The stopping criterion a conversation adds to each turn: once ``event`` is set, the decoding
+    loop stops at its next stopping check (after the token it just sampled)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.stopped = False  # the event ended the answer
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        cancelled = self.event.is_set()
+        self.stopped = self.stopped or cancelled
+        return torch.full((input_ids.shape[0],), cancelled, dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass(eq=False)
+class BatchTurn:
+    """One turn in the loop: what its caller hands over and what the loop keeps of it while it runs.
+
+    ``conversation``: the `Conversation` it continues (its ``cache`` is read when the turn joins, its history written
+    when it ends); ``inputs``: the processor's outputs (the whole dialogue's ``input_ids``, this turn's new media
+    only); ``generate_kwargs``: what its `generate` call would take (``max_new_tokens``, ``logits_processor``,
+    ``stopping_criteria``, sampling settings, ``return_dict_in_generate`` / ``output_logits`` / ``output_scores``);
+    ``streamer``: a transformers streamer or None (the prompt first, then each token, then ``end()``);
+    ``cancel``: set, the answer stops at its next step; ``done(turn)``: called once when it ends (``result`` or
+    ``error`` set), from the loop's thread; ``started``: `time.perf_counter` when it was asked (0: when it joins)."""
+
+    conversation: object
+    config: RaincheckConfig
+    inputs: dict
+    generate_kwargs: dict
+    streamer: object
+    cancel: threading.Event
+    done: object
+    result: object = None
+    error: BaseException | None = None
+    started: float = 0.0
+    # set when it joins
+    engine: BatchEngine | None = None
+    seq: object = None
+    ids: torch.Tensor | None = None
+    prompt_length: int = 0
+    processors: object = None
+    criteria: object = None
+    generation_config: object = None
+    finished_pad: object = None
+    unfinished: torch.Tensor | None = None
+    scores: tuple | None = None
+    raw_logits: tuple | None = None
+    request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
+    times: list = field(default_factory=list)
+    previous_pending: int = 0
+
+
+def _check_budget(value, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
+
+
+class BatchLoop:
+    """Continuous batching for the `Conversation`s on one model: their turns run in one forward per step.
+
+    Usage::
+
+        with raincheck_hf.BatchLoop(model, max_batch_tokens=2048) as loop:
+            a = raincheck_hf.Conversation(model, processor, loop=loop)
+            b = raincheck_hf.Conversation(model, processor, loop=loop)
+            # a.ask(...) and b.ask(...) from two threads share the steps
+
+    Args:
+        model: a supported model (enabled here if it is not yet); on the eager engine its attention implementation
+            must be ``sdpa`` or ``eager`` (`batch_engine.BatchEngine`).
+        max_batch_tokens: rows per step: every decode row (with its deferred chunk) first, then pieces of joining
+            prompts, then held conversations' restoration in what is left; None: no limit (a prompt's whole
+            prefill in its first step).
+        config: a `RaincheckConfig` whose engine is kept while empty (default: none; an engine is kept while a
+            conversation on the loop uses its config).
+
+    Figures (read from any thread): ``steps``, ``batch_size`` (sequences with rows in the last step),
+    ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
+    ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time).
+
+    The thread starts with the first turn; `close` ends turns still running with an error and stops it.
+    """
+
+    IDLE_WAIT_S = 0.5
+    _logger = logger
+    MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
+
+    def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
+                 on_step=None, on_restore=None):
+        _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        if config is not None:
+            if not isinstance(config, RaincheckConfig):
+                raise ValueError(f"BatchLoop(config={config!r}) must be a RaincheckConfig or None.")
+            config.validate()
+        self.model = enable(model)
+        self.token_budget, self.default_config, self.on_step = max_batch_tokens, config, on_step
+        self.on_restore = on_restore
+        self.adapter = get_adapter(model)
+        self._incoming: collections.deque[BatchTurn] = collections.deque()
+        self._tasks: collections.deque = collections.deque()  # (callable, holder, event): run on the loop's thread
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._engines: list[BatchEngine] = []
+        self._jobs: dict[object, BatchTurn] = {}  # sequence -> its turn
+        self._restoring: dict[object, tuple[BatchEngine, RestoringState]] = {}  # conversation -> its restoring seq
+        self._conversations = weakref.WeakSet()  # the Conversations on this loop (`attach`)
+        self._conversations_lock = threading.Lock()
+        self.restored_busy = 0  # held conversations' rows restored in steps beside answers
+        self.restored_idle = 0  # ... and in idle time
+        self._turn = 0  # round robin over the engines with work
+        self.steps = 0
+        self.batch_size = 0
+        self.max_batch_size = 0
+
+    # ---- the callers' side ------------------------------------------------------------------------
+    @property
+    def max_batch_tokens(self) -> int | None:
+        return self.token_budget
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, job: BatchTurn) -> None:
+        """Hand a turn to the loop (returns at once; ``job.done`` is called when it ends)."""
+        with self._wake:
+            if self._closed:
+                raise self._closed_error(running=False)
+            self._incoming.append(job)
+            self._start_thread()
+            self._wake.notify_all()
+
+    def call(self, fn):
+        """Run ``fn()`` on the loop's thread, between steps, and return what it returns (raise what it raises)."""
+        if self.on_loop_thread():
+            return fn()
+        holder, finished = {}, threading.Event()
+        with self._wake:
+            if self._closed:
+                raise self._closed_error(running=False)
+            self._tasks.append((fn, holder, finished))
+            self._start_thread()
+            self._wake.notify_all()
+        finished.wait()
+        if "error" in holder:
+            raise holder["error"]
+        return holder.get("result")
+
+    def attach(self, conversation) -> None:
+        """``conversation`` (a `Conversation` made with ``loop=``) is on this loop: the loop restores its leftover
+        deferred rows (unless it was made with ``background=False``) and keeps its config's engine."""
+        if self._closed:
+            raise self._closed_error(running=False)
+        with self._conversations_lock:
+            self._conversations.add(conversation)
+
+    def detach(self, conversation) -> None:
+        """``conversation`` was closed: the loop no longer restores it (a restoration in progress is dropped)."""
+        with self._conversations_lock:
+            self._conversations.discard(conversation)
+        self.notify()
+
+    def complete(self, conversation) -> int:
+        """Restore every leftover deferred row of ``conversation`` now, on the loop's thread (its restoration beside
+        the answers, if any, taken back first); returns how many (`Conversation.complete` on a loop)."""
+
+        def work():
+            if conversation in self._restoring:
+                self._stop_restoring(conversation, keep=True)
+            return conversation._complete_here()
+
+        return self.call(work)
+
+    def on_loop_thread(self) -> bool:
+        """The calling thread is the loop's (a turn's processor, criterion or streamer runs there)."""
+        return threading.current_thread() is self._thread
+
+    def notify(self) -> None:
+        """Something changed for the idle-time restoration (a turn ended): look again without waiting."""
+        with self._wake:
+            self._wake.notify_all()
+
+    def close(self) -> None:
+        """Stop the loop (turns still running are ended with an error) and wait for it."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def running(self) -> int:
+        """Sequences answering in the engines (read from any thread)."""
+        return len(self._jobs)
+
+    def _start_thread(self) -> None:
+        if self._thread is None:  # started with the first turn (no thread for a loop never asked)
+            self._thread = threading.Thread(target=self._loop, name="raincheck-batch-loop", daemon=True)
+            self._thread.start()
+
+    # ---- what the server's layer changes (`serve.scheduler.BatchScheduler`) -------------------------------
+    def _closed_error(self, running: bool) -> BaseException:
+        if running:
+            return RuntimeError("the BatchLoop was closed while this turn was running; its conversation stays as it "
+                                "was before the turn.")
+        return RuntimeError("this BatchLoop is closed: it takes no more turns (make a new BatchLoop, or a "
+                            "Conversation without loop=).")
+
+    def _gone(self, job: BatchTurn) -> BaseException | None:
+        """What a turn cancelled before its first token gets: None, it runs on to its first token, where its
+        stopping criterion ends it (as on the per-turn path); an error, it leaves at once with it."""
+        return None
+
+    def _conversations_now(self) -> list:
+        with self._conversations_lock:
+            return list(self._conversations)
+
+    def _next_to_restore(self, skip=()):
+        """A held conversation with leftover deferred rows and no turn in flight (the most recently used first: the
+        likeliest to get a follow-up soon), or None; conversations in ``skip`` are passed over."""
+        idle = [c for c in self._conversations_now()
+                if c._background and not c._closed and c._request is None and c._failed is None
+                and c.pending > 0 and c not in skip]
+        return max(idle, key=lambda c: c._last_used) if idle else None
+
+    def _held(self, conv) -> bool:
+        """``conv`` is still on the loop (not closed)."""
+        return not conv._closed and conv in self._conversations_now()
+
+    def _restore_failed(self, conv, error: BaseException) -> None:
+        """Idle-time restoration of ``conv`` raised: its cache cannot be trusted any more."""
+        self._logger.error("idle-time restoration of a conversation failed; its next turn will say so", exc_info=error)
+        conv._failed = error
+        self.detach(conv)
+
+    def _keeps(self, engine: BatchEngine) -> bool:
+        """An empty engine stays (its pool, and on CUDA its captured steps) while its config may be asked again."""
+        if engine.config == self.default_config:
+            return True
+        return any(c.config == engine.config for c in self._conversations_now() if not c._closed)
+
+    def _recorded(self, job: BatchTurn, result) -> None:
+        """After the turn joined its conversation's history."""
+
+    def _name(self, conv) -> str:
+        return getattr(conv, "id", None) or type(conv).__name__
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self._wake:
+                    if self._closed:
+                        break
+                    arrivals = list(self._incoming)
+                    self._incoming.clear()
+                    tasks = list(self._tasks)
+                    self._tasks.clear()
+                for fn, holder, finished in tasks:
+                    self._run_task(fn, holder, finished)
+                for job in arrivals:
+                    self._join(job)
+                self._leave_cancelled()
+                engine = self._next_engine()
+                if engine is not None:
+                    self._restore_beside(engine)
+                    self._step(engine)
+                    continue
+                for conv in list(self._restoring):  # no answer left: back to idle-time restoration
+                    self._stop_restoring(conv, keep=True)
+                if self._restore_idle():
+                    continue
+                with self._wake:
+                    if not self._incoming and not self._tasks and not self._closed:
+                        self._wake.wait(self.IDLE_WAIT_S)
+            for conv in list(self._restoring):
+                self._stop_restoring(conv, keep=False)
+            with self._wake:
+                left, tasks = list(self._incoming), list(self._tasks)
+                self._incoming.clear()
+                self._tasks.clear()
+            for job in list(self._jobs.values()):
+                self._drop(job.seq)
+                self._end(job, error=self._closed_error(running=True))
+            for job in left:
+                self._end(job, error=self._closed_error(running=False))
+            for _, holder, finished in tasks:
+                holder["error"] = self._closed_error(running=False)
+                finished.set()
+            for engine in self._engines:  # every sequence has left: pools and graphs back for the model
+                engine.close()
+            self._engines = []
+
+    def _run_task(self, fn, holder: dict, finished: threading.Event) -> None:
+        try:
+            holder["result"] = fn()
+        except BaseException as error:  # the caller's: raised in its thread
+            holder["error"] = error
+        finally:
+            finished.set()
+
+    def _engine_for(self, config) -> BatchEngine:
+        for engine in self._engines:
+            if engine.config == config:
+                return engine
+        engine = BatchEngine(self.model, config, token_budget=self.token_budget)
+        self._engines.append(engine)
+        return engine
+
+    def _next_engine(self) -> BatchEngine | None:
+        """The next engine (round robin) with rows to run; empty engines no longer needed (`_keeps`) are dropped."""
+        kept = [e for e in self._engines if e.sequences or self._keeps(e)]
+        for engine in self._engines:
+            if engine not in kept:
+                engine.close()  # its pool and captured graphs go back for the model's later engines
+        self._engines = kept
+        busy = [e for e in self._engines if not e.idle]
+        if not busy:
+            return None
+        self._turn += 1
+        return busy[self._turn % len(busy)]
+
+    # ---- joining ------------------------------------------------------------------------------
+    def _join(self, job: BatchTurn) -> None:
+        """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
+        job.started = job.started or time.perf_counter()
+        if job.cancel.is_set():
+            gone = self._gone(job)
+            if gone is not None:
+                self._end(job, error=gone)
+                return
+        conv, model = job.conversation, self.model
+        if conv in self._restoring:  # its cache back (the rows restored so far stored) before the turn reads it
+            self._stop_restoring(conv, keep=True)
+        if not conv.early_follow_up:  # the completion barrier, on this thread (it runs the model)
+            try:
+                conv._complete_here()
+            except BaseException as error:  # part of the leftovers may be stored: the cache cannot be trusted
+                conv._failed = error
+                self._end(job, error=error)
+                return
+        try:
+            kwargs = dict(job.generate_kwargs)
+            if job.request is None:
+                job.request = _CancelRequest()
+            job.request.event = job.cancel
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
+            device = self.adapter.device
+            moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
+            call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
+            grids = {name: call.get(name) for name in GRIDS}
+            prepared = {}
+
+            def record(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                       streamer=None, raincheck_captures=None, **model_kwargs):
+                prepared.update(input_ids=input_ids, processors=logits_processor, criteria=stopping_criteria,
+                                generation_config=generation_config, model_kwargs=model_kwargs)
+                return input_ids
+
+            generate = vars(model).get(_ORIGINAL, model.generate)  # HF's own generate, under the raincheck wrapper
+            with contextlib.ExitStack() as stack:
+                captures = (stack.enter_context(VisionAttentionCapture(model, grids))
+                            if _needs_vision_attention(job.config) else None)
+                generate(**call, custom_generate=record, raincheck_captures=captures)
+                media = {k: prepared["model_kwargs"].get(k) for k in MEDIA if prepared["model_kwargs"].get(k)
+                         is not None}
+                engine = self._engine_for(job.config)
+                job.previous_pending = conv.pending
+                seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **media,
+                                 **{k: v for k, v in grids.items() if v is not None})
+        except BaseException as error:  # this turn's media, settings or processors: it alone fails
+            self._end(job, error=error)
+            return
+        job.engine, job.seq = engine, seq
+        job.ids = prepared["input_ids"]
+        job.prompt_length = int(job.ids.shape[1])
+        job.processors, job.criteria = prepared["processors"], prepared["criteria"]
+        job.generation_config = prepared["generation_config"]
+        job.scores, job.raw_logits, job.finished_pad = sampling_setup(job.ids, job.criteria, job.generation_config)
+        job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
+        self._jobs[seq] = job
+        if job.streamer is not None:
+            try:
+                job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer
+            except BaseException as error:  # the turn's streamer: it alone fails
+                self._fail(seq, error)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def _step(self, engine: BatchEngine) -> None:
+        # who has rows to run: a fed token, or prefill left (whether the step reached it shows after it)
+        before = {s: (s.token is not None, s.prefill) for s in engine.sequences
+                  if not s.prefilled or s.token is not None}
+        restoring = {conv: seq.num_pending for conv, (e, seq) in self._restoring.items() if e is engine}
+        try:
+            logits = engine.step()
+        except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
+            self._logger.error("a batched step failed; its sequences are answered with an error", exc_info=error)
+            for seq, (fed, prefill) in before.items():
+                if fed or seq.prefill is not prefill:
+                    self._fail(seq, error)
+            for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
+                self._stop_restoring(conv, keep=False)
+            return
+        self.steps += 1
+        restored = 0
+        for conv, pending in restoring.items():
+            seq = self._restoring[conv][1]
+            restored += pending - seq.num_pending
+            if seq.num_pending == 0:
+                self._stop_restoring(conv, keep=True)
+        if restored:
+            self.restored_busy += restored
+            if self.on_restore is not None:
+                self.on_restore(restored, True)
+        self.batch_size = sum(1 for s, (fed, prefill) in before.items() if fed or s.prefill is not prefill)
+        self.max_batch_size = max(self.max_batch_size, self.batch_size)
+        if self.on_step is not None:
+            self.on_step(self.batch_size)
+        for seq, row in logits.items():
+            job = self._jobs[seq]
+            try:
+                finished = self._next_token(job, row)
+            except BaseException as error:  # its processors, criteria or streamer: it alone fails
+                self._fail(seq, error)
+                continue
+            if finished:
+                self._finish(job, engine.remove(seq))
+
+    def _next_token(self, job: BatchTurn, logits: torch.Tensor) -> bool:
+        """Choose, record and stream the sequence's next token; True when its answer ends (else the token is fed)."""
+        token, job.scores, job.raw_logits = choose_next_tokens(
+            logits[None], job.ids, job.processors, job.generation_config, job.scores, job.raw_logits, job.unfinished,
+            job.finished_pad)
+        job.ids = torch.cat([job.ids, token[:, None]], dim=-1)
+        job.times.append(time.perf_counter())
+        job.unfinished = job.unfinished & ~job.criteria(job.ids, job.scores)
+        host = token.cpu()
+        if job.streamer is not None:
+            job.streamer.put(host)
+        if bool(job.unfinished.max() == 0):
+            return True
+        job.engine.feed(job.seq, host[0])
+        return False
+
+    def _leave_cancelled(self) -> None:
+        """Cancelled sequences leave before the next step: a decoding one with what it answered; one still
+        prefilling as `_gone` says (its conversation stays as it was when it leaves)."""
+        for seq, job in list(self._jobs.items()):
+            if not job.cancel.is_set():
+                continue
+            if seq.prefilled:
+                job.request.stopped = True
+                self._finish(job, job.engine.remove(seq))
+                continue
+            gone = self._gone(job)
+            if gone is not None:
+                self._drop(seq)
+                self._end(job, error=gone)
+
+    def _restore_idle(self) -> bool:
+        """One chunk of a held conversation's leftover deferred rows, while no engine has rows to run."""
+        conv = self._next_to_restore(skip=self._restoring)
+        if conv is None:
+            return False
+        try:
+            restored = conv._restore_one_chunk()
+        except BaseException as error:  # its cache cannot be trusted any more
+            self._restore_failed(conv, error)
+            return True
+        if restored:
+            self.restored_idle += restored
+            if self.on_restore is not None:
+                self.on_restore(restored, False)
+        return restored > 0
+
+    # ---- restoring held conversations beside the answers ---------------------------------------------
+    def _restore_beside(self, engine: BatchEngine) -> None:
+        """Before ``engine``'s step: restoring conversations no longer held leave; held ones with pending rows join
+        it as restoring sequences, up to `MAX_RESTORING` in it, while its answers leave rows of the budget (an
+        estimate; the step itself gives them only the rows its budget has left)."""
+        for conv in [c for c in self._restoring if not self._held(c)]:
+            self._stop_restoring(conv, keep=False)
+        scheduler = engine.scheduler
+        answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
+        if scheduler.token_budget is not None and answering >= scheduler.token_budget:
+            return  # their decode rows alone fill the steps
+        while sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING:
+            conv = self._next_to_restore(skip=self._restoring)
+            if conv is None:
+                return
+            try:
+                seq = engine.restore(conv.cache, max_rows=conv.config.idle_chunk_size)
+            except BaseException as error:  # e.g. no memory for its slot: it restores in idle time instead
+                self._logger.error("%s could not join the batch to restore its deferred tokens", self._name(conv),
+                             exc_info=error)
+                return
+            self._restoring[conv] = (engine, seq)
+
+    def _stop_restoring(self, conv, keep: bool) -> None:
+        """``conv``'s restoring sequence leaves its engine; with ``keep`` (and the conversation still held) its cache,
+        the rows restored so far stored, becomes the conversation's; else the conversation stays as it was."""
+        engine, seq = self._restoring.pop(conv)
+        if not (keep and self._held(conv)):
+            engine.discard(seq)
+            return
+        try:
+            cache = engine.remove(seq)
+        except BaseException as error:  # its held cache is still whole: it stays
+            self._logger.error("taking %s's restored rows back failed; it keeps its cache", self._name(conv),
+                         exc_info=error)
+            if seq in engine.sequences:
+                engine.discard(seq)
+            return
+        conv.restored_beside(cache)
+
+    # ---- leaving ------------------------------------------------------------------------------
+    def _drop(self, seq) -> None:
+        job = self._jobs.pop(seq)
+        job.engine.discard(seq)
+
+    def _fail(self, seq, error: BaseException) -> None:
+        job = self._jobs[seq]
+        self._drop(seq)
+        self._end(job, error=error)
+
+    def _finish(self, job: BatchTurn, cache) -> None:
+        """The answer ended (``cache``: the sequence's, from `BatchEngine.remove`): the conversation continues from
+        it, with the turn in its history, as `Conversation`'s own turn leaves it."""
+        self._jobs.pop(job.seq, None)
+        conv = job.conversation
+        try:
+            if job.streamer is not None:
+                job.streamer.end()
+        except BaseException as error:
+            self._end(job, error=error)
+            return
+        output = None
+        if job.generation_config.return_dict_in_generate:  # what the per-turn path's generate call returns
+            output = RaincheckGenerateOutput(sequences=job.ids, scores=job.scores, logits=job.raw_logits, cache=cache,
+                                             raincheck=job.seq.trace)
+        with conv._lock:
+            result = conv._record_turn(cache, job.ids, job.seq.trace, job.prompt_length, job.times, job.started,
+                                       job.previous_pending, job.request.stopped, output=output)
+        self._recorded(job, result)
+        self._end(job, result=result)
+
+    def _end(self, job: BatchTurn, result=None, error=None) -> None:
+        job.result, job.error = result, error
+        try:
+            job.done(job)
+        except BaseException as failure:  # the caller's bookkeeping; the loop itself goes on
+            self._logger.error("ending a batched turn failed", exc_info=failure)

@@ -1,0 +1,337 @@
+"""`BatchLoop`: several `Conversation`s on one model share one continuous-batching loop (``Conversation(loop=)``).
+
+The reference for every turn is the same dialogue run alone, without a loop, through batch-1 ``generate`` under the
+same chunk schedule (``raincheck_chunk_schedule=`` replays the turn's ``trace.chunk_size_per_forward``: with a shared
+chunk budget, several answers at once may carry smaller chunks): identical tokens and traces, logits within 1e-4
+(fp32). Turns are made to meet in the loop by holding its thread (`held_loop`) until they were all handed over, so
+the batching does not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+import raincheck_hf
+from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
+from raincheck_hf.tiny import draw_test_image
+
+from conftest import in_threads, no_placeholder_ids
+from test_batched import assert_trace_equal
+from test_conversation import _assert_every_deferred_token_once, _cancel_turn
+
+TOL = 1e-4
+CFG = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+SERIAL = RaincheckConfig(mode="serial", retention=0.3, chunk_size=2, decode_guard=1)
+IMAGES = [draw_test_image(128, 96, seed=1), draw_test_image(96, 64, seed=2), draw_test_image(64, 128, seed=3)]
+QUESTIONS = ["What is in this image?", "And the corner?"]
+
+
+@contextlib.contextmanager
+def held_loop(loop: BatchLoop, turns: int):
+    """Hold the loop's thread (a task waiting on it) while the block hands ``turns`` turns over; on leaving the block
+    they wait in the loop's queue and join together at its next iteration."""
+    gate, inside = threading.Event(), threading.Event()
+
+    def hold():
+        inside.set()
+        assert gate.wait(timeout=60)
+
+    holder = threading.Thread(target=loop.call, args=(hold,))
+    holder.start()
+    assert inside.wait(timeout=60)
+    try:
+        yield
+        deadline = time.monotonic() + 60
+        while len(loop._incoming) < turns and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(loop._incoming) == turns
+    finally:
+        gate.set()
+        holder.join()
+
+
+def ask(conv, question, images=(), **kw):
+    return conv.ask(question, images=images, output_logits=True, suppress_tokens=no_placeholder_ids(conv.model), **kw)
+
+
+def alone(model, processor, config, turns, questions, images):
+    """The dialogue of ``turns`` (TurnResults got on a loop) run alone, each turn under its chunk schedule."""
+    with Conversation(model, processor, config, background=False, max_new_tokens=6) as conv:
+        for k, (turn, question) in enumerate(zip(turns, questions)):
+            ask(conv, question, images if k == 0 else (), max_new_tokens=turn.token_ids.numel(),
+                raincheck_chunk_schedule=list(turn.trace.chunk_size_per_forward))
+        return conv.turns
+
+
+def assert_same_turn(got, want, what: str):
+    assert torch.equal(got.token_ids, want.token_ids), f"{what}: {got.token_ids.tolist()} != {want.token_ids.tolist()}"
+    assert got.text == want.text
+    assert len(got.output.logits) == len(want.output.logits)
+    for i, (a, b) in enumerate(zip(got.output.logits, want.output.logits)):
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL, f"{what} forward {i}: max abs logit diff {diff:.2e}"
+    assert_trace_equal(got.trace, want.trace)
+
+
+def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(model, processor):
+    """Three conversations (two configs: two engines), two turns each, asked from three threads at once (one
+    streamed): every turn equals its dialogue alone, follow-ups continue their held caches, and steps ran several
+    sequences."""
+    configs = [CFG, SERIAL, CFG]
+    with BatchLoop(model, max_batch_tokens=48) as loop:
+        convs = [Conversation(model, processor, configs[i], background=False, max_new_tokens=6, loop=loop)
+                 for i in range(3)]
+        streamed = {}
+
+        def first(i):
+            if i == 1:
+                s = ask(convs[i], QUESTIONS[0], [IMAGES[i]], stream=True)
+                streamed["text"] = "".join(s)
+                streamed["result"] = s.result
+            else:
+                ask(convs[i], QUESTIONS[0], [IMAGES[i]])
+
+        errors = []
+        with held_loop(loop, 3):
+            threads = threading.Thread(target=lambda: errors.extend(in_threads(first, 3)))
+            threads.start()
+        threads.join()
+        assert not errors, errors
+        assert loop.max_batch_size > 1 and loop.steps > 0
+        assert {e.config.mode for e in loop._engines} == {"raincheck", "serial"}
+        assert streamed["text"] == streamed["result"].text and streamed["result"] is convs[1].turns[0]
+        caches = [c.cache for c in convs]
+
+        with held_loop(loop, 3):
+            threads = threading.Thread(target=lambda: errors.extend(
+                in_threads(lambda i: ask(convs[i], QUESTIONS[1]), 3)))
+            threads.start()
+        threads.join()
+        assert not errors, errors
+        for i, conv in enumerate(convs):
+            assert len(conv.turns) == 2 and conv.cache is not caches[i]
+            _assert_every_deferred_token_once(conv)
+            want = alone(model, processor, configs[i], conv.turns, QUESTIONS, [IMAGES[i]])
+            for k in range(2):
+                assert_same_turn(conv.turns[k], want[k], f"conversation {i} turn {k}")
+            assert torch.equal(conv.sequences, want[1].output.sequences.cpu())
+        assert loop.running == 0 and all(not e.sequences for e in loop._engines)
+        for conv in convs:
+            conv.close()
+    assert not loop._thread.is_alive()
+
+
+def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
+    """No worker of the conversation's own: the loop restores its leftovers once no answer runs; the follow-up then
+    has nothing left to restore and equals the dialogue alone (whose leftovers ride with the follow-up)."""
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # the answer ends before any chunk
+    with BatchLoop(model, max_batch_tokens=64) as loop, \
+            Conversation(model, processor, late, max_new_tokens=6, loop=loop) as conv:
+        assert conv._worker is None
+        first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+        deferred = first.trace.deferred.numel()
+        assert deferred > 0 and first.restored_during_answer == 0
+        deadline = time.monotonic() + 60
+        # the turn's figures, not conv.pending: they change under the conversation's lock once a chunk is stored,
+        # while the cache's pending count drops as the chunk is taken
+        while first.restored_after_answer < deferred and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conv.pending == 0 and first.restored_after_answer == deferred and first.pending == 0
+        assert loop.restored_idle == deferred and loop.restored_busy == 0
+        follow = ask(conv, QUESTIONS[1])
+        assert follow.trace.restored_per_forward[0].numel() == 0
+        want = alone(model, processor, late, conv.turns, QUESTIONS, [IMAGES[0]])
+        assert want[1].trace.restored_per_forward[0].numel() == deferred
+        assert torch.equal(follow.token_ids, want[1].token_ids) and torch.equal(first.token_ids, want[0].token_ids)
+        for a, b in zip(follow.output.logits, want[1].output.logits):
+            assert (a - b).abs().max() <= TOL
+        _assert_every_deferred_token_once(conv)
+
+
+def test_a_held_conversation_restores_beside_another_answer_and_complete_goes_through_the_loop(model, processor):
+    """A's first turn and B's long answer join together; once A's answer ends, the loop restores A's leftovers in
+    the spare budget of B's steps (B still answering, so never in idle time); A's follow-up then equals its dialogue
+    alone. `complete` on C runs on the loop's thread and restores all of C's leftovers."""
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # answers end before any chunk
+    with BatchLoop(model, max_batch_tokens=64) as loop:
+        a = Conversation(model, processor, late, max_new_tokens=6, loop=loop)
+        b = Conversation(model, processor, late, background=False, max_new_tokens=400, loop=loop)
+        c = Conversation(model, processor, late, background=False, max_new_tokens=6, loop=loop)
+        box = {}
+        with held_loop(loop, 2):
+            long = b.ask("Tell me everything.", stream=True, suppress_tokens=no_placeholder_ids(model),
+                         min_new_tokens=400)
+            asking = threading.Thread(target=lambda: box.setdefault("first", ask(a, QUESTIONS[0], [IMAGES[0]])))
+            asking.start()
+        asking.join()
+        first = box["first"]
+        deferred = first.trace.deferred.numel()
+        assert deferred > 0 and first.restored_during_answer == 0
+        deadline = time.monotonic() + 60
+        while first.restored_after_answer < deferred and time.monotonic() < deadline:  # (see the test above)
+            time.sleep(0.01)
+        assert loop.running == 1  # B still answers: A was restored beside it
+        assert a.pending == 0 and first.restored_after_answer == deferred
+        assert loop.restored_busy == deferred and loop.restored_idle == 0
+        long.close()
+        assert long.result.cancelled
+        ask(c, QUESTIONS[0], [IMAGES[1]])
+        left = c.pending
+        assert left > 0 and c.complete() == left and c.pending == 0 and c.turns[0].restored_after_answer == left
+        follow = ask(a, QUESTIONS[1])
+        assert follow.trace.restored_per_forward[0].numel() == 0
+        want = alone(model, processor, late, a.turns, QUESTIONS, [IMAGES[0]])
+        assert torch.equal(first.token_ids, want[0].token_ids) and torch.equal(follow.token_ids, want[1].token_ids)
+        for x, y in zip(follow.output.logits, want[1].output.logits):
+            assert (x - y).abs().max() <= TOL
+        for conv in (a, b, c):
+            conv.close()
+
+
+@pytest.mark.parametrize("how", ["conversation.cancel", "break", "close"])
+def test_a_cancelled_turn_on_the_loop_is_left_as_conversation_cancel_leaves_it(model, processor, how):
+    """Stopped at its 5th token (the gate holds the loop's thread there until the cancel): the history keeps those
+    5 tokens, the cache is consistent, and the next turn continues from there as alone."""
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+    with BatchLoop(model, max_batch_tokens=48) as loop, \
+            Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
+        stopped = _cancel_turn(conv, how, QUESTIONS[0], [IMAGES[0]])
+        assert stopped.cancelled and stopped.token_ids.numel() == 5
+        assert conv.turns[-1] is stopped and torch.equal(conv.sequences[0, -5:], stopped.token_ids)
+        assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
+        _assert_every_deferred_token_once(conv)
+        following = conv.ask(QUESTIONS[1], output_logits=True)
+        assert not following.cancelled
+        _assert_every_deferred_token_once(conv)
+        assert loop.running == 0
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
+        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=5,
+                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
+        assert torch.equal(same.token_ids, stopped.token_ids)
+        want = fresh.ask(QUESTIONS[1], output_logits=True,
+                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
+    assert torch.equal(following.token_ids, want.token_ids)
+    for a, b in zip(following.output.logits, want.output.logits):
+        assert (a - b).abs().max() <= TOL
+
+
+def test_a_turn_cancelled_before_it_joins_stops_at_its_first_token(model, processor):
+    """As on the per-turn path (the stopping criterion is checked after each sampled token): one token, kept."""
+    with BatchLoop(model) as loop, Conversation(model, processor, CFG, background=False, loop=loop) as conv:
+        with held_loop(loop, 1):
+            streamed = conv.ask(QUESTIONS[0], images=[IMAGES[0]], stream=True)
+            deadline = time.monotonic() + 60
+            while not loop._incoming and time.monotonic() < deadline:
+                time.sleep(0.005)
+            streamed.cancel()
+        result = streamed.result
+        assert result.cancelled and result.token_ids.numel() == 1 and conv.turns == [result]
+        assert conv.cache.source_length == conv.sequences.shape[1] - 1
+
+
+def test_closing_the_loop_ends_it_cleanly(model, processor):
+    """Closed while a turn runs (from inside the turn, between two steps): the turn gets an error naming the loop
+    and the conversation stays as it was; the loop's thread ends; later turns and new conversations are refused."""
+    with BatchLoop(model, max_batch_tokens=48) as loop:
+        conv = Conversation(model, processor, CFG, background=False, max_new_tokens=20, loop=loop)
+        ask(conv, QUESTIONS[0], [IMAGES[0]], max_new_tokens=3)
+        cache, sequences = conv.cache, conv.sequences
+
+        class CloseAtThird:
+            calls = 0
+
+            def __call__(self, input_ids, scores):
+                self.calls += 1
+                if self.calls == 3:
+                    loop.close()  # from the loop's own thread: it does not wait for itself
+                return scores
+
+        with pytest.raises(RuntimeError, match="BatchLoop was closed while this turn was running"):
+            conv.ask(QUESTIONS[1], logits_processor=LogitsProcessorList([CloseAtThird()]))
+        loop._thread.join(timeout=60)
+        assert not loop._thread.is_alive() and loop.closed
+        assert conv.cache is cache and torch.equal(conv.sequences, sequences) and len(conv.turns) == 1
+        with pytest.raises(RuntimeError, match="BatchLoop is closed"):
+            conv.ask(QUESTIONS[1])
+        with pytest.raises(ValueError, match="closed BatchLoop"):
+            Conversation(model, processor, CFG, loop=loop)
+        assert all(not e.sequences for e in loop._engines)
+        conv.close()
+
+
+def test_the_completion_barrier_on_the_loop(model, processor):
+    """``early_follow_up=False``: the loop restores every leftover before the follow-up joins (on its own thread),
+    and the follow-up equals the same dialogue alone with the barrier."""
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)
+    kw = dict(background=False, early_follow_up=False, max_new_tokens=6)
+    with BatchLoop(model) as loop, Conversation(model, processor, late, loop=loop, **kw) as conv:
+        first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+        deferred = first.pending
+        assert deferred > 0
+        follow = ask(conv, QUESTIONS[1])
+        assert first.restored_after_answer == deferred and follow.trace.restored_per_forward[0].numel() == 0
+    with Conversation(model, processor, late, **kw) as fresh:
+        want = [ask(fresh, QUESTIONS[0], [IMAGES[0]]), ask(fresh, QUESTIONS[1])]
+    for got, expected in zip((first, follow), want):
+        assert torch.equal(got.token_ids, expected.token_ids)
+        for a, b in zip(got.output.logits, expected.output.logits):
+            assert (a - b).abs().max() <= TOL
+
+
+def test_asking_from_the_loops_own_thread_or_with_a_failing_streamer(model, processor):
+    """A turn's processor that asks another conversation on the loop gets a clear error (it would wait for itself);
+    a turn whose streamer raises fails alone, its conversation as it was, and the loop goes on."""
+    with BatchLoop(model) as loop, \
+            Conversation(model, processor, CFG, background=False, max_new_tokens=3, loop=loop) as conv, \
+            Conversation(model, processor, CFG, background=False, max_new_tokens=3, loop=loop) as other:
+        seen = []
+
+        class AsksOther:
+            def __call__(self, input_ids, scores):
+                if not seen:
+                    try:
+                        other.ask("hi")
+                    except RuntimeError as error:
+                        seen.append(str(error))
+                return scores
+
+        ask(conv, QUESTIONS[0], [IMAGES[0]], logits_processor=LogitsProcessorList([AsksOther()]))
+        assert len(seen) == 1 and "BatchLoop's own thread" in seen[0] and other.turns == []
+
+        class Broken:
+            def put(self, value):
+                raise OSError("the terminal went away")
+
+            def end(self):
+                pass
+
+        cache = conv.cache
+        with pytest.raises(OSError, match="terminal"):
+            conv.ask(QUESTIONS[1], streamer=Broken())
+        assert conv.cache is cache and len(conv.turns) == 1 and loop.running == 0
+        assert not ask(conv, QUESTIONS[1]).cancelled and len(conv.turns) == 2
+
+
+def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, processor):
+    for value in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"BatchLoop\(max_batch_tokens=\.\.\.\) must be an integer >= 1 .*"
+                                             rf"got {value!r}"):
+            BatchLoop(model, max_batch_tokens=value)
+    with pytest.raises(ValueError, match="BatchLoop\\(config='fast'\\) must be a RaincheckConfig"):
+        BatchLoop(model, config="fast")
+    with pytest.raises(ValueError, match="Conversation\\(loop='shared'\\) must be a raincheck_hf.BatchLoop"):
+        Conversation(model, processor, CFG, loop="shared")
+    with BatchLoop(eager_model) as other:
+        with pytest.raises(ValueError, match="BatchLoop on another model"):
+            Conversation(model, processor, CFG, loop=other)
+    with BatchLoop(model) as loop, Conversation(model, processor, CFG, background=False, loop=loop) as conv:
+        with pytest.raises(ValueError, match="raincheck_chunk_schedule"):
+            conv.ask("hi", raincheck_chunk_schedule=[0, 1])
+        assert conv.turns == [] and conv.cache is None and loop._thread is None  # nothing ran
+    assert "BatchLoop" in raincheck_hf.__all__
