@@ -17,7 +17,9 @@ mode) over the rows of every sequence that has work:
 - held conversations that only restore (`restore`: a `batched.RestoringState`, which generates nothing) get
   pieces of their pending deferred rows in what the budget has left after all of that (the step's spare rows;
   without a budget a piece of at most their idle chunk each), taken as idle-time restoration takes them
-  (`generation.idle_rows`), so they never take a row from an answer.
+  (`generation.idle_rows`), so they never take a row from an answer. With captured decode steps (``graphs``) a
+  step of decode rows and restoring pieces is still replayed: a restoring piece pads to the step's width like a
+  shorter decode group (`fast.batched_graphs`).
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
@@ -83,21 +85,17 @@ class RowScheduler:
 
     Args:
         config: the engine's `RaincheckConfig` (``mode``: ``serial`` splits chunks into a forward of their own).
-        token_budget: rows per step (decode rows, their chunks and prompt pieces together), None: unbounded.
-        restore_beside_decode: restoring sequences (`batched.RestoringState`) may ride in a step of decode rows
-            only; False (the engine replays captured decode steps): only in a step that runs eagerly anyway (one
-            that carries a prompt piece, or no decode row): a restoring piece would turn a captured decode step
-            into an eager one.
+        token_budget: rows per step (decode rows, their chunks, prompt pieces and restoring pieces together),
+            None: unbounded.
     """
 
-    def __init__(self, config: RaincheckConfig, token_budget: int | None = None, restore_beside_decode: bool = True):
+    def __init__(self, config: RaincheckConfig, token_budget: int | None = None):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
         self.config = config
         self.token_budget = token_budget
-        self.restore_beside_decode = restore_beside_decode
 
     def chunk_cap(self, sequences: list[SequenceState]) -> int | None:
         """The cap on each chunk of this step (`generation.shared_chunk_cap` over the fed sequences whose next forward
@@ -131,7 +129,7 @@ class RowScheduler:
             if seq.prefilled:  # its forward 0 completes in this step
                 seq.trace.restored_per_forward.append(seq.prefill_restored)
                 seq.trace.chunk_size_per_forward.append(0)
-        restoring = self.restoring_pieces(adapter, sequences, left, eager=bool(prefill) or not decode)
+        restoring = self.restoring_pieces(adapter, sequences, left)
         forwards = []
         chunks = [(seq, groups[0]) for seq, groups in decode if len(groups) == 2]
         if chunks:
@@ -141,15 +139,12 @@ class RowScheduler:
             forwards.append(main)
         return forwards
 
-    def restoring_pieces(self, adapter, sequences: list[SequenceState], left: int | None,
-                         eager: bool) -> list[Entry]:
+    def restoring_pieces(self, adapter, sequences: list[SequenceState], left: int | None) -> list[Entry]:
         """The restoring sequences' pieces in the step's spare budget: ``left``, the rows the budget has after every
         decode row, its chunk and the prompt pieces (None: no budget; each piece is then its sequence's
         ``max_rows``, so a step stays bounded). In arrival order, a piece each while rows are left; taken from
-        their pending rows. ``eager``: the step runs eagerly anyway: it carries a prompt piece, or no decode row
-        (see ``restore_beside_decode``)."""
-        if not (self.restore_beside_decode or eager):
-            return []
+        their pending rows. They ride in whatever step the others make: with captured decode steps a step of decode
+        rows and restoring pieces is still replayed (`fast.batched_graphs.decode_only`)."""
         pieces = []
         for seq in sequences:
             if not isinstance(seq, RestoringState) or seq.num_pending == 0:
@@ -232,15 +227,16 @@ class BatchEngine:
     Args:
         model: a model `raincheck_hf` supports (on the eager engine: ``attn_implementation`` ``sdpa`` or ``eager``).
         config: the `RaincheckConfig` of every sequence (mode, retention, chunks, selector).
-        token_budget: rows per step (decode rows first, then prompt pieces); None: no limit (a prompt's whole
-            prefill in its first step).
+        token_budget: rows per step (decode rows first, then prompt pieces, then restoring pieces); None: no limit
+            (a prompt's whole prefill in its first step).
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
-        graphs: run the steps that carry decode rows only as captured CUDA graphs per (batch bucket, width, span
-            bucket) (`fast.batched_graphs`; on a CPU model the same static-buffer step runs eagerly); None: follow
-            ``config.fast_path`` (None: eager; True where the family supports it: the attention families, the MoE
-            ones with transformers' ``grouped_mm`` experts in bfloat16, on CUDA). Prompt pieces and the Gated DeltaNet
-            families always run on the eager `ForwardRunner`. With graphs, the pool (and its graphs) comes from
-            the ones kept per model and goes back with `close`.
+        graphs: run the steps that carry no prompt piece (decode rows, and restoring sequences' pieces beside them)
+            as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
+            the same static-buffer step runs eagerly); None: follow ``config.fast_path`` (None: eager; True where
+            the family supports it: the attention families, the MoE ones with transformers' ``grouped_mm`` experts
+            in bfloat16, on CUDA). Prompt pieces and the Gated DeltaNet families always run on the eager
+            `ForwardRunner`. With graphs, the pool (and its graphs) comes from the ones kept per model and goes back
+            with `close`.
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
@@ -250,7 +246,7 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        self.scheduler = RowScheduler(self.config, token_budget, restore_beside_decode=not use_graphs)
+        self.scheduler = RowScheduler(self.config, token_budget)
         self.text_config = model.config.get_text_config()
         self.graphs = None
         if use_graphs:

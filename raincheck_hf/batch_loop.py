@@ -37,8 +37,8 @@ loop's thread, in the order `_next_to_restore` gives them (the most recently use
   restoring conversation leaves with its cache (the restored rows stored) when its rows are done, when a turn of
   it arrives (before the turn joins, which then continues from that cache), and when the engine has no answer
   left; one no longer held (closed, or evicted by the server) or in a step that raised leaves without it, and its
-  conversation stays as it was. With captured decode steps (``fast_path=True``) restoring rows ride only in steps
-  that carry a prompt piece, which run eagerly anyway.
+  conversation stays as it was. With captured decode steps (CUDA, ``fast_path`` not False) the restoring pieces
+  ride in the captured decode steps too (a step of decode rows and restoring pieces is replayed, not run eagerly).
 - while no engine has an answer's rows to run, one chunk at a time (then the loop looks for new turns again).
 
 Leftovers not restored by then are prefilled with the conversation's next turn, ahead of it, as on the per-turn
@@ -564,8 +564,6 @@ class BatchLoop:
         for conv in [c for c in self._restoring if not self._held(c)]:
             self._stop_restoring(conv, keep=False)
         scheduler = engine.scheduler
-        if not scheduler.restore_beside_decode and all(s.prefilled for s in engine.sequences):
-            return  # captured decode steps: restoring rows would ride only with a prompt piece
         answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
         if scheduler.token_budget is not None and answering >= scheduler.token_budget:
             return  # their decode rows alone fill the steps

@@ -243,6 +243,7 @@ class SequenceState:
     generated: int = 0
     fed: list = field(default_factory=list)
     token: int | None = None
+    restores_only = False  # (a class attribute, not a field) `RestoringState`: it generates nothing
 
     # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
     @property
@@ -368,6 +369,7 @@ class RestoringState(SequenceState):
     max_rows: int = 1
     held_turns: int = 0
     restored: list = field(default_factory=list)
+    restores_only = True  # (what `fast.batched_graphs.decode_only` reads: its pieces ride in captured steps)
 
     @property
     def turns_started(self) -> int:

@@ -26,7 +26,7 @@ from raincheck_hf.tiny import draw_test_image
 
 from conftest import make_inputs, no_placeholder_ids
 from families import family_model, family_processor, family_params
-from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, alone_schedule, assert_cache_equal,
+from test_batched import (ALL_FAMILIES, IMAGE, TEXT, TWO_IMAGES, VIDEO, alone_schedule, assert_cache_equal,
                           assert_trace_equal, random_row)
 
 TOL = 1e-4
@@ -426,15 +426,18 @@ def _assert_same_follow_up(model, inputs, cfg, got_cache, want_cache, what: str)
 
 
 def _drive_with_restoring(engine, decoding: list[Request], restoring: list, suppressed, on_step=None):
-    """Step while the ``decoding`` requests answer (each joined at step 0): every step, each fed sequence's token
-    must run (its logits come back), and a restoring sequence whose rows are all restored leaves with its cache.
-    ``on_step(step)`` after each step. Returns ``{restoring state: its cache}`` and the rows each step restored."""
+    """Step while the ``decoding`` requests answer (each joins at its ``arrive`` step, a held one with its cache):
+    every step, each fed sequence's token must run (its logits come back), and a restoring sequence whose rows are
+    all restored leaves with its cache. ``on_step(step)`` after each step. Returns ``{restoring state: its cache}``
+    and the rows each step restored."""
+    waiting = sorted(decoding, key=lambda r: r.arrive)
     active = {}
-    for r in decoding:
-        r.seq = engine.add(r.ids, **r.media)
-        active[r.seq] = r
     left, per_step, step = {}, [], 0
-    while active:
+    while waiting or active:
+        while waiting and waiting[0].arrive <= step:
+            r = waiting.pop(0)
+            r.seq = engine.add(r.ids, cache=r.held, **r.media)
+            active[r.seq] = r
         fed = [s for s in active if s.token is not None]
         before = {s: s.num_pending for s in restoring if s in engine.sequences}
         logits = engine.step()
@@ -557,23 +560,107 @@ def test_restore_bad_input():
     assert engine.sequences == []
 
 
-def test_restoring_rides_only_in_eager_steps_with_captured_decode_steps():
+def count_paths(engine) -> list[tuple[str, bool, bool]]:
+    """Per forward of ``engine``, in order: ``(path, restoring, decoding)``: ``path`` "replay" (the captured step,
+    `fast.batched_graphs.BatchedStepGraphs.run`) or "eager" (`ForwardRunner`), whether it carried a restoring piece,
+    and whether it carried a fed token."""
+    from raincheck_hf.batched import RestoringState
+    from raincheck_hf.cache_utils import GENERATED
+
+    log = []
+
+    def wrap(run, path):
+        def logged(entries, *args):
+            log.append((path, any(isinstance(s, RestoringState) for s, _ in entries),
+                        any(int(torch.as_tensor(g.kinds)[-1]) == GENERATED for _, g in entries)))
+            return run(entries, *args)
+        return logged
+
+    engine.runner.run = wrap(engine.runner.run, "eager")
+    if engine.graphs is not None:
+        engine.graphs.run = wrap(engine.graphs.run, "replay")
+    return log
+
+
+def draw_restoring_case(rng: random.Random, model, processor, longest: int = 6, most: int = 4):
+    """One random case of restoring beside answers (tests/test_batched_graphs.py and on CUDA tests/test_gpu.py): a
+    config that defers (mode, retention, chunk size, guard, selector, shared chunk budget or none), one to three
+    held conversations with pending rows (`_held`: image or video first turns) that restore from step 0 in pieces
+    of at most ``max_rows`` (1 or 2, so that the tiny prompts' ten-odd pending rows last beyond the answers'
+    prefill), beside one to ``most`` answers (random prompts, held or not, arriving at random steps), and the engine's
+    token budget. Returns ``(cfg, answers, held caches, max_rows, budget)``."""
+    cfg = RaincheckConfig(mode=rng.choice(("raincheck", "raincheck", "serial", "post_answer")),
+                          retention=rng.choice([0.0, 0.2, 0.3]), chunk_size=rng.choice([1, 2, 3, 5, "auto"]),
+                          decode_guard=rng.randint(0, 2), selector=rng.choice(("mmtok", "uniform", "divprune")),
+                          batch_chunk_rows=rng.choice([None, 64, 8]), fast_path=False)
+    first = dataclasses.replace(cfg, decode_guard=2)  # (their 2-token first turns carry no chunk: all rows wait)
+    held = [_held(model, processor, first, rng.choice((IMAGE, TWO_IMAGES, VIDEO)))[0] for _ in range(rng.randint(1, 3))]
+    assert all(cache.num_pending for cache in held)
+    answers = [Request(model, processor, cfg, random_row(rng, sizes=(32, 64, 96, 128), video_frames=(2,)),
+                       n=rng.randint(2, longest), arrive=rng.randint(0, 3), follow_up=rng.random() < 0.3)
+               for _ in range(rng.randint(1, most))]
+    return cfg, answers, held, rng.choice([1, 2]), rng.choice([None, 6, 9, 16, 33])
+
+
+def run_restoring_case(model, engine: BatchEngine, cfg: RaincheckConfig, answers: list[Request], held: list,
+                       max_rows: int | None, budget: int | None) -> tuple[list, list]:
+    """Drive a `draw_restoring_case` on ``engine`` (made with ``budget``): the held conversations join as restoring
+    sequences (pieces of at most ``max_rows``), the answers at their steps; once the answers are done, the engine
+    restores what is left alone. Checks the scheduling rules on every step (no fed token left out, restoring pieces
+    within the budget's spare rows and ``max_rows``). Returns each held conversation's restored cache, and
+    `count_paths`' log."""
+    states = [engine.restore(cache, max_rows=max_rows) for cache in held]
+    paths = count_paths(engine)
+    entries = []
+    schedule = engine.scheduler.schedule
+
+    def watched(adapter, sequences):
+        forwards = schedule(adapter, sequences)
+        entries.append(forwards)
+        return forwards
+
+    engine.scheduler.schedule = watched
+    got, _ = _drive_with_restoring(engine, answers, states, torch.tensor(no_placeholder_ids(model)))
+    for state in states:
+        while state in engine.sequences and state.num_pending:  # the answers are done: restoring pieces alone
+            assert engine.step() == {}
+        if state in engine.sequences:
+            got[state] = engine.remove(state)
+    for forwards in entries:
+        pieces = [len(g) for f in forwards for s, g in f if s in states]
+        assert all(p <= max_rows for p in pieces)
+        if budget is not None:  # restoring rows only in what the others left
+            others = sum(len(g) for f in forwards for s, g in f if s not in states)
+            assert not pieces or others + sum(pieces) <= budget
+    assert engine.sequences == []
+    return [got[state] for state in states], paths
+
+
+def test_restoring_rides_in_captured_decode_steps():
     """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
-    piece never turns a decode-only step into an eager one: it rides in the step that carries a prompt piece, and in
-    steps without any decode row; the restored cache still equals idle-time restoration's."""
+    piece rides in every step: the prompt's step runs eagerly (it carries a prompt piece), every decode step carries
+    a piece and is still replayed (never run eagerly for it), and so is every step after the answer (restoring
+    pieces only). The answer equals its own call; the restored cache equals idle-time restoration's and the
+    follow-up from it answers identically."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
-    eager = RaincheckConfig(retention=0.2, chunk_size=3, decode_guard=2, fast_path=False)
+    eager = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=2, fast_path=False)
     cfg = dataclasses.replace(eager, fast_path=True)
     cache, follow = _held(model, processor, eager, TWO_IMAGES)  # (a held cache as the batching server holds them)
-    other = Request(model, processor, eager, TEXT, n=6, arrive=0)  # its reference: the eager batch-1 call
+    other = Request(model, processor, eager, TEXT, n=5, arrive=0)  # its reference: the eager batch-1 call
     engine = BatchEngine(model, cfg, num_slots=2)
-    assert engine.graphs is not None and not engine.scheduler.restore_beside_decode
+    assert engine.graphs is not None
     state = engine.restore(cache)
+    assert cache.num_pending > other.n * cfg.idle_chunk_size  # more than the answer's steps restore
+    paths = count_paths(engine)
     _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
     other.check("answer on captured decode steps beside a restoring sequence")
-    assert per_step[0] == cfg.idle_chunk_size and not any(per_step[1:])  # only beside the prompt's prefill
-    while state.num_pending:  # nothing else left: every step is eager
+    assert len(per_step) == other.n and all(n == cfg.idle_chunk_size for n in per_step)  # a piece in every step
+    assert paths[0] == ("eager", True, False)  # the prompt's piece, beside the first restoring piece
+    assert paths[1:] == [("replay", True, True)] * (other.n - 1)  # each decode step: replayed, with a piece
+    while state.num_pending:  # nothing else left: restoring pieces alone, replayed too
         assert engine.step() == {}
+    assert {p for p in paths[other.n:]} == {("replay", True, False)}
+    assert engine.graphs.replays == len(paths) - 1
     got = engine.remove(state)
     engine.close()
     want = _idle_restored(model, cache, eager)

@@ -25,8 +25,9 @@ from raincheck_hf.kv_pool import MAX_KEY
 
 from families import family_model, family_params, family_processor
 from conftest import assert_same_output, no_placeholder_ids
-from test_batch_engine import Request, assert_some_chunks_cut, draw_case, draw_shared_case, drive
-from test_batched import IMAGE, TEXT, TWO_IMAGES, VIDEO, batched_inputs, run
+from test_batch_engine import (Request, _drive_with_restoring, _held, _idle_restored, assert_some_chunks_cut, draw_case,
+                               draw_restoring_case, draw_shared_case, drive, run_restoring_case)
+from test_batched import IMAGE, TEXT, TWO_IMAGES, VIDEO, assert_cache_equal, batched_inputs, run
 
 TOL = 1e-4
 GRAPH_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl")
@@ -299,6 +300,64 @@ def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
     gathered = [key for key in replay_log if not key.dense]
     assert [key.batch for key in gathered] == [4, 2]  # steps 2 and 3 (the 3-token sequence left after step 2)
     assert sum(1 for key in replay_log if key.dense) > 4
+
+
+# ---- restoring sequences (held conversations restored in the spare budget) in the captured steps ----
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log, monkeypatch):
+    """Held conversations restore from step 0 beside random answers (`draw_restoring_case`: modes that defer, chunk
+    sizes, budgets, shared chunk budgets, answers held or not, arriving at random steps) on the attention families,
+    every step without a prompt piece through the static-buffer step (its buffers poisoned after every replay):
+    restoring pieces ride in replayed decode steps (batch bucket counting them, pieces padded to the step's width),
+    every forward without a prompt piece was a replay, each answer equals its own eager batch-1 call, and each
+    restored cache equals idle-time restoration of its held cache; the pool ends empty."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
+    rng = random.Random(7600 + seed)
+    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
+    model, processor = family_model(name), family_processor(name)
+    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _decode_forwards(engine)
+    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
+    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
+    for i, r in enumerate(answers):
+        r.check(f"{what} answer {i}")
+    for cache, got in zip(held, restored):
+        assert_cache_equal(got, _idle_restored(model, cache, cfg))
+    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
+    assert [p for p, _, _ in paths].count("replay") == counts["decode"] == len(replay_log)
+    assert any(key.dense for key in replay_log) == views
+    pool = engine.pool
+    assert len(pool._free) == pool.num_slots and bool((pool.slot_keys == MAX_KEY).all())
+
+
+def test_a_restoring_sequence_given_no_rows_makes_the_step_gather(replay_log):
+    """A held conversation joins first (slot 0), an answer after it (slot 1). For three steps the token budget is 1:
+    the answer's token fills each, the restoring sequence gets no rows but holds slot 0, so those steps gather the
+    answer's slot (not dense); with the budget lifted its pieces ride again and the steps read views of slots 0 .. 1
+    (batch 2); once the answer is done its pieces alone replay (batch 1, dense). The answer equals its own call, the
+    restored cache idle-time restoration's."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=2, fast_path=False)
+    cache, _ = _held(model, processor, cfg, TWO_IMAGES)
+    answer = Request(model, processor, cfg, TEXT, n=8, arrive=0)
+    engine = BatchEngine(model, _with(cfg, None), num_slots=2, graphs=True)
+    state = engine.restore(cache)
+
+    def budget(step):  # after step ``step``: the next step's budget
+        engine.scheduler.token_budget = 1 if 1 <= step < 4 else None
+
+    _, per_step = _drive_with_restoring(engine, [answer], [state], torch.tensor(no_placeholder_ids(model)),
+                                        on_step=budget)
+    answer.check("answer beside a restoring sequence held back by the budget")
+    assert per_step == [2, 0, 0, 0, 2, 2, 2, 2] and state.slot == 0 and state.num_pending == 3
+    while state.num_pending:
+        assert engine.step() == {}
+    got = engine.remove(state)
+    assert [(key.batch, key.dense) for key in replay_log] == [(1, False)] * 3 + [(2, True)] * 4 + [(1, True)] * 2
+    assert_cache_equal(got, _idle_restored(model, cache, cfg))
 
 
 # ---- the host waits for the device once per decode step (issue 29) ----

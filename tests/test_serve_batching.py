@@ -352,10 +352,10 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
 
     pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
 
-    def gated(self, adapter, sequences, left, eager):  # only the first two steps' pieces
+    def gated(self, adapter, sequences, left):  # only the first two steps' pieces
         if gate["left"] <= 0:
             return []
-        taken = pieces(self, adapter, sequences, left, eager)
+        taken = pieces(self, adapter, sequences, left)
         gate["left"] -= bool(taken)
         return taken
 
@@ -380,3 +380,73 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
         wait_for(lambda: server.scheduler.running == 0)
     assert [text, follow.choices[0].message.content] == reference(
         glyph, d.image(), [t.question for t in d.turns[:2]], chunk_size=2, decode_guard=16)
+
+
+def watch_paths(monkeypatch) -> list:
+    """Every forward the batching loop's engines run, in order: ``(path, restoring, decoding, prompt)``: ``path``
+    "replay" (a captured step, `fast.batched_graphs.BatchedStepGraphs.run`) or "eager" (`ForwardRunner.run`), and
+    whether it carried a restoring sequence's piece, a fed token, a prompt piece."""
+    import torch
+
+    from raincheck_hf.batch_engine import ForwardRunner
+    from raincheck_hf.batched import RestoringState
+    from raincheck_hf.cache_utils import GENERATED, INPUT
+    from raincheck_hf.fast.batched_graphs import BatchedStepGraphs
+
+    log = []
+
+    def watched(cls, path):
+        run = cls.run
+
+        def logged(self, entries, *args):
+            kinds = [torch.as_tensor(g.kinds) for _, g in entries]
+            log.append((path, any(isinstance(s, RestoringState) for s, _ in entries),
+                        any(int(k[-1]) == GENERATED for k in kinds), any(bool((k == INPUT).any()) for k in kinds)))
+            return run(self, entries, *args)
+
+        monkeypatch.setattr(cls, "run", logged)
+
+    watched(ForwardRunner, "eager")
+    watched(BatchedStepGraphs, "replay")
+    return log
+
+
+def test_held_conversations_restore_in_the_captured_decode_steps(glyph, dialogues, monkeypatch):
+    """The server with captured batched decode steps (``fast_path=True``; on a CPU the same static-buffer step runs
+    eagerly): while a long answer streams, two held conversations restore in its decode steps' spare budget down to
+    nothing. Those steps carry the restoring pieces and are still replayed (every step without a prompt piece was;
+    only the prompts' steps ran eagerly), no fed token was left out of a step and none went over the budget; the
+    follow-ups find nothing to restore and every answer equals its conversation alone."""
+    from raincheck_hf import RaincheckConfig
+    from raincheck_hf.serve import ServeSettings, create_app, running
+
+    seen, paths = watch_steps(monkeypatch), watch_paths(monkeypatch)
+    model, processor = glyph
+    app = create_app(model, processor, ServeSettings(model_name="glyph", config=RaincheckConfig(fast_path=True),
+                                                     max_tokens=16, max_running=3, batching=True,
+                                                     max_batch_tokens=64))
+    with running(app) as base:
+        server = app.state.server
+        a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
+        firsts = {i: ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (1, 2)}
+        convs = {i: server.store.get(r.model_extra["raincheck"]["conversation_id"]) for i, r in firsts.items()}
+        deferred = {i: r.model_extra["raincheck"]["deferred"] for i, r in firsts.items()}
+        assert all(n > 0 for n in deferred.values())
+        wait_for(lambda: all(c.pending == 0 for c in convs.values()))
+        assert server.scheduler.running == 1  # the long answer still streams
+        assert restored_held(base, "busy") == sum(deferred.values()) and restored_held(base, "idle") == 0
+        assert all(e.graphs is not None for e in server.scheduler._engines)
+        # restoring pieces beside the long answer's tokens, in replayed steps; eager steps only for prompt pieces
+        assert sum(1 for p in paths if p == ("replay", True, True, False)) >= 2
+        assert all(path == "replay" for path, _, _, prompt in paths if not prompt)
+        assert seen["steps"] > 0 and seen["missing"] == [] and seen["over"] == []
+        texts = {i: [r.choices[0].message.content] for i, r in firsts.items()}
+        for i in (1, 2):
+            follow = ask_turns(base, dialogues[i], 2, texts[i], GUARD16)
+            assert follow.model_extra["raincheck"]["restored_at_prefill"] == 0
+            texts[i].append(follow.choices[0].message.content)
+        a.close()
+        wait_for(lambda: server.scheduler.running == 0 and all(not e.sequences for e in server.scheduler._engines))
+    for i in (1, 2):
+        d = dialogues[i]
+        assert texts[i] == reference(glyph, d.image(), [t.question for t in d.turns[:2]], decode_guard=16), i

@@ -1,16 +1,18 @@
 """The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket).
 
-`batch_engine.BatchEngine` runs a step whose rows are decode rows only (each sequence ``[chunk?, token]``, no
-prompt piece) through `BatchedStepGraphs` instead of the eager `batch_engine.ForwardRunner`: the step's inputs
-are copied into static buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`):
+`batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
+``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
+`BatchedStepGraphs` instead of the eager `batch_engine.ForwardRunner`: the step's inputs are copied into static
+buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`):
 
-- ``batch``: the step's sequences rounded up on `BATCH_BUCKETS` (1, 2, 4, ..., 64, then multiples of 64); the
-  unused rows of a bucket are padding sequences in free slots or the pool's scratch slot
+- ``batch``: the step's sequences (restoring ones included) rounded up on `BATCH_BUCKETS` (1, 2, 4, ..., 64, then
+  multiples of 64); the unused rows of a bucket are padding sequences in free slots or the pool's scratch slot
   (`kv_pool.SlotKVPool.scratch`): their keys are ``MAX_KEY``, so no real query sees what they write, and their
   logits are ignored;
 - ``width``: the widest sequence's rows rounded up to the chunk ladder (`width_bucket`: 1, or ``c + 1`` for a
-  chunk size ``c`` the configuration can take); a shorter sequence's rows are padded at its end, as on the
-  eager engine (they write after its length with the empty key, which its next rows overwrite);
+  chunk size ``c`` the configuration can take; a restoring piece of at most the idle chunk, `BatchEngine.restore`'s
+  default, lands on the same ladder); a shorter sequence's rows are padded at its end, as on the eager engine (they
+  write after its length with the empty key, which its next rows overwrite);
 - ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
   `static_cache.slot_bucket` (at most the pool's capacity).
 
@@ -18,7 +20,8 @@ Static buffers (`BatchStepBuffers`): embeddings ``[B, W, D]``, positions ``[3, B
 the step's slots ``[B]`` and write offsets ``[B, W]``, one dense DeepStack addend ``[B, W, D]`` per DeepStack
 layer (zero on rows without features; added by the decoder layers' hooks of `fast.scoping`, as the
 single-sequence fast path does, instead of HF's boolean-indexed add), the last real row of each sequence, and the
-logits ``[B, V]``. Every buffer is rewritten before every replay, so nothing of one step (or call) is read by
+logits ``[B, V]`` (a restoring piece's, like a padding sequence's, are computed and ignored: a restoring sequence
+generates nothing). Every buffer is rewritten before every replay, so nothing of one step (or call) is read by
 the next. Inside the step (`BatchedStepGraphs._step`) the keys are written into the pool's ``slot_keys`` and
 the visibility ``[B, W, T]`` is computed from them on the device (docs/method.md §3 per sequence: a real query
 sees its slot's rows whose key is not larger than its own; a padding query sees only its own row, so its output
@@ -28,9 +31,10 @@ Attention reads views ``keys[:B, :, :T]`` of the pool's layers (no copy) when th
 ``0 .. n - 1`` (a *dense* step; the bucket's padding sequences then take the free slots ``n .. B - 1``, the pool
 growing to ``B`` slots): an engine with graphs keeps its sequences in the lowest slots, moving the one in the
 highest slot into the hole a leaving sequence makes (`kv_pool.SlotKVPool.move`, in `BatchEngine.remove`), and a
-step orders its sequences by slot. Otherwise (a sequence still prefilling holds a low slot) the step gathers its
-slots (``index_select``, a copy of ``[B, H, T, D]`` per layer, as the eager engine does) and its padding
-sequences write to the pool's scratch slot; ``dense`` is part of the key.
+step orders its sequences by slot (a restoring sequence holds a slot like any other). Otherwise (a sequence not in
+the step holds one of the slots ``0 .. B - 1``: one still prefilling, one not fed this step, a restoring one the
+step's budget gave no rows) the step gathers its slots (``index_select``, a copy of ``[B, H, T, D]`` per layer, as
+the eager engine does) and its padding sequences write to the pool's scratch slot; ``dense`` is part of the key.
 
 Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
 (`kv_pool.SlotKVPool.version`). A capture's warm-up runs the real step it is captured for: on attention-only
@@ -126,10 +130,15 @@ def resolve_graphs(adapter, config: RaincheckConfig, graphs: bool | None) -> boo
 
 
 def decode_only(entries) -> bool:
-    """Every entry is a decode group ``[deferred chunk?, generated token]`` that wants its logits."""
-    for _, group in entries:
+    """The step carries no prompt piece, so it can be replayed: every entry is a decode group ``[deferred chunk?,
+    generated token]`` that wants its logits, or a restoring sequence's piece (a sequence with ``restores_only``,
+    `batched.RestoringState`: deferred rows only, no logits wanted)."""
+    for seq, group in entries:
         kinds = torch.as_tensor(group.kinds)
-        if not group.want_logits or int(kinds[-1]) != GENERATED or bool((kinds[:-1] != DEFERRED).any()):
+        if seq.restores_only:
+            if group.want_logits or bool((kinds != DEFERRED).any()):
+                return False
+        elif not group.want_logits or int(kinds[-1]) != GENERATED or bool((kinds[:-1] != DEFERRED).any()):
             return False
     return True
 
@@ -261,8 +270,8 @@ class BatchedStepGraphs:
 
     # ---- one step ----
     def run(self, entries, config: RaincheckConfig) -> dict:
-        """Run the decode-only forward ``entries`` (`decode_only`) of an engine with ``config``; the logits ``[V]`` of
-        each sequence."""
+        """Run the forward ``entries`` (`decode_only`: decode groups and restoring pieces) of an engine with
+        ``config``; the logits ``[V]`` of each sequence whose group wants them (a restoring piece's are ignored)."""
         pool, adapter = self.pool, self.adapter
         entries = sorted(entries, key=lambda e: e[0].slot)  # batch row b: the b-th lowest slot
         n = len(entries)
@@ -318,8 +327,11 @@ class BatchedStepGraphs:
                     pool.lengths[slot] = was
         for seq, group in entries:
             seq.stored(group)
+        wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
+        if not wanted:
+            return {}
         logits = buffers.logits[:n].clone()
-        return {seq: logits[b] for b, (seq, _) in enumerate(entries)}
+        return {entries[b][0]: logits[b] for b in wanted}
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
@@ -340,9 +352,12 @@ class BatchedStepGraphs:
         dest = torch.cat([b * width + torch.arange(rows) for b, rows in enumerate(lengths)])
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
         if buffers.deepstack:
-            for rows, v in zip(lengths, visual):
-                if v >= rows:  # a decode group's visual rows are its leading deferred rows (`decode_only`)
-                    raise RuntimeError(f"a decode group of {rows} rows carries {v} DeepStack rows")
+            # a group's visual rows are its leading deferred rows (`decode_only`): all of a restoring piece's rows,
+            # all of a decode group's but its token
+            for (_, g), rows, v in zip(entries, lengths, visual):
+                if v > rows or (v == rows and g.want_logits):
+                    what = "a decode group" if g.want_logits else "a restoring piece"
+                    raise RuntimeError(f"{what} of {rows} rows carries {v} DeepStack rows")
         ds_dest = torch.cat([b * width + torch.arange(v) for b, v in enumerate(visual)])
         groups = [g for _, g in entries]
         # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
