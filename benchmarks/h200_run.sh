@@ -45,7 +45,7 @@ batch)
     # Qwen3.5-9B; 128-token answers, one timed call each after a warm-up (BATCH_REPS)
     for m in ${BATCH_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
         timeout "${BATCH_S:-280}" python3 -m raincheck_hf.bench batch --model $m --batch "${BATCHES:-1,8,32}" \
-            --reps "${BATCH_REPS:-1}" ${BATCH_PROFILE:+--profile} --json "$OUT/batch_${m}_h200.json" \
+            --reps "${BATCH_REPS:-1}" ${BATCH_VARIANTS:+--variants $BATCH_VARIANTS} ${BATCH_PROFILE:+--profile} --json "$OUT/batch_${m}_h200.json" \
             > "$OUT/batch_${m}_h200.log" 2>&1
         tail -14 "$OUT/batch_${m}_h200.log"
     done
