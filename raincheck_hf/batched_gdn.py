@@ -118,6 +118,9 @@ class _StepPlan:
             lengths = [layouts[i].n_rest for i in rested]
             w = self.rest_width = max(lengths)
             host["r_idx"], host["r_len"] = rested, lengths
+            # every sequence's rest at its front and of the same length (a step of decode rows only: `full`, or
+            # every answer past its deferred rows): the rests are the forward's rows as they are, nothing to gather
+            self.rest_in_place = rested == list(range(len(layouts))) and set(starts) == {0} and set(lengths) == {w}
             # [s, w] source row of each gathered step, clamped into the sequence's own rows
             host["r_pos"] = [st + min(t, n - 1) for st, n in zip(starts, lengths) for t in range(w)]
             # the real rows of the gathered outputs ([s * w]) and where they go in the core output ([B * rows])
@@ -334,21 +337,28 @@ class PackedGDNState:
         row), the boundary moves and the records batched over the sequences that have them."""
         device = qkv.device
         idx, lengths, width, pos = plan["r_idx"], plan["r_len"], plan.rest_width, plan["r_pos"]
-        valid = torch.arange(width, device=device)[None] < lengths[:, None]
+        if plan.rest_in_place:  # no row to move, none to gate off
+            x, xa, xb, rg, rb = qkv[:, :width], a[:, :width], b[:, :width], g[:, :width], beta[:, :width]
+        else:
+            valid = torch.arange(width, device=device)[None] < lengths[:, None]
 
-        def gather(t):
-            t = t.index_select(0, idx)
-            return t.gather(1, pos.view(*pos.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+            def gather(t):
+                t = t.index_select(0, idx)
+                return t.gather(1, pos.view(*pos.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
 
-        x, xa, xb, xg, xbeta = gather(qkv), gather(a), gather(b), gather(g), gather(beta)
+            x, xa, xb = gather(qkv), gather(a), gather(b)
+            rg, rb = _gate_off(gather(g), gather(beta), valid)
         history = self.conv.index_select(0, idx)
         y = causal_conv_with_history(x, history, p.conv_weight, p.conv_bias, p.activation)
         q, k, v = _split_heads(y, p)
-        rg, rb = _gate_off(xg, xbeta, valid)
         out, state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, rg, rb,
                                 self.state.index_select(0, idx))
-        flat = core.view(-1, *core.shape[2:])  # (core is fresh and contiguous)
-        flat.index_copy_(0, plan["r_dst"], out.reshape(-1, *out.shape[2:]).index_select(0, plan["r_src"]).to(core.dtype))
+        if plan.rest_in_place:
+            core[:, :width] = out
+        else:
+            flat = core.view(-1, *core.shape[2:])  # (core is fresh and contiguous)
+            flat.index_copy_(0, plan["r_dst"],
+                             out.reshape(-1, *out.shape[2:]).index_select(0, plan["r_src"]).to(core.dtype))
         conv = _last_window(history, x, lengths)
         self.state.index_copy_(0, idx, state.to(self.state.dtype))
         self.conv.index_copy_(0, idx, conv)
