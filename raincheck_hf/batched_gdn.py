@@ -17,6 +17,12 @@ suffix map), and its suffix length is a host integer of its own. A packed forwar
    after them gated off and kept out of the conv history; then, per sequence, the boundary moves after input
    rows, or a generated row is recorded (a leading token, or ``M_R <- A_t M_R``) while deferred rows wait.
 
+Every step is batched over the sequences (their records and boundary moves too): a layer launches the same few
+operations whatever the batch size, and reads nothing of the device on the host. What it needs of the layouts
+(indices, lengths, scatter positions; `_StepPlan`) is built once per forward for all its GDN layers and moved in
+one non-blocking copy; the widths and branches come from host ints. (A Python loop per sequence per layer here
+made an 8-sequence Qwen3.5-9B step ~3.4x slower than a ``full`` one on the H200.)
+
 Everything is the same algebra as the batch-1 engine (`gdn.algebra`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
