@@ -17,6 +17,12 @@ suffix map), and its suffix length is a host integer of its own. A packed forwar
    after them gated off and kept out of the conv history; then, per sequence, the boundary moves after input
    rows, or a generated row is recorded (a leading token, or ``M_R <- A_t M_R``) while deferred rows wait.
 
+Every step is batched over the sequences (their records and boundary moves too): a layer launches the same few
+operations whatever the batch size, and reads nothing of the device on the host. What it needs of the layouts
+(indices, lengths, scatter positions; `_StepPlan`) is built once per forward for all its GDN layers and moved in
+one non-blocking copy; the widths and branches come from host ints (an eager engine's decode step is bound by the
+host's launches, and a device read stalls it until the device's queue drains).
+
 Everything is the same algebra as the batch-1 engine (`gdn.algebra`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_utils import GENERATED, INPUT
+from .cache_utils import GENERATED, INPUT, to_device_all
 from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
@@ -86,6 +92,73 @@ def _last_window(history: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> 
     return joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
 
 
+def _row_index(rows: list[int], device) -> torch.Tensor:
+    """``rows`` as a long tensor on ``device`` through a pinned non-blocking copy (a plain ``torch.tensor(...,
+    device=cuda)`` copies from pageable memory and waits for the device's queue)."""
+    return to_device_all([torch.tensor(rows, dtype=torch.long)], device)[0]
+
+
+class _StepPlan:
+    """What one packed forward's layouts say, on the host and as device index tensors, built once per forward and
+    shared by its GDN layers (`PackedGDNState.step` with ``plans``): every index, length and mask the step needs,
+    moved in one pinned non-blocking copy (`cache_utils.to_device_all`), and the host facts it branches on (widths,
+    which sequences record where). So a layer's step launches the same few batched ops whatever the batch size and
+    never waits for the device (no ``.item()``, no pageable host -> device copy).
+
+    ``suffix_length``: the sequences' recorded suffix lengths before the forward (host ints; equal in every layer of
+    a forward, and part of the cache key all the same)."""
+
+    def __init__(self, layouts: list[PackedRowLayout], suffix_length: list[int], width: int, rows: int, device):
+        host: dict[str, list] = {}
+        chunked = [i for i, lay in enumerate(layouts) if lay.n_deferred]
+        rested = [i for i, lay in enumerate(layouts) if lay.n_rest]
+        self.chunked, self.rested = chunked, rested
+        if chunked:
+            d = [layouts[i].n_deferred for i in chunked]
+            self.chunk_width = max(d)
+            self.chunk_short = any(suffix_length[i] < width for i in chunked)
+            host["c_idx"], host["c_len"] = chunked, d
+            host["c_suffix"] = [suffix_length[i] for i in chunked]
+        if rested:
+            starts = [layouts[i].n_deferred for i in rested]
+            lengths = [layouts[i].n_rest for i in rested]
+            w = self.rest_width = max(lengths)
+            host["r_idx"], host["r_len"] = rested, lengths
+            # every sequence's rest at its front and of the same length (a step of decode rows only: `full`, or
+            # every answer past its deferred rows): the rests are the forward's rows as they are, nothing to gather
+            self.rest_in_place = rested == list(range(len(layouts))) and set(starts) == {0} and set(lengths) == {w}
+            # [s, w] source row of each gathered step, clamped into the sequence's own rows
+            host["r_pos"] = [st + min(t, n - 1) for st, n in zip(starts, lengths) for t in range(w)]
+            # the real rows of the gathered outputs ([s * w]) and where they go in the core output ([B * rows])
+            host["r_src"] = [j * w + t for j, n in enumerate(lengths) for t in range(n)]
+            host["r_dst"] = [i * rows + st + t for i, st, n in zip(rested, starts, lengths) for t in range(n)]
+            inputs = [(j, i) for j, i in enumerate(rested) if layouts[i].rest_kind == INPUT]
+            recorded = [(j, i) for j, i in enumerate(rested)
+                        if layouts[i].rest_kind == GENERATED and layouts[i].record]
+            self.inputs = [i for _, i in inputs]
+            self.recorded = [i for _, i in recorded]
+            if inputs:
+                host["in_i"] = self.inputs
+            if recorded:
+                host["rec_j"] = [j for j, _ in recorded]
+                lead = [(k, i) for k, (_, i) in enumerate(recorded) if suffix_length[i] < width]
+                rest = [(k, i) for k, (_, i) in enumerate(recorded) if suffix_length[i] >= width]
+                self.has_lead, self.has_rest = bool(lead), bool(rest)
+                if lead:  # a leading token: its inputs go to slot t of the leading record, S_L advances by it
+                    host["lead_k"], host["lead_i"] = [k for k, _ in lead], [i for _, i in lead]
+                    host["lead_t"] = [suffix_length[i] for _, i in lead]
+                if rest:  # past the leading segment: M_R <- A_t M_R
+                    host["rest_k"], host["rest_i"] = [k for k, _ in rest], [i for _, i in rest]
+        names = list(host)
+        moved = to_device_all([torch.tensor(host[n], dtype=torch.long) for n in names], device)
+        self.index = dict(zip(names, moved))
+        if rested:
+            self.index["r_pos"] = self.index["r_pos"].view(len(rested), self.rest_width)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.index[name]
+
+
 class PackedGDNState:
     """One GDN layer's states of ``batch`` sequences (docs/method.md §4), row ``b`` for sequence ``b``.
 
@@ -124,25 +197,26 @@ class PackedGDNState:
 
     def select(self, keep: list[int]) -> None:
         """Keep the sequences ``keep`` (in that order); the others' rows are gone."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.state.device)
+        index = _row_index(keep, self.state.device)
         for name in self._NAMES:
             setattr(self, name, getattr(self, name).index_select(0, index))
         self.suffix_length = [self.suffix_length[k] for k in keep]
 
     # ---- rows as slots (`batch_engine`: row ``i`` is slot ``i`` of the pool) -----------------------
-    def take(self, rows: list[int]) -> "PackedGDNState":
-        """A state of ``len(rows)`` sequences holding copies of rows ``rows`` (one packed forward's sequences)."""
+    def take(self, rows: list[int], index: torch.Tensor | None = None) -> "PackedGDNState":
+        """A state of ``len(rows)`` sequences holding copies of rows ``rows`` (one packed forward's sequences);
+        ``index``: ``rows`` already on the device (`PackedGDNStates` moves it once for every layer)."""
         sub = object.__new__(PackedGDNState)
-        index = torch.tensor(rows, dtype=torch.long, device=self.state.device)
+        index = _row_index(rows, self.state.device) if index is None else index
         for name in self._NAMES:
             setattr(sub, name, getattr(self, name).index_select(0, index))
         sub.width = self.width
         sub.suffix_length = [self.suffix_length[r] for r in rows]
         return sub
 
-    def put(self, rows: list[int], sub: "PackedGDNState") -> None:
-        """Write ``sub`` (from `take`, after a forward) back into rows ``rows``."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.state.device)
+    def put(self, rows: list[int], sub: "PackedGDNState", index: torch.Tensor | None = None) -> None:
+        """Write ``sub`` (from `take`, after a forward) back into rows ``rows`` (``index``: as in `take`)."""
+        index = _row_index(rows, self.state.device) if index is None else index
         for name in self._NAMES:
             getattr(self, name).index_copy_(0, index, getattr(sub, name))
         for r, t in zip(rows, sub.suffix_length):
@@ -197,25 +271,29 @@ class PackedGDNState:
 
     # ---- one forward ------------------------------------------------------------------------
     def step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layouts: list[PackedRowLayout],
-             params: GDNLayerParams, chunk_rule, recurrent_rule) -> torch.Tensor:
+             params: GDNLayerParams, chunk_rule, recurrent_rule, plans: dict | None = None) -> torch.Tensor:
         """The recurrent part of one GDN layer for a packed forward: ``qkv [B, W, C]`` (``in_proj_qkv``), ``a, b
         [B, W, HV]`` (``in_proj_a`` / ``in_proj_b``), the rows laid out per sequence as ``layouts[b]`` says.
-        Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows); updates every sequence's states."""
+        Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows); updates every sequence's states.
+        ``plans``: a dict the forward's GDN layers share (`gdn.dispatch`), so its `_StepPlan` (index tensors on the
+        device) is built once per forward; None: built for this call."""
         bsz, rows, _ = qkv.shape
         if len(layouts) != bsz or bsz != self.batch:
             raise ValueError(f"a packed GDN step got {len(layouts)} layouts for {bsz} rows of a {self.batch}-sequence "
                              "state.")
-        device = qkv.device
+        key = (tuple(self.suffix_length), rows, qkv.device)
+        plan = None if plans is None else plans.get(key)
+        if plan is None:
+            plan = _StepPlan(layouts, self.suffix_length, self.width, rows, qkv.device)
+            if plans is not None:
+                plans[key] = plan
         p = params
         g, beta = gdn_gates(a, b, p)
-        core = torch.zeros(bsz, rows, p.num_v_heads, p.head_v_dim, dtype=qkv.dtype, device=device)
-
-        chunked = [i for i, lay in enumerate(layouts) if lay.n_deferred]
-        if chunked:
-            self._chunks(qkv, g, beta, layouts, chunked, p, chunk_rule, recurrent_rule, core)
-        rested = [i for i, lay in enumerate(layouts) if lay.n_rest]
-        if rested:
-            self._rests(qkv, a, b, g, beta, layouts, rested, p, chunk_rule, recurrent_rule, core)
+        core = torch.zeros(bsz, rows, p.num_v_heads, p.head_v_dim, dtype=qkv.dtype, device=qkv.device)
+        if plan.chunked:
+            self._chunks(qkv, g, beta, plan, p, chunk_rule, recurrent_rule, core)
+        if plan.rested:
+            self._rests(qkv, a, b, g, beta, plan, p, chunk_rule, recurrent_rule, core)
         return core
 
     def _rule(self, single: bool, chunk_rule, recurrent_rule, q, k, v, g, beta, state):
@@ -223,12 +301,10 @@ class PackedGDNState:
         fn = recurrent_rule if single else chunk_rule
         return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-    def _chunks(self, qkv, g, beta, layouts, seqs, p, chunk_rule, recurrent_rule, core):
-        """Step 1 and 2 of the module docstring for the sequences ``seqs`` (each with deferred rows)."""
+    def _chunks(self, qkv, g, beta, plan: _StepPlan, p, chunk_rule, recurrent_rule, core):
+        """Step 1 and 2 of the module docstring for the sequences ``plan.chunked`` (each with deferred rows)."""
         device = qkv.device
-        idx = torch.tensor(seqs, dtype=torch.long, device=device)
-        lengths = torch.tensor([layouts[i].n_deferred for i in seqs], dtype=torch.long, device=device)
-        width = int(lengths.max())
+        idx, lengths, width = plan["c_idx"], plan["c_len"], plan.chunk_width
         x = qkv.index_select(0, idx)[:, :width]
         valid = torch.arange(width, device=device)[None] < lengths[:, None]
         history = self.boundary_conv.index_select(0, idx)
@@ -237,12 +313,12 @@ class PackedGDNState:
         gc, bc = _gate_off(g.index_select(0, idx)[:, :width], beta.index_select(0, idx)[:, :width], valid)
         out, boundary_state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, gc, bc,
                                          self.boundary_state.index_select(0, idx))
-        for j, i in enumerate(seqs):  # each sequence's chunk rows of the core output
-            core[i, :layouts[i].n_deferred] = out[j, :layouts[i].n_deferred].to(core.dtype)
+        # each sequence's chunk rows of the core output (rows after its own chunk: zeros, a rest overwrites them)
+        kept = torch.where(valid[..., None, None], out.to(core.dtype), torch.zeros((), dtype=core.dtype, device=device))
+        core[:, :width].index_copy_(0, idx, kept)
         boundary_conv = _last_window(history, x, lengths)
         # the join: leading segments recomputed from h_b' and applied to S_b'
-        suffix = torch.tensor([self.suffix_length[i] for i in seqs], dtype=torch.long, device=device)
-        lead = suffix.clamp(max=self.width)
+        lead = plan["c_suffix"].clamp(max=self.width)
         lead_qkv = self.leading_qkv.index_select(0, idx)
         factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, idx),
                               self.leading_b.index_select(0, idx), p)
@@ -255,62 +331,74 @@ class PackedGDNState:
         self.leading_state.index_copy_(0, idx, repaired.to(self.leading_state.dtype))
         self.boundary_state.index_copy_(0, idx, boundary_state.to(self.boundary_state.dtype))
         self.boundary_conv.index_copy_(0, idx, boundary_conv)
-        # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1
-        short = lead < self.width
-        if bool(short.any()):
+        # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1 (known on the host)
+        if plan.chunk_short:
+            short = lead < self.width
             window = _last_window(boundary_conv, lead_qkv, lead)
             conv = torch.where(short[:, None, None], window, self.conv.index_select(0, idx))
             self.conv.index_copy_(0, idx, conv)
 
-    def _rests(self, qkv, a, b, g, beta, layouts, seqs, p, chunk_rule, recurrent_rule, core):
-        """Step 3 of the module docstring for the sequences ``seqs`` (each with input rows or a generated row)."""
+    def _rests(self, qkv, a, b, g, beta, plan: _StepPlan, p, chunk_rule, recurrent_rule, core):
+        """Step 3 of the module docstring for the sequences ``plan.rested`` (each with input rows or a generated
+        row), the boundary moves and the records batched over the sequences that have them."""
         device = qkv.device
-        idx = torch.tensor(seqs, dtype=torch.long, device=device)
-        starts = torch.tensor([layouts[i].n_deferred for i in seqs], dtype=torch.long, device=device)
-        lengths = torch.tensor([layouts[i].n_rest for i in seqs], dtype=torch.long, device=device)
-        width = int(lengths.max())
-        steps = torch.arange(width, device=device)[None]
-        valid = steps < lengths[:, None]
-        pos = starts[:, None] + torch.minimum(steps, lengths[:, None] - 1)  # [s, width], clamped into its own rows
+        idx, lengths, width, pos = plan["r_idx"], plan["r_len"], plan.rest_width, plan["r_pos"]
+        if plan.rest_in_place:  # no row to move, none to gate off
+            x, xa, xb, rg, rb = qkv[:, :width], a[:, :width], b[:, :width], g[:, :width], beta[:, :width]
+        else:
+            valid = torch.arange(width, device=device)[None] < lengths[:, None]
 
-        def gather(t):
-            t = t.index_select(0, idx)
-            return t.gather(1, pos.view(*pos.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+            def gather(t):
+                t = t.index_select(0, idx)
+                return t.gather(1, pos.view(*pos.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
 
-        x, xa, xb, xg, xbeta = gather(qkv), gather(a), gather(b), gather(g), gather(beta)
+            x, xa, xb = gather(qkv), gather(a), gather(b)
+            rg, rb = _gate_off(gather(g), gather(beta), valid)
         history = self.conv.index_select(0, idx)
         y = causal_conv_with_history(x, history, p.conv_weight, p.conv_bias, p.activation)
         q, k, v = _split_heads(y, p)
-        rg, rb = _gate_off(xg, xbeta, valid)
         out, state = self._rule(width == 1, chunk_rule, recurrent_rule, q, k, v, rg, rb,
                                 self.state.index_select(0, idx))
-        for j, i in enumerate(seqs):
-            lay = layouts[i]
-            core[i, lay.n_deferred:lay.n_deferred + lay.n_rest] = out[j, :lay.n_rest].to(core.dtype)
+        if plan.rest_in_place:
+            core[:, :width] = out
+        else:
+            flat = core.view(-1, *core.shape[2:])  # (core is fresh and contiguous)
+            flat.index_copy_(0, plan["r_dst"],
+                             out.reshape(-1, *out.shape[2:]).index_select(0, plan["r_src"]).to(core.dtype))
         conv = _last_window(history, x, lengths)
         self.state.index_copy_(0, idx, state.to(self.state.dtype))
         self.conv.index_copy_(0, idx, conv)
-        for j, i in enumerate(seqs):
-            lay = layouts[i]
-            one = slice(j, j + 1)
-            if lay.rest_kind == INPUT:  # the boundary moves after a turn's input rows
-                self.boundary_state[i] = self.state[i]
-                self.leading_state[i] = self.state[i]
-                self.boundary_conv[i] = self.conv[i]
-                self.rest_map[i] = torch.eye(p.head_k_dim, dtype=self.rest_map.dtype, device=device)
+        if plan.inputs:  # the boundary moves after a turn's input rows
+            rows = plan["in_i"]
+            live, live_conv = self.state.index_select(0, rows), self.conv.index_select(0, rows)
+            self.boundary_state.index_copy_(0, rows, live)
+            self.leading_state.index_copy_(0, rows, live)
+            self.boundary_conv.index_copy_(0, rows, live_conv)
+            eye = torch.eye(p.head_k_dim, dtype=self.rest_map.dtype, device=device)
+            self.rest_map.index_copy_(0, rows, eye.expand(len(plan.inputs), *self.rest_map.shape[1:]))
+            for i in plan.inputs:
                 self.suffix_length[i] = 0
-            elif lay.rest_kind == GENERATED and lay.record:
-                # the token's factors from the conv window before it, as `SuffixStateMap.append_suffix` computes them
-                f = gdn_factors(x[one, :1], history[one], xa[one, :1], xb[one, :1], p)
-                t = self.suffix_length[i]
-                if t < self.width:  # a leading token: S_L advances by it
-                    self.leading_qkv[i, t] = x[j, 0]
-                    self.leading_a[i, t] = xa[j, 0]
-                    self.leading_b[i, t] = xb[j, 0]
-                    self.leading_state[i] = advance_state(self.leading_state[i:i + 1], f.k, f.v, f.g, f.beta)[0]
-                else:
-                    self.rest_map[i] = update_suffix_map(self.rest_map[i:i + 1], f.k, f.g, f.beta)[0]
-                self.suffix_length[i] = t + 1
+        if plan.recorded:
+            # the tokens' factors from the conv window before them, as `SuffixStateMap.append_suffix` computes them
+            rec = plan["rec_j"]
+            xr, ar, br = x[:, :1].index_select(0, rec), xa[:, :1].index_select(0, rec), xb[:, :1].index_select(0, rec)
+            f = gdn_factors(xr, history.index_select(0, rec), ar, br, p)
+            if plan.has_lead:
+                k_, i_, t_ = plan["lead_k"], plan["lead_i"], plan["lead_t"]
+                self.leading_qkv.index_put_((i_, t_), xr[:, 0].index_select(0, k_))
+                self.leading_a.index_put_((i_, t_), ar[:, 0].index_select(0, k_))
+                self.leading_b.index_put_((i_, t_), br[:, 0].index_select(0, k_))
+                pick = lambda t: t.index_select(0, k_)  # noqa: E731
+                advanced = advance_state(self.leading_state.index_select(0, i_), pick(f.k), pick(f.v), pick(f.g),
+                                         pick(f.beta))
+                self.leading_state.index_copy_(0, i_, advanced.to(self.leading_state.dtype))
+            if plan.has_rest:
+                k_, i_ = plan["rest_k"], plan["rest_i"]
+                pick = lambda t: t.index_select(0, k_)  # noqa: E731
+                moved = update_suffix_map(self.rest_map.index_select(0, i_), pick(f.k), pick(f.g), pick(f.beta))
+                self.rest_map.index_copy_(0, i_, moved.to(self.rest_map.dtype))
+            for i in plan.recorded:
+                self.suffix_length[i] += 1
 
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:
@@ -357,16 +445,21 @@ class PackedGDNStates:
         """The states of rows ``rows`` as a `PackedGDNStates` of ``len(rows)`` sequences (copies), for one packed
         forward; layers not created yet are created fresh in it (and in this one by `put`)."""
         sub = PackedGDNStates(len(rows))
-        sub.layers = {i: state.take(rows) for i, state in self.layers.items()}
+        if self.layers:
+            index = _row_index(rows, next(iter(self.layers.values())).state.device)  # once for every layer
+            sub.layers = {i: state.take(rows, index) for i, state in self.layers.items()}
         return sub
 
     def put(self, rows: list[int], sub: "PackedGDNStates") -> None:
         """Write ``sub``'s states (after a forward) back into rows ``rows``."""
+        index = None
         for i, state in sub.layers.items():
             mine = self.layers.get(i)
             if mine is None:
                 mine = self.layers[i] = state.fresh(self.batch)
-            mine.put(rows, state)
+            if index is None:  # once for every layer
+                index = _row_index(rows, mine.state.device)
+            mine.put(rows, state, index)
 
     def reset(self, row: int) -> None:
         for state in self.layers.values():

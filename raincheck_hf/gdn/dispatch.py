@@ -314,6 +314,7 @@ class _PackedStepContext:
     modules: frozenset
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
     recorded: dict = dataclasses.field(default_factory=dict)
+    plans: dict = dataclasses.field(default_factory=dict)  # the forward's `batched_gdn._StepPlan`s, shared by layers
 
     def layer_forward(self, module, original, hidden_states, **kwargs):
         return _packed_gdn_forward(module, self, hidden_states, **kwargs)
@@ -331,7 +332,7 @@ def _packed_gdn_forward(module, ctx: _PackedStepContext, hidden_states, **kwargs
     b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
     state = ctx.states.layer(module.layer_idx, params, qkv.dtype, qkv.device)
     core = state.step(qkv, a, b, ctx.layouts, params, module_function(module, "torch_chunk_gated_delta_rule"),
-                      module_function(module, "torch_recurrent_gated_delta_rule"))
+                      module_function(module, "torch_recurrent_gated_delta_rule"), plans=ctx.plans)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
