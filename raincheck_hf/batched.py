@@ -56,7 +56,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, to_device
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
@@ -237,8 +237,8 @@ class SequenceState:
     prefill: RowGroup | None = None
     prefill_restored: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     slot: int | None = None
-    row_sources: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    row_kinds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int8))
+    _sources_parts: list = field(default_factory=list, repr=False)  # `row_sources`, in pieces (`stored`)
+    _kinds_parts: list = field(default_factory=list, repr=False)  # `row_kinds`, in pieces
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     generated: int = 0
     fed: list = field(default_factory=list)
@@ -292,15 +292,18 @@ class SequenceState:
         return self.scheduler.may_carry_chunk(self, self.generated)
 
     def decode_groups(self, adapter, config: RaincheckConfig, token: int,
-                      cap: int | None = None) -> list[RowGroup]:
+                      cap: int | None = None, row=None) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
         for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
         ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace.
-        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`)."""
+        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`). ``row``: the
+        token's row made ahead for the step's sequences together (`token_rows`), None: made here."""
         i = self.generated
-        ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
+        ids = None
+        if row is None:
+            ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
         step = self.scheduler.decode_step(adapter, self, self.plan, ids, i, self.first_generated_position,
-                                          self.ids.shape[0] + i, cap)
+                                          self.ids.shape[0] + i, cap, token=row)
         if step.n_chunk:
             self.take_pending(step.n_chunk)
         self.trace.restored_per_forward.append(step.restored)
@@ -309,10 +312,38 @@ class SequenceState:
         return [RowGroup.of(rows) for rows in step.forwards]
 
     # ---- storage bookkeeping ----
+    @property
+    def row_sources(self) -> torch.Tensor:
+        """``[n]`` the source of each row stored in its slot (host), in storage order."""
+        return self._joined("_sources_parts", torch.long)
+
+    @row_sources.setter
+    def row_sources(self, value: torch.Tensor) -> None:
+        self._sources_parts = [value]
+
+    @property
+    def row_kinds(self) -> torch.Tensor:
+        """``[n]`` int8 the kind of each row stored in its slot (host), in storage order."""
+        return self._joined("_kinds_parts", torch.int8)
+
+    @row_kinds.setter
+    def row_kinds(self, value: torch.Tensor) -> None:
+        self._kinds_parts = [value]
+
+    def _joined(self, name: str, dtype) -> torch.Tensor:
+        """The parts `stored` appended, joined once when read (a step appends; a cat per step would copy every
+        stored row's record again, each step)."""
+        parts = getattr(self, name)
+        if not parts:
+            return torch.empty(0, dtype=dtype)
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0]
+
     def stored(self, group: RowGroup) -> None:
         """Account for ``group``'s rows, which a forward just wrote to its slot."""
-        self.row_sources = torch.cat([self.row_sources, group.sources.to("cpu", torch.long)])
-        self.row_kinds = torch.cat([self.row_kinds, torch.as_tensor(group.kinds, dtype=torch.int8).cpu()])
+        self._sources_parts.append(group.sources.to("cpu", torch.long))
+        self._kinds_parts.append(torch.as_tensor(group.kinds, dtype=torch.int8).cpu())
 
     def layout(self, group: RowGroup | None) -> PackedRowLayout:
         """How ``group``'s rows split for layers with per-sequence recurrent state: deferred rows first, then input
@@ -384,6 +415,30 @@ class RestoringState(SequenceState):
         group = RowGroup.of(idle_rows(adapter, self, n))
         self.restored.append(group.sources)
         return group
+
+
+def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple[RowBatch, torch.Tensor, torch.Tensor]]:
+    """Each fed sequence's decode row for its next forward, made for all of them at once: ``(RowBatch, key [1],
+    source [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's embedding, its
+    M-RoPE position on all three axes, its order key and source), as views of one tensor each: one embedding
+    lookup and one host-to-device copy per step, whatever the batch, instead of a few operations per sequence."""
+    if not sequences:
+        return []
+    device = adapter.device  # (walks accelerate's hooks and the parameters: once per step)
+    n = len(sequences)
+    index = torch.tensor([s.generated - 1 for s in sequences], dtype=torch.long)  # generated token i - 1
+    host = torch.empty(4, n, dtype=torch.long)  # token ids, then its position on the three M-RoPE axes
+    host[0] = torch.tensor([s.token for s in sequences], dtype=torch.long)
+    host[1:] = (torch.tensor([s.first_generated_position for s in sequences], dtype=torch.long) + index)[None]
+    host = to_device(host, device)
+    embeds = adapter.text_model.embed_tokens(host[0])  # [n, D]
+    positions = host[1:]
+    visual = torch.zeros(n, dtype=torch.bool, device=device)
+    turns = torch.tensor([s.plan.turn for s in sequences], dtype=torch.long)
+    keys = order_key(turns, GENERATED, index)
+    sources = torch.tensor([s.ids.shape[0] + s.generated - 1 for s in sequences], dtype=torch.long)
+    return [(RowBatch(embeds[b:b + 1], positions[:, b:b + 1], visual[b:b + 1], None), keys[b:b + 1],
+             sources[b:b + 1]) for b in range(n)]
 
 
 def restoring_sequence(cache: DeferredDynamicCache, index: int, max_rows: int) -> RestoringState:
