@@ -56,7 +56,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key, to_device
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key_int, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
@@ -181,8 +181,10 @@ class RowGroup:
     def of(rows) -> "RowGroup":
         """One forward's rows as the scheduler decided them (`runner.ForwardRows`), as a group of one sequence."""
         n = int(rows.keys.shape[0])
-        return RowGroup(rows.batch, rows.keys, rows.sources.to("cpu", torch.long),
-                        torch.as_tensor(rows.kinds, dtype=torch.int8).expand(n).clone(), rows.want_logits)
+        kinds = torch.as_tensor(rows.kinds, dtype=torch.int8)
+        if kinds.shape != (n,) or kinds.stride() != (1,):  # one kind for every row (an expanded view): its own copy
+            kinds = kinds.expand(n).clone()
+        return RowGroup(rows.batch, rows.keys, rows.sources.to("cpu", torch.long), kinds, rows.want_logits)
 
     def split(self, n: int) -> tuple["RowGroup", "RowGroup | None"]:
         """``(first n rows, the rest or None)``; the first wants no logits unless it is all of them (a chunked
@@ -417,28 +419,31 @@ class RestoringState(SequenceState):
         return group
 
 
-def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple[RowBatch, torch.Tensor, torch.Tensor]]:
+def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple]:
     """Each fed sequence's decode row for its next forward, made for all of them at once: ``(RowBatch, key [1],
-    source [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's embedding, its
-    M-RoPE position on all three axes, its order key and source), as views of one tensor each: one embedding
+    source [1], kind [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's
+    embedding, its M-RoPE position on all three axes, its order key, source and kind ``GENERATED``), as views of one
+    tensor each: one embedding
     lookup and one host-to-device copy per step, whatever the batch, instead of a few operations per sequence."""
     if not sequences:
         return []
     device = adapter.device  # (walks accelerate's hooks and the parameters: once per step)
-    n = len(sequences)
-    index = torch.tensor([s.generated - 1 for s in sequences], dtype=torch.long)  # generated token i - 1
-    host = torch.empty(4, n, dtype=torch.long)  # token ids, then its position on the three M-RoPE axes
-    host[0] = torch.tensor([s.token for s in sequences], dtype=torch.long)
-    host[1:] = (torch.tensor([s.first_generated_position for s in sequences], dtype=torch.long) + index)[None]
-    host = to_device(host, device)
-    embeds = adapter.text_model.embed_tokens(host[0])  # [n, D]
-    positions = host[1:]
-    visual = torch.zeros(n, dtype=torch.bool, device=device)
-    turns = torch.tensor([s.plan.turn for s in sequences], dtype=torch.long)
-    keys = order_key(turns, GENERATED, index)
-    sources = torch.tensor([s.ids.shape[0] + s.generated - 1 for s in sequences], dtype=torch.long)
-    return [(RowBatch(embeds[b:b + 1], positions[:, b:b + 1], visual[b:b + 1], None), keys[b:b + 1],
-             sources[b:b + 1]) for b in range(n)]
+    index = [s.generated - 1 for s in sequences]  # the token is generated token i - 1 of its turn
+    position = [s.first_generated_position + i for s, i in zip(sequences, index)]
+    # one host tensor: the token ids and their position on the three M-RoPE axes (what goes to the device), then the
+    # order keys and the sources
+    host = torch.tensor([[s.token for s in sequences], position, position, position,
+                         [order_key_int(s.plan.turn, GENERATED, i) for s, i in zip(sequences, index)],
+                         [s.ids.shape[0] + s.generated - 1 for s in sequences]], dtype=torch.long)
+    moved = to_device(host[:4], device)
+    embeds = adapter.text_model.embed_tokens(moved[0])  # [n, D]
+    keys = host[4]
+    kinds = torch.full((len(sequences), 1), GENERATED, dtype=torch.int8)
+    # every sequence's views in a few calls (``unbind``), whatever the batch
+    return [(RowBatch(e, p, v, None), k, src, kind) for e, p, v, k, src, kind in
+            zip(embeds.unsqueeze(1).unbind(0), moved[1:].t().unsqueeze(2).unbind(0),
+                torch.zeros(len(sequences), 1, dtype=torch.bool, device=device).unbind(0),
+                keys.unsqueeze(1).unbind(0), host[5].unsqueeze(1).unbind(0), kinds.unbind(0))]
 
 
 def restoring_sequence(cache: DeferredDynamicCache, index: int, max_rows: int) -> RestoringState:

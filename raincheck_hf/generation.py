@@ -361,17 +361,18 @@ class ChunkScheduler:
         ``[chunk, token]`` or (``serial``) in a forward of its own just before. The chunk is only peeked at: it
         leaves the pending rows when the step runs (`_DecodeForward.run`). ``cap``: at most this many chunk rows
         (a batched step's share of `RaincheckConfig.batch_chunk_rows`; None: the sequence's own choice).
-        ``token``: the token's row already made, ``(RowBatch, key [1], source [1])`` (the batched engine makes every
-        sequence's token row of a step at once, `batched.token_rows`), with the values this method would make; None:
-        made here from ``next_tokens``."""
+        ``token``: the token's row already made, ``(RowBatch, key [1], source [1], kind [1])`` (the batched engine
+        makes every sequence's token row of a step at once, `batched.token_rows`), with the values this method would
+        make; None: made here from ``next_tokens``."""
         position = first_generated_position + forward_index - 1
         if token is None:
             token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
             token_source = torch.tensor([sequence_length - 1])
             batch = adapter.text_row(next_tokens, position)
+            token_kind = GENERATED
         else:
-            batch, token_key, token_source = token
-        token = ForwardRows(batch, token_key, token_source, GENERATED, True)
+            batch, token_key, token_source, token_kind = token
+        token = ForwardRows(batch, token_key, token_source, token_kind, True)
         size = self.chunk_size(adapter, cache, forward_index, cap)
         chunk = cache.peek_pending(min(size, cache.num_pending)) if size else None
         if chunk is None:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from raincheck_hf.batched import SequenceState, token_rows
-from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT, order_key
+from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT, order_key, order_key_int
 from raincheck_hf.fast import batched_graphs
 from raincheck_hf.models import get_adapter
 
@@ -77,13 +77,14 @@ def test_token_rows_match_decode_step_rows():
             for tok, gen, pos, turn, length in [(5, 1, 40, 0, 37), (17, 9, 12, 2, 80), (0, 3, 7, 1, 5)]]
     with torch.no_grad():
         rows = token_rows(adapter, seqs)
-        for s, (batch, key, source) in zip(seqs, rows):
+        for s, (batch, key, source, kind) in zip(seqs, rows):
             alone = adapter.text_row(torch.tensor([s.token]), s.first_generated_position + s.generated - 1)
             assert torch.equal(batch.embeds, alone.embeds)
             assert torch.equal(batch.positions, alone.positions)
             assert torch.equal(batch.visual, alone.visual) and batch.deepstack is None
             assert torch.equal(key, order_key(s.plan.turn, GENERATED, s.generated - 1).reshape(1))
             assert torch.equal(source, torch.tensor([s.ids.shape[0] + s.generated - 1]))
+            assert torch.equal(kind, torch.tensor([GENERATED], dtype=torch.int8))
     assert token_rows(adapter, []) == []
 
 
@@ -104,3 +105,10 @@ def test_stored_rows_are_joined_when_read():
     assert state.row_kinds.tolist() == [INPUT, INPUT, DEFERRED, GENERATED, GENERATED]
     state.row_sources = torch.tensor([4])
     assert state.row_sources.tolist() == [4]
+
+
+def test_order_key_int_matches_order_key():
+    rng = random.Random(2)
+    for _ in range(200):
+        turn, segment, index = rng.randrange(1 << 21), rng.choice([INPUT, DEFERRED, GENERATED]), rng.randrange(1 << 40)
+        assert order_key_int(turn, segment, index) == int(order_key(turn, segment, index))

@@ -166,6 +166,7 @@ class BatchStepBuffers:
     last: torch.Tensor  # [B]: each sequence's last real row
     deepstack: list[torch.Tensor]  # [B, W, D] per DeepStack layer
     logits: torch.Tensor | None = None  # [B, V], set by the step
+    columns: torch.Tensor | None = None  # arange(W) on the device, made by the first fill (read by fills only)
 
     @classmethod
     def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device) -> "BatchStepBuffers":
@@ -336,8 +337,8 @@ class BatchedStepGraphs:
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
         if not wanted:
             return {}
-        logits = buffers.logits[:n].clone()
-        return {entries[b][0]: logits[b] for b in wanted}
+        rows = buffers.logits[:n].clone().unbind(0)
+        return {entries[b][0]: rows[b] for b in wanted}
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
@@ -347,14 +348,11 @@ class BatchedStepGraphs:
         batch, width = buffers.query_keys.shape
         n = len(entries)
         lengths = [len(g) for _, g in entries]
-        host = torch.zeros(3, batch, dtype=torch.long)  # slots, starts, last rows
-        if scratch is None:
-            host[0] = torch.arange(batch)
-        else:
-            host[0].fill_(scratch)
-        host[0, :n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
-        host[1, :n] = torch.tensor(starts, dtype=torch.long)
-        host[2, :n] = torch.tensor(lengths, dtype=torch.long) - 1
+        pad = batch - n  # padding sequences: the free slots n .. B - 1 (dense), else the scratch slot; start and last 0
+        host = torch.tensor([[seq.slot for seq, _ in entries] + (list(range(n, batch)) if scratch is None
+                                                                  else [scratch] * pad),
+                             list(starts) + [0] * pad, [rows - 1 for rows in lengths] + [0] * pad],
+                            dtype=torch.long)  # slots, starts, last rows
         dest = _placement(lengths, width)
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
         if buffers.deepstack:
@@ -371,7 +369,9 @@ class BatchedStepGraphs:
         moved = to_device_all([host, dest, ds_dest, *[g.keys.long() for g in groups]], device)
         host, dest, ds_dest, keys = moved[0], moved[1], moved[2], moved[3:]
         buffers.slots.copy_(host[0])
-        buffers.write.copy_(host[1][:, None] + torch.arange(width, device=device)[None])
+        if buffers.columns is None:
+            buffers.columns = torch.arange(width, device=device)
+        buffers.write.copy_(host[1][:, None] + buffers.columns[None])
         buffers.last.copy_(host[2])
         buffers.embeds.zero_()
         buffers.positions.zero_()
@@ -392,10 +392,12 @@ class BatchedStepGraphs:
 def _placement(counts: list[int], width: int) -> torch.Tensor:
     """Flat rows ``b * width + j`` for ``j < counts[b]`` (each sequence's first ``counts[b]`` rows of its ``width``):
     ``cat([b * width + arange(counts[b])])``, in a few operations whatever the batch."""
-    counts_t = torch.tensor(counts, dtype=torch.long)
     total = int(sum(counts))
+    if total == 0:  # (no DeepStack rows in the step)
+        return torch.empty(0, dtype=torch.long)
     if all(c == 1 for c in counts):  # one row each (a step of decode tokens): the first row of every sequence
         return torch.arange(len(counts), dtype=torch.long) * width
+    counts_t = torch.tensor(counts, dtype=torch.long)
     starts = torch.cumsum(counts_t, 0) - counts_t  # where each sequence's rows start in the flat list
     base = torch.arange(len(counts), dtype=torch.long) * width - starts
     return torch.repeat_interleave(base, counts_t, output_size=total) + torch.arange(total, dtype=torch.long)
