@@ -1,6 +1,6 @@
 """Host time of one batched decode step, by part: a CPU diagnosis tool for the batched engine's fixed per-step cost.
 
-    python benchmarks/host_step_profile.py --batch 1,8,32 --tokens 48 --json host_step_profile_cpu_tiny.json
+    python benchmarks/host_step_profile.py --batch 1,8,32 --tokens 48 --json out.json
     python benchmarks/host_step_profile.py --batch 8 --mode raincheck --cprofile 30   # + the top functions
 
 It runs batched ``generate`` on the tiny Qwen3-VL model (`raincheck_hf.tiny`, fp32, CPU) through the batched engine
@@ -12,10 +12,11 @@ default ``raincheck`` settings.
 
 Per decode iteration (from one `BatchEngine.step` call to the next: the step, then choosing the tokens and feeding
 them) it times the parts with ``time.perf_counter`` and the model forward itself (the text model and the LM head,
-through forward hooks). ``host_ms`` is the iteration minus the model forward; ``host_outside_replay_ms`` the iteration
-minus the whole step callable of `fast.batched_graphs` (the forward, the slot keys and the visibility mask: on CUDA
-one asynchronous graph replay), i.e. the host time a GPU step cannot overlap today: the figure to cut. The parts (inclusive, so they
-nest: ``graphs_run`` holds ``fill`` and the forward, ``step`` holds ``schedule`` and ``graphs_run``):
+through forward hooks). ``host_ms`` is the iteration minus the model forward; ``host_outside_replay_ms`` the
+iteration minus the whole step callable of `fast.batched_graphs` (the forward, the slot keys and the visibility
+mask: on CUDA one asynchronous graph replay), i.e. the host time around the replay: the figure to cut. The parts
+(inclusive, so they nest: ``graphs_run`` holds ``fill`` and the forward, ``step`` holds ``schedule`` and
+``graphs_run``):
 
 - ``schedule``: `RowScheduler.schedule` (each sequence's decode rows, its chunk, its trace);
 - ``graphs_run``: `BatchedStepGraphs.run` (placement, the fill, the step, the logits' gather), ``fill``: its
@@ -30,8 +31,8 @@ nest: ``graphs_run`` holds ``fill`` and the forward, ``step`` holds ``schedule``
 Medians over the decode iterations of ``--reps`` timed calls (after one untimed warm-up call, so nothing is
 created for the first time); for the iteration, ``host`` and ``host_outside_replay`` also the 20th percentile
 (``_p20_ms``): on a machine shared with other work, the OS's preemptions add spikes of milliseconds to random
-iterations and parts, which a low quantile leaves out. CPU timings of a tiny model: they say where the host's time goes and how a change
-moves it, not what a GPU step costs. The JSON carries the hardware.
+iterations and parts, which a low quantile leaves out. CPU timings of a tiny model: they say where the host's time
+goes and how a change moves it, not what a GPU step costs. The JSON carries the hardware.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def summarize(iterations: list[dict]) -> dict:
         # on CUDA the whole step callable is one asynchronous graph replay: what the host adds outside it
         row["host_outside_replay"] = row["total"] - row["graphs_step"] - (0.0 if row["graphs_step"] else row["model"])
         rows.append(row)
-    keys = ("total", "model", "host", "host_outside_replay", *PARTS, "graphs_step_host", "run_other", "step_other", "driver")
+    keys = ("total", "model", "host", "host_outside_replay", *PARTS, "graphs_step_host", "run_other", "step_other",
+            "driver")
     out = {"iterations": len(rows), **{f"{k}_ms": med([r[k] for r in rows]) for k in keys}}
     for k in ("total", "host", "host_outside_replay"):  # a low quantile: the cost without the host's preemptions
         values = sorted(r[k] for r in rows)
@@ -268,6 +270,7 @@ def main(argv=None):
             if top:
                 print(top, flush=True)
     result = {"what": "host ms per batched decode step (tiny Qwen3-VL, CPU; a diagnosis, not a GPU figure)",
+              "command": "python benchmarks/host_step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
