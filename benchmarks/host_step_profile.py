@@ -270,7 +270,8 @@ def main(argv=None):
             if top:
                 print(top, flush=True)
     result = {"what": "host ms per batched decode step (tiny Qwen3-VL, CPU; a diagnosis, not a GPU figure)",
-              "command": "python benchmarks/host_step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": " ".join(["python benchmarks/host_step_profile.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
               "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
