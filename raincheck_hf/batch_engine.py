@@ -52,7 +52,8 @@ import contextlib
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .batched import RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence, start_sequences
+from .batched import (RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence, start_sequences,
+                      token_rows)
 from .cache_utils import DeferredDynamicCache, to_device
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
@@ -109,12 +110,12 @@ class RowScheduler:
         the sequences."""
         cap = self.chunk_cap(sequences)
         decode, used = [], 0
-        for seq in sequences:
-            if seq.prefilled and seq.token is not None:
-                groups = seq.decode_groups(adapter, self.config, seq.token, cap)
-                seq.token = None
-                decode.append((seq, groups))
-                used += sum(len(g) for g in groups)
+        fed = [seq for seq in sequences if seq.prefilled and seq.token is not None]
+        for seq, row in zip(fed, token_rows(adapter, fed)):  # (their token rows made together)
+            groups = seq.decode_groups(adapter, self.config, seq.token, cap, row)
+            seq.token = None
+            decode.append((seq, groups))
+            used += sum(len(g) for g in groups)
         left = None if self.token_budget is None else self.token_budget - used
         prefill = []
         for seq in sequences:
@@ -445,10 +446,14 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     active = list(states)  # the sequences still in the engine
     while True:
-        first = next(iter(logits.values()))
-        full = first.new_zeros(input_ids.shape[0], first.shape[-1])
-        for s in active:
-            full[s.index] = logits[s]
+        # the rows' logits in one copy (a finished row that left: zeros, its token is the pad whatever they are)
+        rows = torch.stack([logits[s] for s in active])
+        if len(active) == input_ids.shape[0]:  # (every row still in, in row order: ``active`` keeps it)
+            full = rows
+        else:
+            full = rows.new_zeros(input_ids.shape[0], rows.shape[-1])
+            full.index_copy_(0, to_device(torch.tensor([s.index for s in active], dtype=torch.long), full.device),
+                             rows)
         next_tokens, scores, raw_logits = choose_next_tokens(
             full, input_ids, logits_processor, generation_config, scores, raw_logits, unfinished,
             finished_pad)

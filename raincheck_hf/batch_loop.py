@@ -499,30 +499,54 @@ class BatchLoop:
         self.max_batch_size = max(self.max_batch_size, self.batch_size)
         if self.on_step is not None:
             self.on_step(self.batch_size)
+        # each sequence's token and stopping check on the device first, then one read of them all (the step's one
+        # wait for the device; a read per sequence would wait once per sequence), then each one streams and leaves
+        # or is fed, in the same order
+        chosen = []
         for seq, row in logits.items():
             job = self._jobs[seq]
             try:
-                finished = self._next_token(job, row)
-            except BaseException as error:  # its processors, criteria or streamer: it alone fails
+                chosen.append((seq, job, self._choose(job, row)))
+            except BaseException as error:  # its processors or criteria: it alone fails
+                self._fail(seq, error)
+        if not chosen:
+            return
+        device = chosen[0][2].device
+        try:
+            read = torch.stack([torch.cat([token.long().reshape(-1), job.unfinished.max().long().reshape(-1)])
+                                .to(device) for _, job, token in chosen]).tolist()
+        except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
+            for seq, _, _ in chosen:
+                self._fail(seq, error)
+            return
+        for (seq, job, token), (value, going) in zip(chosen, read):
+            try:
+                finished = self._next_token(job, torch.tensor([value], dtype=token.dtype), bool(going))
+            except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
             if finished:
                 self._finish(job, engine.remove(seq))
 
-    def _next_token(self, job: BatchTurn, logits: torch.Tensor) -> bool:
-        """Choose, record and stream the sequence's next token; True when its answer ends (else the token is fed)."""
+    def _choose(self, job: BatchTurn, logits: torch.Tensor) -> torch.Tensor:
+        """Choose the sequence's next token (``[1]``, on the device: nothing read back) and run its stopping
+        criteria (``job.unfinished``)."""
         token, job.scores, job.raw_logits = choose_next_tokens(
             logits[None], job.ids, job.processors, job.generation_config, job.scores, job.raw_logits, job.unfinished,
             job.finished_pad)
         job.ids = torch.cat([job.ids, token[:, None]], dim=-1)
-        job.times.append(time.perf_counter())
         job.unfinished = job.unfinished & ~job.criteria(job.ids, job.scores)
-        host = token.cpu()
+        return token
+
+    def _next_token(self, job: BatchTurn, host: torch.Tensor, going: bool) -> bool:
+        """Record and stream the sequence's chosen token (``host``, read back); True when its answer ends (``going``
+        False), else the token is fed."""
+        job.times.append(time.perf_counter())
         if job.streamer is not None:
             job.streamer.put(host)
-        if bool(job.unfinished.max() == 0):
+        if not going:
             return True
-        job.engine.feed(job.seq, host[0])
+        job.engine.feed(job.seq, int(host[0]))
         return False
 
     def _leave_cancelled(self) -> None:

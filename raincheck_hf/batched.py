@@ -56,7 +56,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, to_device
+from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key_int, to_device
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
@@ -181,8 +181,10 @@ class RowGroup:
     def of(rows) -> "RowGroup":
         """One forward's rows as the scheduler decided them (`runner.ForwardRows`), as a group of one sequence."""
         n = int(rows.keys.shape[0])
-        return RowGroup(rows.batch, rows.keys, rows.sources.to("cpu", torch.long),
-                        torch.as_tensor(rows.kinds, dtype=torch.int8).expand(n).clone(), rows.want_logits)
+        kinds = torch.as_tensor(rows.kinds, dtype=torch.int8)
+        if kinds.shape != (n,) or kinds.stride() != (1,):  # one kind for every row (an expanded view): its own copy
+            kinds = kinds.expand(n).clone()
+        return RowGroup(rows.batch, rows.keys, rows.sources.to("cpu", torch.long), kinds, rows.want_logits)
 
     def split(self, n: int) -> tuple["RowGroup", "RowGroup | None"]:
         """``(first n rows, the rest or None)``; the first wants no logits unless it is all of them (a chunked
@@ -237,8 +239,8 @@ class SequenceState:
     prefill: RowGroup | None = None
     prefill_restored: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     slot: int | None = None
-    row_sources: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    row_kinds: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int8))
+    _sources_parts: list = field(default_factory=list, repr=False)  # `row_sources`, in pieces (`stored`)
+    _kinds_parts: list = field(default_factory=list, repr=False)  # `row_kinds`, in pieces
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     generated: int = 0
     fed: list = field(default_factory=list)
@@ -292,15 +294,18 @@ class SequenceState:
         return self.scheduler.may_carry_chunk(self, self.generated)
 
     def decode_groups(self, adapter, config: RaincheckConfig, token: int,
-                      cap: int | None = None) -> list[RowGroup]:
+                      cap: int | None = None, row=None) -> list[RowGroup]:
         """Decode forward ``self.generated`` (it consumes ``token``, generated token i), as its scheduler decides it
         for the batch-1 loop (`ChunkScheduler.decode_step`): ``[chunk?, token]`` as one group (fused), or
         ``[chunk, token]`` as two groups (``serial``); the chunk leaves the pending rows and goes to the trace.
-        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`)."""
+        ``cap``: at most this many chunk rows (the step's share of `RaincheckConfig.batch_chunk_rows`). ``row``: the
+        token's row made ahead for the step's sequences together (`token_rows`), None: made here."""
         i = self.generated
-        ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
+        ids = None
+        if row is None:
+            ids = torch.full((1,), token, dtype=torch.long, device=adapter.device)  # a fill on the device: no copy
         step = self.scheduler.decode_step(adapter, self, self.plan, ids, i, self.first_generated_position,
-                                          self.ids.shape[0] + i, cap)
+                                          self.ids.shape[0] + i, cap, token=row)
         if step.n_chunk:
             self.take_pending(step.n_chunk)
         self.trace.restored_per_forward.append(step.restored)
@@ -309,10 +314,38 @@ class SequenceState:
         return [RowGroup.of(rows) for rows in step.forwards]
 
     # ---- storage bookkeeping ----
+    @property
+    def row_sources(self) -> torch.Tensor:
+        """``[n]`` the source of each row stored in its slot (host), in storage order."""
+        return self._joined("_sources_parts", torch.long)
+
+    @row_sources.setter
+    def row_sources(self, value: torch.Tensor) -> None:
+        self._sources_parts = [value]
+
+    @property
+    def row_kinds(self) -> torch.Tensor:
+        """``[n]`` int8 the kind of each row stored in its slot (host), in storage order."""
+        return self._joined("_kinds_parts", torch.int8)
+
+    @row_kinds.setter
+    def row_kinds(self, value: torch.Tensor) -> None:
+        self._kinds_parts = [value]
+
+    def _joined(self, name: str, dtype) -> torch.Tensor:
+        """The parts `stored` appended, joined once when read (a step appends; a cat per step would copy every
+        stored row's record again, each step)."""
+        parts = getattr(self, name)
+        if not parts:
+            return torch.empty(0, dtype=dtype)
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0]
+
     def stored(self, group: RowGroup) -> None:
         """Account for ``group``'s rows, which a forward just wrote to its slot."""
-        self.row_sources = torch.cat([self.row_sources, group.sources.to("cpu", torch.long)])
-        self.row_kinds = torch.cat([self.row_kinds, torch.as_tensor(group.kinds, dtype=torch.int8).cpu()])
+        self._sources_parts.append(group.sources.to("cpu", torch.long))
+        self._kinds_parts.append(torch.as_tensor(group.kinds, dtype=torch.int8).cpu())
 
     def layout(self, group: RowGroup | None) -> PackedRowLayout:
         """How ``group``'s rows split for layers with per-sequence recurrent state: deferred rows first, then input
@@ -384,6 +417,33 @@ class RestoringState(SequenceState):
         group = RowGroup.of(idle_rows(adapter, self, n))
         self.restored.append(group.sources)
         return group
+
+
+def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple]:
+    """Each fed sequence's decode row for its next forward, made for all of them at once: ``(RowBatch, key [1],
+    source [1], kind [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's
+    embedding, its M-RoPE position on all three axes, its order key, source and kind ``GENERATED``), as views of one
+    tensor each: one embedding
+    lookup and one host-to-device copy per step, whatever the batch, instead of a few operations per sequence."""
+    if not sequences:
+        return []
+    device = adapter.device  # (walks accelerate's hooks and the parameters: once per step)
+    index = [s.generated - 1 for s in sequences]  # the token is generated token i - 1 of its turn
+    position = [s.first_generated_position + i for s, i in zip(sequences, index)]
+    # one host tensor: the token ids and their position on the three M-RoPE axes (what goes to the device), then the
+    # order keys and the sources
+    host = torch.tensor([[s.token for s in sequences], position, position, position,
+                         [order_key_int(s.plan.turn, GENERATED, i) for s, i in zip(sequences, index)],
+                         [s.ids.shape[0] + s.generated - 1 for s in sequences]], dtype=torch.long)
+    moved = to_device(host[:4], device)
+    embeds = adapter.text_model.embed_tokens(moved[0])  # [n, D]
+    keys = host[4]
+    kinds = torch.full((len(sequences), 1), GENERATED, dtype=torch.int8)
+    # every sequence's views in a few calls (``unbind``), whatever the batch
+    return [(RowBatch(e, p, v, None), k, src, kind) for e, p, v, k, src, kind in
+            zip(embeds.unsqueeze(1).unbind(0), moved[1:].t().unsqueeze(2).unbind(0),
+                torch.zeros(len(sequences), 1, dtype=torch.bool, device=device).unbind(0),
+                keys.unsqueeze(1).unbind(0), host[5].unsqueeze(1).unbind(0), kinds.unbind(0))]
 
 
 def restoring_sequence(cache: DeferredDynamicCache, index: int, max_rows: int) -> RestoringState:

@@ -78,6 +78,11 @@ def order_key(turn: int, segment: int, index: torch.Tensor | int) -> torch.Tenso
     return (turn << _TURN_BITS) + (segment << _SEGMENT_BITS) + index
 
 
+def order_key_int(turn: int, segment: int, index: int) -> int:
+    """`order_key` of one row as a host int (the same packing, no tensor: for keys made in bulk on the host)."""
+    return (int(turn) << _TURN_BITS) + (int(segment) << _SEGMENT_BITS) + int(index)
+
+
 @dataclass
 class PendingRows:
     """Deferred rows waiting to be prefilled, in source order.

@@ -355,17 +355,24 @@ class ChunkScheduler:
             self.spent += sum(seconds for _, rows, seconds in captures if rows > 1)
 
     def decode_step(self, adapter, cache, plan, next_tokens, forward_index: int, first_generated_position: int,
-                    sequence_length: int, cap: int | None = None) -> "_DecodeForward":
+                    sequence_length: int, cap: int | None = None, token=None) -> "_DecodeForward":
         """Decode forward ``forward_index``'s rows: generated token i (``next_tokens``, source
         ``sequence_length - 1``) and the chunk of pending rows `chunk_size` lets ride along, fused into one forward
         ``[chunk, token]`` or (``serial``) in a forward of its own just before. The chunk is only peeked at: it
         leaves the pending rows when the step runs (`_DecodeForward.run`). ``cap``: at most this many chunk rows
-        (a batched step's share of `RaincheckConfig.batch_chunk_rows`; None: the sequence's own choice)."""
-        token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
+        (a batched step's share of `RaincheckConfig.batch_chunk_rows`; None: the sequence's own choice).
+        ``token``: the token's row already made, ``(RowBatch, key [1], source [1], kind [1])`` (the batched engine
+        makes every sequence's token row of a step at once, `batched.token_rows`), with the values this method would
+        make; None: made here from ``next_tokens``."""
         position = first_generated_position + forward_index - 1
-        token_source = torch.tensor([sequence_length - 1])
-        batch = adapter.text_row(next_tokens, position)
-        token = ForwardRows(batch, token_key, token_source, GENERATED, True)
+        if token is None:
+            token_key = order_key(plan.turn, GENERATED, forward_index - 1).reshape(1)
+            token_source = torch.tensor([sequence_length - 1])
+            batch = adapter.text_row(next_tokens, position)
+            token_kind = GENERATED
+        else:
+            batch, token_key, token_source, token_kind = token
+        token = ForwardRows(batch, token_key, token_source, token_kind, True)
         size = self.chunk_size(adapter, cache, forward_index, cap)
         chunk = cache.peek_pending(min(size, cache.num_pending)) if size else None
         if chunk is None:

@@ -335,3 +335,52 @@ def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, proce
             conv.ask("hi", raincheck_chunk_schedule=[0, 1])
         assert conv.turns == [] and conv.cache is None and loop._thread is None  # nothing ran
     assert "BatchLoop" in raincheck_hf.__all__
+
+
+def test_a_step_of_several_answers_reads_the_device_once(model, processor, monkeypatch):
+    """After a step, the loop chooses every sequence's token and runs its stopping criteria on the device, then reads
+    them all back in one copy: one host read per step of several answers (it was two per sequence), counted on the
+    loop's own thread by `HostReads` (test_batched_graphs), in the steps where no answer ends (an answer that ends
+    gives its cache back, which reads its rows). The answers equal their dialogues alone."""
+    from raincheck_hf.batch_loop import BatchLoop as Loop
+    from test_batched_graphs import HostReads
+
+    counter = HostReads(model)
+    counter.patch(monkeypatch)
+    per_step = []  # (sequences that got logits, reads, whether an answer ended)
+    step = Loop._step
+
+    def counted(self, engine):
+        logits = {}
+        engine_step = engine.step
+
+        def stepped():
+            logits.update(engine_step())
+            counter.reads = 0  # (the step itself: its prefill pieces may read; the choosing starts here)
+            return logits
+
+        jobs = len(self._jobs)
+        engine.step = stepped
+        try:
+            with counter:
+                step(self, engine)
+        finally:
+            del engine.step
+        per_step.append((len(logits), counter.reads, len(self._jobs) < jobs))
+
+    monkeypatch.setattr(Loop, "_step", counted)
+    with BatchLoop(model) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
+        errors = []
+        with held_loop(loop, 3):
+            threads = threading.Thread(target=lambda: errors.extend(
+                in_threads(lambda i: ask(convs[i], QUESTIONS[0], [IMAGES[i]]), 3)))
+            threads.start()
+        threads.join()
+        assert not errors, errors
+        several = [(n, reads) for n, reads, ended in per_step if n > 1 and not ended]
+        assert several and all(reads == 1 for _, reads in several), per_step
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+            assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
+            conv.close()

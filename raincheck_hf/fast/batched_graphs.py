@@ -133,14 +133,20 @@ def decode_only(entries) -> bool:
     """The step carries no prompt piece, so it can be replayed: every entry is a decode group ``[deferred chunk?,
     generated token]`` that wants its logits, or a restoring sequence's piece (a sequence with ``restores_only``,
     `batched.RestoringState`: deferred rows only, no logits wanted)."""
-    for seq, group in entries:
-        kinds = torch.as_tensor(group.kinds)
-        if seq.restores_only:
-            if group.want_logits or bool((kinds != DEFERRED).any()):
-                return False
-        elif not group.want_logits or int(kinds[-1]) != GENERATED or bool((kinds[:-1] != DEFERRED).any()):
-            return False
-    return True
+    # one comparison over every entry's kinds (a few tensor operations per step, whatever the batch): every row
+    # DEFERRED but each decode group's last, which is GENERATED
+    if any(group.want_logits == seq.restores_only for seq, group in entries):
+        return False
+    kinds = torch.cat([torch.as_tensor(group.kinds, dtype=torch.int8).reshape(-1) for _, group in entries])
+    lengths = [len(group) for _, group in entries]
+    want = torch.full((kinds.shape[0],), DEFERRED, dtype=torch.int8)
+    ends, end = [], 0
+    for (seq, _), n in zip(entries, lengths):
+        end += n
+        if not seq.restores_only:
+            ends.append(end - 1)
+    want[ends] = GENERATED
+    return torch.equal(kinds.cpu(), want)
 
 
 class BatchStepKey(NamedTuple):
@@ -160,6 +166,7 @@ class BatchStepBuffers:
     last: torch.Tensor  # [B]: each sequence's last real row
     deepstack: list[torch.Tensor]  # [B, W, D] per DeepStack layer
     logits: torch.Tensor | None = None  # [B, V], set by the step
+    columns: torch.Tensor | None = None  # arange(W) on the device, made by the first fill (read by fills only)
 
     @classmethod
     def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device) -> "BatchStepBuffers":
@@ -330,8 +337,8 @@ class BatchedStepGraphs:
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
         if not wanted:
             return {}
-        logits = buffers.logits[:n].clone()
-        return {entries[b][0]: logits[b] for b in wanted}
+        rows = buffers.logits[:n].clone().unbind(0)
+        return {entries[b][0]: rows[b] for b in wanted}
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
@@ -341,15 +348,12 @@ class BatchedStepGraphs:
         batch, width = buffers.query_keys.shape
         n = len(entries)
         lengths = [len(g) for _, g in entries]
-        host = torch.zeros(3, batch, dtype=torch.long)  # slots, starts, last rows
-        if scratch is None:
-            host[0] = torch.arange(batch)
-        else:
-            host[0].fill_(scratch)
-        host[0, :n] = torch.tensor([seq.slot for seq, _ in entries], dtype=torch.long)
-        host[1, :n] = torch.tensor(starts, dtype=torch.long)
-        host[2, :n] = torch.tensor(lengths, dtype=torch.long) - 1
-        dest = torch.cat([b * width + torch.arange(rows) for b, rows in enumerate(lengths)])
+        pad = batch - n  # padding sequences: the free slots n .. B - 1 (dense), else the scratch slot; start and last 0
+        host = torch.tensor([[seq.slot for seq, _ in entries] + (list(range(n, batch)) if scratch is None
+                                                                  else [scratch] * pad),
+                             list(starts) + [0] * pad, [rows - 1 for rows in lengths] + [0] * pad],
+                            dtype=torch.long)  # slots, starts, last rows
+        dest = _placement(lengths, width)
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
         if buffers.deepstack:
             # a group's visual rows are its leading deferred rows (`decode_only`): all of a restoring piece's rows,
@@ -358,14 +362,16 @@ class BatchedStepGraphs:
                 if v > rows or (v == rows and g.want_logits):
                     what = "a decode group" if g.want_logits else "a restoring piece"
                     raise RuntimeError(f"{what} of {rows} rows carries {v} DeepStack rows")
-        ds_dest = torch.cat([b * width + torch.arange(v) for b, v in enumerate(visual)])
+        ds_dest = _placement(visual, width)
         groups = [g for _, g in entries]
         # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
         # scheduler makes on the host) goes over in one non-blocking copy from pinned memory: no wait for the device
         moved = to_device_all([host, dest, ds_dest, *[g.keys.long() for g in groups]], device)
         host, dest, ds_dest, keys = moved[0], moved[1], moved[2], moved[3:]
         buffers.slots.copy_(host[0])
-        buffers.write.copy_(host[1][:, None] + torch.arange(width, device=device)[None])
+        if buffers.columns is None:
+            buffers.columns = torch.arange(width, device=device)
+        buffers.write.copy_(host[1][:, None] + buffers.columns[None])
         buffers.last.copy_(host[2])
         buffers.embeds.zero_()
         buffers.positions.zero_()
@@ -381,6 +387,20 @@ class BatchedStepGraphs:
             if features:
                 addend.view(batch * width, -1).index_copy_(
                     0, ds_dest, torch.cat(features).to(device, addend.dtype))
+
+
+def _placement(counts: list[int], width: int) -> torch.Tensor:
+    """Flat rows ``b * width + j`` for ``j < counts[b]`` (each sequence's first ``counts[b]`` rows of its ``width``):
+    ``cat([b * width + arange(counts[b])])``, in a few operations whatever the batch."""
+    total = int(sum(counts))
+    if total == 0:  # (no DeepStack rows in the step)
+        return torch.empty(0, dtype=torch.long)
+    if all(c == 1 for c in counts):  # one row each (a step of decode tokens): the first row of every sequence
+        return torch.arange(len(counts), dtype=torch.long) * width
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    starts = torch.cumsum(counts_t, 0) - counts_t  # where each sequence's rows start in the flat list
+    base = torch.arange(len(counts), dtype=torch.long) * width - starts
+    return torch.repeat_interleave(base, counts_t, output_size=total) + torch.arange(total, dtype=torch.long)
 
 
 # ---- pools and their graphs, kept per model for later engines (a capture is paid once per key and model) ----
