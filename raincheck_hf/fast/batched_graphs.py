@@ -229,10 +229,13 @@ class BatchedStepGraphs:
         own = write[:, :, None] == torch.arange(span, device=write.device)[None, None]
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
+        # each sequence's real rows (its first ``last + 1``; none for a padding sequence, whose keys are all MAX_KEY):
+        # the few-query kernel computes only these, the padded rows' attention output is zero (nothing reads it)
+        real_rows = torch.where(queries[:, 0] == MAX_KEY, 0, buffers.last + 1)
         text_model = adapter.text_model
         pool.step = _DeviceStep(buffers, span, dense)
         try:
-            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
+            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(), query_rows=real_rows):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
