@@ -6,11 +6,16 @@ visibility mask, so SDPA cannot take its flash kernel and, on the H200, picked c
 `benchmarks/results/profile_qwen3_vl_8b_image_h200.json`), parallel only over the 32 heads. For few
 queries the same attention is two small batched matmuls over the key/value heads (the query heads
 of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots
-(`_few_query`, the reference form). On CUDA (outside compiled steps) one Triton kernel does it
+(`_few_query`, the reference form). On CUDA (outside compiled steps) a Triton kernel does it
 (`_few_query_triton`, `fast._triton_attention`): each program one key/value head of one sequence over a
-split of the slots with an online softmax, the splits merged after. At a batch of 8 sequences with
+split of the slots with an online softmax, a second kernel merging the splits. At a batch of 8 sequences with
 32-row chunk steps the matmul form wrote and re-read float32 scores and masks several times per layer
-(227-342 µs per layer on the H200, `bench attention --batch`).
+(227-342 µs per layer on the H200, `bench attention --batch`). A batched step (`fast.batched_graphs`) pads
+every sequence to the step's width; it names each sequence's real rows in its step scope
+(`fast.context.StepScope.query_rows`), and the kernel computes only those (padded rows: zero output, nothing
+read), so a step of a few 32-row chunks among 1-row decodes pays for its real rows, not B x 32
+(`bench attention --ragged`). One sequence with one row (a batch-1 decode) runs the matmul form, measured
+faster there (`matmul_faster`).
 
 `few_query_attention` is registered with transformers' `AttentionInterface` (on first use, not at
 import) and selected only inside a fast-path step of the calling thread, and only when the model runs

@@ -25,7 +25,9 @@ generates nothing). Every buffer is rewritten before every replay, so nothing of
 the next. Inside the step (`BatchedStepGraphs._step`) the keys are written into the pool's ``slot_keys`` and
 the visibility ``[B, W, T]`` is computed from them on the device (docs/method.md §3 per sequence: a real query
 sees its slot's rows whose key is not larger than its own; a padding query sees only its own row, so its output
-stays finite); no value is read back to the host.
+stays finite); no value is read back to the host. The step also names each sequence's real rows (its first
+``last + 1``, none for a padding sequence) in its step scope: the few-query Triton kernel computes only those and
+leaves the padded rows' attention output zero (`fast.attention`); the matmul form computes every row.
 
 Attention reads views ``keys[:B, :, :T]`` of the pool's layers (no copy) when the step's sequences hold slots
 ``0 .. n - 1`` (a *dense* step; the bucket's padding sequences then take the free slots ``n .. B - 1``, the pool
