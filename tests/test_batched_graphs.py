@@ -483,3 +483,54 @@ def test_batched_generate_reads_the_device_once_per_decode_step(mode, fast_path,
     assert counts[short] >= short  # the counter sees the per-step read of the tokens
     assert counts[long] - counts[short] <= long - short, counts
     batched_graphs.release_all()
+
+
+RAGGED_STEP_SCRIPT = r"""
+import json, os, sys
+sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+import torch
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.fast import attention, batched_graphs
+from families import family_model, family_processor
+from conftest import assert_same_output
+from test_batched import IMAGE, TWO_IMAGES, batched_inputs, run
+seen = {"calls": 0, "empty_sequences": 0, "padded_rows": 0}
+kernel = attention._few_query_triton
+def counted(q, k, v, mask, scale, real_rows=None, block_m=None):
+    assert real_rows is not None  # every few-query call here is a batched step's
+    seen["calls"] += 1
+    seen["empty_sequences"] += int((real_rows == 0).sum())
+    seen["padded_rows"] += int((q.shape[2] - real_rows).sum())
+    return kernel(q, k, v, mask, scale, real_rows, block_m)
+attention._few_query_triton = counted
+model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES])
+cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1)
+want = run(model, inputs, RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False), 3)
+batched_graphs.batch_bucket = lambda n: n + 2  # two padding sequences (no real rows) per step
+batched_graphs.width_bucket = lambda widest, config: widest + 3  # three padding rows after the widest
+got = run(model, inputs, RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=True), 3)
+assert_same_output(got, want, 1e-4, "step")
+print(json.dumps(seen))
+"""
+
+
+def test_the_kernel_in_a_padded_batched_step_matches_the_eager_engine_in_the_interpreter():
+    """The captured step's code (run eagerly on CPU) with the few-query Triton kernel in Triton's interpreter: each
+    step names its sequences' real rows, the kernel skips the padding sequences (no real rows) and the padded rows
+    after each sequence's, and the answer equals the eager engine's (tokens, logits within 1e-4)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    done = subprocess.run([sys.executable, "-c", RAGGED_STEP_SCRIPT], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"},
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["calls"] > 0 and seen["empty_sequences"] > 0 and seen["padded_rows"] > seen["empty_sequences"]

@@ -191,3 +191,157 @@ def test_the_triton_kernel_is_not_used_on_cpu_tensors_outside_the_interpreter(mo
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)
     assert not attention.triton_usable(q, k, v, mask)
+
+
+RAGGED_SCRIPT = r"""
+import json, sys, torch
+from types import SimpleNamespace
+from raincheck_hf.fast import attention
+from raincheck_hf.fast.context import STEP, StepScope
+out = {}
+for b, hq, hkv, width, slots, d, block_m, real in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(b * 1000 + width * 10 + slots + block_m)
+    q = torch.randn(b, hq, width, d, generator=g)
+    k = torch.randn(b + 1, hkv, slots + 8, d, generator=g)[:b, :, :slots]  # pool views, as the batched steps read
+    v = torch.randn(b + 1, hkv, slots + 8, d, generator=g)[:b, :, :slots]
+    visible = torch.rand(b, 1, width, slots, generator=g) < 0.5
+    visible[..., 0] = True
+    real_rows = torch.tensor(real, dtype=torch.long)
+    # a padded row's query and visibility are garbage (a NaN query, nothing visible): nothing of it may be read
+    padded = torch.arange(width)[None] >= real_rows[:, None]  # [B, L]
+    q = q.masked_fill(padded[:, None, :, None], float("nan"))
+    visible = visible & ~padded[:, None, :, None]
+    want = attention._few_query(q, k, v, visible | padded[:, None, :, None], 0.3)  # the matmul form, every row
+    got = attention._few_query_triton(q, k, v, visible, 0.3, real_rows, block_m=block_m)
+    real_mask = ~padded[:, :, None, None].expand_as(got)
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    with STEP.using(StepScope(frozenset(), {}, False, real_rows)):
+        routed, _ = attention.few_query_attention(module, q, k, v, visible, scaling=0.3)
+    out[str([b, hq, hkv, width, slots, block_m, real])] = {
+        "err": (got - want)[real_mask].abs().max().item() if bool(real_mask.any()) else 0.0,
+        "padded_zero": bool((got[~real_mask] == 0).all()),
+        "routed": torch.equal(routed, attention._few_query_triton(q, k, v, visible, 0.3, real_rows)),
+        "shape": list(got.shape) == [b, width, hq, d]}
+full = [2, 8, 2, 5, 90, 16, 16, [5, 5]]  # every row real: the same as without real_rows
+b, hq, hkv, width, slots, d, block_m, real = full
+g = torch.Generator().manual_seed(7)
+q, k, v = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, width), (hkv, slots), (hkv, slots)))
+visible = torch.rand(b, 1, width, slots, generator=g) < 0.5
+visible[..., 0] = True
+out["full"] = torch.equal(attention._few_query_triton(q, k, v, visible, 0.3, torch.tensor(real), block_m=block_m),
+                          attention._few_query_triton(q, k, v, visible, 0.3, block_m=block_m))
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_skips_padded_rows_of_a_ragged_step_in_the_interpreter():
+    """A batched step pads each sequence to the step's width: with ``real_rows`` the kernel computes only each
+    sequence's real rows (a prefix; 0 for a padding sequence, all of them, one of 31), within 1e-5 of the matmul
+    form on those, zero on the padded rows, and reads nothing of a padded row (their queries are NaN and see
+    nothing: a read would spread NaN into the output); row blocks of 16 / 32 / 64, one split and several, GQA groups
+    of 1 to 4. `few_query_attention` takes the real rows from the step scope."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    cases = [(4, 8, 2, 32, 130, 16, 16, [31, 1, 0, 32]), (4, 8, 2, 32, 130, 16, 64, [1, 31, 1, 0]),
+             (3, 4, 4, 8, 70, 32, 32, [8, 0, 3]), (2, 4, 1, 16, 40, 16, 16, [0, 0]), (1, 8, 2, 20, 200, 16, 64, [13])]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", RAGGED_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results.pop("full") is True
+    assert len(results) == len(cases)
+    for name, r in results.items():
+        assert r["err"] <= 1e-5 and r["padded_zero"] and r["routed"] and r["shape"], (name, r)
+
+
+def test_real_rows_of_the_wrong_shape_are_refused():
+    module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)
+    with pytest.raises(ValueError, match="real_rows must be an int32 / int64 tensor \\[2\\]"):
+        attention._few_query_triton(q, k, v, mask, 0.25, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="block_m=8"):
+        attention._few_query_triton(q, k, v, mask, 0.25, block_m=8)
+
+
+def test_the_matmul_form_takes_a_single_decode_row_only_on_cuda_half_precision():
+    module, q, k, v, mask = _batched_views(5, 1, 4, 2, 1, slots=30, capacity=40, dtype=torch.bfloat16)
+    assert not attention.matmul_faster(q, k)  # CPU: no half-precision reads, the kernel (in the interpreter) or sdpa
+    fake_cuda = SimpleNamespace(shape=q.shape, is_cuda=True, dtype=torch.bfloat16)
+    if hasattr(torch.ops.aten.bmm, "dtype"):
+        assert attention.matmul_faster(fake_cuda, fake_cuda)
+    assert not attention.matmul_faster(SimpleNamespace(shape=(2, 4, 1, 16), is_cuda=True, dtype=torch.bfloat16),
+                                       fake_cuda)
+    assert not attention.matmul_faster(SimpleNamespace(shape=(1, 4, 8, 16), is_cuda=True, dtype=torch.bfloat16),
+                                       fake_cuda)
+
+
+AOT_SCRIPT = r"""
+import json, os, re, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from raincheck_hf.fast import _triton_attention as K
+
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = {}
+
+def build(name, fn, types, const):
+    sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(const)))
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    path = os.path.join(sys.argv[1], name.replace(" ", "_") + ".ptx")
+    with open(path, "w") as f:
+        f.write(compiled.asm["ptx"])
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", info.stderr)]
+    out[name] = {"rc": info.returncode, "spill_stores": sum(spills), "ptxas": info.stderr[-400:]}
+
+# the launches of fast.attention at the Qwen3-VL-8B shape (head dim 128), bf16, with and without real rows
+f32, bf, i32 = "*fp32", "*bf16", "i32"
+for ragged in (False, True):
+    real = "*i64" if ragged else f32
+    for block_m in (16, 64):
+        build(f"split ragged={ragged} m={block_m}", K.few_query_split,
+              [bf, bf, bf, "*u8", real, f32, f32, f32] + [i32] * 5 + ["fp32"] + [i32] * 12,
+              {"D": 128, "BLOCK_M": block_m, "BLOCK_N": 64, "IEEE": False, "RAGGED": ragged})
+    build(f"combine ragged={ragged}", K.few_query_combine, [f32, f32, f32, real, bf] + [i32] * 5,
+          {"D": 128, "BLOCK_R": 16, "RAGGED": ragged})
+print(json.dumps(out))
+"""
+
+
+def test_attention_kernels_compile_for_hopper_without_register_spills(tmp_path):
+    """The interpreter checks the arithmetic (and accepts what the GPU compiler refuses, such as a plain global in a
+    kernel); this compiles the kernels as `fast.attention` launches them for sm_90 (H100 / H200), no GPU needed:
+    they compile, the merge keeps its tiles in registers, and the ragged split spills no more than the plain one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton")
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton ships no ptxas")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 6
+    assert all(r["rc"] == 0 for r in results.values()), results
+    assert results["combine ragged=False"]["spill_stores"] == results["combine ragged=True"]["spill_stores"] == 0
+    for block_m in (16, 64):  # (the split kernel spilled before it took real rows: 144 / 1,200 bytes at 16 / 64 rows)
+        plain, ragged = (results[f"split ragged={r} m={block_m}"]["spill_stores"] for r in (False, True))
+        assert ragged <= plain + 64, (block_m, plain, ragged)  # the real rows' bookkeeping adds no register pressure
