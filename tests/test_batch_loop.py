@@ -335,3 +335,30 @@ def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, proce
             conv.ask("hi", raincheck_chunk_schedule=[0, 1])
         assert conv.turns == [] and conv.cache is None and loop._thread is None  # nothing ran
     assert "BatchLoop" in raincheck_hf.__all__
+
+
+def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_is_contained(model, processor, caplog):
+    """``on_handoff`` is called on the loop's thread after each step (so a caller whose streamers buffer hands a
+    step's pieces over once): every step that streamed a token is followed by a call before the next step; a hook
+    that raises is logged and the answer still ends as it does without the hook."""
+    calls = []
+
+    def hook():
+        calls.append((threading.current_thread().name, loop.steps))
+
+    with BatchLoop(model, max_batch_tokens=48, on_handoff=hook) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:
+            first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+        steps = loop.steps
+    assert {name for name, _ in calls} == {"raincheck-batch-loop"}
+    handed = {s for _, s in calls}
+    assert steps >= first.token_ids.numel() and all(s in handed for s in range(1, steps + 1)), (steps, handed)
+
+    def failing():
+        raise RuntimeError("the caller's hand-off failed")
+
+    with BatchLoop(model, max_batch_tokens=48, on_handoff=failing) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:
+            again = ask(conv, QUESTIONS[0], [IMAGES[0]])
+    assert torch.equal(again.token_ids, first.token_ids)
+    assert "handing a step's output to its consumers failed" in caplog.text
