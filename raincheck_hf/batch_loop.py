@@ -148,6 +148,10 @@ class BatchLoop:
             prefill in its first step).
         config: a `RaincheckConfig` whose engine is kept while empty (default: none; an engine is kept while a
             conversation on the loop uses its config).
+        on_handoff: called on the loop's thread after each iteration (a step's tokens chosen and streamed, turns
+            ended) and before the loop waits for work: a caller whose streamers buffer what they get hands it all
+            to its consumers there at once (the server: one wake-up of its event loop per step for every request,
+            not one per token per request).
 
     Figures (read from any thread): ``steps``, ``batch_size`` (sequences with rows in the last step),
     ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
@@ -161,7 +165,7 @@ class BatchLoop:
     MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
-                 on_step=None, on_restore=None):
+                 on_step=None, on_restore=None, on_handoff=None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         if config is not None:
             if not isinstance(config, RaincheckConfig):
@@ -169,7 +173,7 @@ class BatchLoop:
             config.validate()
         self.model = enable(model)
         self.token_budget, self.default_config, self.on_step = max_batch_tokens, config, on_step
-        self.on_restore = on_restore
+        self.on_restore, self.on_handoff = on_restore, on_handoff
         self.adapter = get_adapter(model)
         self._incoming: collections.deque[BatchTurn] = collections.deque()
         self._tasks: collections.deque = collections.deque()  # (callable, holder, event): run on the loop's thread
@@ -332,6 +336,7 @@ class BatchLoop:
     def _loop(self) -> None:
         with torch.no_grad():
             while True:
+                self._handoff()  # what the last iteration streamed and ended, to the consumers at once
                 with self._wake:
                     if self._closed:
                         break
@@ -353,6 +358,7 @@ class BatchLoop:
                     self._stop_restoring(conv, keep=True)
                 if self._restore_idle():
                     continue
+                self._handoff()
                 with self._wake:
                     if not self._incoming and not self._tasks and not self._closed:
                         self._wake.wait(self.IDLE_WAIT_S)
@@ -373,6 +379,15 @@ class BatchLoop:
             for engine in self._engines:  # every sequence has left: pools and graphs back for the model
                 engine.close()
             self._engines = []
+            self._handoff()
+
+    def _handoff(self) -> None:
+        if self.on_handoff is None:
+            return
+        try:
+            self.on_handoff()
+        except BaseException as error:  # the caller's; the loop itself goes on
+            self._logger.error("handing a step's output to its consumers failed", exc_info=error)
 
     def _run_task(self, fn, holder: dict, finished: threading.Event) -> None:
         try:

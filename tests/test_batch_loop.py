@@ -384,3 +384,28 @@ def test_a_step_of_several_answers_reads_the_device_once(model, processor, monke
             want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
             assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
             conv.close()
+def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_is_contained(model, processor, caplog):
+    """``on_handoff`` is called on the loop's thread after each step (so a caller whose streamers buffer hands a
+    step's pieces over once): every step that streamed a token is followed by a call before the next step; a hook
+    that raises is logged and the answer still ends as it does without the hook."""
+    calls = []
+
+    def hook():
+        calls.append((threading.current_thread().name, loop.steps))
+
+    with BatchLoop(model, max_batch_tokens=48, on_handoff=hook) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:
+            first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+        steps = loop.steps
+    assert {name for name, _ in calls} == {"raincheck-batch-loop"}
+    handed = {s for _, s in calls}
+    assert steps >= first.token_ids.numel() and all(s in handed for s in range(1, steps + 1)), (steps, handed)
+
+    def failing():
+        raise RuntimeError("the caller's hand-off failed")
+
+    with BatchLoop(model, max_batch_tokens=48, on_handoff=failing) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:
+            again = ask(conv, QUESTIONS[0], [IMAGES[0]])
+    assert torch.equal(again.token_ids, first.token_ids)
+    assert "handing a step's output to its consumers failed" in caplog.text

@@ -4,6 +4,7 @@ its rows, a failing request (or step) leaving the others alone, the settings and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 
@@ -450,3 +451,46 @@ def test_held_conversations_restore_in_the_captured_decode_steps(glyph, dialogue
     for i in (1, 2):
         d = dialogues[i]
         assert texts[i] == reference(glyph, d.image(), [t.question for t in d.turns[:2]], decode_guard=16), i
+
+
+def test_handoff_hands_a_steps_pieces_to_the_event_loop_in_one_call(batching_server):
+    """`_Handoff`: pieces put from another thread wait until ``flush``, which delivers them all, in order, to their
+    queues with one `call_soon_threadsafe` per event loop (not one per piece); the batching server's loop flushes
+    it after each iteration."""
+    from raincheck_hf.serve.app import _deliver, _Handoff
+
+    _, server = batching_server
+    assert server.scheduler.on_handoff == server.handoff.flush
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        original = loop.call_soon_threadsafe
+
+        def counted(callback, *args):  # the hand-off's wake-ups (asyncio.to_thread has its own)
+            if callback is _deliver:
+                wakes.append(args)
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        handoff, a, b = _Handoff(), asyncio.Queue(), asyncio.Queue()
+
+        def producer():  # as the loop's thread: a step's tokens for two requests, then one's end
+            for i in range(3):
+                handoff.put(loop, a, ("text", f"a{i}"))
+                handoff.put(loop, b, ("text", f"b{i}"))
+            handoff.put(loop, a, ("end", None))
+
+        await asyncio.to_thread(producer)
+        await asyncio.sleep(0.05)
+        assert a.empty() and b.empty() and not wakes  # nothing before the flush
+        await asyncio.to_thread(handoff.flush)
+        got_a = [await asyncio.wait_for(a.get(), 5) for _ in range(4)]
+        got_b = [await asyncio.wait_for(b.get(), 5) for _ in range(3)]
+        assert got_a == [("text", "a0"), ("text", "a1"), ("text", "a2"), ("end", None)]
+        assert got_b == [("text", "b0"), ("text", "b1"), ("text", "b2")]
+        assert len(wakes) == 1
+        await asyncio.to_thread(handoff.flush)  # nothing left: no wake-up
+        assert len(wakes) == 1
+
+    asyncio.run(scenario())

@@ -446,6 +446,40 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
                    follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
                    batching=True)
     saved = json.loads(path.read_text())
-    assert saved["settings"]["batching"] is True
+    assert saved["settings"]["batching"] is True and saved["settings"]["client_processes"] is True
     (row,) = saved["rows"]
     assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4
+
+
+def test_serve_load_clients_in_threads_of_the_server_process_with_in_process_clients(tmp_path, monkeypatch):
+    """``--in-process-clients``: the clients are threads of the server's process (no client process is started),
+    with the same answers; the JSON records it."""
+    from raincheck_hf.bench import load_client, serve_load
+
+    def no_pool(size):
+        raise AssertionError("no client process should start with --in-process-clients")
+
+    monkeypatch.setattr(serve_load, "ClientPool", no_pool)
+    path = tmp_path / "load.json"
+    status = serve_load.main(["--clients", "2", "--modes", "raincheck", "--answer-tokens", "4",
+                              "--follow-up-tokens", "3", "--no-warmup", "--no-library", "--batching",
+                              "--in-process-clients", "--json", str(path)])
+    assert status is not None and status != 2
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["client_processes"] is False
+    (row,) = saved["rows"]
+    assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4
+    with pytest.raises(ValueError, match="3 clients in a round, but the pool has 2 processes"):
+        load_client.ClientPool.round(type("P", (), {"_processes": [None, None]})(), [{}, {}, {}])
+
+
+def test_client_pool_reports_a_failing_client_and_still_starts_the_others():
+    """A client that fails (here: no server listening) is an error of the round, not a hang; the pool is reused."""
+    from raincheck_hf.bench.load_client import ClientPool
+
+    task = dict(base="http://127.0.0.1:9", name="bench", mode="raincheck", settings={}, system="s", image_url="x",
+                questions=["q"], lengths=[2], bias=[], think_s=0.0)
+    with ClientPool(2) as pool:
+        for n in (2, 1):
+            out, errors = pool.round([task] * n, timeout=120)
+            assert out == [None] * n and len(errors) == n and all("Connection" in e for e in errors), errors

@@ -5,8 +5,10 @@
 
 One model (random weights at the real shape of `bench/shapes.py`, or a bundled glyph model: ``bundled_qwen3_vl``,
 ``bundled_qwen3_5``), one server in the process (uvicorn on 127.0.0.1, the `raincheck_hf.serve` app). For each
-mode (``raincheck``, ``full``) and each client count N, N clients start together, each in a thread of its own with
-its own `openai.OpenAI` client, and each runs a three-turn image dialogue, streamed: its own photo-like JPEG (drawn
+mode (``raincheck``, ``full``) and each client count N, N clients start together, each in a process of its own
+(started once, before any timing: real clients are remote, and the clients' SSE parsing would otherwise compete for
+the server process's GIL; ``--in-process-clients``: threads of the server's process instead) with its own
+`openai.OpenAI` client, and each runs a three-turn image dialogue, streamed: its own photo-like JPEG (drawn
 from its own seed and encoded before any timing) with a question, then two text follow-ups resending the dialogue
 (``--think-s`` after each answer). The server's held conversations are dropped between client counts.
 
@@ -34,20 +36,21 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import datetime
 import gc
 import io
 import sys
-import threading
 import time
 
 import torch
 
 from ..configuration import RaincheckConfig
 from . import shapes
+from .load_client import ClientPool, thread_round
 from .latency import _write, hardware_info
-from .serve import (QUESTION, _timings, add_setting_arguments, claim_device, library_conversation,
-                    raincheck_settings, round_trip_tokens, setting_values, user_turn)
+from .serve import (QUESTION, add_setting_arguments, claim_device, library_conversation, raincheck_settings,
+                    round_trip_tokens, setting_values)
 
 BUNDLED = {"bundled_qwen3_vl": "qwen3_vl", "bundled_qwen3_5": "qwen3_5"}
 BUNDLED_IMAGE_SIZE = (320, 256)
@@ -86,43 +89,6 @@ def percentile(values: list[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(values) - 1)
     return values[low] + (values[high] - values[low]) * (position - low)
-
-
-def client_dialogue(base: str, name: str, mode: str, settings: dict, image_url: str, questions, lengths, bias,
-                    think_s: float, barrier: threading.Barrier | None) -> list[dict]:
-    """One client's streamed three-turn dialogue through the official client; a record per turn."""
-    import openai
-
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
-    messages = [{"role": "system", "content": shapes.SYSTEM_PROMPT}]
-    records = []
-    if barrier is not None:
-        barrier.wait()
-    for k, (question, n) in enumerate(zip(questions, lengths)):
-        if k and think_s:
-            time.sleep(think_s)
-        messages.append(user_turn(question, image_url if k == 0 else None))
-        times, pieces, usage, rc = [], [], None, None
-        start = time.perf_counter()
-        stream = client.chat.completions.create(
-            model=name, messages=messages, stream=True, stream_options={"include_usage": True}, temperature=0,
-            max_tokens=n, extra_body={"min_tokens": n, "raincheck": {"mode": mode, **settings}},
-            **({"logit_bias": {str(i): 100 for i in bias}} if bias else {}))
-        for chunk in stream:
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    times.append(time.perf_counter())
-                    pieces.append(choice.delta.content)
-            usage = chunk.usage or usage
-            rc = (chunk.model_extra or {}).get("raincheck") or rc
-        end = time.perf_counter()
-        text = "".join(pieces)
-        messages.append({"role": "assistant", "content": text})
-        records.append({"start": start, "end": end, **_timings(start, times, end),
-                        "completion_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens,
-                        "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
-                        "server_t1_s": rc["t1_ms"] / 1e3})
-    return records
 
 
 def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[str]) -> dict:
@@ -213,8 +179,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         selector: str | None = None,
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
-        command: str | None = None, log=print, batching: bool = False) -> dict:
-    """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict."""
+        command: str | None = None, log=print, batching: bool = False, client_processes: bool = True) -> dict:
+    """Run the benchmark (the server in this process; the clients in processes of their own, or with
+    ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -258,6 +225,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             "settings": dict(settings, model=model_name, clients=list(clients), modes=list(modes),
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
+                             client_processes=client_processes,
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -266,24 +234,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
                                                          max_queue=queue_places, batching=batching))
         server = app.state.server
-        with running(app) as base:
+        with contextlib.ExitStack() as stack:
+            base = stack.enter_context(running(app))
+            pool = stack.enter_context(ClientPool(max(clients))) if client_processes else None
 
             def round_of(mode: str, n: int) -> tuple[list, list]:
-                barrier, out, errors = threading.Barrier(n), [None] * n, []
-
-                def one(c):
-                    try:
-                        out[c] = client_dialogue(base, name, mode, settings, urls[c], questions, lengths, bias,
-                                                 think_s, barrier)
-                    except BaseException as error:  # counted in the row, the first few kept
-                        errors.append(f"{type(error).__name__}: {str(error)[:300]}")
-                        barrier.abort()
-
-                workers = [threading.Thread(target=one, args=(c,), name=f"serve-load-client-{c}") for c in range(n)]
-                for w in workers:
-                    w.start()
-                for w in workers:
-                    w.join()
+                tasks = [dict(base=base, name=name, mode=mode, settings=settings, system=shapes.SYSTEM_PROMPT,
+                              image_url=urls[c], questions=questions, lengths=lengths, bias=bias, think_s=think_s)
+                         for c in range(n)]
+                out, errors = pool.round(tasks) if pool is not None else thread_round(tasks)
                 server.store.close()  # the next round starts with nothing held
                 gc.collect()
                 return [d for d in out if d is not None], errors
@@ -371,6 +330,9 @@ def main(argv=None):
     parser.add_argument("--no-library", action="store_true", help="skip the library reference at one client")
     parser.add_argument("--max-running", type=int, default=None, help="the server's (default: the most clients)")
     parser.add_argument("--max-queue", type=int, default=None, help="the server's (default: the most clients)")
+    parser.add_argument("--in-process-clients", action="store_true",
+                        help="the clients in threads of the server's process (they then share its GIL) instead of "
+                             "a process each")
     parser.add_argument("--batching", action="store_true",
                         help="the server's continuous-batching loop (serve --batching) instead of a thread per turn")
     add_setting_arguments(parser)
@@ -384,6 +346,7 @@ def main(argv=None):
                    follow_up_tokens=args.follow_up_tokens or max(2, args.answer_tokens // 2), think_s=args.think_s,
                    warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
+                   client_processes=not args.in_process_clients,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)

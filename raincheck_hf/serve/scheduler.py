@@ -51,13 +51,16 @@ class BatchScheduler(BatchLoop):
         on_step: called with the step's sequence count after every step (the metrics).
         on_restore: called with ``(rows, busy)`` when held conversations' deferred rows were restored: in a step
             beside answers (``busy``) or in idle time (the metrics).
+        on_handoff: called after each of the loop's iterations (the server's `_Handoff.flush`: the step's pieces
+            to the event loop at once).
     """
 
     _logger = logger
 
     def __init__(self, model, processor, store, token_budget: int | None, default_config, on_step=None,
-                 on_restore=None):
-        super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore)
+                 on_restore=None, on_handoff=None):
+        super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
+                         on_handoff=on_handoff)
         self.processor, self.store = processor, store
 
     def _closed_error(self, running: bool) -> BaseException:

@@ -1,0 +1,157 @@
+"""`bench serve-load`'s clients: one streamed three-turn dialogue through the official `openai` client, and the
+processes that run them.
+
+This module imports only the standard library (and `openai` when a dialogue runs): a client process started with
+``spawn`` imports it without torch or transformers. Real clients are remote, so by default each client of the load
+benchmark runs in a process of its own (`ClientPool`): its SSE parsing and the openai client's pydantic models then
+do not compete for the server process's GIL with the server's own threads (the batching loop, the event loop), which
+is what is measured.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_module
+import threading
+import time
+
+
+def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str, image_url: str, questions,
+                    lengths, bias, think_s: float, start=None) -> list[dict]:
+    """One client's streamed three-turn dialogue through the official client; a record per turn. ``start()``
+    (if given) is called once the client is built, before the first request: it waits for the round's start."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    messages = [{"role": "system", "content": system}]
+    records = []
+    if start is not None:
+        start()
+    for k, (question, n) in enumerate(zip(questions, lengths)):
+        if k and think_s:
+            time.sleep(think_s)
+        content = [{"type": "image_url", "image_url": {"url": image_url}}] if k == 0 else []
+        messages.append({"role": "user", "content": content + [{"type": "text", "text": question}]})
+        times, pieces, usage, rc = [], [], None, None
+        begin = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=name, messages=messages, stream=True, stream_options={"include_usage": True}, temperature=0,
+            max_tokens=n, extra_body={"min_tokens": n, "raincheck": {"mode": mode, **settings}},
+            **({"logit_bias": {str(i): 100 for i in bias}} if bias else {}))
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    times.append(time.perf_counter())
+                    pieces.append(choice.delta.content)
+            usage = chunk.usage or usage
+            rc = (chunk.model_extra or {}).get("raincheck") or rc
+        end = time.perf_counter()
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+        records.append({"start": begin, "end": end, "ttft_s": times[0] - begin if times else None,
+                        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+                        "e2e_s": end - begin, "completion_tokens": usage.completion_tokens,
+                        "prompt_tokens": usage.prompt_tokens,
+                        "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
+                        "server_t1_s": rc["t1_ms"] / 1e3})
+    return records
+
+
+def _worker(tasks, results, ready, go) -> None:
+    """A client process: runs the dialogues it is given (None ends it), each starting when ``go`` is set.
+
+    ``time.perf_counter`` is the system's monotonic clock on Linux and macOS, so its records compare with the other
+    processes'."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        index, kwargs = task
+
+        def start():
+            with ready.get_lock():
+                ready.value += 1
+            go.wait()
+
+        try:
+            results.put((index, client_dialogue(**kwargs, start=start), None))
+        except BaseException as error:  # counted in the row, the first few kept
+            results.put((index, None, f"{type(error).__name__}: {str(error)[:300]}"))
+
+
+class ClientPool:
+    """``size`` client processes (``spawn``: nothing of the server's process is inherited), started once and reused
+    for every round, so a round's timing never includes a process's start or its imports."""
+
+    def __init__(self, size: int):
+        context = multiprocessing.get_context("spawn")
+        self._tasks = [context.Queue() for _ in range(size)]
+        self._results = context.Queue()
+        self._ready = context.Value("i", 0)
+        self._go = context.Event()
+        self._processes = [context.Process(target=_worker, args=(t, self._results, self._ready, self._go),
+                                           name=f"serve-load-client-{i}", daemon=True)
+                           for i, t in enumerate(self._tasks)]
+        for process in self._processes:
+            process.start()
+
+    def round(self, tasks: list[dict], timeout: float = 3600.0) -> tuple[list, list[str]]:
+        """Run ``client_dialogue(**task)`` for each task, one per process, all starting together once every client
+        is built; returns ``(records per client in order, None for a failed one; error messages)``."""
+        if len(tasks) > len(self._processes):
+            raise ValueError(f"{len(tasks)} clients in a round, but the pool has {len(self._processes)} processes")
+        self._go.clear()
+        with self._ready.get_lock():
+            self._ready.value = 0
+        for i, task in enumerate(tasks):
+            self._tasks[i].put((i, task))
+        out, errors, answered = [None] * len(tasks), [], 0
+        deadline = time.monotonic() + timeout
+        while answered < len(tasks):  # start them together once all are built (or some failed before that)
+            if not self._go.is_set() and self._ready.value + len(errors) >= len(tasks):
+                self._go.set()
+            try:
+                index, records, error = self._results.get(timeout=0.01 if not self._go.is_set() else 1.0)
+            except queue_module.Empty:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in self._processes):
+                    raise RuntimeError("serve-load's client processes stopped answering") from None
+                continue
+            answered += 1
+            if error is not None:
+                errors.append(error)
+            else:
+                out[index] = records
+        return out, errors
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def thread_round(tasks: list[dict]) -> tuple[list, list[str]]:
+    """The same round with each client in a thread of the calling process (``--in-process-clients``)."""
+    barrier, out, errors = threading.Barrier(len(tasks)), [None] * len(tasks), []
+
+    def one(c):
+        try:
+            out[c] = client_dialogue(**tasks[c], start=barrier.wait)
+        except BaseException as error:  # counted in the row, the first few kept
+            errors.append(f"{type(error).__name__}: {str(error)[:300]}")
+            barrier.abort()
+
+    workers = [threading.Thread(target=one, args=(c,), name=f"serve-load-client-{c}") for c in range(len(tasks))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return out, errors
+
