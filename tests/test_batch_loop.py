@@ -384,6 +384,8 @@ def test_a_step_of_several_answers_reads_the_device_once(model, processor, monke
             want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
             assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
             conv.close()
+
+
 def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_is_contained(model, processor, caplog):
     """``on_handoff`` is called on the loop's thread after each step (so a caller whose streamers buffer hands a
     step's pieces over once): every step that streamed a token is followed by a call before the next step; a hook
