@@ -478,7 +478,7 @@ def test_packed_gdn_state_rows_are_independent():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     from raincheck_hf.batched_gdn import PackedGDNState, PackedRowLayout as L
-    from raincheck_hf.cache_utils import DEFERRED as D, GENERATED as G, INPUT as I
+    from raincheck_hf.cache_utils import GENERATED as G, INPUT as I
     from raincheck_hf.gdn.algebra import GDNLayerParams
 
     gen = torch.Generator().manual_seed(42)
