@@ -31,7 +31,6 @@
 #   bash benchmarks/h200_run.sh batch      # issue 29: batched generate at B = 1, 8, 32 vs stock (Qwen3-VL-8B, Qwen3.5-9B)
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
-#   bash benchmarks/h200_run.sh attention_ragged  # issue 29: the kernel on a ragged batched step (padded rows skipped)
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
@@ -56,17 +55,6 @@ attention_batch)
     timeout "${ATTN_S:-150}" python3 -m raincheck_hf.bench attention --batch 1,8,32 --rows 1,32 --slots 2112 --reps 20 \
         --json "$OUT/attention_batch_h200.json" > "$OUT/attention_batch_h200.log" 2>&1
     tail -8 "$OUT/attention_batch_h200.log"
-    ;;
-attention_ragged)
-    # issue 29: a batched step's attention when its sequences carry different row counts (2 or 1 of them 32 rows,
-    # the rest 1, all padded to 32): the kernel computing every row vs only the real ones (row blocks 16 / 32 / 64),
-    # the matmul form, SDPA; then the uniform steps the batch benchmark's schedule makes (every sequence 8 rows)
-    timeout "${ATTN_S:-200}" python3 -m raincheck_hf.bench attention --ragged --batch 8,32 --long 1,2 --slots 2112 \
-        --reps 20 --json "$OUT/attention_ragged_h200.json" > "$OUT/attention_ragged_h200.log" 2>&1
-    tail -6 "$OUT/attention_ragged_h200.log"
-    timeout "${ATTN_S:-200}" python3 -m raincheck_hf.bench attention --batch 8,32 --rows 1,8 --slots 2112 --reps 20 \
-        --json "$OUT/attention_uniform8_h200.json" > "$OUT/attention_uniform8_h200.log" 2>&1
-    tail -6 "$OUT/attention_uniform8_h200.log"
     ;;
 serve_load)
     # issue 30: the server under 1 / 8 / 32 clients through its continuous-batching loop, raincheck and full

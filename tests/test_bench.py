@@ -260,41 +260,6 @@ def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path
         attention.main(["--heads", "6", "--kv-heads", "4"])
 
 
-def test_ragged_attention_benchmark_times_a_padded_batched_step(tmp_path):
-    """``bench attention --ragged`` on CPU (the kernels are not usable there: sdpa and the matmul form), then in
-    Triton's interpreter (every variant, the ragged kernel within 1e-5 of sdpa on the real rows)."""
-    import os
-    import subprocess
-    import sys
-
-    from raincheck_hf._triton import triton_available
-    from raincheck_hf.bench import attention
-
-    result = attention.run_ragged(batches=(4,), long=(0, 2), width=8, slots=(40,), heads=4, kv_heads=2, dim=16,
-                                  layers=1, reps=2, device="cpu", json_path=str(tmp_path / "r.json"),
-                                  log=lambda *_: None)
-    assert [(e["long"], e["real_rows"], e["computed_rows_padded"]) for e in result["results"]] == [(0, 4, 32),
-                                                                                                  (2, 18, 32)]
-    for e in result["results"]:
-        assert set(e["median_s"]) == {"sdpa", "matmul"} and e["max_abs_diff_real_rows"] <= 1e-5
-    assert json.loads((tmp_path / "r.json").read_text())["benchmark"] == "attention_ragged"
-    for bad in (["--ragged", "--batch", "2", "--long", "3"], ["--ragged", "--width", "0"]):
-        with pytest.raises(SystemExit):
-            attention.main(bad)
-    if not triton_available():
-        return
-    path = tmp_path / "interpreted.json"
-    done = subprocess.run([sys.executable, "-m", "raincheck_hf.bench", "attention", "--ragged", "--batch", "3",
-                           "--long", "1", "--width", "8", "--slots", "70", "--heads", "4", "--kv-heads", "2",
-                           "--head-dim", "16", "--layers", "1", "--reps", "1", "--json", str(path)],
-                          capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    (entry,) = json.loads(path.read_text())["results"]
-    assert set(entry["median_s"]) == {"sdpa", "matmul", "padded", "ragged", "ragged_m16", "ragged_m32", "ragged_m64"}
-    assert entry["compared"] == "ragged" and entry["max_abs_diff_real_rows"] <= 1e-5
-
-
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_decode_bytes_count_what_a_step_reads(family, model, qwen35):
     m = model if family == "qwen3_vl" else qwen35

@@ -11,15 +11,6 @@ on the same random bf16 inputs and the same boolean visibility mask, as one laye
 medians over ``--reps`` replays (microseconds per layer call), the ratio, and the largest difference
 between the two outputs. Nothing is asserted.
 
-With ``--ragged`` it times a batched step as `fast.batched_graphs` lays it out instead: every sequence padded to
-the step's width ``--width`` (32: a chunk of 31 and the token), ``--long`` of them carrying that many real rows and
-the rest one decode row each (a padded row sees only itself, as in the step); variants ``padded`` (the Triton kernel
-computing every row, as before it took the real rows), ``ragged`` (the kernel given each sequence's real rows: what
-the steps run now) and ``ragged_m16`` / ``ragged_m32`` / ``ragged_m64`` (the same with 16 / 32 / 64 query rows per
-program, to choose the row block by measurement), ``matmul`` (the matmul form, every row) and ``sdpa``; the
-largest difference of ``ragged`` from ``sdpa`` is over the real rows. The kernels need CUDA (or Triton's
-interpreter); without them only ``matmul`` and ``sdpa`` run.
-
 Variants: ``sdpa`` (stock `sdpa_attention_forward`, the reference), ``few_query`` (what the steps run:
 `few_query_attention`, on CUDA its Triton kernel), ``few_query_matmul`` (its matmul form reading half-precision
 keys as they are) and ``few_query_upcast`` (the matmul form with the keys upcast to float32 first, as compiled
@@ -130,81 +121,10 @@ def run(rows=(1, 32), slots=(2112, 4160), heads=32, kv_heads=8, dim=128, layers=
     return result
 
 
-def _ragged_case(batch, long, width, slots, heads, kv_heads, dim, device, dtype, seed=0):
-    """A batched step's attention inputs: ``long`` sequences with ``width`` real rows, the rest with one, every one
-    padded to ``width`` rows; a padded row sees only its own slot (the step's visibility for padding queries)."""
-    module, q, k, v, mask = _case(width, slots, heads, kv_heads, dim, device, dtype, seed=seed, batch=batch)
-    real = torch.tensor([width] * long + [1] * (batch - long), device=device)
-    padded = torch.arange(width, device=device)[None] >= real[:, None]  # [B, L]
-    own = torch.zeros(width, slots, dtype=torch.bool, device=device)
-    own[torch.arange(width), slots - width + torch.arange(width)] = True  # (the step writes its rows at the end)
-    mask = torch.where(padded[:, None, :, None], own[None, None], mask)
-    return module, q, k, v, mask, real, padded
-
-
-def run_ragged(batches=(8, 32), long=(2,), width=32, slots=(2112,), heads=32, kv_heads=8, dim=128, layers=36,
-               reps=30, device=None, json_path=None, log=print) -> dict:
-    """``--ragged``: the attention of a batched step whose sequences carry different row counts (module docstring)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from ..fast.attention import _few_query, _few_query_triton, triton_usable
-    from .latency import _write, hardware_info
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for n in long:
-        if n > min(batches):
-            raise ValueError(f"bench attention --long={n} exceeds --batch={min(batches)} (sequences of the step)")
-    results = []
-    with torch.no_grad():
-        for batch, n_long, n_slots in [(b, n, m) for b in batches for n in long for m in slots]:
-            module, q, k, v, mask, real, padded = _ragged_case(batch, n_long, width, n_slots, heads, kv_heads, dim,
-                                                               device, dtype)
-            scale = dim ** -0.5
-            variants = {"sdpa": lambda: sdpa_attention_forward(module, q, k, v, mask, scaling=scale)[0],
-                        "matmul": lambda: _few_query(q, k, v, mask, scale, low_precision_reads=True)}
-            if triton_usable(q, k, v, mask):
-                variants["padded"] = lambda: _few_query_triton(q, k, v, mask, scale)
-                variants["ragged"] = lambda: _few_query_triton(q, k, v, mask, scale, real)
-                for block in (16, 32, 64):
-                    variants[f"ragged_m{block}"] = lambda block=block: _few_query_triton(q, k, v, mask, scale, real,
-                                                                                         block_m=block)
-            outputs, medians = {}, {}
-            for name, fn in variants.items():
-                outputs[name] = fn()
-                medians[name] = statistics.median(_timed(fn, device, layers, reps))
-            keep = ~padded[:, :, None, None].expand_as(outputs["sdpa"])
-            best = "ragged" if "ragged" in outputs else "matmul"
-            diff = (outputs[best].float() - outputs["sdpa"].float())[keep].abs().max().item()
-            results.append({"batch": batch, "long": n_long, "width": width, "slots": n_slots,
-                            "real_rows": int(real.sum()), "computed_rows_padded": batch * width,
-                            "median_s": medians, "max_abs_diff_real_rows": diff, "compared": best})
-    result = {"benchmark": "attention_ragged", "hardware": hardware_info(device),
-              "dtype": str(dtype).replace("torch.", ""),
-              "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "layers_per_replay": layers},
-              "reps": reps, "results": results}
-    log(f"ragged batched-step attention on {result['hardware'].get('gpu') or 'cpu'} ({result['dtype']}; {heads} "
-        f"query / {kv_heads} key-value heads, dim {dim}); microseconds per layer call, medians of {reps}")
-    names = list(results[0]["median_s"]) if results else []
-    log(f"{'batch':>5} {'long':>4} {'rows':>9} {'slots':>6} " + " ".join(f"{n:>10}" for n in names)
-        + f" {'max |diff|':>11}")
-    for e in results:
-        m = e["median_s"]
-        log(f"{e['batch']:>5} {e['long']:>4} {e['real_rows']:>4}/{e['computed_rows_padded']:<4} {e['slots']:>6} "
-            + " ".join(f"{m[n] * 1e6:>10.1f}" for n in names) + f" {e['max_abs_diff_real_rows']:>11.2e}")
-    _write(result, json_path)
-    return result
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m raincheck_hf.bench attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", default=None, help="sequences per step, comma-separated (default 1; 8,32 with "
-                        "--ragged)")
-    parser.add_argument("--ragged", action="store_true",
-                        help="time a batched step whose sequences carry different row counts (see above)")
-    parser.add_argument("--long", default="2", help="with --ragged: sequences carrying --width rows, comma-separated")
-    parser.add_argument("--width", type=int, default=32, help="with --ragged: rows per sequence of the step")
+    parser.add_argument("--batch", default="1", help="sequences per step, comma-separated")
     parser.add_argument("--rows", default="1,32", help="query rows per step, comma-separated")
     parser.add_argument("--slots", default="2112,4160", help="cache slots (capacity + scratch), comma-separated")
     parser.add_argument("--heads", type=int, default=32)
@@ -222,16 +142,6 @@ def main(argv=None):
             parser.error(f"--{name}={value} must be >= 1")
     if args.heads % args.kv_heads:
         parser.error(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
-    if args.width < 1:
-        parser.error(f"--width={args.width} must be >= 1")
-    if args.ragged:
-        batches = ints(args.batch or "8,32", "batch")
-        long = ints(args.long, "long")
-        if any(n < 0 or n > min(batches) for n in long):
-            parser.error(f"--long={args.long} must be between 0 and the smallest --batch ({min(batches)})")
-        return run_ragged(batches=batches, long=long, width=args.width, slots=ints(args.slots, "slots"),
-                          heads=args.heads, kv_heads=args.kv_heads, dim=args.head_dim, layers=args.layers,
-                          reps=args.reps, device=args.device, json_path=args.json)
-    return run(batches=ints(args.batch or "1", "batch"), rows=ints(args.rows, "rows"), slots=ints(args.slots, "slots"),
+    return run(batches=ints(args.batch, "batch"), rows=ints(args.rows, "rows"), slots=ints(args.slots, "slots"),
                heads=args.heads, kv_heads=args.kv_heads,
                dim=args.head_dim, layers=args.layers, reps=args.reps, device=args.device, json_path=args.json)

@@ -6,16 +6,11 @@ visibility mask, so SDPA cannot take its flash kernel and, on the H200, picked c
 `benchmarks/results/profile_qwen3_vl_8b_image_h200.json`), parallel only over the 32 heads. For few
 queries the same attention is two small batched matmuls over the key/value heads (the query heads
 of a group stacked as rows, GQA without repeating K/V) and a softmax, which spread over all slots
-(`_few_query`, the reference form). On CUDA (outside compiled steps) a Triton kernel does it
+(`_few_query`, the reference form). On CUDA (outside compiled steps) one Triton kernel does it
 (`_few_query_triton`, `fast._triton_attention`): each program one key/value head of one sequence over a
-split of the slots with an online softmax, a second kernel merging the splits. At a batch of 8 sequences with
+split of the slots with an online softmax, the splits merged after. At a batch of 8 sequences with
 32-row chunk steps the matmul form wrote and re-read float32 scores and masks several times per layer
-(227-342 µs per layer on the H200, `bench attention --batch`). A batched step (`fast.batched_graphs`) pads
-every sequence to the step's width; it names each sequence's real rows in its step scope
-(`fast.context.StepScope.query_rows`), and the kernel computes only those (padded rows: zero output, nothing
-read), so a step of a few 32-row chunks among 1-row decodes pays for its real rows, not B x 32
-(`bench attention --ragged`). One sequence with one row (a batch-1 decode) runs the matmul form, measured
-faster there (`matmul_faster`).
+(227-342 µs per layer on the H200, `bench attention --batch`).
 
 `few_query_attention` is registered with transformers' `AttentionInterface` (on first use, not at
 import) and selected only inside a fast-path step of the calling thread, and only when the model runs
@@ -70,21 +65,9 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
         from .compiled import compiled
 
         return compiled(_few_query)(query, key, value, attention_mask, scale), None
-    if triton_usable(query, key, value, attention_mask) and not matmul_faster(query, key):
-        real_rows = None if scope is None else scope.query_rows
-        if real_rows is not None and tuple(real_rows.shape) != (b,):
-            real_rows = None  # (another batch than the step's: every row is computed)
-        return _few_query_triton(query, key, value, attention_mask, scale, real_rows), None
+    if triton_usable(query, key, value, attention_mask):
+        return _few_query_triton(query, key, value, attention_mask, scale), None
     return _few_query(query, key, value, attention_mask, scale, low_precision_reads=True), None
-
-
-def matmul_faster(query, key) -> bool:
-    """Where the matmul form (reading half-precision keys as they are) beat the Triton kernel: one sequence with one
-    query row (a batch-1 decode step) on CUDA in bf16 / fp16. Measured on the H200 at 32 query / 8 key-value heads,
-    dim 128, 2,112 slots, bf16 (`bench attention --batch 1,8,32`, benchmarks/results/attention_batch_h200.json):
-    19.0 µs per layer call against the kernel's 25.7 (at a batch of 8 with one row they are even, 42.2 / 43.6, and
-    from 32 rows per sequence or 32 sequences the kernel is ahead, so only this case goes to the matmul form)."""
-    return query.shape[0] == 1 and query.shape[2] == 1 and low_precision_scores(query, key)
 
 
 def triton_usable(query, key, value, attention_mask) -> bool:
@@ -102,7 +85,6 @@ def triton_usable(query, key, value, attention_mask) -> bool:
 
 
 BLOCK_N = 64  # key slots per tile
-COMBINE_ROWS = 16  # query rows per program of the splits' merge
 
 
 def _block_m(group_rows: int) -> int:
@@ -128,29 +110,16 @@ def _processors(device) -> int:
     return 2  # the interpreter: two splits, so the CPU tests cover the merge
 
 
-def _few_query_triton(query, key, value, attention_mask, scale: float, real_rows=None, block_m: int | None = None):
-    """`_few_query` as Triton kernels (`fast._triton_attention`): the key slots in splits, then the splits'
-    merge; ``[B, L, Hq, D]`` in the value dtype.
-
-    ``real_rows``: None (every query row is real), or a device tensor ``[B]`` (integer) of each sequence's real
-    query positions, a prefix of its ``L`` rows (a batched step pads every sequence to the step's width,
-    `fast.batched_graphs`): the rows after them are not computed and their output is zero; the launch does not
-    depend on the values, so a captured graph replays it for any. ``block_m``: query rows per program (a power of
-    two, 16 to 64; default `_block_m`)."""
+def _few_query_triton(query, key, value, attention_mask, scale: float):
+    """`_few_query` as one Triton kernel over the key slots in splits (`fast._triton_attention`), then the splits'
+    merge; ``[B, L, Hq, D]`` in the value dtype."""
     from . import _triton_attention as kernels
 
     b, hq, rows, d = query.shape
     hkv, slots = key.shape[1], key.shape[2]
     group = hq // hkv
     group_rows = group * rows
-    block_m = _block_m(group_rows) if block_m is None else int(block_m)
-    if block_m not in (16, 32, 64):
-        raise ValueError(f"few-query attention block_m={block_m!r} must be 16, 32 or 64 (query rows per program)")
-    ragged = real_rows is not None
-    if ragged and (tuple(real_rows.shape) != (b,) or real_rows.device != query.device
-                   or real_rows.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"few-query attention real_rows must be an int32 / int64 tensor [{b}] on {query.device}, "
-                         f"got {real_rows.dtype} {tuple(real_rows.shape)} on {real_rows.device}")
+    block_m = _block_m(group_rows)
     m_blocks = _cdiv(group_rows, block_m)
     splits = split_count(b * hkv * m_blocks, slots, _processors(query.device))
     split_len = _cdiv(_cdiv(slots, splits), BLOCK_N) * BLOCK_N  # whole tiles per split
@@ -158,19 +127,19 @@ def _few_query_triton(query, key, value, attention_mask, scale: float, real_rows
     out = torch.empty(splits, b * hkv, group_rows, d, device=query.device, dtype=torch.float32)
     peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
     total = torch.empty_like(peak)
-    merged = torch.empty(b, rows, hq, d, device=query.device, dtype=value.dtype)
     mask = attention_mask.view(torch.uint8)
-    real = real_rows if ragged else peak  # (not read without RAGGED)
     kernels.few_query_split[(b * hkv, m_blocks, splits)](
-        query, key, value, mask, real, out, peak, total, slots, hkv, group, rows, split_len, float(scale),
+        query, key, value, mask, out, peak, total, slots, hkv, group, rows, split_len, float(scale),
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
         mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        IEEE=query.dtype == torch.float32, RAGGED=ragged, num_warps=4)
-    kernels.few_query_combine[(b * hkv, _cdiv(group_rows, COMBINE_ROWS))](
-        out, peak, total, real, merged, splits, b * hkv, hkv, group, rows, D=d, BLOCK_R=COMBINE_ROWS,
-        RAGGED=ragged, num_warps=4)
-    return merged
+        IEEE=query.dtype == torch.float32, num_warps=4)
+    if splits == 1:
+        merged = out[0] / total[0, ..., None]
+    else:
+        weight = torch.exp(peak - peak.amax(0))  # [splits, B * Hkv, rows]
+        merged = (out * weight[..., None]).sum(0) / (total * weight).sum(0)[..., None]
+    return merged.to(value.dtype).view(b, hq, rows, d).transpose(1, 2).contiguous()
 
 
 def low_precision_scores(query, key) -> bool:

@@ -25,9 +25,7 @@ generates nothing). Every buffer is rewritten before every replay, so nothing of
 the next. Inside the step (`BatchedStepGraphs._step`) the keys are written into the pool's ``slot_keys`` and
 the visibility ``[B, W, T]`` is computed from them on the device (docs/method.md §3 per sequence: a real query
 sees its slot's rows whose key is not larger than its own; a padding query sees only its own row, so its output
-stays finite); no value is read back to the host. The step also names each sequence's real rows (its first
-``last + 1``, none for a padding sequence) in its step scope: the few-query Triton kernel computes only those and
-leaves the padded rows' attention output zero (`fast.attention`); the matmul form computes every row.
+stays finite); no value is read back to the host.
 
 Attention reads views ``keys[:B, :, :T]`` of the pool's layers (no copy) when the step's sequences hold slots
 ``0 .. n - 1`` (a *dense* step; the bucket's padding sequences then take the free slots ``n .. B - 1``, the pool
@@ -238,13 +236,10 @@ class BatchedStepGraphs:
         own = write[:, :, None] == torch.arange(span, device=write.device)[None, None]
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
-        # each sequence's real rows (its first ``last + 1``; none for a padding sequence, whose keys are all MAX_KEY):
-        # the few-query kernel computes only these, the padded rows' attention output is zero (nothing reads it)
-        real_rows = torch.where(queries[:, 0] == MAX_KEY, 0, buffers.last + 1)
         text_model = adapter.text_model
         pool.step = _DeviceStep(buffers, span, dense)
         try:
-            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(), query_rows=real_rows):
+            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state

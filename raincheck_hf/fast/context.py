@@ -15,15 +15,11 @@ from ..patching import ThreadScoped
 @dataclass(frozen=True)
 class StepScope:
     """One fast-path step as the dispatchers see it: attention modules that run the few-query
-    attention (by id), the addend of each DeepStack decoder layer (by id), and, in a batched step, the
-    real query rows of each sequence."""
+    attention (by id) and the addend of each DeepStack decoder layer (by id)."""
 
     attention: frozenset
     addends: dict
     compiled: bool = False  # run the compiled forms of `fast.compiled` (RaincheckConfig.compile_steps)
-    # a batched step's real query rows per sequence (device tensor [B], a prefix of each sequence's padded rows), or
-    # None: every row is real. The few-query kernel computes only those rows (`fast.attention._few_query_triton`)
-    query_rows: object = None
 
 
 STEP = ThreadScoped("raincheck_fast_step")

@@ -92,15 +92,12 @@ def _hook_deepstack(module):
 
 
 @contextlib.contextmanager
-def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None, compile_targets=(),
-               query_rows: torch.Tensor | None = None):
+def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None, compile_targets=()):
     """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
     ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), with ``few_query`` the attention
     layers of an ``sdpa`` model run `fast.attention.few_query_attention`, and the ``(module, forward)`` pairs
     ``compile_targets`` (`ModelAdapter.compile_targets`; with the few-query attention's core) run compiled
-    (`fast.compiled`). ``query_rows``: a batched step's real query rows per sequence (device tensor ``[B]``; the
-    rows after them are padding, which the few-query kernel does not compute and leaves zero), None: all real.
-    Other threads (and this one after the block) see the stock modules' behaviour."""
+    (`fast.compiled`). Other threads (and this one after the block) see the stock modules' behaviour."""
     attention = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")] if few_query else []
     layers = list(text_model.layers[:len(addends)] if layers is None else layers)[:len(addends)]
     if attention:
@@ -108,7 +105,7 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
 
         register()
     scope = StepScope(frozenset(id(m) for m in attention), {id(layer): a for layer, a in zip(layers, addends)},
-                      bool(compile_targets), query_rows)
+                      bool(compile_targets))
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(_PATCHES, layers, _hook_deepstack))
         if compile_targets:
