@@ -67,7 +67,7 @@ serve_load)
 gpu_tests)
     # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is.
     # GPU_WORKERS > 0 spreads the tests over that many pytest-xdist processes on the one GPU (wheel carried in .whl/)
-    timeout "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
+    timeout -s INT -k 30 "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
         $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") > "$OUT/gpu_tests_h200.log" 2>&1
     grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
     ;;
