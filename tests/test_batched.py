@@ -468,6 +468,21 @@ def test_fuzz_rows_match_alone(seed):
     assert_rows_match_alone(model, processor, rows, cfg, n=n, **kw)
 
 
+def _small_gdn_layer(seed: int):
+    """A small Gated DeltaNet layer's parameters (1 key / 2 value heads, dims 8 / 6) from ``seed``: the generator
+    (to draw the inputs from next), the head sizes, the conv channels and the `GDNLayerParams`."""
+    from raincheck_hf.gdn.algebra import GDNLayerParams
+
+    gen = torch.Generator().manual_seed(seed)
+    hk, hv, dk, dv = 1, 2, 8, 6
+    conv_dim = 2 * hk * dk + hv * dv
+    params = GDNLayerParams(conv_weight=0.5 * torch.randn(conv_dim, 1, 4, generator=gen),
+                            A_log=torch.log(torch.empty(hv).uniform_(0.01, 0.1, generator=gen)),
+                            dt_bias=torch.randn(hv, generator=gen), num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
+                            head_v_dim=dv)
+    return gen, (hk, hv, dk, dv), conv_dim, params
+
+
 # ---- the per-sequence Gated DeltaNet states of a packed forward, directly ------------------------------------
 
 def test_packed_gdn_state_rows_are_independent():
@@ -479,15 +494,8 @@ def test_packed_gdn_state_rows_are_independent():
 
     from raincheck_hf.batched_gdn import PackedGDNState, PackedRowLayout as L
     from raincheck_hf.cache_utils import GENERATED as G, INPUT as I
-    from raincheck_hf.gdn.algebra import GDNLayerParams
 
-    gen = torch.Generator().manual_seed(42)
-    hk, hv, dk, dv = 1, 2, 8, 6
-    conv_dim = 2 * hk * dk + hv * dv
-    params = GDNLayerParams(conv_weight=0.5 * torch.randn(conv_dim, 1, 4, generator=gen),
-                            A_log=torch.log(torch.empty(hv).uniform_(0.01, 0.1, generator=gen)),
-                            dt_bias=torch.randn(hv, generator=gen), num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
-                            head_v_dim=dv)
+    gen, (hk, hv, dk, dv), conv_dim, params = _small_gdn_layer(42)
     rules = (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
     steps = [  # per forward, per sequence: (deferred rows, rest rows, rest kind, record)
         [L(0, 5, I), L(0, 2, I), L(0, 7, I)],
@@ -539,15 +547,8 @@ def test_packed_gdn_step_work_does_not_grow_with_the_batch(monkeypatch):
     import raincheck_hf.batched_gdn as bg
     from raincheck_hf.batched_gdn import PackedGDNState, PackedRowLayout as L
     from raincheck_hf.cache_utils import GENERATED as G, INPUT as I
-    from raincheck_hf.gdn.algebra import GDNLayerParams
 
-    gen = torch.Generator().manual_seed(7)
-    hk, hv, dk, dv = 1, 2, 8, 6
-    conv_dim = 2 * hk * dk + hv * dv
-    params = GDNLayerParams(conv_weight=0.5 * torch.randn(conv_dim, 1, 4, generator=gen),
-                            A_log=torch.log(torch.empty(hv).uniform_(0.01, 0.1, generator=gen)),
-                            dt_bias=torch.randn(hv, generator=gen), num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
-                            head_v_dim=dv)
+    gen, (hk, hv, dk, dv), conv_dim, params = _small_gdn_layer(7)
     rules = (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
     calls = {}
     for name in ("gdn_factors", "advance_state", "update_suffix_map", "join_state", "_StepPlan"):
