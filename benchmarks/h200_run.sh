@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
+#   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -63,6 +64,13 @@ serve_load)
         --json "$OUT/serve_load_qwen3_vl_8b_h200.json" --plot "$OUT/serve_load_qwen3_vl_8b_h200.png" \
         > "$OUT/serve_load_qwen3_vl_8b_h200.log" 2>&1
     tail -14 "$OUT/serve_load_qwen3_vl_8b_h200.log"
+    ;;
+fuzz35)
+    # the two Qwen3.5 schedule fuzzes alone (they failed once with a changed attention kernel; a cut run prints tracebacks)
+    timeout -s INT -k 30 "${TESTS_S:-300}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=long \
+        -k "schedule_fuzz and (qwen3_5 or qwen3_5_moe)" $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") \
+        > "$OUT/gpu_fuzz35_h200.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_fuzz35_h200.log" | cut -c1-220 | tail -20
     ;;
 gpu_tests)
     # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is.
