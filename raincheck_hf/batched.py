@@ -204,6 +204,28 @@ class RowGroup:
         return head, tail
 
 
+class _Joined:
+    """A host tensor kept as the pieces `SequenceState.stored` appends to the list attribute ``parts`` (a cat per
+    step would copy every stored row's record again, each step), joined once when read; setting it replaces the
+    pieces."""
+
+    def __init__(self, parts: str, dtype):
+        self.parts, self.dtype = parts, dtype
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        parts = getattr(obj, self.parts)
+        if not parts:
+            return torch.empty(0, dtype=self.dtype)
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0]
+
+    def __set__(self, obj, value: torch.Tensor) -> None:
+        setattr(obj, self.parts, [value])
+
+
 @dataclass(eq=False)  # identity: the engine maps sequences to their logits
 class SequenceState:
     """Everything of one sequence in a batched engine: what the batch-1 loop keeps in its locals and cache.
@@ -314,33 +336,8 @@ class SequenceState:
         return [RowGroup.of(rows) for rows in step.forwards]
 
     # ---- storage bookkeeping ----
-    @property
-    def row_sources(self) -> torch.Tensor:
-        """``[n]`` the source of each row stored in its slot (host), in storage order."""
-        return self._joined("_sources_parts", torch.long)
-
-    @row_sources.setter
-    def row_sources(self, value: torch.Tensor) -> None:
-        self._sources_parts = [value]
-
-    @property
-    def row_kinds(self) -> torch.Tensor:
-        """``[n]`` int8 the kind of each row stored in its slot (host), in storage order."""
-        return self._joined("_kinds_parts", torch.int8)
-
-    @row_kinds.setter
-    def row_kinds(self, value: torch.Tensor) -> None:
-        self._kinds_parts = [value]
-
-    def _joined(self, name: str, dtype) -> torch.Tensor:
-        """The parts `stored` appended, joined once when read (a step appends; a cat per step would copy every
-        stored row's record again, each step)."""
-        parts = getattr(self, name)
-        if not parts:
-            return torch.empty(0, dtype=dtype)
-        if len(parts) > 1:
-            parts[:] = [torch.cat(parts)]
-        return parts[0]
+    row_sources = _Joined("_sources_parts", torch.long)  # ``[n]`` each stored row's source (host), storage order
+    row_kinds = _Joined("_kinds_parts", torch.int8)  # ``[n]`` int8 each stored row's kind (host), storage order
 
     def stored(self, group: RowGroup) -> None:
         """Account for ``group``'s rows, which a forward just wrote to its slot."""
@@ -421,29 +418,18 @@ class RestoringState(SequenceState):
 
 def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple]:
     """Each fed sequence's decode row for its next forward, made for all of them at once: ``(RowBatch, key [1],
-    source [1], kind [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's
-    embedding, its M-RoPE position on all three axes, its order key, source and kind ``GENERATED``), as views of one
-    tensor each: one embedding
-    lookup and one host-to-device copy per step, whatever the batch, instead of a few operations per sequence."""
+    source [1], kind [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's row,
+    `ModelAdapter.text_rows`; its order key, source and kind ``GENERATED``), as views of one tensor each, instead of
+    a few operations per sequence."""
     if not sequences:
         return []
-    device = adapter.device  # (walks accelerate's hooks and the parameters: once per step)
     index = [s.generated - 1 for s in sequences]  # the token is generated token i - 1 of its turn
-    position = [s.first_generated_position + i for s, i in zip(sequences, index)]
-    # one host tensor: the token ids and their position on the three M-RoPE axes (what goes to the device), then the
-    # order keys and the sources
-    host = torch.tensor([[s.token for s in sequences], position, position, position,
-                         [order_key_int(s.plan.turn, GENERATED, i) for s, i in zip(sequences, index)],
-                         [s.ids.shape[0] + s.generated - 1 for s in sequences]], dtype=torch.long)
-    moved = to_device(host[:4], device)
-    embeds = adapter.text_model.embed_tokens(moved[0])  # [n, D]
-    keys = host[4]
+    rows = adapter.text_rows([s.token for s in sequences],
+                             [s.first_generated_position + i for s, i in zip(sequences, index)])
+    host = torch.tensor([[order_key_int(s.plan.turn, GENERATED, i) for s, i in zip(sequences, index)],
+                         [s.ids.shape[0] + s.generated - 1 for s in sequences]], dtype=torch.long)  # keys, sources
     kinds = torch.full((len(sequences), 1), GENERATED, dtype=torch.int8)
-    # every sequence's views in a few calls (``unbind``), whatever the batch
-    return [(RowBatch(e, p, v, None), k, src, kind) for e, p, v, k, src, kind in
-            zip(embeds.unsqueeze(1).unbind(0), moved[1:].t().unsqueeze(2).unbind(0),
-                torch.zeros(len(sequences), 1, dtype=torch.bool, device=device).unbind(0),
-                keys.unsqueeze(1).unbind(0), host[5].unsqueeze(1).unbind(0), kinds.unbind(0))]
+    return list(zip(rows, host[0].unsqueeze(1).unbind(0), host[1].unsqueeze(1).unbind(0), kinds.unbind(0)))
 
 
 def restoring_sequence(cache: DeferredDynamicCache, index: int, max_rows: int) -> RestoringState:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_utils import GENERATED, INPUT, to_device_all
+from .cache_utils import GENERATED, INPUT, to_device, to_device_all
 from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
@@ -93,9 +93,9 @@ def _last_window(history: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> 
 
 
 def _row_index(rows: list[int], device) -> torch.Tensor:
-    """``rows`` as a long tensor on ``device`` through a pinned non-blocking copy (a plain ``torch.tensor(...,
-    device=cuda)`` copies from pageable memory and waits for the device's queue)."""
-    return to_device_all([torch.tensor(rows, dtype=torch.long)], device)[0]
+    """``rows`` as a long tensor on ``device`` (`cache_utils.to_device`: a pinned non-blocking copy, where a plain
+    ``torch.tensor(..., device=cuda)`` copies from pageable memory and waits for the device's queue)."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
 class _StepPlan:

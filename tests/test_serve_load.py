@@ -415,9 +415,9 @@ def test_serve_load_benchmark_smoke(tmp_path):
     from raincheck_hf.bench import serve_load
 
     path = tmp_path / "load.json"
-    result = serve_load.run(model_name="tiny_qwen3_vl", clients=(1, 2), modes=("raincheck", "full"),
-                            answer_tokens=4, follow_up_tokens=3, warmup=False, json_path=str(path),
-                            plot_path=str(tmp_path / "load.png"), log=lambda *a: None)
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1, 2), modes=("raincheck", "full"), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, json_path=str(path), plot_path=str(tmp_path / "load.png"),
+                   log=lambda *a: None)
     saved = json.loads(path.read_text())
     assert saved["benchmark"] == "serve-load" and saved["hardware"]["torch"]
     assert [(r["mode"], r["clients"]) for r in saved["rows"]] == [("raincheck", 1), ("raincheck", 2), ("full", 1),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache_utils import to_device
 from ..masking import check_attention_implementation, visibility_to_attention_mask
 from ..patching import module_function
 from ..selection import Segment
@@ -258,6 +259,18 @@ class ModelAdapter:
         ids = token_id.reshape(1).to(device)
         pos = torch.full((3, 1), position, dtype=torch.long, device=device)
         return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=device), None)
+
+    def text_rows(self, token_ids: list[int], positions: list[int]) -> list[RowBatch]:
+        """Several sequences' generated tokens, each a `text_row` (token ``token_ids[i]`` at M-RoPE position
+        ``positions[i]`` on all three axes), made together: one host-to-device copy and one embedding lookup
+        whatever their number (the batched engine's decode step), the rows views of them."""
+        device = self.device
+        n = len(token_ids)
+        moved = to_device(torch.tensor([token_ids, positions, positions, positions], dtype=torch.long), device)
+        embeds = self.text_model.embed_tokens(moved[0])  # [n, D]
+        return [RowBatch(e, p, v, None) for e, p, v in
+                zip(embeds.unsqueeze(1).unbind(0), moved[1:].t().unsqueeze(2).unbind(0),
+                    torch.zeros(n, 1, dtype=torch.bool, device=device).unbind(0))]
 
     def pending_batch(self, pending) -> RowBatch:
         """Deferred rows waiting in the cache (`cache_utils.PendingRows`) as a batch."""

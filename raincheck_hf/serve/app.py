@@ -240,8 +240,9 @@ class Server:
         self.admission = Admission(settings.max_running, settings.max_queue)
         self.metrics = Metrics(self.store.snapshot, self.admission.snapshot, batching=settings.batching)
         self.scheduler = None
-        self.handoff = _Handoff()  # the batching loop's pieces, handed to the event loop once per step
+        self.handoff = None  # batching: the loop's pieces, handed to the event loop once per step (`_Handoff`)
         if settings.batching:
+            self.handoff = _Handoff()
             from .scheduler import BatchScheduler
 
             self.scheduler = BatchScheduler(model, processor, self.store, settings.max_batch_tokens, settings.config,
