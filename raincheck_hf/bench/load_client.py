@@ -16,6 +16,20 @@ import threading
 import time
 
 
+def user_turn(question: str, image_url: str | None = None) -> dict:
+    """A user message of the OpenAI chat API: the image (first turn only) then the question."""
+    content = [{"type": "image_url", "image_url": {"url": image_url}}] if image_url is not None else []
+    return {"role": "user", "content": content + [{"type": "text", "text": question}]}
+
+
+def timings(start: float, times: list[float], end: float) -> dict:
+    """TTFT, TPOT and end-to-end seconds of one answer from its request's start, its pieces' arrival times and its
+    end."""
+    return {"ttft_s": times[0] - start if times else None,
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            "e2e_s": end - start}
+
+
 def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str, image_url: str, questions,
                     lengths, bias, think_s: float, start=None) -> list[dict]:
     """One client's streamed three-turn dialogue through the official client; a record per turn. ``start()``
@@ -30,8 +44,7 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str
     for k, (question, n) in enumerate(zip(questions, lengths)):
         if k and think_s:
             time.sleep(think_s)
-        content = [{"type": "image_url", "image_url": {"url": image_url}}] if k == 0 else []
-        messages.append({"role": "user", "content": content + [{"type": "text", "text": question}]})
+        messages.append(user_turn(question, image_url if k == 0 else None))
         times, pieces, usage, rc = [], [], None, None
         begin = time.perf_counter()
         stream = client.chat.completions.create(
@@ -47,9 +60,8 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str
             rc = (chunk.model_extra or {}).get("raincheck") or rc
         end = time.perf_counter()
         messages.append({"role": "assistant", "content": "".join(pieces)})
-        records.append({"start": begin, "end": end, "ttft_s": times[0] - begin if times else None,
-                        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-                        "e2e_s": end - begin, "completion_tokens": usage.completion_tokens,
+        records.append({"start": begin, "end": end, **timings(begin, times, end),
+                        "completion_tokens": usage.completion_tokens,
                         "prompt_tokens": usage.prompt_tokens,
                         "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
                         "server_t1_s": rc["t1_ms"] / 1e3})

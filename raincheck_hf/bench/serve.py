@@ -49,6 +49,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..configuration import RaincheckConfig
 from . import shapes
 from .latency import _write, hardware_info
+from .load_client import timings, user_turn
 
 VARIANTS = ("library raincheck", "library full", "server raincheck", "server full", "server full re-prefill")
 QUESTION = shapes.QUESTIONS["image"]
@@ -121,22 +122,10 @@ def claim_device(device, threads: int | None) -> tuple[torch.device, int]:
     return device, previous_threads
 
 
-def user_turn(question: str, image_url: str | None = None) -> dict:
-    """A user message of the OpenAI chat API: the image (first turn only) then the question."""
-    content = [{"type": "image_url", "image_url": {"url": image_url}}] if image_url is not None else []
-    return {"role": "user", "content": content + [{"type": "text", "text": question}]}
-
-
 def _png_data_url(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, "PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _timings(start: float, times: list[float], end: float) -> dict:
-    return {"ttft_s": times[0] - start if times else None,
-            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-            "e2e_s": end - start}
 
 
 def library_conversation(model, processor, config, image, questions, lengths, bias, think_s) -> list[dict]:
@@ -155,7 +144,7 @@ def library_conversation(model, processor, config, image, questions, lengths, bi
                               do_sample=False, streamer=clock,
                               logits_processor=LogitsProcessorList([_LogitBias(dict.fromkeys(bias, 100.0))] if bias else []))
             end = time.perf_counter()
-            records.append({**_timings(start, clock.times, end), "completion_tokens": int(result.token_ids.numel()),
+            records.append({**timings(start, clock.times, end), "completion_tokens": int(result.token_ids.numel()),
                             "text": result.text, "restored_during": result.restored_during_answer,
                             "restored_at_prefill": int(result.trace.restored_per_forward[0].numel())})
     return records
@@ -192,7 +181,7 @@ def server_conversation(client, base: str, raincheck: dict, image_url: str, ques
         end = time.perf_counter()
         text = "".join(pieces)
         messages.append({"role": "assistant", "content": text})
-        records.append({**_timings(start, times, end), "completion_tokens": usage["completion_tokens"],
+        records.append({**timings(start, times, end), "completion_tokens": usage["completion_tokens"],
                         "prompt_tokens": usage["prompt_tokens"],
                         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text,
                         "server_t1_s": rc["t1_ms"] / 1e3, "engine_t1_s": rc["engine_t1_ms"] / 1e3,
