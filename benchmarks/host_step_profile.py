@@ -49,15 +49,15 @@ import statistics
 import sys
 import time
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
-from raincheck_hf import RaincheckConfig, batch_engine, integration
-from raincheck_hf.bench.latency import hardware_info
-from raincheck_hf.fast import batched_graphs
-from raincheck_hf.models import get_adapter
-from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image
+from raincheck_hf import RaincheckConfig, batch_engine, integration  # noqa: E402
+from raincheck_hf.bench.latency import hardware_info  # noqa: E402
+from raincheck_hf.fast import batched_graphs  # noqa: E402
+from raincheck_hf.models import get_adapter  # noqa: E402
+from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
 
 PARTS = ("step", "schedule", "graphs_run", "fill", "graphs_step", "eager_run", "sample", "feed", "remove")
 
@@ -123,7 +123,7 @@ def installed(clock: StepClock, model):
         original = owner.__dict__[name]
         saved.append((owner, name, original))
         setattr(owner, name, timed(original, part))
-    step = batch_engine.BatchEngine.step  # (wrapped above: no) the iteration boundary, then the timed step
+    step = batch_engine.BatchEngine.step  # not among the parts above: it marks each step's start and times it
 
     @functools.wraps(step)
     def marked(self):

@@ -98,19 +98,20 @@ class RowScheduler:
         self.config = config
         self.token_budget = token_budget
 
-    def chunk_cap(self, sequences: list[SequenceState]) -> int | None:
-        """The cap on each chunk of this step (`generation.shared_chunk_cap` over the fed sequences whose next forward
-        may carry a chunk, `RaincheckConfig.batch_chunk_rows`), or None: every sequence its own chunk."""
-        carrying = sum(1 for seq in sequences if seq.prefilled and seq.token is not None and seq.may_carry_chunk())
+    def chunk_cap(self, fed: list[SequenceState]) -> int | None:
+        """The cap on each chunk of this step (`generation.shared_chunk_cap` over the ``fed`` sequences, those with a
+        token to decode, whose next forward may carry a chunk; `RaincheckConfig.batch_chunk_rows`), or None: every
+        sequence its own chunk."""
+        carrying = sum(1 for seq in fed if seq.may_carry_chunk())
         return shared_chunk_cap(carrying, self.config.batch_chunk_rows, self.config.max_chunk_size)
 
     def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
         """The step's forwards (one; two in ``serial`` mode when a chunk rides), each a list of entries in the order
         of ``sequences``. Takes the fed tokens, chunks (each within the step's `chunk_cap`) and prompt pieces from
         the sequences."""
-        cap = self.chunk_cap(sequences)
-        decode, used = [], 0
         fed = [seq for seq in sequences if seq.prefilled and seq.token is not None]
+        cap = self.chunk_cap(fed)
+        decode, used = [], 0
         for seq, row in zip(fed, token_rows(adapter, fed)):  # (their token rows made together)
             groups = seq.decode_groups(adapter, self.config, seq.token, cap, row)
             seq.token = None

@@ -107,7 +107,7 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
     return min(config.max_chunk_size, num_pending)
 
 
-def shared_chunk_cap(carrying: int, budget: int | None, chunk_size: int, ladder=CHUNK_LADDER) -> int | None:
+def shared_chunk_cap(carrying: int, budget: int | None, chunk_size: int) -> int | None:
     """The cap on each sequence's chunk in a batched step where ``carrying`` sequences carry one, all with chunks of
     up to ``chunk_size`` rows (`RaincheckConfig.max_chunk_size`), sharing ``budget`` chunk rows
     (`RaincheckConfig.batch_chunk_rows`); None: no cap (each carries its full chunk).
@@ -120,10 +120,10 @@ def shared_chunk_cap(carrying: int, budget: int | None, chunk_size: int, ladder=
     """
     if budget is None or carrying <= 1 or carrying * chunk_size <= budget:
         return None
-    smallest = min(ladder)
+    smallest = min(CHUNK_LADDER)
     if chunk_size <= smallest:
         return None
-    fitting = [s for s in ladder if s < chunk_size and carrying * s <= budget]
+    fitting = [s for s in CHUNK_LADDER if s < chunk_size and carrying * s <= budget]
     return max(fitting) if fitting else smallest
 
 

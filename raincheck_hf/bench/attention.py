@@ -29,9 +29,7 @@ import torch
 def _variants():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..fast.attention import few_query_attention
-
-    from ..fast.attention import _few_query
+    from ..fast.attention import _few_query, few_query_attention
 
     def upcast(module, q, k, v, mask, scaling):
         return _few_query(q, k, v, mask, scaling, low_precision_reads=False), None

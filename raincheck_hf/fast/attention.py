@@ -36,7 +36,7 @@ import os
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .._triton import triton_available
+from .._triton import cdiv, pow2, triton_available
 
 FEW_QUERY_MAX = 64  # query rows up to which the matmul form runs (decode: 1, fused chunk 31: 32)
 NAME = "raincheck_few_query_sdpa"
@@ -89,18 +89,14 @@ BLOCK_N = 64  # key slots per tile
 
 def _block_m(group_rows: int) -> int:
     """Query rows (a group's heads x positions) per program: a power of two from 16 (`tl.dot`'s least) to 64."""
-    return min(64, max(16, 1 << (int(group_rows) - 1).bit_length()))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    return min(64, pow2(group_rows, 16))
 
 
 def split_count(programs: int, slots: int, processors: int, block_n: int = BLOCK_N) -> int:
     """Splits of the key slots so that ``programs`` x splits fill about two waves of ``processors``; at least one,
     at most one per ``block_n`` tile."""
-    want = _cdiv(2 * max(1, processors), max(1, programs))
-    return max(1, min(want, _cdiv(slots, block_n)))
+    want = cdiv(2 * max(1, processors), max(1, programs))
+    return max(1, min(want, cdiv(slots, block_n)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,10 +116,10 @@ def _few_query_triton(query, key, value, attention_mask, scale: float):
     group = hq // hkv
     group_rows = group * rows
     block_m = _block_m(group_rows)
-    m_blocks = _cdiv(group_rows, block_m)
+    m_blocks = cdiv(group_rows, block_m)
     splits = split_count(b * hkv * m_blocks, slots, _processors(query.device))
-    split_len = _cdiv(_cdiv(slots, splits), BLOCK_N) * BLOCK_N  # whole tiles per split
-    splits = _cdiv(slots, split_len)  # (rounding up to whole tiles may leave the last split empty: drop it)
+    split_len = cdiv(cdiv(slots, splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    splits = cdiv(slots, split_len)  # (rounding up to whole tiles may leave the last split empty: drop it)
     out = torch.empty(splits, b * hkv, group_rows, d, device=query.device, dtype=torch.float32)
     peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
     total = torch.empty_like(peak)

@@ -166,7 +166,6 @@ class BatchStepBuffers:
     last: torch.Tensor  # [B]: each sequence's last real row
     deepstack: list[torch.Tensor]  # [B, W, D] per DeepStack layer
     logits: torch.Tensor | None = None  # [B, V], set by the step
-    columns: torch.Tensor | None = None  # arange(W) on the device, made by the first fill (read by fills only)
 
     @classmethod
     def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device) -> "BatchStepBuffers":
@@ -366,12 +365,11 @@ class BatchedStepGraphs:
         groups = [g for _, g in entries]
         # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
         # scheduler makes on the host) goes over in one non-blocking copy from pinned memory: no wait for the device
-        moved = to_device_all([host, dest, ds_dest, *[g.keys.long() for g in groups]], device)
-        host, dest, ds_dest, keys = moved[0], moved[1], moved[2], moved[3:]
+        write = host[1][:, None] + torch.arange(width)  # [B, W] each row's write offset in its slot
+        moved = to_device_all([host, write, dest, ds_dest, *[g.keys.long() for g in groups]], device)
+        host, write, dest, ds_dest, keys = moved[0], moved[1], moved[2], moved[3], moved[4:]
         buffers.slots.copy_(host[0])
-        if buffers.columns is None:
-            buffers.columns = torch.arange(width, device=device)
-        buffers.write.copy_(host[1][:, None] + buffers.columns[None])
+        buffers.write.copy_(write)
         buffers.last.copy_(host[2])
         buffers.embeds.zero_()
         buffers.positions.zero_()

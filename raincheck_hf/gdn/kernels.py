@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from .._triton import triton_available
+from .._triton import cdiv, pow2, triton_available
 from .algebra import causal_conv_with_history, join_state, roll_conv_history, update_suffix_map
 from .algebra import l2norm as l2norm_keys
 
@@ -74,17 +74,17 @@ def launch_tiles(op: str, dk: int, dv: int, tokens: int = 1) -> tuple[dict, int]
     """The tile constexprs and warps each kernel is launched with for head sizes ``dk``, ``dv`` and ``tokens``
     tokens per call (the wrappers below use it; so does the test that compiles them for Hopper)."""
     if op == "suffix_map_update":
-        return {"BLOCK_K": _pow2(dk), "BLOCK_J": min(SUFFIX_BLOCK_J, _pow2(dk))}, SUFFIX_WARPS
+        return {"BLOCK_K": pow2(dk), "BLOCK_J": min(SUFFIX_BLOCK_J, pow2(dk))}, SUFFIX_WARPS
     if op == "join":  # tl.dot needs 16 or more along each axis
-        return {"BLOCK_I": min(JOIN_BLOCK, _pow2(dk, 16)), "BLOCK_J": min(JOIN_BLOCK, _pow2(dv, 16)),
-                "BLOCK_R": min(JOIN_BLOCK_R, _pow2(dk, 16))}, JOIN_WARPS
+        return {"BLOCK_I": min(JOIN_BLOCK, pow2(dk, 16)), "BLOCK_J": min(JOIN_BLOCK, pow2(dv, 16)),
+                "BLOCK_R": min(JOIN_BLOCK_R, pow2(dk, 16))}, JOIN_WARPS
     if op == "recurrent_step":
         block_v, warps = (STEP_BLOCK_V, STEP_WARPS) if tokens == 1 else (STEP_CHUNK_BLOCK_V, STEP_CHUNK_WARPS)
-        return {"BLOCK_K": _pow2(dk), "BLOCK_V": min(block_v, _pow2(dv))}, warps
+        return {"BLOCK_K": pow2(dk), "BLOCK_V": min(block_v, pow2(dv))}, warps
     if op == "chunked_step":
-        block_t = _pow2(tokens, 16)  # tl.dot needs 16 or more along each axis
+        block_t = pow2(tokens, 16)  # tl.dot needs 16 or more along each axis
         return {"BLOCK_T": block_t, "BLOCK_R": CHUNKED_BLOCK_R,
-                "BLOCK_V": min(CHUNKED_BLOCK_V, _pow2(dv, 16))}, CHUNKED_WARPS if block_t <= 32 else 2 * CHUNKED_WARPS
+                "BLOCK_V": min(CHUNKED_BLOCK_V, pow2(dv, 16))}, CHUNKED_WARPS if block_t <= 32 else 2 * CHUNKED_WARPS
     if op == "conv_update":
         return {"BLOCK_C": CONV_BLOCK_C}, CONV_WARPS
     raise ValueError(f"no GDN kernel {op!r}")
@@ -95,14 +95,6 @@ def _kernels():
     from . import _triton
 
     return _triton
-
-
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << (max(int(n), 1) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _use_kernel(reference: bool | None, buffers: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
@@ -217,7 +209,7 @@ def suffix_map_update_(M: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         return M.copy_(update_suffix_map(M, _repeat_heads(k, r), g, beta))
     k, g, beta = _inner(k), _inner(g), _inner(beta)
     tiles, warps = launch_tiles("suffix_map_update", dk, dk)
-    grid = (bsz * heads, _cdiv(dk, tiles["BLOCK_J"]))
+    grid = (bsz * heads, cdiv(dk, tiles["BLOCK_J"]))
     _kernels().suffix_map_update[grid](M, k, g, beta, seq, heads, heads // r, dk, *k.stride()[:3], *g.stride()[:2],
                                        *beta.stride()[:2], L2NORM=bool(l2norm), **tiles, num_warps=warps)
     return M
@@ -252,7 +244,7 @@ def join_(S_live: torch.Tensor, M: torch.Tensor, S_new: torch.Tensor, S_old: tor
         return S_live.copy_(join_state(S_live, M, S_old, S_new))
     S_new, S_old = S_new.contiguous(), S_old.contiguous()
     tiles, warps = launch_tiles("join", dk, dv)
-    grid = (bsz * heads, _cdiv(dk, tiles["BLOCK_I"]), _cdiv(dv, tiles["BLOCK_J"]))
+    grid = (bsz * heads, cdiv(dk, tiles["BLOCK_I"]), cdiv(dv, tiles["BLOCK_J"]))
     _kernels().join[grid](S_live, M, S_new, S_old, dk, dv, **tiles, num_warps=warps)
     return S_live
 
@@ -373,7 +365,7 @@ def _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, stat
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     op = "chunked_step" if chunked else "recurrent_step"
     tiles, warps = launch_tiles(op, dk, dv, seq)
-    grid = (bsz * heads, _cdiv(dv, tiles["BLOCK_V"]))
+    grid = (bsz * heads, cdiv(dv, tiles["BLOCK_V"]))
     flags = {} if chunked else {"L2NORM": bool(l2norm)}
     getattr(_kernels(), op)[grid](S, target, S if valid is None else valid, q, k, v, g, beta, o, seq, heads,
                                   heads // r, dk, dv, float(dk**-0.5 if scale is None else scale),
@@ -451,7 +443,7 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     x, weight = _inner(x), weight.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     tiles, warps = launch_tiles("conv_update", 0, 0)
-    grid = (bsz, _cdiv(channels, tiles["BLOCK_C"]))
+    grid = (bsz, cdiv(channels, tiles["BLOCK_C"]))
     _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, target,
                                  history if rows_in is None else rows_in, seq, channels, *x.stride()[:2], KC=kernel,
                                  HAS_BIAS=bias is not None, SILU=activation is not None, ROWS_IN=rows_in is not None,
