@@ -312,7 +312,8 @@ class BatchLoop:
 
     def _held(self, conv) -> bool:
         """``conv`` is still on the loop (not closed)."""
-        return not conv._closed and conv in self._conversations_now()
+        with self._conversations_lock:
+            return not conv._closed and conv in self._conversations
 
     def _restore_failed(self, conv, error: BaseException) -> None:
         """Idle-time restoration of ``conv`` raised: its cache cannot be trusted any more."""
@@ -526,17 +527,16 @@ class BatchLoop:
                 self._fail(seq, error)
         if not chosen:
             return
-        device = chosen[0][2].device
         try:
             read = torch.stack([torch.cat([token.long().reshape(-1), job.unfinished.max().long().reshape(-1)])
-                                .to(device) for _, job, token in chosen]).tolist()
+                                for _, job, token in chosen]).tolist()
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
             for seq, _, _ in chosen:
                 self._fail(seq, error)
             return
         for (seq, job, token), (value, going) in zip(chosen, read):
             try:
-                finished = self._next_token(job, torch.tensor([value], dtype=token.dtype), bool(going))
+                finished = self._next_token(job, value, token.dtype, bool(going))
             except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
@@ -553,15 +553,15 @@ class BatchLoop:
         job.unfinished = job.unfinished & ~job.criteria(job.ids, job.scores)
         return token
 
-    def _next_token(self, job: BatchTurn, host: torch.Tensor, going: bool) -> bool:
-        """Record and stream the sequence's chosen token (``host``, read back); True when its answer ends (``going``
-        False), else the token is fed."""
+    def _next_token(self, job: BatchTurn, token: int, dtype: torch.dtype, going: bool) -> bool:
+        """Record and stream the sequence's chosen ``token`` (read back; ``dtype``: the chosen tensor's, what the
+        streamer gets); True when its answer ends (``going`` False), else the token is fed."""
         job.times.append(time.perf_counter())
         if job.streamer is not None:
-            job.streamer.put(host)
+            job.streamer.put(torch.tensor([token], dtype=dtype))
         if not going:
             return True
-        job.engine.feed(job.seq, int(host[0]))
+        job.engine.feed(job.seq, token)
         return False
 
     def _leave_cancelled(self) -> None:

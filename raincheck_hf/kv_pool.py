@@ -238,8 +238,8 @@ class SlotKVPool(Cache):
         the lengths and returns the visibility ``[B, width, T]`` (bool, on the pool's device)."""
         if self.step is not None:
             raise RuntimeError("SlotKVPool.begin_step inside a running step.")
-        self.reserve(max(self.lengths[s] for s in slots) + width)
         before = [self.lengths[s] for s in slots]
+        self.reserve(max(before) + width)
         starts = torch.tensor(before, dtype=torch.long)
         write = starts[:, None] + torch.arange(width)[None]
         span = min(self.capacity, _round_up(max(before) + width, ROW_ROUNDING))

@@ -245,7 +245,7 @@ class Server:
             self.handoff = _Handoff()
             from .scheduler import BatchScheduler
 
-            self.scheduler = BatchScheduler(model, processor, self.store, settings.max_batch_tokens, settings.config,
+            self.scheduler = BatchScheduler(model, self.store, settings.max_batch_tokens, settings.config,
                                             on_step=self.metrics.step, on_restore=self.metrics.restored,
                                             on_handoff=self.handoff.flush)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once

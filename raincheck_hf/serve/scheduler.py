@@ -44,7 +44,7 @@ class BatchScheduler(BatchLoop):
     """The loop's thread, its engines and its figures (``steps``, ``batch_size``: sequences in the last step).
 
     Args:
-        model, processor: the served model (enabled) and its processor.
+        model: the served model (enabled).
         store: the server's `ConversationStore` (idle-time restoration reads its held conversations).
         token_budget: rows per step (`BatchEngine`'s ``token_budget``).
         default_config: the server's default `RaincheckConfig` (its engine is kept while empty).
@@ -57,11 +57,11 @@ class BatchScheduler(BatchLoop):
 
     _logger = logger
 
-    def __init__(self, model, processor, store, token_budget: int | None, default_config, on_step=None,
-                 on_restore=None, on_handoff=None):
+    def __init__(self, model, store, token_budget: int | None, default_config, on_step=None, on_restore=None,
+                 on_handoff=None):
         super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
                          on_handoff=on_handoff)
-        self.processor, self.store = processor, store
+        self.store = store
 
     def _closed_error(self, running: bool) -> BaseException:
         return RuntimeError("the server shut down while this turn was running" if running
@@ -80,9 +80,6 @@ class BatchScheduler(BatchLoop):
     def _restore_failed(self, conv, error: BaseException) -> None:
         logger.error("idle-time restoration of %s failed; the conversation is dropped", conv.id, exc_info=error)
         self.store.discard(conv)
-
-    def _keeps(self, engine) -> bool:
-        return engine.config == self.default_config
 
     def _recorded(self, job: BatchJob, result) -> None:
         job.conversation.digests = job.digests
