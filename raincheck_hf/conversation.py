@@ -371,15 +371,10 @@ class Conversation:
                                "stopping criterion or streamer of a turn on the loop): the turn would wait for the "
                                "thread that runs it. Ask from another thread.")
         start = time.perf_counter()
-        generate_kwargs = dict(generate_kwargs)
-        generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)
-        user_streamer = generate_kwargs.pop("streamer", None)
-        if streamer is not None and user_streamer is not None:
-            raise ValueError("Conversation.ask(stream=True) streams itself; do not pass a streamer as well.")
+        generate_kwargs, streamer = self._turn_kwargs(generate_kwargs, streamer)
         generate_kwargs["return_dict_in_generate"] = True
         ended = threading.Event()
-        turn = BatchTurn(self, copy.copy(self.config), inputs, generate_kwargs,
-                         streamer if streamer is not None else user_streamer, request.event,
+        turn = BatchTurn(self, copy.copy(self.config), inputs, generate_kwargs, streamer, request.event,
                          lambda _: ended.set(), started=start, request=request)
         self.loop.submit(turn)
         try:
@@ -392,16 +387,23 @@ class Conversation:
             raise turn.error
         return turn.result
 
-    def _generate_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
+    def _turn_kwargs(self, generate_kwargs: dict, streamer) -> tuple[dict, object]:
+        """A turn's own copy of the user's ``generate`` arguments (``max_new_tokens`` defaulting to the
+        conversation's) and the one streamer it reports to: ``ask(stream=True)``'s, else the user's ``streamer``
+        (both: refused)."""
         generate_kwargs = dict(generate_kwargs)
         generate_kwargs.setdefault("max_new_tokens", self.max_new_tokens)
         user_streamer = generate_kwargs.pop("streamer", None)
         if streamer is not None and user_streamer is not None:
             raise ValueError("Conversation.ask(stream=True) streams itself; do not pass a streamer as well.")
+        return generate_kwargs, streamer if streamer is not None else user_streamer
+
+    def _generate_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
+        generate_kwargs, streamer = self._turn_kwargs(generate_kwargs, streamer)
         generate_kwargs["stopping_criteria"] = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), request])
         start = time.perf_counter()
-        clock = _TokenClock(start, streamer if streamer is not None else user_streamer)
+        clock = _TokenClock(start, streamer)
         with self._lock:
             if not self.early_follow_up:
                 self.complete()  # the completion barrier
