@@ -48,12 +48,13 @@ the held cache with the rows it restored stored, as idle-time restoration (`gene
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .batched import (RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence, start_sequences,
-                      token_rows)
+from .batched import (DeviceToken, RestoringState, RowGroup, SequenceState, new_sequence, restoring_sequence,
+                      start_sequences, token_rows)
 from .cache_utils import DeferredDynamicCache, to_device
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
 from .configuration import RaincheckConfig
@@ -223,6 +224,33 @@ class ForwardRunner:
         return {entries[b][0]: head[k] for k, b in enumerate(wanted)}
 
 
+class _Snapshot:
+    """The engine's sequences as they are before `BatchEngine.prepare` schedules a step (their attributes, the
+    contents of their lists and their traces', their schedulers' spent budget), to put back if that step is never
+    launched: scheduling takes chunks, prompt pieces and restoring pieces from the sequences and records them in
+    their traces."""
+
+    def __init__(self, sequences: list[SequenceState]):
+        self.saved = []
+        for seq in sequences:
+            owners = [seq] + [o for o in (seq.trace, seq.scheduler) if o is not None]
+            self.saved.append([(o, dict(vars(o)), {k: list(v) for k, v in vars(o).items() if isinstance(v, list)})
+                               for o in owners])
+
+    def restore(self) -> None:
+        for owners in self.saved:
+            for owner, attrs, lists in owners:
+                vars(owner).update(attrs)
+                for name, items in lists.items():
+                    attrs[name][:] = items  # (the same list objects: whoever holds them sees them restored)
+
+
+class _Ahead(NamedTuple):
+    forwards: list  # the step's forwards (`RowScheduler.schedule`)
+    ready: list  # per forward, its prepared captured step (`BatchedStepGraphs.prepare`) or None
+    snapshot: _Snapshot
+
+
 class BatchEngine:
     """Sequences that join and leave at any step, one packed forward per step (see the module docstring).
 
@@ -259,6 +287,9 @@ class BatchEngine:
         self.recurrent = self.adapter.packed_states(self.pool.num_slots)  # None: attention layers only
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.sequences: list[SequenceState] = []  # in arrival order
+        self._members: set[SequenceState] = set()
+        self.carried: list[SequenceState] = []  # the sequences with rows in the last step (`step`)
+        self._ahead: _Ahead | None = None  # the next step, `prepare`d
         self._arrivals = 0
         self._closed = False
 
@@ -312,6 +343,7 @@ class BatchEngine:
         copy its KV rows, order keys and recurrent states in."""
         if self._closed:
             raise ValueError("BatchEngine.join after close(): the engine gave its pool back; make a new engine.")
+        self.abandon()  # a step prepared without it is not the next step any more
         slot = self.pool.allocate()
         if self.recurrent is not None:
             self.recurrent.grow(self.pool.num_slots)
@@ -324,13 +356,15 @@ class BatchEngine:
             if self.recurrent is not None:
                 self.adapter.load_packed_state(self.recurrent, slot, cache)
         self.sequences.append(state)
+        self._members.add(state)
 
     def remove(self, seq: SequenceState) -> DeferredDynamicCache | None:
         """``seq`` leaves (at any step): its state as the `DeferredDynamicCache` its own call would have returned
         (`SequenceState.to_cache`), or None when its prompt was not fully prefilled yet (nothing to continue);
         its slot is freed (its keys reset: nothing of it is visible to the slot's next owner)."""
-        if seq not in self.sequences:
+        if seq not in self._members:
             raise ValueError("BatchEngine.remove got a sequence that is not in this engine.")
+        self.abandon()  # (before its state is read: a prepared step took its token and chunk)
         cache = None
         if seq.prefilled:
             cache = seq.to_cache(self.pool, self.text_config, self.adapter.device, self.adapter, self.recurrent)
@@ -342,19 +376,21 @@ class BatchEngine:
     def discard(self, seq: SequenceState) -> None:
         """``seq`` leaves without a cache (a failed or abandoned turn): its slot is freed and reset as in `remove`,
         and nothing of its state is built back (it may be half-updated by a step that raised)."""
-        if seq not in self.sequences:
+        if seq not in self._members:
             raise ValueError("BatchEngine.discard got a sequence that is not in this engine.")
         self._free(seq)
 
     def _free(self, seq: SequenceState) -> None:
         """Release ``seq``'s slot (keys reset, recurrent row reset) and take it out of the engine; with captured
         steps, the sequence in the highest slot moves into the hole (they read views of the lowest slots)."""
+        self.abandon()  # a step prepared with it is not the next step any more
         hole = seq.slot
         self.pool.release(hole)
         if self.recurrent is not None:
             self.recurrent.reset(hole)
         seq.slot = None
         self.sequences.remove(seq)
+        self._members.discard(seq)
         if self.graphs is not None:
             last = max(self.sequences, key=lambda s: s.slot, default=None)
             if last is not None and last.slot > hole:
@@ -365,12 +401,7 @@ class BatchEngine:
     def feed(self, seq: SequenceState, token) -> None:
         """The token the caller chose from ``seq``'s last logits (an int, or a one-element tensor, best on the host: a
         device tensor is read back here): its next decode row (generated token i)."""
-        if (seq not in self.sequences or not seq.prefilled or seq.token is not None
-                or isinstance(seq, RestoringState)):
-            what = ("not in this engine" if seq not in self.sequences else "still prefilling" if not seq.prefilled
-                    else "restoring only (it generates nothing)" if isinstance(seq, RestoringState)
-                    else "already fed a token for the next step")
-            raise ValueError(f"BatchEngine.feed: the sequence is {what}.")
+        self._check_feed(seq, "feed")
         if isinstance(token, torch.Tensor):
             if token.numel() != 1:
                 raise ValueError(f"BatchEngine.feed takes one token id, got a tensor of shape {tuple(token.shape)}.")
@@ -378,23 +409,85 @@ class BatchEngine:
         seq.token = int(token)
         seq.generated += 1
 
+    def feed_all(self, sequences: list[SequenceState], tokens: torch.Tensor) -> list[DeviceToken]:
+        """Feed ``sequences[i]`` the token ``tokens[i]`` (a tensor ``[n]``, on the device where it was chosen) without
+        reading it back: their decode rows are made from it on the device, so the next step can be `prepare`d
+        before the host waits for the tokens. Returns each one's `batched.DeviceToken`: set its ``value`` to the host
+        int once read (else it is read when a cache needs it)."""
+        if tokens.dim() != 1 or tokens.shape[0] != len(sequences):
+            raise ValueError(f"BatchEngine.feed_all takes one token per sequence ([{len(sequences)}]), got a tensor "
+                             f"of shape {tuple(tokens.shape)}.")
+        for seq in sequences:
+            self._check_feed(seq, "feed_all")
+        fed = [DeviceToken(tokens, i) for i in range(len(sequences))]
+        for seq, token in zip(sequences, fed):
+            seq.token = token
+            seq.generated += 1
+        return fed
+
+    def _check_feed(self, seq: SequenceState, what_call: str) -> None:
+        self.abandon()  # (the prepared step, if any, took the fed tokens: they are back)
+        members = self._members  # (a set: a list's membership test is linear in the batch)
+        if seq not in members or not seq.prefilled or seq.token is not None or isinstance(seq, RestoringState):
+            what = ("not in this engine" if seq not in members else "still prefilling" if not seq.prefilled
+                    else "restoring only (it generates nothing)" if isinstance(seq, RestoringState)
+                    else "already fed a token for the next step")
+            raise ValueError(f"BatchEngine.{what_call}: the sequence is {what}.")
+
+
     @property
     def idle(self) -> bool:
         """No sequence has rows of an answer to run (restoring sequences do not count: they only fill steps)."""
-        return all(s.prefilled and s.token is None for s in self.sequences)
+        return self._ahead is None and all(s.prefilled and s.token is None for s in self.sequences)
 
     @property
     def restoring(self) -> list[RestoringState]:
         """The restoring sequences (`restore`), in arrival order."""
         return [s for s in self.sequences if isinstance(s, RestoringState)]
 
+    def prepare(self) -> None:
+        """Decide the next step now and make it ready without running it (a captured step's buffers filled:
+        `BatchedStepGraphs.prepare`), so that the host's work for step ``i + 1`` overlaps the device's step ``i``:
+        the drivers feed the tokens they chose on the device (`feed_all`), prepare, and only then wait for the
+        tokens. `step` launches it. Any change of the sequences before that (a join, a leave, a feed) abandons it
+        (`abandon`: every sequence back as it was) and the next `step` decides again, as if it never was."""
+        if self._ahead is not None or self._closed:
+            return
+        snapshot = _Snapshot(self.sequences)
+        try:
+            forwards = self.scheduler.schedule(self.adapter, self.sequences)
+            ready = [None] * len(forwards)
+            # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks')
+            if self.graphs is not None and len(forwards) == 1 and batched_graphs.decode_only(forwards[0]):
+                ready[0] = self.graphs.prepare(forwards[0], self.config)
+        except BaseException:
+            snapshot.restore()
+            raise
+        self._ahead = _Ahead(forwards, ready, snapshot)
+
+    def abandon(self) -> None:
+        """Drop the `prepare`d step, if any: the sequences get back the chunks, pieces and tokens it took."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.snapshot.restore()
+
     def step(self) -> dict[SequenceState, torch.Tensor]:
         """One step: every fed token (with its chunk), prompt pieces under the budget, then restoring sequences'
-        pieces in what the budget has left. The next-token logits ``[V]`` of each sequence that has them (a fed
-        token ran, or its prompt's last piece)."""
+        pieces in what the budget has left (the `prepare`d step when there is one). The next-token logits ``[V]`` of
+        each sequence that has them (a fed token ran, or its prompt's last piece). ``carried``: the sequences with
+        rows in it (set before it runs: if it raises, those are the sequences whose state it may have changed)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            forwards = self.scheduler.schedule(self.adapter, self.sequences)
+            ready = [None] * len(forwards)
+        else:
+            forwards, ready = ahead.forwards, ahead.ready
+        self.carried = list({seq: None for entries in forwards for seq, _ in entries})
         logits = {}
-        for entries in self.scheduler.schedule(self.adapter, self.sequences):
-            if self.graphs is not None and batched_graphs.decode_only(entries):
+        for entries, prepared in zip(forwards, ready):
+            if prepared is not None:
+                logits.update(self.graphs.launch(prepared))
+            elif self.graphs is not None and batched_graphs.decode_only(entries):
                 logits.update(self.graphs.run(entries, self.config))
             else:
                 logits.update(self.runner.run(entries))
@@ -403,6 +496,7 @@ class BatchEngine:
     def close(self) -> None:
         """Give the pool (with its captured graphs) back for later engines on the model, once every sequence has
         left (else it is simply dropped with the engine). The engine takes no sequence after this."""
+        self.abandon()
         if self.graphs is not None and not self.sequences:
             batched_graphs.release(self.graphs)
         self.graphs = None
@@ -460,9 +554,17 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
             finished_pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        # The next step is decided and made ready before the host waits for this one (its host work overlaps the
+        # device's): every active row fed its token where it was chosen, as if none finishes. A row that does leaves
+        # below, which drops that step (`BatchEngine.abandon`), and the next `step` decides again without it.
+        fed = engine.feed_all(active, next_tokens if len(active) == input_ids.shape[0]
+                              else next_tokens[to_device(torch.tensor([s.index for s in active]), next_tokens.device)])
+        engine.prepare()
         # The step's one wait for the device: the sampled tokens and the rows still going, read back together.
-        # Everything the host decides from here (who leaves, the fed tokens, the next step's rows) uses these ints.
+        # Everything the host decides from here (who leaves, the next step's rows) uses these ints.
         tokens, going = torch.stack([next_tokens.long(), unfinished.long()]).tolist()
+        for s, token in zip(active, fed):
+            token.value = tokens[s.index]
         if streamer is not None:
             streamer.put(torch.tensor(tokens, dtype=next_tokens.dtype))
         if max(going) == 0:
@@ -471,8 +573,6 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
             for s in [s for s in active if not going[s.index]]:
                 caches[s.index] = engine.remove(s)
                 active.remove(s)
-        for s in active:
-            engine.feed(s, tokens[s.index])
         logits = engine.step()
 
     for s in active:

@@ -246,7 +246,8 @@ class SequenceState:
         slot: its slot of the engine's `kv_pool.SlotKVPool` (and row of its recurrent states), None outside one.
         row_sources / row_kinds: per stored row of its slot (host).
         generated: tokens generated so far; ``fed``: generated tokens whose forward ran (its source ids);
-        ``token``: the generated token id its next forward consumes (`BatchEngine.feed`; a host int), or None.
+        ``token``: the generated token id its next forward consumes (`BatchEngine.feed`: a host int;
+            `BatchEngine.feed_all`: a `DeviceToken`), or None.
     """
 
     index: int
@@ -266,7 +267,7 @@ class SequenceState:
     dropped: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     generated: int = 0
     fed: list = field(default_factory=list)
-    token: int | None = None
+    token: "int | DeviceToken | None" = None
     restores_only = False  # (a class attribute, not a field) `RestoringState`: it generates nothing
 
     # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
@@ -377,7 +378,7 @@ class SequenceState:
             cache.add_pending(self.pending)
         cache.drop(self.dropped)
         # the tokens whose forward ran (the last generated token is fed by the next turn, as at batch 1)
-        fed = torch.tensor(self.fed, dtype=torch.long)
+        fed = torch.tensor([int(t) for t in self.fed], dtype=torch.long)  # (a `DeviceToken` as its value)
         cache.extend_source(torch.cat([self.ids.cpu(), fed]), self.first_generated_position + len(self.fed))
         cache.turn = self.turns_started
         return cache
@@ -416,6 +417,39 @@ class RestoringState(SequenceState):
         return group
 
 
+class DeviceToken:
+    """A token fed while still on the device (`batch_engine.BatchEngine.feed_all`): ``values[at]`` of a tensor the
+    caller chose it into. Its decode row is made from the device tensor (no read); its host value is read only if
+    nobody set ``value`` (the driver does once it has read the step's tokens) by the time it is needed (`int`)."""
+
+    __slots__ = ("values", "at", "value")
+
+    def __init__(self, values: torch.Tensor, at: int):
+        self.values, self.at, self.value = values, at, None
+
+    def __int__(self) -> int:
+        if self.value is None:
+            self.value = int(self.values[self.at])  # (a read of the device: only where no driver set it)
+        return self.value
+
+    __index__ = __int__
+
+
+def _token_ids(tokens: list, device):
+    """The fed tokens as ``text_rows`` takes them: host ints as a list, else one device tensor ``[n]`` (fed from
+    the device: gathered there, nothing read back)."""
+    if not any(isinstance(t, DeviceToken) and t.value is None for t in tokens):
+        return [int(t) for t in tokens]
+    values = tokens[0].values if isinstance(tokens[0], DeviceToken) else None
+    if values is not None and all(isinstance(t, DeviceToken) and t.values is values for t in tokens):
+        at = [t.at for t in tokens]
+        if at == list(range(values.shape[0])):
+            return values.reshape(-1)
+        return values.reshape(-1).index_select(0, to_device(torch.tensor(at, dtype=torch.long), values.device))
+    return torch.cat([t.values.reshape(-1)[t.at:t.at + 1] if isinstance(t, DeviceToken) and t.value is None
+                      else torch.full((1,), int(t), dtype=torch.long, device=device) for t in tokens])
+
+
 def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple]:
     """Each fed sequence's decode row for its next forward, made for all of them at once: ``(RowBatch, key [1],
     source [1], kind [1])`` per sequence, the values `ChunkScheduler.decode_step` makes for one (the token's row,
@@ -424,7 +458,7 @@ def token_rows(adapter, sequences: list[SequenceState]) -> list[tuple]:
     if not sequences:
         return []
     index = [s.generated - 1 for s in sequences]  # the token is generated token i - 1 of its turn
-    rows = adapter.text_rows([s.token for s in sequences],
+    rows = adapter.text_rows(_token_ids([s.token for s in sequences], adapter.device),
                              [s.first_generated_position + i for s, i in zip(sequences, index)])
     host = torch.tensor([[order_key_int(s.plan.turn, GENERATED, i) for s, i in zip(sequences, index)],
                          [s.ids.shape[0] + s.generated - 1 for s in sequences]], dtype=torch.long)  # keys, sources

@@ -21,7 +21,9 @@ import torch
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine
 from raincheck_hf.configuration import CHUNK_LADDER
+from raincheck_hf.fast import batched_graphs
 from raincheck_hf.kv_pool import MAX_KEY, SlotKVPool
+from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image
 
 from conftest import make_inputs, no_placeholder_ids
@@ -95,21 +97,38 @@ class Request:
         assert_trace_equal(self.seq.trace, self.want.raincheck)
 
 
-def settle(engine: BatchEngine, active: dict, step_logits: dict, suppressed) -> None:
+def settle(engine: BatchEngine, active: dict, step_logits: dict, suppressed, ahead: bool = False) -> None:
     """After a step: each request that got logits takes its token, then leaves with its cache once done, or is fed
-    its token for the next step."""
-    for seq, logits in step_logits.items():
-        r = active[seq]
-        if r.take(logits, suppressed):
-            r.cache = engine.remove(seq)
+    its token for the next step. ``ahead``: as the drivers do it (`batch_engine._drive`, the serving loop): every
+    request that got logits is fed its token as chosen (`BatchEngine.feed_all`, a tensor not read back) and the next
+    step is prepared (`BatchEngine.prepare`) before anyone leaves; a request that finished then leaves, which
+    abandons that step."""
+    if not ahead:
+        for seq, logits in step_logits.items():
+            r = active[seq]
+            if r.take(logits, suppressed):
+                r.cache = engine.remove(seq)
+                del active[seq]
+            else:
+                engine.feed(seq, r.tokens[-1])
+        return
+    done = {seq: active[seq].take(logits, suppressed) for seq, logits in step_logits.items()}
+    if done:
+        fed = engine.feed_all(list(done), torch.stack([active[seq].tokens[-1] for seq in done]))
+        for i, (seq, token) in enumerate(zip(done, fed)):
+            if i % 2:  # the driver's host value (the others' are read when a cache needs them)
+                token.value = int(active[seq].tokens[-1])
+    engine.prepare()
+    for seq, finished in done.items():
+        if finished:
+            active[seq].cache = engine.remove(seq)
             del active[seq]
-        else:
-            engine.feed(seq, r.tokens[-1])
 
 
-def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
+def drive(model, engine: BatchEngine, requests: list[Request], ahead: bool = False) -> int:
     """Run the schedule: each request joins at its step, takes greedy tokens (placeholders suppressed, as in its
-    reference) until it has as many as its reference, then leaves with its cache. Returns the steps taken."""
+    reference) until it has as many as its reference, then leaves with its cache. Returns the steps taken.
+    ``ahead``: each next step prepared before the requests that finished leave and the new ones join (`settle`)."""
     suppressed = torch.tensor(no_placeholder_ids(model))
     waiting = sorted(requests, key=lambda r: r.arrive)
     active = {}
@@ -119,7 +138,7 @@ def drive(model, engine: BatchEngine, requests: list[Request]) -> int:
             r = waiting.pop(0)
             r.seq = engine.add(r.ids, cache=r.held, **r.media)
             active[r.seq] = r
-        settle(engine, active, engine.step(), suppressed)
+        settle(engine, active, engine.step(), suppressed, ahead)
         step += 1
         assert step < 500, "the schedule does not finish"
     return step
@@ -176,15 +195,20 @@ def assert_some_chunks_cut(cfg: RaincheckConfig, requests: list[Request], what: 
     assert any(differ), f"{what}: the shared budget cut no chunk"
 
 
-def _run_fuzz_case(base: int, seed: int, draw):
+def _run_fuzz_case(base: int, seed: int, draw, ahead: bool = False, graphs: bool | None = None):
     """Seed ``base + seed``'s case drawn by ``draw`` on the family the seed picks, driven through a fresh engine with
-    few slots, each sequence checked against its own call; ``(family, config, requests, engine)``."""
+    few slots (``ahead``: each next step prepared before the host reads the tokens, as the drivers do; ``graphs``:
+    the engine's setting), each sequence checked against its own call; ``(family, config, requests, engine)``."""
     rng = random.Random(base + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
     cfg, requests, budget = draw(rng, model, processor)
-    engine = BatchEngine(model, cfg, token_budget=budget, num_slots=1, capacity=16)
-    drive(model, engine, requests)
+    engine_cfg = cfg
+    if graphs:  # (the requests' own calls stay on the eager engine: ``cfg`` says fast_path=False)
+        graphs = batched_graphs.batched_graph_blocker(get_adapter(model)) is None or None  # else: the eager engine
+        engine_cfg = dataclasses.replace(cfg, fast_path=None)
+    engine = BatchEngine(model, engine_cfg, token_budget=budget, num_slots=1, capacity=16, graphs=graphs)
+    drive(model, engine, requests, ahead)
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
     return name, cfg, requests, engine
@@ -197,6 +221,53 @@ def test_fuzz_sequences_match_alone(seed):
     family; few initial slots, so slots are reused and the pool grows: each sequence equals its own call."""
     name, _, _, engine = _run_fuzz_case(2000, seed, draw_case)
     assert engine.sequences == [] and engine.pool.num_slots - len(engine.pool._free) == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_prepared_steps_match_alone(seed, graphs):
+    """The same random schedules with each next step prepared before the host has the tokens and before anyone
+    leaves or joins (`BatchEngine.feed_all` + `prepare`, as `generate` and the serving loop drive it): a step is
+    launched as prepared, or abandoned by a join or a leave and decided again. Each sequence still equals its own
+    call (tokens, logits, cache, trace), on the eager engine and on the captured steps' static buffers."""
+    name, _, _, engine = _run_fuzz_case(2000, seed, draw_case, ahead=True, graphs=graphs)
+    assert engine.sequences == [] and engine._ahead is None
+
+
+def test_prepared_step_abandoned_leaves_every_sequence_as_it_was():
+    """`BatchEngine.prepare` takes chunks, prompt pieces and tokens from the sequences; `abandon` gives them all back
+    (attributes, lists, traces, schedulers) and the step decided again is the same step: a prompt prefilling in
+    pieces under a budget beside a decoding sequence with deferred chunks, prepared and abandoned at every step."""
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, fast_path=False)
+    requests = [Request(model, processor, cfg, dict(images=(draw_test_image(96, 128, seed=1),), text="What?"),
+                        n=5, arrive=0),
+                Request(model, processor, cfg, dict(images=(draw_test_image(128, 96, seed=2),), text="Describe."),
+                        n=4, arrive=1)]
+    engine = BatchEngine(model, cfg, token_budget=12, num_slots=1, capacity=16)
+    suppressed = torch.tensor(no_placeholder_ids(model))
+    waiting, active, step = list(requests), {}, 0
+
+    def state(seq):
+        return (seq.token, seq.generated, seq.num_pending, None if seq.prefill is None else len(seq.prefill),
+                list(seq.fed), list(seq.trace.chunk_size_per_forward), len(seq.trace.restored_per_forward))
+
+    while waiting or active:
+        while waiting and waiting[0].arrive <= step:
+            r = waiting.pop(0)
+            r.seq = engine.add(r.ids, **r.media)
+            active[r.seq] = r
+        before = {seq: state(seq) for seq in engine.sequences}
+        engine.prepare()
+        assert engine._ahead is not None and not engine.idle
+        engine.abandon()
+        assert {seq: state(seq) for seq in engine.sequences} == before
+        engine.prepare()
+        settle(engine, active, engine.step(), suppressed)
+        step += 1
+        assert step < 100
+    for i, r in enumerate(requests):
+        r.check(f"request {i}")
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -562,23 +633,24 @@ def test_restore_bad_input():
 
 def count_paths(engine) -> list[tuple[str, bool, bool]]:
     """Per forward of ``engine``, in order: ``(path, restoring, decoding)``: ``path`` "replay" (the captured step,
-    `fast.batched_graphs.BatchedStepGraphs.run`) or "eager" (`ForwardRunner`), whether it carried a restoring piece,
+    `fast.batched_graphs.BatchedStepGraphs.launch`) or "eager" (`ForwardRunner`), whether it carried a restoring piece,
     and whether it carried a fed token."""
     from raincheck_hf.batched import RestoringState
     from raincheck_hf.cache_utils import GENERATED
 
     log = []
 
-    def wrap(run, path):
+    def wrap(run, path, entries_of=lambda entries: entries):
         def logged(entries, *args):
-            log.append((path, any(isinstance(s, RestoringState) for s, _ in entries),
-                        any(int(torch.as_tensor(g.kinds)[-1]) == GENERATED for _, g in entries)))
+            listed = entries_of(entries)
+            log.append((path, any(isinstance(s, RestoringState) for s, _ in listed),
+                        any(int(torch.as_tensor(g.kinds)[-1]) == GENERATED for _, g in listed)))
             return run(entries, *args)
         return logged
 
     engine.runner.run = wrap(engine.runner.run, "eager")
-    if engine.graphs is not None:
-        engine.graphs.run = wrap(engine.graphs.run, "replay")
+    if engine.graphs is not None:  # (every captured step goes through `launch`: `run` is prepare + launch)
+        engine.graphs.launch = wrap(engine.graphs.launch, "replay", lambda step: step.entries)
     return log
 
 

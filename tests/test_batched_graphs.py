@@ -463,8 +463,8 @@ def test_batched_generate_reads_the_device_once_per_decode_step(mode, fast_path,
     counter = HostReads(model)
     counter.patch(monkeypatch)
     replays = []
-    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "run",
-                        lambda self, *a, _run=batched_graphs.BatchedStepGraphs.run: replays.append(1) or _run(self, *a))
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "launch",
+                        lambda self, *a, _run=batched_graphs.BatchedStepGraphs.launch: replays.append(1) or _run(self, *a))
 
     def reads(n: int) -> int:
         counter.reads = 0

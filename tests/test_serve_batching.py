@@ -385,7 +385,7 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
 
 def watch_paths(monkeypatch) -> list:
     """Every forward the batching loop's engines run, in order: ``(path, restoring, decoding, prompt)``: ``path``
-    "replay" (a captured step, `fast.batched_graphs.BatchedStepGraphs.run`) or "eager" (`ForwardRunner.run`), and
+    "replay" (a captured step, `fast.batched_graphs.BatchedStepGraphs.launch`) or "eager" (`ForwardRunner.run`), and
     whether it carried a restoring sequence's piece, a fed token, a prompt piece."""
     import torch
 
@@ -396,19 +396,20 @@ def watch_paths(monkeypatch) -> list:
 
     log = []
 
-    def watched(cls, path):
-        run = cls.run
+    def watched(cls, path, name="run", entries_of=lambda entries: entries):
+        run = getattr(cls, name)
 
         def logged(self, entries, *args):
-            kinds = [torch.as_tensor(g.kinds) for _, g in entries]
-            log.append((path, any(isinstance(s, RestoringState) for s, _ in entries),
+            listed = entries_of(entries)
+            kinds = [torch.as_tensor(g.kinds) for _, g in listed]
+            log.append((path, any(isinstance(s, RestoringState) for s, _ in listed),
                         any(int(k[-1]) == GENERATED for k in kinds), any(bool((k == INPUT).any()) for k in kinds)))
             return run(self, entries, *args)
 
-        monkeypatch.setattr(cls, "run", logged)
+        monkeypatch.setattr(cls, name, logged)
 
     watched(ForwardRunner, "eager")
-    watched(BatchedStepGraphs, "replay")
+    watched(BatchedStepGraphs, "replay", "launch", lambda step: step.entries)  # (`run` is prepare + launch)
     return log
 
 

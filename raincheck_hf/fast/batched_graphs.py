@@ -181,6 +181,18 @@ class BatchStepBuffers:
         return [self.embeds, self.positions, self.query_keys, self.slots, self.write, self.last, *self.deepstack]
 
 
+class PreparedBatchStep(NamedTuple):
+    """A step `BatchedStepGraphs.prepare` made ready: its entries in slot order, their slots and start rows, its key
+    and the filled buffers, and the pool's setting it was made on."""
+
+    entries: list
+    slots: list
+    starts: list
+    key: BatchStepKey
+    buffers: BatchStepBuffers
+    setting: tuple
+
+
 class _DeviceStep(SlotStep):
     """The pool's running step as device tensors (the step's buffers), for `kv_pool.SlotKVLayer.update`."""
 
@@ -278,6 +290,13 @@ class BatchedStepGraphs:
     def run(self, entries, config: RaincheckConfig) -> dict:
         """Run the forward ``entries`` (`decode_only`: decode groups and restoring pieces) of an engine with
         ``config``; the logits ``[V]`` of each sequence whose group wants them (a restoring piece's are ignored)."""
+        return self.launch(self.prepare(entries, config))
+
+    def prepare(self, entries, config: RaincheckConfig) -> "PreparedBatchStep":
+        """The step of ``entries`` made ready to `launch`: its key chosen and its buffers filled (device copies
+        enqueued behind whatever runs; nothing read back), the pool grown for it; its rows are not stored yet (the
+        slots' lengths move at `launch`). The engine prepares step ``i + 1`` before it waits for step ``i``'s tokens,
+        so this host work overlaps the device's; it launches it only if no sequence joined or left since."""
         pool, adapter = self.pool, self.adapter
         entries = sorted(entries, key=lambda e: e[0].slot)  # batch row b: the b-th lowest slot
         n = len(entries)
@@ -301,7 +320,21 @@ class BatchedStepGraphs:
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
         self._fill(buffers, entries, starts, None if dense else pool.scratch)
-        before = list(starts)
+        return PreparedBatchStep(entries, slots, starts, key, buffers, setting)
+
+    def launch(self, step: "PreparedBatchStep") -> dict:
+        """Run a `prepare`d step (capture its graph the first time its key runs, else replay it); the logits ``[V]``
+        of each sequence whose group wants them. The pool must be as `prepare` left it (the same tensors, the slots'
+        lengths unchanged): a RuntimeError otherwise, before anything runs."""
+        pool = self.pool
+        entries, slots, starts, key, buffers = step.entries, step.slots, step.starts, step.key, step.buffers
+        if (pool.version, self.adapter.attn_implementation) != step.setting or \
+                [pool.lengths[s] for s in slots] != starts:
+            raise RuntimeError("a batched step was prepared on a pool that changed before its launch (its slots' "
+                               "rows or tensors); prepare it again.")
+        captured = self._captured.get(key)
+        if captured is not None and captured[1] is not buffers:  # (another step of the key was captured since)
+            raise RuntimeError("a batched step was prepared on buffers its key no longer replays; prepare it again.")
         for slot, (_, group) in zip(slots, entries):
             pool.lengths[slot] += len(group)
         ok = False
@@ -321,14 +354,14 @@ class BatchedStepGraphs:
                     self.capture_log.append(key)
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self._step(buffers, span, dense)
+                self._step(buffers, key.span, key.dense)
             else:
                 captured[0].replay()
                 self.replays += 1
             ok = True
         finally:
             if not ok:  # the step's rows are taken back (as `SlotKVPool.end_step(False)`)
-                for slot, was in zip(slots, before):
+                for slot, was in zip(slots, starts):
                     pool.slot_keys[slot, was:pool.lengths[slot]] = MAX_KEY
                     pool.lengths[slot] = was
         for seq, group in entries:
@@ -336,7 +369,7 @@ class BatchedStepGraphs:
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
         if not wanted:
             return {}
-        rows = buffers.logits[:n].clone().unbind(0)
+        rows = buffers.logits[:len(entries)].clone().unbind(0)
         return {entries[b][0]: rows[b] for b in wanted}
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:

@@ -260,16 +260,22 @@ class ModelAdapter:
         pos = torch.full((3, 1), position, dtype=torch.long, device=device)
         return RowBatch(self.text_model.embed_tokens(ids), pos, torch.zeros(1, dtype=torch.bool, device=device), None)
 
-    def text_rows(self, token_ids: list[int], positions: list[int]) -> list[RowBatch]:
+    def text_rows(self, token_ids, positions: list[int]) -> list[RowBatch]:
         """Several sequences' generated tokens, each a `text_row` (token ``token_ids[i]`` at M-RoPE position
         ``positions[i]`` on all three axes), made together: one host-to-device copy and one embedding lookup
-        whatever their number (the batched engine's decode step), the rows views of them."""
+        whatever their number (the batched engine's decode step), the rows views of them. ``token_ids``: host ints,
+        or a tensor ``[n]`` already on the device (tokens chosen there and not read back)."""
         device = self.device
-        n = len(token_ids)
-        moved = to_device(torch.tensor([token_ids, positions, positions, positions], dtype=torch.long), device)
-        embeds = self.text_model.embed_tokens(moved[0])  # [n, D]
+        n = len(positions)
+        if isinstance(token_ids, torch.Tensor):
+            moved = to_device(torch.tensor([positions, positions, positions], dtype=torch.long), device)
+            ids = token_ids.to(device=device, dtype=torch.long)
+        else:
+            moved = to_device(torch.tensor([token_ids, positions, positions, positions], dtype=torch.long), device)
+            ids, moved = moved[0], moved[1:]
+        embeds = self.text_model.embed_tokens(ids)  # [n, D]
         return [RowBatch(e, p, v, None) for e, p, v in
-                zip(embeds.unsqueeze(1).unbind(0), moved[1:].t().unsqueeze(2).unbind(0),
+                zip(embeds.unsqueeze(1).unbind(0), moved.t().unsqueeze(2).unbind(0),
                     torch.zeros(n, 1, dtype=torch.bool, device=device).unbind(0))]
 
     def pending_batch(self, pending) -> RowBatch:
