@@ -288,7 +288,7 @@ class BatchEngine:
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
-        self.carried: list[SequenceState] = []  # the sequences with rows in the last step (`step`)
+        self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows
         self._ahead: _Ahead | None = None  # the next step, `prepare`d
         self._arrivals = 0
         self._closed = False
@@ -475,14 +475,19 @@ class BatchEngine:
         """One step: every fed token (with its chunk), prompt pieces under the budget, then restoring sequences'
         pieces in what the budget has left (the `prepare`d step when there is one). The next-token logits ``[V]`` of
         each sequence that has them (a fed token ran, or its prompt's last piece). ``carried``: the sequences with
-        rows in it (set before it runs: if it raises, those are the sequences whose state it may have changed)."""
+        rows in it and their rows (set before it runs: if it raises, those are the sequences it may have changed)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
+            # (until it is decided, every sequence that may get rows: a schedule that raises may have changed them)
+            self.carried = {s: 0 for s in self.sequences if not s.prefilled or s.token is not None or s.restores_only}
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
             ready = [None] * len(forwards)
         else:
             forwards, ready = ahead.forwards, ahead.ready
-        self.carried = list({seq: None for entries in forwards for seq, _ in entries})
+        self.carried = {}
+        for entries in forwards:
+            for seq, group in entries:
+                self.carried[seq] = self.carried.get(seq, 0) + len(group)
         logits = {}
         for entries, prepared in zip(forwards, ready):
             if prepared is not None:

@@ -486,38 +486,36 @@ class BatchLoop:
 
     # ---- stepping -----------------------------------------------------------------------------
     def _step(self, engine: BatchEngine) -> None:
-        # who has rows to run: a fed token, or prefill left (whether the step reached it shows after it)
-        before = {s: (s.token is not None, s.prefill) for s in engine.sequences
-                  if not s.prefilled or s.token is not None}
-        restoring = {conv: seq.num_pending for conv, (e, seq) in self._restoring.items() if e is engine}
+        restoring = [conv for conv, (e, _) in self._restoring.items() if e is engine]
         try:
-            logits = engine.step()
+            logits = engine.step()  # (the step prepared at the end of the last one, unless a join or leave dropped it)
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
             self._logger.error("a batched step failed; its sequences are answered with an error", exc_info=error)
-            for seq, (fed, prefill) in before.items():
-                if fed or seq.prefill is not prefill:
+            for seq in engine.carried:
+                if seq in self._jobs:
                     self._fail(seq, error)
             for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
                 self._stop_restoring(conv, keep=False)
             return
         self.steps += 1
         restored = 0
-        for conv, pending in restoring.items():
+        for conv in restoring:
             seq = self._restoring[conv][1]
-            restored += pending - seq.num_pending
+            restored += engine.carried.get(seq, 0)  # (its piece of this step: taken when the step was decided)
             if seq.num_pending == 0:
                 self._stop_restoring(conv, keep=True)
         if restored:
             self.restored_busy += restored
             if self.on_restore is not None:
                 self.on_restore(restored, True)
-        self.batch_size = sum(1 for s, (fed, prefill) in before.items() if fed or s.prefill is not prefill)
+        self.batch_size = sum(1 for s in engine.carried if not s.restores_only)
         self.max_batch_size = max(self.max_batch_size, self.batch_size)
         if self.on_step is not None:
             self.on_step(self.batch_size)
-        # each sequence's token and stopping check on the device first, then one read of them all (the step's one
-        # wait for the device; a read per sequence would wait once per sequence), then each one streams and leaves
-        # or is fed, in the same order
+        # each sequence's token and stopping check on the device first; every one fed its token as chosen and the
+        # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
+        # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
+        # one streams, and leaves when it ended (which drops the prepared step: the next one is decided again)
         chosen = []
         for seq, row in logits.items():
             job = self._jobs[seq]
@@ -528,13 +526,25 @@ class BatchLoop:
         if not chosen:
             return
         try:
-            read = torch.stack([torch.cat([token.long().reshape(-1), job.unfinished.max().long().reshape(-1)])
-                                for _, job, token in chosen]).tolist()
+            tokens = torch.cat([token.long().reshape(-1) for _, _, token in chosen])
+            read = torch.stack([tokens, torch.cat([job.unfinished.max().long().reshape(-1) for _, job, _ in chosen])])
+            fed = engine.feed_all([seq for seq, _, _ in chosen], tokens)
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
             for seq, _, _ in chosen:
                 self._fail(seq, error)
             return
-        for (seq, job, token), (value, going) in zip(chosen, read):
+        try:
+            engine.prepare()
+        except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
+            self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
+        try:
+            read = read.t().tolist()
+        except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
+            for seq, _, _ in chosen:
+                self._fail(seq, error)
+            return
+        for (seq, job, token), device_token, (value, going) in zip(chosen, fed, read):
+            device_token.value = value
             try:
                 finished = self._next_token(job, value, token.dtype, bool(going))
             except BaseException as error:  # its streamer: it alone fails
@@ -555,14 +565,11 @@ class BatchLoop:
 
     def _next_token(self, job: BatchTurn, token: int, dtype: torch.dtype, going: bool) -> bool:
         """Record and stream the sequence's chosen ``token`` (read back; ``dtype``: the chosen tensor's, what the
-        streamer gets); True when its answer ends (``going`` False), else the token is fed."""
+        streamer gets; the engine was fed it on the device already); True when its answer ends (``going`` False)."""
         job.times.append(time.perf_counter())
         if job.streamer is not None:
             job.streamer.put(torch.tensor([token], dtype=dtype))
-        if not going:
-            return True
-        job.engine.feed(job.seq, token)
-        return False
+        return not going
 
     def _leave_cancelled(self) -> None:
         """Cancelled sequences leave before the next step: a decoding one with what it answered; one still
