@@ -15,18 +15,21 @@ them) it times the parts with ``time.perf_counter`` and the model forward itself
 through forward hooks). ``host_ms`` is the iteration minus the model forward; ``host_outside_replay_ms`` the
 iteration minus the whole step callable of `fast.batched_graphs` (the forward, the slot keys and the visibility
 mask: on CUDA one asynchronous graph replay), i.e. the host time around the replay: the figure to cut. The parts
-(inclusive, so they nest: ``graphs_run`` holds ``fill`` and the forward, ``step`` holds ``schedule`` and
-``graphs_run``):
+(inclusive, so they nest: ``prepare_ahead`` holds the ``schedule`` and ``graphs_prepare`` of a step launched as
+prepared, ``step`` those of a step decided when it runs, and ``graphs_launch`` the forward):
 
 - ``schedule``: `RowScheduler.schedule` (each sequence's decode rows, its chunk, its trace);
-- ``graphs_run``: `BatchedStepGraphs.run` (placement, the fill, the step, the logits' gather), ``fill``: its
-  `BatchedStepGraphs._fill`; ``graphs_step_host``: the step callable without the model forward (the slot keys,
+- ``prepare_ahead``: `BatchEngine.prepare`, the next step decided and its buffers filled before the driver reads
+  the tokens (it holds ``schedule`` and ``graphs_prepare`` of the steps launched as prepared);
+- ``graphs_prepare``: `BatchedStepGraphs.prepare` (placement, the fill), ``fill``: its `BatchedStepGraphs._fill`;
+  ``graphs_launch``: `BatchedStepGraphs.launch` (the step, the logits' gather);
+  ``graphs_step_host``: the step callable without the model forward (the slot keys,
   the visibility mask, the logits copy);
 - ``eager_run``: `ForwardRunner.run` (steps that are not decode-only run there);
 - ``sample``: `generation.choose_next_tokens` (logits processors, argmax);
-- ``run_other``: `BatchedStepGraphs.run` outside its fill and step; ``step_other``: `BatchEngine.step` outside the
-  schedule and the runs (which runner takes the step: `fast.batched_graphs.decode_only`);
-- ``driver``: the rest of the iteration (stopping criteria, the one read of the tokens, feeding).
+- ``run_other``: `BatchedStepGraphs.prepare` and `launch` outside the fill and the step callable;
+- ``driver``: the rest of the iteration (stopping criteria, the one read of the tokens, feeding: ``feed`` is
+  `BatchEngine.feed` / `feed_all`).
 
 Medians over the decode iterations of ``--reps`` timed calls (after one untimed warm-up call, so nothing is
 created for the first time); for the iteration, ``host`` and ``host_outside_replay`` also the 20th percentile
@@ -59,7 +62,8 @@ from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
 
-PARTS = ("step", "schedule", "graphs_run", "fill", "graphs_step", "eager_run", "sample", "feed", "remove")
+PARTS = ("step", "schedule", "prepare_ahead", "graphs_prepare", "graphs_launch", "fill", "graphs_step", "eager_run",
+         "sample", "feed", "remove")
 
 
 class StepClock:
@@ -99,8 +103,11 @@ def installed(clock: StepClock, model):
     """Wrap the parts (class attributes, restored on exit) and hook the model forward."""
     targets = [
         (batch_engine.RowScheduler, "schedule", "schedule"),
-        (batched_graphs.BatchedStepGraphs, "run", "graphs_run"),
+        (batched_graphs.BatchedStepGraphs, "prepare", "graphs_prepare"),
+        (batched_graphs.BatchedStepGraphs, "launch", "graphs_launch"),
         (batched_graphs.BatchedStepGraphs, "_fill", "fill"),
+        (batch_engine.BatchEngine, "prepare", "prepare_ahead"),
+        (batch_engine.BatchEngine, "feed_all", "feed"),
         (batched_graphs.BatchedStepGraphs, "_step", "graphs_step"),
         (batch_engine.ForwardRunner, "run", "eager_run"),
         (batch_engine.BatchEngine, "feed", "feed"),
@@ -190,14 +197,13 @@ def summarize(iterations: list[dict]) -> dict:
         row["model"] = it.get("model", 0.0)
         row["host"] = it["total"] - row["model"]
         row["graphs_step_host"] = max(row["graphs_step"] - row["model"], 0.0) if row["graphs_step"] else 0.0
-        row["driver"] = row["total"] - row["step"] - row["sample"]
-        row["run_other"] = row["graphs_run"] - row["fill"] - row["graphs_step"] if row["graphs_run"] else 0.0
-        row["step_other"] = row["step"] - row["schedule"] - row["graphs_run"] - row["eager_run"]
+        row["driver"] = row["total"] - row["step"] - row["sample"] - row["prepare_ahead"]
+        graphs = row["graphs_prepare"] + row["graphs_launch"]
+        row["run_other"] = graphs - row["fill"] - row["graphs_step"] if graphs else 0.0
         # on CUDA the whole step callable is one asynchronous graph replay: what the host adds outside it
         row["host_outside_replay"] = row["total"] - row["graphs_step"] - (0.0 if row["graphs_step"] else row["model"])
         rows.append(row)
-    keys = ("total", "model", "host", "host_outside_replay", *PARTS, "graphs_step_host", "run_other", "step_other",
-            "driver")
+    keys = ("total", "model", "host", "host_outside_replay", *PARTS, "graphs_step_host", "run_other", "driver")
     out = {"iterations": len(rows), **{f"{k}_ms": med([r[k] for r in rows]) for k in keys}}
     for k in ("total", "host", "host_outside_replay"):  # a low quantile: the cost without the host's preemptions
         values = sorted(r[k] for r in rows)
