@@ -400,6 +400,49 @@ class PackedGDNState:
             for i in plan.recorded:
                 self.suffix_length[i] += 1
 
+    # ---- a decode step on static buffers (`fast.batched_graphs`) ----------------------------------
+    def static_decode(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
+                      recurrent_rule, record: bool) -> torch.Tensor:
+        """The recurrent part of one GDN layer for a captured batched decode step: every sequence of the step one
+        generated row (``qkv [B, 1, C]``, ``a, b [B, 1, HV]``), its states read and written at the rows
+        ``step.slots`` (device indices into this per-slot state), so one captured graph serves every assignment of
+        sequences to slots. ``step`` (`fast.batched_graphs.RecurrentStepBuffers`) is device tensors only:
+        ``real [B]`` (False: a padding sequence of the batch bucket, whose states are written back unchanged),
+        ``lead`` / ``record_map [B]`` (the row is recorded as leading token ``suffix[b]`` / into M_R) and
+        ``suffix [B]``. ``record`` (host, part of the graph's key): some sequence records; without it the records
+        are not computed at all. The same operations as `step`'s rests for a step of decode rows in place
+        (`_StepPlan.rest_in_place`), on every row at once, the per-sequence choices made by masks (``torch.where``
+        with the old values: exact). Returns the core outputs ``[B, 1, HV, V]``. The host's ``suffix_length`` is
+        not touched here (`PackedGDNStates.advance_suffix` after the step)."""
+        p = params
+        slots, real = step.slots, step.real
+        g, beta = gdn_gates(a, b, p)
+        history = self.conv.index_select(0, slots)
+        y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+        q, k, v = _split_heads(y, p)
+        before = self.state.index_select(0, slots)
+        out, state = self._rule(True, None, recurrent_rule, q, k, v, g, beta, before)
+        conv = torch.cat([history, qkv.to(history.dtype)], dim=1)[:, 1:]  # `_last_window` of one row
+        keep = real[:, None, None, None]
+        self.state.index_copy_(0, slots, torch.where(keep, state.to(self.state.dtype), before))
+        self.conv.index_copy_(0, slots, torch.where(keep[..., 0], conv, history))
+        if record:
+            # as `_rests`: the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
+            lead, into_map = step.lead, step.record_map
+            f = gdn_factors(qkv, history, a, b, p)
+            at = (torch.arange(self.width, device=qkv.device)[None] == step.suffix[:, None]) & lead[:, None]
+            for name, new in (("leading_qkv", qkv), ("leading_a", a), ("leading_b", b)):
+                old = getattr(self, name).index_select(0, slots)
+                getattr(self, name).index_copy_(0, slots, torch.where(at[..., None], new.to(old.dtype), old))
+            old = self.leading_state.index_select(0, slots)
+            advanced = advance_state(old, f.k, f.v, f.g, f.beta)
+            self.leading_state.index_copy_(0, slots, torch.where(lead[:, None, None, None],
+                                                                  advanced.to(old.dtype), old))
+            old = self.rest_map.index_select(0, slots)
+            moved = update_suffix_map(old, f.k, f.g, f.beta)
+            self.rest_map.index_copy_(0, slots, torch.where(into_map[:, None, None, None], moved.to(old.dtype), old))
+        return out.to(qkv.dtype)
+
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:
         """Write sequence ``i``'s states into ``layer`` (an empty `cache_utils.DeferredLinearAttentionLayer` of its
@@ -427,11 +470,13 @@ class PackedGDNStates:
     def __init__(self, batch: int):
         self.batch = int(batch)
         self.layers: dict[int, PackedGDNState] = {}
+        self.version = 0  # bumped whenever a layer's tensors are (re)allocated: captured steps hold their addresses
 
     def layer(self, layer_idx: int, params: GDNLayerParams, dtype: torch.dtype, device) -> PackedGDNState:
         state = self.layers.get(layer_idx)
         if state is None:
             state = self.layers[layer_idx] = PackedGDNState(self.batch, params, dtype, device)
+            self.version += 1
         return state
 
     def select(self, keep: list[int]) -> None:
@@ -439,6 +484,7 @@ class PackedGDNStates:
         for state in self.layers.values():
             state.select(keep)
         self.batch = len(keep)
+        self.version += 1
 
     # ---- rows as slots (`batch_engine`) ------------------------------------------------------------
     def take(self, rows: list[int]) -> "PackedGDNStates":
@@ -457,6 +503,7 @@ class PackedGDNStates:
             mine = self.layers.get(i)
             if mine is None:
                 mine = self.layers[i] = state.fresh(self.batch)
+                self.version += 1
             if index is None:  # once for every layer
                 index = _row_index(rows, mine.state.device)
             mine.put(rows, state, index)
@@ -466,6 +513,36 @@ class PackedGDNStates:
             state.reset(row)
 
     def grow(self, batch: int) -> None:
+        if batch <= self.batch:
+            return
         for state in self.layers.values():
             state.grow(batch)
-        self.batch = max(self.batch, int(batch))
+        self.batch = int(batch)
+        self.version += 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s states into row ``dst`` (in place); ``src`` is reset (`kv_pool.SlotKVPool.move`'s twin)."""
+        for state in self.layers.values():
+            for name in PackedGDNState._NAMES:
+                t = getattr(state, name)
+                t[dst] = t[src]
+            state.suffix_length[dst] = state.suffix_length[src]
+        self.reset(src)
+
+    def advance_suffix(self, rows: list[int]) -> None:
+        """One generated token recorded in each of ``rows`` (host ints; after a captured step, whose device part
+        `PackedGDNState.static_decode` made the records)."""
+        for state in self.layers.values():
+            for r in rows:
+                state.suffix_length[r] += 1
+
+    def save_rows(self, index: torch.Tensor) -> list:
+        """Copies of rows ``index`` (a device tensor) of every layer's tensors, for `restore_rows`."""
+        return [[getattr(state, name).index_select(0, index) for name in PackedGDNState._NAMES]
+                for state in self.layers.values()]
+
+    def restore_rows(self, index: torch.Tensor, saved: list) -> None:
+        """Rows ``index`` back to what `save_rows` copied (in place)."""
+        for state, rows in zip(self.layers.values(), saved):
+            for name, row in zip(PackedGDNState._NAMES, rows):
+                getattr(state, name).index_copy_(0, index, row)
