@@ -18,8 +18,9 @@ mode) over the rows of every sequence that has work:
   pieces of their pending deferred rows in what the budget has left after all of that (the step's spare rows;
   without a budget a piece of at most their idle chunk each), taken as idle-time restoration takes them
   (`generation.idle_rows`), so they never take a row from an answer. With captured decode steps (``graphs``) a
-  step of decode rows and restoring pieces is still replayed: a restoring piece pads to the step's width like a
-  shorter decode group (`fast.batched_graphs`).
+  step of decode rows and restoring pieces is still replayed on the attention families: a restoring piece pads to
+  the step's width like a shorter decode group (`fast.batched_graphs`; on the Gated DeltaNet families such a step
+  runs eagerly).
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).

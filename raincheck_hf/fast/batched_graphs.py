@@ -1,4 +1,4 @@
-"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket).
+"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket, dense, records).
 
 `batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
 ``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
@@ -14,7 +14,8 @@ buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`)
   default, lands on the same ladder); a shorter sequence's rows are padded at its end, as on the eager engine (they
   write after its length with the empty key, which its next rows overwrite);
 - ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
-  `static_cache.slot_bucket` (at most the pool's capacity).
+  `static_cache.slot_bucket` (at most the pool's capacity);
+- ``dense`` (below) and, on the Gated DeltaNet families, ``records``: some sequence records its token (below).
 
 Static buffers (`BatchStepBuffers`): embeddings ``[B, W, D]``, positions ``[3, B, W]``, query keys ``[B, W]``,
 the step's slots ``[B]`` and write offsets ``[B, W]``, one dense DeepStack addend ``[B, W, D]`` per DeepStack
@@ -37,10 +38,25 @@ step's budget gave no rows) the step gathers its slots (``index_select``, a copy
 the eager engine does) and its padding sequences write to the pool's scratch slot; ``dense`` is part of the key.
 
 Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
-(`kv_pool.SlotKVPool.version`). A capture's warm-up runs the real step it is captured for: on attention-only
-families a step is idempotent (it writes the same rows with the same values and keys), so the replay that
-follows gives the same result. Families with recurrent state (Qwen3.5's Gated DeltaNet) and prompt pieces run
-on the eager `ForwardRunner`.
+(`kv_pool.SlotKVPool.version`) or the recurrent states theirs (`batched_gdn.PackedGDNStates.version`). A capture's
+warm-up runs the real step it is captured for: on attention-only families a step is idempotent (it writes the same
+rows with the same values and keys), so the replay that follows gives the same result. Prompt pieces run on the
+eager `ForwardRunner`.
+
+Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
+per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
+eager forwards take and put the same rows). A step runs here only when every sequence in it brings one generated
+row (`accepts`, decided on the host from the entries' lengths: the plain decode step of ``full`` mode and of an
+answer whose deferred rows are all restored, and the token steps between chunks while rows are pending); a step
+carrying a deferred chunk or a restoring piece runs on the eager `ForwardRunner`. Each GDN layer reads and writes
+its sequences' rows through the step's slot indices (``slots``, a device tensor: no host int from the device inside
+the step; `batched_gdn.PackedGDNState.static_decode`); `RecurrentStepBuffers` say per batch row whether it is a
+real sequence (a padding sequence's rows are written back unchanged) and whether its token is recorded as a leading
+token or into ``M_R`` at its suffix length (masks: ``torch.where`` with the old values), rewritten before every
+replay like the other buffers. Whether some sequence records is part of the key (``records``), so the plain decode
+step computes no records; the host's suffix lengths move after the step (`PackedGDNStates.advance_suffix`). A step
+is not idempotent here (the states advance), so the capture copies the step's rows of the states before its warm-up
+and puts them back after it: the replay that follows runs the real step once.
 
 The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
 (``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
