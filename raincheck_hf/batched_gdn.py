@@ -401,47 +401,102 @@ class PackedGDNState:
                 self.suffix_length[i] += 1
 
     # ---- a decode step on static buffers (`fast.batched_graphs`) ----------------------------------
-    def static_decode(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
-                      recurrent_rule, record: bool) -> torch.Tensor:
-        """The recurrent part of one GDN layer for a captured batched decode step: every sequence of the step one
-        generated row (``qkv [B, 1, C]``, ``a, b [B, 1, HV]``), its states read and written at the rows
-        ``step.slots`` (device indices into this per-slot state), so one captured graph serves every assignment of
-        sequences to slots. ``step`` (`fast.batched_graphs.RecurrentStepBuffers`) is device tensors only:
-        ``real [B]`` (False: a padding sequence of the batch bucket, whose states are written back unchanged),
-        ``lead`` / ``record_map [B]`` (the row is recorded as leading token ``suffix[b]`` / into M_R) and
-        ``suffix [B]``. ``record`` (host, part of the graph's key): some sequence records; without it the records
-        are not computed at all. The same operations as `step`'s rests for a step of decode rows in place
-        (`_StepPlan.rest_in_place`), on every row at once, the per-sequence choices made by masks (``torch.where``
-        with the old values: exact). Returns the core outputs ``[B, 1, HV, V]``. The host's ``suffix_length`` is
+    def static_step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
+                    chunk_rule, recurrent_rule, chunks: bool, record: bool) -> torch.Tensor:
+        """The recurrent part of one GDN layer for a captured batched decode step: sequence ``b``'s rows are
+        ``[d_b deferred rows, its generated token (a decode group) or nothing (a restoring piece), padding]`` of
+        ``qkv [B, W, C]``, ``a, b [B, W, HV]``, its states read and written at row ``step.slots[b]`` of this per-slot
+        state (device indices), so one captured graph serves every assignment of sequences to slots and every
+        ``d_b``. ``step`` (`fast.batched_graphs.RecurrentStepBuffers`) is device tensors only: ``real``, ``deferred``
+        (``d_b``), ``token`` (a generated row follows the deferred rows), ``lead`` / ``record_map`` (the token is
+        recorded as leading token ``suffix[b]`` / into M_R) and ``suffix``. Host flags, part of the graph's key:
+        ``chunks`` (some sequence carries deferred rows) and ``record`` (some token is recorded); without them those
+        parts are not computed at all.
+
+        The operations of `step` (`_chunks`, then `_rests` on the tokens), on every sequence at once: rows after a
+        sequence's own deferred rows gated off in the chunk (``g = 0, beta = 0``; they follow its real rows, so no
+        real row's conv reads them), each sequence's token gathered from row ``d_b``, and every per-sequence choice
+        (has a chunk, has a token, records how, is padding) made by ``torch.where`` with the old values, which is
+        exact. Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows). The host's ``suffix_length`` is
         not touched here (`PackedGDNStates.advance_suffix` after the step)."""
         p = params
+        device = qkv.device
         slots, real = step.slots, step.real
+        bsz, rows, _ = qkv.shape
         g, beta = gdn_gates(a, b, p)
-        history = self.conv.index_select(0, slots)
-        y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
+        state = self.state.index_select(0, slots)
+        conv = self.conv.index_select(0, slots)
+        leading_state = None
+        if chunks:
+            d, carries = step.deferred, step.deferred > 0
+            valid = torch.arange(rows, device=device)[None] < d[:, None]
+            history = self.boundary_conv.index_select(0, slots)
+            y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+            q, k, v = _split_heads(y, p)
+            gc, bc = _gate_off(g, beta, valid)
+            boundary_before = self.boundary_state.index_select(0, slots)
+            out, boundary_state = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_before)
+            core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
+                                                                                     device=device))
+            boundary_conv = _last_window(history, qkv, d)
+            # the join: leading segments recomputed from h_b' and applied to S_b'
+            lead = step.suffix.clamp(max=self.width)
+            lead_qkv = self.leading_qkv.index_select(0, slots)
+            factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, slots),
+                                  self.leading_b.index_select(0, slots), p)
+            lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
+            lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
+            repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
+            leading_before = self.leading_state.index_select(0, slots)
+            live = join_state(state, self.rest_map.index_select(0, slots), leading_before, repaired)
+            state = torch.where(flag(carries, state), live.to(state.dtype), state)
+            leading_state = torch.where(flag(carries, leading_before), repaired.to(leading_before.dtype),
+                                        leading_before)
+            self.boundary_state.index_copy_(0, slots, torch.where(flag(carries, boundary_before),
+                                                                  boundary_state.to(boundary_before.dtype),
+                                                                  boundary_before))
+            self.boundary_conv.index_copy_(0, slots, boundary_conv)  # (d_b = 0: h_b itself)
+            # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1
+            short = carries & (lead < self.width)
+            conv = torch.where(flag(short, conv), _last_window(boundary_conv, lead_qkv, lead), conv)
+            has_token = step.token
+            at = step.deferred.clamp(max=rows - 1)[:, None]  # each sequence's token row
+            pick = lambda t: t.gather(1, at.view(-1, 1, *([1] * (t.dim() - 2))).expand(-1, 1, *t.shape[2:]))  # noqa
+            x, xa, xb, rg, rb = pick(qkv), pick(a), pick(b), pick(g), pick(beta)
+        else:
+            has_token = real
+            core = None
+            x, xa, xb, rg, rb = qkv, a, b, g, beta
+        # the tokens, from each sequence's (corrected) live state; a sequence without one keeps its states
+        y = causal_conv_with_history(x, conv, p.conv_weight, p.conv_bias, p.activation)
         q, k, v = _split_heads(y, p)
-        before = self.state.index_select(0, slots)
-        out, state = self._rule(True, None, recurrent_rule, q, k, v, g, beta, before)
-        conv = torch.cat([history, qkv.to(history.dtype)], dim=1)[:, 1:]  # `_last_window` of one row
-        keep = real[:, None, None, None]
-        self.state.index_copy_(0, slots, torch.where(keep, state.to(self.state.dtype), before))
-        self.conv.index_copy_(0, slots, torch.where(keep[..., 0], conv, history))
+        out, stepped = self._rule(True, chunk_rule, recurrent_rule, q, k, v, rg, rb, state)
+        moved = has_token & real
+        stepped_conv = torch.cat([conv, x.to(conv.dtype)], dim=1)[:, 1:]  # `_last_window` of one row
+        self.state.index_copy_(0, slots, torch.where(flag(moved, state), stepped.to(state.dtype), state))
+        self.conv.index_copy_(0, slots, torch.where(flag(moved, conv), stepped_conv, conv))
+        if leading_state is not None and not record:
+            self.leading_state.index_copy_(0, slots, leading_state)
         if record:
             # as `_rests`: the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
-            lead, into_map = step.lead, step.record_map
-            f = gdn_factors(qkv, history, a, b, p)
-            at = (torch.arange(self.width, device=qkv.device)[None] == step.suffix[:, None]) & lead[:, None]
-            for name, new in (("leading_qkv", qkv), ("leading_a", a), ("leading_b", b)):
+            lead_token, into_map = step.lead & moved, step.record_map & moved
+            f = gdn_factors(x, conv, xa, xb, p)
+            at_t = (torch.arange(self.width, device=device)[None] == step.suffix[:, None]) & lead_token[:, None]
+            for name, new in (("leading_qkv", x), ("leading_a", xa), ("leading_b", xb)):
                 old = getattr(self, name).index_select(0, slots)
-                getattr(self, name).index_copy_(0, slots, torch.where(at[..., None], new.to(old.dtype), old))
-            old = self.leading_state.index_select(0, slots)
+                getattr(self, name).index_copy_(0, slots, torch.where(at_t[..., None], new.to(old.dtype), old))
+            old = self.leading_state.index_select(0, slots) if leading_state is None else leading_state
             advanced = advance_state(old, f.k, f.v, f.g, f.beta)
-            self.leading_state.index_copy_(0, slots, torch.where(lead[:, None, None, None],
-                                                                  advanced.to(old.dtype), old))
+            self.leading_state.index_copy_(0, slots, torch.where(flag(lead_token, old), advanced.to(old.dtype), old))
             old = self.rest_map.index_select(0, slots)
-            moved = update_suffix_map(old, f.k, f.g, f.beta)
-            self.rest_map.index_copy_(0, slots, torch.where(into_map[:, None, None, None], moved.to(old.dtype), old))
-        return out.to(qkv.dtype)
+            updated = update_suffix_map(old, f.k, f.g, f.beta)
+            self.rest_map.index_copy_(0, slots, torch.where(flag(into_map, old), updated.to(old.dtype), old))
+        out = out.to(qkv.dtype)
+        if core is None:
+            return out
+        token_row = (torch.arange(rows, device=device)[None] == step.deferred[:, None]) & moved[:, None]
+        return torch.where(token_row[..., None, None], out, core)
 
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:

@@ -1,6 +1,6 @@
-"""`fast.batched_graphs` on the Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE), on CPU: decode-token steps on static
-buffers, each sequence's recurrent states read and written at its slot's row of the per-slot states through the
-step's device indices (`batched_gdn.PackedGDNState.static_decode`).
+"""`fast.batched_graphs` on the Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE), on CPU: decode steps (tokens, chunks,
+restoring pieces) on static buffers, each sequence's recurrent states read and written at its slot's row of the
+per-slot states through the step's device indices (`batched_gdn.PackedGDNState.static_step`).
 
 Without CUDA a "captured" step is the same callable run eagerly on its static buffers; the fixture `replay_log`
 (tests/test_batched_graphs.py) records every replay and overwrites every input buffer with garbage after each one
@@ -24,7 +24,8 @@ from raincheck_hf.fast import batched_graphs
 
 from conftest import assert_same_output
 from families import family_model, family_params, family_processor
-from test_batch_engine import Request, draw_case, drive
+from test_batch_engine import (Request, _idle_restored, draw_case, draw_restoring_case, drive,
+                               run_restoring_case)
 from test_batched import (IMAGE, TEXT, TWO_IMAGES, VIDEO, assert_cache_equal, assert_rows_match_alone,
                           assert_trace_equal, batched_inputs, run)
 from test_batched_graphs import replay_log  # noqa: F401 (the fixture)
@@ -65,7 +66,7 @@ CASES = [("qwen3_5", "full", 1), ("qwen3_5", "raincheck", 1), ("qwen3_5", "rainc
 @pytest.mark.parametrize("name,mode,chunk", [pytest.param(*c, id="-".join(map(str, c))) for c in CASES])
 def test_generate_batch_replays_decode_steps_and_equals_eager_and_alone(name, mode, chunk, replay_log):
     """``generate`` with B = 3 (two images, text; batch bucket 4: one padding sequence), ``fast_path=True``: the
-    decode-token steps replay the static-buffer step; the answer equals the eager engine's (tokens identical, logits
+    decode steps (tokens, and ``[chunk, token]`` in raincheck) replay the static-buffer step; the answer equals the eager engine's (tokens identical, logits
     within 1e-4) and each row's own batch-1 call (tokens, logits, trace, cache: the GDN states exported from the
     per-slot rows)."""
     model, processor = family_model(name), family_processor(name)
@@ -77,8 +78,9 @@ def test_generate_batch_replays_decode_steps_and_equals_eager_and_alone(name, mo
     for i in range(len(rows)):
         assert_trace_equal(got.raincheck[i], want.raincheck[i])
         assert_cache_equal(got.cache[i], want.cache[i])
-    assert replay_log and all(key.width == 1 for key in replay_log)
-    assert any(key.batch == 4 for key in replay_log)
+    assert replay_log and any(key.batch == 4 for key in replay_log)
+    if mode == "raincheck":  # chunks ride with the tokens in replayed steps
+        assert any(key.chunks and key.width > 1 for key in replay_log)
     if mode == "post_answer":  # the answer's tokens are recorded (lead, then M_R) while every deferred row waits
         assert any(key.records for key in replay_log)
     if mode == "full":
@@ -177,12 +179,13 @@ def test_replays_after_sequences_leave_and_join_read_no_stale_state(replay_log):
     assert fours and twos and fours[0] < twos[0] < fours[-1]  # 3 sequences, then 2, then 3 again with the late one
 
 
-def test_steps_with_chunks_or_restoring_pieces_run_eagerly(replay_log):
-    """On the GDN families a decode step that carries a deferred chunk runs on the eager `ForwardRunner` (the
-    captured steps take decode tokens only), decided on the host per step; the answer equals the eager engine's."""
+def test_every_decode_step_replays_chunks_included(replay_log):
+    """On the GDN families every step without a prompt piece replays, those carrying a deferred chunk too (chunks of
+    different lengths in one step: the rows after each sequence's own chunk gated off, its token gathered from its
+    own row): the eager runner runs prompt pieces only, and the answer equals the eager engine's."""
     model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
-    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=0)
-    inputs = batched_inputs(processor, [TWO_IMAGES, IMAGE])
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, decode_guard=0, batch_chunk_rows=None)
+    inputs = batched_inputs(processor, [TWO_IMAGES, IMAGE, VIDEO])
     want = run(model, inputs, _with(cfg, False), 10)
     engines = []
     init = BatchEngine.__init__
@@ -194,9 +197,8 @@ def test_steps_with_chunks_or_restoring_pieces_run_eagerly(replay_log):
         self.eager_decode = 0
         runner_run = self.runner.run
 
-        def counted(entries):  # the decode-only forwards the eager runner ran (a chunk rode with the tokens)
+        def counted(entries):  # the decode-only forwards the eager runner ran: none
             self.eager_decode += batched_graphs.decode_only(entries)
-            assert not self.graphs.accepts(entries)
             return runner_run(entries)
 
         self.runner.run = counted
@@ -208,8 +210,34 @@ def test_steps_with_chunks_or_restoring_pieces_run_eagerly(replay_log):
         BatchEngine.__init__ = init
     assert_same_output(got, want, TOL, "step")
     (engine,) = engines
-    assert engine.eager_decode > 0 and engine.kept_graphs.replays == len(replay_log) > 0
+    assert engine.eager_decode == 0 and engine.kept_graphs.replays == len(replay_log) > 0
+    assert any(key.chunks and key.width == 6 for key in replay_log)
     assert any(t.restored_during_decode for t in got.raincheck)
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_restoring_sequences_ride_in_replayed_gdn_steps(seed, views, replay_log, monkeypatch):
+    """Held conversations restore from step 0 beside random answers (`draw_restoring_case`) on the GDN families:
+    restoring pieces (deferred rows only, no token: their boundary moves, their live state joins) ride in replayed
+    steps; every forward without a prompt piece was a replay; each answer equals its own eager batch-1 call, and each
+    restored cache (its GDN states exported from the per-slot rows) equals idle-time restoration of its held cache."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
+    rng = random.Random(7800 + seed)
+    name = GDN_FAMILIES[seed % 2]
+    model, processor = family_model(name), family_processor(name)
+    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _accepted_forwards(engine)
+    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
+    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
+    for i, r in enumerate(answers):
+        r.check(f"{what} answer {i}")
+    for cache, got in zip(held, restored):
+        assert_cache_equal(got, _idle_restored(model, cache, cfg))
+    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
+    assert [p for p, _, _ in paths].count("replay") == counts["accepted"] == len(replay_log)
+    assert counts["left"] == 0
 
 
 @pytest.mark.parametrize("name", family_params(GDN_FAMILIES))

@@ -168,17 +168,21 @@ class BatchStepKey(NamedTuple):
     span: int  # slot rows attention reads
     dense: bool  # the step's slots are 0 .. batch - 1 (padding sequences in the free ones): attention reads views
     records: bool = False  # Gated DeltaNet families: some sequence records its generated row (deferred rows pending)
+    chunks: bool = False  # Gated DeltaNet families: some sequence carries deferred rows (a chunk, a restoring piece)
 
 
 @dataclass
 class RecurrentStepBuffers:
-    """The Gated DeltaNet part of a captured step's buffers (`batched_gdn.PackedGDNState.static_decode`): the step's
+    """The Gated DeltaNet part of a captured step's buffers (`batched_gdn.PackedGDNState.static_step`): the step's
     slots (the `BatchStepBuffers`' own tensor) index the per-slot states; per batch row ``real`` (False: a padding
-    sequence, its states written back unchanged), ``lead`` / ``record_map`` (its generated row is recorded as a
-    leading token / into M_R) and ``suffix`` (its recorded suffix length before the step)."""
+    sequence, its states written back unchanged), ``deferred`` (its leading deferred rows), ``token`` (a generated
+    row follows them: a decode group, not a restoring piece), ``lead`` / ``record_map`` (its generated row is
+    recorded as a leading token / into M_R) and ``suffix`` (its recorded suffix length before the step)."""
 
     slots: torch.Tensor  # [B] long
     real: torch.Tensor  # [B] bool
+    deferred: torch.Tensor  # [B] long
+    token: torch.Tensor  # [B] bool
     lead: torch.Tensor  # [B] bool
     record_map: torch.Tensor  # [B] bool
     suffix: torch.Tensor  # [B] long
@@ -186,12 +190,12 @@ class RecurrentStepBuffers:
     @classmethod
     def empty(cls, slots: torch.Tensor) -> "RecurrentStepBuffers":
         b, device = slots.shape[0], slots.device
-        flag = dict(dtype=torch.bool, device=device)
-        return cls(slots, torch.zeros(b, **flag), torch.zeros(b, **flag), torch.zeros(b, **flag),
-                   torch.zeros(b, dtype=torch.long, device=device))
+        flag, long = dict(dtype=torch.bool, device=device), dict(dtype=torch.long, device=device)
+        return cls(slots, torch.zeros(b, **flag), torch.zeros(b, **long), torch.zeros(b, **flag),
+                   torch.zeros(b, **flag), torch.zeros(b, **flag), torch.zeros(b, **long))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.real, self.lead, self.record_map, self.suffix]
+        return [self.real, self.deferred, self.token, self.lead, self.record_map, self.suffix]
 
 
 @dataclass
@@ -294,15 +298,13 @@ class BatchedStepGraphs:
 
     def accepts(self, entries) -> bool:
         """Whether the forward ``entries`` runs here (else on the eager `batch_engine.ForwardRunner`), decided on the
-        host from the entries' lengths and kinds: a `decode_only` step; on the Gated DeltaNet families only a step of
-        decode tokens (every entry one generated row: no deferred chunk, no restoring piece), with or without
-        records (`PackedGDNState.static_decode`)."""
-        if self.recurrent is not None and any(len(g) != 1 or seq.restores_only for seq, g in entries):
-            return False
+        host from the entries' kinds: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring pieces),
+        on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`)."""
         return decode_only(entries)
 
     # ---- the step itself, identical in eager and captured form ----
-    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False, records: bool = False) -> None:
+    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False, records: bool = False,
+              chunks: bool = False) -> None:
         adapter, pool = self.adapter, self.pool
         slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
         pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
@@ -315,7 +317,7 @@ class BatchedStepGraphs:
         pool.step = _DeviceStep(buffers, span, dense)
         try:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()), \
-                    adapter.static_packed_step(self.recurrent, buffers.recurrent, records):
+                    adapter.static_packed_step(self.recurrent, buffers.recurrent, chunks, records):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
@@ -342,7 +344,7 @@ class BatchedStepGraphs:
                 self.recurrent.restore_rows(buffers.slots, saved)
 
     def _warm_and_capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
-        run = lambda: self._step(buffers, key.span, key.dense, key.records)  # noqa: E731
+        run = lambda: self._step(buffers, key.span, key.dense, key.records, key.chunks)  # noqa: E731
         if not self.use_cuda:
             run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
             return _EagerStep(run)
@@ -396,7 +398,8 @@ class BatchedStepGraphs:
         starts = [pool.lengths[s] for s in slots]
         span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
         recorded = self._recorded(entries)
-        key = BatchStepKey(key_batch, width, span, dense, bool(recorded))
+        chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
+        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks)
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
@@ -504,34 +507,41 @@ class BatchedStepGraphs:
                     0, ds_dest, torch.cat(features).to(device, addend.dtype))
 
 
-    # ---- the Gated DeltaNet part of a step (`accepts`: one generated row per sequence) ----
+    # ---- the Gated DeltaNet part of a step ----
     def _recorded(self, entries) -> list[int]:
-        """The slots whose generated row the step records in the GDN states (deferred rows still pending after it,
-        as `batched.SequenceState.layout` says for a decode row); none on attention families."""
+        """The slots whose generated row the step records in the GDN states (a decode group's token while deferred
+        rows are still pending after the step, as `batched.SequenceState.layout` says); none on attention
+        families."""
         if self.recurrent is None:
             return []
-        return [seq.slot for seq, _ in entries if seq.num_pending > 0]
+        return [seq.slot for seq, _ in entries if not seq.restores_only and seq.num_pending > 0]
 
     def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int]) -> None:
         """Rewrite the GDN buffers for this step (``entries`` in slot order, `_fill`'s batch rows): which rows are real
-        sequences, which record as a leading token or into M_R, and their suffix lengths (host ints of the per-slot
-        states); padding rows: not real, no record. One non-blocking copy, nothing read back."""
+        sequences, their deferred rows and whether a token follows them (a decode group's rows are ``[chunk,
+        token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading token or
+        into M_R, and the suffix lengths (host ints of the per-slot states); padding rows: not real, no rows, no
+        record. One non-blocking copy, nothing read back."""
         batch = buffers.real.shape[0]
-        n = len(entries)
-        lengths = next(iter(self.recurrent.layers.values())).suffix_length  # (equal in every layer)
-        width = next(iter(self.recurrent.layers.values())).width
+        pad = [0] * (batch - len(entries))
+        layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
         records = set(recorded)
-        suffix = [lengths[seq.slot] for seq, _ in entries]
+        suffix = [layer.suffix_length[seq.slot] for seq, _ in entries]
+        token = [int(not seq.restores_only) for seq, _ in entries]
         rec = [seq.slot in records for seq, _ in entries]
-        host = torch.tensor([[1] * n + [0] * (batch - n),
-                             [int(r and t < width) for r, t in zip(rec, suffix)] + [0] * (batch - n),
-                             [int(r and t >= width) for r, t in zip(rec, suffix)] + [0] * (batch - n),
-                             suffix + [0] * (batch - n)], dtype=torch.long)
+        host = torch.tensor([[1] * len(entries) + pad,
+                             [len(g) - t for (_, g), t in zip(entries, token)] + pad,
+                             token + pad,
+                             [int(r and t < layer.width) for r, t in zip(rec, suffix)] + pad,
+                             [int(r and t >= layer.width) for r, t in zip(rec, suffix)] + pad,
+                             suffix + pad], dtype=torch.long)
         host = to_device_all([host], buffers.real.device)[0]
         buffers.real.copy_(host[0].bool())
-        buffers.lead.copy_(host[1].bool())
-        buffers.record_map.copy_(host[2].bool())
-        buffers.suffix.copy_(host[3])
+        buffers.deferred.copy_(host[1])
+        buffers.token.copy_(host[2].bool())
+        buffers.lead.copy_(host[3].bool())
+        buffers.record_map.copy_(host[4].bool())
+        buffers.suffix.copy_(host[5])
 
 
 def _placement(counts: list[int], width: int) -> torch.Tensor:

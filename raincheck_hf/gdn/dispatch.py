@@ -341,10 +341,12 @@ def _packed_gdn_forward(module, ctx: _PackedStepContext, hidden_states, **kwargs
 class _StaticPackedContext:
     """One captured batched decode step (`fast.batched_graphs`), as the GDN dispatchers see it: the per-slot states
     ``states`` (`batched_gdn.PackedGDNStates`) read and written through the step's device buffers ``step``
-    (`fast.batched_graphs.RecurrentStepBuffers`); ``record``: some sequence records its row (host, the graph's key)."""
+    (`fast.batched_graphs.RecurrentStepBuffers`); ``chunks`` / ``record``: some sequence carries deferred rows /
+    records its token (host flags, part of the graph's key)."""
 
     states: object
     step: object
+    chunks: bool
     record: bool
     modules: frozenset
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
@@ -355,9 +357,9 @@ class _StaticPackedContext:
 
 
 def _static_packed_gdn_forward(module, ctx: _StaticPackedContext, hidden_states, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for a captured batched decode step ``[B, 1]``: the module's projections, gates,
+    """``Qwen3_5GatedDeltaNet.forward`` for a captured batched decode step ``[B, W]``: the module's projections, gates,
     gated norm and ``out_proj`` over every row at once; the recurrent part on the per-slot states at the step's slots
-    (`batched_gdn.PackedGDNState.static_decode`), nothing read back to the host."""
+    (`batched_gdn.PackedGDNState.static_step`), nothing read back to the host."""
     params = layer_params(module)
     bsz, rows, _ = hidden_states.shape
     qkv = module.in_proj_qkv(hidden_states)
@@ -367,8 +369,8 @@ def _static_packed_gdn_forward(module, ctx: _StaticPackedContext, hidden_states,
     if state is None:  # (a decode step follows its sequences' prefill on the eager engine, which made every layer)
         raise RuntimeError(f"a captured batched step reached Gated DeltaNet layer {module.layer_idx} before any "
                            "packed forward made its states.")
-    core = state.static_decode(qkv, a, b, ctx.step, params,
-                               module_function(module, "torch_recurrent_gated_delta_rule"), ctx.record)
+    core = state.static_step(qkv, a, b, ctx.step, params, module_function(module, "torch_chunk_gated_delta_rule"),
+                             module_function(module, "torch_recurrent_gated_delta_rule"), ctx.chunks, ctx.record)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
@@ -433,11 +435,11 @@ def packed_step(modules, states, layouts):
     return _scope(modules, _PackedStepContext(states, list(layouts), _ids(modules)))
 
 
-def static_packed_step(modules, states, step, record: bool):
+def static_packed_step(modules, states, step, chunks: bool, record: bool):
     """Context manager: inside it, this thread's forwards of the GDN ``modules`` run a captured batched decode step
     (`_StaticPackedContext`) on the per-slot ``states`` through the step's device buffers ``step``."""
     modules = list(modules)
-    return _scope(modules, _StaticPackedContext(states, step, bool(record), _ids(modules)))
+    return _scope(modules, _StaticPackedContext(states, step, bool(chunks), bool(record), _ids(modules)))
 
 
 @functools.lru_cache(maxsize=8)
