@@ -18,9 +18,8 @@ mode) over the rows of every sequence that has work:
   pieces of their pending deferred rows in what the budget has left after all of that (the step's spare rows;
   without a budget a piece of at most their idle chunk each), taken as idle-time restoration takes them
   (`generation.idle_rows`), so they never take a row from an answer. With captured decode steps (``graphs``) a
-  step of decode rows and restoring pieces is still replayed on the attention families: a restoring piece pads to
-  the step's width like a shorter decode group (`fast.batched_graphs`; on the Gated DeltaNet families such a step
-  runs eagerly).
+  step of decode rows and restoring pieces is still replayed: a restoring piece pads to the step's width like a
+  shorter decode group (`fast.batched_graphs`).
 
 `step` returns the next-token logits of the sequences that have them this step; choosing tokens stays with the
 caller (HF's logits processors, sampling and stopping criteria live in the driver: `batched_sample` below).
@@ -265,11 +264,10 @@ class BatchEngine:
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
             the same static-buffer step runs eagerly); None: follow ``config.fast_path`` (None: eager; True where
             the family supports it: every family with a fast path, the MoE ones with transformers' ``grouped_mm``
-            experts in bfloat16, on CUDA). On the Gated DeltaNet families (Qwen3.5) only steps of decode tokens
-            are captured (every sequence one generated row, recorded into its GDN suffix record or not); a step
-            carrying a deferred chunk or a restoring piece runs on the eager `ForwardRunner`, as prompt pieces
-            always do. With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones kept
-            per model and goes back with `close`.
+            experts in bfloat16, on CUDA; on the Gated DeltaNet families the per-slot GDN states are read and
+            written through the step's device slot indices). Prompt pieces always run on the eager
+            `ForwardRunner`. With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
+            kept per model and goes back with `close`.
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,

@@ -1,4 +1,4 @@
-"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket, dense, records).
+"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket, dense[, records, chunks]).
 
 `batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
 ``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
@@ -15,7 +15,8 @@ buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`)
   write after its length with the empty key, which its next rows overwrite);
 - ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
   `static_cache.slot_bucket` (at most the pool's capacity);
-- ``dense`` (below) and, on the Gated DeltaNet families, ``records``: some sequence records its token (below).
+- ``dense`` (below) and, on the Gated DeltaNet families, ``records`` / ``chunks``: some sequence records its token /
+  carries deferred rows (below).
 
 Static buffers (`BatchStepBuffers`): embeddings ``[B, W, D]``, positions ``[3, B, W]``, query keys ``[B, W]``,
 the step's slots ``[B]`` and write offsets ``[B, W]``, one dense DeepStack addend ``[B, W, D]`` per DeepStack
@@ -45,18 +46,20 @@ eager `ForwardRunner`.
 
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
 per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
-eager forwards take and put the same rows). A step runs here only when every sequence in it brings one generated
-row (`accepts`, decided on the host from the entries' lengths: the plain decode step of ``full`` mode and of an
-answer whose deferred rows are all restored, and the token steps between chunks while rows are pending); a step
-carrying a deferred chunk or a restoring piece runs on the eager `ForwardRunner`. Each GDN layer reads and writes
-its sequences' rows through the step's slot indices (``slots``, a device tensor: no host int from the device inside
-the step; `batched_gdn.PackedGDNState.static_decode`); `RecurrentStepBuffers` say per batch row whether it is a
-real sequence (a padding sequence's rows are written back unchanged) and whether its token is recorded as a leading
-token or into ``M_R`` at its suffix length (masks: ``torch.where`` with the old values), rewritten before every
-replay like the other buffers. Whether some sequence records is part of the key (``records``), so the plain decode
-step computes no records; the host's suffix lengths move after the step (`PackedGDNStates.advance_suffix`). A step
-is not idempotent here (the states advance), so the capture copies the step's rows of the states before its warm-up
-and puts them back after it: the replay that follows runs the real step once.
+eager forwards take and put the same rows). Every `decode_only` step runs here, as on the attention families: the
+plain decode step (every sequence one generated row: ``full`` mode, and an answer whose deferred rows are all
+restored), ``[chunk, token]`` steps and restoring pieces. Each GDN layer reads and writes its sequences' rows
+through the step's slot indices (``slots``, a device tensor: no host int from the device inside the step;
+`batched_gdn.PackedGDNState.static_step`); `RecurrentStepBuffers` say per batch row whether it is a real sequence
+(a padding sequence's rows are written back unchanged), how many deferred rows it carries (the chunk runs over the
+step's whole width from each boundary, the rows after a sequence's own chunk gated off, ``g = 0, beta = 0``),
+whether a token follows them (gathered from its row), and whether that token is recorded as a leading token or into
+``M_R`` at its suffix length; the join, the conv window and the records are chosen per sequence by masks
+(``torch.where`` with the old values). They are rewritten before every replay like the other buffers. Whether some
+sequence carries deferred rows (``chunks``) and whether some records (``records``) are part of the key, so the plain
+decode step computes neither; the host's suffix lengths move after the step (`PackedGDNStates.advance_suffix`). A
+step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
+warm-up and puts them back after it: the replay that follows runs the real step once.
 
 The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
 (``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
