@@ -285,7 +285,7 @@ class BatchEngine:
             self.pool = self.graphs.pool
         else:
             self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
-        # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps read them)
+        # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps use them)
         self.recurrent = (self.graphs.recurrent if self.graphs is not None
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)

@@ -586,7 +586,7 @@ class PackedGDNStates:
 
     def advance_suffix(self, rows: list[int]) -> None:
         """One generated token recorded in each of ``rows`` (host ints; after a captured step, whose device part
-        `PackedGDNState.static_decode` made the records)."""
+        `PackedGDNState.static_step` made the records)."""
         for state in self.layers.values():
             for r in rows:
                 state.suffix_length[r] += 1

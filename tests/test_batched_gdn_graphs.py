@@ -66,9 +66,9 @@ CASES = [("qwen3_5", "full", 1), ("qwen3_5", "raincheck", 1), ("qwen3_5", "rainc
 @pytest.mark.parametrize("name,mode,chunk", [pytest.param(*c, id="-".join(map(str, c))) for c in CASES])
 def test_generate_batch_replays_decode_steps_and_equals_eager_and_alone(name, mode, chunk, replay_log):
     """``generate`` with B = 3 (two images, text; batch bucket 4: one padding sequence), ``fast_path=True``: the
-    decode steps (tokens, and ``[chunk, token]`` in raincheck) replay the static-buffer step; the answer equals the eager engine's (tokens identical, logits
-    within 1e-4) and each row's own batch-1 call (tokens, logits, trace, cache: the GDN states exported from the
-    per-slot rows)."""
+    decode steps (tokens, and ``[chunk, token]`` in raincheck) replay the static-buffer step; the answer equals the
+    eager engine's (tokens identical, logits within 1e-4, traces, caches with their GDN states exported from the
+    per-slot rows), which equals each row's own batch-1 call."""
     model, processor = family_model(name), family_processor(name)
     cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=chunk, decode_guard=1)
     rows = [TWO_IMAGES, IMAGE, TEXT]

@@ -1124,8 +1124,8 @@ def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypa
 @pytest.mark.parametrize("mode", ["full", "raincheck", "post_answer"])  # post_answer: every token recorded
 def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monkeypatch):
     """``generate`` with B = 3 on CUDA, ``fast_path=True``, on the Gated DeltaNet families: the decode steps (tokens;
-    ``[chunk, token]`` in raincheck) are captured and replayed (counted), a second call captures nothing new, and the answers equal the same static-buffer
-    steps run uncaptured (tokens identical, logits within 1e-4 of the largest: a replay runs the captured kernels)
+    ``[chunk, token]`` in raincheck) are captured and replayed (counted), a second call captures nothing new, and
+    the answers equal the same static-buffer steps run uncaptured (tokens identical, logits within 1e-4 of the largest: a replay runs the captured kernels)
     and the eager batched engine (fp32: tokens identical, logits within 1e-3 + 1e-3 x max; bf16 on a random tiny
     model: along the common prefix of the tokens, at least the first answer token, within 5% of the largest logit,
     as the batch-1 MoE capture test compares)."""

@@ -1,4 +1,4 @@
-"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket, dense[, records, chunks]).
+"""The batched engine's decode steps as CUDA graphs, one per key (batch bucket, width, span bucket, ...).
 
 `batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
 ``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
