@@ -263,10 +263,11 @@ class BatchEngine:
         graphs: run the steps that carry no prompt piece (decode rows, and restoring sequences' pieces beside them)
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
             the same static-buffer step runs eagerly); None: follow ``config.fast_path`` (None: eager; True where
-            the family supports it: the attention families, the MoE ones with transformers' ``grouped_mm`` experts
-            in bfloat16, on CUDA). Prompt pieces and the Gated DeltaNet families always run on the eager
-            `ForwardRunner`. With graphs, the pool (and its graphs) comes from the ones kept per model and goes back
-            with `close`.
+            the family supports it: every family with a fast path, the MoE ones with transformers' ``grouped_mm``
+            experts in bfloat16, on CUDA; on the Gated DeltaNet families the per-slot GDN states are read and
+            written through the step's device slot indices). Prompt pieces always run on the eager
+            `ForwardRunner`. With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
+            kept per model and goes back with `close`.
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
@@ -284,7 +285,9 @@ class BatchEngine:
             self.pool = self.graphs.pool
         else:
             self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
-        self.recurrent = self.adapter.packed_states(self.pool.num_slots)  # None: attention layers only
+        # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps use them)
+        self.recurrent = (self.graphs.recurrent if self.graphs is not None
+                          else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
@@ -395,6 +398,8 @@ class BatchEngine:
             last = max(self.sequences, key=lambda s: s.slot, default=None)
             if last is not None and last.slot > hole:
                 self.pool.move(last.slot, hole)
+                if self.recurrent is not None:
+                    self.recurrent.move(last.slot, hole)
                 last.slot = hole
 
     # ---- stepping --------------------------------------------------------------------------------
@@ -458,7 +463,7 @@ class BatchEngine:
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
             ready = [None] * len(forwards)
             # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks')
-            if self.graphs is not None and len(forwards) == 1 and batched_graphs.decode_only(forwards[0]):
+            if self.graphs is not None and len(forwards) == 1 and self.graphs.accepts(forwards[0]):
                 ready[0] = self.graphs.prepare(forwards[0], self.config)
         except BaseException:
             snapshot.restore()
@@ -492,7 +497,7 @@ class BatchEngine:
         for entries, prepared in zip(forwards, ready):
             if prepared is not None:
                 logits.update(self.graphs.launch(prepared))
-            elif self.graphs is not None and batched_graphs.decode_only(entries):
+            elif self.graphs is not None and self.graphs.accepts(entries):
                 logits.update(self.graphs.run(entries, self.config))
             else:
                 logits.update(self.runner.run(entries))

@@ -36,12 +36,13 @@ A sequence's cache gets its states and boundary record when it leaves.
 
 Decode steps (every row's ``[chunk?, token]``, no prompt piece) run as captured CUDA graphs per (batch bucket,
 width, span bucket) (`fast.batched_graphs`) where the engine's ``graphs`` setting resolves on: ``fast_path=None``
-on CUDA for the attention families (the MoE one with ``grouped_mm`` experts in bfloat16), ``fast_path=True`` for
-them on any device (on a CPU the same static-buffer step runs eagerly); the prompt pieces, ``fast_path=False`` and
-the Gated DeltaNet families run on the eager `batch_engine.ForwardRunner`.
+on CUDA for every family with a fast path (the MoE ones with ``grouped_mm`` experts in bfloat16; the Gated
+DeltaNet families with their per-slot states read and written in the graph), ``fast_path=True`` on any device (on
+a CPU the same static-buffer step runs eagerly); the prompt pieces and ``fast_path=False`` run on the eager
+`batch_engine.ForwardRunner`.
 
-Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a family without captured
-batched steps (the Gated DeltaNet families, an accelerate-split model), continuing a cache in a batched call (a held
+Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a model without captured
+batched steps (an accelerate-split model), continuing a cache in a batched call (a held
 conversation joins a `BatchEngine` with ``add(..., cache=)``), and a keep-mask tensor as selector.
 VisionZip (which reads the vision tower's last block) gets each row's cut of the batch's one tower call
 (`_row_capture`).

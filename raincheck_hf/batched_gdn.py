@@ -400,6 +400,104 @@ class PackedGDNState:
             for i in plan.recorded:
                 self.suffix_length[i] += 1
 
+    # ---- a decode step on static buffers (`fast.batched_graphs`) ----------------------------------
+    def static_step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
+                    chunk_rule, recurrent_rule, chunks: bool, record: bool) -> torch.Tensor:
+        """The recurrent part of one GDN layer for a captured batched decode step: sequence ``b``'s rows are
+        ``[d_b deferred rows, its generated token (a decode group) or nothing (a restoring piece), padding]`` of
+        ``qkv [B, W, C]``, ``a, b [B, W, HV]``, its states read and written at row ``step.slots[b]`` of this per-slot
+        state (device indices), so one captured graph serves every assignment of sequences to slots and every
+        ``d_b``. ``step`` (`fast.batched_graphs.RecurrentStepBuffers`) is device tensors only: ``real``, ``deferred``
+        (``d_b``), ``token`` (a generated row follows the deferred rows), ``lead`` / ``record_map`` (the token is
+        recorded as leading token ``suffix[b]`` / into M_R) and ``suffix``. Host flags, part of the graph's key:
+        ``chunks`` (some sequence carries deferred rows) and ``record`` (some token is recorded); without them those
+        parts are not computed at all.
+
+        The operations of `step` (`_chunks`, then `_rests` on the tokens), on every sequence at once: rows after a
+        sequence's own deferred rows gated off in the chunk (``g = 0, beta = 0``; they follow its real rows, so no
+        real row's conv reads them), each sequence's token gathered from row ``d_b``, and every per-sequence choice
+        (has a chunk, has a token, records how, is padding) made by ``torch.where`` with the old values, which is
+        exact. Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows). The host's ``suffix_length`` is
+        not touched here (`PackedGDNStates.advance_suffix` after the step)."""
+        p = params
+        device = qkv.device
+        slots, real = step.slots, step.real
+        bsz, rows, _ = qkv.shape
+        g, beta = gdn_gates(a, b, p)
+        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
+        state = self.state.index_select(0, slots)
+        conv = self.conv.index_select(0, slots)
+        leading_state = None
+        if chunks:
+            d, carries = step.deferred, step.deferred > 0
+            valid = torch.arange(rows, device=device)[None] < d[:, None]
+            history = self.boundary_conv.index_select(0, slots)
+            y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+            q, k, v = _split_heads(y, p)
+            gc, bc = _gate_off(g, beta, valid)
+            boundary_before = self.boundary_state.index_select(0, slots)
+            out, boundary_state = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_before)
+            core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
+                                                                                     device=device))
+            boundary_conv = _last_window(history, qkv, d)
+            # the join: leading segments recomputed from h_b' and applied to S_b'
+            lead = step.suffix.clamp(max=self.width)
+            lead_qkv = self.leading_qkv.index_select(0, slots)
+            factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, slots),
+                                  self.leading_b.index_select(0, slots), p)
+            lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
+            lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
+            repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
+            leading_before = self.leading_state.index_select(0, slots)
+            live = join_state(state, self.rest_map.index_select(0, slots), leading_before, repaired)
+            state = torch.where(flag(carries, state), live.to(state.dtype), state)
+            leading_state = torch.where(flag(carries, leading_before), repaired.to(leading_before.dtype),
+                                        leading_before)
+            self.boundary_state.index_copy_(0, slots, torch.where(flag(carries, boundary_before),
+                                                                  boundary_state.to(boundary_before.dtype),
+                                                                  boundary_before))
+            self.boundary_conv.index_copy_(0, slots, boundary_conv)  # (d_b = 0: h_b itself)
+            # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1
+            short = carries & (lead < self.width)
+            conv = torch.where(flag(short, conv), _last_window(boundary_conv, lead_qkv, lead), conv)
+            has_token = step.token
+            at = step.deferred.clamp(max=rows - 1)[:, None]  # each sequence's token row
+            pick = lambda t: t.gather(1, at.view(-1, 1, *([1] * (t.dim() - 2))).expand(-1, 1, *t.shape[2:]))  # noqa
+            x, xa, xb, rg, rb = pick(qkv), pick(a), pick(b), pick(g), pick(beta)
+        else:
+            has_token = real
+            core = None
+            x, xa, xb, rg, rb = qkv, a, b, g, beta
+        # the tokens, from each sequence's (corrected) live state; a sequence without one keeps its states
+        y = causal_conv_with_history(x, conv, p.conv_weight, p.conv_bias, p.activation)
+        q, k, v = _split_heads(y, p)
+        out, stepped = self._rule(True, chunk_rule, recurrent_rule, q, k, v, rg, rb, state)
+        moved = has_token & real
+        stepped_conv = torch.cat([conv, x.to(conv.dtype)], dim=1)[:, 1:]  # `_last_window` of one row
+        self.state.index_copy_(0, slots, torch.where(flag(moved, state), stepped.to(state.dtype), state))
+        self.conv.index_copy_(0, slots, torch.where(flag(moved, conv), stepped_conv, conv))
+        if leading_state is not None and not record:
+            self.leading_state.index_copy_(0, slots, leading_state)
+        if record:
+            # as `_rests`: the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
+            lead_token, into_map = step.lead & moved, step.record_map & moved
+            f = gdn_factors(x, conv, xa, xb, p)
+            at_t = (torch.arange(self.width, device=device)[None] == step.suffix[:, None]) & lead_token[:, None]
+            for name, new in (("leading_qkv", x), ("leading_a", xa), ("leading_b", xb)):
+                old = getattr(self, name).index_select(0, slots)
+                getattr(self, name).index_copy_(0, slots, torch.where(at_t[..., None], new.to(old.dtype), old))
+            old = self.leading_state.index_select(0, slots) if leading_state is None else leading_state
+            advanced = advance_state(old, f.k, f.v, f.g, f.beta)
+            self.leading_state.index_copy_(0, slots, torch.where(flag(lead_token, old), advanced.to(old.dtype), old))
+            old = self.rest_map.index_select(0, slots)
+            updated = update_suffix_map(old, f.k, f.g, f.beta)
+            self.rest_map.index_copy_(0, slots, torch.where(flag(into_map, old), updated.to(old.dtype), old))
+        out = out.to(qkv.dtype)
+        if core is None:
+            return out
+        token_row = (torch.arange(rows, device=device)[None] == step.deferred[:, None]) & moved[:, None]
+        return torch.where(token_row[..., None, None], out, core)
+
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:
         """Write sequence ``i``'s states into ``layer`` (an empty `cache_utils.DeferredLinearAttentionLayer` of its
@@ -427,11 +525,13 @@ class PackedGDNStates:
     def __init__(self, batch: int):
         self.batch = int(batch)
         self.layers: dict[int, PackedGDNState] = {}
+        self.version = 0  # bumped whenever a layer's tensors are (re)allocated: captured steps hold their addresses
 
     def layer(self, layer_idx: int, params: GDNLayerParams, dtype: torch.dtype, device) -> PackedGDNState:
         state = self.layers.get(layer_idx)
         if state is None:
             state = self.layers[layer_idx] = PackedGDNState(self.batch, params, dtype, device)
+            self.version += 1
         return state
 
     def select(self, keep: list[int]) -> None:
@@ -439,6 +539,7 @@ class PackedGDNStates:
         for state in self.layers.values():
             state.select(keep)
         self.batch = len(keep)
+        self.version += 1
 
     # ---- rows as slots (`batch_engine`) ------------------------------------------------------------
     def take(self, rows: list[int]) -> "PackedGDNStates":
@@ -457,6 +558,7 @@ class PackedGDNStates:
             mine = self.layers.get(i)
             if mine is None:
                 mine = self.layers[i] = state.fresh(self.batch)
+                self.version += 1
             if index is None:  # once for every layer
                 index = _row_index(rows, mine.state.device)
             mine.put(rows, state, index)
@@ -466,6 +568,36 @@ class PackedGDNStates:
             state.reset(row)
 
     def grow(self, batch: int) -> None:
+        if batch <= self.batch:
+            return
         for state in self.layers.values():
             state.grow(batch)
-        self.batch = max(self.batch, int(batch))
+        self.batch = int(batch)
+        self.version += 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s states into row ``dst`` (in place); ``src`` is reset (`kv_pool.SlotKVPool.move`'s twin)."""
+        for state in self.layers.values():
+            for name in PackedGDNState._NAMES:
+                t = getattr(state, name)
+                t[dst] = t[src]
+            state.suffix_length[dst] = state.suffix_length[src]
+        self.reset(src)
+
+    def advance_suffix(self, rows: list[int]) -> None:
+        """One generated token recorded in each of ``rows`` (host ints; after a captured step, whose device part
+        `PackedGDNState.static_step` made the records)."""
+        for state in self.layers.values():
+            for r in rows:
+                state.suffix_length[r] += 1
+
+    def save_rows(self, index: torch.Tensor) -> list:
+        """Copies of rows ``index`` (a device tensor) of every layer's tensors, for `restore_rows`."""
+        return [[getattr(state, name).index_select(0, index) for name in PackedGDNState._NAMES]
+                for state in self.layers.values()]
+
+    def restore_rows(self, index: torch.Tensor, saved: list) -> None:
+        """Rows ``index`` back to what `save_rows` copied (in place)."""
+        for state, rows in zip(self.layers.values(), saved):
+            for name, row in zip(PackedGDNState._NAMES, rows):
+                getattr(state, name).index_copy_(0, index, row)

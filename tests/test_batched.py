@@ -395,9 +395,6 @@ def _refused(model, inputs, match, **kw):
 def test_refusals():
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     inputs = batched_inputs(processor, [IMAGE, TEXT])
-    gdn = family_model("qwen3_5")
-    _refused(gdn, batched_inputs(family_processor("qwen3_5"), [IMAGE, TEXT]),
-             r"fast_path=True with batch size 2: its Gated DeltaNet layers", raincheck=RaincheckConfig(fast_path=True))
     prompts = [processor.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False) for t in ("Hi.", "Say something about glyphs.")]
     right = processor(text=prompts, return_tensors="pt", padding=True, padding_side="right")

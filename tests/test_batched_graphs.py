@@ -220,7 +220,8 @@ def test_pools_and_their_graphs_serve_the_next_call(replay_log):
 
 def test_settings_and_refusals(replay_log):
     """``graphs=None`` on a CPU model stays eager; ``graphs=True`` runs the captured steps; a contradiction with
-    ``fast_path`` and the Gated DeltaNet families are refused with the setting named, before any compute."""
+    ``fast_path`` is refused with the setting named, before any compute. (The Gated DeltaNet families:
+    tests/test_batched_gdn_graphs.py.)"""
     model = family_model("qwen3_vl")
     assert BatchEngine(model, RaincheckConfig()).graphs is None
     assert BatchEngine(model, RaincheckConfig(), graphs=False).graphs is None
@@ -230,10 +231,6 @@ def test_settings_and_refusals(replay_log):
         BatchEngine(model, RaincheckConfig(fast_path=True), graphs=False)
     with pytest.raises(ValueError, match="graphs must be None"):
         BatchEngine(model, RaincheckConfig(), graphs="yes")
-    gdn = family_model("qwen3_5")
-    assert BatchEngine(gdn, RaincheckConfig()).graphs is None
-    with pytest.raises(ValueError, match="fast_path=True .* Gated DeltaNet"):
-        BatchEngine(gdn, RaincheckConfig(), graphs=True)
     engine = BatchEngine(model, RaincheckConfig(), graphs=True)
     engine.close()
     with pytest.raises(ValueError, match="after close"):

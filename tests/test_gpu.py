@@ -1086,6 +1086,137 @@ def test_cuda_batched_generate_replays_its_decode_steps():
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypatch):
+    """The CPU fuzz of tests/test_batched_gdn_graphs.py on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 tiny
+    Qwen3.5; Qwen3.5-MoE captures in bfloat16 only): random join schedules, prompts, modes, chunk sizes, budgets and
+    held conversations, the decode steps (tokens, ``[chunk, token]``) replayed with the GDN states read and written
+    at the step's slots;
+    each sequence's tokens identical to its own eager batch-1 call under its chunk schedule, logits within 1e-3 +
+    1e-3 of the step's largest logit, its cache's rows, keys and pending rows equal."""
+    import random
+
+    import test_batch_engine as tbe
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs, static_cache
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", 16)  # several span buckets on the tiny prompts
+    rng = random.Random(9700 + seed)
+    model, processor = _cuda_family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg, requests, budget = tbe.draw_case(rng, model, processor, longest=8, most=6)
+    batched_graphs.release_all()
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), token_budget=budget, num_slots=1,
+                         capacity=16)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.use_cuda and graphs.recurrent is engine.recurrent
+    tbe.drive(model, engine, requests, ahead=seed % 2 == 1)  # (odd seeds: each next step prepared ahead)
+    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
+    _assert_cuda_sequences_equal_alone(f"qwen3_5 seed {seed}", requests)
+    assert engine.sequences == []
+    engine.close()
+    batched_graphs.release_all()
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen3_5", torch.float32), ("qwen3_5", torch.bfloat16),
+                                        ("qwen3_5_moe", torch.bfloat16)], ids=["qwen3_5-fp32", "qwen3_5-bf16",
+                                                                               "qwen3_5_moe-bf16"])
+@pytest.mark.parametrize("mode", ["full", "raincheck", "post_answer"])  # post_answer: every token recorded
+def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monkeypatch):
+    """``generate`` with B = 3 on CUDA, ``fast_path=True``, on the Gated DeltaNet families: the decode steps (tokens;
+    ``[chunk, token]`` in raincheck) are captured and replayed (counted), a second call captures nothing new, and
+    the answers equal the same static-buffer steps run uncaptured (tokens identical, logits within 1e-4 of the largest: a replay runs the captured kernels)
+    and the eager batched engine (fp32: tokens identical, logits within 1e-3 + 1e-3 x max; bf16 on a random tiny
+    model: along the common prefix of the tokens, at least the first answer token, within 5% of the largest logit,
+    as the batch-1 MoE capture test compares)."""
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    batched_graphs.release_all()
+    model = raincheck_hf.enable(BY_NAME[name].build(seed=0).to(device="cuda", dtype=dtype))
+    inputs = _cuda(batched_inputs(family_processor(name), [TWO_IMAGES, IMAGE, TEXT]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=3, decode_guard=1)
+    want = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=False), **kw)
+    got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert kept.use_cuda and kept.capture_log and kept.replays > 0 and not kept.failed
+    if mode == "post_answer":
+        assert any(key.records for key in kept.capture_log)
+    if mode == "raincheck":
+        assert any(key.chunks for key in kept.capture_log)
+    captures, replays = len(kept.capture_log), kept.replays
+    again = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
+    assert len(kept.capture_log) == captures and kept.replays > replays
+    batched_graphs.release_all()
+
+    def uncaptured(self, key, buffers):  # the same static-buffer step, run on the device without a graph
+        def run():
+            self._step(buffers, key.span, key.dense, key.records, key.chunks)
+
+        run()
+        return batched_graphs._EagerStep(run)
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "_warm_and_capture", uncaptured)
+    plain = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
+    batched_graphs.release_all()
+    for out in (got, again):
+        assert torch.equal(out.sequences, plain.sequences)
+        for a, b in zip(out.logits, plain.logits):
+            assert (a.float() - b.float()).abs().max().item() <= 1e-4 * max(1.0, b.float().abs().max().item())
+    if dtype == torch.float32:
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.logits, want.logits):
+            assert (a.float() - b.float()).abs().max().item() <= 1e-3 + 1e-3 * b.float().abs().max().item()
+        return
+    n_prompt = inputs["input_ids"].shape[1]
+    for row in range(got.sequences.shape[0]):
+        same = int((got.sequences[row] == want.sequences[row]).long().cumprod(-1).sum())  # the common prefix
+        assert same > n_prompt, f"row {row}: the first answer token differs"
+        for i in range(same - n_prompt):
+            a, b = got.logits[i][row].float(), want.logits[i][row].float()
+            assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"row {row} forward {i}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cuda_batched_gdn_graphs_restoring_sequences_ride_in_replayed_steps(seed, monkeypatch):
+    """The CPU fuzz of restoring sequences in captured GDN steps (tests/test_batched_gdn_graphs.py) on CUDA with real
+    capture (fp32 Qwen3.5): restoring pieces (deferred rows only) ride in replayed steps, every forward without a
+    prompt piece a replay; each answer equals its own eager batch-1 call (tokens identical, logits within 1e-3 +
+    1e-3 of the step's largest logit), each restored cache's rows, keys and pending rows equal idle-time
+    restoration's."""
+    import random
+
+    import test_batch_engine as tbe
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs, static_cache
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    monkeypatch.setattr(static_cache, "SLOT_BUCKET", 16)
+    rng = random.Random(9800 + seed)
+    model, processor = _cuda_family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg, answers, held, max_rows, budget = tbe.draw_restoring_case(rng, model, processor, longest=8, most=3)
+    batched_graphs.release_all()
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), token_budget=budget, num_slots=1,
+                         capacity=16)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.use_cuda
+    restored, paths = tbe.run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
+    assert graphs.capture_log and not graphs.failed
+    assert ("replay", True, True) in paths
+    assert graphs.replays == sum(1 for path, _, _ in paths if path == "replay")
+    _assert_cuda_sequences_equal_alone(f"qwen3_5 seed {seed}", answers)
+    for k, (cache, got) in enumerate(zip(held, restored)):
+        what = f"qwen3_5 seed {seed} held conversation {k}"
+        want = tbe._idle_restored(model, cache, cfg)
+        assert got.num_pending == 0 and repr(got) == repr(want), what
+        assert torch.equal(got.row_keys.cpu(), want.row_keys.cpu()), what
+        assert torch.equal(got.row_sources, want.row_sources), what
+    engine.close()
+    batched_graphs.release_all()
+
+
 def _synchronizations(fn) -> int:
     """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode in ``warn``: one warning per call that
     waits for the device, a device-to-host copy, ``item``, a blocking host-to-device copy, ``nonzero``...)."""

@@ -1,4 +1,4 @@
-"""The batched engine's decode steps as CUDA graphs, one per (batch bucket, width, span bucket).
+"""The batched engine's decode steps as CUDA graphs, one per key (batch bucket, width, span bucket, ...).
 
 `batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
 ``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
@@ -14,7 +14,9 @@ buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`)
   default, lands on the same ladder); a shorter sequence's rows are padded at its end, as on the eager engine (they
   write after its length with the empty key, which its next rows overwrite);
 - ``span``: the slot rows attention reads, the step's longest ``length + width`` on the geometric ladder of
-  `static_cache.slot_bucket` (at most the pool's capacity).
+  `static_cache.slot_bucket` (at most the pool's capacity);
+- ``dense`` (below) and, on the Gated DeltaNet families, ``records`` / ``chunks``: some sequence records its token /
+  carries deferred rows (below).
 
 Static buffers (`BatchStepBuffers`): embeddings ``[B, W, D]``, positions ``[3, B, W]``, query keys ``[B, W]``,
 the step's slots ``[B]`` and write offsets ``[B, W]``, one dense DeepStack addend ``[B, W, D]`` per DeepStack
@@ -37,10 +39,27 @@ step's budget gave no rows) the step gathers its slots (``index_select``, a copy
 the eager engine does) and its padding sequences write to the pool's scratch slot; ``dense`` is part of the key.
 
 Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
-(`kv_pool.SlotKVPool.version`). A capture's warm-up runs the real step it is captured for: on attention-only
-families a step is idempotent (it writes the same rows with the same values and keys), so the replay that
-follows gives the same result. Families with recurrent state (Qwen3.5's Gated DeltaNet) and prompt pieces run
-on the eager `ForwardRunner`.
+(`kv_pool.SlotKVPool.version`) or the recurrent states theirs (`batched_gdn.PackedGDNStates.version`). A capture's
+warm-up runs the real step it is captured for: on attention-only families a step is idempotent (it writes the same
+rows with the same values and keys), so the replay that follows gives the same result. Prompt pieces run on the
+eager `ForwardRunner`.
+
+Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
+per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
+eager forwards take and put the same rows). Every `decode_only` step runs here, as on the attention families: the
+plain decode step (every sequence one generated row: ``full`` mode, and an answer whose deferred rows are all
+restored), ``[chunk, token]`` steps and restoring pieces. Each GDN layer reads and writes its sequences' rows
+through the step's slot indices (``slots``, a device tensor: no host int from the device inside the step;
+`batched_gdn.PackedGDNState.static_step`); `RecurrentStepBuffers` say per batch row whether it is a real sequence
+(a padding sequence's rows are written back unchanged), how many deferred rows it carries (the chunk runs over the
+step's whole width from each boundary, the rows after a sequence's own chunk gated off, ``g = 0, beta = 0``),
+whether a token follows them (gathered from its row), and whether that token is recorded as a leading token or into
+``M_R`` at its suffix length; the join, the conv window and the records are chosen per sequence by masks
+(``torch.where`` with the old values). They are rewritten before every replay like the other buffers. Whether some
+sequence carries deferred rows (``chunks``) and whether some records (``records``) are part of the key, so the plain
+decode step computes neither; the host's suffix lengths move after the step (`PackedGDNStates.advance_suffix`). A
+step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
+warm-up and puts them back after it: the replay that follows runs the real step once.
 
 The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
 (``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
@@ -93,9 +112,6 @@ def width_bucket(widest: int, config: RaincheckConfig) -> int:
 
 def batched_graph_blocker(adapter) -> str | None:
     """Why this model's batched decode steps cannot run as captured steps, or None."""
-    if adapter.has_linear_attention:
-        return ("its Gated DeltaNet layers keep per-sequence recurrent state that the batched engine steps on the "
-                "host, so batched steps run on the eager batched engine")
     if not adapter.supports_fast_path:
         return "the family has no fast path"
     split = accelerate_split(adapter.model)
@@ -154,6 +170,35 @@ class BatchStepKey(NamedTuple):
     width: int  # rows per sequence (`width_bucket`)
     span: int  # slot rows attention reads
     dense: bool  # the step's slots are 0 .. batch - 1 (padding sequences in the free ones): attention reads views
+    records: bool = False  # Gated DeltaNet families: some sequence records its generated row (deferred rows pending)
+    chunks: bool = False  # Gated DeltaNet families: some sequence carries deferred rows (a chunk, a restoring piece)
+
+
+@dataclass
+class RecurrentStepBuffers:
+    """The Gated DeltaNet part of a captured step's buffers (`batched_gdn.PackedGDNState.static_step`): the step's
+    slots (the `BatchStepBuffers`' own tensor) index the per-slot states; per batch row ``real`` (False: a padding
+    sequence, its states written back unchanged), ``deferred`` (its leading deferred rows), ``token`` (a generated
+    row follows them: a decode group, not a restoring piece), ``lead`` / ``record_map`` (its generated row is
+    recorded as a leading token / into M_R) and ``suffix`` (its recorded suffix length before the step)."""
+
+    slots: torch.Tensor  # [B] long
+    real: torch.Tensor  # [B] bool
+    deferred: torch.Tensor  # [B] long
+    token: torch.Tensor  # [B] bool
+    lead: torch.Tensor  # [B] bool
+    record_map: torch.Tensor  # [B] bool
+    suffix: torch.Tensor  # [B] long
+
+    @classmethod
+    def empty(cls, slots: torch.Tensor) -> "RecurrentStepBuffers":
+        b, device = slots.shape[0], slots.device
+        flag, long = dict(dtype=torch.bool, device=device), dict(dtype=torch.long, device=device)
+        return cls(slots, torch.zeros(b, **flag), torch.zeros(b, **long), torch.zeros(b, **flag),
+                   torch.zeros(b, **flag), torch.zeros(b, **flag), torch.zeros(b, **long))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.real, self.deferred, self.token, self.lead, self.record_map, self.suffix]
 
 
 @dataclass
@@ -166,19 +211,26 @@ class BatchStepBuffers:
     last: torch.Tensor  # [B]: each sequence's last real row
     deepstack: list[torch.Tensor]  # [B, W, D] per DeepStack layer
     logits: torch.Tensor | None = None  # [B, V], set by the step
+    recurrent: RecurrentStepBuffers | None = None  # Gated DeltaNet families
 
     @classmethod
-    def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device) -> "BatchStepBuffers":
+    def empty(cls, key: BatchStepKey, hidden: int, num_deepstack: int, dtype, device,
+              recurrent: bool = False) -> "BatchStepBuffers":
         b, w = key.batch, key.width
         long = dict(dtype=torch.long, device=device)
-        return cls(torch.zeros(b, w, hidden, dtype=dtype, device=device), torch.zeros(3, b, w, **long),
-                   torch.full((b, w), MAX_KEY, **long), torch.zeros(b, **long), torch.zeros(b, w, **long),
-                   torch.zeros(b, **long),
-                   [torch.zeros(b, w, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)])
+        buffers = cls(torch.zeros(b, w, hidden, dtype=dtype, device=device), torch.zeros(3, b, w, **long),
+                      torch.full((b, w), MAX_KEY, **long), torch.zeros(b, **long), torch.zeros(b, w, **long),
+                      torch.zeros(b, **long),
+                      [torch.zeros(b, w, hidden, dtype=dtype, device=device) for _ in range(num_deepstack)])
+        if recurrent:
+            buffers.recurrent = RecurrentStepBuffers.empty(buffers.slots)
+        return buffers
 
     def tensors(self) -> list[torch.Tensor]:
         """The input buffers (what every fill rewrites)."""
-        return [self.embeds, self.positions, self.query_keys, self.slots, self.write, self.last, *self.deepstack]
+        extra = self.recurrent.tensors() if self.recurrent is not None else []
+        return [self.embeds, self.positions, self.query_keys, self.slots, self.write, self.last, *self.deepstack,
+                *extra]
 
 
 class PreparedBatchStep(NamedTuple):
@@ -191,6 +243,7 @@ class PreparedBatchStep(NamedTuple):
     key: BatchStepKey
     buffers: BatchStepBuffers
     setting: tuple
+    recorded: tuple = ()  # Gated DeltaNet families: the slots whose generated row the step records
 
 
 class _DeviceStep(SlotStep):
@@ -230,15 +283,31 @@ class BatchedStepGraphs:
         self.hidden = adapter.text_model.config.hidden_size
         self.num_deepstack = adapter.num_deepstack_layers
         self._captured: dict[BatchStepKey, tuple] = {}
-        self._setting = (pool.version, adapter.attn_implementation)  # what the captured graphs were made on
+        # Gated DeltaNet families: the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row per slot of the
+        # pool, scratch slot included), kept with the pool: the engine's eager forwards use them too
+        self.recurrent = adapter.packed_states(pool.total_slots)
+        self._setting = self._current_setting()  # what the captured graphs were made on
         self._mempool = None
         self._stream = None
         self.capture_log: list[BatchStepKey] = []  # every capture, in order
         self.replays = 0
         self.failed = False  # a capture raised: every decode step runs eagerly from then on
 
+    def _current_setting(self) -> tuple:
+        """What captured graphs depend on beyond their key: the pool's tensors, the attention backend, the recurrent
+        states' tensors."""
+        return (self.pool.version, self.adapter.attn_implementation,
+                None if self.recurrent is None else self.recurrent.version)
+
+    def accepts(self, entries) -> bool:
+        """Whether the forward ``entries`` runs here (else on the eager `batch_engine.ForwardRunner`), decided on the
+        host from the entries' kinds: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring pieces),
+        on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`)."""
+        return decode_only(entries)
+
     # ---- the step itself, identical in eager and captured form ----
-    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False) -> None:
+    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False, records: bool = False,
+              chunks: bool = False) -> None:
         adapter, pool = self.adapter, self.pool
         slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
         pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
@@ -250,7 +319,8 @@ class BatchedStepGraphs:
         text_model = adapter.text_model
         pool.step = _DeviceStep(buffers, span, dense)
         try:
-            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()):
+            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()), \
+                    adapter.static_packed_step(self.recurrent, buffers.recurrent, chunks, records):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
@@ -264,10 +334,23 @@ class BatchedStepGraphs:
             buffers.logits.copy_(logits)
 
     def _capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
-        """A replayable step on ``buffers`` (filled with the real step: the warm-up runs execute it)."""
+        """A replayable step on ``buffers`` (filled with the real step: the warm-up runs execute it). Recurrent states
+        advance with every run (a step is not idempotent there): the rows of the step's slots are copied before the
+        warm-up and put back after it, so the replay that follows runs the real step once."""
+        saved = None
+        if self.recurrent is not None:
+            saved = self.recurrent.save_rows(buffers.slots)
+        try:
+            return self._warm_and_capture(key, buffers)
+        finally:
+            if saved is not None:
+                self.recurrent.restore_rows(buffers.slots, saved)
+
+    def _warm_and_capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
+        run = lambda: self._step(buffers, key.span, key.dense, key.records, key.chunks)  # noqa: E731
         if not self.use_cuda:
-            self._step(buffers, key.span, key.dense)  # (the first run: `BatchStepBuffers.logits` gets its tensor)
-            return _EagerStep(lambda: self._step(buffers, key.span, key.dense))
+            run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
+            return _EagerStep(run)
         with CAPTURE_LOCK:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
@@ -276,11 +359,11 @@ class BatchedStepGraphs:
             try:
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        self._step(buffers, key.span, key.dense)
+                        run()
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                    self._step(buffers, key.span, key.dense)
+                    run()
                 self._mempool = graph.pool()
             finally:
                 torch.cuda.current_stream().wait_stream(stream)
@@ -309,18 +392,24 @@ class BatchedStepGraphs:
             pool.grow_slots(key_batch)  # the bucket's padding sequences take the free slots after them
             dense = all(s in pool._free for s in range(n, key_batch))
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
-        setting = (pool.version, adapter.attn_implementation)
+        if self.recurrent is not None:
+            self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
+        setting = self._current_setting()
         if setting != self._setting:  # the tensors moved (graphs hold the old addresses), or another backend
             self._captured.clear()
             self._mempool, self._setting = None, setting
         starts = [pool.lengths[s] for s in slots]
         span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
-        key = BatchStepKey(key_batch, width, span, dense)
+        recorded = self._recorded(entries)
+        chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
+        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks)
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
-            key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device)
+            key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
         self._fill(buffers, entries, starts, None if dense else pool.scratch)
-        return PreparedBatchStep(entries, slots, starts, key, buffers, setting)
+        if self.recurrent is not None:
+            self._fill_recurrent(buffers.recurrent, entries, recorded)
+        return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded))
 
     def launch(self, step: "PreparedBatchStep") -> dict:
         """Run a `prepare`d step (capture its graph the first time its key runs, else replay it); the logits ``[V]``
@@ -328,8 +417,7 @@ class BatchedStepGraphs:
         lengths unchanged): a RuntimeError otherwise, before anything runs."""
         pool = self.pool
         entries, slots, starts, key, buffers = step.entries, step.slots, step.starts, step.key, step.buffers
-        if (pool.version, self.adapter.attn_implementation) != step.setting or \
-                [pool.lengths[s] for s in slots] != starts:
+        if self._current_setting() != step.setting or [pool.lengths[s] for s in slots] != starts:
             raise RuntimeError("a batched step was prepared on a pool that changed before its launch (its slots' "
                                "rows or tensors); prepare it again.")
         captured = self._captured.get(key)
@@ -364,6 +452,8 @@ class BatchedStepGraphs:
                 for slot, was in zip(slots, starts):
                     pool.slot_keys[slot, was:pool.lengths[slot]] = MAX_KEY
                     pool.lengths[slot] = was
+        if step.recorded:  # (the host's suffix lengths: the step recorded those rows on the device)
+            self.recurrent.advance_suffix(list(step.recorded))
         for seq, group in entries:
             seq.stored(group)
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
@@ -418,6 +508,43 @@ class BatchedStepGraphs:
             if features:
                 addend.view(batch * width, -1).index_copy_(
                     0, ds_dest, torch.cat(features).to(device, addend.dtype))
+
+
+    # ---- the Gated DeltaNet part of a step ----
+    def _recorded(self, entries) -> list[int]:
+        """The slots whose generated row the step records in the GDN states (a decode group's token while deferred
+        rows are still pending after the step, as `batched.SequenceState.layout` says); none on attention
+        families."""
+        if self.recurrent is None:
+            return []
+        return [seq.slot for seq, _ in entries if not seq.restores_only and seq.num_pending > 0]
+
+    def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int]) -> None:
+        """Rewrite the GDN buffers for this step (``entries`` in slot order, `_fill`'s batch rows): which rows are real
+        sequences, their deferred rows and whether a token follows them (a decode group's rows are ``[chunk,
+        token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading token or
+        into M_R, and the suffix lengths (host ints of the per-slot states); padding rows: not real, no rows, no
+        record. One non-blocking copy, nothing read back."""
+        batch = buffers.real.shape[0]
+        pad = [0] * (batch - len(entries))
+        layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
+        records = set(recorded)
+        suffix = [layer.suffix_length[seq.slot] for seq, _ in entries]
+        token = [int(not seq.restores_only) for seq, _ in entries]
+        rec = [seq.slot in records for seq, _ in entries]
+        host = torch.tensor([[1] * len(entries) + pad,
+                             [len(g) - t for (_, g), t in zip(entries, token)] + pad,
+                             token + pad,
+                             [int(r and t < layer.width) for r, t in zip(rec, suffix)] + pad,
+                             [int(r and t >= layer.width) for r, t in zip(rec, suffix)] + pad,
+                             suffix + pad], dtype=torch.long)
+        host = to_device_all([host], buffers.real.device)[0]
+        buffers.real.copy_(host[0].bool())
+        buffers.deferred.copy_(host[1])
+        buffers.token.copy_(host[2].bool())
+        buffers.lead.copy_(host[3].bool())
+        buffers.record_map.copy_(host[4].bool())
+        buffers.suffix.copy_(host[5])
 
 
 def _placement(counts: list[int], width: int) -> torch.Tensor:

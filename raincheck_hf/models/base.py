@@ -387,6 +387,12 @@ class ModelAdapter:
         sequence's rows laid out as ``layouts[b]`` (`batched_gdn.PackedRowLayout`)."""
         return contextlib.nullcontext()
 
+    def static_packed_step(self, states, step, chunks: bool, record: bool):
+        """A context manager around a captured batched decode step's text-model call (`fast.batched_graphs`): those
+        layers run on the per-slot ``states`` through the step's device buffers ``step`` (``chunks`` / ``record``: some
+        sequence carries deferred rows / records its token)."""
+        return contextlib.nullcontext()
+
     def export_packed_state(self, states, index: int, cache) -> None:
         """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
 

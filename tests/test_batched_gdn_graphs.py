@@ -1,0 +1,251 @@
+"""`fast.batched_graphs` on the Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE), on CPU: decode steps (tokens, chunks,
+restoring pieces) on static buffers, each sequence's recurrent states read and written at its slot's row of the
+per-slot states through the step's device indices (`batched_gdn.PackedGDNState.static_step`).
+
+Without CUDA a "captured" step is the same callable run eagerly on its static buffers; the fixture `replay_log`
+(tests/test_batched_graphs.py) records every replay and overwrites every input buffer with garbage after each one
+(the GDN ones too: `RecurrentStepBuffers`), so a step that read anything its fill did not rewrite would differ.
+References: the eager engine (``graphs=False``) and each sequence run alone through batch-1 ``generate``; tokens
+identical, logits within 1e-4 (fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.batch_engine import BatchEngine
+from raincheck_hf.batched_gdn import PackedGDNState
+from raincheck_hf.fast import batched_graphs
+
+from conftest import assert_same_output
+from families import family_model, family_params, family_processor
+from test_batch_engine import (Request, _idle_restored, draw_case, draw_restoring_case, drive,
+                               run_restoring_case)
+from test_batched import (IMAGE, TEXT, TWO_IMAGES, VIDEO, assert_cache_equal, assert_rows_match_alone,
+                          assert_trace_equal, batched_inputs, run)
+from test_batched_graphs import replay_log  # noqa: F401 (the fixture)
+
+TOL = 1e-4
+GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+def _with(cfg: RaincheckConfig, fast_path) -> RaincheckConfig:
+    return dataclasses.replace(cfg, fast_path=fast_path)
+
+
+def _accepted_forwards(engine) -> dict:
+    """Count the forwards the captured steps take (`BatchedStepGraphs.accepts`) and the `decode_only` ones they leave
+    to the eager runner (steps with a deferred chunk or a restoring piece), as the engine schedules them."""
+    counts = {"accepted": 0, "left": 0}
+    schedule = engine.scheduler.schedule
+
+    def counted(adapter, sequences):
+        forwards = schedule(adapter, sequences)
+        for f in forwards:
+            if engine.graphs.accepts(f):
+                counts["accepted"] += 1
+            elif batched_graphs.decode_only(f):
+                counts["left"] += 1
+        return forwards
+
+    engine.scheduler.schedule = counted
+    return counts
+
+
+# (family, mode, chunk size): both families, `full` and raincheck-family modes, chunk sizes across 1 .. 15
+CASES = [("qwen3_5", "full", 1), ("qwen3_5", "raincheck", 1), ("qwen3_5", "raincheck", 15),
+         ("qwen3_5", "post_answer", 2), ("qwen3_5_moe", "full", 15), ("qwen3_5_moe", "raincheck", 4),
+         ("qwen3_5_moe", "post_answer", 7)]
+
+
+@pytest.mark.parametrize("name,mode,chunk", [pytest.param(*c, id="-".join(map(str, c))) for c in CASES])
+def test_generate_batch_replays_decode_steps_and_equals_eager_and_alone(name, mode, chunk, replay_log):
+    """``generate`` with B = 3 (two images, text; batch bucket 4: one padding sequence), ``fast_path=True``: the
+    decode steps (tokens, and ``[chunk, token]`` in raincheck) replay the static-buffer step; the answer equals the
+    eager engine's (tokens identical, logits within 1e-4, traces, caches with their GDN states exported from the
+    per-slot rows), which equals each row's own batch-1 call."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=chunk, decode_guard=1)
+    rows = [TWO_IMAGES, IMAGE, TEXT]
+    want = assert_rows_match_alone(model, processor, rows, _with(cfg, False), n=12)  # the eager engine = each alone
+    got = run(model, batched_inputs(processor, rows), _with(cfg, True), 12)
+    assert_same_output(got, want, TOL, "step")
+    for i in range(len(rows)):
+        assert_trace_equal(got.raincheck[i], want.raincheck[i])
+        assert_cache_equal(got.cache[i], want.cache[i])
+    assert replay_log and any(key.batch == 4 for key in replay_log)
+    if mode == "raincheck":  # chunks ride with the tokens in replayed steps
+        assert any(key.chunks and key.width > 1 for key in replay_log)
+    if mode == "post_answer":  # the answer's tokens are recorded (lead, then M_R) while every deferred row waits
+        assert any(key.records for key in replay_log)
+    if mode == "full":
+        assert not any(key.records for key in replay_log)
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzz_gdn_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
+    """Random join schedules, prompts, modes, chunk sizes, budgets and held conversations on the GDN families,
+    through an engine with the static-buffer steps (dense views of the lowest slots, or gathered slots with the
+    bucket's padding in the scratch slot): each sequence equals its own eager batch-1 call (tokens, logits 1e-4,
+    cache with its GDN states, trace); every step the captured steps accept was a replay, the others ran eagerly;
+    the pool ends empty."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
+    rng = random.Random(7700 + seed)
+    name = GDN_FAMILIES[seed % 2]
+    model, processor = family_model(name), family_processor(name)
+    cfg, requests, budget = draw_case(rng, model, processor, longest=8, most=5)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _accepted_forwards(engine)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} seed {seed} sequence {i}")
+    assert counts["accepted"] > 0 and len(replay_log) == counts["accepted"] == engine.graphs.replays
+    assert all(key.dense == views for key in replay_log)
+    assert engine.sequences == [] and len(engine.pool._free) == engine.pool.num_slots
+    for state in engine.recurrent.layers.values():  # every row fresh again (the scratch slot's too: padding
+        for name in PackedGDNState._NAMES:           # sequences leave their rows unchanged)
+            t = getattr(state, name)
+            want = torch.eye(t.shape[-1]).expand_as(t) if name == "rest_map" else torch.zeros_like(t)
+            assert torch.equal(t, want.to(t.dtype)), name
+        assert state.suffix_length == [0] * state.batch
+
+
+def test_records_replay_with_every_suffix_length(replay_log):
+    """``post_answer`` (every generated token recorded while the deferred rows wait): three sequences of different
+    prompt lengths and answer lengths decode together, their tokens recorded as leading tokens (suffix 0 .. Kc - 2)
+    then into M_R, in the same captured steps (some sequences leading while others map: the per-row masks); after the
+    answer each one's restored follow-up (its exported boundary record) equals its own call's."""
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(mode="post_answer", retention=0.2, chunk_size=3, decode_guard=0, fast_path=False)
+    late = Request(model, processor, cfg, VIDEO, n=7, arrive=2)  # joins two steps later: suffix lengths differ
+    requests = [Request(model, processor, cfg, IMAGE, n=9, arrive=0),
+                Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=0), late]
+    engine = BatchEngine(model, _with(cfg, None), num_slots=2, graphs=True)
+    seen = []
+    fill = engine.graphs._fill_recurrent
+
+    def watched(buffers, entries, recorded):
+        fill(buffers, entries, recorded)
+        seen.append((buffers.lead.tolist(), buffers.record_map.tolist()))
+
+    engine.graphs._fill_recurrent = watched
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"sequence {i}")
+    assert any(key.records for key in replay_log)
+    assert any(any(lead) and any(into) for lead, into in seen)  # one step: a leading record and an M_R update
+
+
+def test_replays_after_sequences_leave_and_join_read_no_stale_state(replay_log):
+    """Three sequences decode; the one in slot 0 leaves first (the sequence in the highest slot moves into its hole,
+    its GDN states with it), garbage is written over the GDN rows of every slot no sequence holds (free slots, the
+    scratch slot: where the bucket's padding sequences read), and a new sequence joins into a freed slot; the same
+    captured keys replay across the change: each sequence equals its own call."""
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(mode="full", fast_path=False)
+    first = [Request(model, processor, cfg, row, n=n, arrive=0) for row, n in ((TEXT, 3), (IMAGE, 10),
+                                                                                (TWO_IMAGES, 10))]
+    late = Request(model, processor, cfg, VIDEO, n=6, arrive=5)
+    engine = BatchEngine(model, _with(cfg, None), num_slots=4, graphs=True)
+    remove = engine.remove
+    gen = torch.Generator().manual_seed(3)
+    soiled = []
+
+    def remove_and_soil(seq):
+        cache = remove(seq)
+        held = {s.slot for s in engine.sequences}
+        for state in engine.recurrent.layers.values():
+            for row in range(state.batch):
+                if row not in held:
+                    for name in PackedGDNState._NAMES:
+                        t = getattr(state, name)
+                        t[row] = 1e3 * torch.randn(t[row].shape, generator=gen)
+                    soiled.append(row)
+        return cache
+
+    engine.remove = remove_and_soil
+    drive(model, engine, first + [late])
+    for i, r in enumerate(first + [late]):
+        r.check(f"sequence {i}")
+    assert soiled
+    fours = [i for i, key in enumerate(replay_log) if key.batch == 4]
+    twos = [i for i, key in enumerate(replay_log) if key.batch == 2]
+    assert fours and twos and fours[0] < twos[0] < fours[-1]  # 3 sequences, then 2, then 3 again with the late one
+
+
+def test_every_decode_step_replays_chunks_included(replay_log):
+    """On the GDN families every step without a prompt piece replays, those carrying a deferred chunk too (chunks of
+    different lengths in one step: the rows after each sequence's own chunk gated off, its token gathered from its
+    own row): the eager runner runs prompt pieces only, and the answer equals the eager engine's."""
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, decode_guard=0, batch_chunk_rows=None)
+    inputs = batched_inputs(processor, [TWO_IMAGES, IMAGE, VIDEO])
+    want = run(model, inputs, _with(cfg, False), 10)
+    engines = []
+    init = BatchEngine.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        engines.append(self)
+        self.kept_graphs = self.graphs  # (`close` drops it)
+        self.eager_decode = 0
+        runner_run = self.runner.run
+
+        def counted(entries):  # the decode-only forwards the eager runner ran: none
+            self.eager_decode += batched_graphs.decode_only(entries)
+            return runner_run(entries)
+
+        self.runner.run = counted
+
+    BatchEngine.__init__ = kept
+    try:
+        got = run(model, inputs, _with(cfg, True), 10)
+    finally:
+        BatchEngine.__init__ = init
+    assert_same_output(got, want, TOL, "step")
+    (engine,) = engines
+    assert engine.eager_decode == 0 and engine.kept_graphs.replays == len(replay_log) > 0
+    assert any(key.chunks and key.width == 6 for key in replay_log)
+    assert any(t.restored_during_decode for t in got.raincheck)
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_restoring_sequences_ride_in_replayed_gdn_steps(seed, views, replay_log, monkeypatch):
+    """Held conversations restore from step 0 beside random answers (`draw_restoring_case`) on the GDN families:
+    restoring pieces (deferred rows only, no token: their boundary moves, their live state joins) ride in replayed
+    steps; every forward without a prompt piece was a replay; each answer equals its own eager batch-1 call, and each
+    restored cache (its GDN states exported from the per-slot rows) equals idle-time restoration of its held cache."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
+    rng = random.Random(7800 + seed)
+    name = GDN_FAMILIES[seed % 2]
+    model, processor = family_model(name), family_processor(name)
+    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _accepted_forwards(engine)
+    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
+    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
+    for i, r in enumerate(answers):
+        r.check(f"{what} answer {i}")
+    for cache, got in zip(held, restored):
+        assert_cache_equal(got, _idle_restored(model, cache, cfg))
+    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
+    assert [p for p, _, _ in paths].count("replay") == counts["accepted"] == len(replay_log)
+    assert counts["left"] == 0
+
+
+@pytest.mark.parametrize("name", family_params(GDN_FAMILIES))
+def test_settings(name, replay_log):
+    """The GDN families take the static-buffer steps with ``graphs=True`` (on CPU: eagerly on the buffers), keep the
+    eager engine with ``graphs=None`` on CPU, and the engine's recurrent states are the captured steps' own."""
+    model = family_model(name)
+    assert BatchEngine(model, RaincheckConfig()).graphs is None
+    engine = BatchEngine(model, RaincheckConfig(), graphs=True)
+    assert engine.graphs is not None and engine.recurrent is engine.graphs.recurrent
+    assert batched_graphs.batched_graph_blocker(engine.adapter) is None
