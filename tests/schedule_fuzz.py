@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,19 @@ def replayed_chunk_sizes():
         ChunkScheduler.chunk_size = original
 
 
+def _wait_for_cancel_point(gate, streamed, timeout: float = 600.0) -> None:
+    """Wait until the streamed answer is held at its cancel point (``gate.reached``). If its thread ends first, its
+    own error is raised here (else the wait would only time out and hide it); the timeout is generous because a
+    process's first answers on a GPU shared with other test processes pay kernel autotuning and graph captures."""
+    deadline = time.monotonic() + timeout
+    while not gate.reached.wait(timeout=0.2):
+        if not streamed._thread.is_alive():
+            streamed.result  # noqa: B018 (raises the answer's own error, if it had one)
+            raise AssertionError("the streamed answer ended before its cancel point")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the streamed answer did not reach its cancel point in {timeout:.0f} s")
+
+
 def run_case(model, processor, case: Case, fast_path, schedule=None, suppress=None) -> list[dict]:
     """The case's conversation; per turn: ``tokens`` (list), ``logits`` (``[n, V]`` float32 on the CPU), ``sizes``
     (the trace's chunk sizes per forward). ``schedule``: chunk sizes to replay (see `replayed_chunk_sizes`)."""
@@ -132,7 +146,7 @@ def run_case(model, processor, case: Case, fast_path, schedule=None, suppress=No
                     gate = _Gate(conv, turn.cancel_at)
                     streamed = conv.ask(turn.text, stream=True, min_new_tokens=turn.tokens,
                                         logits_processor=LogitsProcessorList([gate]), **kw)
-                    assert gate.reached.wait(timeout=120), "the streamed answer never reached its cancel point"
+                    _wait_for_cancel_point(gate, streamed)
                     streamed.close()
                     result = streamed.result
                     assert result.cancelled and result.token_ids.numel() == turn.cancel_at
