@@ -225,24 +225,25 @@ class ForwardRunner:
 
 
 class _Snapshot:
-    """The engine's sequences as they are before `BatchEngine.prepare` schedules a step (their attributes, the
-    contents of their lists and their traces', their schedulers' spent budget), to put back if that step is never
-    launched: scheduling takes chunks, prompt pieces and restoring pieces from the sequences and records them in
-    their traces."""
+    """The engine's sequences as they are before `BatchEngine.prepare` schedules a step (their attributes, their
+    traces' and schedulers', and the lengths of the lists among them), to put back if that step is never launched:
+    scheduling rebinds a sequence's pending rows, prefill, token and counters, and appends to its lists (the tokens
+    fed, the trace's per-forward records, a restoring sequence's pieces), which are cut back to their lengths. (Lengths,
+    not copies: a long answer's lists would make every step copy its whole history.)"""
 
     def __init__(self, sequences: list[SequenceState]):
         self.saved = []
         for seq in sequences:
-            owners = [seq] + [o for o in (seq.trace, seq.scheduler) if o is not None]
-            self.saved.append([(o, dict(vars(o)), {k: list(v) for k, v in vars(o).items() if isinstance(v, list)})
-                               for o in owners])
+            for owner in (seq, seq.trace, seq.scheduler):
+                if owner is not None:
+                    attrs = dict(vars(owner))
+                    self.saved.append((owner, attrs, [(v, len(v)) for v in attrs.values() if isinstance(v, list)]))
 
     def restore(self) -> None:
-        for owners in self.saved:
-            for owner, attrs, lists in owners:
-                vars(owner).update(attrs)
-                for name, items in lists.items():
-                    attrs[name][:] = items  # (the same list objects: whoever holds them sees them restored)
+        for owner, attrs, lists in self.saved:
+            vars(owner).update(attrs)
+            for items, n in lists:
+                del items[n:]  # (the same list objects: whoever holds them sees them restored)
 
 
 class _Ahead(NamedTuple):

@@ -301,6 +301,20 @@ class PackedGDNState:
         fn = recurrent_rule if single else chunk_rule
         return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
+    def _join(self, idx, lead, boundary_conv, boundary_state, state, leading_state, p):
+        """Step 2 of the module docstring for the rows ``idx`` of the states: their leading segments (``lead`` recorded
+        tokens each, the others gated off) recomputed from the new boundary ``(boundary_state, boundary_conv)`` and
+        the live ``state`` corrected by them (``S_live += M_R (S_L' - S_L)``). Returns ``(the leading segments' conv
+        inputs, the repaired leading states S_L', the joined live states)``."""
+        lead_qkv = self.leading_qkv.index_select(0, idx)
+        factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, idx),
+                              self.leading_b.index_select(0, idx), p)
+        lead_valid = torch.arange(self.width, device=lead.device)[None] < lead[:, None]
+        lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
+        repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
+        live = join_state(state, self.rest_map.index_select(0, idx), leading_state, repaired)
+        return lead_qkv, repaired, live
+
     def _chunks(self, qkv, g, beta, plan: _StepPlan, p, chunk_rule, recurrent_rule, core):
         """Step 1 and 2 of the module docstring for the sequences ``plan.chunked`` (each with deferred rows)."""
         device = qkv.device
@@ -317,16 +331,9 @@ class PackedGDNState:
         kept = torch.where(valid[..., None, None], out.to(core.dtype), torch.zeros((), dtype=core.dtype, device=device))
         core[:, :width].index_copy_(0, idx, kept)
         boundary_conv = _last_window(history, x, lengths)
-        # the join: leading segments recomputed from h_b' and applied to S_b'
         lead = plan["c_suffix"].clamp(max=self.width)
-        lead_qkv = self.leading_qkv.index_select(0, idx)
-        factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, idx),
-                              self.leading_b.index_select(0, idx), p)
-        lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
-        lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
-        repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
-        live = join_state(self.state.index_select(0, idx), self.rest_map.index_select(0, idx),
-                          self.leading_state.index_select(0, idx), repaired)
+        lead_qkv, repaired, live = self._join(idx, lead, boundary_conv, boundary_state, self.state.index_select(0, idx),
+                                              self.leading_state.index_select(0, idx), p)
         self.state.index_copy_(0, idx, live.to(self.state.dtype))
         self.leading_state.index_copy_(0, idx, repaired.to(self.leading_state.dtype))
         self.boundary_state.index_copy_(0, idx, boundary_state.to(self.boundary_state.dtype))
@@ -440,16 +447,9 @@ class PackedGDNState:
             core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
                                                                                      device=device))
             boundary_conv = _last_window(history, qkv, d)
-            # the join: leading segments recomputed from h_b' and applied to S_b'
             lead = step.suffix.clamp(max=self.width)
-            lead_qkv = self.leading_qkv.index_select(0, slots)
-            factors = gdn_factors(lead_qkv, boundary_conv, self.leading_a.index_select(0, slots),
-                                  self.leading_b.index_select(0, slots), p)
-            lead_valid = torch.arange(self.width, device=device)[None] < lead[:, None]
-            lg, lb = _gate_off(factors.g, factors.beta, lead_valid)
-            repaired = advance_state(boundary_state.float(), factors.k, factors.v, lg, lb)
             leading_before = self.leading_state.index_select(0, slots)
-            live = join_state(state, self.rest_map.index_select(0, slots), leading_before, repaired)
+            lead_qkv, repaired, live = self._join(slots, lead, boundary_conv, boundary_state, state, leading_before, p)
             state = torch.where(flag(carries, state), live.to(state.dtype), state)
             leading_state = torch.where(flag(carries, leading_before), repaired.to(leading_before.dtype),
                                         leading_before)
