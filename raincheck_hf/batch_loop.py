@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteriaList
-from transformers.generation.stopping_criteria import StoppingCriteria
+from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
 from .batch_engine import BatchEngine
 from .batched import RestoringState
@@ -123,6 +124,68 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
+    # a turn chosen with others (`_Shared`): its group key, its answer's tokens so far (host ints, not yet in
+    # ``ids``), its length with them, and what its stopping criteria check
+    shared: tuple | None = None
+    tail: list = field(default_factory=list)
+    length: int = 0
+    max_length: int | None = None
+    eos: torch.Tensor | None = None
+    cancels: tuple = ()
+
+
+def row_key(processor):
+    """A hashable key for a logits processor that acts on each row of ``scores`` alone and reads nothing of
+    ``input_ids`` (processors with equal keys give every row what each gives it alone, so the loop runs one of them
+    on the rows of all the turns that have them), or None. HF's `SuppressTokensLogitsProcessor` has one; any
+    processor may declare one with a ``raincheck_row_key()`` method (the server's ``logit_bias``)."""
+    own = getattr(processor, "raincheck_row_key", None)
+    if own is not None:
+        return own()
+    if type(processor) is SuppressTokensLogitsProcessor:
+        return ("suppress_tokens", tuple(sorted(set(processor.suppress_tokens.reshape(-1).tolist()))))
+    return None
+
+
+def _shared_plan(job: "BatchTurn"):
+    """``job``'s group key when its token can be chosen together with other turns' (`BatchLoop._choose_all`), else
+    None: greedy, neither scores nor logits returned, every processor with a `row_key`, every stopping criterion a
+    maximum length, an EOS check or a cancellation (whose checks the loop makes for the group). Sets what the
+    group's checks read of the turn."""
+    if job.generation_config.do_sample or job.scores is not None or job.raw_logits is not None:
+        return None
+    keys = []
+    for processor in job.processors or ():
+        key = row_key(processor)
+        if key is None:
+            return None
+        keys.append(key)
+    max_length, eos, cancels = None, None, []
+    for criterion in job.criteria or ():
+        kind = type(criterion)
+        if kind is MaxLengthCriteria:
+            limit = criterion.max_position_embeddings
+            if limit is not None and criterion.max_length > limit:  # (its warning past the limit: left to it)
+                return None
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif kind is EosTokenCriteria and eos is None:
+            eos = criterion.eos_token_id.to(job.ids.device)
+        elif kind is _CancelRequest:
+            cancels.append(criterion)
+        else:
+            return None
+    job.max_length, job.eos, job.cancels = max_length, eos, tuple(cancels)
+    job.length = int(job.ids.shape[1])
+    eos_key = None if eos is None else tuple(sorted(set(eos.reshape(-1).tolist())))
+    return tuple(keys), eos_key, str(job.ids.device)
+
+
+def _sequence(job: "BatchTurn") -> torch.Tensor:
+    """The turn's whole sequence (prompt and answer): ``ids`` with the tokens kept on the host (`BatchTurn.tail`)."""
+    if job.tail:
+        tail = torch.tensor([job.tail], dtype=job.ids.dtype).to(job.ids.device)
+        job.ids, job.tail = torch.cat([job.ids, tail], dim=-1), []
+    return job.ids
 
 
 def _check_budget(value, what: str) -> None:
@@ -477,6 +540,12 @@ class BatchLoop:
         job.generation_config = prepared["generation_config"]
         job.scores, job.raw_logits, job.finished_pad = sampling_setup(job.ids, job.criteria, job.generation_config)
         job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
+        try:
+            job.shared = _shared_plan(job)
+        except BaseException as error:  # (a processor's key): it alone fails
+            engine.discard(seq)
+            self._end(job, error=error)
+            return
         self._jobs[seq] = job
         if job.streamer is not None:
             try:
@@ -516,21 +585,14 @@ class BatchLoop:
         # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
         # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
         # one streams, and leaves when it ended (which drops the prepared step: the next one is decided again)
-        chosen = []
-        for seq, row in logits.items():
-            job = self._jobs[seq]
-            try:
-                chosen.append((seq, job, self._choose(job, row)))
-            except BaseException as error:  # its processors or criteria: it alone fails
-                self._fail(seq, error)
+        chosen, tokens, flags, stops = self._choose_all(logits)
         if not chosen:
             return
         try:
-            tokens = torch.cat([token.long().reshape(-1) for _, _, token in chosen])
-            read = torch.stack([tokens, torch.cat([job.unfinished.max().long().reshape(-1) for _, job, _ in chosen])])
-            fed = engine.feed_all([seq for seq, _, _ in chosen], tokens)
+            read = torch.stack([torch.cat(tokens), torch.cat(flags)])
+            fed = engine.feed_all([seq for seq, _ in chosen], read[0])
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
-            for seq, _, _ in chosen:
+            for seq, _ in chosen:
                 self._fail(seq, error)
             return
         try:
@@ -540,18 +602,81 @@ class BatchLoop:
         try:
             read = read.t().tolist()
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
-            for seq, _, _ in chosen:
+            for seq, _ in chosen:
                 self._fail(seq, error)
             return
-        for (seq, job, token), device_token, (value, going) in zip(chosen, fed, read):
+        got = {seq: (job, device_token, value, going and not stop)
+               for (seq, job), device_token, (value, going), stop in zip(chosen, fed, read, stops)}
+        for seq in logits:  # (in the step's order, as the sequences came)
+            if seq not in got:
+                continue
+            job, device_token, value, going = got[seq]
             device_token.value = value
+            if job.shared is not None:
+                job.tail.append(value)
             try:
-                finished = self._next_token(job, value, token.dtype, bool(going))
+                finished = self._next_token(job, value, torch.long, bool(going))
             except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
             if finished:
                 self._finish(job, engine.remove(seq))
+
+    def _choose_all(self, logits: dict) -> tuple[list, list, list, list]:
+        """Every sequence's next token and whether it goes on, on the device (nothing read back). A turn that can
+        (`_shared_plan`) is chosen together with the others of its group: one float copy of their rows, one call of
+        each of their (equal) processors, one argmax, one EOS check, their lengths and cancellations checked on the
+        host; the others each with their own processors and criteria (`_choose`), in the step's order (a sampled
+        turn draws from the global generator as it would alone). Returns ``(chosen, tokens, flags, stops)``:
+        ``[(seq, job)]``, the token tensors and the device "goes on" flags in that order (to concatenate), and per
+        sequence the host's "stops" (length, cancellation). A turn whose processors or criteria raise fails alone;
+        a group's processors that raise are run again turn by turn, so only the turn at fault fails."""
+        chosen, tokens, flags, stops = [], [], [], []
+        groups: dict = {}
+        for seq, row in logits.items():
+            job = self._jobs[seq]
+            if job.shared is not None:
+                groups.setdefault(job.shared, []).append((seq, job, row))
+                continue
+            self._choose_alone(seq, job, row, chosen, tokens, flags, stops)
+        for members in groups.values():
+            try:
+                scores = torch.stack([row for _, _, row in members]).to(dtype=torch.float32, copy=True)
+                for processor in members[0][1].processors or ():  # (equal keys: any member's act as each one's)
+                    scores = processor(None, scores)
+                picked = torch.argmax(scores, dim=-1)
+                eos = members[0][1].eos
+                going = (torch.ones_like(picked) if eos is None else (~torch.isin(picked, eos)).long())
+            except BaseException as error:  # one turn's processors may be at fault: each one on its own, as alone
+                self._logger.debug("a group's processors raised; its turns choose alone", exc_info=error)
+                for seq, job, row in members:
+                    _sequence(job)
+                    job.shared = None
+                    self._choose_alone(seq, job, row, chosen, tokens, flags, stops)
+                continue
+            tokens.append(picked)
+            flags.append(going)
+            for seq, job, _ in members:
+                chosen.append((seq, job))
+                job.length += 1
+                stop = job.max_length is not None and job.length >= job.max_length
+                for request in job.cancels:
+                    cancelled = request.event.is_set()
+                    request.stopped = request.stopped or cancelled
+                    stop = stop or cancelled
+                stops.append(stop)
+        return chosen, tokens, flags, stops
+
+    def _choose_alone(self, seq, job: BatchTurn, row: torch.Tensor, chosen, tokens, flags, stops) -> None:
+        try:
+            token = self._choose(job, row)
+        except BaseException as error:  # its processors or criteria: it alone fails
+            self._fail(seq, error)
+            return
+        chosen.append((seq, job))
+        tokens.append(token.long().reshape(-1))
+        flags.append(job.unfinished.max().long().reshape(-1))
+        stops.append(False)
 
     def _choose(self, job: BatchTurn, logits: torch.Tensor) -> torch.Tensor:
         """Choose the sequence's next token (``[1]``, on the device: nothing read back) and run its stopping
@@ -657,6 +782,7 @@ class BatchLoop:
         it, with the turn in its history, as `Conversation`'s own turn leaves it."""
         self._jobs.pop(job.seq, None)
         conv = job.conversation
+        _sequence(job)
         try:
             if job.streamer is not None:
                 job.streamer.end()
