@@ -14,8 +14,8 @@ thread (the only one that runs the model for them) takes the turn at its next it
   whose processors act on each row alone with equal settings, `row_key`, and whose criteria are a length, an EOS and
   a cancellation are chosen together, one processor call and one argmax per group: `BatchLoop._choose_all`, the
   same tokens), streams them, checks its stopping criteria (EOS, ``max_new_tokens``, stop strings, a cancellation)
-  and either feeds the token back (`BatchEngine.feed`) or removes the sequence (`BatchEngine.remove`), whose `DeferredDynamicCache`
-  becomes the conversation's cache: its follow-up continues from it, as on the per-turn path.
+  and either feeds the token back (`BatchEngine.feed`) or removes the sequence (`BatchEngine.remove`), whose
+  `DeferredDynamicCache` becomes the conversation's cache: its follow-up continues from it, as on the per-turn path.
 
 A cancelled turn (its ``cancel`` event set): a decoding sequence leaves before the next step with the tokens it
 answered, as `Conversation.cancel` leaves them. One still prefilling runs on to its first token, where its stopping
