@@ -10,8 +10,9 @@ prompt, all handed to the loop while its thread is held so that they join togeth
 tokens (greedy; the end-of-text id is one the tiny model never picks: every answer runs to its length). Variants:
 
 - ``plain``: no logits processor, no streamer (what the loop does for a bare greedy turn);
-- ``server``: as the server's batching mode sets a turn up: an OpenAI ``logit_bias`` processor (`serve.app`'s
-  ``_LogitBias``, the same bias in every request) and a streamer per turn (`serve.app`'s ``_Pieces``, which decodes
+- ``server``: as the server's batching mode sets a turn up for `bench serve-load`'s requests: ``min_tokens`` (HF's
+  ``min_new_tokens`` processor), an OpenAI ``logit_bias`` processor (`serve.app`'s ``_LogitBias``, the same bias in
+  every request) and a streamer per turn (`serve.app`'s ``_Pieces``, which decodes
   the answer's text after each token and hands the new piece to a callback; here a list).
 
 Per decode iteration (one `BatchEngine.step` entry to the next) the parts, from ``time.perf_counter`` marks:
@@ -129,9 +130,9 @@ def installed(clock: LoopClock, model):
 
     wrap(batch_engine.BatchEngine, "step", step_wrapper)
     wrap(batch_engine.BatchEngine, "prepare", prepare_wrapper)
-    for name in ("_choose", "_choose_all"):  # (the per-turn one, and the batched one where there is one)
-        if name in batch_loop.BatchLoop.__dict__:
-            wrap(batch_loop.BatchLoop, name, timed("choose"))
+    # the loop's choosing: `_choose_all` (every turn's), or before it existed `_choose` (one turn's)
+    name = "_choose_all" if "_choose_all" in batch_loop.BatchLoop.__dict__ else "_choose"
+    wrap(batch_loop.BatchLoop, name, timed("choose"))
     adapter = get_adapter(model)
     starts = {}
     handles = []
@@ -183,6 +184,7 @@ def one_round(loop, convs, prompts, tokens: int, variant: str, eos: int):
     def ask(i):
         kw = dict(max_new_tokens=tokens, eos_token_id=eos)
         if variant == "server":
+            kw["min_new_tokens"] = tokens  # (as `bench serve-load` asks: min_tokens)
             kw["logits_processor"] = LogitsProcessorList([_LogitBias({11: -2.0, 12: 1.5, 13: 0.5})])
             sink = _Sink()
             sinks.append(sink)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import weakref
@@ -59,10 +60,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteriaList
-from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                                                    SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
 from .batch_engine import BatchEngine
+from .cache_utils import to_device
 from .batched import RestoringState
 from .configuration import RaincheckConfig
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
@@ -140,13 +143,44 @@ def row_key(processor):
     """A hashable key for a logits processor that acts on each row of ``scores`` alone and reads nothing of
     ``input_ids`` (processors with equal keys give every row what each gives it alone, so the loop runs one of them
     on the rows of all the turns that have them), or None. HF's `SuppressTokensLogitsProcessor` has one; any
-    processor may declare one with a ``raincheck_row_key()`` method (the server's ``logit_bias``)."""
+    processor may declare one with a ``raincheck_row_key()`` method (the server's ``logit_bias``). HF's
+    `MinLengthLogitsProcessor` and `MinNewTokensLengthLogitsProcessor` (``min_length``, ``min_new_tokens``: the
+    server's ``min_tokens``) have one too: they read only the length of their own turn, which the loop knows on the
+    host (`_no_eos_yet`)."""
     own = getattr(processor, "raincheck_row_key", None)
     if own is not None:
         return own()
-    if type(processor) is SuppressTokensLogitsProcessor:
+    kind = type(processor)
+    if kind is SuppressTokensLogitsProcessor:
         return ("suppress_tokens", tuple(sorted(set(processor.suppress_tokens.reshape(-1).tolist()))))
+    if kind in _EOS_FLOORS:
+        eos = tuple(sorted(set(torch.as_tensor(processor.eos_token_id).reshape(-1).tolist())))
+        return (kind.__name__, eos)
     return None
+
+
+_EOS_FLOORS = {  # HF's processors that forbid EOS while a turn is shorter than a minimum: the minimum length
+    MinLengthLogitsProcessor: lambda p: p.min_length,
+    MinNewTokensLengthLogitsProcessor: lambda p: p.prompt_length_to_skip + p.min_new_tokens,
+}
+
+
+def _no_eos_yet(members: list, k: int, scores: torch.Tensor) -> torch.Tensor:
+    """The group's ``k``-th processor, each member's `MinLengthLogitsProcessor` or
+    `MinNewTokensLengthLogitsProcessor`, on the group's ``scores``: the EOS ids get -inf in the rows of the turns
+    shorter than their minimum (what each one does to its own row: it reads only the length of the turn's
+    ``input_ids``, ``BatchTurn.length``)."""
+    floor = _EOS_FLOORS[type(members[0][1].processors[k])]
+    active = [job.length < floor(job.processors[k]) for _, job, _ in members]
+    if not any(active):
+        return scores
+    first = members[0][1].processors[k]
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    mask = torch.isin(vocab, torch.as_tensor(first.eos_token_id).to(scores.device))
+    if not all(active):
+        rows = to_device(torch.tensor(active), scores.device)
+        mask = mask[None, :] & rows[:, None]
+    return torch.where(mask, -math.inf, scores)
 
 
 def _shared_plan(job: "BatchTurn"):
@@ -644,8 +678,11 @@ class BatchLoop:
         for members in groups.values():
             try:
                 scores = torch.stack([row for _, _, row in members]).to(dtype=torch.float32, copy=True)
-                for processor in members[0][1].processors or ():  # (equal keys: any member's act as each one's)
-                    scores = processor(None, scores)
+                for k, processor in enumerate(members[0][1].processors or ()):  # (equal keys: any member's act as
+                    if type(processor) in _EOS_FLOORS:  # each one's, but for its length)
+                        scores = _no_eos_yet(members, k, scores)
+                    else:
+                        scores = processor(None, scores)
                 picked = torch.argmax(scores, dim=-1)
                 eos = members[0][1].eos
                 going = (torch.ones_like(picked) if eos is None else (~torch.isin(picked, eos)).long())

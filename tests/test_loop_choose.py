@@ -31,6 +31,10 @@ def _kwargs(model, processor, kind: str) -> dict:
         return dict(suppress_tokens=suppress, logits_processor=LogitsProcessorList([_LogitBias({5: 2.5, 9: -1.0})]))
     if kind == "other_bias":
         return dict(suppress_tokens=suppress, logits_processor=LogitsProcessorList([_LogitBias({7: 3.0})]))
+    if kind == "min":  # min_new_tokens (the server's min_tokens): with the others, each its own length
+        return dict(suppress_tokens=suppress, min_new_tokens=TOKENS, min_length=2)
+    if kind == "min_short":
+        return dict(suppress_tokens=suppress, min_new_tokens=2, min_length=3)
     if kind == "sampled":  # the server's sampling: its own seeded generator, chosen alone
         return dict(suppress_tokens=suppress, logits_processor=LogitsProcessorList(
             [_Sampling(0.8, None, None, seed=7, device=torch.device("cpu"))]))
@@ -52,7 +56,7 @@ class _StopAt(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.calls >= self.at, dtype=torch.bool, device=input_ids.device)
 
 
-KINDS = ["greedy", "bias", "greedy", "sampled", "bias", "plain", "stop", "other_bias"]
+KINDS = ["greedy", "bias", "greedy", "sampled", "bias", "plain", "stop", "other_bias", "min", "min_short"]
 
 
 def _alone(model, processor, kind, i, turn):
