@@ -129,7 +129,7 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
-    # a turn chosen with others (`_shared_plan`, `BatchLoop._choose_all`): its group key, its answer's tokens so far (host ints, not yet in
+    # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
     shared: tuple | None = None
     tail: list = field(default_factory=list)
