@@ -10,10 +10,12 @@ thread (the only one that runs the model for them) takes the turn at its next it
 - joins it to the running batch: ``engine.add(input_ids, cache=<the conversation's cache>, ...)``; its prompt
   is prefilled under the step's token budget (``max_batch_tokens``), beside the others' decode rows;
 - after each step, chooses the tokens of the sequences that got logits with their own processors
-  (`generation.choose_next_tokens`, the per-turn path's step; a turn's processors see only its row), streams
-  them, checks its stopping criteria (EOS, ``max_new_tokens``, stop strings, a cancellation) and either feeds the
-  token back (`BatchEngine.feed`) or removes the sequence (`BatchEngine.remove`), whose `DeferredDynamicCache`
-  becomes the conversation's cache: its follow-up continues from it, as on the per-turn path.
+  (`generation.choose_next_tokens`, the per-turn path's step; a turn's processors see only its row; greedy turns
+  whose processors act on each row alone with equal settings, `row_key`, and whose criteria are a length, an EOS and
+  a cancellation are chosen together, one processor call and one argmax per group: `BatchLoop._choose_all`, the
+  same tokens), streams them, checks its stopping criteria (EOS, ``max_new_tokens``, stop strings, a cancellation)
+  and either feeds the token back (`BatchEngine.feed`) or removes the sequence (`BatchEngine.remove`), whose
+  `DeferredDynamicCache` becomes the conversation's cache: its follow-up continues from it, as on the per-turn path.
 
 A cancelled turn (its ``cancel`` event set): a decoding sequence leaves before the next step with the tokens it
 answered, as `Conversation.cancel` leaves them. One still prefilling runs on to its first token, where its stopping
@@ -50,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import weakref
@@ -57,9 +60,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteriaList
-from transformers.generation.stopping_criteria import StoppingCriteria
+from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                                                    SuppressTokensLogitsProcessor)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
 from .batch_engine import BatchEngine
+from .cache_utils import to_device
 from .batched import RestoringState
 from .configuration import RaincheckConfig
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
@@ -123,6 +129,99 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
+    # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
+    # ``ids``), its length with them, and what its stopping criteria check
+    shared: tuple | None = None
+    tail: list = field(default_factory=list)
+    length: int = 0
+    max_length: int | None = None
+    eos: torch.Tensor | None = None
+    cancels: tuple = ()
+
+
+def row_key(processor):
+    """A hashable key for a logits processor that acts on each row of ``scores`` alone and reads nothing of
+    ``input_ids`` (processors with equal keys give every row what each gives it alone, so the loop runs one of them
+    on the rows of all the turns that have them), or None. HF's `SuppressTokensLogitsProcessor` has one; any
+    processor may declare one with a ``raincheck_row_key()`` method (the server's ``logit_bias``). HF's
+    `MinLengthLogitsProcessor` and `MinNewTokensLengthLogitsProcessor` (``min_length``, ``min_new_tokens``: the
+    server's ``min_tokens``) have one too: they read only the length of their own turn, which the loop knows on the
+    host (`_no_eos_yet`)."""
+    own = getattr(processor, "raincheck_row_key", None)
+    if own is not None:
+        return own()
+    kind = type(processor)
+    if kind is SuppressTokensLogitsProcessor:
+        return ("suppress_tokens", tuple(sorted(set(processor.suppress_tokens.reshape(-1).tolist()))))
+    if kind in _EOS_FLOORS:
+        eos = tuple(sorted(set(torch.as_tensor(processor.eos_token_id).reshape(-1).tolist())))
+        return (kind.__name__, eos)
+    return None
+
+
+_EOS_FLOORS = {  # HF's processors that forbid EOS while a turn is shorter than a minimum: the minimum length
+    MinLengthLogitsProcessor: lambda p: p.min_length,
+    MinNewTokensLengthLogitsProcessor: lambda p: p.prompt_length_to_skip + p.min_new_tokens,
+}
+
+
+def _no_eos_yet(members: list, k: int, scores: torch.Tensor) -> torch.Tensor:
+    """The group's ``k``-th processor, each member's `MinLengthLogitsProcessor` or
+    `MinNewTokensLengthLogitsProcessor`, on the group's ``scores``: the EOS ids get -inf in the rows of the turns
+    shorter than their minimum (what each one does to its own row: it reads only the length of the turn's
+    ``input_ids``, ``BatchTurn.length``)."""
+    floor = _EOS_FLOORS[type(members[0][1].processors[k])]
+    active = [job.length < floor(job.processors[k]) for _, job, _ in members]
+    if not any(active):
+        return scores
+    first = members[0][1].processors[k]
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    mask = torch.isin(vocab, torch.as_tensor(first.eos_token_id).to(scores.device))
+    if not all(active):
+        rows = to_device(torch.tensor(active), scores.device)
+        mask = mask[None, :] & rows[:, None]
+    return torch.where(mask, -math.inf, scores)
+
+
+def _shared_plan(job: "BatchTurn"):
+    """``job``'s group key when its token can be chosen together with other turns' (`BatchLoop._choose_all`), else
+    None: greedy, neither scores nor logits returned, every processor with a `row_key`, every stopping criterion a
+    maximum length, an EOS check or a cancellation (whose checks the loop makes for the group). Sets what the
+    group's checks read of the turn."""
+    if job.generation_config.do_sample or job.scores is not None or job.raw_logits is not None:
+        return None
+    keys = []
+    for processor in job.processors or ():
+        key = row_key(processor)
+        if key is None:
+            return None
+        keys.append(key)
+    max_length, eos, cancels = None, None, []
+    for criterion in job.criteria or ():
+        kind = type(criterion)
+        if kind is MaxLengthCriteria:
+            limit = criterion.max_position_embeddings
+            if limit is not None and criterion.max_length > limit:  # (its warning past the limit: left to it)
+                return None
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif kind is EosTokenCriteria and eos is None:
+            eos = criterion.eos_token_id.to(job.ids.device)
+        elif kind is _CancelRequest:
+            cancels.append(criterion)
+        else:
+            return None
+    job.max_length, job.eos, job.cancels = max_length, eos, tuple(cancels)
+    job.length = int(job.ids.shape[1])
+    eos_key = None if eos is None else tuple(sorted(set(eos.reshape(-1).tolist())))
+    return tuple(keys), eos_key, str(job.ids.device)
+
+
+def _sequence(job: "BatchTurn") -> torch.Tensor:
+    """The turn's whole sequence (prompt and answer): ``ids`` with the tokens kept on the host (`BatchTurn.tail`)."""
+    if job.tail:
+        tail = torch.tensor([job.tail], dtype=job.ids.dtype).to(job.ids.device)
+        job.ids, job.tail = torch.cat([job.ids, tail], dim=-1), []
+    return job.ids
 
 
 def _check_budget(value, what: str) -> None:
@@ -477,6 +576,12 @@ class BatchLoop:
         job.generation_config = prepared["generation_config"]
         job.scores, job.raw_logits, job.finished_pad = sampling_setup(job.ids, job.criteria, job.generation_config)
         job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
+        try:
+            job.shared = _shared_plan(job)
+        except BaseException as error:  # (a processor's key): it alone fails
+            engine.discard(seq)
+            self._end(job, error=error)
+            return
         self._jobs[seq] = job
         if job.streamer is not None:
             try:
@@ -516,21 +621,14 @@ class BatchLoop:
         # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
         # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
         # one streams, and leaves when it ended (which drops the prepared step: the next one is decided again)
-        chosen = []
-        for seq, row in logits.items():
-            job = self._jobs[seq]
-            try:
-                chosen.append((seq, job, self._choose(job, row)))
-            except BaseException as error:  # its processors or criteria: it alone fails
-                self._fail(seq, error)
+        chosen, tokens, flags, stops = self._choose_all(logits)
         if not chosen:
             return
         try:
-            tokens = torch.cat([token.long().reshape(-1) for _, _, token in chosen])
-            read = torch.stack([tokens, torch.cat([job.unfinished.max().long().reshape(-1) for _, job, _ in chosen])])
-            fed = engine.feed_all([seq for seq, _, _ in chosen], tokens)
+            read = torch.stack([torch.cat(tokens), torch.cat(flags)])
+            fed = engine.feed_all([seq for seq, _ in chosen], read[0])
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
-            for seq, _, _ in chosen:
+            for seq, _ in chosen:
                 self._fail(seq, error)
             return
         try:
@@ -540,18 +638,84 @@ class BatchLoop:
         try:
             read = read.t().tolist()
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
-            for seq, _, _ in chosen:
+            for seq, _ in chosen:
                 self._fail(seq, error)
             return
-        for (seq, job, token), device_token, (value, going) in zip(chosen, fed, read):
+        got = {seq: (job, device_token, value, going and not stop)
+               for (seq, job), device_token, (value, going), stop in zip(chosen, fed, read, stops)}
+        for seq in logits:  # (in the step's order, as the sequences came)
+            if seq not in got:
+                continue
+            job, device_token, value, going = got[seq]
             device_token.value = value
+            if job.shared is not None:
+                job.tail.append(value)
             try:
-                finished = self._next_token(job, value, token.dtype, bool(going))
+                finished = self._next_token(job, value, torch.long, bool(going))
             except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
             if finished:
                 self._finish(job, engine.remove(seq))
+
+    def _choose_all(self, logits: dict) -> tuple[list, list, list, list]:
+        """Every sequence's next token and whether it goes on, on the device (nothing read back). A turn that can
+        (`_shared_plan`) is chosen together with the others of its group: one float copy of their rows, one call of
+        each of their (equal) processors, one argmax, one EOS check, their lengths and cancellations checked on the
+        host; the others each with their own processors and criteria (`_choose`), in the step's order (a sampled
+        turn draws from the global generator as it would alone). Returns ``(chosen, tokens, flags, stops)``:
+        ``[(seq, job)]``, the token tensors and the device "goes on" flags in that order (to concatenate), and per
+        sequence the host's "stops" (length, cancellation). A turn whose processors or criteria raise fails alone;
+        a group's processors that raise are run again turn by turn, so only the turn at fault fails."""
+        chosen, tokens, flags, stops = [], [], [], []
+        groups: dict = {}
+        for seq, row in logits.items():
+            job = self._jobs[seq]
+            if job.shared is not None:
+                groups.setdefault(job.shared, []).append((seq, job, row))
+                continue
+            self._choose_alone(seq, job, row, chosen, tokens, flags, stops)
+        for members in groups.values():
+            try:
+                scores = torch.stack([row for _, _, row in members]).to(dtype=torch.float32, copy=True)
+                for k, processor in enumerate(members[0][1].processors or ()):  # (equal keys: any member's act as
+                    if type(processor) in _EOS_FLOORS:  # each one's, but for its length)
+                        scores = _no_eos_yet(members, k, scores)
+                    else:
+                        scores = processor(None, scores)
+                picked = torch.argmax(scores, dim=-1)
+                eos = members[0][1].eos
+                going = (torch.ones_like(picked) if eos is None else (~torch.isin(picked, eos)).long())
+            except BaseException as error:  # one turn's processors may be at fault: each one on its own, as alone
+                self._logger.debug("a group's processors raised; its turns choose alone", exc_info=error)
+                for seq, job, row in members:
+                    _sequence(job)
+                    job.shared = None
+                    self._choose_alone(seq, job, row, chosen, tokens, flags, stops)
+                continue
+            tokens.append(picked)
+            flags.append(going)
+            for seq, job, _ in members:
+                chosen.append((seq, job))
+                job.length += 1
+                stop = job.max_length is not None and job.length >= job.max_length
+                for request in job.cancels:
+                    cancelled = request.event.is_set()
+                    request.stopped = request.stopped or cancelled
+                    stop = stop or cancelled
+                stops.append(stop)
+        return chosen, tokens, flags, stops
+
+    def _choose_alone(self, seq, job: BatchTurn, row: torch.Tensor, chosen, tokens, flags, stops) -> None:
+        try:
+            token = self._choose(job, row)
+        except BaseException as error:  # its processors or criteria: it alone fails
+            self._fail(seq, error)
+            return
+        chosen.append((seq, job))
+        tokens.append(token.long().reshape(-1))
+        flags.append(job.unfinished.max().long().reshape(-1))
+        stops.append(False)
 
     def _choose(self, job: BatchTurn, logits: torch.Tensor) -> torch.Tensor:
         """Choose the sequence's next token (``[1]``, on the device: nothing read back) and run its stopping
@@ -657,6 +821,7 @@ class BatchLoop:
         it, with the turn in its history, as `Conversation`'s own turn leaves it."""
         self._jobs.pop(job.seq, None)
         conv = job.conversation
+        _sequence(job)
         try:
             if job.streamer is not None:
                 job.streamer.end()

@@ -146,6 +146,11 @@ class _LogitBias(LogitsProcessor):
         scores[:, self.ids.to(scores.device)] += self.values.to(scores.device, scores.dtype)
         return scores
 
+    def raincheck_row_key(self):
+        """Row-wise and blind to ``input_ids``: the batching loop applies equal biases to several requests' rows at
+        once (`batch_loop.row_key`)."""
+        return ("logit_bias", tuple(sorted(zip(self.ids.tolist(), self.values.tolist()))))
+
 
 class _Pieces(BaseStreamer):
     """Hands the answer's new text to ``emit`` after every token (from the generating thread); text that

@@ -1,0 +1,331 @@
+"""Host time of one step of the continuous-batching loop (`batch_loop.BatchLoop`) with N turns at once, split at the
+step's one read of the tokens: a CPU diagnosis tool for the loop's per-step cost beside batched ``generate``'s.
+
+    python benchmarks/loop_host_profile.py --turns 1,8,32 --tokens 32 --json out.json
+    python benchmarks/loop_host_profile.py --turns 32 --variant server --cprofile 30   # + the top functions
+
+It runs N `Conversation`s on one `BatchLoop` over the tiny Qwen3-VL model (`raincheck_hf.tiny`, fp32, CPU, captured
+decode steps requested: ``fast_path=True``, whose static-buffer step runs eagerly on a CPU), each its own image
+prompt, all handed to the loop while its thread is held so that they join together, each answering ``--tokens``
+tokens (greedy; the end-of-text id is one the tiny model never picks: every answer runs to its length). Variants:
+
+- ``plain``: no logits processor, no streamer (what the loop does for a bare greedy turn);
+- ``server``: as the server's batching mode sets a turn up for `bench serve-load`'s requests: ``min_tokens`` (HF's
+  ``min_new_tokens`` processor), an OpenAI ``logit_bias`` processor (`serve.app`'s ``_LogitBias``, the same bias in
+  every request) and a streamer per turn (`serve.app`'s ``_Pieces``, which decodes
+  the answer's text after each token and hands the new piece to a callback; here a list).
+
+Per decode iteration (one `BatchEngine.step` entry to the next) the parts, from ``time.perf_counter`` marks:
+
+- ``step``: `BatchEngine.step` (the launch of the prepared step; ``model``: the text model and LM head inside it);
+- ``before_read``: from the step's return to the end of `BatchEngine.prepare` (choosing every turn's token with
+  its processors, its stopping criteria, feeding the engine, preparing the next step): on a GPU this host work
+  overlaps the device's step;
+- ``choose``: the part of ``before_read`` spent choosing tokens and running stopping criteria;
+- ``prepare``: `BatchEngine.prepare` (the next step decided and its buffers filled);
+- ``after_read``: from there to the next `BatchEngine.step` entry (the one read of the tokens, streaming each
+  turn's token, turns that end, the loop's top: cancellations, restoration, the hand-off): on a GPU the device
+  waits for this.
+
+Only iterations with all N turns in the step and none ending are kept (the last step of each answer, where every
+turn leaves with its cache, is not a per-token cost). Medians over ``--reps`` timed rounds after one warm-up round,
+and the 20th percentile of ``host`` (the iteration minus the model): a machine shared with other work adds spikes to
+random iterations. CPU timings of a tiny model: they say where the loop's host time goes and how a change moves
+it, not what a GPU step costs. ``--generate`` adds batched ``generate`` at the same N
+(`benchmarks/host_step_profile.py`) for comparison. The JSON carries the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import threading
+import time
+
+import torch
+from transformers import LogitsProcessorList
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
+
+from raincheck_hf import BatchLoop, Conversation, RaincheckConfig, batch_engine, batch_loop, integration  # noqa: E402
+from raincheck_hf.bench.latency import hardware_info  # noqa: E402
+from raincheck_hf.models import get_adapter  # noqa: E402
+from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
+
+VARIANTS = ("plain", "server")
+
+
+class LoopClock:
+    """Marks of each loop iteration (`BatchEngine.step` entry to the next), from wrappers installed by `installed`."""
+
+    def __init__(self):
+        self.iterations: list[dict] = []
+        self.on = False
+        self.profiler = None
+
+    def start_step(self):
+        now = time.perf_counter()
+        if self.iterations and "next" not in self.iterations[-1]:
+            self.iterations[-1]["next"] = now
+        if self.on:
+            self.iterations.append({"entry": now, "model": 0.0, "choose": 0.0})
+
+    def current(self):
+        return self.iterations[-1] if self.on and self.iterations and "next" not in self.iterations[-1] else None
+
+
+@contextlib.contextmanager
+def installed(clock: LoopClock, model):
+    saved = []
+
+    def wrap(owner, name, wrapper_of):
+        original = owner.__dict__[name]
+        saved.append((owner, name, original))
+        setattr(owner, name, functools.wraps(original)(wrapper_of(original)))
+
+    def step_wrapper(step):
+        def wrapper(self):
+            clock.start_step()
+            out = step(self)
+            it = clock.current()
+            if it is not None:
+                it["returned"] = time.perf_counter()
+                it["rows"] = len(out)
+                it["sequences"] = len(self.sequences)
+            return out
+        return wrapper
+
+    def prepare_wrapper(prepare):
+        def wrapper(self):
+            t = time.perf_counter()
+            try:
+                return prepare(self)
+            finally:
+                it = clock.current()
+                if it is not None:
+                    it["prepare"] = it.get("prepare", 0.0) + time.perf_counter() - t
+                    it["prepared"] = time.perf_counter()
+        return wrapper
+
+    def timed(part):
+        def wrapper_of(fn):
+            def wrapper(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    it = clock.current()
+                    if it is not None:
+                        it[part] = it.get(part, 0.0) + time.perf_counter() - t
+            return wrapper
+        return wrapper_of
+
+    wrap(batch_engine.BatchEngine, "step", step_wrapper)
+    wrap(batch_engine.BatchEngine, "prepare", prepare_wrapper)
+    # the loop's choosing: `_choose_all` (every turn's), or before it existed `_choose` (one turn's)
+    name = "_choose_all" if "_choose_all" in batch_loop.BatchLoop.__dict__ else "_choose"
+    wrap(batch_loop.BatchLoop, name, timed("choose"))
+    adapter = get_adapter(model)
+    starts = {}
+    handles = []
+    for module in (adapter.text_model, adapter.lm_head):
+        handles.append(module.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.perf_counter())))
+
+        def post(m, a, o):
+            it = clock.current()
+            if it is not None:
+                it["model"] += time.perf_counter() - starts.pop(id(m))
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+class _Sink:
+    """The server's streamer's consumer: the pieces it hands over, kept."""
+
+    def __init__(self):
+        self.pieces, self.tokens = [], 0
+
+    def emit(self, item):
+        self.pieces.append(item)
+
+    def count(self, n):
+        self.tokens += n
+
+
+def one_round(loop, convs, prompts, tokens: int, variant: str, eos: int):
+    """Every conversation asks its prompt at once (the loop's thread held until all were handed over)."""
+    from raincheck_hf.serve.app import _LogitBias, _Pieces
+
+    gate, inside = threading.Event(), threading.Event()
+
+    def hold():
+        inside.set()
+        gate.wait()
+
+    holder = threading.Thread(target=loop.call, args=(hold,))
+    holder.start()
+    inside.wait()
+    errors, sinks = [], []
+
+    def ask(i):
+        kw = dict(max_new_tokens=tokens, eos_token_id=eos)
+        if variant == "server":
+            kw["min_new_tokens"] = tokens  # (as `bench serve-load` asks: min_tokens)
+            kw["logits_processor"] = LogitsProcessorList([_LogitBias({11: -2.0, 12: 1.5, 13: 0.5})])
+            sink = _Sink()
+            sinks.append(sink)
+            kw["streamer"] = _Pieces(convs[i].processor.tokenizer, sink.emit, sink.count)
+        try:
+            convs[i].ask(prompts[i][0], images=[prompts[i][1]], **kw)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(convs))]
+    for t in threads:
+        t.start()
+    while len(loop._incoming) < len(convs):
+        time.sleep(0.002)
+    gate.set()
+    holder.join()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [c.turns[-1] for c in convs], sinks
+
+
+def summarize(iterations: list[dict], turns: int) -> dict:
+    rows = []
+    for it in iterations:
+        if "next" not in it or "prepared" not in it or it.get("rows") != turns or it.get("sequences") != turns:
+            continue
+        total = it["next"] - it["entry"]
+        row = {"total": total, "model": it["model"], "step": it["returned"] - it["entry"],
+               "before_read": it["prepared"] - it["returned"], "choose": it["choose"], "prepare": it["prepare"],
+               "after_read": it["next"] - it["prepared"]}
+        row["host"] = total - row["model"]
+        rows.append(row)
+    out = {"iterations": len(rows)}
+    for k in ("total", "model", "host", "step", "before_read", "choose", "prepare", "after_read"):
+        out[f"{k}_ms"] = 1e3 * statistics.median(r[k] for r in rows) if rows else 0.0
+    hosts = sorted(r["host"] for r in rows)
+    out["host_p20_ms"] = 1e3 * hosts[len(hosts) // 5] if hosts else 0.0
+    out["host_per_turn_ms"] = out["host_ms"] / turns
+    return out
+
+
+def profile_case(model, processor, turns: int, variant: str, tokens: int, reps: int, mode: str,
+                 cprofile: int = 0) -> dict:
+    config = RaincheckConfig(mode=mode, fast_path=True)
+    prompts = [("Describe the image.", draw_test_image(192, 160, seed=i)) for i in range(turns)]
+    eos = model.config.text_config.vocab_size - 1 if hasattr(model.config, "text_config") else 0
+    clock = LoopClock()
+    top = None
+    with torch.no_grad(), installed(clock, model), BatchLoop(model, max_batch_tokens=None, config=config) as loop:
+        def fresh():  # a new conversation per turn and round (each round a first turn)
+            return [Conversation(model, processor, config, background=False, loop=loop) for _ in range(turns)]
+
+        def close(convs):
+            for c in convs:
+                c.close()
+
+        convs = fresh()
+        one_round(loop, convs, prompts, tokens, variant, eos)  # warm-up (untimed)
+        close(convs)
+        answered = []
+        for _ in range(reps):
+            convs = fresh()
+            clock.on = True
+            got, _ = one_round(loop, convs, prompts, tokens, variant, eos)
+            clock.on = False
+            answered += [t.token_ids.numel() for t in got]
+            close(convs)
+        if cprofile:
+            convs = fresh()
+            prof = cProfile.Profile()
+            loop.call(prof.enable)  # (the loop's own thread)
+            one_round(loop, convs, prompts, tokens, variant, eos)
+            loop.call(prof.disable)
+            close(convs)
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(cprofile)
+            top = out.getvalue()
+    result = {"turns": turns, "variant": variant, "mode": mode, "tokens": tokens, "reps": reps,
+              "answer_tokens_min": min(answered), **summarize(clock.iterations, turns)}
+    if top is not None:
+        result["cprofile_top"] = top
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", default="1,8,32", help="concurrent turns, comma-separated")
+    parser.add_argument("--variant", default=",".join(VARIANTS), help="plain, server (comma-separated)")
+    parser.add_argument("--mode", default="raincheck", help="the RaincheckConfig mode (raincheck, full, ...)")
+    parser.add_argument("--tokens", type=int, default=32, help="answer tokens per turn")
+    parser.add_argument("--reps", type=int, default=2, help="timed rounds per case")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: host timings less noisy)")
+    parser.add_argument("--generate", action="store_true",
+                        help="also batched generate at the same N (benchmarks/host_step_profile.py)")
+    parser.add_argument("--cprofile", type=int, default=0,
+                        help="also print the top N functions (by own time) of one more round on the loop's thread")
+    parser.add_argument("--label", default=None, help="a name for this run in the JSON (e.g. before / after)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = integration.enable(build_tiny_qwen3_vl(seed=0).eval())
+    processor = build_tiny_processor()
+    rows, generate_rows = [], []
+    for variant in args.variant.split(","):
+        if variant not in VARIANTS:
+            raise ValueError(f"--variant must be among {VARIANTS}, got {variant!r}")
+        for turns in (int(n) for n in args.turns.split(",")):
+            row = profile_case(model, processor, turns, variant, args.tokens, args.reps, args.mode, args.cprofile)
+            top = row.pop("cprofile_top", None)
+            rows.append(row)
+            print(f"{variant:>7} N={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}, "
+                  f"{row['host_per_turn_ms']:.3f} per turn) | before the read {row['before_read_ms']:.2f} "
+                  f"(choose {row['choose_ms']:.2f}, prepare {row['prepare_ms']:.2f}) | after the read "
+                  f"{row['after_read_ms']:.2f} | step {row['step_ms']:.2f} (model {row['model_ms']:.2f}) "
+                  f"[{row['iterations']} steps]", flush=True)
+            if top:
+                print(top, flush=True)
+    if args.generate:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import host_step_profile
+
+        for turns in (int(n) for n in args.turns.split(",")):
+            row = host_step_profile.profile_case(model, processor, turns, args.mode, args.tokens, args.reps)
+            generate_rows.append(row)
+            print(f"generate B={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}) "
+                  f"(iteration {row['total_ms']:.2f}, model {row['model_ms']:.2f})", flush=True)
+    result = {"what": "host ms per step of the batching loop with N turns (tiny Qwen3-VL, CPU; a diagnosis, not a GPU "
+                      "figure)",
+              "command": " ".join(["python benchmarks/loop_host_profile.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows,
+              "generate_rows": generate_rows}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
