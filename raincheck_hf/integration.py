@@ -20,10 +20,13 @@ replayed from a CUDA graph per grid (`fast.vision_graphs`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 
 import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
@@ -280,4 +283,29 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
         if mm_types.shape != input_ids.shape or not torch.equal(mm_types[:, start:].long().cpu(),
                                                                   expected[:, start:].cpu()):
             raise ValueError("mm_token_type_ids disagrees with the image/video placeholders in input_ids.")
+    _own_stop_strings(model, kwargs)
     return kwargs
+
+
+def _own_stop_strings(model, kwargs: dict) -> None:
+    """Stop strings as stock ``generate`` takes them (``stop_strings=`` or the generation config's, with
+    ``tokenizer=``), as a `StopStringCriteria` in ``kwargs["stopping_criteria"]``: HF builds that criterion from the
+    ``tokenizer`` argument, which it drops when a ``custom_generate`` callable runs (only the callable's own
+    parameters are kept), so it would fail with "could not locate a tokenizer". HF then sees no stop strings."""
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    stop = kwargs.pop("stop_strings", None)
+    from_config = stop is None and getattr(gen_config, "stop_strings", None) is not None
+    if from_config:
+        stop = gen_config.stop_strings
+    if stop is None:
+        return
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"generate(raincheck=...) got stop_strings={stop!r} but no tokenizer; pass the model's "
+                         "tokenizer too (tokenizer=processor.tokenizer), as stock generate asks.")
+    if from_config:  # (a copy: the caller's config keeps its stop strings)
+        gen_config = copy.deepcopy(gen_config)
+        gen_config.stop_strings = None
+        kwargs["generation_config"] = gen_config
+    kwargs["stopping_criteria"] = StoppingCriteriaList(
+        [*(kwargs.get("stopping_criteria") or []), StopStringCriteria(tokenizer=tokenizer, stop_strings=stop)])

@@ -369,3 +369,35 @@ def test_placeholder_id_as_last_generated_token_is_text(model, processor):
     second = second_turn(processor, seqs, text="Go on.")
     out2 = greedy(model, second, n=3, raincheck=True, cache=out1.cache, return_dict_in_generate=True)
     assert out2.raincheck.selected.numel() == out2.raincheck.deferred.numel() == 0
+
+
+def test_stop_strings_with_a_tokenizer_stop_as_in_stock(model, processor):
+    """``stop_strings=`` with ``tokenizer=`` (HF drops the tokenizer when a custom loop runs, so raincheck builds the
+    `StopStringCriteria` itself): the answer stops after the token that completes the string, as the same answer cut
+    there; stop strings in the generation config work the same (the caller's config untouched); without a tokenizer
+    a ValueError naming the setting, before any compute. Also on the batching loop's path (`Conversation(loop=)`)."""
+    import copy
+
+    from raincheck_hf import Conversation
+    from raincheck_hf.batch_loop import BatchLoop
+
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    start = inputs["input_ids"].shape[1]
+    base = greedy(model, inputs, n=8, raincheck=True)[0, start:].tolist()
+    at = next(i for i in range(2, len(base)) if base[i] not in base[:i])  # a token first generated at position i
+    stop = processor.tokenizer.decode([base[at]])
+    assert stop.strip(), "the stop string must be visible text"
+    want = base[:at + 1]
+    out = greedy(model, inputs, n=8, raincheck=True, stop_strings=[stop], tokenizer=processor.tokenizer)
+    assert out[0, start:].tolist() == want
+    config = copy.deepcopy(model.generation_config)
+    config.stop_strings = [stop]
+    out = greedy(model, inputs, n=8, raincheck=True, generation_config=config, tokenizer=processor.tokenizer)
+    assert out[0, start:].tolist() == want and config.stop_strings == [stop]
+    with pytest.raises(ValueError, match="stop_strings.*tokenizer"):
+        greedy(model, inputs, n=8, raincheck=True, stop_strings=[stop])
+    image = INPUT_CASES["one_image"]["images"]
+    with BatchLoop(model) as loop, Conversation(model, processor, RaincheckConfig(), loop=loop) as conv:
+        result = conv.ask("What is in this image?", images=list(image), max_new_tokens=8, do_sample=False,
+                          stop_strings=[stop], tokenizer=processor.tokenizer)
+        assert processor.tokenizer.decode(result.token_ids).endswith(stop)
