@@ -137,6 +137,8 @@ class BatchTurn:
     max_length: int | None = None
     eos: torch.Tensor | None = None
     cancels: tuple = ()
+    host_stops: tuple = ()  # its criteria checked on the host after the read (`BatchLoop._host_stop`)
+    answer: list = field(default_factory=list)  # the answer's tokens so far (host ints), for them
 
 
 def row_key(processor):
@@ -573,6 +575,11 @@ class BatchLoop:
         job.ids = prepared["input_ids"]
         job.prompt_length = int(job.ids.shape[1])
         job.processors, job.criteria = prepared["processors"], prepared["criteria"]
+        # criteria that can check the answer's tokens as host ints run after the step's one read (`_host_stop`):
+        # called on the device's input_ids before it, a decode would wait for the device every step
+        job.host_stops = tuple(c for c in job.criteria if callable(getattr(c, "raincheck_host_stop", None)))
+        if job.host_stops:
+            job.criteria = StoppingCriteriaList([c for c in job.criteria if all(c is not h for h in job.host_stops)])
         job.generation_config = prepared["generation_config"]
         job.scores, job.raw_logits, job.finished_pad = sampling_setup(job.ids, job.criteria, job.generation_config)
         job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
@@ -650,13 +657,22 @@ class BatchLoop:
             device_token.value = value
             if job.shared is not None:
                 job.tail.append(value)
+            job.answer.append(value)
             try:
+                going = going and not self._host_stop(job)
                 finished = self._next_token(job, value, torch.long, bool(going))
             except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
             if finished:
                 self._finish(job, engine.remove(seq))
+
+    @staticmethod
+    def _host_stop(job: BatchTurn) -> bool:
+        """Whether one of the turn's host criteria (a stopping criterion with ``raincheck_host_stop(answer)``, which
+        takes the answer's token ids as host ints, the one just chosen included: the server's stop strings) ends the
+        answer with this token. Every one is asked, as stock ``generate`` calls every criterion."""
+        return any([criterion.raincheck_host_stop(job.answer) for criterion in job.host_stops])
 
     def _choose_all(self, logits: dict) -> tuple[list, list, list, list]:
         """Every sequence's next token and whether it goes on, on the device (nothing read back). A turn that can

@@ -495,3 +495,30 @@ def test_handoff_hands_a_steps_pieces_to_the_event_loop_in_one_call(batching_ser
         assert len(wakes) == 1
 
     asyncio.run(scenario())
+
+
+def test_stop_strings_are_checked_on_the_host_after_the_read(batching_server, dialogues, monkeypatch):
+    """OpenAI ``stop`` on the batching loop: the answer is cut where the string completes (finish_reason "stop",
+    streamed and not, the same text), and the loop checks it on the host after its one read of the step's tokens
+    (`raincheck_host_stop`), never through the criterion's call on the device's input_ids, which would wait for the
+    device before the next step is prepared."""
+    from test_serve import ask
+
+    from raincheck_hf.serve import app as serve_app
+
+    device_calls = []
+    original = serve_app._StopStrings.__call__
+    monkeypatch.setattr(serve_app._StopStrings, "__call__",
+                        lambda self, *a, **kw: device_calls.append(1) or original(self, *a, **kw))
+    base, _ = batching_server
+    openai_client = client(base)
+    d = dialogues[0]
+    messages = [first_message(data_url(d.image()), d.turns[0].question)]
+    full, _, _, _ = ask(openai_client, messages)
+    words = full.split()
+    assert len(words) > 3, full
+    cut, _, _, finish = ask(openai_client, messages, stop=[" " + words[2]])
+    assert finish == "stop" and full.startswith(cut) and len(cut) < len(full) and (" " + words[2]) not in cut
+    streamed, _, _, finish = ask(openai_client, messages, stream=True, stop=[" " + words[2]])
+    assert streamed == cut and finish == "stop"
+    assert device_calls == []

@@ -105,10 +105,17 @@ class _StopStrings(StoppingCriteria):
         self.stopped = False
 
     def __call__(self, input_ids, scores, **kwargs):
-        if not self.stopped:
-            text = self.tokenizer.decode(input_ids[0, self.prompt_length:], skip_special_tokens=True)
-            self.stopped = any(s in text for s in self.stop)
+        self.raincheck_host_stop(input_ids[0, self.prompt_length:].tolist())
         return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
+
+    def raincheck_host_stop(self, answer: list[int]) -> bool:
+        """The same check on the answer's token ids as host ints: the batching loop calls it after its one read of
+        the step's tokens (``__call__`` reads ``input_ids`` back from the device, which would make the loop wait for
+        the device before it prepares the next step)."""
+        if not self.stopped:
+            text = self.tokenizer.decode(answer, skip_special_tokens=True)
+            self.stopped = any(s in text for s in self.stop)
+        return self.stopped
 
 
 class _Sampling(LogitsProcessor):
