@@ -249,3 +249,27 @@ def test_settings(name, replay_log):
     engine = BatchEngine(model, RaincheckConfig(), graphs=True)
     assert engine.graphs is not None and engine.recurrent is engine.graphs.recurrent
     assert batched_graphs.batched_graph_blocker(engine.adapter) is None
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "post_answer"])
+def test_after_a_failed_capture_steps_run_eagerly_with_their_chunks_and_records(mode, monkeypatch):
+    """A capture that fails on CUDA (here: made to fail, the buffers on the CPU) turns the engine's decode steps
+    eager on the same buffers for the rest of its life; those steps still carry their deferred chunks
+    (``raincheck``) and record their generated rows (``post_answer``): the answer equals the eager engine's."""
+    def failing(self, key, buffers):
+        self.use_cuda = True  # (as on CUDA: a failed capture warns and falls back instead of raising)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "_capture", failing)
+    batched_graphs.release_all()
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1)
+    rows = [TWO_IMAGES, IMAGE]
+    want = run(model, batched_inputs(processor, rows), _with(cfg, False), 10)
+    with pytest.warns(RuntimeWarning, match="capture of the decode step .* failed"):
+        got = run(model, batched_inputs(processor, rows), _with(cfg, True), 10)
+    batched_graphs.release_all()
+    assert_same_output(got, want, TOL, "step")
+    for i in range(len(rows)):
+        assert_trace_equal(got.raincheck[i], want.raincheck[i])
+        assert_cache_equal(got.cache[i], want.cache[i])

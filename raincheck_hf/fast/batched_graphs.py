@@ -442,7 +442,7 @@ class BatchedStepGraphs:
                     self.capture_log.append(key)
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self._step(buffers, key.span, key.dense)
+                self._step(buffers, key.span, key.dense, key.records, key.chunks)
             else:
                 captured[0].replay()
                 self.replays += 1
