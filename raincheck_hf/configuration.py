@@ -77,7 +77,9 @@ class RaincheckConfig:
             model pay the compile (warm-up). None (default) = on when the fast path captures its steps as
             CUDA graphs (a model on CUDA), off otherwise (CPU, the eager engine, a fast path whose graphs
             are off, e.g. after a failed capture); True / False = always / never on the fast path's steps
-            (True on CPU with ``fast_path=True`` too, compiled for the CPU). The eager engine ignores it.
+            (True on CPU with ``fast_path=True`` too, compiled for the CPU). The batched engine's captured
+            decode steps (`generate` with a batch, the server's ``--batching``) follow the same rule, with the
+            attention's Triton kernel kept. The eager engine ignores it.
         selector: a registered name (see `raincheck_hf.selection.available_selectors()`; default
             ``"mmtok"``, the query-aware coverage selector of docs/method.md §8), a `Selector` instance,
             or a boolean tensor over the prompt's multimodal tokens in source order

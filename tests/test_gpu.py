@@ -1086,6 +1086,33 @@ def test_cuda_batched_generate_replays_its_decode_steps():
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_cuda_batched_generate_compiles_its_captured_steps_by_default(name):
+    """The default config on CUDA captures the batched decode steps with the family's compiled forms (every captured
+    key ``compiled``; Inductor's Triton code inside the graphs); the answer equals the eager batched engine's and the
+    uncompiled captured steps' (``compile_steps=False``): tokens identical, logits within 1e-3 + 1e-3 x max."""
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model(name), family_processor(name)
+    inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, fast_path=False), **kw)
+    got = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3), **kw)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert kept.use_cuda and kept.capture_log and all(key.compiled for key in kept.capture_log)
+    captures = len(kept.capture_log)
+    plain = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, compile_steps=False), **kw)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert len(kept.capture_log) > captures and not any(key.compiled for key in kept.capture_log[captures:])
+    for out in (got, plain):
+        assert torch.equal(out.sequences, want.sequences)
+        for a, b in zip(out.logits, want.logits):
+            assert (a.float() - b.float()).abs().max().item() <= 1e-3 + 1e-3 * b.abs().max().item()
+    batched_graphs.release_all()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypatch):
     """The CPU fuzz of tests/test_batched_gdn_graphs.py on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 tiny

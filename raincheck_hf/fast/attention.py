@@ -61,7 +61,7 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
     from .context import active_scope
 
     scope = active_scope()
-    if scope is not None and scope.compiled:  # RaincheckConfig.compile_steps: the same function, fused by Inductor
+    if scope is not None and scope.compiled_attention:  # compile_steps: the same function, fused by Inductor
         from .compiled import compiled
 
         return compiled(_few_query)(query, key, value, attention_mask, scale), None

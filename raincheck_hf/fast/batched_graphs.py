@@ -61,8 +61,14 @@ decode step computes neither; the host's suffix lengths move after the step (`Pa
 step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
 warm-up and puts them back after it: the replay that follows runs the real step once.
 
-The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models) but no compiled forms
-(``RaincheckConfig.compile_steps`` applies to the single-sequence fast path).
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA) and,
+with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA: `resolve_compile_steps`),
+the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the single-sequence fast path's steps
+do: Qwen3-VL's decoder layers as two compiled regions around the cache write and the attention, the other families'
+norms and dense MLPs. Unlike there, the attention's core is not compiled (``compile_attention=False``): at a batch
+the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
+so engines of one model with either setting share its kept pool. Inductor compiles a region once per process for
+a single row, once for several rows and once for a batch (shapes are dynamic), inside the first captures.
 
 Without CUDA (``graphs=True`` on a CPU model) the same step runs eagerly on the same static buffers (no capture:
 there is nothing to replay), which is what the CPU tests exercise.
@@ -84,6 +90,7 @@ from ..kv_pool import MAX_KEY, SlotKVPool, SlotStep
 from ..masking import batched_visibility_to_attention_mask
 from ..models.base import accelerate_split
 from . import static_cache
+from .compiled import resolve_compile_steps
 from .scoping import CAPTURE_LOCK, step_scope
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of the largest
@@ -172,6 +179,7 @@ class BatchStepKey(NamedTuple):
     dense: bool  # the step's slots are 0 .. batch - 1 (padding sequences in the free ones): attention reads views
     records: bool = False  # Gated DeltaNet families: some sequence records its generated row (deferred rows pending)
     chunks: bool = False  # Gated DeltaNet families: some sequence carries deferred rows (a chunk, a restoring piece)
+    compiled: bool = False  # the step runs the family's compiled forms (`RaincheckConfig.compile_steps`)
 
 
 @dataclass
@@ -306,9 +314,9 @@ class BatchedStepGraphs:
         return decode_only(entries)
 
     # ---- the step itself, identical in eager and captured form ----
-    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False, records: bool = False,
-              chunks: bool = False) -> None:
+    def _step(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
         adapter, pool = self.adapter, self.pool
+        span = key.span
         slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
         pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
         stored = pool.slot_keys[:, :span].index_select(0, slots)  # [B, T]
@@ -317,10 +325,12 @@ class BatchedStepGraphs:
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        pool.step = _DeviceStep(buffers, span, dense)
+        pool.step = _DeviceStep(buffers, span, key.dense)
         try:
-            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()), \
-                    adapter.static_packed_step(self.recurrent, buffers.recurrent, chunks, records):
+            with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
+                            compile_targets=adapter.compile_targets() if key.compiled else (),
+                            compile_attention=False), \
+                    adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
@@ -347,7 +357,7 @@ class BatchedStepGraphs:
                 self.recurrent.restore_rows(buffers.slots, saved)
 
     def _warm_and_capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
-        run = lambda: self._step(buffers, key.span, key.dense, key.records, key.chunks)  # noqa: E731
+        run = lambda: self._step(buffers, key)  # noqa: E731
         if not self.use_cuda:
             run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
             return _EagerStep(run)
@@ -402,7 +412,8 @@ class BatchedStepGraphs:
         span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
         recorded = self._recorded(entries)
         chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
-        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks)
+        compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
+        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks, compiled)
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
@@ -442,7 +453,7 @@ class BatchedStepGraphs:
                     self.capture_log.append(key)
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self._step(buffers, key.span, key.dense, key.records, key.chunks)
+                self._step(buffers, key)
             else:
                 captured[0].replay()
                 self.replays += 1

@@ -20,6 +20,9 @@ class StepScope:
     attention: frozenset
     addends: dict
     compiled: bool = False  # run the compiled forms of `fast.compiled` (RaincheckConfig.compile_steps)
+    # the few-query attention's core compiled too (else its Triton kernel where usable): the single-sequence steps'
+    # choice; the batched steps keep the kernel, which at a batch beats the compiled matmul form
+    compiled_attention: bool = False
 
 
 STEP = ThreadScoped("raincheck_fast_step")
