@@ -14,7 +14,8 @@ def add_warm_up_arguments(parser) -> None:
     """``--warm-up`` / ``--no-warm-up``, ``--warm-up-tokens``, ``--cache-dir`` (chat and serve)."""
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                         help="before the first answer, capture every CUDA graph a conversation of up to "
-                             "--warm-up-tokens rows can need (raincheck_hf.warm_up, with a progress bar), so no "
+                             "--warm-up-tokens rows can need (raincheck_hf.warm_up, with a progress bar; serve "
+                             "--batching: also the batched decode steps of up to --max-running conversations), so no "
                              "answer pauses for one; nothing to do on a CPU")
     parser.add_argument("--warm-up-tokens", type=int, default=4096, metavar="N",
                         help="the conversation length (prompts, images and answers, in tokens) the warm-up covers")
@@ -39,8 +40,10 @@ def start_caches(args, device: str) -> None:
                   f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
 
 
-def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=()) -> None:
-    """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr."""
+def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=(), batch: int | None = None) -> None:
+    """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr. ``batch``: instead
+    the batched engine's decode steps for up to that many sequences (the server's ``--batching``, where every turn
+    runs in the batched engine)."""
     if not args.warm_up:
         return
     from .integration import enable
@@ -49,6 +52,7 @@ def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes
     enable(model)  # as `Conversation` and the server do (idempotent)
     max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
     summary = warm_up(model, processor, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
-                      image_sizes=list(image_sizes) or None, cache_dir=args.cache_dir, progress=True)
-    if summary.graphs:
+                      image_sizes=list(image_sizes) or None, cache_dir=args.cache_dir, progress=True, batch=batch,
+                      conversations=1 if batch is None else 0)
+    if summary.graphs or summary.batched:
         print(f"[raincheck] {summary}", file=sys.stderr)

@@ -31,6 +31,11 @@ conversation can need comes from the code that picks them, not from a list kept 
 
 The vision tower is warmed for the image sizes given (``image_sizes``, with the processor): the grid the
 processor makes of each is encoded twice, so its graph is captured.
+
+With ``batch`` the batched engine's decode steps (`fast.batched_graphs`: `generate` with a batch, the server's
+``--batching``) are captured too, on the model's kept batched pool sized for ``batch`` sequences of ``max_tokens``
+rows: `BatchedStepGraphs.warm_keys` lists the keys, from the same rules the steps take them by (`batch_bucket`,
+`width_bucket`, `slot_bucket`), and each is captured on padding-only buffers (nothing stored, no state moved).
 """
 
 from __future__ import annotations
@@ -78,17 +83,22 @@ class WarmUpSummary:
     seconds: float = 0.0
     persistent_cache: str | None = None
     coverage: str = ""
+    batched: int = 0  # batched decode-step graphs captured now (``batch``: `fast.batched_graphs`)
+    batched_already: int = 0  # batched decode-step keys captured before this call
+    batched_seconds: float = 0.0
 
     @property
     def capture_seconds(self) -> float:
         return float(sum(entry[-1] for entry in self.captured) + sum(s for _, s in self.vision))
 
     def __str__(self) -> str:
-        if not self.graphs:
+        batched = (f", {self.batched} batched decode steps ({self.batched_already} already were, "
+                   f"{self.batched_seconds:.1f} s)" if self.batched or self.batched_already else "")
+        if not self.graphs and not batched:
             return f"warm-up: nothing to capture ({self.coverage}); {self.seconds:.2f} s"
         return (f"warm-up: {len(self.captured)} step graphs captured ({self.already_captured} already were, "
                 f"{self.not_captured} run eagerly) on {len(self.capacities)} slot storages "
-                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids; "
+                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids{batched}; "
                 f"{self.seconds:.1f} s")
 
 
@@ -241,7 +251,8 @@ def _bar(total: int, progress: bool, desc: str):
 def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None, *,
             max_tokens: int = DEFAULT_MAX_TOKENS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
             prompt_tokens: int | None = None, follow_up_tokens: int = DEFAULT_FOLLOW_UP_TOKENS,
-            image_sizes=None, conversations: int = 1, cache_dir=None, progress: bool = True) -> WarmUpSummary:
+            image_sizes=None, conversations: int = 1, cache_dir=None, progress: bool = True,
+            batch: int | None = None) -> WarmUpSummary:
     """Pay the one-time costs that a conversation within the given bounds can need before its first answer.
 
     On the CUDA fast path this captures every step graph such a conversation can run (decode, fused chunk,
@@ -269,13 +280,19 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         image_sizes: ``(height, width)`` pixel sizes of the images to warm the vision tower for.
         conversations: how many conversations may hold a slot storage of one size at once (each live
             conversation's cache leases a storage of its own, with its own graphs; a server keeps a conversation's
-            cache between its requests): that many storages per size are warmed.
+            cache between its requests): that many storages per size are warmed. 0: none (with ``batch``, only the
+            batched steps: what the server's ``--batching`` runs, every turn in the batched engine).
         cache_dir: the persistent cache folder for a model on CUDA (`persist.enable_persistent_caches`: Triton's
             kernels and autotuning results, torch's compile artifacts): a path, None (the default:
             ``RAINCHECK_CACHE_DIR`` or the user's cache folder), or False (none). Call
             `persist.enable_persistent_caches` yourself before loading the model so that kernels compiled while it
             loads are cached too.
         progress: show a progress bar on stderr.
+        batch: also capture the batched engine's decode steps (`generate` with a batch, the server's
+            ``--batching``) for up to this many sequences at once, each of up to ``max_tokens`` rows: every step
+            key such a batch can take with ``config`` (`fast.batched_graphs.BatchedStepGraphs.warm_keys`: batch
+            buckets, chunk widths, slot spans), captured on the model's kept batched pool, sized for them from now
+            on (no later growth drops its graphs). None (default): not warmed; they are captured when they first run.
 
     Returns:
         A `WarmUpSummary` (what was captured, in how many seconds; ``str()`` gives a one-line account).
@@ -297,7 +314,9 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     max_tokens = _check_int("max_tokens", max_tokens, 1)
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     follow_up_tokens = _check_int("follow_up_tokens", follow_up_tokens, 1)
-    conversations = _check_int("conversations", conversations, 1)
+    conversations = _check_int("conversations", conversations, 0)
+    if batch is not None:
+        batch = _check_int("batch", batch, 1)
     sizes = _check_sizes(image_sizes)
     if sizes and processor is None:
         raise ValueError(f"warm_up: image_sizes={image_sizes!r} needs the model's processor (processor=None)")
@@ -329,19 +348,26 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     with torch.no_grad():
         if grids and adapter.use_vision_graphs(config):
             _warm_vision(adapter, grids, summary)
-        if summary.path == "fast":
+        if summary.path == "fast" and conversations:
             _warm_steps(adapter, config, summary, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
                         prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens, conversations=conversations,
                         progress=progress)
-    if summary.graphs:
-        summary.coverage = (f"conversations of up to {max_tokens} rows: every decode / chunk step; first-turn "
-                            f"prefills of up to {prompt_tokens} rows with answers of up to {max_new_tokens} tokens; "
-                            f"follow-ups of up to {follow_up_tokens} new rows")
-    elif summary.path == "fast":
-        summary.coverage = "the fast path's steps run without CUDA graphs on this model"
-    else:
-        summary.coverage = "the eager engine runs this model"
-    if persistent and summary.graphs:
+        if batch is not None:
+            _warm_batched(adapter, config, summary, batch=batch, max_tokens=max_tokens, progress=progress)
+    parts = []  # (conversations=0: the single-sequence steps were not asked for)
+    if conversations and summary.graphs:
+        parts.append(f"conversations of up to {max_tokens} rows: every decode / chunk step; first-turn prefills of up "
+                     f"to {prompt_tokens} rows with answers of up to {max_new_tokens} tokens; follow-ups of up to "
+                     f"{follow_up_tokens} new rows")
+    elif conversations and summary.path == "fast":
+        parts.append("the fast path's steps run without CUDA graphs on this model")
+    elif conversations:
+        parts.append("the eager engine runs this model")
+    if batch is not None:
+        parts.append(f"batched decode steps of up to {batch} sequences of up to {max_tokens} rows"
+                     if summary.batched or summary.batched_already else "no batched decode step to capture")
+    summary.coverage = "; ".join(parts)
+    if persistent and (summary.graphs or summary.batched):
         from .persist import save_compile_artifacts
 
         save_compile_artifacts(cache_dir)
@@ -381,6 +407,38 @@ def _warm_vision(adapter, grids, summary: WarmUpSummary) -> None:
                 break
         if vision.use_graphs and len(vision._captured) > before:
             summary.vision.append((grid, time.perf_counter() - started))
+
+
+def _batched_captures(graphs) -> bool:
+    """Whether ``graphs`` (a `fast.batched_graphs.BatchedStepGraphs`) captures CUDA graphs (elsewhere its steps run
+    eagerly on their buffers: nothing to pay ahead)."""
+    return graphs.use_cuda
+
+
+def _warm_batched(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, batch: int, max_tokens: int,
+                  progress: bool) -> None:
+    """`warm_up`'s ``batch``: the model's kept batched pool (`batched_graphs.acquire`) sized for ``batch`` sequences of
+    ``max_tokens`` rows, its decode-step keys captured (`BatchedStepGraphs.warm`), and the pool given back for the
+    model's next `BatchEngine`."""
+    from .fast import batched_graphs
+
+    if not batched_graphs.resolve_graphs(adapter, config, None):
+        return  # (the eager batched engine: nothing to capture)
+    graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, batch, max_tokens)
+    bar = None
+    try:
+        if not _batched_captures(graphs):
+            return
+        keys = graphs.warm_keys(config, batch)
+        summary.batched_already = sum(1 for key in keys if key in graphs._captured)
+        bar = _bar(len(keys) - summary.batched_already, progress, "raincheck batched warm-up")
+        started = time.perf_counter()
+        summary.batched = graphs.warm(config, batch, on_capture=lambda i, total: bar.update(1))
+        summary.batched_seconds = time.perf_counter() - started
+    finally:
+        if bar is not None:
+            bar.close()
+        batched_graphs.release(graphs)
 
 
 def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max_tokens, max_new_tokens,

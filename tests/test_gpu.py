@@ -1113,6 +1113,33 @@ def test_cuda_batched_generate_compiles_its_captured_steps_by_default(name):
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_cuda_batched_warm_up_leaves_no_capture_to_the_batch(name):
+    """``warm_up(batch=3, conversations=0)`` on CUDA captures the batched decode steps (compiled, as by default) on
+    the model's kept pool; a batched ``generate`` of 3 rows afterwards captures nothing and answers as the eager
+    engine does (tokens identical, logits within 1e-3 + 1e-3 x max)."""
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=16, batch=3,
+                                   conversations=0, cache_dir=False, progress=False)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert summary.batched == len(kept.capture_log) > 0 and all(key.compiled for key in kept.capture_log)
+    inputs = _cuda(batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(**inputs, raincheck=RaincheckConfig(chunk_size=3, decode_guard=1, fast_path=False), **kw)
+    got = model.generate(**inputs, raincheck=cfg, **kw)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert len(kept.capture_log) == summary.batched and kept.replays > 0
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-3 + 1e-3 * b.abs().max().item()
+    batched_graphs.release_all()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypatch):
     """The CPU fuzz of tests/test_batched_gdn_graphs.py on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 tiny

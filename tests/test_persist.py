@@ -170,3 +170,21 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
     with pytest.raises(ValueError, match="--processes must be >= 2"):
         cold_start.run("tiny_qwen3_vl", processes=1)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_serve_warms_up_the_steps_it_runs(batching, monkeypatch):
+    """``serve`` warms up before its port opens: the single-sequence steps (one conversation's storages), or with
+    ``--batching`` (every turn in the batched engine) only the batched decode steps of up to ``--max-running``
+    sequences."""
+    uvicorn = pytest.importorskip("uvicorn")
+    import raincheck_hf.warmup as warmup
+
+    calls = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    argv = ["serve", "--model", "tiny", "--device", "cpu", "--max-running", "6"] + (["--batching"] if batching else [])
+    assert main(argv) == 0
+    assert len(calls) == 1
+    assert (calls[0]["batch"], calls[0]["conversations"]) == ((6, 0) if batching else (None, 1))

@@ -14,6 +14,7 @@ from raincheck_hf.warmup import buckets, capacities, step_keys
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
 from families import family_params
+from test_batched_graphs import replay_log  # noqa: F401 (the fixture)
 from test_fast_path import cpu_graphs  # noqa: F401 (the fixture)
 from test_families import follow_up
 
@@ -124,6 +125,8 @@ def test_warm_up_on_the_eager_engine_returns_at_once(model, processor):
     (dict(progress="yes"), "progress must be True or False, got 'yes'"),
     (dict(config={"chunk_size": 0}), "chunk_size"),
     (dict(cache_dir=3), "cache_dir must be a path, None or False, got 3"),
+    (dict(batch=0), "batch must be an int >= 1, got 0"),
+    (dict(batch=2.5), "batch must be an int >= 1, got 2.5"),
 ])
 def test_bad_arguments_are_refused_before_any_compute(model, kwargs, match, monkeypatch):
     import raincheck_hf.warmup as warmup
@@ -144,3 +147,54 @@ def test_a_model_not_enabled_is_refused():
     bare = BY_NAME["qwen3_vl"].build(seed=0)
     with pytest.raises(ValueError, match="not enabled: call raincheck_hf.enable"):
         raincheck_hf.warm_up(bare, cache_dir=False)
+
+
+# ---- the batched engine's decode steps (``batch``) ----
+
+@pytest.mark.parametrize("name,mode", [("qwen3_vl", "raincheck"), ("qwen3_vl", "full"), ("qwen3_5", "raincheck"),
+                                       ("qwen3_5", "post_answer")])
+def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, replay_log, monkeypatch):  # noqa: F811
+    """``warm_up(batch=3)`` captures every decode-step key a batch of up to 3 sequences of ``max_tokens`` rows can
+    take (here on CPU, where each "capture" runs the step once: made to count as capturing); a batched ``generate``
+    of 3 rows afterwards finds its pool sized and every decode step it runs captured (no capture of its own), and
+    answers as the eager engine does."""
+    import dataclasses
+
+    import raincheck_hf.warmup as warmup
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.models import get_adapter
+    from families import family_model, family_processor
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs, run
+
+    monkeypatch.setattr(warmup, "_batched_captures", lambda graphs: True)
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
+    summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
+                                   conversations=0, cache_dir=False, progress=False)
+    assert summary.capacities == [] and summary.coverage.startswith("batched decode steps")
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    keys = kept.warm_keys(cfg, 3)
+    assert summary.batched == len(keys) == len(kept.capture_log) and summary.batched_already == 0
+    assert {k.batch for k in keys} == {1, 2, 4} and kept.pool.num_slots >= 4 and kept.pool.capacity >= 256
+    assert {k.width for k in keys} == ({1} if mode == "full" else {1, 4})
+    assert "3 sequences of up to 256 rows" in summary.coverage and "batched decode steps" in str(summary)
+    again = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
+                                 cache_dir=False, progress=False)
+    assert again.batched == 0 and again.batched_already == len(keys)
+    replay_log.clear()
+    rows = [TWO_IMAGES, IMAGE, TEXT]
+    want = run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=False), 10)
+    got = run(model, batched_inputs(processor, rows), cfg, 10)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert len(kept.capture_log) == len(keys)  # nothing captured during the answers
+    assert replay_log and set(replay_log) <= set(keys)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_batched_warm_up_on_cpu_captures_nothing(model, processor):
+    """Without CUDA the batched steps run eagerly on their buffers: ``batch`` pays nothing ahead."""
+    summary = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True), max_tokens=512, batch=4,
+                                   cache_dir=False, progress=False)
+    assert summary.batched == 0 and summary.batched_already == 0

@@ -379,6 +379,101 @@ class BatchedStepGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
         return graph
 
+    # ---- captures ahead of the first steps (`raincheck_hf.warm_up(batch=...)`) ----
+    def warm_keys(self, config: RaincheckConfig, max_batch: int) -> list[BatchStepKey]:
+        """Every key a decode step of at most ``max_batch`` sequences of ``config`` can take on this pool as it is
+        (its capacity: the span buckets), sequences in the lowest slots (`BatchEngine` keeps them there: the dense
+        steps), smallest first: batch buckets up to ``batch_bucket(max_batch)``; widths 1 and, where the mode leaves
+        deferred rows to restore beside tokens (chunks, or held conversations' restoring pieces), every `width_bucket`
+        size up to the largest chunk + 1 (a shared chunk budget cuts chunks to ladder sizes, a last chunk is shorter);
+        on the Gated DeltaNet families with and without recorded rows. Steps that gather their slots (sequences not
+        in the lowest slots, e.g. beside a held conversation restoring) are captured when they first run."""
+        top = batch_bucket(max_batch)
+        batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
+                                                                      BATCH_BUCKETS[-1]))
+        widths = [1]
+        if config.defers:
+            most = config.max_chunk_size + 1
+            widths += sorted({width_bucket(w, config) for w in range(2, most + 1)})
+        spans = sorted({static_cache.slot_bucket(rows, self.pool.capacity) for rows in range(1, self.pool.capacity + 1)})
+        compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
+        gdn = self.recurrent is not None
+        keys = []
+        for batch in batches:
+            for width in widths:
+                # GDN: whether some sequence records its token (deferred rows still pending after the step), and
+                # whether some carries deferred rows (every step wider than one row; a one-row step carries none
+                # but a one-row restoring piece, captured when it first runs)
+                variants = [(False, False)] if not gdn else (
+                    [(False, False), (True, False)] if width == 1 else [(False, True), (True, True)])
+                for span in spans:
+                    if span < width:
+                        continue
+                    for records, chunks in variants:
+                        keys.append(BatchStepKey(batch, width, span, self.views, records, chunks, compiled))
+        return keys
+
+    def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
+        """Capture every key of `warm_keys` not captured yet, on padding-only buffers (every row a padding row of the
+        free slots: nothing is stored, no state moves); returns how many were captured. The pool must have no
+        sequence; it grows to ``batch_bucket(max_batch)`` slots first (a pool that grows later drops its graphs).
+        ``on_capture(i, total)`` after each capture (a progress bar). On a CPU (nothing to capture) each key's
+        step runs once on its buffers, as a first step of that key would."""
+        pool = self.pool
+        if pool.step is not None or len(pool._free) != pool.num_slots:
+            raise RuntimeError("BatchedStepGraphs.warm needs a pool with no sequence in it.")
+        pool.grow_slots(batch_bucket(max_batch))
+        if self.recurrent is not None:
+            self.adapter.make_packed_layers(self.recurrent)
+            self.recurrent.grow(pool.total_slots)
+        setting = self._current_setting()
+        if setting != self._setting:
+            self._captured.clear()
+            self._mempool, self._setting = None, setting
+        todo = [key for key in self.warm_keys(config, max_batch) if key not in self._captured]
+        captured = 0
+        for key in todo:
+            if self.failed:
+                break
+            buffers = BatchStepBuffers.empty(key, self.hidden, self.num_deepstack, self.adapter.dtype,
+                                             self.adapter.device, self.recurrent is not None)
+            self._fill_padding(buffers, key)
+            try:
+                graph = self._capture(key, buffers)
+            except RuntimeError as error:
+                if not self.use_cuda:
+                    raise
+                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
+                              f"({error}); running batched decode steps eagerly instead.", RuntimeWarning,
+                              stacklevel=2)
+                self.failed = True
+                break
+            self._captured[key] = (graph, buffers)
+            self.capture_log.append(key)
+            captured += 1
+            if on_capture is not None:
+                on_capture(captured, len(todo))
+        return captured
+
+    def _fill_padding(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
+        """Buffers of a step whose every row is padding: the free slots ``0 .. B - 1`` (dense) or the scratch slot,
+        order keys ``MAX_KEY`` (each row sees only itself, its keys stay empty), zero inputs; GDN rows not real."""
+        batch, width = key.batch, key.width
+        device = buffers.slots.device
+        slots = (torch.arange(batch, dtype=torch.long) if key.dense
+                 else torch.full((batch,), self.pool.scratch, dtype=torch.long))
+        buffers.slots.copy_(slots.to(device))
+        buffers.write.copy_(torch.arange(width, device=device).expand(batch, width))
+        buffers.last.zero_()
+        buffers.embeds.zero_()
+        buffers.positions.zero_()
+        buffers.query_keys.fill_(MAX_KEY)
+        for addend in buffers.deepstack:
+            addend.zero_()
+        if buffers.recurrent is not None:
+            for t in buffers.recurrent.tensors():
+                t.zero_()
+
     # ---- one step ----
     def run(self, entries, config: RaincheckConfig) -> dict:
         """Run the forward ``entries`` (`decode_only`: decode groups and restoring pieces) of an engine with

@@ -382,6 +382,11 @@ class ModelAdapter:
         ``batch`` sequences (with ``select(keep)``), or None when every text layer is attention."""
         return None
 
+    def make_packed_layers(self, states) -> None:
+        """Create every layer's part of ``states`` (`packed_states`) ahead of any packed forward (which otherwise makes
+        each at its first use): a captured step needs them before it can be captured ahead (`warm_up`'s ``batch``).
+        Nothing for a family whose text layers are all attention."""
+
     def packed_step(self, states, layouts):
         """A context manager around one packed forward's text-model call: those layers run on ``states`` with each
         sequence's rows laid out as ``layouts[b]`` (`batched_gdn.PackedRowLayout`)."""

@@ -111,6 +111,11 @@ class GatedDeltaNetMixin:
     def packed_states(self, batch: int):
         return PackedGDNStates(batch)
 
+    def make_packed_layers(self, states) -> None:
+        for module in self._gdn_modules:  # (the dtype and device its projections give the packed forward)
+            weight = module.in_proj_qkv.weight
+            states.layer(module.layer_idx, dispatch.layer_params(module), weight.dtype, weight.device)
+
     def packed_step(self, states, layouts):
         self._check_state_layout()
         return dispatch.packed_step(self._gdn_modules, states, layouts)
