@@ -60,7 +60,7 @@ from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_se
 from .configuration import RaincheckConfig
 from .fast import batched_graphs
 from .fast.static_cache import StaticDeferredCache
-from .kv_pool import SlotKVPool
+from .kv_pool import DEFAULT_SLOTS, SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
@@ -272,7 +272,7 @@ class BatchEngine:
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
-                 num_slots: int = 4, capacity: int = 256, graphs: bool | None = None):
+                 num_slots: int = DEFAULT_SLOTS, capacity: int = 256, graphs: bool | None = None):
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
         self.adapter = get_adapter(model)

@@ -52,6 +52,7 @@ from .cache_utils import to_device_all
 MAX_KEY = torch.iinfo(torch.long).max  # the key of an empty row: never visible to a real query
 ROW_ROUNDING = 16  # a step attends over its longest slot in use rounded up to this
 MIN_CAPACITY = 64
+DEFAULT_SLOTS = 4  # slots a pool (and a `BatchEngine`) starts with
 
 
 def _round_up(n: int, step: int) -> int:
@@ -149,7 +150,7 @@ class SlotKVPool(Cache):
         device: where ``slot_keys`` live (the model's input device).
     """
 
-    def __init__(self, num_layers: int, num_slots: int = 4, capacity: int = MIN_CAPACITY, device=None,
+    def __init__(self, num_layers: int, num_slots: int = DEFAULT_SLOTS, capacity: int = MIN_CAPACITY, device=None,
                  scratch_slot: bool = False):
         if int(num_slots) < 1 or int(capacity) < 1:
             raise ValueError(f"SlotKVPool needs num_slots >= 1 and capacity >= 1, got {num_slots} and {capacity}.")

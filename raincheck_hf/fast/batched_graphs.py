@@ -86,7 +86,7 @@ import torch
 
 from ..cache_utils import DEFERRED, GENERATED, to_device_all
 from ..configuration import CHUNK_LADDER, RaincheckConfig
-from ..kv_pool import MAX_KEY, SlotKVPool, SlotStep
+from ..kv_pool import DEFAULT_SLOTS, MAX_KEY, SlotKVPool, SlotStep
 from ..masking import batched_visibility_to_attention_mask
 from ..models.base import accelerate_split
 from . import static_cache
@@ -416,13 +416,14 @@ class BatchedStepGraphs:
     def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
         """Capture every key of `warm_keys` not captured yet, on padding-only buffers (every row a padding row of the
         free slots: nothing is stored, no state moves); returns how many were captured. The pool must have no
-        sequence; it grows to ``batch_bucket(max_batch)`` slots first (a pool that grows later drops its graphs).
+        sequence; it grows to ``batch_bucket(max_batch)`` slots first, at least the `DEFAULT_SLOTS` an engine asks
+        for (a pool that grows later drops its graphs).
         ``on_capture(i, total)`` after each capture (a progress bar). On a CPU (nothing to capture) each key's
         step runs once on its buffers, as a first step of that key would."""
         pool = self.pool
         if pool.step is not None or len(pool._free) != pool.num_slots:
             raise RuntimeError("BatchedStepGraphs.warm needs a pool with no sequence in it.")
-        pool.grow_slots(batch_bucket(max_batch))
+        pool.grow_slots(max(batch_bucket(max_batch), DEFAULT_SLOTS))
         if self.recurrent is not None:
             self.adapter.make_packed_layers(self.recurrent)
             self.recurrent.grow(pool.total_slots)
