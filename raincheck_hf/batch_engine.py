@@ -28,6 +28,10 @@ copy and feeds host ints; the rows' placement, order keys, sources and lengths a
 needs of them on the device goes over pinned and non-blocking (`cache_utils.to_device_all`): building a step never
 stalls on the device.
 
+Each step leaves a record of what it ran (``BatchEngine.last_step``, a `StepRecord`: each forward replayed through
+the captured steps, captured there first, or eager; its rows by kind), decided on the host with the step, for the
+loops that time their steps (`batch_loop.StepLog`).
+
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
 and runs the forward from them (packing, the slot placement and mask, the family's packed recurrent step).
@@ -64,7 +68,7 @@ from .kv_pool import DEFAULT_SLOTS, SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
-__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "batched_sample"]
+__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "StepRecord", "StepRows", "batched_sample"]
 
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
 
@@ -80,6 +84,61 @@ def _check_held(cache, what: str) -> None:
         raise ValueError(f"BatchEngine.{what} got a {type(cache).__name__} (a fast-path conversation's static cache); "
                          "a batch continues conversations held in a DeferredDynamicCache: run that conversation with "
                          "RaincheckConfig(fast_path=False), or in the batch from its first turn.")
+
+
+class StepRows(NamedTuple):
+    """A step's rows by kind (host counts, `StepRows.of` the step's forwards)."""
+
+    sequences: int  # sequences with rows in the step (restoring ones included)
+    decode: int  # generated-token rows: one per sequence fed a token
+    chunk: int  # deferred chunk rows riding with them (fused, or in ``serial`` mode's forward of their own)
+    prefill: int  # prompt rows: pieces of joining turns' prefill (a continued conversation's leftovers, then T ∪ S)
+    restoring: int  # pieces of held conversations that only restore (`BatchEngine.restore`)
+
+    @property
+    def total(self) -> int:
+        return self.decode + self.chunk + self.prefill + self.restoring
+
+    @staticmethod
+    def of(forwards: list[list[Entry]], fed: set) -> "StepRows":
+        """The rows of ``forwards`` (`RowScheduler.schedule`'s) by kind; ``fed``: the sequences that had a token to
+        decode when they were scheduled (their groups are ``[chunk?, token]``; the other sequences' are prompt
+        pieces, or restoring pieces of a `batched.RestoringState`)."""
+        sequences, decode, chunk, prefill, restoring = set(), 0, 0, 0, 0
+        for entries in forwards:
+            for seq, group in entries:
+                sequences.add(seq)
+                n = len(group)
+                if seq.restores_only:
+                    restoring += n
+                elif seq not in fed:
+                    prefill += n
+                elif group.want_logits:  # (its token's group: fused with its chunk, or alone after ``serial``'s)
+                    decode += 1
+                    chunk += n - 1
+                else:  # ``serial``: the chunk in a forward of its own
+                    chunk += n
+        return StepRows(len(sequences), decode, chunk, prefill, restoring)
+
+
+class StepRecord(NamedTuple):
+    """What `BatchEngine.step` ran last (``BatchEngine.last_step``), for diagnosing a loop's time: decided with the
+    step, from host data only (nothing read from the device for it).
+
+    ``forwards``: how each of its forwards ran (one; two in ``serial`` mode when chunks ride): ``"replayed"``
+    through the captured decode steps (`fast.batched_graphs.BatchedStepGraphs`; on a CPU model, their
+    static-buffer step run eagerly), ``"captured"`` the same but that launch captured its key's graph first (the
+    capture's warm-up runs included), ``"eager"`` the packed eager forward (`ForwardRunner`: prompt pieces, or an
+    engine without captured steps; also a decode step of captured steps whose capture failed once, which then run
+    eagerly on their buffers); ``rows``: its `StepRows`."""
+
+    forwards: tuple[str, ...]
+    rows: StepRows
+
+    @property
+    def kind(self) -> str:
+        """``forwards`` joined by ``+`` (``"replayed"``, ``"captured"``, ``"eager"``, ``"eager+replayed"``, ...)."""
+        return self.forwards[0] if len(self.forwards) == 1 else "+".join(self.forwards)
 
 
 class RowScheduler:
@@ -250,6 +309,7 @@ class _Ahead(NamedTuple):
     forwards: list  # the step's forwards (`RowScheduler.schedule`)
     ready: list  # per forward, its prepared captured step (`BatchedStepGraphs.prepare`) or None
     snapshot: _Snapshot
+    rows: StepRows  # its rows by kind
 
 
 class BatchEngine:
@@ -293,6 +353,7 @@ class BatchEngine:
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows
+        self.last_step: StepRecord | None = None  # what the last step ran (None: no step yet, or it raised)
         self._ahead: _Ahead | None = None  # the next step, `prepare`d
         self._arrivals = 0
         self._closed = False
@@ -461,7 +522,9 @@ class BatchEngine:
             return
         snapshot = _Snapshot(self.sequences)
         try:
+            fed = self._fed()
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
+            rows = StepRows.of(forwards, fed)
             ready = [None] * len(forwards)
             # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks')
             if self.graphs is not None and len(forwards) == 1 and self.graphs.accepts(forwards[0]):
@@ -469,7 +532,11 @@ class BatchEngine:
         except BaseException:
             snapshot.restore()
             raise
-        self._ahead = _Ahead(forwards, ready, snapshot)
+        self._ahead = _Ahead(forwards, ready, snapshot, rows)
+
+    def _fed(self) -> set:
+        """The sequences with a token to decode in the next step (before `RowScheduler.schedule` takes it)."""
+        return {seq for seq in self.sequences if seq.token is not None}
 
     def abandon(self) -> None:
         """Drop the `prepare`d step, if any: the sequences get back the chunks, pieces and tokens it took."""
@@ -481,27 +548,37 @@ class BatchEngine:
         """One step: every fed token (with its chunk), prompt pieces under the budget, then restoring sequences'
         pieces in what the budget has left (the `prepare`d step when there is one). The next-token logits ``[V]`` of
         each sequence that has them (a fed token ran, or its prompt's last piece). ``carried``: the sequences with
-        rows in it and their rows (set before it runs: if it raises, those are the sequences it may have changed)."""
+        rows in it and their rows (set before it runs: if it raises, those are the sequences it may have changed).
+        ``last_step``: what it ran (`StepRecord`), set once it ran (None while it runs, and after one that raised)."""
         ahead, self._ahead = self._ahead, None
+        self.last_step = None
         if ahead is None:
             # (until it is decided, every sequence that may get rows: a schedule that raises may have changed them)
             self.carried = {s: 0 for s in self.sequences if not s.prefilled or s.token is not None or s.restores_only}
+            fed = self._fed()
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
+            rows = StepRows.of(forwards, fed)
             ready = [None] * len(forwards)
         else:
-            forwards, ready = ahead.forwards, ahead.ready
+            forwards, ready, rows = ahead.forwards, ahead.ready, ahead.rows
         self.carried = {}
         for entries in forwards:
             for seq, group in entries:
                 self.carried[seq] = self.carried.get(seq, 0) + len(group)
-        logits = {}
+        logits, how = {}, []
         for entries, prepared in zip(forwards, ready):
+            captures = None if self.graphs is None else len(self.graphs.capture_log)  # (a capture is logged there)
             if prepared is not None:
                 logits.update(self.graphs.launch(prepared))
             elif self.graphs is not None and self.graphs.accepts(entries):
                 logits.update(self.graphs.run(entries, self.config))
             else:
                 logits.update(self.runner.run(entries))
+                how.append("eager")
+                continue
+            how.append("eager" if self.graphs.failed  # (a capture failed: its decode steps run eagerly from then on)
+                       else "captured" if len(self.graphs.capture_log) > captures else "replayed")
+        self.last_step = StepRecord(tuple(how), rows)
         return logits
 
     def close(self) -> None:

@@ -45,6 +45,12 @@ loop's thread, in the order `_next_to_restore` gives them (the most recently use
 
 Leftovers not restored by then are prefilled with the conversation's next turn, ahead of it, as on the per-turn
 path.
+
+Where the loop's time goes (`BatchLoop.step_stats`, `StepLog`): each step's `batch_engine.StepRecord` (replayed,
+captured or eager; its rows by kind) with the time from its launch to the next one, split where the loop marks it
+(the launch, choosing and preparing ahead, the wait for the device, streaming, the rest of the iteration with its
+joins), the last `BatchLoop.RECENT_STEPS` one by one and running totals per kind. A few `time.perf_counter` calls
+and one lock per step; nothing waits for the device for them.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import StoppingCriteriaList
@@ -64,7 +71,7 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
-from .batch_engine import BatchEngine
+from .batch_engine import BatchEngine, StepRecord
 from .cache_utils import to_device
 from .batched import RestoringState
 from .configuration import RaincheckConfig
@@ -226,6 +233,192 @@ def _sequence(job: "BatchTurn") -> torch.Tensor:
     return job.ids
 
 
+class LoopStep(NamedTuple):
+    """One step in `BatchLoop`'s record of its recent steps (`StepLog`), with where the loop's time went from its
+    launch to the next one (seconds of `time.perf_counter`; nothing waits for the device to take them):
+
+    ``launch_s``: `BatchEngine.step` (deciding the step unless it was prepared, filling and launching its forwards:
+    on a GPU the host's launch time, the forwards run on behind it); ``choose_s``: choosing the tokens on the device,
+    feeding them and preparing the next step (host work while the device runs; all of the host's work after the
+    launch for a step that gave no token); ``wait_s``: the read of the tokens, the step's one wait for the device;
+    ``stream_s``: after the read, the stopping checks, streaming and turns that ended; ``between_s``: the rest of
+    the loop's iteration until the next launch (handing the tokens to the consumers, new turns joining,
+    cancellations, restoring conversations joining or leaving), or until the loop found no step to run. From the
+    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. ``join_s`` /
+    ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
+    preparation) and in restoring conversations joining or leaving the engine."""
+
+    record: StepRecord  # the engine's (`BatchEngine.last_step`)
+    launch_s: float
+    choose_s: float
+    wait_s: float
+    stream_s: float
+    between_s: float
+    join_s: float
+    restore_s: float
+
+    @property
+    def gap_s(self) -> float:
+        return self.stream_s + self.between_s
+
+    @property
+    def step_s(self) -> float:
+        """From this step's launch to the next one's."""
+        return self.launch_s + self.choose_s + self.wait_s + self.stream_s + self.between_s
+
+    def as_dict(self) -> dict:
+        rows = self.record.rows
+        return {"kind": self.record.kind, "sequences": rows.sequences, "decode_rows": rows.decode,
+                "chunk_rows": rows.chunk, "prefill_rows": rows.prefill, "restoring_rows": rows.restoring,
+                **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s") for name in StepLog.TIMES}}
+
+
+class _OpenStep:
+    """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
+
+    __slots__ = ("record", "launched", "stepped", "reading", "read", "done", "join_s", "restore_s")
+
+    def __init__(self, record: StepRecord, launched: float, stepped: float):
+        self.record, self.launched, self.stepped = record, launched, stepped
+        self.reading = self.read = self.done = None
+        self.join_s = self.restore_s = 0.0
+
+    def close(self, end: float) -> LoopStep:
+        done = end if self.done is None else self.done
+        # (a step with no token to read, or whose read failed: its host work after the launch is all ``choose_s``)
+        reading = done if self.reading is None else self.reading
+        read = reading if self.read is None else self.read
+        return LoopStep(self.record, self.stepped - self.launched, reading - self.stepped, read - reading,
+                        done - read, end - done, self.join_s, self.restore_s)
+
+
+class StepLog:
+    """`BatchLoop`'s record of its steps: the last ``keep`` as `LoopStep`s and running totals per (kind, sequences)
+    (a bounded number of keys), from the last `reset`. A step counts when it launched (so the counts always add up
+    to the steps run); its times when the next launch, or the loop finding no step to run, closes it. Written by the
+    loop's thread (a few `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
+
+    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore")
+    ROWS = ("decode", "chunk", "prefill", "restoring")
+
+    def __init__(self, keep: int = 256):
+        self._lock = threading.Lock()
+        self._recent: collections.deque[LoopStep] = collections.deque(maxlen=keep)
+        self.open: _OpenStep | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the totals and the recent steps afresh (a step running now counts in neither)."""
+        with self._lock:
+            self._recent.clear()
+            self.open = None
+            # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
+            self._totals: dict[tuple[str, int], list] = {}
+            self._spent = {"joins": 0, "join_total_s": 0.0, "restore_beside_total_s": 0.0, "idle_restorations": 0,
+                           "restore_idle_total_s": 0.0}
+
+    # ---- the loop's thread ----
+    def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None) -> None:
+        """A step launched at ``launched`` (``record``: what it ran; None: it raised, it does not count) and returned
+        at ``stepped``: the previous step closes at its launch."""
+        with self._lock:
+            if self.open is not None:
+                self._close(self.open.close(launched))
+            self.open = None
+            if record is None:
+                return
+            totals = self._totals.get((record.kind, record.rows.sequences))
+            if totals is None:
+                totals = self._totals[(record.kind, record.rows.sequences)] = [0] * (6 + len(self.TIMES))
+            rows = record.rows
+            totals[0] += 1
+            totals[2] += rows.decode
+            totals[3] += rows.chunk
+            totals[4] += rows.prefill
+            totals[5] += rows.restoring
+            self.open = _OpenStep(record, launched, stepped)
+
+    def finished(self, now: float) -> None:
+        """The loop is done with the step's tokens (streamed, turns ended): the rest of its iteration begins."""
+        step = self.open  # (once: `reset` on another thread may drop it meanwhile)
+        if step is not None:
+            step.done = now
+
+    def idle(self, now: float) -> None:
+        """The loop found no step to run: the last step closes now."""
+        if self.open is not None:
+            with self._lock:
+                if self.open is not None:
+                    self._close(self.open.close(now))
+                self.open = None
+
+    def spent(self, what: str, seconds: float) -> None:
+        """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
+        (restoring conversations joining or leaving an engine beside the answers), ``"idle"`` (a chunk of idle-time
+        restoration); the first two count in the open step's too."""
+        step = self.open
+        with self._lock:
+            if what == "join":
+                self._spent["joins"] += 1
+                self._spent["join_total_s"] += seconds
+                if step is not None:
+                    step.join_s += seconds
+            elif what == "restore":
+                self._spent["restore_beside_total_s"] += seconds
+                if step is not None:
+                    step.restore_s += seconds
+            else:
+                self._spent["idle_restorations"] += 1
+                self._spent["restore_idle_total_s"] += seconds
+
+    def _close(self, step: LoopStep) -> None:
+        self._recent.append(step)
+        totals = self._totals[(step.record.kind, step.record.rows.sequences)]
+        totals[1] += 1
+        for i, name in enumerate(self.TIMES):
+            totals[6 + i] += getattr(step, f"{name}_s")
+
+    # ---- any thread ----
+    def snapshot(self, recent: int = 0) -> dict:
+        """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
+        known: all but one still running), rows by kind, the seconds of the timed steps in each part
+        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration; ``kinds``: per
+        `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
+        ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
+        (`LoopStep.as_dict`), oldest first."""
+        with self._lock:
+            totals = {key: list(value) for key, value in self._totals.items()}
+            spent = dict(self._spent)
+            last = list(self._recent)[-recent:] if recent > 0 else []
+        kinds = {}
+        for kind in sorted({kind for kind, _ in totals}):
+            mine = {n: values for (k, n), values in sorted(totals.items()) if k == kind}
+            figures = self._figures(self._sum(mine.values()))
+            figures["sequences"] = sum(n * values[0] for n, values in mine.items()) / figures["steps"]
+            figures["by_sequences"] = {n: self._figures(values) for n, values in mine.items()}
+            kinds[kind] = figures
+        everything = self._sum(totals.values())
+        return {
+            "steps": everything[0], "timed": everything[1],
+            "rows": {name: everything[2 + i] for i, name in enumerate(self.ROWS)},
+            "seconds": {name: everything[6 + i] for i, name in enumerate(self.TIMES)},
+            **spent,
+            "kinds": kinds,
+            "recent": [step.as_dict() for step in last],
+        }
+
+    def _sum(self, rows) -> list:
+        return [sum(column) for column in zip(*rows)] or [0] * (6 + len(self.TIMES))
+
+    def _figures(self, values: list) -> dict:
+        steps, timed = values[0], values[1]
+        figures = {"steps": steps, "timed": timed}
+        figures.update({f"{name}_rows": values[2 + i] for i, name in enumerate(self.ROWS)})
+        figures.update({f"{name}_ms": (1e3 * values[6 + i] / timed if timed else None)
+                        for i, name in enumerate(self.TIMES)})
+        return figures
+
+
 def _check_budget(value, what: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
@@ -253,10 +446,15 @@ class BatchLoop:
             ended) and before the loop waits for work: a caller whose streamers buffer what they get hands it all
             to its consumers there at once (the server: one wake-up of its event loop per step for every request,
             not one per token per request).
+        on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
+            sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
+            were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
+            server's metrics).
 
     Figures (read from any thread): ``steps``, ``batch_size`` (sequences with rows in the last step),
     ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
-    ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time).
+    ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time), `step_stats`
+    (where the steps' time went).
 
     The thread starts with the first turn; `close` ends turns still running with an error and stops it.
     """
@@ -264,9 +462,10 @@ class BatchLoop:
     IDLE_WAIT_S = 0.5
     _logger = logger
     MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
+    RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
-                 on_step=None, on_restore=None, on_handoff=None):
+                 on_step=None, on_restore=None, on_handoff=None, on_join=None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         if config is not None:
             if not isinstance(config, RaincheckConfig):
@@ -274,7 +473,7 @@ class BatchLoop:
             config.validate()
         self.model = enable(model)
         self.token_budget, self.default_config, self.on_step = max_batch_tokens, config, on_step
-        self.on_restore, self.on_handoff = on_restore, on_handoff
+        self.on_restore, self.on_handoff, self.on_join = on_restore, on_handoff, on_join
         self.adapter = get_adapter(model)
         self._incoming: collections.deque[BatchTurn] = collections.deque()
         self._tasks: collections.deque = collections.deque()  # (callable, holder, event): run on the loop's thread
@@ -292,6 +491,7 @@ class BatchLoop:
         self.steps = 0
         self.batch_size = 0
         self.max_batch_size = 0
+        self.step_log = StepLog(self.RECENT_STEPS)
 
     # ---- the callers' side ------------------------------------------------------------------------
     @property
@@ -381,6 +581,17 @@ class BatchLoop:
         """Sequences answering in the engines (read from any thread)."""
         return len(self._jobs)
 
+    def step_stats(self, recent: int = 0) -> dict:
+        """Where the loop's time went, step by step, since the last `reset_step_stats` (`StepLog.snapshot`: steps
+        by kind, ``"replayed"`` / ``"captured"`` / ``"eager"``, with their rows and the mean ms from a launch to the
+        next and of each part of it; the time in new turns' joins and restoration; with ``recent``, the last steps
+        one by one). Plain data, read from any thread."""
+        return self.step_log.snapshot(recent)
+
+    def reset_step_stats(self) -> None:
+        """Start `step_stats` afresh (``steps`` and the other figures of the loop are not reset)."""
+        self.step_log.reset()
+
     def _start_thread(self) -> None:
         if self._thread is None:  # started with the first turn (no thread for a loop never asked)
             self._thread = threading.Thread(target=self._loop, name="raincheck-batch-loop", daemon=True)
@@ -449,13 +660,19 @@ class BatchLoop:
                 for fn, holder, finished in tasks:
                     self._run_task(fn, holder, finished)
                 for job in arrivals:
+                    began = time.perf_counter()
                     self._join(job)
+                    self._spent("join", time.perf_counter() - began)
                 self._leave_cancelled()
                 engine = self._next_engine()
                 if engine is not None:
+                    began = time.perf_counter()
                     self._restore_beside(engine)
+                    self._spent("restore", time.perf_counter() - began)
                     self._step(engine)
+                    self.step_log.finished(time.perf_counter())
                     continue
+                self.step_log.idle(time.perf_counter())
                 for conv in list(self._restoring):  # no answer left: back to idle-time restoration
                     self._stop_restoring(conv, keep=True)
                 if self._restore_idle():
@@ -482,6 +699,14 @@ class BatchLoop:
                 engine.close()
             self._engines = []
             self._handoff()
+
+    def _spent(self, what: str, seconds: float) -> None:
+        self.step_log.spent(what, seconds)
+        if what == "join" and self.on_join is not None:
+            try:
+                self.on_join(seconds)
+            except BaseException as error:  # the caller's; the loop itself goes on
+                self._logger.error("recording a join's time failed", exc_info=error)
 
     def _handoff(self) -> None:
         if self.on_handoff is None:
@@ -599,9 +824,12 @@ class BatchLoop:
     # ---- stepping -----------------------------------------------------------------------------
     def _step(self, engine: BatchEngine) -> None:
         restoring = [conv for conv, (e, _) in self._restoring.items() if e is engine]
+        log = self.step_log
+        launched = time.perf_counter()
         try:
             logits = engine.step()  # (the step prepared at the end of the last one, unless a join or leave dropped it)
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
+            log.launched(None, launched)
             self._logger.error("a batched step failed; its sequences are answered with an error", exc_info=error)
             for seq in engine.carried:
                 if seq in self._jobs:
@@ -609,6 +837,7 @@ class BatchLoop:
             for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
                 self._stop_restoring(conv, keep=False)
             return
+        log.launched(engine.last_step, launched, time.perf_counter())
         self.steps += 1
         restored = 0
         for conv in restoring:
@@ -623,7 +852,7 @@ class BatchLoop:
         self.batch_size = sum(1 for s in engine.carried if not s.restores_only)
         self.max_batch_size = max(self.max_batch_size, self.batch_size)
         if self.on_step is not None:
-            self.on_step(self.batch_size)
+            self.on_step(self.batch_size, engine.last_step.kind)
         # each sequence's token and stopping check on the device first; every one fed its token as chosen and the
         # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
         # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
@@ -642,12 +871,18 @@ class BatchLoop:
             engine.prepare()
         except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
+        step = log.open
+        if step is not None:
+            step.reading = time.perf_counter()
         try:
             read = read.t().tolist()
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on
             for seq, _ in chosen:
                 self._fail(seq, error)
             return
+        finally:
+            if step is not None:
+                step.read = time.perf_counter()
         got = {seq: (job, device_token, value, going and not stop)
                for (seq, job), device_token, (value, going), stop in zip(chosen, fed, read, stops)}
         for seq in logits:  # (in the step's order, as the sequences came)
@@ -771,11 +1006,14 @@ class BatchLoop:
         conv = self._next_to_restore(skip=self._restoring)
         if conv is None:
             return False
+        began = time.perf_counter()
         try:
             restored = conv._restore_one_chunk()
         except BaseException as error:  # its cache cannot be trusted any more
             self._restore_failed(conv, error)
             return True
+        finally:
+            self._spent("idle", time.perf_counter() - began)
         if restored:
             self.restored_idle += restored
             if self.on_restore is not None:

@@ -120,6 +120,34 @@ def test_a_turn_joins_a_running_answer_and_they_share_steps(batching_server, gly
     assert all(not e.sequences for e in server.scheduler._engines)  # every row freed
 
 
+def labelled(base: str, name: str) -> dict[str, float]:
+    """``{label value: value}`` of a metric with one label (``name{label="value"} value`` lines)."""
+    found = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('"')[1]] = float(value)
+    return found
+
+
+def test_metrics_count_steps_by_kind_and_time_the_joins(batching_server, dialogues):
+    """Two dialogues of two turns: `raincheck_step_kinds_total` by kind adds up to `raincheck_steps_total` and to
+    the loop's own steps by kind (`BatchLoop.step_stats`; on a CPU every step eager), every kind's series there from
+    the start; `raincheck_join_seconds` observed each turn's joining once."""
+    base, server = batching_server
+    kinds = labelled(base, "raincheck_step_kinds_total")
+    assert kinds == {"replayed": 0, "captured": 0, "eager": 0}
+    assert metric(base, "raincheck_join_seconds_count") == 0
+    dialogues_at_once(base, dialogues, 2)
+    wait_for(lambda: server.scheduler.running == 0)
+    kinds = labelled(base, "raincheck_step_kinds_total")
+    steps = server.scheduler.step_stats()
+    assert sum(kinds.values()) == metric(base, "raincheck_steps_total") == server.scheduler.steps == steps["steps"]
+    assert kinds["eager"] == steps["kinds"]["eager"]["steps"] > 0 and set(steps["kinds"]) == {"eager"}
+    assert metric(base, "raincheck_join_seconds_count") == steps["joins"] == 4
+    assert metric(base, "raincheck_join_seconds_sum") == pytest.approx(steps["join_total_s"])
+
+
 def test_concurrent_dialogues_equal_their_conversations_alone(batching_server, glyph, dialogues):
     """Four clients (two running places, two queued), streamed and not, two turns each."""
     base, _ = batching_server

@@ -427,7 +427,7 @@ def test_serve_load_benchmark_smoke(tmp_path):
         assert row["output_tokens_per_s"] > 0 and row["reused_follow_ups"] == 2 * row["clients"]
         for key in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s"):
             assert row[key] > 0, key
-        assert row["ttft_p95_s"] >= row["ttft_p50_s"]
+        assert row["ttft_p95_s"] >= row["ttft_p50_s"] and "loop" not in row  # (a thread per turn: no loop)
     for mode in ("raincheck", "full"):
         lib = saved["library"][mode]
         assert lib["ttft_s"] > 0 and lib["tpot_s"] > 0 and saved["overhead"][mode]["ttft_s"] is not None
@@ -438,17 +438,25 @@ def test_serve_load_benchmark_smoke(tmp_path):
 
 def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     """``--batching``: the same dialogues through the server's continuous-batching loop; every answer of the
-    requested length, follow-ups reuse their conversations, the setting is recorded."""
+    requested length, follow-ups reuse their conversations, the setting is recorded; the row has the loop's step
+    figures over its round (steps by kind adding up, a join per turn, its last steps) and the log a line of them."""
     from raincheck_hf.bench import serve_load
 
-    path = tmp_path / "load.json"
+    path, lines = tmp_path / "load.json", []
     serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
-                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
                    batching=True)
     saved = json.loads(path.read_text())
     assert saved["settings"]["batching"] is True and saved["settings"]["client_processes"] is True
     (row,) = saved["rows"]
     assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4
+    loop = row["loop"]  # the loop's step figures over the round (`BatchLoop.step_stats`)
+    assert loop["steps"] > 0 and sum(k["steps"] for k in loop["kinds"].values()) == loop["steps"]
+    assert loop["joins"] == 6 and loop["rows"]["prefill"] > 0 and loop["rows"]["decode"] > 0
+    assert 0 < len(loop["recent"]) <= serve_load.LOOP_RECENT_STEPS and "gap_ms" in loop["recent"][-1]
+    assert [line for line in lines if " loop: " in line] == [f"[serve-load] raincheck x2 loop: "
+                                                              f"{serve_load.loop_summary(loop)}"]
+    assert serve_load.loop_summary(loop).startswith(f"{loop['steps']} steps: eager {loop['steps']} (")
 
 
 def test_serve_load_clients_in_threads_of_the_server_process_with_in_process_clients(tmp_path, monkeypatch):

@@ -28,7 +28,11 @@ runs the dialogue once untimed first, as each mode's server rounds follow a one-
 
 ``--max-running`` (default: the largest client count, so no client waits in the server's queue) and
 ``--max-queue`` set the server's admission control; ``--batching`` runs the server's continuous-batching loop
-(one forward for every running turn, `serve --batching`) instead of a thread per turn. The JSON has the hardware, the settings and one row per
+(one forward for every running turn, `serve --batching`) instead of a thread per turn; each row then has ``loop``,
+the loop's step figures over its round (`BatchLoop.step_stats`: steps by how they ran, replayed / captured / eager,
+with their rows and the mean ms from a launch to the next, of it the host's launch, its choosing and preparing, its
+wait for the device, and the host gap after the read with the time new turns took to join; the round's last
+steps one by one), and a line per round sums them up. The JSON has the hardware, the settings and one row per
 (mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
 """
 
@@ -55,6 +59,7 @@ from .serve import (QUESTION, add_setting_arguments, claim_device, library_conve
 BUNDLED = {"bundled_qwen3_vl": "qwen3_vl", "bundled_qwen3_5": "qwen3_5"}
 BUNDLED_IMAGE_SIZE = (320, 256)
 DEFAULT_CLIENTS = (1, 4, 8, 16, 32, 64)
+LOOP_RECENT_STEPS = 32  # a round's last steps, one by one, in its row's ``loop`` (``--batching``)
 
 
 def photo_jpeg(width: int, height: int, seed: int, quality: int = 90) -> bytes:
@@ -108,6 +113,22 @@ def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[
         "server_t1_p50_s": percentile([t["server_t1_s"] for t in turns], 0.5),
         "reused_follow_ups": sum(bool(t["reused"]) for d in dialogues for t in d[1:]),
     }
+
+
+def loop_summary(steps: dict) -> str:
+    """One line of a round's batching-loop figures (`BatchLoop.step_stats`): steps per kind with their mean ms
+    (launch to next launch; of it the host's launch, its choosing and preparing, the wait for the device and the host
+    gap after the read) and mean sequences, the time new turns took to join, the total host gap and device wait."""
+    kinds = ", ".join(f"{kind} {k['steps']} ({_ms_of(k['step_ms'])} ms: launch {_ms_of(k['launch_ms'])}, choose "
+                      f"{_ms_of(k['choose_ms'])}, wait {_ms_of(k['wait_ms'])}, gap {_ms_of(k['gap_ms'])}; "
+                      f"{k['sequences']:.1f} seqs)"
+                      for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
+    return (f"{steps['steps']} steps: {kinds or 'none'}; joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
+            f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s")
+
+
+def _ms_of(ms):
+    return "–" if ms is None else f"{ms:.1f}"
 
 
 def _ms(x):
@@ -249,26 +270,35 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             base = stack.enter_context(running(app))
             pool = stack.enter_context(ClientPool(max(clients))) if client_processes else None
 
-            def round_of(mode: str, n: int) -> tuple[list, list]:
+            loop = server.scheduler  # (``batching``: the server's `BatchLoop`, in this process)
+
+            def round_of(mode: str, n: int) -> tuple[list, list, dict | None]:
+                if loop is not None:
+                    loop.reset_step_stats()
                 tasks = [dict(base=base, name=name, mode=mode, settings=settings, system=shapes.SYSTEM_PROMPT,
                               image_url=urls[c], questions=questions, lengths=lengths, bias=bias, think_s=think_s)
                          for c in range(n)]
                 out, errors = pool.round(tasks) if pool is not None else thread_round(tasks)
+                steps = None if loop is None else loop.step_stats(recent=LOOP_RECENT_STEPS)
                 server.store.close()  # the next round starts with nothing held
                 gc.collect()
-                return [d for d in out if d is not None], errors
+                return [d for d in out if d is not None], errors, steps
 
             for mode in modes:
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 for n in clients:
-                    dialogues, errors = round_of(mode, n)
+                    dialogues, errors, steps = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
+                    if steps is not None:
+                        row["loop"] = steps
                     result["rows"].append(row)
                     rate = row["output_tokens_per_s"]
                     log(f"[serve-load] {mode} x{n}: {rate or float('nan'):.1f} tokens/s, TTFT p50 "
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
+                    if steps is not None:
+                        log(f"[serve-load] {mode} x{n} loop: {loop_summary(steps)}")
                     if n == 1 and dialogues:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}

@@ -259,7 +259,7 @@ class Server:
 
             self.scheduler = BatchScheduler(model, self.store, settings.max_batch_tokens, settings.config,
                                             on_step=self.metrics.step, on_restore=self.metrics.restored,
-                                            on_handoff=self.handoff.flush)
+                                            on_handoff=self.handoff.flush, on_join=self.metrics.joined)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

@@ -8,6 +8,8 @@ from __future__ import annotations
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# how the batching loop's steps ran (`batch_engine.StepRecord.kind`; ``serial`` mode's two forwards join with "+")
+STEP_KINDS = ("replayed", "captured", "eager")
 
 
 class _HeldConversations:
@@ -72,7 +74,8 @@ class Metrics:
         """``snapshot``: a callable returning the store's figures (`ConversationStore.snapshot`), or None;
         ``admission``: one returning the admission control's (`Admission.snapshot`), or None; ``batching``: the
         batching loop's figures too (`raincheck_batch_size`, `raincheck_steps_total`,
-        `raincheck_restored_held_total` by ``step``)."""
+        `raincheck_step_kinds_total` by ``kind``, `raincheck_join_seconds`, `raincheck_restored_held_total` by
+        ``step``)."""
         from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
                                        ProcessCollector)
 
@@ -91,12 +94,21 @@ class Metrics:
         self._queue_wait = Histogram("raincheck_queue_wait_seconds", "Time a request waited for a running place.",
                                      buckets=QUEUE_BUCKETS, registry=self.registry)
         self._completion = self._counters["completion_tokens"]
-        self._batch_size = self._steps = self._restored_held = None
+        self._batch_size = self._steps = self._restored_held = self._step_kinds = self._join = None
         if batching:
             self._batch_size = Gauge("raincheck_batch_size", "Sequences in the batching loop's last step.",
                                      registry=self.registry)
             self._steps = Counter("raincheck_steps", "Steps (packed forwards) of the batching loop.",
                                   registry=self.registry)
+            self._step_kinds = Counter(
+                "raincheck_step_kinds", "Steps of the batching loop by how they ran: replayed (a captured decode "
+                "step), captured (its graph captured at that step), eager (the packed eager forward: prompt pieces).",
+                ["kind"], registry=self.registry)
+            for kind in STEP_KINDS:
+                self._step_kinds.labels(kind=kind)
+            self._join = Histogram("raincheck_join_seconds", "Time a new turn took to join the batching loop on its "
+                                   "thread (vision encoding and preparation; no step runs meanwhile).",
+                                   buckets=TTFT_BUCKETS, registry=self.registry)
             self._restored_held = Counter(
                 "raincheck_restored_held", "Deferred tokens of held conversations restored by the batching loop: in "
                 "the spare budget of steps beside answers (step=busy) or while no answer ran (step=idle).", ["step"],
@@ -120,10 +132,17 @@ class Metrics:
         """``n`` tokens just generated (from the answering thread, token by token)."""
         self._completion.inc(n)
 
-    def step(self, sequences: int) -> None:
-        """A step of the batching loop ran with rows of ``sequences`` sequences."""
+    def step(self, sequences: int, kind: str | None = None) -> None:
+        """A step of the batching loop ran with rows of ``sequences`` sequences, as ``kind`` says
+        (`batch_engine.StepRecord.kind`)."""
         self._batch_size.set(sequences)
         self._steps.inc()
+        if kind is not None:
+            self._step_kinds.labels(kind=kind).inc()
+
+    def joined(self, seconds: float) -> None:
+        """A new turn took ``seconds`` to join the batching loop (on its thread)."""
+        self._join.observe(seconds)
 
     def restored(self, rows: int, busy: bool) -> None:
         """The batching loop restored ``rows`` deferred tokens of held conversations, in a step beside answers

@@ -48,19 +48,22 @@ class BatchScheduler(BatchLoop):
         store: the server's `ConversationStore` (idle-time restoration reads its held conversations).
         token_budget: rows per step (`BatchEngine`'s ``token_budget``).
         default_config: the server's default `RaincheckConfig` (its engine is kept while empty).
-        on_step: called with the step's sequence count after every step (the metrics).
+        on_step: called with the step's sequence count and kind (`batch_engine.StepRecord.kind`) after every step
+            (the metrics).
         on_restore: called with ``(rows, busy)`` when held conversations' deferred rows were restored: in a step
             beside answers (``busy``) or in idle time (the metrics).
         on_handoff: called after each of the loop's iterations (the server's `_Handoff.flush`: the step's pieces
             to the event loop at once).
+        on_join: called with the seconds a new turn's joining took on the loop's thread (its vision encoding and
+            preparation: `BatchLoop._join`; the metrics).
     """
 
     _logger = logger
 
     def __init__(self, model, store, token_budget: int | None, default_config, on_step=None, on_restore=None,
-                 on_handoff=None):
+                 on_handoff=None, on_join=None):
         super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
-                         on_handoff=on_handoff)
+                         on_handoff=on_handoff, on_join=on_join)
         self.store = store
 
     def _closed_error(self, running: bool) -> BaseException:
