@@ -33,6 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..configuration import RaincheckConfig
 from .admission import Admission, ClientGone, Ticket
+from .detok import IncrementalDetokenizer
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request
 from .store import ConversationStore, ServedConversation
@@ -98,11 +99,16 @@ class ServeSettings:
 
 
 class _StopStrings(StoppingCriteria):
-    """Stops at the step whose token completes one of ``stop`` in the answer's text."""
+    """Stops at the step whose token completes one of ``stop`` in the answer's text.
+
+    The text comes a token at a time (`detok.IncrementalDetokenizer`), and only the part that can hold a new match is
+    searched: the token's new text after the ``max(len(stop)) - 1`` characters before it. That stops at the same
+    token as searching the whole decoded answer after every token."""
 
     def __init__(self, tokenizer, prompt_length: int, stop: list[str]):
         self.tokenizer, self.prompt_length, self.stop = tokenizer, prompt_length, stop
         self.stopped = False
+        self._text: IncrementalDetokenizer | None = None
 
     def __call__(self, input_ids, scores, **kwargs):
         self.raincheck_host_stop(input_ids[0, self.prompt_length:].tolist())
@@ -112,9 +118,15 @@ class _StopStrings(StoppingCriteria):
         """The same check on the answer's token ids as host ints: the batching loop calls it after its one read of
         the step's tokens (``__call__`` reads ``input_ids`` back from the device, which would make the loop wait for
         the device before it prepares the next step)."""
-        if not self.stopped:
-            text = self.tokenizer.decode(answer, skip_special_tokens=True)
-            self.stopped = any(s in text for s in self.stop)
+        if not self.stopped and self.stop:
+            text = self._text
+            seen = len(text.ids) if text is not None else 0
+            # each call's answer extends the last one's; one that does not (a caller's own) starts the text again
+            if text is None or len(answer) < seen or (seen and answer[seen - 1] != text.ids[-1]):
+                text = self._text = IncrementalDetokenizer(self.tokenizer, max(0, *(len(s) - 1 for s in self.stop)))
+                seen = 0
+            text.add(answer[seen:])
+            self.stopped = any(s in text.recent for s in self.stop)
         return self.stopped
 
 
@@ -161,30 +173,27 @@ class _LogitBias(LogitsProcessor):
 
 class _Pieces(BaseStreamer):
     """Hands the answer's new text to ``emit`` after every token (from the generating thread); text that
-    ends inside a multi-byte character waits for the token that completes it."""
+    ends inside a multi-byte character waits for the token that completes it (`detok.IncrementalDetokenizer`)."""
 
     def __init__(self, tokenizer, emit, on_tokens=None):
-        self.tokenizer, self.emit, self.ids, self.sent, self.prompt_seen = tokenizer, emit, [], 0, False
-        self.on_tokens = on_tokens
+        self.emit, self.on_tokens, self.prompt_seen = emit, on_tokens, False
+        self.text = IncrementalDetokenizer(tokenizer)
 
     def put(self, value):
         if not self.prompt_seen:  # the prompt comes first
             self.prompt_seen = True
             return
         new = value.reshape(-1).tolist()
-        self.ids.extend(new)
         if self.on_tokens is not None:
             self.on_tokens(len(new))
-        self._flush(final=False)
+        self._hand_out(self.text.add(new))
 
     def end(self):
-        self._flush(final=True)
+        self._hand_out(self.text.finish())
 
-    def _flush(self, final: bool):
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if (final or not text.endswith("\ufffd")) and len(text) > self.sent:
-            self.emit(("text", text[self.sent:]))
-            self.sent = len(text)
+    def _hand_out(self, piece: str) -> None:
+        if piece:
+            self.emit(("text", piece))
 
 
 class _Handoff:
