@@ -25,6 +25,17 @@ host's launches, and a device read stalls it until the device's queue drains).
 
 Everything is the same algebra as the batch-1 engine (`gdn.algebra`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
+
+A captured batched decode step (`fast.batched_graphs`) runs `PackedGDNState.static_step` instead: the same three
+parts on every sequence of the step at once, each one of `gdn.kernels`' operations over the whole batch (the conv
+`conv_update_`, the delta rule `recurrent_step_`, the join `join_`, the suffix map `suffix_map_update_`: one Triton
+launch each on CUDA, as the batch-1 fast path runs them), with the per-sequence choices passed as per-row counts
+(``rows_in`` / ``valid`` ``[B]``: a deferred chunk's length, the leading segment's, 0 or 1 for a token) so a
+sequence that carries no chunk, moves no token or records nothing keeps those states exactly. Where Triton does not
+run (CPU, other dtypes) the kernels' references run (`gdn.algebra`, transformers' recurrent rule op for op), the
+same math. Counted on the tiny Qwen3.5 (B = 3), a GDN layer's part of a step carrying chunks dispatches 54 non-view
+aten ops and 7 kernels, where the eager algebra it replaces (token loops of small ops) dispatched 197 ops; each is a
+kernel launch of a few microseconds in a captured graph.
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
 its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
 row reset (`reset`: zeros, ``M_R = I``, no suffix, so nothing of a departed sequence remains), a held

@@ -27,6 +27,11 @@ strided views (e.g. the q / k / v split of the conv output) as long as their las
 recurrent rule, op for op) and `algebra.causal_conv_with_history` + `algebra.roll_conv_history`; each
 wrapper's docstring names its reference, and its Triton kernel (the name without the underscore) is in `gdn._triton`.
 
+Counts on the device: ``valid`` (`recurrent_step_`, `chunked_step_`: how many leading tokens are real) and
+``rows_in`` (`conv_update_`: how many leading rows enter the history) are a device scalar for the whole batch (the
+batch-1 fast path's padded chunk) or ``[B]`` integers, one per batch row (the batched captured step,
+`batched_gdn.PackedGDNState.static_step`: each sequence's own chunk length; 0 leaves its state / history as it was).
+
 Nothing here synchronises with the host or allocates more than the returned output, so the kernel paths
 can be captured in a CUDA graph. Triton is imported on the first launch only.
 """
