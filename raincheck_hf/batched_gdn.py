@@ -36,6 +36,7 @@ run (CPU, other dtypes) the kernels' references run (`gdn.algebra`, transformers
 same math. Counted on the tiny Qwen3.5 (B = 3), a GDN layer's part of a step carrying chunks dispatches 54 non-view
 aten ops and 7 kernels, where the eager algebra it replaces (token loops of small ops) dispatched 197 ops; each is a
 kernel launch of a few microseconds in a captured graph.
+
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
 its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
 row reset (`reset`: zeros, ``M_R = I``, no suffix, so nothing of a departed sequence remains), a held
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_utils import GENERATED, INPUT, to_device, to_device_all
+from .gdn import kernels as gk
 from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
@@ -63,7 +65,6 @@ from .gdn.algebra import (
     join_state,
     update_suffix_map,
 )
-from .gdn import kernels as gk
 from .gdn.dispatch import RECURRENT_CHUNK_MAX
 from .gdn.suffix_map import SuffixStateMap
 

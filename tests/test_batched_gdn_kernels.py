@@ -6,8 +6,9 @@ interpreter is not thread-safe: one subprocess runs every case, as tests/test_gd
 the step on the same random states and inputs three ways: the kernel path (``reference=False``), the reference path
 (``reference=True``, what ``reference=None`` runs on CPU) and the eager packed step (`PackedGDNState.step`, the
 reference of the captured step) on the same sequences. B = 3 sequences at slots of a 5-slot state, among them a
-padding sequence (``real = False``), chunks of different lengths, sequences carrying nothing, restoring pieces (a
-chunk, no token), tokens recorded as leading tokens and into M_R; fp32, the tiny Qwen3.5's head split.
+padding sequence (``real = False``), chunks of different lengths (one past `gdn.dispatch.RECURRENT_CHUNK_MAX`),
+sequences carrying nothing, restoring pieces (a chunk, no token), tokens recorded as leading tokens and into M_R;
+fp32, the tiny Qwen3.5's head split.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ def random_state():
 
 
 def copy(state):
-    new = state.take(list(range(SLOTS)))
-    return new
+    return state.take(list(range(SLOTS)))
 
 
 def err(a, b):
@@ -71,6 +71,9 @@ CASES = {
     "chunks, short suffixes, a token not recorded": (6, True, True, [(0, True, 5, True, 0, "lead"),
                                                                     (3, True, 1, True, 2, None),
                                                                     (2, False, 0, False, 0, None)]),
+    # past RECURRENT_CHUNK_MAX rows the chunks take transformers' chunked rule, the rest stays on the kernels
+    "a long chunk": (67, True, True, [(1, True, 66, True, 1, "lead"), (3, True, 10, True, 4, "map"),
+                                     (0, False, 0, False, 0, None)]),
     "tokens recorded": (1, False, True, [(2, True, 0, True, 2, "lead"), (4, True, 0, True, 3, "map"),
                                          (0, False, 0, False, 0, None)]),
     "tokens": (1, False, False, [(1, True, 0, True, 0, None), (3, True, 0, True, 9, None),
@@ -149,7 +152,7 @@ NAMES = ("state", "conv", "boundary_state", "boundary_conv", "leading_state", "l
 
 
 def test_kernel_path_equals_the_reference_path(interpreted):
-    assert len(interpreted) == 5
+    assert len(interpreted) == 6
     for case, row in interpreted.items():
         assert row["core_err"] <= 1e-5 * max(1.0, row["core_scale"]), (case, row)
         for n in NAMES:
