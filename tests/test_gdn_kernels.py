@@ -440,9 +440,10 @@ for dk, dv in ((128, 128), (8, 16)):
                   {"L2NORM": True, "HAS_VALID": tokens > 1 or per_row, "VALID_PER_ROW": per_row, **step}, warps)
     for tokens in (32, 64):  # a fused step's chunk (c = 31 padded to 32), the largest chunk it runs
         tiles_c, warps_c = gk.launch_tiles("chunked_step", dk, dv, tokens)
-        build(f"chunked_step {dk}x{dv} T={tokens}", K.chunked_step,
-              [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
-              {"HAS_VALID": True, "VALID_PER_ROW": False, **tiles_c}, warps_c)
+        for per_row in (False, True):  # the batch-1 fast path / the batched step's per-sequence counts
+            build(f"chunked_step {dk}x{dv} T={tokens} per_row={per_row}", K.chunked_step,
+                  [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
+                  {"HAS_VALID": True, "VALID_PER_ROW": per_row, **tiles_c}, warps_c)
 for within in (False, True):
     for per_row in (False, True):
         build(f"conv_update within={within} per_row={per_row}", K.conv_update, [bf] * 6 + [i64] + [i32] * 4,
@@ -467,7 +468,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 20
+    assert len(results) == 24
     for name, r in results.items():
         assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
 
