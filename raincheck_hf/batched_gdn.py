@@ -25,6 +25,18 @@ host's launches, and a device read stalls it until the device's queue drains).
 
 Everything is the same algebra as the batch-1 engine (`gdn.algebra`, transformers' own chunked / recurrent
 rules of the layer's modeling file), so each sequence's states equal those of its own call to float rounding.
+
+A captured batched decode step (`fast.batched_graphs`) runs `PackedGDNState.static_step` instead: the same three
+parts on every sequence of the step at once, each one of `gdn.kernels`' operations over the whole batch (the conv
+`conv_update_`, the delta rule `recurrent_step_`, the join `join_`, the suffix map `suffix_map_update_`: one Triton
+launch each on CUDA, as the batch-1 fast path runs them), with the per-sequence choices passed as per-row counts
+(``rows_in`` / ``valid`` ``[B]``: a deferred chunk's length, the leading segment's, 0 or 1 for a token) so a
+sequence that carries no chunk, moves no token or records nothing keeps those states exactly. Where Triton does not
+run (CPU, other dtypes) the kernels' references run (`gdn.algebra`, transformers' recurrent rule op for op), the
+same math. Counted on the tiny Qwen3.5 (B = 3), a GDN layer's part of a step carrying chunks dispatches 54 non-view
+aten ops and 7 kernels, where the eager algebra it replaces (token loops of small ops) dispatched 197 ops; each is a
+kernel launch of a few microseconds in a captured graph.
+
 `PackedGDNStates` of `batch_engine.BatchEngine` has a row per slot of its KV pool: a forward takes the rows of
 its sequences (`take`, a copy) and puts them back after it (`put`); a sequence that joins or leaves gets its
 row reset (`reset`: zeros, ``M_R = I``, no suffix, so nothing of a departed sequence remains), a held
@@ -39,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_utils import GENERATED, INPUT, to_device, to_device_all
+from .gdn import kernels as gk
 from .gdn.algebra import (
     GDNLayerParams,
     LeadingSegment,
@@ -52,6 +65,7 @@ from .gdn.algebra import (
     join_state,
     update_suffix_map,
 )
+from .gdn.dispatch import RECURRENT_CHUNK_MAX
 from .gdn.suffix_map import SuffixStateMap
 
 __all__ = ["PackedGDNState", "PackedGDNStates", "PackedRowLayout"]
@@ -409,7 +423,8 @@ class PackedGDNState:
 
     # ---- a decode step on static buffers (`fast.batched_graphs`) ----------------------------------
     def static_step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
-                    chunk_rule, recurrent_rule, chunks: bool, record: bool) -> torch.Tensor:
+                    chunk_rule, recurrent_rule, chunks: bool, record: bool, *,
+                    reference: bool | None = None) -> torch.Tensor:
         """The recurrent part of one GDN layer for a captured batched decode step: sequence ``b``'s rows are
         ``[d_b deferred rows, its generated token (a decode group) or nothing (a restoring piece), padding]`` of
         ``qkv [B, W, C]``, ``a, b [B, W, HV]``, its states read and written at row ``step.slots[b]`` of this per-slot
@@ -420,78 +435,107 @@ class PackedGDNState:
         ``chunks`` (some sequence carries deferred rows) and ``record`` (some token is recorded); without them those
         parts are not computed at all.
 
-        The operations of `step` (`_chunks`, then `_rests` on the tokens), on every sequence at once: rows after a
-        sequence's own deferred rows gated off in the chunk (``g = 0, beta = 0``; they follow its real rows, so no
-        real row's conv reads them), each sequence's token gathered from row ``d_b``, and every per-sequence choice
-        (has a chunk, has a token, records how, is padding) made by ``torch.where`` with the old values, which is
-        exact. Returns the core outputs ``[B, W, HV, V]`` (zeros on padding rows). The host's ``suffix_length`` is
-        not touched here (`PackedGDNStates.advance_suffix` after the step)."""
+        The operations of `step` (`_chunks`, then `_rests` on the tokens) on every sequence at once, each one a
+        `gdn.kernels` operation over the whole batch (one Triton launch on CUDA; its reference elsewhere, or with
+        ``reference=True``; ``reference=False`` forces the kernels, on CPU in Triton's interpreter), on copies of
+        the slots' rows (``index_select``) written back after (``index_copy_``):
+
+        1. the chunks from the boundaries: `conv_update_` (``rows_in = d_b`` per sequence: ``h_b'``, and ``h_b``
+           itself for ``d_b = 0``), the delta rule token by token (`recurrent_step_`, ``valid = d_b``: the rows
+           after a sequence's own chunk run as ``g = 0, beta = 0``; transformers' chunked rule past
+           `gdn.dispatch.RECURRENT_CHUNK_MAX` rows);
+        2. the joins: the leading segments recomputed from ``h_b'`` (`conv_update_` over the leading records, which
+           also writes the live conv window of a suffix shorter than ``Kc - 1``, and `recurrent_step_` with ``valid =
+           min(t_b, Kc - 1)`` into S_L'), then `join_` (``S_live += M_R (S_L' - S_L)``);
+        3. the tokens, each gathered from its row ``d_b``, from the (corrected) live states: `conv_update_` and
+           `recurrent_step_` with a count of 1 for a sequence that moves and 0 for one that does not;
+        4. the records: leading-record slot ``t_b`` (``torch.where``), S_L advanced by a leading token
+           (`recurrent_step_`, count 0 or 1) and ``M_R <- A_t M_R`` (`suffix_map_update_`, the rows that do not
+           record into M_R gated off to ``g = 0, beta = 0``).
+
+        A sequence that carries no chunk, moves no token or records nothing keeps those states exactly: its count
+        is 0 (a token with ``g = 0, beta = 0`` multiplies the state by ``exp(0) = 1`` and adds ``k * 0``), its
+        S_L' is its S_L (``torch.where``: the join then adds ``M_R @ 0``), its conv windows are copied back. Returns
+        the core outputs ``[B, W, HV, V]`` (zeros on rows that are neither a chunk row nor the token). The host's
+        ``suffix_length`` is not touched here (`PackedGDNStates.advance_suffix` after the step)."""
         p = params
         device = qkv.device
         slots, real = step.slots, step.real
         bsz, rows, _ = qkv.shape
+        conv_args = (p.conv_weight, p.conv_bias, p.activation)
         g, beta = gdn_gates(a, b, p)
         flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
-        state = self.state.index_select(0, slots)
+        state = self.state.index_select(0, slots)  # copies of the slots' rows: the kernels update them in place
         conv = self.conv.index_select(0, slots)
-        leading_state = None
+        leading_state = rest_map = None
         if chunks:
-            d, carries = step.deferred, step.deferred > 0
-            valid = torch.arange(rows, device=device)[None] < d[:, None]
-            history = self.boundary_conv.index_select(0, slots)
-            y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+            d = step.deferred
+            carries = d > 0
+            # 1. the chunks from each sequence's boundary; h_b <- h_b' in place (d_b = 0: h_b itself)
+            boundary_conv = self.boundary_conv.index_select(0, slots)
+            boundary_state = self.boundary_state.index_select(0, slots)
+            y = gk.conv_update_(boundary_conv, qkv, *conv_args, rows_in=d, reference=reference)
             q, k, v = _split_heads(y, p)
-            gc, bc = _gate_off(g, beta, valid)
-            boundary_before = self.boundary_state.index_select(0, slots)
-            out, boundary_state = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_before)
+            valid = torch.arange(rows, device=device)[None] < d[:, None]
+            if rows > RECURRENT_CHUNK_MAX:  # (as the batch-1 fast path: a long chunk takes transformers' chunked rule)
+                gc, bc = _gate_off(g, beta, valid)
+                out, final = self._rule(False, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_state)
+                boundary_state.copy_(final)
+            else:
+                out = gk.recurrent_step_(boundary_state, q, k, v, g, beta, valid=d, reference=reference)
             core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
                                                                                      device=device))
-            boundary_conv = _last_window(history, qkv, d)
+            self.boundary_state.index_copy_(0, slots, boundary_state)
+            self.boundary_conv.index_copy_(0, slots, boundary_conv)
+            # 2. the joins: each carrying sequence's leading segment (min(t_b, Kc - 1) recorded tokens) recomputed
+            # from (S_b', h_b'); its live conv window follows h_b' while t_b < Kc - 1 (a count of Kc - 1 writes none:
+            # the sequences without a chunk)
             lead = step.suffix.clamp(max=self.width)
+            window = torch.where(carries, lead, self.width)
+            lead_qkv = self.leading_qkv.index_select(0, slots)
+            y = gk.conv_update_(boundary_conv, lead_qkv, *conv_args, rows_in=window, history_out=conv,
+                                only_within_window=True, reference=reference)
+            lq, lk, lv = _split_heads(y, p)
+            lg, lb = gdn_gates(self.leading_a.index_select(0, slots), self.leading_b.index_select(0, slots), p)
+            repaired = torch.empty_like(boundary_state)
+            gk.recurrent_step_(boundary_state, lq, lk, lv, lg, lb, valid=lead, state_out=repaired, reference=reference)
             leading_before = self.leading_state.index_select(0, slots)
-            lead_qkv, repaired, live = self._join(slots, lead, boundary_conv, boundary_state, state, leading_before, p)
-            state = torch.where(flag(carries, state), live.to(state.dtype), state)
-            leading_state = torch.where(flag(carries, leading_before), repaired.to(leading_before.dtype),
-                                        leading_before)
-            self.boundary_state.index_copy_(0, slots, torch.where(flag(carries, boundary_before),
-                                                                  boundary_state.to(boundary_before.dtype),
-                                                                  boundary_before))
-            self.boundary_conv.index_copy_(0, slots, boundary_conv)  # (d_b = 0: h_b itself)
-            # the live conv window still reaches into h_b while the suffix is shorter than Kc - 1
-            short = carries & (lead < self.width)
-            conv = torch.where(flag(short, conv), _last_window(boundary_conv, lead_qkv, lead), conv)
+            leading_state = torch.where(flag(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
+            rest_map = self.rest_map.index_select(0, slots)
+            gk.join_(state, rest_map, leading_state, leading_before, reference=reference)
             has_token = step.token
-            at = step.deferred.clamp(max=rows - 1)[:, None]  # each sequence's token row
+            at = d.clamp(max=rows - 1)[:, None]  # each sequence's token row
             pick = lambda t: t.gather(1, at.view(-1, 1, *([1] * (t.dim() - 2))).expand(-1, 1, *t.shape[2:]))  # noqa
             x, xa, xb, rg, rb = pick(qkv), pick(a), pick(b), pick(g), pick(beta)
         else:
             has_token = real
             core = None
             x, xa, xb, rg, rb = qkv, a, b, g, beta
-        # the tokens, from each sequence's (corrected) live state; a sequence without one keeps its states
-        y = causal_conv_with_history(x, conv, p.conv_weight, p.conv_bias, p.activation)
-        q, k, v = _split_heads(y, p)
-        out, stepped = self._rule(True, chunk_rule, recurrent_rule, q, k, v, rg, rb, state)
+        # 3. the tokens, from each sequence's (corrected) live state; a sequence without one keeps its states
         moved = has_token & real
-        stepped_conv = torch.cat([conv, x.to(conv.dtype)], dim=1)[:, 1:]  # `_last_window` of one row
-        self.state.index_copy_(0, slots, torch.where(flag(moved, state), stepped.to(state.dtype), state))
-        self.conv.index_copy_(0, slots, torch.where(flag(moved, conv), stepped_conv, conv))
-        if leading_state is not None and not record:
-            self.leading_state.index_copy_(0, slots, leading_state)
+        count = moved.long()
+        y = gk.conv_update_(conv, x, *conv_args, rows_in=count, reference=reference)  # the window before the token
+        q, k, v = _split_heads(y, p)
+        out = gk.recurrent_step_(state, q, k, v, rg, rb, valid=count, reference=reference)
+        self.state.index_copy_(0, slots, state)
+        self.conv.index_copy_(0, slots, conv)
         if record:
-            # as `_rests`: the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
+            # 4. the records, the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
             lead_token, into_map = step.lead & moved, step.record_map & moved
-            f = gdn_factors(x, conv, xa, xb, p)
             at_t = (torch.arange(self.width, device=device)[None] == step.suffix[:, None]) & lead_token[:, None]
             for name, new in (("leading_qkv", x), ("leading_a", xa), ("leading_b", xb)):
                 old = getattr(self, name).index_select(0, slots)
                 getattr(self, name).index_copy_(0, slots, torch.where(at_t[..., None], new.to(old.dtype), old))
-            old = self.leading_state.index_select(0, slots) if leading_state is None else leading_state
-            advanced = advance_state(old, f.k, f.v, f.g, f.beta)
-            self.leading_state.index_copy_(0, slots, torch.where(flag(lead_token, old), advanced.to(old.dtype), old))
-            old = self.rest_map.index_select(0, slots)
-            updated = update_suffix_map(old, f.k, f.g, f.beta)
-            self.rest_map.index_copy_(0, slots, torch.where(flag(into_map, old), updated.to(old.dtype), old))
+            if leading_state is None:
+                leading_state = self.leading_state.index_select(0, slots)
+            gk.recurrent_step_(leading_state, k, k, v, rg, rb, valid=lead_token.long(), reference=reference)
+            if rest_map is None:
+                rest_map = self.rest_map.index_select(0, slots)
+            mg, mb = gk.gate_off(rg, rb, flag(into_map, rg))
+            gk.suffix_map_update_(rest_map, k, mg, mb, l2norm=True, reference=reference)
+            self.rest_map.index_copy_(0, slots, rest_map)
+        if leading_state is not None:
+            self.leading_state.index_copy_(0, slots, leading_state)
         out = out.to(qkv.dtype)
         if core is None:
             return out

@@ -194,6 +194,59 @@ for B, T, C, Kc, bias, dtype in cases["conv"]:
             "err": max(err(y1, y_full), err(y3, y_full)), "scale": y_full.abs().max().item(),
             "history_equal": torch.equal(h1, h_want) and torch.equal(h2, h_want),
             "window_equal": torch.equal(o1, o_want) and torch.equal(o2, o_want)}
+# per-row counts ([B] integers, one per batch row: the batched captured step's sequences), against each row run
+# alone with its own scalar count; a row with count 0 keeps its state / history exactly
+for _, T, HK, HV, K, V in cases["step"]:
+    g = torch.Generator().manual_seed(12)
+    B = 3
+    counts = torch.tensor([0, min(1, T), T + 1])
+    S = torch.randn(B, HV, K, V, generator=g)
+    q, k = torch.randn(B, T, HK, K, generator=g), torch.randn(B, T, HK, K, generator=g)
+    v = torch.randn(B, T, HV, V, generator=g)
+    gate, beta = -torch.rand(B, T, HV, generator=g), torch.rand(B, T, HV, generator=g)
+    row = {"err": 0.0, "o_err": 0.0, "scale": S.abs().max().item(), "o_scale": 1.0, "zero_kept": True}
+    for fn in (gk.recurrent_step_, gk.chunked_step_):
+        got = {}
+        for reference in (False, True):
+            S1 = S.clone()
+            o1 = fn(S1, q, k, v, gate, beta, valid=counts, reference=reference)
+            got[reference] = (S1, o1)
+            row["zero_kept"] &= torch.equal(S1[0], S[0])
+        for b in range(B):
+            Sb = S[b:b + 1].clone()
+            ob = gk.recurrent_step_(Sb, q[b:b + 1], k[b:b + 1], v[b:b + 1], gate[b:b + 1], beta[b:b + 1],
+                                    valid=counts[b:b + 1], reference=True)
+            for S1, o1 in got.values():
+                row["err"] = max(row["err"], err(S1[b:b + 1], Sb))
+                row["o_err"] = max(row["o_err"], err(o1[b:b + 1], ob))
+            row["o_scale"] = max(row["o_scale"], ob.abs().max().item())
+    out[f"per-row step {B, T, HK, HV, K, V}"] = row
+for _, T, C, Kc, bias, dtype in cases["conv"]:
+    g = torch.Generator().manual_seed(13)
+    dt = getattr(torch, dtype)
+    B = 3
+    counts = torch.tensor([0, min(1, T), T + 1])
+    h = torch.randn(B, Kc - 1, C, generator=g).to(dt)
+    x = torch.randn(B, T, C, generator=g).to(dt)
+    w = torch.randn(C, Kc, generator=g).to(dt)
+    own = torch.randn(B, Kc - 1, C, generator=g).to(dt)
+    y_full = gk.conv_update_(h.clone(), x, w, reference=True)
+    row = {"err": 0.0, "scale": y_full.abs().max().item(), "history_equal": True, "window_equal": True}
+    for reference in (False, True):
+        h1 = h.clone()
+        y1 = gk.conv_update_(h1, x, w, rows_in=counts, reference=reference)
+        o1 = own.clone()
+        y2 = gk.conv_update_(h, x, w, rows_in=counts, history_out=o1, only_within_window=True, reference=reference)
+        row["err"] = max(row["err"], err(y1, y_full), err(y2, y_full))
+        for b in range(B):
+            hb, ob = h[b:b + 1].clone(), own[b:b + 1].clone()
+            gk.conv_update_(hb, x[b:b + 1], w, rows_in=counts[b:b + 1], reference=True)
+            gk.conv_update_(h[b:b + 1], x[b:b + 1], w, rows_in=counts[b:b + 1], history_out=ob,
+                            only_within_window=True, reference=True)
+            row["history_equal"] &= torch.equal(h1[b:b + 1], hb)
+            row["window_equal"] &= torch.equal(o1[b:b + 1], ob)
+        row["history_equal"] &= torch.equal(h1[0], h[0])  # count 0: the history as it was
+    out[f"per-row conv {B, T, C, Kc, bias, dtype}"] = row
 K, V = 3, 5
 q = torch.tensor([1.0, 0.0, 0.0]).view(1, 1, 1, K)
 k = torch.tensor([0.6, 0.8, 0.0]).view(1, 1, 1, K)
@@ -322,6 +375,22 @@ def test_conv_rolls_only_the_real_rows_in(interpreted):
         assert r["history_equal"] and r["window_equal"], (name, r)  # copies: exact
 
 
+def test_per_row_counts_equal_each_row_alone(interpreted):
+    # valid / rows_in as [B] (one count per batch row, the batched captured step's form): each row equals its own
+    # call with a scalar count; a row whose count is 0 keeps its state / history exactly
+    steps = _rows(interpreted, "per-row step ")
+    assert len(steps) == len(STEP_SIZES)
+    _assert_within(steps, 2e-5)  # the chunked form: sums in another order
+    _assert_within(steps, 2e-5, "o_err", "o_scale")
+    assert all(r["zero_kept"] for r in steps.values()), steps
+    convs = _rows(interpreted, "per-row conv ")
+    assert len(convs) == len(CONV_SIZES)
+    for name, r in convs.items():
+        tol = 2e-2 if "bfloat16" in name else 1e-5
+        assert r["err"] <= tol * max(1.0, r["scale"]), (name, r)
+        assert r["history_equal"] and r["window_equal"], (name, r)
+
+
 def test_conv_update_kernel_matches_reference(interpreted):
     rows = _rows(interpreted, "conv ")
     assert len(rows) == len(CONV_SIZES)
@@ -365,18 +434,21 @@ for dk, dv in ((128, 128), (8, 16)):
     build(f"join {dk}x{dv}", K.join, [f32] * 4 + [i32] * 2, *tiles["join"])
     for tokens in (1, 32):  # the masked form (a chunk's real-token count) is the larger one
         step, warps = gk.launch_tiles("recurrent_step", dk, dv, tokens)
-        build(f"recurrent_step {dk}x{dv} T={tokens}", K.recurrent_step,
-              [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
-              {"L2NORM": True, "HAS_VALID": tokens > 1, **step}, warps)
+        for per_row in (False, True):  # one count for the batch (the batch-1 fast path) / one per row (batched)
+            build(f"recurrent_step {dk}x{dv} T={tokens} per_row={per_row}", K.recurrent_step,
+                  [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
+                  {"L2NORM": True, "HAS_VALID": tokens > 1 or per_row, "VALID_PER_ROW": per_row, **step}, warps)
     for tokens in (32, 64):  # a fused step's chunk (c = 31 padded to 32), the largest chunk it runs
         tiles_c, warps_c = gk.launch_tiles("chunked_step", dk, dv, tokens)
-        build(f"chunked_step {dk}x{dv} T={tokens}", K.chunked_step,
-              [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13, {"HAS_VALID": True, **tiles_c},
-              warps_c)
+        for per_row in (False, True):  # the batch-1 fast path / the batched step's per-sequence counts
+            build(f"chunked_step {dk}x{dv} T={tokens} per_row={per_row}", K.chunked_step,
+                  [f32, f32, i64, bf, bf, bf, f32, bf, bf] + [i32] * 5 + ["fp32"] + [i32] * 13,
+                  {"HAS_VALID": True, "VALID_PER_ROW": per_row, **tiles_c}, warps_c)
 for within in (False, True):
-    build(f"conv_update within={within}", K.conv_update, [bf] * 6 + [i64] + [i32] * 4,
-          {"KC": 4, "HAS_BIAS": False, "SILU": True, "ROWS_IN": True, "ONLY_WITHIN": within,
-           **tiles["conv_update"][0]}, tiles["conv_update"][1])
+    for per_row in (False, True):
+        build(f"conv_update within={within} per_row={per_row}", K.conv_update, [bf] * 6 + [i64] + [i32] * 4,
+              {"KC": 4, "HAS_BIAS": False, "SILU": True, "ROWS_IN": True, "ONLY_WITHIN": within,
+               "ROWS_PER_ROW": per_row, **tiles["conv_update"][0]}, tiles["conv_update"][1])
 print(json.dumps(out))
 """
 
@@ -396,7 +468,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 14
+    assert len(results) == 24
     for name, r in results.items():
         assert r["rc"] == 0 and r["spill_stores"] == 0, (name, r)
 

@@ -1233,6 +1233,140 @@ def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monke
             assert (a - b).abs().max().item() <= 0.05 * max(1.0, b.abs().max().item()), f"row {row} forward {i}"
 
 
+# ---- the captured batched GDN step on `gdn.kernels` (`batched_gdn.PackedGDNState.static_step`) ---------------------
+
+# Launches per GDN layer of an uncaptured batched chunk step (tiny Qwen3.5, B = 3): the Triton kernels plus the
+# non-view aten ops around them. Measured with this counter on CPU, the kernels run in Triton's interpreter (its
+# launches not counted as aten ops): 54 ops + 7 kernels for a chunk step, 75 + 9 for a chunk step that records; the
+# eager algebra they replaced dispatched 197 and 249 non-view ops.
+GDN_CHUNK_STEP_LAUNCHES = 72
+GDN_CHUNK_RECORD_STEP_LAUNCHES = 100
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "split", "split_with_sizes", "transpose",
+             "t", "permute", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "unbind"}
+
+
+def _count_static_step_launches(monkeypatch):
+    """Count, per call of `PackedGDNState.static_step` (keyed by its host flags ``(chunks, record)``), the non-view aten
+    ops it dispatches and the `gdn.kernels` operations that launch their Triton kernel (each one launch; the ops of a
+    reference run instead are counted as aten ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raincheck_hf.batched_gdn import PackedGDNState
+    from raincheck_hf.gdn import kernels as gk
+
+    counts: dict = {}
+    use_kernel = gk._use_kernel
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.launches = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _VIEW_OPS:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    active: list = []
+
+    def counted_use_kernel(*args, **kwargs):
+        launched = use_kernel(*args, **kwargs)
+        if active and launched:
+            active[-1].launches += 1
+        return launched
+
+    static_step = PackedGDNState.static_step
+
+    def counted_static_step(self, qkv, a, b, step, params, chunk_rule, recurrent_rule, chunks, record, **kw):
+        counter = Counter()
+        active.append(counter)
+        try:
+            with counter:
+                out = static_step(self, qkv, a, b, step, params, chunk_rule, recurrent_rule, chunks, record, **kw)
+        finally:
+            active.pop()
+        counts.setdefault((chunks, record), []).append((counter.ops, counter.launches))
+        return out
+
+    monkeypatch.setattr(gk, "_use_kernel", counted_use_kernel)
+    monkeypatch.setattr(PackedGDNState, "static_step", counted_static_step)
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["raincheck", "post_answer"])
+def test_cuda_batched_gdn_steps_run_the_kernels_and_equal_the_eager_engine(mode, monkeypatch):
+    """``generate`` with B = 3 on CUDA (fp32 tiny Qwen3.5, ``fast_path=True``): the captured batched steps' GDN part
+    (`PackedGDNState.static_step`) launches `gdn.kernels`' Triton kernels (the conv, the delta rule, the join, the
+    suffix map), none of their references, and the answers equal the eager batched engine's (tokens identical,
+    logits within 1e-3 + 1e-3 x max)."""
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.gdn import kernels as gk
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    launched = []
+    use_kernel = gk._use_kernel
+
+    def recorded(reference, buffers, inputs, name, fp32=True):
+        out = use_kernel(reference, buffers, inputs, name, fp32)
+        launched.append((name, out))
+        return out
+
+    batched_graphs.release_all()
+    model = _cuda_family_model("qwen3_5")
+    inputs = _cuda(batched_inputs(family_processor("qwen3_5"), [TWO_IMAGES, IMAGE, TEXT]))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=3, decode_guard=1)
+    want = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=False), **kw)
+    monkeypatch.setattr(gk, "_use_kernel", recorded)
+    got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert kept.use_cuda and kept.replays > 0 and not kept.failed
+    batched_graphs.release_all()
+    assert launched and all(out for _, out in launched), sorted({name for name, out in launched if not out})
+    names = {name for name, _ in launched}
+    assert {"conv_update_", "recurrent_step_", "join_"} <= names
+    if mode == "post_answer":
+        assert "suffix_map_update_" in names
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-3 + 1e-3 * b.float().abs().max().item()
+
+
+def test_cuda_batched_gdn_chunk_step_launches_a_bounded_number_of_kernels(monkeypatch):
+    """The uncaptured batched steps on CUDA (the same code a capture records): a GDN layer's part of a step carrying
+    deferred chunks launches at most `GDN_CHUNK_STEP_LAUNCHES` kernels (`GDN_CHUNK_RECORD_STEP_LAUNCHES` when a token
+    is also recorded), at least the seven `gdn.kernels` launches of a chunk step (three convs, the chunk's and the
+    leading segments' rules and the token's, the join) and none of their references."""
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs
+
+    def uncaptured(self, key, buffers):  # the static-buffer step, run on the device without a graph
+        def run():
+            self._step(buffers, key.span, key.dense, key.records, key.chunks)
+
+        run()
+        return batched_graphs._EagerStep(run)
+
+    batched_graphs.release_all()
+    model = _cuda_family_model("qwen3_5")
+    inputs = _cuda(batched_inputs(family_processor("qwen3_5"), [TWO_IMAGES, IMAGE, TEXT]))
+    kw = dict(max_new_tokens=10, do_sample=False, suppress_tokens=no_placeholder_ids(model))
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "_warm_and_capture", uncaptured)
+    counts = _count_static_step_launches(monkeypatch)
+    for mode in ("raincheck", "post_answer"):
+        cfg = RaincheckConfig(mode=mode, retention=0.3, chunk_size=3, decode_guard=1, fast_path=True)
+        model.generate(**inputs, raincheck=cfg, **kw)
+    batched_graphs.release_all()
+    assert counts.get((True, False)) and counts.get((True, True)), sorted(counts)
+    for (chunks, record), calls in counts.items():
+        for ops, launches in calls:
+            if chunks:
+                assert launches >= 7, (chunks, record, ops, launches)
+                bound = GDN_CHUNK_RECORD_STEP_LAUNCHES if record else GDN_CHUNK_STEP_LAUNCHES
+                assert ops + launches <= bound, (chunks, record, ops, launches)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_cuda_batched_gdn_graphs_restoring_sequences_ride_in_replayed_steps(seed, monkeypatch):
     """The CPU fuzz of restoring sequences in captured GDN steps (tests/test_batched_gdn_graphs.py) on CUDA with real

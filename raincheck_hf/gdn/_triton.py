@@ -68,12 +68,13 @@ def join(S, M, S_new, S_old, K, V, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 @triton.jit
 def recurrent_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
                    sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t, L2NORM: tl.constexpr, HAS_VALID: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                   VALID_PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # The gated delta rule, token by token, in transformers' order: S <- exp(g) S; delta = beta (v - k^T S);
     # S <- S + k delta^T; o = (scale q)^T S. Value column j of S only ever meets column j of v and o, so a
     # program owns a [K, BLOCK_V] column slab of one head's state. Grid (B * HV, cdiv(V, BLOCK_V)).
     # S is read, S_out written (the same buffer for an update in place). HAS_VALID: tokens t >= n_valid[0] (a
-    # device scalar) are padding, run with g = 0 and beta = 0 (the state passes them unchanged).
+    # device scalar; with VALID_PER_ROW n_valid[b], one count per batch row) are padding, run with g = 0 and
+    # beta = 0 (the state passes them unchanged).
     # A token's inputs are loaded one token ahead, so their latency overlaps the previous token's chain.
     bh = tl.program_id(0)
     b = bh // HV
@@ -89,7 +90,10 @@ def recurrent_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scal
     s = tl.load(S + offs, mask=mask, other=0.0)
     valid = T
     if HAS_VALID:
-        valid = tl.load(n_valid).to(tl.int32)
+        if VALID_PER_ROW:
+            valid = tl.load(n_valid + b).to(tl.int32)
+        else:
+            valid = tl.load(n_valid).to(tl.int32)
     q_ptr = q + b64 * sq_b + hk * sq_h + rows
     k_ptr = k + b64 * sk_b + hk * sk_h + rows
     v_ptr = v + b64 * sv_b + h * sv_h + cols
@@ -128,11 +132,12 @@ def recurrent_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scal
 @triton.jit
 def conv_update(history, x, w, bias, y, history_out, n_rows, T, C, sx_b, sx_t, KC: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ROWS_IN: tl.constexpr, ONLY_WITHIN: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+                ROWS_PER_ROW: tl.constexpr, BLOCK_C: tl.constexpr):
     # Depthwise causal conv of x [B, T, C] after history [B, KC - 1, C] (the window of output t is rows
     # t .. t + KC - 1 of cat(history, x)), then history_out <- the last KC - 1 rows of cat(history, x[:, :n]),
     # n = T, or with ROWS_IN n = min(n_rows[0], T) (a device scalar: the real rows of a padded chunk);
-    # ONLY_WITHIN writes it only while n_rows[0] < KC - 1. history_out may be history (an update in place).
+    # ONLY_WITHIN writes it only while n_rows[0] < KC - 1; with ROWS_PER_ROW the count is n_rows[b], one per batch
+    # row. history_out may be history (an update in place).
     # Dtypes as transformers' torch path: inputs cast to x's then to the weight's dtype, fp32 accumulation, the
     # sum and the activation rounded to the weight's dtype, the output in x's. Grid (B, cdiv(C, BLOCK_C)).
     W: tl.constexpr = KC - 1
@@ -163,7 +168,10 @@ def conv_update(history, x, w, bias, y, history_out, n_rows, T, C, sx_b, sx_t, K
     n = T
     write = cm
     if ROWS_IN:
-        given = tl.load(n_rows).to(tl.int32)
+        if ROWS_PER_ROW:
+            given = tl.load(n_rows + b).to(tl.int32)
+        else:
+            given = tl.load(n_rows).to(tl.int32)
         n = tl.minimum(given, T)
         if ONLY_WITHIN:
             write = cm & (given < W)
@@ -178,8 +186,8 @@ def conv_update(history, x, w, bias, y, history_out, n_rows, T, C, sx_b, sx_t, K
 
 @triton.jit
 def chunked_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-                 sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t, HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                 sv_b, sv_t, sv_h, sg_b, sg_t, sb_b, sb_t, HAS_VALID: tl.constexpr, VALID_PER_ROW: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     # `recurrent_step` (with L2NORM) for T <= BLOCK_T tokens at once, in the chunked (WY) form: with
     # G_t = g_0 + .. + g_t, the tokens' deltas U (u_t = beta_t (v_t - k_t^T S'_t), S'_t the decayed state
     # before token t) solve (I + A) U = B, A[t, j] = beta_t exp(G_t - G_j) k_t.k_j (j < t), B_t = beta_t (v_t -
@@ -198,7 +206,10 @@ def chunked_step(S, S_out, n_valid, q, k, v, g, beta, o, T, HV, HK, K, V, scale,
     cmask = cols < V
     valid = T
     if HAS_VALID:
-        valid = tl.minimum(tl.load(n_valid).to(tl.int32), T)
+        if VALID_PER_ROW:  # one count per batch row
+            valid = tl.minimum(tl.load(n_valid + b).to(tl.int32), T)
+        else:
+            valid = tl.minimum(tl.load(n_valid).to(tl.int32), T)
     tin = ts < T
     real = ts < valid
     q_base = q + b64 * sq_b + hk * sq_h

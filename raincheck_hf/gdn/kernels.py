@@ -27,6 +27,11 @@ strided views (e.g. the q / k / v split of the conv output) as long as their las
 recurrent rule, op for op) and `algebra.causal_conv_with_history` + `algebra.roll_conv_history`; each
 wrapper's docstring names its reference, and its Triton kernel (the name without the underscore) is in `gdn._triton`.
 
+Counts on the device: ``valid`` (`recurrent_step_`, `chunked_step_`: how many leading tokens are real) and
+``rows_in`` (`conv_update_`: how many leading rows enter the history) are a device scalar for the whole batch (the
+batch-1 fast path's padded chunk) or ``[B]`` integers, one per batch row (the batched captured step,
+`batched_gdn.PackedGDNState.static_step`: each sequence's own chunk length; 0 leaves its state / history as it was).
+
 Nothing here synchronises with the host or allocates more than the returned output, so the kernel paths
 can be captured in a CUDA graph. Triton is imported on the first launch only.
 """
@@ -155,13 +160,21 @@ def _heads(name: str, k: torch.Tensor, heads_v: int) -> int:
     return heads_v // heads_k
 
 
-def _check_count(name: str, n: torch.Tensor | None, device: torch.device) -> None:
-    """A device-scalar count (``valid`` / ``rows_in``): one integer element on the buffers' device."""
+def _check_count(name: str, n: torch.Tensor | None, device: torch.device, batch: int) -> bool:
+    """A count (``valid`` / ``rows_in``) on the buffers' device: one integer element (a device scalar, for every
+    batch row) or ``[B]`` integers (one per batch row). Returns whether it is per row."""
     if n is None:
-        return
-    if n.numel() != 1 or n.dtype.is_floating_point or n.dtype == torch.bool or n.device != device:
-        raise ValueError(f"{name} must be a one-element integer tensor on {device} (a device scalar), got "
-                         f"{n.dtype} {list(n.shape)} on {n.device}.")
+        return False
+    per_row = n.dim() == 1 and n.shape[0] == batch and batch != 1
+    if (n.numel() != 1 and not per_row) or n.dtype.is_floating_point or n.dtype == torch.bool or n.device != device:
+        raise ValueError(f"{name} must be a one-element integer tensor (a device scalar) or [B] = [{batch}] integers "
+                         f"(one per batch row) on {device}, got {n.dtype} {list(n.shape)} on {n.device}.")
+    return per_row
+
+
+def _count_mask(n: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[1 or B, T, 1]``: token ``t`` of batch row ``b`` is real (``t < n[b]``, or ``t < n[0]`` for a scalar)."""
+    return (torch.arange(seq, device=n.device)[None] < n.reshape(-1, 1))[..., None]
 
 
 def gate_off(g: torch.Tensor, beta: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +308,8 @@ def recurrent_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             nothing allocated).
         valid: optional device scalar ``[1]`` (integer): tokens ``t >= valid`` are padding and run with
             ``g = 0, beta = 0`` (the state passes them unchanged; their outputs read it), so one captured
-            call serves every count of real tokens.
+            call serves every count of real tokens; or ``[B]`` integers, one count per batch row (a row with
+            ``valid[b] = 0`` keeps its state exactly: the batched captured step's sequences without a chunk).
         state_out: optional ``[B, HV, K, V]`` buffer that receives the final state, ``S`` then only read.
 
     Returns:
@@ -324,7 +338,7 @@ def _check_step(S, q, k, v, g, beta, out, valid, state_out) -> None:
         _like("out", out, "v", v, "[B, T, HV, V]")
     if state_out is not None:
         _shape("state_out", state_out, tuple(S.shape), "[B, HV, K, V]")
-    _check_count("valid", valid, S.device)
+    _check_count("valid", valid, S.device, bsz)
 
 
 def chunked_step_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -354,7 +368,7 @@ def _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, stat
     target = S if state_out is None else state_out
     if not _use_kernel(reference, (target, S), (q, k, v, g, beta), name):
         if valid is not None:
-            g, beta = gate_off(g, beta, (torch.arange(seq, device=valid.device) < valid)[None, :, None])
+            g, beta = gate_off(g, beta, _count_mask(valid, seq))
         if state_out is not None:
             target.copy_(S)
         o = recurrent_step_reference(target, q, k, v, g, beta, scale, l2norm).to(v.dtype)
@@ -370,7 +384,8 @@ def _launch_step(S, q, k, v, g, beta, scale, l2norm, reference, out, valid, stat
     getattr(_kernels(), op)[grid](S, target, S if valid is None else valid, q, k, v, g, beta, o, seq, heads,
                                   heads // r, dk, dv, float(dk**-0.5 if scale is None else scale),
                                   *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2],
-                                  *beta.stride()[:2], HAS_VALID=valid is not None, **flags, **tiles,
+                                  *beta.stride()[:2], HAS_VALID=valid is not None,
+                                  VALID_PER_ROW=valid is not None and valid.numel() != 1, **flags, **tiles,
                                   num_warps=warps)
     return o
 
@@ -395,11 +410,13 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         out: optional ``[B, T, C]`` buffer in ``x``'s dtype for the output.
         rows_in: optional device scalar ``[1]`` (integer) ``n``: only the first ``min(n, T)`` rows of ``x``
             enter the history (the real rows of a padded chunk; every output is computed as usual, and a
-            real row's never reads the padding after it).
+            real row's never reads the padding after it); or ``[B]`` integers, one count per batch row (``0``:
+            that row's history is written back unchanged).
         history_out: optional ``[B, Kc - 1, C]`` buffer (``history``'s dtype) for the rolled history;
             ``history`` is then only read.
         only_within_window: with ``rows_in``, write the rolled history only while ``n < Kc - 1`` (the live
-            window of a suffix shorter than the window; a longer one keeps its own).
+            window of a suffix shorter than the window; a longer one keeps its own), per batch row for a ``[B]``
+            count.
 
     Returns:
         ``y`` ``[B, T, C]`` in ``x``'s dtype, as `algebra.causal_conv_with_history`.
@@ -421,7 +438,7 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         _like("out", out, "x", x, "[B, T, C]")
     if history_out is not None:
         _like("history_out", history_out, "history", history, "[B, Kc - 1, C]")
-    _check_count("rows_in", rows_in, history.device)
+    per_row = _check_count("rows_in", rows_in, history.device, bsz)
     if only_within_window and rows_in is None:
         raise ValueError("only_within_window needs rows_in (the count it compares with the window).")
     target = history if history_out is None else history_out
@@ -431,12 +448,15 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         y = causal_conv_with_history(x, history, weight, bias, activation)
         if rows_in is None:
             target.copy_(roll_conv_history(history, x))
-        else:  # rows n .. n + Kc - 2 of cat(history, x), n = min(rows_in, T)
+        else:  # rows n .. n + Kc - 2 of cat(history, x), n = min(rows_in, T) (per batch row for a [B] count)
             width = history.shape[1]
             joined = torch.cat([history, x.to(history.dtype)], dim=1)
-            index = torch.clamp(rows_in, max=seq) + torch.arange(width, device=rows_in.device)
-            rolled = joined.index_select(1, index)
-            target.copy_(torch.where(rows_in < width, rolled, target) if only_within_window else rolled)
+            n = torch.clamp(rows_in, max=seq).reshape(-1, 1)
+            index = (n + torch.arange(width, device=rows_in.device)).expand(bsz, width)
+            rolled = joined.gather(1, index[..., None].expand(-1, -1, channels))
+            if only_within_window:
+                rolled = torch.where((rows_in < width).reshape(-1, 1, 1), rolled, target)
+            target.copy_(rolled)
         return y if out is None else out.copy_(y)
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous.")
@@ -447,5 +467,5 @@ def conv_update_(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     _kernels().conv_update[grid](history, x, weight, weight if bias is None else bias.contiguous(), y, target,
                                  history if rows_in is None else rows_in, seq, channels, *x.stride()[:2], KC=kernel,
                                  HAS_BIAS=bias is not None, SILU=activation is not None, ROWS_IN=rows_in is not None,
-                                 ONLY_WITHIN=bool(only_within_window), **tiles, num_warps=warps)
+                                 ONLY_WITHIN=bool(only_within_window), ROWS_PER_ROW=per_row, **tiles, num_warps=warps)
     return y
