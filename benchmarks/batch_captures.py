@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig  # noqa: E402
-from raincheck_hf.bench.latency import hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
 from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
@@ -130,11 +130,9 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             rows.append(row)
     batched_graphs.release_all()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "batch-captures", "command": "python benchmarks/batch_captures.py "
-                       + " ".join(argv if argv is not None else sys.argv[1:]), "hardware": hardware_info(torch.device("cpu")),
-                       "settings": vars(args), "rows": rows}, f, indent=1)
+    write_json({"benchmark": "batch-captures", "command": "python benchmarks/batch_captures.py "
+                + " ".join(argv if argv is not None else sys.argv[1:]), "hardware": hardware_info(torch.device("cpu")),
+                "settings": vars(args), "rows": rows}, args.json)
     return 0
 
 

@@ -15,7 +15,6 @@ models' byte-level BPE (`raincheck_hf.tiny`; English text with CJK characters an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
-from raincheck_hf.bench.latency import hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
 from raincheck_hf.serve.app import _Pieces, _StopStrings  # noqa: E402
 
 STOP = ["</answer>", "\n\nUser:"]
@@ -129,10 +128,7 @@ def main(argv=None):
               "command": " ".join(["python benchmarks/detok_profile.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "hardware": hardware_info(torch.device("cpu")), "rows": rows}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return result
 
 

@@ -45,7 +45,6 @@ import contextlib
 import cProfile
 import functools
 import io
-import json
 import os
 import pstats
 import statistics
@@ -57,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import RaincheckConfig, batch_engine, integration  # noqa: E402
-from raincheck_hf.bench.latency import hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
 from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
@@ -279,10 +278,7 @@ def main(argv=None):
               "command": " ".join(["python benchmarks/host_step_profile.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return result
 
 

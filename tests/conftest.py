@@ -158,3 +158,24 @@ def serve_demo(**build_kwargs):
         yield f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
+
+
+def count_compiled_calls(monkeypatch) -> list:
+    """Every call of a `fast.compiled` form from now on (the function compiled), in order, through ``monkeypatch``
+    (the compiled forms themselves still run)."""
+    from raincheck_hf.fast import compiled as compiled_module
+
+    calls = []
+    real = compiled_module.compiled
+
+    def counting(fn):
+        out = real(fn)
+
+        def call(*args, **kwargs):
+            calls.append(fn)
+            return out(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(compiled_module, "compiled", counting)
+    return calls

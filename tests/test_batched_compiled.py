@@ -18,10 +18,9 @@ import pytest
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.fast import attention as attention_module
 from raincheck_hf.fast import batched_graphs
-from raincheck_hf.fast import compiled as compiled_module
 from raincheck_hf.models import get_adapter
 
-from conftest import assert_same_output
+from conftest import assert_same_output, count_compiled_calls
 from families import family_model, family_params, family_processor
 from test_batched import IMAGE, TEXT, TWO_IMAGES, assert_cache_equal, assert_trace_equal, batched_inputs, run
 from test_batched_graphs import replay_log  # noqa: F401 (the fixture)
@@ -30,24 +29,6 @@ TOL = 1e-4
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="torch.compile's CPU backend needs a C++ compiler")
-
-
-def _counting(monkeypatch) -> list:
-    """Every call of a compiled form (the function compiled), in order."""
-    calls = []
-    real = compiled_module.compiled
-
-    def counting(fn):
-        out = real(fn)
-
-        def call(*args, **kwargs):
-            calls.append(fn)
-            return out(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(compiled_module, "compiled", counting)
-    return calls
 
 
 # (family, mode): Qwen3-VL's fused layers in raincheck (chunks ride with the tokens) and full; the default targets
@@ -65,7 +46,7 @@ def test_compiled_batched_steps_equal_the_eager_engine(name, mode, replay_log, m
     cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1)
     rows = [TWO_IMAGES, IMAGE, TEXT]
     want = run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=False), 8)
-    calls = _counting(monkeypatch)
+    calls = count_compiled_calls(monkeypatch)
     got = run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=True, compile_steps=True), 8)
     assert_same_output(got, want, TOL, "step")
     for i in range(len(rows)):
@@ -91,7 +72,7 @@ def test_compile_steps_default_follows_whether_the_steps_are_captured(replay_log
     """``compile_steps=None`` (the default) compiles a batched step exactly when it is captured as a CUDA graph (on
     CUDA); on CPU the static-buffer step runs uncompiled, and ``compile_steps=False`` never compiles."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
-    calls = _counting(monkeypatch)
+    calls = count_compiled_calls(monkeypatch)
     for setting in (None, False):
         cfg = RaincheckConfig(retention=0.8, chunk_size=3, decode_guard=1, fast_path=True, compile_steps=setting)
         run(model, batched_inputs(processor, [IMAGE, TEXT]), cfg, 4)
@@ -108,7 +89,7 @@ def test_compiled_and_plain_steps_of_one_model_keep_their_own_graphs(replay_log,
     run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=True, compile_steps=True), 6)
     assert replay_log and all(key.compiled for key in replay_log)
     replay_log.clear()
-    calls = _counting(monkeypatch)
+    calls = count_compiled_calls(monkeypatch)
     got = run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=True, compile_steps=False), 6)
     assert replay_log and not any(key.compiled for key in replay_log) and calls == []
     assert_same_output(got, want, TOL, "step")

@@ -16,7 +16,7 @@ from raincheck_hf import Conversation, RaincheckConfig, restore_pending
 from raincheck_hf.fast import StaticDeferredCache
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
-from conftest import INPUT_CASES, in_threads, make_inputs, no_placeholder_ids
+from conftest import INPUT_CASES, count_compiled_calls, in_threads, make_inputs, no_placeholder_ids
 from families import family_model, family_params, family_processor
 
 KW = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -776,7 +776,6 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     layers fused around their cache write and attention (``fused_layers``), or the default of other families,
     the compiled norms and MLPs (``modules``), with the few-query attention's core; they compute what the eager
     engine computes, and the compiled forms act only inside those steps."""
-    from raincheck_hf.fast import compiled as compiled_module
     from raincheck_hf.models import get_adapter
     from raincheck_hf.models.base import ModelAdapter
     from raincheck_hf.models.qwen3_vl import Qwen3VLAdapter, fused_decoder_layer
@@ -787,23 +786,9 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     inputs = make_inputs(processor, **INPUT_CASES["two_images"])
     cfg = dict(chunk_size=4, decode_guard=2)
     slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **KW)
-    calls = []
-    real = compiled_module.compiled
-
-    def counting(fn):
-        out = real(fn)
-
-        def call(*args, **kwargs):
-            calls.append(fn)
-            return out(*args, **kwargs)
-
-        return call
-
-    compiled_module.compiled = counting
-    try:
+    with monkeypatch.context() as patch:
+        calls = count_compiled_calls(patch)
         fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, compile_steps=True, **cfg), **KW)
-    finally:
-        compiled_module.compiled = real
     _assert_same(slow, fast)
     pairs = get_adapter(model).compile_targets()
     layers = len(model.model.language_model.layers)

@@ -343,6 +343,22 @@ class BatchedStepGraphs:
         else:
             buffers.logits.copy_(logits)
 
+    def _capture_new(self, key: BatchStepKey, buffers: BatchStepBuffers):
+        """Capture ``key``'s step on ``buffers`` (filled) and keep it; None when the capture failed on CUDA: a warning,
+        and every decode step runs eagerly from then on (``failed``). Without CUDA a failure raises."""
+        try:
+            graph = self._capture(key, buffers)
+        except RuntimeError as error:
+            if not self.use_cuda:
+                raise
+            warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
+                          f"({error}); running batched decode steps eagerly instead.", RuntimeWarning, stacklevel=4)
+            self.failed = True
+            return None
+        self._captured[key] = (graph, buffers)
+        self.capture_log.append(key)
+        return graph
+
     def _capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
         """A replayable step on ``buffers`` (filled with the real step: the warm-up runs execute it). Recurrent states
         advance with every run (a step is not idempotent there): the rows of the step's slots are copied before the
@@ -439,18 +455,8 @@ class BatchedStepGraphs:
             buffers = BatchStepBuffers.empty(key, self.hidden, self.num_deepstack, self.adapter.dtype,
                                              self.adapter.device, self.recurrent is not None)
             self._fill_padding(buffers, key)
-            try:
-                graph = self._capture(key, buffers)
-            except RuntimeError as error:
-                if not self.use_cuda:
-                    raise
-                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
-                              f"({error}); running batched decode steps eagerly instead.", RuntimeWarning,
-                              stacklevel=2)
-                self.failed = True
+            if self._capture_new(key, buffers) is None:
                 break
-            self._captured[key] = (graph, buffers)
-            self.capture_log.append(key)
             captured += 1
             if on_capture is not None:
                 on_capture(captured, len(todo))
@@ -535,18 +541,8 @@ class BatchedStepGraphs:
         ok = False
         try:
             if captured is None and not self.failed:
-                try:
-                    graph = self._capture(key, buffers)
-                except RuntimeError as error:
-                    if not self.use_cuda:
-                        raise
-                    warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} "
-                                  f"failed ({error}); running batched decode steps eagerly instead.",
-                                  RuntimeWarning, stacklevel=3)
-                    self.failed = True
-                else:
-                    self._captured[key] = (graph, buffers)
-                    self.capture_log.append(key)
+                graph = self._capture_new(key, buffers)
+                if graph is not None:
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
                 self._step(buffers, key)
