@@ -198,3 +198,28 @@ def test_batched_warm_up_on_cpu_captures_nothing(model, processor):
     summary = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True), max_tokens=512, batch=4,
                                    cache_dir=False, progress=False)
     assert summary.batched == 0 and summary.batched_already == 0
+
+
+def test_an_engine_takes_the_kept_pool_with_the_most_captured_steps(replay_log, monkeypatch):  # noqa: F811
+    """Two kept pools of one model (a warmed one, and one an engine of another config made meanwhile): the next engine
+    takes the warmed one whichever was given back last, so its steps replay instead of being captured again."""
+    import raincheck_hf.warmup as warmup
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.models import get_adapter
+    from families import family_model, family_processor
+
+    monkeypatch.setattr(warmup, "_batched_captures", lambda graphs: True)
+    model = family_model("qwen3_vl")
+    adapter = get_adapter(model)
+    cfg = RaincheckConfig(retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
+    raincheck_hf.warm_up(model, family_processor("qwen3_vl"), cfg, max_tokens=256, max_new_tokens=16, batch=2,
+                         conversations=0, cache_dir=False, progress=False)
+    (warmed,) = batched_graphs._POOLED[adapter.text_model]
+    first = BatchEngine(model, cfg)  # takes the warmed pool
+    other = BatchEngine(model, cfg)  # a new one, none being free
+    assert first.graphs is warmed and other.graphs is not warmed
+    first.close()
+    other.close()  # given back last
+    assert len(batched_graphs._POOLED[adapter.text_model]) == 2
+    assert BatchEngine(model, cfg).graphs is warmed

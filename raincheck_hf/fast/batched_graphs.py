@@ -672,10 +672,16 @@ POOLED_PER_MODEL = 2
 
 
 def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedStepGraphs:
-    """A free pool of this model (with its captured graphs) grown to ``num_slots`` x ``capacity``, or a new one."""
+    """A free pool of this model (with its captured graphs) grown to ``num_slots`` x ``capacity``, or a new one. Of
+    several kept pools, the one with the most captured steps (one `warm_up(batch=...)` sized and filled, say):
+    growing a pool drops its graphs, so the largest of those is taken first."""
     with _POOLED_LOCK:
         free = _POOLED.get(adapter.text_model)
-        graphs = free.pop() if free else None
+        graphs = None
+        if free:
+            best = max(range(len(free)), key=lambda i: (len(free[i]._captured), free[i].pool.num_slots,
+                                                          free[i].pool.capacity))
+            graphs = free.pop(best)
     if graphs is None or graphs.made_for != (adapter.device, adapter.dtype):  # (the model moved or was cast since)
         pool = SlotKVPool(num_layers, num_slots, capacity, adapter.device, scratch_slot=True)
         return BatchedStepGraphs(adapter, pool)
