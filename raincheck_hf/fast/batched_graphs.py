@@ -61,9 +61,9 @@ decode step computes neither; the host's suffix lengths move after the step (`Pa
 step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
 warm-up and puts them back after it: the replay that follows runs the real step once.
 
-The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA) and,
-with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA: `resolve_compile_steps`),
-the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the single-sequence fast path's steps
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA)
+and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
+`resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the single-sequence fast path's steps
 do: Qwen3-VL's decoder layers as two compiled regions around the cache write and the attention, the other families'
 norms and dense MLPs. Unlike there, the attention's core is not compiled (``compile_attention=False``): at a batch
 the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
@@ -411,7 +411,8 @@ class BatchedStepGraphs:
         if config.defers:
             most = config.max_chunk_size + 1
             widths += sorted({width_bucket(w, config) for w in range(2, most + 1)})
-        spans = sorted({static_cache.slot_bucket(rows, self.pool.capacity) for rows in range(1, self.pool.capacity + 1)})
+        capacity = self.pool.capacity
+        spans = sorted({static_cache.slot_bucket(rows, capacity) for rows in range(1, capacity + 1)})
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
         gdn = self.recurrent is not None
         keys = []
