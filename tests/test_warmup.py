@@ -151,13 +151,15 @@ def test_a_model_not_enabled_is_refused():
 
 # ---- the batched engine's decode steps (``batch``) ----
 
-@pytest.mark.parametrize("name,mode", [("qwen3_vl", "raincheck"), ("qwen3_vl", "full"), ("qwen3_5", "raincheck"),
-                                       ("qwen3_5", "post_answer")])
-def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, replay_log, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("name,mode,views", [("qwen3_vl", "raincheck", True), ("qwen3_vl", "full", True),
+                                             ("qwen3_vl", "raincheck", False), ("qwen3_5", "raincheck", True),
+                                             ("qwen3_5", "post_answer", True), ("qwen3_5", "raincheck", False)])
+def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, replay_log, monkeypatch):  # noqa: F811
     """``warm_up(batch=3)`` captures every decode-step key a batch of up to 3 sequences of ``max_tokens`` rows can
     take (here on CPU, where each "capture" runs the step once: made to count as capturing); a batched ``generate``
     of 3 rows afterwards finds its pool sized and every decode step it runs captured (no capture of its own), and
-    answers as the eager engine does."""
+    answers as the eager engine does. ``views=False``: every step gathers its slots (padding in the scratch slot).
+    """
     import dataclasses
 
     import raincheck_hf.warmup as warmup
@@ -167,6 +169,7 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, replay_log, 
     from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs, run
 
     monkeypatch.setattr(warmup, "_batched_captures", lambda graphs: True)
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
     model, processor = family_model(name), family_processor(name)
     cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
     summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
