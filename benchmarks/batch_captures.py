@@ -12,8 +12,10 @@ span, ...), so the count is the same on any device: this tool counts them on the
 The load mirrors ``bench serve-load``'s: ``N`` conversations on one `BatchLoop` (as ``serve --batching`` runs
 them), all starting together, each a three-turn dialogue: a photo-sized image (``--image``, 1,344 visual tokens
 by default) with a question and a ``--answer-tokens`` answer, then two text follow-ups of ``--follow-up-tokens``
-(answers forced to their length). Variants: ``cold`` (a fresh process's first load: no kept pool) and ``warmed``
-(the kept pool captured ahead for ``N`` sequences of ``--max-tokens`` rows, as ``serve --batching`` does at start).
+(answers forced to their length). Variants: ``cold`` (a fresh process's first load: no kept pool), ``after_one``
+(after one client's dialogue, as ``bench serve-load`` warms a mode up before its timed rounds: what its timed rounds
+met) and ``warmed`` (the kept pool captured ahead for ``N`` sequences of ``--max-tokens`` rows, as ``serve
+--batching`` does at start).
 Per (N, variant): captures during the dialogues, pool reallocations, steps, and the keys' batch buckets and widths.
 """
 
@@ -114,9 +116,14 @@ def main(argv=None):
     adapter = get_adapter(model)
     rows = []
     for clients in (int(c) for c in args.clients.split(",")):
-        for variant in ("cold", "warmed"):
+        for variant in ("cold", "after_one", "warmed"):
             batched_graphs.release_all()
             warmed, baseline = 0, {}
+            if variant == "after_one":  # the one-client round first; the kept pool it leaves is the baseline
+                dialogues(model, processor, config, 1, draw_test_image(width, height, seed=0), args.answer_tokens,
+                          args.follow_up_tokens, {})
+                for graphs in batched_graphs._POOLED.get(adapter.text_model, []):
+                    baseline[id(graphs)] = (len(graphs.capture_log), graphs.pool.version)
             if variant == "warmed":  # what `warm_up(batch=clients)` does on CUDA (`warmup._warm_batched`)
                 graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, clients,
                                                 args.max_tokens)

@@ -187,4 +187,5 @@ def test_serve_warms_up_the_steps_it_runs(batching, monkeypatch):
     argv = ["serve", "--model", "tiny", "--device", "cpu", "--max-running", "6"] + (["--batching"] if batching else [])
     assert main(argv) == 0
     assert len(calls) == 1
-    assert (calls[0]["batch"], calls[0]["conversations"]) == ((6, 0) if batching else (None, 1))
+    # (--batching: the running answers and the held conversations restoring beside them)
+    assert (calls[0]["batch"], calls[0]["conversations"]) == ((8, 0) if batching else (None, 1))

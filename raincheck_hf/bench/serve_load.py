@@ -252,12 +252,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
         }
         if warmup and batching:  # as `serve --batching` does at start (before its port opens): no capture mid-round
+            from ..batch_loop import BatchLoop
             from ..warmup import DEFAULT_MAX_TOKENS, warm_up
 
             result["batched_warm_up"] = {}
             for mode in modes:
                 summary = warm_up(model, processor, configs[mode], max_tokens=DEFAULT_MAX_TOKENS,
-                                  max_new_tokens=answer_tokens, batch=running_places, conversations=0,
+                                  max_new_tokens=answer_tokens, batch=running_places + BatchLoop.MAX_RESTORING,
+                                  conversations=0,
                                   cache_dir=False, progress=False)
                 result["batched_warm_up"][mode] = dict(captured=summary.batched, seconds=summary.batched_seconds)
                 log(f"[serve-load] batched warm-up ({mode}): {summary.batched} decode steps captured in "

@@ -183,9 +183,12 @@ def serve(args) -> int:
     start_caches(args, device)
     model, processor, _, _ = load_or_exit(args.model, device)
     note_fallbacks(model)
-    # before the port opens; with --batching also the batched decode steps of up to --max-running sequences
+    # before the port opens; with --batching the batched decode steps of up to --max-running answers and the held
+    # conversations restoring beside them (`BatchLoop.MAX_RESTORING`)
+    from ..batch_loop import BatchLoop
+
     run_warm_up(args, model, processor, settings.config, settings.max_tokens,
-                batch=settings.max_running if settings.batching else None)
+                batch=settings.max_running + BatchLoop.MAX_RESTORING if settings.batching else None)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
