@@ -33,7 +33,8 @@
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 #   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
-# Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0; see benchmarks/results/README.md); results go to $OUT.
+# Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0, the server tests' clients; made by
+# benchmarks/device_wheels.sh); results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
