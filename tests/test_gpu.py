@@ -1160,7 +1160,7 @@ def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monke
 
     def uncaptured(self, key, buffers):  # the same static-buffer step, run on the device without a graph
         def run():
-            self._step(buffers, key.span, key.dense, key.records, key.chunks)
+            self._step(buffers, key)
 
         run()
         return batched_graphs._EagerStep(run)

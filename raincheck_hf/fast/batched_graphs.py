@@ -306,9 +306,9 @@ class BatchedStepGraphs:
         return decode_only(entries)
 
     # ---- the step itself, identical in eager and captured form ----
-    def _step(self, buffers: BatchStepBuffers, span: int, dense: bool = False, records: bool = False,
-              chunks: bool = False) -> None:
+    def _step(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
         adapter, pool = self.adapter, self.pool
+        span = key.span
         slots, write, queries = buffers.slots, buffers.write, buffers.query_keys
         pool.slot_keys[slots[:, None], write] = queries  # the rows' own keys first: a row sees itself
         stored = pool.slot_keys[:, :span].index_select(0, slots)  # [B, T]
@@ -317,10 +317,10 @@ class BatchedStepGraphs:
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
-        pool.step = _DeviceStep(buffers, span, dense)
+        pool.step = _DeviceStep(buffers, span, key.dense)
         try:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers()), \
-                    adapter.static_packed_step(self.recurrent, buffers.recurrent, chunks, records):
+                    adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
@@ -347,7 +347,7 @@ class BatchedStepGraphs:
                 self.recurrent.restore_rows(buffers.slots, saved)
 
     def _warm_and_capture(self, key: BatchStepKey, buffers: BatchStepBuffers):
-        run = lambda: self._step(buffers, key.span, key.dense, key.records, key.chunks)  # noqa: E731
+        run = lambda: self._step(buffers, key)  # noqa: E731
         if not self.use_cuda:
             run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
             return _EagerStep(run)
@@ -442,7 +442,7 @@ class BatchedStepGraphs:
                     self.capture_log.append(key)
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self._step(buffers, key.span, key.dense, key.records, key.chunks)
+                self._step(buffers, key)
             else:
                 captured[0].replay()
                 self.replays += 1
