@@ -30,7 +30,7 @@ stalls on the device.
 
 Each step leaves a record of what it ran (``BatchEngine.last_step``, a `StepRecord`: each forward replayed through
 the captured steps, captured there first, or eager; its rows by kind), decided on the host with the step, for the
-loops that time their steps (`batch_loop.StepLog`).
+loops that time their steps (`step_log.StepLog`).
 
 Two classes split the work as vLLM v1 does: `RowScheduler` decides which rows each sequence gets this step
 (it takes chunks from the sequences' pending rows and prompt pieces from their prefill), `ForwardRunner` builds
@@ -520,9 +520,15 @@ class BatchEngine:
         (`abandon`: every sequence back as it was) and the next `step` decides again, as if it never was."""
         if self._ahead is not None or self._closed:
             return
+        self._ahead = self._decide()
+
+    def _decide(self) -> _Ahead:
+        """The next step: its forwards (`RowScheduler.schedule`, which takes the sequences' tokens, chunks and pieces),
+        the captured one's buffers filled, its rows by kind; a schedule or fill that raises leaves every sequence as
+        it was."""
         snapshot = _Snapshot(self.sequences)
         try:
-            fed = self._fed()
+            fed = {seq for seq in self.sequences if seq.token is not None}  # (before the schedule takes the tokens)
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
             rows = StepRows.of(forwards, fed)
             ready = [None] * len(forwards)
@@ -532,11 +538,7 @@ class BatchEngine:
         except BaseException:
             snapshot.restore()
             raise
-        self._ahead = _Ahead(forwards, ready, snapshot, rows)
-
-    def _fed(self) -> set:
-        """The sequences with a token to decode in the next step (before `RowScheduler.schedule` takes it)."""
-        return {seq for seq in self.sequences if seq.token is not None}
+        return _Ahead(forwards, ready, snapshot, rows)
 
     def abandon(self) -> None:
         """Drop the `prepare`d step, if any: the sequences get back the chunks, pieces and tokens it took."""
@@ -553,14 +555,10 @@ class BatchEngine:
         ahead, self._ahead = self._ahead, None
         self.last_step = None
         if ahead is None:
-            # (until it is decided, every sequence that may get rows: a schedule that raises may have changed them)
+            # (until it is decided, every sequence that may get rows: a fill that raises may have changed them)
             self.carried = {s: 0 for s in self.sequences if not s.prefilled or s.token is not None or s.restores_only}
-            fed = self._fed()
-            forwards = self.scheduler.schedule(self.adapter, self.sequences)
-            rows = StepRows.of(forwards, fed)
-            ready = [None] * len(forwards)
-        else:
-            forwards, ready, rows = ahead.forwards, ahead.ready, ahead.rows
+            ahead = self._decide()
+        forwards, ready, rows = ahead.forwards, ahead.ready, ahead.rows
         self.carried = {}
         for entries in forwards:
             for seq, group in entries:

@@ -46,11 +46,8 @@ loop's thread, in the order `_next_to_restore` gives them (the most recently use
 Leftovers not restored by then are prefilled with the conversation's next turn, ahead of it, as on the per-turn
 path.
 
-Where the loop's time goes (`BatchLoop.step_stats`, `StepLog`): each step's `batch_engine.StepRecord` (replayed,
-captured or eager; its rows by kind) with the time from its launch to the next one, split where the loop marks it
-(the launch, choosing and preparing ahead, the wait for the device, streaming, the rest of the iteration with its
-joins), the last `BatchLoop.RECENT_STEPS` one by one and running totals per kind. A few `time.perf_counter` calls
-and one lock per step; nothing waits for the device for them.
+Where the loop's time goes: `BatchLoop.step_stats`, from its `step_log.StepLog` (the last `BatchLoop.RECENT_STEPS`
+steps one by one and running totals per kind).
 """
 
 from __future__ import annotations
@@ -63,7 +60,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from transformers import StoppingCriteriaList
@@ -71,13 +67,14 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
-from .batch_engine import BatchEngine, StepRecord
+from .batch_engine import BatchEngine
 from .cache_utils import to_device
 from .batched import RestoringState
 from .configuration import RaincheckConfig
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
 from .models import get_adapter
+from .step_log import StepLog
 
 logger = logging.getLogger("raincheck_hf.batch_loop")
 
@@ -231,192 +228,6 @@ def _sequence(job: "BatchTurn") -> torch.Tensor:
         tail = torch.tensor([job.tail], dtype=job.ids.dtype).to(job.ids.device)
         job.ids, job.tail = torch.cat([job.ids, tail], dim=-1), []
     return job.ids
-
-
-class LoopStep(NamedTuple):
-    """One step in `BatchLoop`'s record of its recent steps (`StepLog`), with where the loop's time went from its
-    launch to the next one (seconds of `time.perf_counter`; nothing waits for the device to take them):
-
-    ``launch_s``: `BatchEngine.step` (deciding the step unless it was prepared, filling and launching its forwards:
-    on a GPU the host's launch time, the forwards run on behind it); ``choose_s``: choosing the tokens on the device,
-    feeding them and preparing the next step (host work while the device runs; all of the host's work after the
-    launch for a step that gave no token); ``wait_s``: the read of the tokens, the step's one wait for the device;
-    ``stream_s``: after the read, the stopping checks, streaming and turns that ended; ``between_s``: the rest of
-    the loop's iteration until the next launch (handing the tokens to the consumers, new turns joining,
-    cancellations, restoring conversations joining or leaving), or until the loop found no step to run. From the
-    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. ``join_s`` /
-    ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
-    preparation) and in restoring conversations joining or leaving the engine."""
-
-    record: StepRecord  # the engine's (`BatchEngine.last_step`)
-    launch_s: float
-    choose_s: float
-    wait_s: float
-    stream_s: float
-    between_s: float
-    join_s: float
-    restore_s: float
-
-    @property
-    def gap_s(self) -> float:
-        return self.stream_s + self.between_s
-
-    @property
-    def step_s(self) -> float:
-        """From this step's launch to the next one's."""
-        return self.launch_s + self.choose_s + self.wait_s + self.stream_s + self.between_s
-
-    def as_dict(self) -> dict:
-        rows = self.record.rows
-        return {"kind": self.record.kind, "sequences": rows.sequences, "decode_rows": rows.decode,
-                "chunk_rows": rows.chunk, "prefill_rows": rows.prefill, "restoring_rows": rows.restoring,
-                **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s") for name in StepLog.TIMES}}
-
-
-class _OpenStep:
-    """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
-
-    __slots__ = ("record", "launched", "stepped", "reading", "read", "done", "join_s", "restore_s")
-
-    def __init__(self, record: StepRecord, launched: float, stepped: float):
-        self.record, self.launched, self.stepped = record, launched, stepped
-        self.reading = self.read = self.done = None
-        self.join_s = self.restore_s = 0.0
-
-    def close(self, end: float) -> LoopStep:
-        done = end if self.done is None else self.done
-        # (a step with no token to read, or whose read failed: its host work after the launch is all ``choose_s``)
-        reading = done if self.reading is None else self.reading
-        read = reading if self.read is None else self.read
-        return LoopStep(self.record, self.stepped - self.launched, reading - self.stepped, read - reading,
-                        done - read, end - done, self.join_s, self.restore_s)
-
-
-class StepLog:
-    """`BatchLoop`'s record of its steps: the last ``keep`` as `LoopStep`s and running totals per (kind, sequences)
-    (a bounded number of keys), from the last `reset`. A step counts when it launched (so the counts always add up
-    to the steps run); its times when the next launch, or the loop finding no step to run, closes it. Written by the
-    loop's thread (a few `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
-
-    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore")
-    ROWS = ("decode", "chunk", "prefill", "restoring")
-
-    def __init__(self, keep: int = 256):
-        self._lock = threading.Lock()
-        self._recent: collections.deque[LoopStep] = collections.deque(maxlen=keep)
-        self.open: _OpenStep | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Start the totals and the recent steps afresh (a step running now counts in neither)."""
-        with self._lock:
-            self._recent.clear()
-            self.open = None
-            # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
-            self._totals: dict[tuple[str, int], list] = {}
-            self._spent = {"joins": 0, "join_total_s": 0.0, "restore_beside_total_s": 0.0, "idle_restorations": 0,
-                           "restore_idle_total_s": 0.0}
-
-    # ---- the loop's thread ----
-    def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None) -> None:
-        """A step launched at ``launched`` (``record``: what it ran; None: it raised, it does not count) and returned
-        at ``stepped``: the previous step closes at its launch."""
-        with self._lock:
-            if self.open is not None:
-                self._close(self.open.close(launched))
-            self.open = None
-            if record is None:
-                return
-            totals = self._totals.get((record.kind, record.rows.sequences))
-            if totals is None:
-                totals = self._totals[(record.kind, record.rows.sequences)] = [0] * (6 + len(self.TIMES))
-            rows = record.rows
-            totals[0] += 1
-            totals[2] += rows.decode
-            totals[3] += rows.chunk
-            totals[4] += rows.prefill
-            totals[5] += rows.restoring
-            self.open = _OpenStep(record, launched, stepped)
-
-    def finished(self, now: float) -> None:
-        """The loop is done with the step's tokens (streamed, turns ended): the rest of its iteration begins."""
-        step = self.open  # (once: `reset` on another thread may drop it meanwhile)
-        if step is not None:
-            step.done = now
-
-    def idle(self, now: float) -> None:
-        """The loop found no step to run: the last step closes now."""
-        if self.open is not None:
-            with self._lock:
-                if self.open is not None:
-                    self._close(self.open.close(now))
-                self.open = None
-
-    def spent(self, what: str, seconds: float) -> None:
-        """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
-        (restoring conversations joining or leaving an engine beside the answers), ``"idle"`` (a chunk of idle-time
-        restoration); the first two count in the open step's too."""
-        step = self.open
-        with self._lock:
-            if what == "join":
-                self._spent["joins"] += 1
-                self._spent["join_total_s"] += seconds
-                if step is not None:
-                    step.join_s += seconds
-            elif what == "restore":
-                self._spent["restore_beside_total_s"] += seconds
-                if step is not None:
-                    step.restore_s += seconds
-            else:
-                self._spent["idle_restorations"] += 1
-                self._spent["restore_idle_total_s"] += seconds
-
-    def _close(self, step: LoopStep) -> None:
-        self._recent.append(step)
-        totals = self._totals[(step.record.kind, step.record.rows.sequences)]
-        totals[1] += 1
-        for i, name in enumerate(self.TIMES):
-            totals[6 + i] += getattr(step, f"{name}_s")
-
-    # ---- any thread ----
-    def snapshot(self, recent: int = 0) -> dict:
-        """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
-        known: all but one still running), rows by kind, the seconds of the timed steps in each part
-        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration; ``kinds``: per
-        `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
-        ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
-        (`LoopStep.as_dict`), oldest first."""
-        with self._lock:
-            totals = {key: list(value) for key, value in self._totals.items()}
-            spent = dict(self._spent)
-            last = list(self._recent)[-recent:] if recent > 0 else []
-        kinds = {}
-        for kind in sorted({kind for kind, _ in totals}):
-            mine = {n: values for (k, n), values in sorted(totals.items()) if k == kind}
-            figures = self._figures(self._sum(mine.values()))
-            figures["sequences"] = sum(n * values[0] for n, values in mine.items()) / figures["steps"]
-            figures["by_sequences"] = {n: self._figures(values) for n, values in mine.items()}
-            kinds[kind] = figures
-        everything = self._sum(totals.values())
-        return {
-            "steps": everything[0], "timed": everything[1],
-            "rows": {name: everything[2 + i] for i, name in enumerate(self.ROWS)},
-            "seconds": {name: everything[6 + i] for i, name in enumerate(self.TIMES)},
-            **spent,
-            "kinds": kinds,
-            "recent": [step.as_dict() for step in last],
-        }
-
-    def _sum(self, rows) -> list:
-        return [sum(column) for column in zip(*rows)] or [0] * (6 + len(self.TIMES))
-
-    def _figures(self, values: list) -> dict:
-        steps, timed = values[0], values[1]
-        figures = {"steps": steps, "timed": timed}
-        figures.update({f"{name}_rows": values[2 + i] for i, name in enumerate(self.ROWS)})
-        figures.update({f"{name}_ms": (1e3 * values[6 + i] / timed if timed else None)
-                        for i, name in enumerate(self.TIMES)})
-        return figures
 
 
 def _check_budget(value, what: str) -> None:

@@ -24,11 +24,10 @@ from raincheck_hf.fast import batched_graphs
 
 from conftest import assert_same_output
 from families import family_model, family_params, family_processor
-from test_batch_engine import (Request, _idle_restored, draw_case, draw_restoring_case, drive,
-                               run_restoring_case)
+from test_batch_engine import Request, draw_case, drive
 from test_batched import (IMAGE, TEXT, TWO_IMAGES, VIDEO, assert_cache_equal, assert_rows_match_alone,
                           assert_trace_equal, batched_inputs, run)
-from test_batched_graphs import replay_log  # noqa: F401 (the fixture)
+from test_batched_graphs import _decode_forwards, replay_log, run_restoring_fuzz  # noqa: F401 (the fixture)
 
 TOL = 1e-4
 GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -36,25 +35,6 @@ GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 def _with(cfg: RaincheckConfig, fast_path) -> RaincheckConfig:
     return dataclasses.replace(cfg, fast_path=fast_path)
-
-
-def _accepted_forwards(engine) -> dict:
-    """Count the forwards the captured steps take (`BatchedStepGraphs.accepts`) and the `decode_only` ones they leave
-    to the eager runner (steps with a deferred chunk or a restoring piece), as the engine schedules them."""
-    counts = {"accepted": 0, "left": 0}
-    schedule = engine.scheduler.schedule
-
-    def counted(adapter, sequences):
-        forwards = schedule(adapter, sequences)
-        for f in forwards:
-            if engine.graphs.accepts(f):
-                counts["accepted"] += 1
-            elif batched_graphs.decode_only(f):
-                counts["left"] += 1
-        return forwards
-
-    engine.scheduler.schedule = counted
-    return counts
 
 
 # (family, mode, chunk size): both families, `full` and raincheck-family modes, chunk sizes across 1 .. 15
@@ -101,11 +81,11 @@ def test_fuzz_gdn_captured_steps_match_alone(seed, views, replay_log, monkeypatc
     model, processor = family_model(name), family_processor(name)
     cfg, requests, budget = draw_case(rng, model, processor, longest=8, most=5)
     engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
-    counts = _accepted_forwards(engine)
+    counts = _decode_forwards(engine)
     drive(model, engine, requests)
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
-    assert counts["accepted"] > 0 and len(replay_log) == counts["accepted"] == engine.graphs.replays
+    assert counts["decode"] > 0 and len(replay_log) == counts["decode"] == engine.graphs.replays
     assert all(key.dense == views for key in replay_log)
     assert engine.sequences == [] and len(engine.pool._free) == engine.pool.num_slots
     for state in engine.recurrent.layers.values():  # every row fresh again (the scratch slot's too: padding
@@ -223,21 +203,7 @@ def test_fuzz_restoring_sequences_ride_in_replayed_gdn_steps(seed, views, replay
     steps; every forward without a prompt piece was a replay; each answer equals its own eager batch-1 call, and each
     restored cache (its GDN states exported from the per-slot rows) equals idle-time restoration of its held cache."""
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
-    rng = random.Random(7800 + seed)
-    name = GDN_FAMILIES[seed % 2]
-    model, processor = family_model(name), family_processor(name)
-    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
-    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
-    counts = _accepted_forwards(engine)
-    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
-    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
-    for i, r in enumerate(answers):
-        r.check(f"{what} answer {i}")
-    for cache, got in zip(held, restored):
-        assert_cache_equal(got, _idle_restored(model, cache, cfg))
-    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
-    assert [p for p, _, _ in paths].count("replay") == counts["accepted"] == len(replay_log)
-    assert counts["left"] == 0
+    run_restoring_fuzz(GDN_FAMILIES[seed % 2], 7800 + seed, seed, replay_log)
 
 
 @pytest.mark.parametrize("name", family_params(GDN_FAMILIES))

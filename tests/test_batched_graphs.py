@@ -81,6 +81,27 @@ def _decode_forwards(engine):
     return counts
 
 
+def run_restoring_fuzz(name: str, rng_seed: int, seed: int, replay_log) -> BatchEngine:
+    """A drawn restoring case (`draw_restoring_case`: held conversations restoring beside random answers) on family
+    ``name`` through an engine with the static-buffer steps: each answer equals its own eager batch-1 call, each
+    restored cache equals idle-time restoration of its held cache, some restoring piece rode in a replayed step, and
+    every decode-only forward was a replay. Returns the engine."""
+    rng = random.Random(rng_seed)
+    model, processor = family_model(name), family_processor(name)
+    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
+    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
+    counts = _decode_forwards(engine)
+    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
+    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
+    for i, r in enumerate(answers):
+        r.check(f"{what} answer {i}")
+    for cache, got in zip(held, restored):
+        assert_cache_equal(got, _idle_restored(model, cache, cfg))
+    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
+    assert [p for p, _, _ in paths].count("replay") == counts["decode"] == len(replay_log)
+    return engine
+
+
 def _run_captured_case(rng_seed: int, seed: int, draw, most: int):
     """A drawn case (``draw``, prompts of at most 7 rows, ``most`` sequences) on the attention family the seed picks,
     through an engine with the static-buffer steps, each sequence checked against its own eager batch-1 call;
@@ -311,20 +332,7 @@ def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log
     every forward without a prompt piece was a replay, each answer equals its own eager batch-1 call, and each
     restored cache equals idle-time restoration of its held cache; the pool ends empty."""
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
-    rng = random.Random(7600 + seed)
-    name = GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)]
-    model, processor = family_model(name), family_processor(name)
-    cfg, answers, held, max_rows, budget = draw_restoring_case(rng, model, processor, longest=7, most=3)
-    engine = BatchEngine(model, _with(cfg, None), token_budget=budget, num_slots=1, capacity=16, graphs=True)
-    counts = _decode_forwards(engine)
-    restored, paths = run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
-    what = f"{name} seed {seed} (mode {cfg.mode}, chunk {cfg.chunk_size}, pieces {max_rows}, budget {budget})"
-    for i, r in enumerate(answers):
-        r.check(f"{what} answer {i}")
-    for cache, got in zip(held, restored):
-        assert_cache_equal(got, _idle_restored(model, cache, cfg))
-    assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
-    assert [p for p, _, _ in paths].count("replay") == counts["decode"] == len(replay_log)
+    engine = run_restoring_fuzz(GRAPH_FAMILIES[seed % len(GRAPH_FAMILIES)], 7600 + seed, seed, replay_log)
     assert any(key.dense for key in replay_log) == views
     pool = engine.pool
     assert len(pool._free) == pool.num_slots and bool((pool.slot_keys == MAX_KEY).all())

@@ -1,5 +1,5 @@
 """What the batched engine says its last step ran (`batch_engine.StepRecord`) and the batching loop's record of its
-steps (`batch_loop.StepLog`, `BatchLoop.step_stats`), on CPU.
+steps (`step_log.StepLog`, `BatchLoop.step_stats`), on CPU.
 
 The engine's rows by kind are checked against what the sequences themselves recorded (their traces' chunk sizes,
 their tokens, their plans' input rows, a restoring sequence's pieces) and its forwards' kinds against the captured
@@ -18,7 +18,7 @@ import torch
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
 from raincheck_hf.batch_engine import BatchEngine, StepRecord, StepRows
-from raincheck_hf.batch_loop import StepLog
+from raincheck_hf.step_log import StepLog
 from raincheck_hf.fast import batched_graphs
 
 from conftest import in_threads, no_placeholder_ids
