@@ -1350,7 +1350,7 @@ def test_cuda_batched_gdn_chunk_step_launches_a_bounded_number_of_kernels(monkey
 
     def uncaptured(self, key, buffers):  # the static-buffer step, run on the device without a graph
         def run():
-            self._step(buffers, key.span, key.dense, key.records, key.chunks)
+            self._step(buffers, key)
 
         run()
         return batched_graphs._EagerStep(run)
