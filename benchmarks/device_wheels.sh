@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 version() { .venv/bin/python -m pip show "$1" 2>/dev/null | awk '/^Version:/{print $2}'; }
 want=()
 for name in transformers fastapi starlette uvicorn pydantic pydantic_core annotated-doc opentelemetry-api openai \
-            httpx2 httpcore2 truststore typing-inspection jiter anyio sniffio h11 typing_extensions python-multipart; do
+            httpx2 httpcore2 truststore typing-inspection jiter anyio sniffio h11 typing_extensions python-multipart \
+            annotated-types click idna; do
     v=$(version "$name")
     [ -n "$v" ] || { echo "$name is not in .venv" >&2; exit 1; }
     want+=("$name==$v")

@@ -128,3 +128,31 @@ def test_the_single_sequence_steps_still_compile_the_attention_core(monkeypatch)
     with step_scope(text_model, []):
         assert not active_scope().compiled and not active_scope().compiled_attention
     assert active_scope() is None
+
+
+def test_row_wise_forms_take_few_graphs_whatever_the_shapes():
+    """Qwen3.5's norms and MLPs run as `fast.compiled.RowWise` forms: over single-sequence and batched steps (one and
+    several rows, one and several sequences, the layer norms' ``[B, W, D]`` and the query / key norms'
+    ``[B, W, H, d]``) each compiled function holds a few Dynamo graphs, far from the recompile limit past which its
+    further shapes would run uncompiled (the class's own ``forward`` compiled as called took a graph per rank and per
+    leading dimension of size 1: past the limit of 8 in a batched benchmark on the GPU)."""
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from conftest import no_placeholder_ids
+    from raincheck_hf.fast.compiled import RowWise
+
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(retention=0.5, chunk_size=3, decode_guard=1, fast_path=True, compile_steps=True)
+    kw = dict(suppress_tokens=no_placeholder_ids(model))
+    for rows in ([IMAGE], [TWO_IMAGES, IMAGE, TEXT], [IMAGE, TEXT]):
+        run(model, batched_inputs(processor, rows), cfg, 5, **kw)
+    forms = {impl for _, impl in get_adapter(model).compile_targets()}
+    assert forms and all(isinstance(f, RowWise) for f in forms)
+    graphs = {(f.fn.__qualname__, key): len(_debug_get_cache_entry_list(copy.__code__))
+              for f in forms for key, copy in f.copies.items()}
+    norms = {key for name, key in graphs if name == "Qwen3_5RMSNorm.forward"}
+    assert len(norms) == 3, graphs  # the layer norms, the query norm (the strided half of a projection), the key norm
+    # one row or several, each from a base of one row or several (Dynamo guards a view's base)
+    assert all(1 <= n <= 4 for n in graphs.values()), graphs
+    assert max(graphs.values()) < torch._dynamo.config.recompile_limit

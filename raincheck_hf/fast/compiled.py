@@ -26,6 +26,7 @@ capture) no gain was measured to pay the compile for, so it stays off there unle
 from __future__ import annotations
 
 import threading
+import types
 import warnings
 
 import torch
@@ -83,6 +84,54 @@ def compiled(fn):
         out = _COMPILED.get(fn)
         if out is None:
             out = _COMPILED[fn] = _CompiledOrPlain(fn)
+        return out
+
+
+class RowWise:
+    """The compiled form of a module whose ``forward(x)`` is a function of each row of ``x [..., D]`` alone (an
+    RMSNorm, a dense MLP), run on ``x`` viewed as rows ``[N, D]``, one compiled copy of the function per row width
+    and row stride. Dynamo keeps its graphs per code object and stops compiling a function after
+    ``recompile_limit`` (8) of them: the class's ``forward`` compiled as called took one graph per rank, per
+    leading dimension of size 1 or more, per width (Qwen3.5's layer norms and its query / key norms share a class)
+    and per stride (the query half of a projection), past the limit in a batched benchmark, and every shape after
+    that ran uncompiled. Viewed as rows, each copy sees one width and stride and takes a graph for one row and one
+    for several (per dtype, and per view base of one row or several). The view is free where the rows' strides allow it (a contiguous tensor, the query half
+    of a projection); otherwise ``reshape`` copies, as the stock ``forward`` would not."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.copies: dict = {}  # (row width, row stride) -> a copy of ``fn`` with its own code object
+
+    def __call__(self, module, *args, **kwargs) -> torch.Tensor:
+        if kwargs or len(args) != 1:  # (not the one-input call this form is for: the function as it is, compiled)
+            return compiled(self.fn)(module, *args, **kwargs)
+        (x,) = args
+        rows = x.reshape(-1, x.shape[-1])
+        key = (rows.shape[-1], rows.stride(0))
+        fn = self.copies.get(key)
+        if fn is None:
+            with _LOCK:
+                fn = self.copies.setdefault(key, _copy(self.fn))
+        y = compiled(fn)(module, rows)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _copy(fn):
+    """``fn`` with a code object of its own (the same code): Dynamo's graphs and limit are per code object."""
+    out = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    out.__dict__.update(fn.__dict__)
+    return out
+
+
+def rowwise(fn) -> RowWise:
+    """The `RowWise` form of ``fn`` (a module class's ``forward``), made once."""
+    with _LOCK:
+        key = ("rowwise", fn)
+        out = _COMPILED.get(key)
+        if out is None:
+            out = _COMPILED[key] = RowWise(fn)
         return out
 
 

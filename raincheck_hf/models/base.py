@@ -200,13 +200,16 @@ class ModelAdapter:
         meaning the module class's ``forward`` compiled. Default: every RMSNorm of the decoder layers (the
         attention's query / key norms included) and each dense SwiGLU MLP (``gate_proj``, ``up_proj``,
         ``down_proj``; a mixture of experts routes tokens and stays as it is): pure per-row functions of
-        their input, no cache, no hooks. A family may fuse more (`models.qwen3_vl`)."""
+        their input, no cache, no hooks, each run on its input viewed as rows (`fast.compiled.RowWise`: one
+        compiled graph for every shape it is called with). A family may fuse more (`models.qwen3_vl`)."""
+        from ..fast.compiled import rowwise
+
         targets = []
         for layer in self.text_model.layers:
-            targets += [(m, None) for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
+            targets += [(m, rowwise(type(m).forward)) for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
             mlp = getattr(layer, "mlp", None)
             if mlp is not None and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-                targets.append((mlp, None))
+                targets.append((mlp, rowwise(type(mlp).forward)))
         return targets
 
     def deepstack_kwargs(self, visual: torch.Tensor, deepstack: list[torch.Tensor] | None) -> dict:
