@@ -161,6 +161,29 @@ def test_row_keys():
     assert row_key(_Sampling(1.0, None, None, seed=1, device=torch.device("cpu"))) is None
 
 
+def test_logit_bias_moves_its_tensors_once_per_device_and_dtype(monkeypatch):
+    """OpenAI's ``logit_bias`` adds its values to its ids' logits, and moves its host tensors to the logits' device
+    once (through `cache_utils.to_device`: pinned, non-blocking), not at every token: a pageable copy to a GPU waits
+    for the step before it, which took every step of a server's batching loop out of its overlap with the device."""
+    from raincheck_hf.serve import app
+
+    moves = []
+    real = app.to_device
+    monkeypatch.setattr(app, "to_device", lambda t, device: moves.append(t) or real(t, device))
+    bias = _LogitBias({5: 2.5, 9: -1.0})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        scores = torch.randn(2, 12, generator=gen)
+        want = scores.clone()
+        want[:, 5] += 2.5
+        want[:, 9] -= 1.0
+        got = bias(None, scores)
+        assert torch.equal(got, want) and not torch.equal(got, scores)  # (a new tensor: the scores stay as given)
+    assert len(moves) == 2  # ids and values, the first time
+    half = bias(None, torch.zeros(1, 12, dtype=torch.float16))
+    assert half.dtype == torch.float16 and half[0, 5].item() == 2.5 and len(moves) == 4
+
+
 def test_a_group_whose_processors_raise_chooses_turn_by_turn(model, processor):
     """Two turns whose processors have equal row keys but cannot take several rows at once: the group's call raises,
     its turns are chosen one by one (as alone) from then on, and both answer as alone."""

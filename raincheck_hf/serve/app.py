@@ -31,6 +31,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..cache_utils import to_device
 from ..configuration import RaincheckConfig
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
@@ -159,10 +160,17 @@ class _LogitBias(LogitsProcessor):
 
     def __init__(self, bias: dict[int, float]):
         self.ids, self.values = torch.tensor(list(bias)), torch.tensor(list(bias.values()))
+        self._moved: dict = {}  # (device, dtype) -> (ids, values) there: moved once per request, not per token
 
     def __call__(self, input_ids, scores):
+        key = (scores.device, scores.dtype)
+        moved = self._moved.get(key)
+        if moved is None:  # (pinned and non-blocking: a pageable copy to a GPU would wait for the step it follows)
+            moved = self._moved[key] = (to_device(self.ids, scores.device),
+                                        to_device(self.values.to(scores.dtype), scores.device))
+        ids, values = moved
         scores = scores.clone()
-        scores[:, self.ids.to(scores.device)] += self.values.to(scores.device, scores.dtype)
+        scores[:, ids] += values
         return scores
 
     def raincheck_row_key(self):
