@@ -445,7 +445,8 @@ class BatchLoop:
         self.detach(conv)
 
     def _keeps(self, engine: BatchEngine) -> bool:
-        """An empty engine stays (its pool, and on CUDA its captured steps) while its config may be asked again."""
+        """An empty engine stays (its pool, and on CUDA its captured steps) while its config may be asked again, until
+        a turn of another config needs an engine (`_engine_for`: the pool goes to that one)."""
         if engine.config == self.default_config:
             return True
         return any(c.config == engine.config for c in self._conversations_now() if not c._closed)
@@ -539,6 +540,13 @@ class BatchLoop:
         for engine in self._engines:
             if engine.config == config:
                 return engine
+        # the empty engines (the default config's stays on the loop between answers) give their pools back first, so
+        # the new engine takes the kept pool with the most captured steps (`warm_up`'s) rather than a fresh one and
+        # its captures mid-answer; an engine of theirs made again later takes it back the same way
+        idle = [e for e in self._engines if not e.sequences]
+        for engine in idle:
+            engine.close()
+        self._engines = [e for e in self._engines if e.sequences]
         engine = BatchEngine(self.model, config, token_budget=self.token_budget)
         self._engines.append(engine)
         return engine

@@ -226,3 +226,42 @@ def test_an_engine_takes_the_kept_pool_with_the_most_captured_steps(replay_log, 
     other.close()  # given back last
     assert len(batched_graphs._POOLED[adapter.text_model]) == 2
     assert BatchEngine(model, cfg).graphs is warmed
+
+
+def test_a_loop_hands_its_idle_engines_pool_to_another_configs_turn(replay_log, monkeypatch):  # noqa: F811
+    """A server warms its batched steps up for its default config, and an empty engine of the default config stays
+    on its loop between answers. A turn of another config (a request asking ``mode="full"``) that comes when no
+    answer of the default config runs gets the warmed pool, not a fresh one: its decode steps replay keys captured
+    ahead (none captured during its answer), where it used to capture them mid-answer on a pool of its own (on the
+    H200, `full`'s rounds of `bench serve-load` after `raincheck`'s: 4 and 7 captures of ~190 ms each)."""
+    import raincheck_hf.warmup as warmup
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.models import get_adapter
+    from families import family_model, family_processor
+    from test_batched import IMAGE
+
+    monkeypatch.setattr(warmup, "_batched_captures", lambda graphs: True)
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    adapter = get_adapter(model)
+    cfg = RaincheckConfig(retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
+    full = RaincheckConfig(mode="full", fast_path=True)
+    raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=2, conversations=0,
+                         cache_dir=False, progress=False)
+    (warmed,) = batched_graphs._POOLED[adapter.text_model]
+    captured = len(warmed.capture_log)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, suppress_tokens=no_placeholder_ids(model))
+    with torch.no_grad(), BatchLoop(model, max_batch_tokens=512, config=cfg) as loop:
+        first = Conversation(model, processor, cfg, background=False, loop=loop)
+        first.ask("Describe it.", images=list(IMAGE["images"]), **kw)
+        replay_log.clear()
+        other = Conversation(model, processor, full, background=False, loop=loop)
+        other.ask("Describe it.", images=list(IMAGE["images"]), **kw)
+        engines = loop.call(lambda: [e for e in loop._engines if e.config == full])
+        assert [e.graphs for e in engines] == [warmed]  # the full turn's engine runs on the warmed pool
+        first.ask("And then?", **kw)  # the default config's turn after it: the pool back, still warmed
+    assert replay_log
+    assert len(warmed.capture_log) == captured  # no capture during either answer
+    alone = Conversation(model, processor, full, background=False)
+    want = alone.ask("Describe it.", images=list(IMAGE["images"]), **kw)
+    assert torch.equal(other.sequences, alone.sequences), (want, other)
