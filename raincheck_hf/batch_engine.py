@@ -125,7 +125,8 @@ class StepRecord(NamedTuple):
     """What `BatchEngine.step` ran last (``BatchEngine.last_step``), for diagnosing a loop's time: decided with the
     step, from host data only (nothing read from the device for it).
 
-    ``forwards``: how each of its forwards ran (one; two in ``serial`` mode when chunks ride): ``"replayed"``
+    ``forwards``: how each of its forwards ran (one; two in ``serial`` mode when chunks ride, and with captured
+    decode steps when prompt pieces ride beside decode rows: `RowScheduler`'s ``separate_prefill``): ``"replayed"``
     through the captured decode steps (`fast.batched_graphs.BatchedStepGraphs`; on a CPU model, their
     static-buffer step run eagerly), ``"captured"`` the same but that launch captured its key's graph first (the
     capture's warm-up runs included), ``"eager"`` the packed eager forward (`ForwardRunner`: prompt pieces, or an
@@ -148,15 +149,22 @@ class RowScheduler:
         config: the engine's `RaincheckConfig` (``mode``: ``serial`` splits chunks into a forward of their own).
         token_budget: rows per step (decode rows, their chunks, prompt pieces and restoring pieces together),
             None: unbounded.
+        separate_prefill: the prompt pieces of a step that also decodes go in a forward of their own, after the
+            decode rows' (an engine with captured decode steps: the decode rows then replay their graph). In one
+            packed forward ``[B, W]`` every sequence is padded to the longest piece: 31 decode rows beside a 630-row
+            prompt piece cost 32 x 630 rows of compute and attention (the H200 server's eager steps at 32 clients:
+            335 ms each, 60% of the round). Each sequence's rows are the same either way and sequences see only their
+            own slots, so the answers do not change.
     """
 
-    def __init__(self, config: RaincheckConfig, token_budget: int | None = None):
+    def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
         self.config = config
         self.token_budget = token_budget
+        self.separate_prefill = separate_prefill
 
     def chunk_cap(self, fed: list[SequenceState]) -> int | None:
         """The cap on each chunk of this step (`generation.shared_chunk_cap` over the ``fed`` sequences, those with a
@@ -166,9 +174,9 @@ class RowScheduler:
         return shared_chunk_cap(carrying, self.config.batch_chunk_rows, self.config.max_chunk_size)
 
     def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
-        """The step's forwards (one; two in ``serial`` mode when a chunk rides), each a list of entries in the order
-        of ``sequences``. Takes the fed tokens, chunks (each within the step's `chunk_cap`) and prompt pieces from
-        the sequences."""
+        """The step's forwards (one; two in ``serial`` mode when a chunk rides; the prompt pieces in one more with
+        ``separate_prefill``), each a list of entries in the order of ``sequences``. Takes the fed tokens, chunks
+        (each within the step's `chunk_cap`) and prompt pieces from the sequences."""
         fed = [seq for seq in sequences if seq.prefilled and seq.token is not None]
         cap = self.chunk_cap(fed)
         decode, used = [], 0
@@ -196,7 +204,10 @@ class RowScheduler:
         chunks = [(seq, groups[0]) for seq, groups in decode if len(groups) == 2]
         if chunks:
             forwards.append(chunks)
-        main = [(seq, groups[-1]) for seq, groups in decode] + prefill + restoring
+        decoding = [(seq, groups[-1]) for seq, groups in decode]
+        if self.separate_prefill and prefill and (decoding or restoring):
+            return forwards + [decoding + restoring, prefill]
+        main = decoding + prefill + restoring
         if main:
             forwards.append(main)
         return forwards
@@ -338,7 +349,8 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        self.scheduler = RowScheduler(self.config, token_budget)
+        # (with captured decode steps, a step's decode rows replay them beside an eager forward of its prompt pieces)
+        self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs)
         self.text_config = model.config.get_text_config()
         self.graphs = None
         if use_graphs:

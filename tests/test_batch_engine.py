@@ -708,9 +708,9 @@ def run_restoring_case(model, engine: BatchEngine, cfg: RaincheckConfig, answers
 
 def test_restoring_rides_in_captured_decode_steps():
     """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
-    piece rides in every step: the prompt's step runs eagerly (it carries a prompt piece), every decode step carries
-    a piece and is still replayed (never run eagerly for it), and so is every step after the answer (restoring
-    pieces only). The answer equals its own call; the restored cache equals idle-time restoration's and the
+    piece rides in every step: in the prompt's step the restoring piece replays and the prompt piece runs eagerly
+    after it (a forward of its own), every decode step carries a piece and is still replayed (never run eagerly for
+    it), and so is every step after the answer (restoring pieces only). The answer equals its own call; the restored cache equals idle-time restoration's and the
     follow-up from it answers identically."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     eager = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=2, fast_path=False)
@@ -725,11 +725,12 @@ def test_restoring_rides_in_captured_decode_steps():
     _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
     other.check("answer on captured decode steps beside a restoring sequence")
     assert len(per_step) == other.n and all(n == cfg.idle_chunk_size for n in per_step)  # a piece in every step
-    assert paths[0] == ("eager", True, False)  # the prompt's piece, beside the first restoring piece
-    assert paths[1:] == [("replay", True, True)] * (other.n - 1)  # each decode step: replayed, with a piece
+    # the prompt's step: the first restoring piece replayed, then the prompt's piece eagerly
+    assert paths[:2] == [("replay", True, False), ("eager", False, False)]
+    assert paths[2:] == [("replay", True, True)] * (other.n - 1)  # each decode step: replayed, with a piece
     while state.num_pending:  # nothing else left: restoring pieces alone, replayed too
         assert engine.step() == {}
-    assert {p for p in paths[other.n:]} == {("replay", True, False)}
+    assert {p for p in paths[other.n + 1:]} == {("replay", True, False)}
     assert engine.graphs.replays == len(paths) - 1
     got = engine.remove(state)
     engine.close()

@@ -86,7 +86,8 @@ def test_fuzz_gdn_captured_steps_match_alone(seed, views, replay_log, monkeypatc
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
     assert counts["decode"] > 0 and len(replay_log) == counts["decode"] == engine.graphs.replays
-    assert all(key.dense == views for key in replay_log)
+    # (with views, a decode forward beside a prompt piece whose sequence holds a lower slot gathers its slots)
+    assert any(key.dense for key in replay_log) == views and (views or not any(key.dense for key in replay_log))
     assert engine.sequences == [] and len(engine.pool._free) == engine.pool.num_slots
     for state in engine.recurrent.layers.values():  # every row fresh again (the scratch slot's too: padding
         for name in PackedGDNState._NAMES:           # sequences leave their rows unchanged)

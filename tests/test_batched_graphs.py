@@ -128,7 +128,8 @@ def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
     name, cfg, requests, engine, counts = _run_captured_case(7000 + seed, seed, draw_case, most=6)
     assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
-    assert all(key.dense == views for key in replay_log)
+    # (with views, a decode forward beside a prompt piece whose sequence holds a lower slot gathers its slots)
+    assert any(key.dense for key in replay_log) == views and (views or not any(key.dense for key in replay_log))
     pool = engine.pool
     assert engine.sequences == [] and len(pool._free) == pool.num_slots
     assert bool((pool.slot_keys == MAX_KEY).all())  # the scratch slot's keys included
@@ -339,7 +340,9 @@ def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log
 
 
 def test_a_restoring_sequence_given_no_rows_makes_the_step_gather(replay_log):
-    """A held conversation joins first (slot 0), an answer after it (slot 1). For three steps the token budget is 1:
+    """A held conversation joins first (slot 0), an answer after it (slot 1). In the first step the held
+    conversation's piece replays alone (batch 1, dense) before the answer's prompt runs eagerly. For three steps the
+    token budget is 1:
     the answer's token fills each, the restoring sequence gets no rows but holds slot 0, so those steps gather the
     answer's slot (not dense); with the budget lifted its pieces ride again and the steps read views of slots 0 .. 1
     (batch 2); once the answer is done its pieces alone replay (batch 1, dense). The answer equals its own call, the
@@ -361,7 +364,8 @@ def test_a_restoring_sequence_given_no_rows_makes_the_step_gather(replay_log):
     while state.num_pending:
         assert engine.step() == {}
     got = engine.remove(state)
-    assert [(key.batch, key.dense) for key in replay_log] == [(1, False)] * 3 + [(2, True)] * 4 + [(1, True)] * 2
+    assert [(key.batch, key.dense) for key in replay_log] == ([(1, True)] + [(1, False)] * 3 + [(2, True)] * 4
+                                                             + [(1, True)] * 2)
     assert_cache_equal(got, _idle_restored(model, cache, cfg))
 
 

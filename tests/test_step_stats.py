@@ -83,8 +83,9 @@ def test_eager_engine_records_its_steps_rows(model, processor, mode):
 
 
 def test_a_decode_step_on_captured_steps_is_replayed_and_a_prompt_piece_eager(model, processor, fresh_pools):
-    """With ``graphs=True`` (on CPU the static-buffer step): steps with a prompt piece are eager, the others go
-    through the captured steps, "captured" exactly when that launch captured its key (the captured steps' own log),
+    """With ``graphs=True`` (on CPU the static-buffer step): a step of prompt pieces alone is eager, one with decode
+    rows beside a prompt piece replays them and then runs the piece eagerly (``"replayed+eager"``), the others go
+    through the captured steps; "captured" exactly when that launch captured its key (the captured steps' own log),
     "replayed" after."""
     cfg = dataclasses.replace(CFG, fast_path=None)
     answers = [Request(model, processor, cfg, IMAGE, n=10, arrive=0), Request(model, processor, cfg, TEXT, n=6,
@@ -93,10 +94,14 @@ def test_a_decode_step_on_captured_steps_is_replayed_and_a_prompt_piece_eager(mo
     graphs = engine.graphs
     records = _drive(engine, answers)
     for r in records:
-        assert r.kind == "eager" if r.rows.prefill else r.kind in ("captured", "replayed"), r
-    kinds = [r.kind for r in records]
-    assert kinds.count("captured") == len(graphs.capture_log) > 0 and kinds.count("replayed") > 0
-    assert kinds.count("captured") + kinds.count("replayed") == graphs.replays  # (a capture's launch replays too)
+        if r.rows.prefill and (r.rows.decode or r.rows.restoring):
+            assert len(r.forwards) == 2 and r.forwards[0] in ("captured", "replayed") and r.forwards[1] == "eager", r
+        else:
+            assert r.kind == "eager" if r.rows.prefill else r.kind in ("captured", "replayed"), r
+    assert any(len(r.forwards) == 2 for r in records)  # the second answer's prompt beside the first's decode row
+    forwards = [f for r in records for f in r.forwards]
+    assert forwards.count("captured") == len(graphs.capture_log) > 0 and forwards.count("replayed") > 0
+    assert forwards.count("captured") + forwards.count("replayed") == graphs.replays  # (a capture's launch replays)
     _assert_rows_are_the_sequences(records, answers)
 
 

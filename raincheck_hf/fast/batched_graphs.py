@@ -403,7 +403,9 @@ class BatchedStepGraphs:
         deferred rows to restore beside tokens (chunks, or held conversations' restoring pieces), every `width_bucket`
         size up to the largest chunk + 1 (a shared chunk budget cuts chunks to ladder sizes, a last chunk is shorter);
         on the Gated DeltaNet families with and without recorded rows. Steps that gather their slots (sequences not
-        in the lowest slots, e.g. beside a held conversation restoring) are captured when they first run."""
+        in the lowest slots, e.g. beside a held conversation restoring, or decode rows beside a turn's prompt piece
+        whose sequence holds a slot among theirs or the padding's: `batch_engine.RowScheduler`'s
+        ``separate_prefill``) are captured when they first run."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
