@@ -43,9 +43,14 @@ def available_selectors() -> list[str]:
 def get_selector(name: str, **kwargs) -> Selector:
     """Instantiate the selector registered as ``name``."""
     cls = _REGISTERED.get(name)
-    if cls is None and name in _BUILTIN and name in available_selectors():
+    if cls is None and name in _BUILTIN:  # (its own module only: a search for every selector's costs each request)
         module_name, cls_name = _BUILTIN[name].split(":")
-        cls = getattr(importlib.import_module(f"{__name__}.{module_name}"), cls_name)
+        full = f"{__name__}.{module_name}"
+        try:
+            cls = getattr(importlib.import_module(full), cls_name)
+        except ModuleNotFoundError as error:
+            if error.name != full:  # a module it needs is missing: that is the user's to see
+                raise
     if cls is not None:
         try:
             return cls(**kwargs)
