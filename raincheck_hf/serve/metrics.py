@@ -8,7 +8,8 @@ from __future__ import annotations
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# how the batching loop's steps ran (`batch_engine.StepRecord.kind`; ``serial`` mode's two forwards join with "+")
+# how the batching loop's steps ran (`batch_engine.StepRecord.kind`; a step's several forwards join with "+": serial
+# mode's chunk forward, prompt pieces beside a replayed decode step)
 STEP_KINDS = ("replayed", "captured", "eager")
 
 
@@ -102,7 +103,8 @@ class Metrics:
                                   registry=self.registry)
             self._step_kinds = Counter(
                 "raincheck_step_kinds", "Steps of the batching loop by how they ran: replayed (a captured decode "
-                "step), captured (its graph captured at that step), eager (the packed eager forward: prompt pieces).",
+                "step), captured (its graph captured at that step), eager (the packed eager forward: prompt pieces); "
+                "a step of several forwards joins them with + (replayed+eager: decode rows, then prompt pieces).",
                 ["kind"], registry=self.registry)
             for kind in STEP_KINDS:
                 self._step_kinds.labels(kind=kind)
