@@ -1431,6 +1431,68 @@ def test_cuda_batched_generate_waits_for_the_device_once_per_decode_step(mode):
     batched_graphs.release_all()
 
 
+def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_processors():
+    """Three conversations on one `BatchLoop` on CUDA (captured decode steps), each turn with what the server puts
+    in a request (an OpenAI ``logit_bias``, ``min_tokens``), all joining at one step: each decode step synchronizes
+    with the device at most about once (the tokens' read; a few more for joins and leaving, equal at both lengths).
+    The bias used to copy its ids and values from pageable memory at every token, two blocking copies a step that
+    made the step's host work (choosing, preparing the next step) wait for the device. The counts are printed."""
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.serve.app import _LogitBias
+    from test_batched import IMAGE
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=3, fast_path=True)
+    eos = model.config.text_config.vocab_size - 1
+
+    def together(loop, n):
+        convs = [Conversation(model, processor, cfg, background=False, loop=loop) for _ in range(3)]
+        gate, inside, errors = threading.Event(), threading.Event(), []
+
+        def hold():
+            inside.set()
+            gate.wait()
+
+        holder = threading.Thread(target=loop.call, args=(hold,))
+        holder.start()
+        inside.wait()
+
+        def ask(conv):
+            try:
+                conv.ask("Describe it.", images=list(IMAGE["images"]), max_new_tokens=n, min_new_tokens=n,
+                         eos_token_id=eos, logits_processor=LogitsProcessorList([_LogitBias({11: 2.0, 12: -1.5})]))
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=ask, args=(c,)) for c in convs]
+        for t in threads:
+            t.start()
+        while len(loop._incoming) < len(convs):
+            threading.Event().wait(0.002)
+        gate.set()
+        for t in threads + [holder]:
+            t.join()
+        assert not errors, errors
+        for conv in convs:
+            conv.close()
+
+    short, long = 8, 24
+    with BatchLoop(model, config=cfg) as loop:
+        together(loop, long)  # captures every decode step shape of both rounds
+        counts = {n: _synchronizations(lambda n=n: together(loop, n)) for n in (short, long)}
+    per_step = (counts[long] - counts[short]) / (long - short)
+    print(f"batching loop, server processors: synchronizations per round {counts}, per decode step {per_step:.2f}")
+    assert counts[short] >= short  # the sync debug mode sees the per-step read of the tokens
+    assert counts[long] - counts[short] <= (long - short) + 8, counts  # (the bias's copies: 3 a step)
+    batched_graphs.release_all()
+
+
 def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     """`cache_utils.to_device_all`: host int64 tensors of several shapes packed into one pinned, non-blocking copy
     (views of one device buffer, values intact), device tensors passed through, without a synchronization."""
