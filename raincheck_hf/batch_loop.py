@@ -133,6 +133,8 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
+    # `BatchLoop.prepare_ahead`'s result (grids, prepared, captures), or the error it raised; taken when it joins
+    ahead: object = None
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
     shared: tuple | None = None
@@ -314,7 +316,11 @@ class BatchLoop:
         return self._closed
 
     def submit(self, job: BatchTurn) -> None:
-        """Hand a turn to the loop (returns at once; ``job.done`` is called when it ends)."""
+        """Hand a turn to the loop (``job.done`` is called when it ends). A conversation's first turn is prepared
+        here first, on the calling thread (`prepare_ahead`); then it returns at once."""
+        if self._closed:
+            raise self._closed_error(running=False)
+        self.prepare_ahead(job)
         with self._wake:
             if self._closed:
                 raise self._closed_error(running=False)
@@ -565,6 +571,52 @@ class BatchLoop:
         return busy[self._turn % len(busy)]
 
     # ---- joining ------------------------------------------------------------------------------
+    def _prepare(self, job: BatchTurn, stack: contextlib.ExitStack | None) -> tuple[dict, dict, object]:
+        """What `generate(raincheck=...)` prepares for ``job`` before its loop (HF's own preparation: the logits
+        processors and stopping criteria, the media encoded by the vision tower): ``(grids, prepared, captures)``.
+        ``stack`` holds the vision attention capture of a config whose selector needs it (open through the turn's
+        `BatchEngine.add`); None: the config needs none."""
+        conv, model = job.conversation, self.model
+        kwargs = dict(job.generate_kwargs)
+        if job.request is None:
+            job.request = _CancelRequest()
+        job.request.event = job.cancel
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
+        device = self.adapter.device
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
+        call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
+        grids = {name: call.get(name) for name in GRIDS}
+        prepared = {}
+
+        def record(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                   streamer=None, raincheck_captures=None, **model_kwargs):
+            prepared.update(input_ids=input_ids, processors=logits_processor, criteria=stopping_criteria,
+                            generation_config=generation_config, model_kwargs=model_kwargs)
+            return input_ids
+
+        generate = vars(model).get(_ORIGINAL, model.generate)  # HF's own generate, under the raincheck wrapper
+        captures = None
+        if _needs_vision_attention(job.config):
+            captures = stack.enter_context(VisionAttentionCapture(model, grids))
+        generate(**call, custom_generate=record, raincheck_captures=captures)
+        return grids, prepared, captures
+
+    def prepare_ahead(self, job: BatchTurn) -> None:
+        """Prepare a conversation's first turn (`_prepare`: HF's preparation and the vision tower's encoding of its
+        media) on the calling thread, before it is handed to the loop, so that the loop's thread goes on stepping the
+        running answers meanwhile instead of doing it when the turn joins. Only a turn that starts its conversation
+        (nothing else reads or writes its cache) and whose selector needs no vision attention capture; called from
+        the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so
+        the turn fails as it would have."""
+        if (self.on_loop_thread() or job.ahead is not None or job.conversation.cache is not None
+                or _needs_vision_attention(job.config)):
+            return
+        try:
+            with torch.no_grad():
+                job.ahead = self._prepare(job, None)
+        except Exception as error:  # the turn's media, settings or processors: raised when it joins
+            job.ahead = error
+
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
         job.started = job.started or time.perf_counter()
@@ -573,7 +625,7 @@ class BatchLoop:
             if gone is not None:
                 self._end(job, error=gone)
                 return
-        conv, model = job.conversation, self.model
+        conv = job.conversation
         if conv in self._restoring:  # its cache back (the rows restored so far stored) before the turn reads it
             self._stop_restoring(conv, keep=True)
         if not conv.early_follow_up:  # the completion barrier, on this thread (it runs the model)
@@ -584,28 +636,14 @@ class BatchLoop:
                 self._end(job, error=error)
                 return
         try:
-            kwargs = dict(job.generate_kwargs)
-            if job.request is None:
-                job.request = _CancelRequest()
-            job.request.event = job.cancel
-            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
-            device = self.adapter.device
-            moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
-            call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
-            grids = {name: call.get(name) for name in GRIDS}
-            prepared = {}
-
-            def record(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                       streamer=None, raincheck_captures=None, **model_kwargs):
-                prepared.update(input_ids=input_ids, processors=logits_processor, criteria=stopping_criteria,
-                                generation_config=generation_config, model_kwargs=model_kwargs)
-                return input_ids
-
-            generate = vars(model).get(_ORIGINAL, model.generate)  # HF's own generate, under the raincheck wrapper
             with contextlib.ExitStack() as stack:
-                captures = (stack.enter_context(VisionAttentionCapture(model, grids))
-                            if _needs_vision_attention(job.config) else None)
-                generate(**call, custom_generate=record, raincheck_captures=captures)
+                ahead, job.ahead = job.ahead, None
+                if ahead is None:
+                    grids, prepared, captures = self._prepare(job, stack)
+                elif isinstance(ahead, BaseException):  # (its preparation on the caller's thread failed)
+                    raise ahead
+                else:
+                    grids, prepared, captures = ahead
                 media = {k: prepared["model_kwargs"].get(k) for k in MEDIA if prepared["model_kwargs"].get(k)
                          is not None}
                 engine = self._engine_for(job.config)

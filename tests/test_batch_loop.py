@@ -411,3 +411,44 @@ def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_i
             again = ask(conv, QUESTIONS[0], [IMAGES[0]])
     assert torch.equal(again.token_ids, first.token_ids)
     assert "handing a step's output to its consumers failed" in caplog.text
+
+
+def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(model, processor, monkeypatch):
+    """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded) on the asking thread
+    before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's thread goes on stepping the running answers;
+    a follow-up is prepared on the loop's thread (it reads the held cache, which the loop may be restoring). A first
+    turn whose preparation raises fails alone with that error, as when the loop prepared it, and the loop answers the
+    next one; both dialogues equal themselves alone."""
+    from raincheck_hf import batch_loop
+
+    where = []
+    prepare, validate = BatchLoop._prepare, batch_loop.validate_request
+
+    def recorded(self, job, stack):
+        where.append(threading.current_thread())
+        return prepare(self, job, stack)
+
+    def failing(model, config, args, kwargs):
+        if kwargs.get("max_new_tokens") == 3:  # (the marked turn)
+            raise ValueError("generate(max_new_tokens=3) refused here")
+        return validate(model, config, args, kwargs)
+
+    monkeypatch.setattr(BatchLoop, "_prepare", recorded)
+    monkeypatch.setattr(batch_loop, "validate_request", failing)
+    with BatchLoop(model) as loop:
+        conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
+        ask(conv, QUESTIONS[0], [IMAGES[0]])
+        ask(conv, QUESTIONS[1])
+        assert where == [threading.current_thread(), loop._thread]
+        bad = Conversation(model, processor, CFG, background=False, loop=loop)
+        with pytest.raises(ValueError, match="max_new_tokens=3"):
+            ask(bad, QUESTIONS[0], [IMAGES[1]], max_new_tokens=3)
+        assert where[-1] is threading.current_thread() and not bad.turns and bad.cache is None
+        other = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
+        ask(other, QUESTIONS[0], [IMAGES[1]])
+        for c in (conv, bad, other):
+            c.close()
+    for dialogue, images in ((conv, [IMAGES[0]]), (other, [IMAGES[1]])):
+        want = alone(model, processor, CFG, dialogue.turns, QUESTIONS, images)
+        for k, turn in enumerate(dialogue.turns):
+            assert_same_turn(turn, want[k], f"turn {k}")

@@ -800,7 +800,13 @@ def create_app(model, processor, settings: ServeSettings | None = None):
             except RuntimeError:  # the loop is gone (shutdown); the thread still checks its conversation in
                 pass
 
-        server.start(turn, emit)
+        # off the event loop: with batching a conversation's first turn is prepared (its images encoded) before it
+        # is handed to the loop (`BatchLoop.prepare_ahead`)
+        try:
+            await asyncio.to_thread(server.start, turn, emit)
+        except asyncio.CancelledError:  # (the request's task cancelled meanwhile: its answer stops at its next step)
+            turn.cancel.set()
+            raise
         note.update(conversation=turn.conversation.id, cached=turn.cached)
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         name = server.settings.model_name
