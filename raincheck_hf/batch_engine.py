@@ -394,6 +394,19 @@ class BatchEngine:
         self.join(state, cache)
         return state
 
+    def add_made(self, state: SequenceState) -> SequenceState:
+        """A fresh prompt's sequence made ahead by `batched.new_sequence` with this engine's model and an equal config
+        (elsewhere, e.g. on the thread that asked: `batch_loop.BatchLoop.prepare_ahead`), prefilled from the next
+        `step` on, as `add` would have made it; it takes the next arrival number."""
+        if self._closed:
+            raise ValueError("BatchEngine.add_made after close(): the engine gave its pool back; make a new engine.")
+        if state in self._members or state.prefilled:
+            raise ValueError("BatchEngine.add_made takes a sequence made by new_sequence and not added anywhere yet.")
+        state.index = self._arrivals
+        self._arrivals += 1
+        self.join(state, None)
+        return state
+
     def restore(self, cache: DeferredDynamicCache, max_rows: int | None = None) -> RestoringState:
         """A held conversation joins only to restore its pending deferred rows in the spare budget of the steps
         (a `batched.RestoringState`: it generates nothing; ``cache``, a batch-1 `DeferredDynamicCache` with

@@ -69,7 +69,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .batch_engine import BatchEngine
 from .cache_utils import to_device
-from .batched import RestoringState
+from .batched import RestoringState, new_sequence
 from .configuration import RaincheckConfig
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
@@ -80,6 +80,12 @@ logger = logging.getLogger("raincheck_hf.batch_loop")
 
 GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 MEDIA = ("mm_encoder_outputs", "pixel_values", "pixel_values_videos")
+
+
+def _media(prepared: dict) -> dict:
+    """The turn's media among what HF's preparation gave (`BatchLoop._prepare`): `BatchEngine.add`'s arguments."""
+    kwargs = prepared["model_kwargs"]
+    return {k: kwargs[k] for k in MEDIA if kwargs.get(k) is not None}
 
 
 class _CancelRequest(StoppingCriteria):
@@ -133,7 +139,8 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
-    # `BatchLoop.prepare_ahead`'s result (grids, prepared, captures), or the error it raised; taken when it joins
+    # `BatchLoop.prepare_ahead`'s result (grids, prepared, captures, its sequence), or the error it raised; taken
+    # when it joins
     ahead: object = None
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
@@ -603,17 +610,22 @@ class BatchLoop:
 
     def prepare_ahead(self, job: BatchTurn) -> None:
         """Prepare a conversation's first turn (`_prepare`: HF's preparation and the vision tower's encoding of its
-        media) on the calling thread, before it is handed to the loop, so that the loop's thread goes on stepping the
-        running answers meanwhile instead of doing it when the turn joins. Only a turn that starts its conversation
-        (nothing else reads or writes its cache) and whose selector needs no vision attention capture; called from
-        the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so
+        media; then its sequence, `batched.new_sequence`: embeddings, selection, plan) on the calling thread, before
+        it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile instead
+        of doing it when the turn joins (it only gives the sequence a slot: `BatchEngine.add_made`). Only a turn
+        that starts its conversation (nothing else reads or writes its cache) and whose selector needs no vision
+        attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so
         the turn fails as it would have."""
         if (self.on_loop_thread() or job.ahead is not None or job.conversation.cache is not None
                 or _needs_vision_attention(job.config)):
             return
         try:
             with torch.no_grad():
-                job.ahead = self._prepare(job, None)
+                grids, prepared, _ = self._prepare(job, None)
+                # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
+                state = new_sequence(self.model, self.adapter, job.config, -1, prepared["input_ids"].reshape(-1),
+                                     **_media(prepared), **{k: v for k, v in grids.items() if v is not None})
+                job.ahead = (grids, prepared, None, state)
         except Exception as error:  # the turn's media, settings or processors: raised when it joins
             job.ahead = error
 
@@ -638,18 +650,20 @@ class BatchLoop:
         try:
             with contextlib.ExitStack() as stack:
                 ahead, job.ahead = job.ahead, None
+                state = None
                 if ahead is None:
                     grids, prepared, captures = self._prepare(job, stack)
                 elif isinstance(ahead, BaseException):  # (its preparation on the caller's thread failed)
                     raise ahead
                 else:
-                    grids, prepared, captures = ahead
-                media = {k: prepared["model_kwargs"].get(k) for k in MEDIA if prepared["model_kwargs"].get(k)
-                         is not None}
+                    grids, prepared, captures, state = ahead
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
-                seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **media,
-                                 **{k: v for k, v in grids.items() if v is not None})
+                if state is not None:
+                    seq = engine.add_made(state)
+                else:
+                    seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **_media(prepared),
+                                     **{k: v for k, v in grids.items() if v is not None})
         except BaseException as error:  # this turn's media, settings or processors: it alone fails
             self._end(job, error=error)
             return

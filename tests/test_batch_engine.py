@@ -751,3 +751,22 @@ def test_a_fast_path_cache_cannot_join_a_batch_and_says_why():
     with pytest.raises(ValueError, match="fast-path conversation's static cache"):
         engine.restore(static)
     assert engine.sequences == []
+
+
+def test_a_sequence_made_ahead_joins_with_the_next_arrival_number_and_only_once():
+    """`BatchEngine.add_made`: a fresh prompt's sequence made by `batched.new_sequence` elsewhere (as
+    `BatchLoop.prepare_ahead` makes it on the asking thread) takes the engine's next arrival number and a slot, as
+    `add` would; the same sequence a second time is refused with a clear error."""
+    from raincheck_hf.batched import new_sequence
+
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.5, chunk_size=2, fast_path=False)
+    engine = BatchEngine(model, cfg, num_slots=2)
+    first = engine.add(make_inputs(processor, **TEXT)["input_ids"])
+    inputs = make_inputs(processor, **IMAGE, text="Describe it.")
+    made = new_sequence(model, get_adapter(model), cfg, -1, inputs["input_ids"].reshape(-1),
+                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    assert engine.add_made(made) is made and made.index == first.index + 1 and made.slot != first.slot
+    with pytest.raises(ValueError, match="not added anywhere yet"):
+        engine.add_made(made)
+    engine.close()

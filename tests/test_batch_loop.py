@@ -414,15 +414,19 @@ def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_i
 
 
 def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(model, processor, monkeypatch):
-    """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded) on the asking thread
-    before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's thread goes on stepping the running answers;
+    """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded, its sequence made:
+    selection and plan) on the asking thread before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's
+    thread goes on stepping the running answers;
     a follow-up is prepared on the loop's thread (it reads the held cache, which the loop may be restoring). A first
     turn whose preparation raises fails alone with that error, as when the loop prepared it, and the loop answers the
     next one; both dialogues equal themselves alone."""
-    from raincheck_hf import batch_loop
+    from raincheck_hf import batch_engine, batch_loop
 
-    where = []
+    where, made = [], []
     prepare, validate = BatchLoop._prepare, batch_loop.validate_request
+    for module in (batch_engine, batch_loop):  # (the loop makes a first turn's sequence, the engine a follow-up's)
+        monkeypatch.setattr(module, "new_sequence", lambda *a, _made=module.new_sequence, **k: made.append(
+            threading.current_thread()) or _made(*a, **k))
 
     def recorded(self, job, stack):
         where.append(threading.current_thread())
@@ -439,7 +443,7 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(conv, QUESTIONS[0], [IMAGES[0]])
         ask(conv, QUESTIONS[1])
-        assert where == [threading.current_thread(), loop._thread]
+        assert where == made == [threading.current_thread(), loop._thread]
         bad = Conversation(model, processor, CFG, background=False, loop=loop)
         with pytest.raises(ValueError, match="max_new_tokens=3"):
             ask(bad, QUESTIONS[0], [IMAGES[1]], max_new_tokens=3)
