@@ -1444,6 +1444,7 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
     from raincheck_hf import BatchLoop, Conversation
     from raincheck_hf.fast import batched_graphs
     from raincheck_hf.serve.app import _LogitBias
+    from test_batch_loop import held_loop
     from test_batched import IMAGE
 
     batched_graphs.release_all()
@@ -1453,15 +1454,7 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
 
     def together(loop, n):
         convs = [Conversation(model, processor, cfg, background=False, loop=loop) for _ in range(3)]
-        gate, inside, errors = threading.Event(), threading.Event(), []
-
-        def hold():
-            inside.set()
-            gate.wait()
-
-        holder = threading.Thread(target=loop.call, args=(hold,))
-        holder.start()
-        inside.wait()
+        errors = []
 
         def ask(conv):
             try:
@@ -1471,12 +1464,10 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
                 errors.append(error)
 
         threads = [threading.Thread(target=ask, args=(c,)) for c in convs]
+        with held_loop(loop, len(convs)):  # (they join at one step)
+            for t in threads:
+                t.start()
         for t in threads:
-            t.start()
-        while len(loop._incoming) < len(convs):
-            threading.Event().wait(0.002)
-        gate.set()
-        for t in threads + [holder]:
             t.join()
         assert not errors, errors
         for conv in convs:
