@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig  # noqa: E402
-from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
@@ -137,9 +137,8 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             rows.append(row)
     batched_graphs.release_all()
-    write_json({"benchmark": "batch-captures", "command": "python benchmarks/batch_captures.py "
-                + " ".join(argv if argv is not None else sys.argv[1:]), "hardware": hardware_info(torch.device("cpu")),
-                "settings": vars(args), "rows": rows}, args.json)
+    write_script_result("batch_captures.py", argv, args.json, benchmark="batch-captures", settings=vars(args),
+                        rows=rows)
     return 0
 
 

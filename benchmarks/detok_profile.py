@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
-from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.serve.app import _Pieces, _StopStrings  # noqa: E402
 
 STOP = ["</answer>", "\n\nUser:"]
@@ -123,13 +123,9 @@ def main(argv=None):
             rows.append(row)
             print(f"{name:>9} {length:>6} {row['whole_us_per_token']:>15.1f} {row['window_us_per_token']:>16.1f} "
                   f"{row['whole_us_per_token'] / row['window_us_per_token']:>8.1f}x", flush=True)
-    result = {"what": "host microseconds per answer token of the server's streamer put + stop-string check, whole "
-                      "decode per token against a window per token (CPU)",
-              "command": " ".join(["python benchmarks/detok_profile.py",
-                                   *(argv if argv is not None else sys.argv[1:])]),
-              "hardware": hardware_info(torch.device("cpu")), "rows": rows}
-    write_json(result, args.json)
-    return result
+    return write_script_result("detok_profile.py", argv, args.json, rows=rows,
+                               what="host microseconds per answer token of the server's streamer put + stop-string "
+                                    "check, whole decode per token against a window per token (CPU)")
 
 
 if __name__ == "__main__":

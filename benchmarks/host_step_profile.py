@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import RaincheckConfig, batch_engine, integration  # noqa: E402
-from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
@@ -274,12 +274,9 @@ def main(argv=None):
                   f"model {row['model_ms']:.2f}) | {parts}", flush=True)
             if top:
                 print(top, flush=True)
-    result = {"what": "host ms per batched decode step (tiny Qwen3-VL, CPU; a diagnosis, not a GPU figure)",
-              "command": " ".join(["python benchmarks/host_step_profile.py",
-                                   *(argv if argv is not None else sys.argv[1:])]),
-              "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows}
-    write_json(result, args.json)
-    return result
+    return write_script_result("host_step_profile.py", argv, args.json, label=args.label, rows=rows,
+                               what="host ms per batched decode step (tiny Qwen3-VL, CPU; a diagnosis, not a GPU "
+                                    "figure)")
 
 
 if __name__ == "__main__":

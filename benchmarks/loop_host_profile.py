@@ -55,7 +55,7 @@ from transformers import LogitsProcessorList
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig, batch_engine, batch_loop, integration  # noqa: E402
-from raincheck_hf.bench.latency import _write as write_json, hardware_info  # noqa: E402
+from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
 
@@ -313,14 +313,10 @@ def main(argv=None):
             generate_rows.append(row)
             print(f"generate B={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}) "
                   f"(iteration {row['total_ms']:.2f}, model {row['model_ms']:.2f})", flush=True)
-    result = {"what": "host ms per step of the batching loop with N turns (tiny Qwen3-VL, CPU; a diagnosis, not a GPU "
-                      "figure)",
-              "command": " ".join(["python benchmarks/loop_host_profile.py",
-                                   *(argv if argv is not None else sys.argv[1:])]),
-              "label": args.label, "hardware": hardware_info(torch.device("cpu")), "rows": rows,
-              "generate_rows": generate_rows}
-    write_json(result, args.json)
-    return result
+    return write_script_result("loop_host_profile.py", argv, args.json, label=args.label, rows=rows,
+                               generate_rows=generate_rows,
+                               what="host ms per step of the batching loop with N turns (tiny Qwen3-VL, CPU; a "
+                                    "diagnosis, not a GPU figure)")
 
 
 if __name__ == "__main__":

@@ -139,8 +139,7 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
-    # `BatchLoop.prepare_ahead`'s result (grids, prepared, captures, its sequence), or the error it raised; taken
-    # when it joins
+    # `BatchLoop.prepare_ahead`'s result (HF's preparation, its sequence), or the error it raised; taken when it joins
     ahead: object = None
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
@@ -556,21 +555,23 @@ class BatchLoop:
         # the empty engines (the default config's stays on the loop between answers) give their pools back first, so
         # the new engine takes the kept pool with the most captured steps (`warm_up`'s) rather than a fresh one and
         # its captures mid-answer; an engine of theirs made again later takes it back the same way
-        idle = [e for e in self._engines if not e.sequences]
-        for engine in idle:
-            engine.close()
-        self._engines = [e for e in self._engines if e.sequences]
+        self._close_engines(keep=lambda e: bool(e.sequences))
         engine = BatchEngine(self.model, config, token_budget=self.token_budget)
         self._engines.append(engine)
         return engine
 
-    def _next_engine(self) -> BatchEngine | None:
-        """The next engine (round robin) with rows to run; empty engines no longer needed (`_keeps`) are dropped."""
-        kept = [e for e in self._engines if e.sequences or self._keeps(e)]
+    def _close_engines(self, keep) -> None:
+        """Close the engines for which ``keep(engine)`` is False (their pools and captured graphs go back for the
+        model's later engines) and drop them from the loop."""
+        kept = [e for e in self._engines if keep(e)]
         for engine in self._engines:
             if engine not in kept:
-                engine.close()  # its pool and captured graphs go back for the model's later engines
+                engine.close()
         self._engines = kept
+
+    def _next_engine(self) -> BatchEngine | None:
+        """The next engine (round robin) with rows to run; empty engines no longer needed (`_keeps`) are dropped."""
+        self._close_engines(keep=lambda e: bool(e.sequences) or self._keeps(e))
         busy = [e for e in self._engines if not e.idle]
         if not busy:
             return None
@@ -614,8 +615,8 @@ class BatchLoop:
         it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile instead
         of doing it when the turn joins (it only gives the sequence a slot: `BatchEngine.add_made`). Only a turn
         that starts its conversation (nothing else reads or writes its cache) and whose selector needs no vision
-        attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so
-        the turn fails as it would have."""
+        attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and
+        raised when the turn joins, so the turn fails as it would have."""
         if (self.on_loop_thread() or job.ahead is not None or job.conversation.cache is not None
                 or _needs_vision_attention(job.config)):
             return
@@ -625,7 +626,7 @@ class BatchLoop:
                 # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
                 state = new_sequence(self.model, self.adapter, job.config, -1, prepared["input_ids"].reshape(-1),
                                      **_media(prepared), **{k: v for k, v in grids.items() if v is not None})
-                job.ahead = (grids, prepared, None, state)
+                job.ahead = (prepared, state)
         except Exception as error:  # the turn's media, settings or processors: raised when it joins
             job.ahead = error
 
@@ -650,16 +651,14 @@ class BatchLoop:
         try:
             with contextlib.ExitStack() as stack:
                 ahead, job.ahead = job.ahead, None
-                state = None
+                if isinstance(ahead, BaseException):  # (its preparation on the caller's thread failed)
+                    raise ahead
                 if ahead is None:
                     grids, prepared, captures = self._prepare(job, stack)
-                elif isinstance(ahead, BaseException):  # (its preparation on the caller's thread failed)
-                    raise ahead
-                else:
-                    grids, prepared, captures, state = ahead
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
-                if state is not None:
+                if ahead is not None:
+                    prepared, state = ahead
                     seq = engine.add_made(state)
                 else:
                     seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **_media(prepared),

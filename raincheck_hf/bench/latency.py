@@ -530,6 +530,18 @@ def _write(result: dict, path: str | None):
     os.replace(tmp, path)
 
 
+def write_script_result(script: str, argv, path: str | None, **fields) -> dict:
+    """A CPU profiling script's result (``benchmarks/<script>``): its command line (``argv``, None: this process's),
+    this machine's hardware and ``fields``, written as JSON at ``path`` (`_write`; None: not written); returned."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    result = {**{k: v for k, v in fields.items() if k in ("benchmark", "what")},
+              "command": " ".join([f"python benchmarks/{script}", *args]),
+              **{k: v for k, v in fields.items() if k not in ("benchmark", "what")},
+              "hardware": hardware_info(torch.device("cpu"))}
+    _write(result, path)
+    return result
+
+
 @dataclass(frozen=True)
 class LatencySettings:
     """What one latency run measures: `run`'s keyword arguments (`main`'s options), checked and completed

@@ -63,9 +63,9 @@ warm-up and puts them back after it: the replay that follows runs the real step 
 
 The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA)
 and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
-`resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the single-sequence fast path's steps
-do: Qwen3-VL's decoder layers as two compiled regions around the cache write and the attention, the other families'
-norms and dense MLPs. Unlike there, the attention's core is not compiled (``compile_attention=False``): at a batch
+`resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the
+single-sequence fast path's steps do: Qwen3-VL's decoder layers as two compiled regions around the cache write and
+the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled (``compile_attention=False``): at a batch
 the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
 so engines of one model with either setting share its kept pool. Inductor compiles a region once per process for
 a single row, once for several rows and once for a batch (shapes are dynamic), inside the first captures.
