@@ -89,7 +89,8 @@ def dialogues(model, processor, config, clients: int, image, answer_tokens: int,
         grown += graphs.pool.version - version_at
         keys += graphs.capture_log[log_at:]
     return {"captures": captured, "pool_reallocations": grown, "steps": steps,
-            "capture_batches": sorted({k.batch for k in keys}), "capture_widths": sorted({k.width for k in keys})}
+            "capture_batches": sorted({k.batch for k in keys}), "capture_widths": sorted({k.width for k in keys}),
+            "gathered_captures": sum(not k.dense for k in keys)}
 
 
 QUESTION = "Describe the image."

@@ -321,6 +321,37 @@ def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
     assert sum(1 for key in replay_log if key.dense) > 4
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_log, monkeypatch):
+    """Three sequences decode in slots 0 .. 2 while a fourth, in slot 3, prefills its prompt piece by piece under the
+    token budget (each piece in its own forward after the decode rows': `RowScheduler`'s ``separate_prefill``). The
+    decode steps read views of slots 0 .. 3 (the warmed-up dense keys, no new gathered key to capture in the middle
+    of the answers): the bucket's padding row sits in slot 3 after the fourth sequence's rows, which its next piece
+    overwrites. Each sequence equals its own eager batch-1 call (the GDN family's states of slot 3 included:
+    written back unchanged by the padding row)."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
+    rows = ((IMAGE, 12, 0), (TEXT, 12, 0), (TWO_IMAGES, 12, 0), (IMAGE, 4, 3))
+    requests = [Request(model, processor, cfg, row, n=n, arrive=at) for row, n, at in rows]
+    engine = BatchEngine(model, _with(cfg, None), token_budget=12, num_slots=4, graphs=True)
+    padded = []  # the start rows of padding rows in held slots, per prepared step
+    prepare = batched_graphs.BatchedStepGraphs.prepare
+
+    def noted(self, entries, config):
+        step = prepare(self, entries, config)
+        padded.append([(len(step.slots) + i, start) for i, start in enumerate(step.padding) if start])
+        return step
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} sequence {i}")
+    beside = [p for p in padded if p]
+    assert len(beside) >= 2 and all(slot == 3 for p in beside for slot, _ in p)
+    assert sorted({start for p in beside for _, start in p}) == sorted(start for p in beside for _, start in p)
+    assert not any(not key.dense for key in replay_log)
+
+
 # ---- restoring sequences (held conversations restored in the spare budget) in the captured steps ----
 
 @pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])

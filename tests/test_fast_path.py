@@ -977,3 +977,30 @@ def test_reused_step_buffers_hold_only_this_forwards_deepstack_features(first):
     real[3:6] = False  # padding rows may hold anything: nobody sees them
     for used, want in zip(buffers.deepstack, fresh.deepstack):
         assert torch.equal(used[0, real], want[0, real])
+
+
+def test_captures_pause_the_collector_and_give_it_back_as_it_was():
+    """`fast.scoping.paused_collector` (every graph capture's, through `graph_capture`): the automatic collector is
+    off inside, nested scopes included, and back as it was after the outermost one, on error too; a collector the
+    caller had turned off stays off."""
+    import gc
+
+    from raincheck_hf.fast.scoping import paused_collector
+
+    assert gc.isenabled()
+    with paused_collector():
+        assert not gc.isenabled()
+        with paused_collector():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), paused_collector():
+        raise ValueError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_collector():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

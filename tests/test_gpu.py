@@ -1010,7 +1010,7 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     tbe.drive(model, engine, requests, ahead=seed // 2 % 2 == 1)  # (seeds 2, 3, 6, 7: each next step prepared ahead)
-    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
+    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed, graphs.failure
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
     assert engine.sequences == []
     engine.close()
@@ -1041,7 +1041,7 @@ def _cuda_restoring_case(name: str, rng_seed: int, what: str, monkeypatch, kv_to
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     restored, paths = tbe.run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
-    assert graphs.capture_log and not graphs.failed
+    assert graphs.capture_log and not graphs.failed, graphs.failure
     assert ("replay", True, True) in paths  # a restoring piece beside a fed token, in a captured step
     assert graphs.replays == sum(1 for path, _, _ in paths if path == "replay")
     _assert_cuda_sequences_equal_alone(what, answers)
@@ -1172,7 +1172,7 @@ def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypa
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda and graphs.recurrent is engine.recurrent
     tbe.drive(model, engine, requests, ahead=seed % 2 == 1)  # (odd seeds: each next step prepared ahead)
-    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed
+    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed, graphs.failure
     _assert_cuda_sequences_equal_alone(f"qwen3_5 seed {seed}", requests)
     assert engine.sequences == []
     engine.close()
@@ -1202,7 +1202,7 @@ def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monke
     want = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=False), **kw)
     got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
-    assert kept.use_cuda and kept.capture_log and kept.replays > 0 and not kept.failed
+    assert kept.use_cuda and kept.capture_log and kept.replays > 0 and not kept.failed, kept.failure
     if mode == "post_answer":
         assert any(key.records for key in kept.capture_log)
     if mode == "raincheck":
@@ -1328,7 +1328,7 @@ def test_cuda_batched_gdn_steps_run_the_kernels_and_equal_the_eager_engine(mode,
     monkeypatch.setattr(gk, "_use_kernel", recorded)
     got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
-    assert kept.use_cuda and kept.replays > 0 and not kept.failed
+    assert kept.use_cuda and kept.replays > 0 and not kept.failed, kept.failure
     batched_graphs.release_all()
     assert launched and all(out for _, out in launched), sorted({name for name, out in launched if not out})
     names = {name for name, _ in launched}
@@ -1423,7 +1423,7 @@ def test_cuda_batched_generate_waits_for_the_device_once_per_decode_step(mode):
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     captures, replays = len(kept.capture_log), kept.replays
     counts = {n: _synchronizations(lambda n=n: call(n)) for n in (short, long)}
-    assert len(kept.capture_log) == captures and kept.replays > replays and not kept.failed
+    assert len(kept.capture_log) == captures and kept.replays > replays and not kept.failed, kept.failure
     per_step = (counts[long] - counts[short]) / (long - short)
     print(f"mode {mode or 'default'}: synchronizations per call {counts}, per decode step {per_step:.2f}")
     assert counts[short] >= short  # the sync debug mode sees the per-step read of the tokens
@@ -1497,3 +1497,52 @@ def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     for got, want in zip([moved[0], moved[2], moved[3]], host):
         assert got.device.type == "cuda" and got.shape == want.shape and torch.equal(got.cpu(), want)
     assert moved[0].untyped_storage().data_ptr() == moved[2].untyped_storage().data_ptr()  # one buffer, one copy
+
+
+def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
+    """A closed engine's or released pool's CUDA graphs can sit in reference cycles until Python's collector frees
+    them (torch's graph context no longer collects before a capture). Freed inside a capture, such a graph calls a
+    CUDA function the capture forbids and the capture fails: the batched fuzz lost its captures that way. A cycle
+    holding a captured graph becomes garbage inside a capture that then allocates enough to trigger a collection: a
+    plain ``torch.cuda.graph`` capture fails; `fast.scoping.graph_capture` pauses the collector and captures, and
+    the dead graph goes at the next collection."""
+    import gc
+
+    from raincheck_hf.fast.scoping import graph_capture
+
+    x = torch.ones(64, device="cuda")
+
+    def a_captured_graph():
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph):
+            x.mul_(1)
+        return graph
+
+    def capture_dropping_a_graph(capture, keep: list):
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph):
+            y = x * 2
+            holder = [keep.pop()]
+            holder.append(holder)  # a new cycle, garbage once ``holder`` goes: only the collector frees it
+            del holder
+            for _ in range(2000):  # container allocations: collections with the threshold below
+                _ = [[], {}]
+        return graph, y
+
+    plain = lambda graph: torch.cuda.graph(graph, capture_error_mode="thread_local")  # noqa: E731
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10)
+    try:
+        with pytest.raises(RuntimeError):
+            capture_dropping_a_graph(plain, [a_captured_graph()])
+        torch.cuda.synchronize()
+        gc.collect()
+        graph, y = capture_dropping_a_graph(graph_capture, [a_captured_graph()])
+        assert gc.isenabled()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 2.0))
+        assert gc.collect() > 0  # the dead graph's cycle, freed outside any capture
+    finally:
+        gc.set_threshold(*threshold)

@@ -91,7 +91,7 @@ from ..masking import batched_visibility_to_attention_mask
 from ..models.base import accelerate_split
 from . import static_cache
 from .compiled import resolve_compile_steps
-from .scoping import CAPTURE_LOCK, step_scope
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of the largest
 
@@ -252,6 +252,7 @@ class PreparedBatchStep(NamedTuple):
     buffers: BatchStepBuffers
     setting: tuple
     recorded: tuple = ()  # Gated DeltaNet families: the slots whose generated row the step records
+    padding: tuple = ()  # a dense step's padding sequences' start rows (slots n .. B - 1: `BatchedStepGraphs.prepare`)
 
 
 class _DeviceStep(SlotStep):
@@ -300,6 +301,7 @@ class BatchedStepGraphs:
         self.capture_log: list[BatchStepKey] = []  # every capture, in order
         self.replays = 0
         self.failed = False  # a capture raised: every decode step runs eagerly from then on
+        self.failure: str | None = None  # what the failed capture raised
 
     def _current_setting(self) -> tuple:
         """What captured graphs depend on beyond their key: the pool's tensors, the attention backend, the recurrent
@@ -353,7 +355,7 @@ class BatchedStepGraphs:
                 raise
             warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
                           f"({error}); running batched decode steps eagerly instead.", RuntimeWarning, stacklevel=4)
-            self.failed = True
+            self.failed, self.failure = True, f"{type(error).__name__}: {error}"
             return None
         self._captured[key] = (graph, buffers)
         self.capture_log.append(key)
@@ -388,7 +390,7 @@ class BatchedStepGraphs:
                         run()
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                with graph_capture(graph, self._mempool):
                     run()
                 self._mempool = graph.pool()
             finally:
@@ -404,8 +406,9 @@ class BatchedStepGraphs:
         size up to the largest chunk + 1 (a shared chunk budget cuts chunks to ladder sizes, a last chunk is shorter);
         on the Gated DeltaNet families with and without recorded rows. Steps that gather their slots (sequences not
         in the lowest slots, e.g. beside a held conversation restoring, or decode rows beside a turn's prompt piece
-        whose sequence holds a slot among theirs or the padding's: `batch_engine.RowScheduler`'s
-        ``separate_prefill``) are captured when they first run."""
+        whose sequence holds a slot below one of theirs: `batch_engine.RowScheduler`'s ``separate_prefill``) are
+        captured when they first run; a prompt's sequence in a slot above theirs holds one of the bucket's padding
+        rows after its own rows (`prepare`), so those steps are dense."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
@@ -503,9 +506,18 @@ class BatchedStepGraphs:
         slots = [seq.slot for seq, _ in entries]
         # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
         dense = self.views and slots == list(range(n))
+        padding = []  # (dense) the padding sequences' start rows in slots n .. B - 1
         if dense:
-            pool.grow_slots(key_batch)  # the bucket's padding sequences take the free slots after them
-            dense = all(s in pool._free for s in range(n, key_batch))
+            pool.grow_slots(key_batch)
+            # the bucket's padding sequences take the slots after the step's: a free one from its row 0, one held
+            # by a sequence outside the step (a turn whose prompt piece runs in its own forward after this one:
+            # `RowScheduler`'s ``separate_prefill``) after that sequence's rows, where its keys are MAX_KEY (no
+            # row sees them) and its next rows overwrite what the padding wrote; its GDN states, read as a padding
+            # row's (not real, no rows), are written back unchanged
+            padding = [pool.lengths[s] for s in range(n, key_batch)]
+            dense = max(padding, default=0) + width <= pool.capacity
+            if not dense:
+                padding = []
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         if self.recurrent is not None:
             self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
@@ -514,7 +526,8 @@ class BatchedStepGraphs:
             self._captured.clear()
             self._mempool, self._setting = None, setting
         starts = [pool.lengths[s] for s in slots]
-        span = static_cache.slot_bucket(max(starts) + width, pool.capacity)
+        # (every row sees at least itself: a padding row's own row is inside the span too)
+        span = static_cache.slot_bucket(max(starts + padding) + width, pool.capacity)
         recorded = self._recorded(entries)
         chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
@@ -522,10 +535,10 @@ class BatchedStepGraphs:
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
-        self._fill(buffers, entries, starts, None if dense else pool.scratch)
+        self._fill(buffers, entries, starts, None if dense else pool.scratch, padding)
         if self.recurrent is not None:
             self._fill_recurrent(buffers.recurrent, entries, recorded)
-        return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded))
+        return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded), tuple(padding))
 
     def launch(self, step: "PreparedBatchStep") -> dict:
         """Run a `prepare`d step (capture its graph the first time its key runs, else replay it); the logits ``[V]``
@@ -533,7 +546,9 @@ class BatchedStepGraphs:
         lengths unchanged): a RuntimeError otherwise, before anything runs."""
         pool = self.pool
         entries, slots, starts, key, buffers = step.entries, step.slots, step.starts, step.key, step.buffers
-        if self._current_setting() != step.setting or [pool.lengths[s] for s in slots] != starts:
+        padded = range(len(slots), len(slots) + len(step.padding))
+        if (self._current_setting() != step.setting or [pool.lengths[s] for s in slots] != starts
+                or [pool.lengths[s] for s in padded] != list(step.padding)):
             raise RuntimeError("a batched step was prepared on a pool that changed before its launch (its slots' "
                                "rows or tensors); prepare it again.")
         captured = self._captured.get(key)
@@ -568,7 +583,8 @@ class BatchedStepGraphs:
         rows = buffers.logits[:len(entries)].clone().unbind(0)
         return {entries[b][0]: rows[b] for b in wanted}
 
-    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None) -> None:
+    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None,
+              padding: list[int] = ()) -> None:
         """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
         padding sequences in the scratch slot (None: in the free slots ``n .. B - 1``, a dense step). A few copies
         per buffer, whatever the batch (host time per step), and nothing read back from the device."""
@@ -576,10 +592,12 @@ class BatchedStepGraphs:
         batch, width = buffers.query_keys.shape
         n = len(entries)
         lengths = [len(g) for _, g in entries]
-        pad = batch - n  # padding sequences: the free slots n .. B - 1 (dense), else the scratch slot; start and last 0
+        pad = batch - n  # padding sequences: the slots n .. B - 1 (dense) from ``padding``, else the scratch slot from
+        # row 0; last row 0
         host = torch.tensor([[seq.slot for seq, _ in entries] + (list(range(n, batch)) if scratch is None
                                                                   else [scratch] * pad),
-                             list(starts) + [0] * pad, [rows - 1 for rows in lengths] + [0] * pad],
+                             list(starts) + (list(padding) if scratch is None else [0] * pad),
+                             [rows - 1 for rows in lengths] + [0] * pad],
                             dtype=torch.long)  # slots, starts, last rows
         dest = _placement(lengths, width)
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]

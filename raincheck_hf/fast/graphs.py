@@ -41,7 +41,7 @@ import torch
 
 from ..cache_utils import DEFERRED, GENERATED, to_device
 from ..masking import visibility_to_attention_mask
-from .scoping import CAPTURE_LOCK, step_scope
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
 from .timing import StepTimings
 
@@ -286,7 +286,7 @@ class StepGraphs:
                         self._step(adapter, cache, buffers, want_logits, bucket, variant)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                with graph_capture(graph, self._pool):
                     self._step(adapter, cache, buffers, want_logits, bucket, variant)
                 self._pool = graph.pool()
                 torch.cuda.synchronize()

@@ -17,12 +17,16 @@ act for every caller. So, as Qwen3.5's Gated DeltaNet dispatch does (`gdn.dispat
 
 A CUDA graph records what the step ran while it was captured, so replays need neither; captures of
 step graphs and of vision-tower graphs are serialised by `CAPTURE_LOCK` (two threads capturing at once
-would record each other's kernels into their graphs).
+would record each other's kernels into their graphs). `graph_capture` is the one way they capture: it also
+pauses Python's automatic garbage collector for the capture, since a collection that frees a dead CUDA graph
+(one left in a reference cycle by a closed engine or a released pool) calls a CUDA function a capture forbids,
+and that invalidates the capture being recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import torch
@@ -31,6 +35,34 @@ from ..patching import CountedPatches, patched, patched_for_thread
 from .context import STEP, StepScope, active_scope  # noqa: F401 (active_scope: asked here by callers)
 
 CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
+_PAUSES = [0]  # nested `paused_collector` scopes (under CAPTURE_LOCK)
+
+
+@contextlib.contextmanager
+def paused_collector():
+    """Python's automatic garbage collector off for the scope (as it was before once the outermost scope ends, on
+    error too), under `CAPTURE_LOCK`. Objects whose last reference goes are still freed at once; only cycles wait
+    for the next collection after the scope. Torch's graph context no longer collects before a capture: a cycle
+    holding a dead ``torch.cuda.CUDAGraph`` collected during a capture destroys that graph there (a call the
+    capture forbids: "operation not permitted when stream is capturing") and the capture fails."""
+    with CAPTURE_LOCK:
+        was_enabled = gc.isenabled() if _PAUSES[0] == 0 else None
+        _PAUSES[0] += 1
+        gc.disable()
+        try:
+            yield
+        finally:
+            _PAUSES[0] -= 1
+            if _PAUSES[0] == 0 and was_enabled:
+                gc.enable()
+
+
+@contextlib.contextmanager
+def graph_capture(graph, pool=None):
+    """``torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")`` (only the calling thread's unsafe
+    calls break it) under `CAPTURE_LOCK`, with the collector paused (`paused_collector`)."""
+    with paused_collector(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
 
 
 _PATCHES = CountedPatches()  # attention config views and DeepStack hooks (counted per instance)

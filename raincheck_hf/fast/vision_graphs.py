@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .scoping import CAPTURE_LOCK
+from .scoping import CAPTURE_LOCK, graph_capture
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
@@ -104,7 +104,7 @@ class VisionGraphs:
                 self._forward(tower, static_pixels, grid_thw, kwargs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with graph_capture(graph, self._pool):
                 outputs = self._forward(tower, static_pixels, grid_thw, kwargs)
             self._pool = graph.pool()
         return self._store(key, CapturedTower(graph, static_pixels, outputs, (kwargs, grid_thw)))

@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 
 from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
-from ..fast.scoping import CAPTURE_LOCK
+from ..fast.scoping import CAPTURE_LOCK, graph_capture
 
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
@@ -150,7 +150,7 @@ def _capture(method: str, inputs: dict, k: int) -> _Captured:
         GreedyRun(method, static, min(k, 2)).launch()
     torch.cuda.current_stream(run.indices.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' device work goes on
+    with graph_capture(graph):  # other threads' device work goes on
         run.launch()
     return _Captured(graph, run)
 
