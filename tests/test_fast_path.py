@@ -5,6 +5,7 @@ Qwen3-VL (attention only) and Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet states in st
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import weakref
@@ -1004,3 +1005,46 @@ def test_captures_pause_the_collector_and_give_it_back_as_it_was():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_cycle_that_dies_inside_a_capture_waits_for_the_next_collection():
+    """What `test_gpu.test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it` relies on, with an object
+    whose finaliser notes where it ran in place of a dead CUDA graph: a cycle that becomes garbage while containers
+    are allocated (and live on) under a low threshold is collected right there without `paused_collector`, and
+    only at the next collection after the scope with it."""
+    import gc
+
+    from raincheck_hf.fast.scoping import paused_collector
+
+    where = []
+
+    class Dead:
+        def __init__(self):
+            self.me = self  # a cycle: only the collector frees it
+
+        def __del__(self):
+            where.append(inside[0])
+
+    inside = [False]
+
+    def drop_and_allocate(scope):
+        with scope():
+            inside[0] = True
+            Dead()
+            alive = [[] for _ in range(2000)]
+            del alive
+            inside[0] = False
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10)
+    try:
+        drop_and_allocate(contextlib.nullcontext)
+        assert where == [True]  # collected inside: what breaks a plain capture
+        where.clear()
+        drop_and_allocate(paused_collector)
+        assert where == []
+        gc.collect()
+        assert where == [False]
+    finally:
+        gc.set_threshold(*threshold)

@@ -1525,8 +1525,8 @@ def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
             holder = [keep.pop()]
             holder.append(holder)  # a new cycle, garbage once ``holder`` goes: only the collector frees it
             del holder
-            for _ in range(2000):  # container allocations: collections with the threshold below
-                _ = [[], {}]
+            alive = [[] for _ in range(2000)]  # container allocations that live on: collections (threshold below)
+            del alive
         return graph, y
 
     plain = lambda graph: torch.cuda.graph(graph, capture_error_mode="thread_local")  # noqa: E731
