@@ -47,7 +47,7 @@ Leftovers not restored by then are prefilled with the conversation's next turn, 
 path.
 
 Where the loop's time goes: `BatchLoop.step_stats`, from its `step_log.StepLog` (the last `BatchLoop.RECENT_STEPS`
-steps one by one and running totals per kind).
+steps one by one and running totals per kind; each turn's wait, join and steps to its first token).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class BatchTurn:
     ``stopping_criteria``, sampling settings, ``return_dict_in_generate`` / ``output_logits`` / ``output_scores``);
     ``streamer``: a transformers streamer or None (the prompt first, then each token, then ``end()``);
     ``cancel``: set, the answer stops at its next step; ``done(turn)``: called once when it ends (``result`` or
-    ``error`` set), from the loop's thread; ``started``: `time.perf_counter` when it was asked (0: when it joins)."""
+    ``error`` set), from the loop's thread; ``started``: `time.perf_counter` when it was asked (0: when it is submitted)."""
 
     conversation: object
     config: RaincheckConfig
@@ -141,6 +141,7 @@ class BatchTurn:
     previous_pending: int = 0
     # `BatchLoop.prepare_ahead`'s result (HF's preparation, its sequence), or the error it raised; taken when it joins
     ahead: object = None
+    ahead_s: float = 0.0  # the time `BatchLoop.prepare_ahead` took
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
     shared: tuple | None = None
@@ -326,6 +327,7 @@ class BatchLoop:
         here first, on the calling thread (`prepare_ahead`); then it returns at once."""
         if self._closed:
             raise self._closed_error(running=False)
+        job.started = job.started or time.perf_counter()
         self.prepare_ahead(job)
         with self._wake:
             if self._closed:
@@ -407,8 +409,9 @@ class BatchLoop:
     def step_stats(self, recent: int = 0) -> dict:
         """Where the loop's time went, step by step, since the last `reset_step_stats` (`StepLog.snapshot`: steps
         by kind, ``"replayed"`` / ``"captured"`` / ``"eager"``, with their rows and the mean ms from a launch to the
-        next and of each part of it; the time in new turns' joins and restoration; with ``recent``, the last steps
-        one by one). Plain data, read from any thread."""
+        next and of each part of it; the time in new turns' joins and restoration; ``turns``: first turns' and
+        follow-ups' ways to their first token, `step_log.TurnRecord` medians; with ``recent``, the last steps and
+        turns one by one). Plain data, read from any thread."""
         return self.step_log.snapshot(recent)
 
     def reset_step_stats(self) -> None:
@@ -620,6 +623,7 @@ class BatchLoop:
         if (self.on_loop_thread() or job.ahead is not None or job.conversation.cache is not None
                 or _needs_vision_attention(job.config)):
             return
+        began = time.perf_counter()
         try:
             with torch.no_grad():
                 grids, prepared, _ = self._prepare(job, None)
@@ -629,10 +633,12 @@ class BatchLoop:
                 job.ahead = (prepared, state)
         except Exception as error:  # the turn's media, settings or processors: raised when it joins
             job.ahead = error
+        job.ahead_s = time.perf_counter() - began
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
-        job.started = job.started or time.perf_counter()
+        began = time.perf_counter()
+        job.started = job.started or began
         if job.cancel.is_set():
             gone = self._gone(job)
             if gone is not None:
@@ -657,6 +663,7 @@ class BatchLoop:
                     grids, prepared, captures = self._prepare(job, stack)
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
+                follow_up = conv.cache is not None
                 if ahead is not None:
                     prepared, state = ahead
                     seq = engine.add_made(state)
@@ -685,6 +692,8 @@ class BatchLoop:
             self._end(job, error=error)
             return
         self._jobs[seq] = job
+        self.step_log.turn_joined(id(job), job.started, began, time.perf_counter(), follow_up, len(seq.prefill),
+                                  ahead_s=job.ahead_s)
         if job.streamer is not None:
             try:
                 job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer
@@ -763,6 +772,8 @@ class BatchLoop:
             if job.shared is not None:
                 job.tail.append(value)
             job.answer.append(value)
+            if len(job.answer) == 1:
+                log.turn_first_token(id(job), time.perf_counter() if step is None else step.read)
             try:
                 going = going and not self._host_stop(job)
                 finished = self._next_token(job, value, torch.long, bool(going))
@@ -964,6 +975,7 @@ class BatchLoop:
 
     def _end(self, job: BatchTurn, result=None, error=None) -> None:
         job.result, job.error = result, error
+        self.step_log.turn_ended(id(job))
         try:
             job.done(job)
         except BaseException as failure:  # the caller's bookkeeping; the loop itself goes on

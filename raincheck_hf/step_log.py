@@ -3,18 +3,21 @@
 Each step's `batch_engine.StepRecord` (replayed, captured or eager; its rows by kind) with the time from its launch
 to the next one, split where the loop marks it (the launch, choosing and preparing ahead, the wait for the device,
 streaming, the rest of the iteration with its joins); the last ``keep`` steps one by one and running totals per
-(kind, sequences). A few `time.perf_counter` calls and one lock per step; nothing waits for the device for them.
+(kind, sequences). And each turn's way to its first token (`TurnRecord`): how long it waited for the loop, its
+join, and the steps until its first token was read, by kind; first turns and follow-ups apart. A few
+`time.perf_counter` calls and one lock per step; nothing waits for the device for them.
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 from typing import NamedTuple
 
 from .batch_engine import StepRecord
 
-__all__ = ["LoopStep", "StepLog"]
+__all__ = ["LoopStep", "StepLog", "TurnRecord"]
 
 
 class LoopStep(NamedTuple):
@@ -57,6 +60,54 @@ class LoopStep(NamedTuple):
                 **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s") for name in StepLog.TIMES}}
 
 
+class TurnRecord(NamedTuple):
+    """One turn's way to its first token in `BatchLoop` (`StepLog.turns`; times of `time.perf_counter`, seconds):
+
+    ``ahead_s``: a first turn's preparation on the asking thread (`BatchLoop.prepare_ahead`: HF's preparation, the
+    vision tower, selection and plan; 0 for a turn prepared when it joins); ``queue_s``: the rest of the time from
+    when it was asked (`BatchTurn.started`) to its join's start on the loop's thread (waiting for the step running
+    then and for the turns joining before it); ``join_s``: its `BatchLoop._join`; ``first_s``: from the
+    join to the read of its first token; ``steps``: the steps launched in that time, the one that gave the token
+    included, and ``kinds``: how many of them ran each way (`StepRecord.kind`); ``follow_up``: it continued a held
+    conversation's cache (else it prefilled from nothing); ``prompt_rows``: the rows it had to prefill (its prompt,
+    and a follow-up's leftover deferred rows)."""
+
+    follow_up: bool
+    prompt_rows: int
+    ahead_s: float
+    queue_s: float
+    join_s: float
+    first_s: float
+    steps: int
+    kinds: tuple  # ((kind, steps), ...), sorted
+
+    @property
+    def ttft_s(self) -> float:
+        return self.ahead_s + self.queue_s + self.join_s + self.first_s
+
+    def as_dict(self) -> dict:
+        return {"follow_up": self.follow_up, "prompt_rows": self.prompt_rows, "steps": self.steps,
+                "kinds": dict(self.kinds), **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s")
+                                               for name in ("ahead", "queue", "join", "first", "ttft")}}
+
+
+class _OpenTurn:
+    """A turn that joined and has no token yet: its times so far and its steps by kind (the loop's thread alone
+    writes)."""
+
+    __slots__ = ("follow_up", "prompt_rows", "asked", "ahead", "began", "joined", "kinds")
+
+    def __init__(self, follow_up: bool, prompt_rows: int, asked: float, ahead: float, began: float, joined: float):
+        self.follow_up, self.prompt_rows = follow_up, prompt_rows
+        self.asked, self.ahead, self.began, self.joined = asked, ahead, began, joined
+        self.kinds: collections.Counter = collections.Counter()
+
+    def close(self, now: float) -> TurnRecord:
+        return TurnRecord(self.follow_up, self.prompt_rows, self.ahead, self.began - self.asked - self.ahead,
+                          self.joined - self.began, now - self.joined, sum(self.kinds.values()),
+                          tuple(sorted(self.kinds.items())))
+
+
 class _OpenStep:
     """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
 
@@ -79,15 +130,18 @@ class _OpenStep:
 class StepLog:
     """`BatchLoop`'s record of its steps: the last ``keep`` as `LoopStep`s and running totals per (kind, sequences)
     (a bounded number of keys), from the last `reset`. A step counts when it launched (so the counts always add up
-    to the steps run); its times when the next launch, or the loop finding no step to run, closes it. Written by the
-    loop's thread (a few `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
+    to the steps run); its times when the next launch, or the loop finding no step to run, closes it. And the last
+    ``keep_turns`` turns' `TurnRecord`s (the turns' figures are their medians). Written by the loop's thread (a few
+    `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
 
     TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore")
     ROWS = ("decode", "chunk", "prefill", "restoring")
 
-    def __init__(self, keep: int = 256):
+    def __init__(self, keep: int = 256, keep_turns: int = 1024):
         self._lock = threading.Lock()
         self._recent: collections.deque[LoopStep] = collections.deque(maxlen=keep)
+        self._turns: collections.deque[TurnRecord] = collections.deque(maxlen=keep_turns)  # (the medians' turns)
+        self._awaiting: dict[object, _OpenTurn] = {}  # turns joined, no token yet (kept across a `reset`)
         self.open: _OpenStep | None = None
         self.reset()
 
@@ -95,6 +149,7 @@ class StepLog:
         """Start the totals and the recent steps afresh (a step running now counts in neither)."""
         with self._lock:
             self._recent.clear()
+            self._turns.clear()
             self.open = None
             # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
             self._totals: dict[tuple[str, int], list] = {}
@@ -116,6 +171,8 @@ class StepLog:
                 totals = self._totals[(record.kind, record.rows.sequences)] = [0] * (6 + len(self.TIMES))
             rows = record.rows
             totals[0] += 1
+            for turn in self._awaiting.values():
+                turn.kinds[record.kind] += 1
             totals[2] += rows.decode
             totals[3] += rows.chunk
             totals[4] += rows.prefill
@@ -155,6 +212,27 @@ class StepLog:
                 self._spent["idle_restorations"] += 1
                 self._spent["restore_idle_total_s"] += seconds
 
+    def turn_joined(self, key, asked: float, began: float, joined: float, follow_up: bool, prompt_rows: int,
+                    ahead_s: float = 0.0) -> None:
+        """A turn (``key``: any hashable that names it until its first token) asked at ``asked`` (``ahead_s`` of
+        that time spent preparing it on the asking thread) joined from ``began`` to ``joined``; the steps launched
+        from now count towards its first token."""
+        asked = min(asked, began)
+        with self._lock:
+            self._awaiting[key] = _OpenTurn(follow_up, prompt_rows, asked, min(ahead_s, began - asked), began, joined)
+
+    def turn_first_token(self, key, now: float) -> None:
+        """The turn's first token was read at ``now``: its `TurnRecord` is kept (nothing for a turn not awaited)."""
+        with self._lock:
+            turn = self._awaiting.pop(key, None)
+            if turn is not None:
+                self._turns.append(turn.close(now))
+
+    def turn_ended(self, key) -> None:
+        """The turn ended without a token (an error, a cancellation): it is not awaited any more."""
+        with self._lock:
+            self._awaiting.pop(key, None)
+
     def _close(self, step: LoopStep) -> None:
         self._recent.append(step)
         totals = self._totals[(step.record.kind, step.record.rows.sequences)]
@@ -174,6 +252,7 @@ class StepLog:
             totals = {key: list(value) for key, value in self._totals.items()}
             spent = dict(self._spent)
             last = list(self._recent)[-recent:] if recent > 0 else []
+            turns = list(self._turns)
         kinds = {}
         for kind in sorted({kind for kind, _ in totals}):
             mine = {n: values for (k, n), values in sorted(totals.items()) if k == kind}
@@ -189,7 +268,27 @@ class StepLog:
             **spent,
             "kinds": kinds,
             "recent": [step.as_dict() for step in last],
+            "turns": {"first": self._turn_figures([t for t in turns if not t.follow_up]),
+                      "follow_up": self._turn_figures([t for t in turns if t.follow_up])},
+            "recent_turns": [turn.as_dict() for turn in turns[-recent:]] if recent > 0 else [],
         }
+
+    @staticmethod
+    def _turn_figures(turns: list[TurnRecord]) -> dict:
+        """The medians of the turns' `TurnRecord` times (ms) and rows, their steps (median, most) and those steps by
+        kind (summed over the turns); None where there is no turn."""
+        median = lambda values: statistics.median(values) if values else None  # noqa: E731
+        kinds = collections.Counter()
+        for turn in turns:
+            kinds.update(dict(turn.kinds))
+        figures = {"turns": len(turns), "prompt_rows_p50": median([t.prompt_rows for t in turns]),
+                   "steps_p50": median([t.steps for t in turns]), "steps_max": max((t.steps for t in turns),
+                                                                                 default=None),
+                   "kinds": dict(sorted(kinds.items()))}
+        for name in ("ahead", "queue", "join", "first", "ttft"):
+            values = [1e3 * getattr(t, f"{name}_s") for t in turns]
+            figures[f"{name}_ms_p50"] = median(values)
+        return figures
 
     def _sum(self, rows) -> list:
         return [sum(column) for column in zip(*rows)] or [0] * (6 + len(self.TIMES))

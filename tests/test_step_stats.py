@@ -168,6 +168,45 @@ def test_step_log_arithmetic_on_made_up_times():
     assert stats["recent"] == [] and stats["kinds"]["captured"]["step_ms"] is None
 
 
+def test_turn_records_on_made_up_times():
+    """A turn's preparation ahead, wait for the loop, join and time to its first token are the gaps between its marks; the steps
+    launched between its join and its token count towards it, by kind (not those before its join, nor after its
+    token); a turn that ends without a token leaves no record; first turns and follow-ups are summed apart (medians);
+    a reset keeps the turns still waiting for their token."""
+    log = StepLog(keep=8)
+    log.launched(_record("eager", sequences=1, decode=0, chunk=0, prefill=7), 0.0, 0.5)  # before any join
+    log.turn_joined("a", 1.0, 2.0, 2.5, False, 100, ahead_s=0.25)
+    log.turn_joined("b", 1.5, 2.5, 3.0, True, 20)
+    log.turn_joined("c", 1.5, 3.0, 3.25, True, 30)
+    log.launched(_record("eager", sequences=2, decode=0, chunk=0, prefill=9), 4.0, 4.5)
+    log.turn_first_token("b", 5.0)
+    log.turn_ended("c")  # (cancelled before its token)
+    log.launched(_record(), 6.0, 6.5)
+    log.turn_first_token("a", 7.0)
+    log.launched(_record(), 8.0, 8.5)  # after both tokens: counts for neither
+    log.turn_first_token("a", 9.0)  # (not awaited any more: nothing)
+    stats = log.snapshot(recent=5)
+    first, follow = stats["turns"]["first"], stats["turns"]["follow_up"]
+    assert first["turns"] == follow["turns"] == 1
+    assert first["ahead_ms_p50"] == pytest.approx(250.0) and first["queue_ms_p50"] == pytest.approx(750.0)
+    assert first["join_ms_p50"] == pytest.approx(500.0) and follow["ahead_ms_p50"] == 0.0
+    assert first["first_ms_p50"] == pytest.approx(4500.0) and first["ttft_ms_p50"] == pytest.approx(6000.0)
+    assert first["steps_p50"] == first["steps_max"] == 2 and first["kinds"] == {"eager": 1, "replayed": 1}
+    assert follow["steps_p50"] == 1 and follow["kinds"] == {"eager": 1} and follow["prompt_rows_p50"] == 20
+    assert follow["ttft_ms_p50"] == pytest.approx(3500.0)
+    assert [t["follow_up"] for t in stats["recent_turns"]] == [True, False]
+    log.turn_joined("d", 10.0, 10.0, 10.5, False, 50)
+    log.reset()
+    log.launched(_record(), 11.0, 11.5)
+    log.turn_first_token("d", 12.0)
+    stats = log.snapshot()
+    assert stats["turns"]["first"]["turns"] == 1 and stats["turns"]["first"]["steps_max"] == 1
+    assert stats["turns"]["follow_up"] == {"turns": 0, "prompt_rows_p50": None, "steps_p50": None,
+                                           "steps_max": None, "kinds": {}, "ahead_ms_p50": None, "queue_ms_p50": None,
+                                           "join_ms_p50": None, "first_ms_p50": None, "ttft_ms_p50": None}
+    assert stats["recent_turns"] == []
+
+
 def _sync(loop: BatchLoop) -> None:
     """Two of the loop's iterations: the one running finishes, and the next one found no step (its last step
     closed)."""
@@ -210,6 +249,12 @@ def test_the_loops_figures_add_up_to_its_steps_and_turns(model, processor, monke
         assert len(stats["recent"]) == 5 and all(v >= 0 for s in stats["recent"] for k, v in s.items()
                                                  if k.endswith("_ms"))
         assert max(n for k in stats["kinds"].values() for n in k["by_sequences"]) >= 2  # answers shared steps
+        first, follow = stats["turns"]["first"], stats["turns"]["follow_up"]
+        assert first["turns"] == follow["turns"] == 3 and len(stats["recent_turns"]) == 6
+        for turn in stats["recent_turns"]:
+            assert turn["steps"] == sum(turn["kinds"].values()) >= 1 and turn["prompt_rows"] > 0
+            assert min(turn[f"{name}_ms"] for name in ("ahead", "queue", "join", "first")) >= 0
+        assert first["prompt_rows_p50"] > follow["prompt_rows_p50"]  # (an image prompt against a question)
         steps = loop.steps
         loop.reset_step_stats()
         ask(convs[0], "One more?")

@@ -31,8 +31,9 @@ runs the dialogue once untimed first, as each mode's server rounds follow a one-
 (one forward for every running turn, `serve --batching`) instead of a thread per turn; each row then has ``loop``,
 the loop's step figures over its round (`BatchLoop.step_stats`: steps by how they ran, replayed / captured / eager,
 with their rows and the mean ms from a launch to the next, of it the host's launch, its choosing and preparing, its
-wait for the device, and the host gap after the read with the time new turns took to join; the round's last
-steps one by one), and a line per round sums them up. The JSON has the hardware, the settings and one row per
+wait for the device, and the host gap after the read with the time new turns took to join; first turns' and
+follow-ups' ways to their first token: the wait for the loop, the join, the steps until the token by kind; the
+round's last steps and turns one by one), and a line per round sums them up. The JSON has the hardware, the settings and one row per
 (mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
 """
 
@@ -124,7 +125,21 @@ def loop_summary(steps: dict) -> str:
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
     return (f"{steps['steps']} steps: {kinds or 'none'}; joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
-            f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s")
+            f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s"
+            + "".join(f"; {label}: {turn_summary(steps['turns'][key])}"
+                      for key, label in (("first", "first turns"), ("follow_up", "follow-ups"))
+                      if steps.get("turns", {}).get(key, {}).get("turns")))
+
+
+def turn_summary(turns: dict) -> str:
+    """One round's first turns' or follow-ups' ways to their first token in the loop (`StepLog.snapshot`'s
+    ``turns``): medians of the preparation on the asking thread, the wait for the loop, the join, the steps until the
+    token and those steps' kinds."""
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(turns["kinds"].items(), key=lambda item: -item[1]))
+    return (f"{turns['turns']} turns, {turns['prompt_rows_p50']:.0f} rows p50, ahead {_ms_of(turns['ahead_ms_p50'])} + "
+            f"wait {_ms_of(turns['queue_ms_p50'])} + "
+            f"join {_ms_of(turns['join_ms_p50'])} + {turns['steps_p50']:.0f} steps (most {turns['steps_max']}) "
+            f"{_ms_of(turns['first_ms_p50'])} ms p50 [{kinds}]")
 
 
 def _ms_of(ms):
