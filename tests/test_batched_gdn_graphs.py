@@ -111,8 +111,8 @@ def test_records_replay_with_every_suffix_length(replay_log):
     seen = []
     fill = engine.graphs._fill_recurrent
 
-    def watched(buffers, entries, recorded):
-        fill(buffers, entries, recorded)
+    def watched(buffers, entries, recorded, rows):
+        fill(buffers, entries, recorded, rows)
         seen.append((buffers.lead.tolist(), buffers.record_map.tolist()))
 
     engine.graphs._fill_recurrent = watched

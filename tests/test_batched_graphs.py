@@ -284,17 +284,27 @@ def test_a_kept_pool_does_not_keep_its_model_alive(replay_log):
     assert len(batched_graphs._POOLED) == 0
 
 
-def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
-    """Four sequences in slots 0 .. 3; the one in slot 0 is not fed for a few steps (its caller holds its token),
-    so the others' steps (slots 1 .. 3) gather their slots, the bucket's padding in the scratch slot; with every
-    sequence fed again, and after leaves (the highest slot moving into the hole), steps read views. Each sequence
-    equals its own call."""
+def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_log, monkeypatch):
+    """Four sequences in slots 0 .. 3; the one in slot 0 is not fed for a few steps (its caller holds its token).
+    The others' step of slots 1 .. 3 still reads views of slots 0 .. 3: the bucket's padding row sits in slot 0
+    after the paused sequence's rows. Once the 3-token sequence (slot 1) left and the highest moved into its slot,
+    slots 1 and 2 are beyond their bucket of 2: that step gathers its slots (the padding in the scratch slot). With
+    every sequence fed again, steps read views. Each sequence equals its own call."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     suppressed = torch.tensor(no_placeholder_ids(model))
     cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
     requests = [Request(model, processor, cfg, row, n=n, arrive=0)
                 for row, n in ((IMAGE, 9), (TEXT, 3), (TWO_IMAGES, 8), (VIDEO, 6))]
     engine = BatchEngine(model, _with(cfg, None), num_slots=4, graphs=True)
+    padded = []  # (slot, start row) of the padding rows in held slots, per prepared step
+    prepare = batched_graphs.BatchedStepGraphs.prepare
+
+    def noted(self, entries, config):
+        prepared = prepare(self, entries, config)
+        padded.append([(slot, start) for slot, start in prepared.padding if start])
+        return prepared
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)
     for r in requests:
         r.seq = engine.add(r.ids, **r.media)
     active = {r.seq: r for r in requests}
@@ -317,7 +327,8 @@ def test_a_step_beside_a_paused_sequence_gathers_its_slots(replay_log):
     for i, r in enumerate(requests):
         r.check(f"sequence {i}")
     gathered = [key for key in replay_log if not key.dense]
-    assert [key.batch for key in gathered] == [4, 2]  # steps 2 and 3 (the 3-token sequence left after step 2)
+    assert [key.batch for key in gathered] == [2]  # step 3 (the 3-token sequence left after step 2)
+    assert [p for p in padded if p] and all(slot == 0 and start > 0 for p in padded for slot, start in p)
     assert sum(1 for key in replay_log if key.dense) > 4
 
 
@@ -339,7 +350,7 @@ def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_lo
 
     def noted(self, entries, config):
         step = prepare(self, entries, config)
-        padded.append([(len(step.slots) + i, start) for i, start in enumerate(step.padding) if start])
+        padded.append([(slot, start) for slot, start in step.padding if start])
         return step
 
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)

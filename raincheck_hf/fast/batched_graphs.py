@@ -252,7 +252,8 @@ class PreparedBatchStep(NamedTuple):
     buffers: BatchStepBuffers
     setting: tuple
     recorded: tuple = ()  # Gated DeltaNet families: the slots whose generated row the step records
-    padding: tuple = ()  # a dense step's padding sequences' start rows (slots n .. B - 1: `BatchedStepGraphs.prepare`)
+    padding: tuple = ()  # a dense step's padding sequences: ((slot, start row), ...) (`BatchedStepGraphs.prepare`)
+    rows: tuple = ()  # each entry's batch row (a dense step: its slot)
 
 
 class _DeviceStep(SlotStep):
@@ -504,20 +505,22 @@ class BatchedStepGraphs:
         widest = max(len(g) for _, g in entries)
         key_batch, width = batch_bucket(n), width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
-        # the engine keeps its sequences in the lowest slots (`BatchEngine.remove`)
-        dense = self.views and slots == list(range(n))
-        padding = []  # (dense) the padding sequences' start rows in slots n .. B - 1
+        # dense: the step's slots all below the batch bucket (the engine keeps its sequences in the lowest slots:
+        # `BatchEngine.remove`), batch row b reading slot b's views; every other slot below the bucket holds a padding
+        # sequence: a free one from its row 0, one held by a sequence outside the step (a turn whose prompt piece runs
+        # in its own forward after this one, `RowScheduler`'s ``separate_prefill``; a held conversation restoring
+        # that the budget gave no rows) after that sequence's rows, where its keys are MAX_KEY (no row sees them) and
+        # its next rows overwrite what the padding wrote; its GDN states, read as a padding row's (not real, no
+        # rows), are written back unchanged
+        dense = self.views and max(slots) < key_batch
+        padding = {}  # (dense) padding slot -> its start row
         if dense:
             pool.grow_slots(key_batch)
-            # the bucket's padding sequences take the slots after the step's: a free one from its row 0, one held
-            # by a sequence outside the step (a turn whose prompt piece runs in its own forward after this one:
-            # `RowScheduler`'s ``separate_prefill``) after that sequence's rows, where its keys are MAX_KEY (no
-            # row sees them) and its next rows overwrite what the padding wrote; its GDN states, read as a padding
-            # row's (not real, no rows), are written back unchanged
-            padding = [pool.lengths[s] for s in range(n, key_batch)]
-            dense = max(padding, default=0) + width <= pool.capacity
+            taken = set(slots)
+            padding = {s: pool.lengths[s] for s in range(key_batch) if s not in taken}
+            dense = max(padding.values(), default=0) + width <= pool.capacity
             if not dense:
-                padding = []
+                padding = {}
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         if self.recurrent is not None:
             self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
@@ -527,7 +530,7 @@ class BatchedStepGraphs:
             self._mempool, self._setting = None, setting
         starts = [pool.lengths[s] for s in slots]
         # (every row sees at least itself: a padding row's own row is inside the span too)
-        span = static_cache.slot_bucket(max(starts + padding) + width, pool.capacity)
+        span = static_cache.slot_bucket(max(starts + list(padding.values())) + width, pool.capacity)
         recorded = self._recorded(entries)
         chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
@@ -535,10 +538,15 @@ class BatchedStepGraphs:
         captured = self._captured.get(key)
         buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
             key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
-        self._fill(buffers, entries, starts, None if dense else pool.scratch, padding)
+        # each entry's batch row (dense: its slot) and the padding rows (row, slot, start row)
+        rows = slots if dense else list(range(n))
+        pads = ([(slot, slot, start) for slot, start in padding.items()] if dense
+                else [(row, pool.scratch, 0) for row in range(n, key_batch)])
+        self._fill(buffers, entries, starts, rows, pads)
         if self.recurrent is not None:
-            self._fill_recurrent(buffers.recurrent, entries, recorded)
-        return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded), tuple(padding))
+            self._fill_recurrent(buffers.recurrent, entries, recorded, rows)
+        return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded),
+                                 tuple(sorted(padding.items())), tuple(rows))
 
     def launch(self, step: "PreparedBatchStep") -> dict:
         """Run a `prepare`d step (capture its graph the first time its key runs, else replay it); the logits ``[V]``
@@ -546,9 +554,8 @@ class BatchedStepGraphs:
         lengths unchanged): a RuntimeError otherwise, before anything runs."""
         pool = self.pool
         entries, slots, starts, key, buffers = step.entries, step.slots, step.starts, step.key, step.buffers
-        padded = range(len(slots), len(slots) + len(step.padding))
         if (self._current_setting() != step.setting or [pool.lengths[s] for s in slots] != starts
-                or [pool.lengths[s] for s in padded] != list(step.padding)):
+                or any(pool.lengths[s] != start for s, start in step.padding)):
             raise RuntimeError("a batched step was prepared on a pool that changed before its launch (its slots' "
                                "rows or tensors); prepare it again.")
         captured = self._captured.get(key)
@@ -580,35 +587,36 @@ class BatchedStepGraphs:
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
         if not wanted:
             return {}
-        rows = buffers.logits[:len(entries)].clone().unbind(0)
-        return {entries[b][0]: rows[b] for b in wanted}
+        logits = buffers.logits[torch.tensor([step.rows[b] for b in wanted], device=buffers.logits.device)].clone()
+        return {entries[b][0]: row for b, row in zip(wanted, logits.unbind(0))}
 
-    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], scratch: int | None,
-              padding: list[int] = ()) -> None:
-        """Rewrite every input buffer for this step: sequence ``b``'s rows at ``[b, :n_b]`` (padding after them),
-        padding sequences in the scratch slot (None: in the free slots ``n .. B - 1``, a dense step). A few copies
+    def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], rows: list[int], pads: list) -> None:
+        """Rewrite every input buffer for this step: entry ``i``'s rows at ``[rows[i], :n_i]`` (padding after them),
+        each padding sequence ``(row, slot, start)`` of ``pads`` writing its row from ``start`` in ``slot`` (a dense
+        step: the slots below the bucket that no entry has; else the scratch slot from 0); last row 0. A few copies
         per buffer, whatever the batch (host time per step), and nothing read back from the device."""
         device = buffers.embeds.device
         batch, width = buffers.query_keys.shape
-        n = len(entries)
         lengths = [len(g) for _, g in entries]
-        pad = batch - n  # padding sequences: the slots n .. B - 1 (dense) from ``padding``, else the scratch slot from
-        # row 0; last row 0
-        host = torch.tensor([[seq.slot for seq, _ in entries] + (list(range(n, batch)) if scratch is None
-                                                                  else [scratch] * pad),
-                             list(starts) + (list(padding) if scratch is None else [0] * pad),
-                             [rows - 1 for rows in lengths] + [0] * pad],
-                            dtype=torch.long)  # slots, starts, last rows
-        dest = _placement(lengths, width)
+        slot_of, start_of, last_of, count_of = [0] * batch, [0] * batch, [0] * batch, [0] * batch
+        for row, (seq, _), start, n_rows in zip(rows, entries, starts, lengths):
+            slot_of[row], start_of[row], last_of[row], count_of[row] = seq.slot, start, n_rows - 1, n_rows
+        for row, slot, start in pads:
+            slot_of[row], start_of[row] = slot, start
+        host = torch.tensor([slot_of, start_of, last_of], dtype=torch.long)  # slots, starts, last rows
+        dest = _placement(count_of, width)  # (entries in row order: ``rows`` rises with the entries' slots)
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
         if buffers.deepstack:
             # a group's visual rows are its leading deferred rows (`decode_only`): all of a restoring piece's rows,
             # all of a decode group's but its token
-            for (_, g), rows, v in zip(entries, lengths, visual):
-                if v > rows or (v == rows and g.want_logits):
+            for (_, g), n_rows, v in zip(entries, lengths, visual):
+                if v > n_rows or (v == n_rows and g.want_logits):
                     what = "a decode group" if g.want_logits else "a restoring piece"
-                    raise RuntimeError(f"{what} of {rows} rows carries {v} DeepStack rows")
-        ds_dest = _placement(visual, width)
+                    raise RuntimeError(f"{what} of {n_rows} rows carries {v} DeepStack rows")
+        visual_of = [0] * batch
+        for row, v in zip(rows, visual):
+            visual_of[row] = v
+        ds_dest = _placement(visual_of, width)
         groups = [g for _, g in entries]
         # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
         # scheduler makes on the host) goes over in one non-blocking copy from pinned memory: no wait for the device
@@ -643,25 +651,24 @@ class BatchedStepGraphs:
             return []
         return [seq.slot for seq, _ in entries if not seq.restores_only and seq.num_pending > 0]
 
-    def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int]) -> None:
-        """Rewrite the GDN buffers for this step (``entries`` in slot order, `_fill`'s batch rows): which rows are real
-        sequences, their deferred rows and whether a token follows them (a decode group's rows are ``[chunk,
-        token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading token or
-        into M_R, and the suffix lengths (host ints of the per-slot states); padding rows: not real, no rows, no
-        record. One non-blocking copy, nothing read back."""
+    def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int], rows: list[int]) -> None:
+        """Rewrite the GDN buffers for this step (entry ``i`` at batch row ``rows[i]``, as `_fill` placed it): which
+        rows are real sequences, their deferred rows and whether a token follows them (a decode group's rows are
+        ``[chunk, token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading
+        token or into M_R, and the suffix lengths (host ints of the per-slot states); padding rows: not real, no
+        rows, no record. One non-blocking copy, nothing read back."""
         batch = buffers.real.shape[0]
-        pad = [0] * (batch - len(entries))
         layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
         records = set(recorded)
-        suffix = [layer.suffix_length[seq.slot] for seq, _ in entries]
-        token = [int(not seq.restores_only) for seq, _ in entries]
-        rec = [seq.slot in records for seq, _ in entries]
-        host = torch.tensor([[1] * len(entries) + pad,
-                             [len(g) - t for (_, g), t in zip(entries, token)] + pad,
-                             token + pad,
-                             [int(r and t < layer.width) for r, t in zip(rec, suffix)] + pad,
-                             [int(r and t >= layer.width) for r, t in zip(rec, suffix)] + pad,
-                             suffix + pad], dtype=torch.long)
+        table = [[0] * batch for _ in range(6)]  # real, deferred, token, lead, record_map, suffix
+        for row, (seq, group) in zip(rows, entries):
+            suffix = layer.suffix_length[seq.slot]
+            token = int(not seq.restores_only)
+            rec = seq.slot in records
+            for i, value in enumerate((1, len(group) - token, token, int(rec and suffix < layer.width),
+                                       int(rec and suffix >= layer.width), suffix)):
+                table[i][row] = value
+        host = torch.tensor(table, dtype=torch.long)
         host = to_device_all([host], buffers.real.device)[0]
         buffers.real.copy_(host[0].bool())
         buffers.deferred.copy_(host[1])
