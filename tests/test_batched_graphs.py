@@ -288,8 +288,8 @@ def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_l
     """Four sequences in slots 0 .. 3; the one in slot 0 is not fed for a few steps (its caller holds its token).
     The others' step of slots 1 .. 3 still reads views of slots 0 .. 3: the bucket's padding row sits in slot 0
     after the paused sequence's rows. Once the 3-token sequence (slot 1) left and the highest moved into its slot,
-    slots 1 and 2 are beyond their bucket of 2: that step gathers its slots (the padding in the scratch slot). With
-    every sequence fed again, steps read views. Each sequence equals its own call."""
+    slots 1 and 2 are beyond their own bucket of 2: that step takes the pool's bucket of 4 (padding in slot 0 after
+    its rows, and in the freed slot 3). No step gathers its slots. Each sequence equals its own call."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     suppressed = torch.tensor(no_placeholder_ids(model))
     cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
@@ -326,8 +326,9 @@ def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_l
         assert step < 100
     for i, r in enumerate(requests):
         r.check(f"sequence {i}")
-    gathered = [key for key in replay_log if not key.dense]
-    assert [key.batch for key in gathered] == [2]  # step 3 (the 3-token sequence left after step 2)
+    assert all(key.dense for key in replay_log)
+    # (replays from step 1: step 3's two sequences, in slots 1 and 2, read the pool's bucket of 4)
+    assert [key.batch for key in replay_log] == [4, 4, 4, 4, 4, 2, 2, 1, 1, 1]
     assert [p for p in padded if p] and all(slot == 0 and start > 0 for p in padded for slot, start in p)
     assert sum(1 for key in replay_log if key.dense) > 4
 
@@ -381,14 +382,14 @@ def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log
     assert len(pool._free) == pool.num_slots and bool((pool.slot_keys == MAX_KEY).all())
 
 
-def test_a_restoring_sequence_given_no_rows_makes_the_step_gather(replay_log):
+def test_a_restoring_sequence_given_no_rows_holds_a_padding_row(replay_log):
     """A held conversation joins first (slot 0), an answer after it (slot 1). In the first step the held
     conversation's piece replays alone (batch 1, dense) before the answer's prompt runs eagerly. For three steps the
     token budget is 1:
-    the answer's token fills each, the restoring sequence gets no rows but holds slot 0, so those steps gather the
-    answer's slot (not dense); with the budget lifted its pieces ride again and the steps read views of slots 0 .. 1
-    (batch 2); once the answer is done its pieces alone replay (batch 1, dense). The answer equals its own call, the
-    restored cache idle-time restoration's."""
+    the answer's token fills each, the restoring sequence gets no rows but holds slot 0, so those steps read views
+    of slots 0 .. 1 (batch 2, dense) with a padding row in slot 0 after the restoring sequence's rows; with the
+    budget lifted its pieces ride again in the same steps (batch 2); once the answer is done its pieces alone replay
+    (batch 1, dense). The answer equals its own call, the restored cache idle-time restoration's."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     cfg = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=2, fast_path=False)
     cache, _ = _held(model, processor, cfg, TWO_IMAGES)
@@ -406,8 +407,7 @@ def test_a_restoring_sequence_given_no_rows_makes_the_step_gather(replay_log):
     while state.num_pending:
         assert engine.step() == {}
     got = engine.remove(state)
-    assert [(key.batch, key.dense) for key in replay_log] == ([(1, True)] + [(1, False)] * 3 + [(2, True)] * 4
-                                                             + [(1, True)] * 2)
+    assert [(key.batch, key.dense) for key in replay_log] == [(1, True)] + [(2, True)] * 7 + [(1, True)] * 2
     assert_cache_equal(got, _idle_restored(model, cache, cfg))
 
 

@@ -505,22 +505,26 @@ class BatchedStepGraphs:
         widest = max(len(g) for _, g in entries)
         key_batch, width = batch_bucket(n), width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
-        # dense: the step's slots all below the batch bucket (the engine keeps its sequences in the lowest slots:
-        # `BatchEngine.remove`), batch row b reading slot b's views; every other slot below the bucket holds a padding
-        # sequence: a free one from its row 0, one held by a sequence outside the step (a turn whose prompt piece runs
-        # in its own forward after this one, `RowScheduler`'s ``separate_prefill``; a held conversation restoring
-        # that the budget gave no rows) after that sequence's rows, where its keys are MAX_KEY (no row sees them) and
-        # its next rows overwrite what the padding wrote; its GDN states, read as a padding row's (not real, no
-        # rows), are written back unchanged
-        dense = self.views and max(slots) < key_batch
-        padding = {}  # (dense) padding slot -> its start row
-        if dense:
-            pool.grow_slots(key_batch)
-            taken = set(slots)
-            padding = {s: pool.lengths[s] for s in range(key_batch) if s not in taken}
-            dense = max(padding.values(), default=0) + width <= pool.capacity
-            if not dense:
-                padding = {}
+        # dense: batch row b reads slot b's views, for the slots below a batch bucket that holds the step's slots:
+        # the bucket of its sequences (the engine keeps them in the lowest slots: `BatchEngine.remove`), or a larger
+        # one the pool already has (a step beside sequences that are not in it, in lower slots), whose key the
+        # warm-up captured where a gathered one would be captured in the middle of the answers. Every slot below the
+        # bucket that the step does not carry holds a padding sequence: a free one from its row 0, one held by a
+        # sequence outside the step (a turn whose prompt piece runs in its own forward after this one,
+        # `RowScheduler`'s ``separate_prefill``; a held conversation restoring that the budget gave no rows) after
+        # that sequence's rows, where its keys are MAX_KEY (no row sees them) and its next rows overwrite what the
+        # padding wrote; its GDN states, read as a padding row's (not real, no rows), are written back unchanged
+        padding = None  # (dense) padding slot -> its start row
+        if self.views:
+            top = batch_bucket(max(slots) + 1)
+            if top == key_batch or top <= pool.num_slots:
+                pool.grow_slots(top)
+                taken = set(slots)
+                candidate = {s: pool.lengths[s] for s in range(top) if s not in taken}
+                if max(candidate.values(), default=0) + width <= pool.capacity:
+                    key_batch, padding = top, candidate
+        dense = padding is not None
+        padding = padding or {}
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         if self.recurrent is not None:
             self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
