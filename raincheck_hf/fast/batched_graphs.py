@@ -591,8 +591,10 @@ class BatchedStepGraphs:
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
         if not wanted:
             return {}
-        logits = buffers.logits[torch.tensor([step.rows[b] for b in wanted], device=buffers.logits.device)].clone()
-        return {entries[b][0]: row for b, row in zip(wanted, logits.unbind(0))}
+        # (every batch row's logits copied, then picked on the host's side: an index tensor made here would be a
+        # copy to the device that waits for the step)
+        logits = buffers.logits[:max(step.rows[b] for b in wanted) + 1].clone().unbind(0)
+        return {entries[b][0]: logits[step.rows[b]] for b in wanted}
 
     def _fill(self, buffers: BatchStepBuffers, entries, starts: list[int], rows: list[int], pads: list) -> None:
         """Rewrite every input buffer for this step: entry ``i``'s rows at ``[rows[i], :n_i]`` (padding after them),
