@@ -704,7 +704,7 @@ class BatchLoop:
     def _step(self, engine: BatchEngine) -> None:
         restoring = [conv for conv, (e, _) in self._restoring.items() if e is engine]
         log = self.step_log
-        launched = time.perf_counter()
+        launched, cpu = time.perf_counter(), time.thread_time()
         try:
             logits = engine.step()  # (the step prepared at the end of the last one, unless a join or leave dropped it)
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
@@ -716,7 +716,7 @@ class BatchLoop:
             for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
                 self._stop_restoring(conv, keep=False)
             return
-        log.launched(engine.last_step, launched, time.perf_counter())
+        log.launched(engine.last_step, launched, time.perf_counter(), time.thread_time() - cpu)
         self.steps += 1
         restored = 0
         for conv in restoring:

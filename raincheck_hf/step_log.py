@@ -33,7 +33,9 @@ class LoopStep(NamedTuple):
     cancellations, restoring conversations joining or leaving), or until the loop found no step to run. From the
     read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. ``join_s`` /
     ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
-    preparation) and in restoring conversations joining or leaving the engine."""
+    preparation) and in restoring conversations joining or leaving the engine. ``launch_cpu_s``: the loop thread's
+    own CPU time in the launch (`time.thread_time`): a launch much longer than it waited, for the device (a read
+    inside the forward) or for the interpreter's lock (other threads' Python: requests being prepared, streaming)."""
 
     record: StepRecord  # the engine's (`BatchEngine.last_step`)
     launch_s: float
@@ -43,6 +45,7 @@ class LoopStep(NamedTuple):
     between_s: float
     join_s: float
     restore_s: float
+    launch_cpu_s: float = 0.0
 
     @property
     def gap_s(self) -> float:
@@ -111,10 +114,10 @@ class _OpenTurn:
 class _OpenStep:
     """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
 
-    __slots__ = ("record", "launched", "stepped", "reading", "read", "done", "join_s", "restore_s")
+    __slots__ = ("record", "launched", "stepped", "cpu", "reading", "read", "done", "join_s", "restore_s")
 
-    def __init__(self, record: StepRecord, launched: float, stepped: float):
-        self.record, self.launched, self.stepped = record, launched, stepped
+    def __init__(self, record: StepRecord, launched: float, stepped: float, cpu: float = 0.0):
+        self.record, self.launched, self.stepped, self.cpu = record, launched, stepped, cpu
         self.reading = self.read = self.done = None
         self.join_s = self.restore_s = 0.0
 
@@ -124,7 +127,7 @@ class _OpenStep:
         reading = done if self.reading is None else self.reading
         read = reading if self.read is None else self.read
         return LoopStep(self.record, self.stepped - self.launched, reading - self.stepped, read - reading,
-                        done - read, end - done, self.join_s, self.restore_s)
+                        done - read, end - done, self.join_s, self.restore_s, self.cpu)
 
 
 class StepLog:
@@ -134,7 +137,7 @@ class StepLog:
     ``keep_turns`` turns' `TurnRecord`s (the turns' figures are their medians). Written by the loop's thread (a few
     `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
 
-    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore")
+    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore", "launch_cpu")
     ROWS = ("decode", "chunk", "prefill", "restoring")
 
     def __init__(self, keep: int = 256, keep_turns: int = 1024):
@@ -157,9 +160,11 @@ class StepLog:
                            "restore_idle_total_s": 0.0}
 
     # ---- the loop's thread ----
-    def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None) -> None:
+    def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
+                 cpu: float = 0.0) -> None:
         """A step launched at ``launched`` (``record``: what it ran; None: it raised, it does not count) and returned
-        at ``stepped``: the previous step closes at its launch."""
+        at ``stepped``, the loop's thread using ``cpu`` seconds of CPU time in it: the previous step closes at its
+        launch."""
         with self._lock:
             if self.open is not None:
                 self._close(self.open.close(launched))
@@ -177,7 +182,7 @@ class StepLog:
             totals[3] += rows.chunk
             totals[4] += rows.prefill
             totals[5] += rows.restoring
-            self.open = _OpenStep(record, launched, stepped)
+            self.open = _OpenStep(record, launched, stepped, cpu)
 
     def finished(self, now: float) -> None:
         """The loop is done with the step's tokens (streamed, turns ended): the rest of its iteration begins."""
