@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import threading
 import time
 
@@ -434,6 +435,9 @@ def test_serve_load_benchmark_smoke(tmp_path):
     assert (tmp_path / "load.png").stat().st_size > 0
     with pytest.raises(ValueError, match="clients"):
         serve_load.run(clients=(0,))
+    for bad in (0, -1.0, 2.0, True, "0.001"):
+        with pytest.raises(ValueError, match="switch_interval must be"):
+            serve_load.run(clients=(1,), switch_interval=bad)
 
 
 def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
@@ -443,11 +447,13 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     from raincheck_hf.bench import serve_load
 
     path, lines = tmp_path / "load.json", []
+    before = sys.getswitchinterval()
     serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
                    follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
-                   batching=True)
+                   batching=True, switch_interval=0.001)
     saved = json.loads(path.read_text())
     assert saved["settings"]["batching"] is True and saved["settings"]["client_processes"] is True
+    assert saved["settings"]["switch_interval_s"] == pytest.approx(0.001) and sys.getswitchinterval() == before
     (row,) = saved["rows"]
     assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4
     loop = row["loop"]  # the loop's step figures over the round (`BatchLoop.step_stats`)

@@ -216,9 +216,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         selector: str | None = None,
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
-        command: str | None = None, log=print, batching: bool = False, client_processes: bool = True) -> dict:
+        command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
+        switch_interval: float | None = None) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
-    ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict."""
+    ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
+    ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
+    None: as it is, 5 ms by default), put back after: how long a thread that wants the interpreter's lock may wait
+    for one that holds it, which the server's threads (the batching loop, request threads, the event loop that
+    streams) contend for."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -235,11 +240,17 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                          f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
     if model_name not in shapes.MODELS and model_name not in BUNDLED:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
+    if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+                                        or not 0 < switch_interval <= 1):
+        raise ValueError(f"switch_interval must be a number of seconds in (0, 1] or None, got {switch_interval!r}.")
     settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
     device, previous_threads = claim_device(device, threads)
+    previous_interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     started = time.perf_counter()
     try:
         model, processor, model_info, (width, height) = _build(model_name, device)
@@ -262,7 +273,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             "settings": dict(settings, model=model_name, clients=list(clients), modes=list(modes),
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
-                             client_processes=client_processes,
+                             client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -356,6 +367,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         return result
     finally:
         torch.set_num_threads(previous_threads)
+        sys.setswitchinterval(previous_interval)
 
 
 def _version(package: str) -> str:
@@ -394,6 +406,10 @@ def main(argv=None):
                              "a process each")
     parser.add_argument("--batching", action="store_true",
                         help="the server's continuous-batching loop (serve --batching) instead of a thread per turn")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                        help="the interpreter's thread switch interval for the run, in seconds (sys.setswitchinterval; "
+                             "default: as it is, 0.005): how long the batching loop may wait for the interpreter's "
+                             "lock while another of the server's threads holds it")
     add_setting_arguments(parser)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every client count)")
     parser.add_argument("--plot", default=None, help="a PNG of tokens/s and TTFT against clients (matplotlib)")
@@ -405,7 +421,7 @@ def main(argv=None):
                    follow_up_tokens=args.follow_up_tokens or max(2, args.answer_tokens // 2), think_s=args.think_s,
                    warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
-                   client_processes=not args.in_process_clients,
+                   client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
