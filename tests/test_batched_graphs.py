@@ -284,6 +284,21 @@ def test_a_kept_pool_does_not_keep_its_model_alive(replay_log):
     assert len(batched_graphs._POOLED) == 0
 
 
+def _padding_in_held_slots(monkeypatch) -> list:
+    """Per prepared step, the ``(slot, start row)`` of its padding rows in slots held by sequences outside it (start
+    row > 0; `PreparedBatchStep.padding`), in a list the caller reads."""
+    padded = []
+    prepare = batched_graphs.BatchedStepGraphs.prepare
+
+    def noted(self, entries, config):
+        step = prepare(self, entries, config)
+        padded.append([(slot, start) for slot, start in step.padding if start])
+        return step
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)
+    return padded
+
+
 def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_log, monkeypatch):
     """Four sequences in slots 0 .. 3; the one in slot 0 is not fed for a few steps (its caller holds its token).
     The others' step of slots 1 .. 3 still reads views of slots 0 .. 3: the bucket's padding row sits in slot 0
@@ -296,15 +311,7 @@ def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_l
     requests = [Request(model, processor, cfg, row, n=n, arrive=0)
                 for row, n in ((IMAGE, 9), (TEXT, 3), (TWO_IMAGES, 8), (VIDEO, 6))]
     engine = BatchEngine(model, _with(cfg, None), num_slots=4, graphs=True)
-    padded = []  # (slot, start row) of the padding rows in held slots, per prepared step
-    prepare = batched_graphs.BatchedStepGraphs.prepare
-
-    def noted(self, entries, config):
-        prepared = prepare(self, entries, config)
-        padded.append([(slot, start) for slot, start in prepared.padding if start])
-        return prepared
-
-    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)
+    padded = _padding_in_held_slots(monkeypatch)
     for r in requests:
         r.seq = engine.add(r.ids, **r.media)
     active = {r.seq: r for r in requests}
@@ -346,15 +353,7 @@ def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_lo
     rows = ((IMAGE, 12, 0), (TEXT, 12, 0), (TWO_IMAGES, 12, 0), (IMAGE, 4, 3))
     requests = [Request(model, processor, cfg, row, n=n, arrive=at) for row, n, at in rows]
     engine = BatchEngine(model, _with(cfg, None), token_budget=12, num_slots=4, graphs=True)
-    padded = []  # the start rows of padding rows in held slots, per prepared step
-    prepare = batched_graphs.BatchedStepGraphs.prepare
-
-    def noted(self, entries, config):
-        step = prepare(self, entries, config)
-        padded.append([(slot, start) for slot, start in step.padding if start])
-        return step
-
-    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "prepare", noted)
+    padded = _padding_in_held_slots(monkeypatch)
     drive(model, engine, requests)
     for i, r in enumerate(requests):
         r.check(f"{name} sequence {i}")
