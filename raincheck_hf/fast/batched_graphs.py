@@ -405,11 +405,12 @@ class BatchedStepGraphs:
         steps), smallest first: batch buckets up to ``batch_bucket(max_batch)``; widths 1 and, where the mode leaves
         deferred rows to restore beside tokens (chunks, or held conversations' restoring pieces), every `width_bucket`
         size up to the largest chunk + 1 (a shared chunk budget cuts chunks to ladder sizes, a last chunk is shorter);
-        on the Gated DeltaNet families with and without recorded rows. Steps that gather their slots (sequences not
-        in the lowest slots, e.g. beside a held conversation restoring, or decode rows beside a turn's prompt piece
-        whose sequence holds a slot below one of theirs: `batch_engine.RowScheduler`'s ``separate_prefill``) are
-        captured when they first run; a prompt's sequence in a slot above theirs holds one of the bucket's padding
-        rows after its own rows (`prepare`), so those steps are dense."""
+        on the Gated DeltaNet families with and without recorded rows. A step beside sequences it does not carry (a
+        turn's prompt piece in its own forward: `batch_engine.RowScheduler`'s ``separate_prefill``; a held
+        conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
+        padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only a step
+        whose slots lie beyond the pool's slots' bucket gathers its slots; its key is captured when it first
+        runs."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
