@@ -408,9 +408,9 @@ class BatchedStepGraphs:
         on the Gated DeltaNet families with and without recorded rows. A step beside sequences it does not carry (a
         turn's prompt piece in its own forward: `batch_engine.RowScheduler`'s ``separate_prefill``; a held
         conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
-        padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only a step
-        whose slots lie beyond the pool's slots' bucket gathers its slots; its key is captured when it first
-        runs."""
+        padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where
+        that bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would
+        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
