@@ -584,7 +584,8 @@ class BatchLoop:
     # ---- joining ------------------------------------------------------------------------------
     def _prepare(self, job: BatchTurn, stack: contextlib.ExitStack | None) -> tuple[dict, dict, object]:
         """What `generate(raincheck=...)` prepares for ``job`` before its loop (HF's own preparation: the logits
-        processors and stopping criteria, the media encoded by the vision tower): ``(grids, prepared, captures)``.
+        processors and stopping criteria, the media encoded by the vision tower): ``(grids, prepared, captures)``,
+        ``grids`` the call's grids that it has (`BatchEngine.add`'s arguments).
         ``stack`` holds the vision attention capture of a config whose selector needs it (open through the turn's
         `BatchEngine.add`); None: the config needs none."""
         conv, model = job.conversation, self.model
@@ -596,7 +597,7 @@ class BatchLoop:
         device = self.adapter.device
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
-        grids = {name: call.get(name) for name in GRIDS}
+        grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
         prepared = {}
 
         def record(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -629,7 +630,7 @@ class BatchLoop:
                 grids, prepared, _ = self._prepare(job, None)
                 # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
                 state = new_sequence(self.model, self.adapter, job.config, -1, prepared["input_ids"].reshape(-1),
-                                     **_media(prepared), **{k: v for k, v in grids.items() if v is not None})
+                                     **_media(prepared), **grids)
                 job.ahead = (prepared, state)
         except Exception as error:  # the turn's media, settings or processors: raised when it joins
             job.ahead = error
@@ -669,7 +670,7 @@ class BatchLoop:
                     seq = engine.add_made(state)
                 else:
                     seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **_media(prepared),
-                                     **{k: v for k, v in grids.items() if v is not None})
+                                     **grids)
         except BaseException as error:  # this turn's media, settings or processors: it alone fails
             self._end(job, error=error)
             return

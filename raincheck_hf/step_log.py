@@ -81,8 +81,11 @@ class TurnRecord(NamedTuple):
     queue_s: float
     join_s: float
     first_s: float
-    steps: int
     kinds: tuple  # ((kind, steps), ...), sorted
+
+    @property
+    def steps(self) -> int:
+        return sum(n for _, n in self.kinds)
 
     @property
     def ttft_s(self) -> float:
@@ -94,21 +97,22 @@ class TurnRecord(NamedTuple):
                                                for name in ("ahead", "queue", "join", "first", "ttft")}}
 
 
-class _OpenTurn:
-    """A turn that joined and has no token yet: its times so far and its steps by kind (the loop's thread alone
-    writes)."""
+class _OpenTurn(NamedTuple):
+    """A turn that joined and has no token yet: its times, and the loop's steps by kind launched before it joined
+    (`StepLog`'s running count: the steps towards its token are the difference at its token)."""
 
-    __slots__ = ("follow_up", "prompt_rows", "asked", "ahead", "began", "joined", "kinds")
+    follow_up: bool
+    prompt_rows: int
+    asked: float
+    ahead: float
+    began: float
+    joined: float
+    launched_before: collections.Counter
 
-    def __init__(self, follow_up: bool, prompt_rows: int, asked: float, ahead: float, began: float, joined: float):
-        self.follow_up, self.prompt_rows = follow_up, prompt_rows
-        self.asked, self.ahead, self.began, self.joined = asked, ahead, began, joined
-        self.kinds: collections.Counter = collections.Counter()
-
-    def close(self, now: float) -> TurnRecord:
+    def close(self, now: float, launched: collections.Counter) -> TurnRecord:
+        kinds = launched - self.launched_before
         return TurnRecord(self.follow_up, self.prompt_rows, self.ahead, self.began - self.asked - self.ahead,
-                          self.joined - self.began, now - self.joined, sum(self.kinds.values()),
-                          tuple(sorted(self.kinds.items())))
+                          self.joined - self.began, now - self.joined, tuple(sorted(kinds.items())))
 
 
 class _OpenStep:
@@ -145,6 +149,7 @@ class StepLog:
         self._recent: collections.deque[LoopStep] = collections.deque(maxlen=keep)
         self._turns: collections.deque[TurnRecord] = collections.deque(maxlen=keep_turns)  # (the medians' turns)
         self._awaiting: dict[object, _OpenTurn] = {}  # turns joined, no token yet (kept across a `reset`)
+        self._launched: collections.Counter = collections.Counter()  # every step launched, by kind (never reset)
         self.open: _OpenStep | None = None
         self.reset()
 
@@ -176,8 +181,7 @@ class StepLog:
                 totals = self._totals[(record.kind, record.rows.sequences)] = [0] * (6 + len(self.TIMES))
             rows = record.rows
             totals[0] += 1
-            for turn in self._awaiting.values():
-                turn.kinds[record.kind] += 1
+            self._launched[record.kind] += 1
             totals[2] += rows.decode
             totals[3] += rows.chunk
             totals[4] += rows.prefill
@@ -224,14 +228,15 @@ class StepLog:
         from now count towards its first token."""
         asked = min(asked, began)
         with self._lock:
-            self._awaiting[key] = _OpenTurn(follow_up, prompt_rows, asked, min(ahead_s, began - asked), began, joined)
+            self._awaiting[key] = _OpenTurn(follow_up, prompt_rows, asked, min(ahead_s, began - asked), began, joined,
+                                            collections.Counter(self._launched))
 
     def turn_first_token(self, key, now: float) -> None:
         """The turn's first token was read at ``now``: its `TurnRecord` is kept (nothing for a turn not awaited)."""
         with self._lock:
             turn = self._awaiting.pop(key, None)
             if turn is not None:
-                self._turns.append(turn.close(now))
+                self._turns.append(turn.close(now, self._launched))
 
     def turn_ended(self, key) -> None:
         """The turn ended without a token (an error, a cancellation): it is not awaited any more."""

@@ -121,7 +121,7 @@ def loop_summary(steps: dict) -> str:
     (launch to next launch; of it the host's launch with the loop thread's CPU time in it, its choosing and
     preparing, the wait for the device and the host gap after the read) and mean sequences, the time new turns took to join, the total host gap and device wait."""
     kinds = ", ".join(f"{kind} {k['steps']} ({_ms_of(k['step_ms'])} ms: launch {_ms_of(k['launch_ms'])} "
-                      f"(cpu {_ms_of(k.get('launch_cpu_ms'))}), choose "
+                      f"(cpu {_ms_of(k['launch_cpu_ms'])}), choose "
                       f"{_ms_of(k['choose_ms'])}, wait {_ms_of(k['wait_ms'])}, gap {_ms_of(k['gap_ms'])}; "
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))

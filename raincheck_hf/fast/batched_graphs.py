@@ -501,31 +501,17 @@ class BatchedStepGraphs:
         slots' lengths move at `launch`). The engine prepares step ``i + 1`` before it waits for step ``i``'s tokens,
         so this host work overlaps the device's; it launches it only if no sequence joined or left since."""
         pool, adapter = self.pool, self.adapter
-        entries = sorted(entries, key=lambda e: e[0].slot)  # batch row b: the b-th lowest slot
+        entries = sorted(entries, key=lambda e: e[0].slot)  # (batch rows rise with the slots)
         n = len(entries)
         widest = max(len(g) for _, g in entries)
         key_batch, width = batch_bucket(n), width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
-        # dense: batch row b reads slot b's views, for the slots below a batch bucket that holds the step's slots:
-        # the bucket of its sequences (the engine keeps them in the lowest slots: `BatchEngine.remove`), or a larger
-        # one the pool already has (a step beside sequences that are not in it, in lower slots), whose key the
-        # warm-up captured where a gathered one would be captured in the middle of the answers. Every slot below the
-        # bucket that the step does not carry holds a padding sequence: a free one from its row 0, one held by a
-        # sequence outside the step (a turn whose prompt piece runs in its own forward after this one,
-        # `RowScheduler`'s ``separate_prefill``; a held conversation restoring that the budget gave no rows) after
-        # that sequence's rows, where its keys are MAX_KEY (no row sees them) and its next rows overwrite what the
-        # padding wrote; its GDN states, read as a padding row's (not real, no rows), are written back unchanged
-        padding = None  # (dense) padding slot -> its start row
-        if self.views:
-            top = batch_bucket(max(slots) + 1)
-            if top == key_batch or top <= pool.num_slots:
-                pool.grow_slots(top)
-                taken = set(slots)
-                candidate = {s: pool.lengths[s] for s in range(top) if s not in taken}
-                if max(candidate.values(), default=0) + width <= pool.capacity:
-                    key_batch, padding = top, candidate
-        dense = padding is not None
-        padding = padding or {}
+        dense_layout = self._dense_layout(slots, key_batch, width)
+        dense = dense_layout is not None
+        if dense:
+            key_batch, padding = dense_layout
+        else:
+            padding = {}
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         if self.recurrent is not None:
             self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
@@ -552,6 +538,29 @@ class BatchedStepGraphs:
             self._fill_recurrent(buffers.recurrent, entries, recorded, rows)
         return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded),
                                  tuple(sorted(padding.items())), tuple(rows))
+
+    def _dense_layout(self, slots: list[int], key_batch: int, width: int) -> tuple[int, dict] | None:
+        """``(batch bucket, {padding slot: its start row})`` of a dense step over ``slots`` (rows ``width``), or None
+        (it gathers its slots, the padding in the scratch slot). Dense: batch row b reads slot b's views, for the
+        slots below a batch bucket that holds the step's slots: the bucket of its sequences (``key_batch``; the engine
+        keeps them in the lowest slots: `BatchEngine.remove`), or a larger one the pool already has (a step beside
+        sequences that are not in it, in lower slots), whose key the warm-up captured where a gathered one would be
+        captured in the middle of the answers. Every slot below the bucket that the step does not carry holds a
+        padding sequence: a free one from its row 0, one held by a sequence outside the step (a turn whose prompt
+        piece runs in its own forward after this one, `RowScheduler`'s ``separate_prefill``; a held conversation
+        restoring that the budget gave no rows) after that sequence's rows, where its keys are MAX_KEY (no row sees
+        them) and its next rows overwrite what the padding wrote; its GDN states, read as a padding row's (not
+        real, no rows), are written back unchanged."""
+        pool = self.pool
+        top = batch_bucket(max(slots) + 1)
+        if not self.views or (top != key_batch and top > pool.num_slots):
+            return None
+        pool.grow_slots(top)
+        taken = set(slots)
+        padding = {s: pool.lengths[s] for s in range(top) if s not in taken}
+        if max(padding.values(), default=0) + width > pool.capacity:
+            return None
+        return top, padding
 
     def launch(self, step: "PreparedBatchStep") -> dict:
         """Run a `prepare`d step (capture its graph the first time its key runs, else replay it); the logits ``[V]``
