@@ -155,9 +155,13 @@ class RowScheduler:
             prompt piece cost 32 x 630 rows of compute and attention (the H200 server's eager steps at 32 clients:
             335 ms each, 60% of the round). Each sequence's rows are the same either way and sequences see only their
             own slots, so the answers do not change.
+        ride: with ``separate_prefill``, ``ride(prefill)``: how many rows of a sequence's remaining prompt its piece
+            takes to ride in the decode rows' forward (the captured step: `BatchedStepGraphs.ride_rows`, a short
+            follow-up question), or 0: the piece goes in the forward of its own. None: no piece rides.
     """
 
-    def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False):
+    def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
+                 ride=None):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
@@ -165,6 +169,7 @@ class RowScheduler:
         self.config = config
         self.token_budget = token_budget
         self.separate_prefill = separate_prefill
+        self.ride = ride
 
     def chunk_cap(self, fed: list[SequenceState]) -> int | None:
         """The cap on each chunk of this step (`generation.shared_chunk_cap` over the ``fed`` sequences, those with a
@@ -186,14 +191,15 @@ class RowScheduler:
             decode.append((seq, groups))
             used += sum(len(g) for g in groups)
         left = None if self.token_budget is None else self.token_budget - used
-        prefill = []
+        prefill, riding = [], []
         for seq in sequences:
             if seq.prefilled:
                 continue
             if left is not None and left <= 0:
                 break
-            piece = seq.take_prefill(left)
-            prefill.append((seq, piece))
+            most = self.ride(seq.prefill) if self.separate_prefill and self.ride is not None else 0
+            piece = seq.take_prefill(left if not most else most if left is None else min(left, most))
+            (riding if most else prefill).append((seq, piece))
             if left is not None:
                 left -= len(piece)
             if seq.prefilled:  # its forward 0 completes in this step
@@ -204,7 +210,7 @@ class RowScheduler:
         chunks = [(seq, groups[0]) for seq, groups in decode if len(groups) == 2]
         if chunks:
             forwards.append(chunks)
-        decoding = [(seq, groups[-1]) for seq, groups in decode]
+        decoding = [(seq, groups[-1]) for seq, groups in decode] + riding
         if self.separate_prefill and prefill and (decoding or restoring):
             return forwards + [decoding + restoring, prefill]
         main = decoding + prefill + restoring
@@ -349,19 +355,23 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        # (with captured decode steps, a step's decode rows replay them beside an eager forward of its prompt pieces)
-        self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs)
+        # (with captured decode steps, a step's decode rows replay them beside an eager forward of its prompt pieces;
+        # a short prompt's piece rides in the replayed step: `BatchedStepGraphs.ride_rows`)
         self.text_config = model.config.get_text_config()
         self.graphs = None
+        ride = None
         if use_graphs:
             self.graphs = batched_graphs.acquire(self.adapter, self.text_config.num_hidden_layers, num_slots, capacity)
             self.pool = self.graphs.pool
+            graphs, config = self.graphs, self.config
+            ride = lambda prefill: graphs.ride_rows(prefill, config)  # noqa: E731 (short prompts ride)
         else:
             self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
         # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps use them)
         self.recurrent = (self.graphs.recurrent if self.graphs is not None
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
+        self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows
@@ -558,7 +568,7 @@ class BatchEngine:
             rows = StepRows.of(forwards, fed)
             ready = [None] * len(forwards)
             # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks')
-            if self.graphs is not None and len(forwards) == 1 and self.graphs.accepts(forwards[0]):
+            if self.graphs is not None and len(forwards) == 1 and self.graphs.accepts(forwards[0], self.config):
                 ready[0] = self.graphs.prepare(forwards[0], self.config)
         except BaseException:
             snapshot.restore()
@@ -593,7 +603,7 @@ class BatchEngine:
             captures = None if self.graphs is None else len(self.graphs.capture_log)  # (a capture is logged there)
             if prepared is not None:
                 logits.update(self.graphs.launch(prepared))
-            elif self.graphs is not None and self.graphs.accepts(entries):
+            elif self.graphs is not None and self.graphs.accepts(entries, self.config):
                 logits.update(self.graphs.run(entries, self.config))
             else:
                 logits.update(self.runner.run(entries))

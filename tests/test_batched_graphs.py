@@ -68,13 +68,21 @@ def replay_log(monkeypatch):
 
 
 def _decode_forwards(engine):
-    """Count the forwards that carried decode rows only (what the graphs must run)."""
-    counts = {"decode": 0}
+    """Count the forwards the graphs must run: ``"decode"`` those that carried decode rows only, ``"taken"`` those and
+    the forwards where a short prompt's piece rode (`BatchedStepGraphs.accepts`), ``"rode"`` the prompt pieces in
+    them."""
+    counts = {"decode": 0, "taken": 0, "rode": 0}
     schedule = engine.scheduler.schedule
 
     def counted(adapter, sequences):
+        prefilling = {seq for seq in sequences if not seq.prefilled}
         forwards = schedule(adapter, sequences)
-        counts["decode"] += sum(1 for f in forwards if batched_graphs.decode_only(f))
+        for f in forwards:
+            decode = batched_graphs.decode_only(f)
+            counts["decode"] += decode
+            if decode or engine.graphs.accepts(f, engine.config):
+                counts["taken"] += 1
+                counts["rode"] += sum(1 for seq, _ in f if seq in prefilling)
         return forwards
 
     engine.scheduler.schedule = counted
@@ -98,7 +106,7 @@ def run_restoring_fuzz(name: str, rng_seed: int, seed: int, replay_log) -> Batch
     for cache, got in zip(held, restored):
         assert_cache_equal(got, _idle_restored(model, cache, cfg))
     assert ("replay", True, True) in paths, f"{what}: no restoring piece rode in a replayed decode step"
-    assert [p for p, _, _ in paths].count("replay") == counts["decode"] == len(replay_log)
+    assert [p for p, _, _ in paths].count("replay") == counts["taken"] == len(replay_log)
     return engine
 
 
@@ -127,7 +135,7 @@ def test_fuzz_captured_steps_match_alone(seed, views, replay_log, monkeypatch):
     (tokens, logits 1e-4, cache, trace), every decode-only forward was a replay, and the pool ends empty."""
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
     name, cfg, requests, engine, counts = _run_captured_case(7000 + seed, seed, draw_case, most=6)
-    assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
+    assert counts["decode"] > 0 and len(replay_log) == counts["taken"]
     # (with views, a decode forward beside a prompt piece whose sequence holds a lower slot gathers its slots)
     assert any(key.dense for key in replay_log) == views and (views or not any(key.dense for key in replay_log))
     pool = engine.pool
@@ -142,7 +150,7 @@ def test_fuzz_shared_chunk_budget_on_captured_steps(seed, replay_log):
     sequence equals its own eager batch-1 call under its schedule."""
     name, cfg, requests, engine, counts = _run_captured_case(8000 + seed, seed, draw_shared_case, most=5)
     assert_some_chunks_cut(cfg, requests, f"{name} seed {seed}")
-    assert counts["decode"] > 0 and len(replay_log) == counts["decode"]
+    assert counts["decode"] > 0 and len(replay_log) == counts["taken"]
     allowed = {1, cfg.chunk_size + 1} | {c + 1 for c in CHUNK_LADDER}  # `width_bucket`'s sizes: nothing new
     assert {key.width for key in replay_log} <= allowed
 
@@ -361,6 +369,75 @@ def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_lo
     assert len(beside) >= 2 and all(slot == 3 for p in beside for slot, _ in p)
     assert sorted({start for p in beside for _, start in p}) == sorted(start for p in beside for _, start in p)
     assert not any(not key.dense for key in replay_log)
+
+
+# ---- short prompts ride in the captured steps (`BatchedStepGraphs.ride_rows`) ----
+
+def _step_records(engine) -> list:
+    """Every step's `StepRecord` with the sequences whose prompt pieces it carried, in order."""
+    records = []
+    step = engine.step
+
+    def recorded():
+        prefilling = {seq for seq in engine.sequences if not seq.prefilled}
+        out = step()
+        records.append((engine.last_step, {seq for seq in engine.carried if seq in prefilling}))
+        return out
+
+    engine.step = recorded
+    return records
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
+    """A held conversation's follow-up (its leftover deferred image rows, then a short text turn) joins while another
+    answer decodes: its prompt is short enough (`ride_rows`: at most two pieces of the widest warmed width) and its
+    DeepStack rows lead, so its pieces ride in the decode rows' replayed step instead of an eager forward of their
+    own; a first turn whose image rows (with DeepStack features) sit between its text rows runs eagerly on Qwen3-VL
+    and rides on Qwen2.5-VL (no DeepStack). Each answer equals its own eager batch-1 call (the follow-up: from its
+    held cache)."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=15, decode_guard=1, fast_path=False)
+    answer = Request(model, processor, cfg, IMAGE, n=12, arrive=0)
+    follow = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=3, follow_up=True)
+    engine = BatchEngine(model, _with(cfg, None), num_slots=2, graphs=True)
+    width = engine.graphs.ride_width(engine.config)
+    assert width == 16
+    records = _step_records(engine)
+    prompt_rows, add = {}, engine.add
+
+    def added(*args, **kwargs):
+        seq = add(*args, **kwargs)
+        prompt_rows[seq] = len(seq.prefill)
+        return seq
+
+    engine.add = added
+    drive(model, engine, [answer, follow])
+    answer.check(f"{name} answer")
+    follow.check(f"{name} follow-up beside it")
+    follow_rows = prompt_rows[follow.seq]
+    assert 0 < follow_rows <= 2 * width  # (the case this test is about)
+    first = [(r, carried) for r, carried in records if answer.seq in carried]
+    rode = [(r, carried) for r, carried in records if follow.seq in carried]
+    if name == "qwen3_vl":  # the image (DeepStack rows) between the text: eager
+        assert first and all(r.forwards[-1] == "eager" for r, _ in first)
+    else:  # no DeepStack features: a short image prompt rides too
+        assert first and all(r.kind in ("captured", "replayed") for r, _ in first)
+    assert rode and all(r.kind in ("captured", "replayed") and r.rows.decode == 1 for r, _ in rode)
+    assert sum(r.rows.prefill for r, _ in rode) == follow_rows
+
+
+def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
+    """A prompt's rows advance the Gated DeltaNet states as the captured step's ``[deferred, token]`` layout does
+    not: on Qwen3.5 no prompt piece rides (`ride_width` 0) and a step with one is not taken by the graphs."""
+    model = family_model("qwen3_5")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=15, decode_guard=1)
+    engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
+    assert engine.graphs.ride_width(cfg) == 0 and engine.scheduler.ride is not None
+    prompt = engine.add(torch.tensor([1, 2, 3]))
+    assert engine.graphs.ride_rows(prompt.prefill, cfg) == 0
+    engine.discard(prompt)
+    engine.close()
 
 
 # ---- restoring sequences (held conversations restored in the spare budget) in the captured steps ----

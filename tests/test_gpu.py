@@ -1507,6 +1507,7 @@ def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
     plain ``torch.cuda.graph`` capture fails; `fast.scoping.graph_capture` pauses the collector and captures, and
     the dead graph goes at the next collection."""
     import gc
+    import weakref
 
     from raincheck_hf.fast.scoping import graph_capture
 
@@ -1522,7 +1523,7 @@ def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
             y = x * 2
-            holder = [keep.pop()]
+            holder = [keep.pop(), keep.pop()]
             holder.append(holder)  # a new cycle, garbage once ``holder`` goes: only the collector frees it
             del holder
             alive = [[] for _ in range(2000)]  # container allocations that live on: collections (threshold below)
@@ -1535,14 +1536,22 @@ def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
     gc.set_threshold(10)
     try:
         with pytest.raises(RuntimeError):
-            capture_dropping_a_graph(plain, [a_captured_graph()])
+            capture_dropping_a_graph(plain, [None, a_captured_graph()])
         torch.cuda.synchronize()
         gc.collect()
-        graph, y = capture_dropping_a_graph(graph_capture, [a_captured_graph()])
+
+        class Marker:  # rides in the dead graph's cycle: freed with it
+            pass
+
+        marker = Marker()
+        freed = weakref.ref(marker)
+        graph, y = capture_dropping_a_graph(graph_capture, [marker, a_captured_graph()])
+        del marker
         assert gc.isenabled()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, torch.full_like(x, 2.0))
-        assert gc.collect() > 0  # the dead graph's cycle, freed outside any capture
+        gc.collect()  # the collector may already have run after the capture (threshold 10): either way, it is gone
+        assert freed() is None
     finally:
         gc.set_threshold(*threshold)

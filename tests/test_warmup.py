@@ -179,7 +179,8 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, repla
     keys = kept.warm_keys(cfg, 3)
     assert summary.batched == len(keys) == len(kept.capture_log) and summary.batched_already == 0
     assert {k.batch for k in keys} == {1, 2, 4} and kept.pool.num_slots >= 4 and kept.pool.capacity >= 256
-    assert {k.width for k in keys} == ({1} if mode == "full" else {1, 4})
+    # (on the attention families short prompt pieces ride in these steps in every mode: `ride_rows`)
+    assert {k.width for k in keys} == ({1} if mode == "full" and name == "qwen3_5" else {1, 4})
     assert "3 sequences of up to 256 rows" in summary.coverage and "batched decode steps" in str(summary)
     again = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
                                  cache_dir=False, progress=False)

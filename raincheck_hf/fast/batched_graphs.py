@@ -172,6 +172,24 @@ def decode_only(entries) -> bool:
     return torch.equal(kinds.cpu(), want)
 
 
+RIDE_STEPS = 2  # a prompt of at most this many widest warmed widths rides in the captured steps (`ride_rows`)
+
+
+def _visual_rows_lead(group) -> bool:
+    """Whether ``group``'s DeepStack rows are exactly its leading deferred rows (none, or a chunk's, a restoring
+    piece's or a continued conversation's leftover deferred rows before a text prompt), the layout a captured step
+    places DeepStack features in (`BatchedStepGraphs._fill`); from host data only (the features' row count and the
+    rows' kinds). A prompt whose image rows sit between its text rows is not."""
+    deepstack = group.batch.deepstack
+    visual = 0 if deepstack is None else int(deepstack[0].shape[0])
+    if visual == 0:
+        return True
+    kinds = torch.as_tensor(group.kinds, dtype=torch.int8).cpu()
+    other = kinds.ne(DEFERRED)
+    leading = int(other.to(torch.int8).argmax()) if bool(other.any()) else int(kinds.numel())
+    return visual == leading
+
+
 class BatchStepKey(NamedTuple):
     batch: int  # sequences, padding rows included (`batch_bucket`)
     width: int  # rows per sequence (`width_bucket`)
@@ -310,11 +328,39 @@ class BatchedStepGraphs:
         return (self.pool.version, self.adapter.attn_implementation,
                 None if self.recurrent is None else self.recurrent.version)
 
-    def accepts(self, entries) -> bool:
+    def accepts(self, entries, config: RaincheckConfig) -> bool:
         """Whether the forward ``entries`` runs here (else on the eager `batch_engine.ForwardRunner`), decided on the
-        host from the entries' kinds: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring pieces),
-        on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`)."""
-        return decode_only(entries)
+        host from the entries' kinds and sizes: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring
+        pieces), on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`); on the attention families
+        also a step with short prompt pieces (`ride_rows`): no wider than the widest warmed width, each group's
+        DeepStack rows its leading deferred rows (`_visual_rows_lead`)."""
+        if decode_only(entries):
+            return True
+        if self.recurrent is not None:
+            return False
+        widest = max(len(g) for _, g in entries)
+        return (width_bucket(widest, config) <= self.ride_width(config)
+                and all(_visual_rows_lead(g) for _, g in entries))
+
+    def ride_width(self, config: RaincheckConfig) -> int:
+        """The widest step `warm_keys` captures for ``config`` on an attention family (``width_bucket`` of the largest
+        chunk + 1: prompt pieces up to it ride in the captured steps), 0 on the Gated DeltaNet families (a prompt's
+        rows advance the recurrent states as the captured step's ``[deferred, token]`` layout does not)."""
+        if self.recurrent is not None:
+            return 0
+        return width_bucket(config.max_chunk_size + 1, config)
+
+    def ride_rows(self, prefill, config: RaincheckConfig) -> int:
+        """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
+        conversation's leftover deferred rows, then the turn's rows) its next piece takes so that it rides in this
+        step's captured forward beside the decode rows, or 0: it runs on the eager `batch_engine.ForwardRunner`.
+        A prompt rides when it is short (at most `RIDE_STEPS` pieces of `ride_width`: a follow-up question; an
+        eager forward costs tens of milliseconds of host launch, a replayed step a fraction of one) and its
+        DeepStack rows lead (`_visual_rows_lead`: no image between its text rows)."""
+        width = self.ride_width(config)
+        if width == 0 or len(prefill) > RIDE_STEPS * width or not _visual_rows_lead(prefill):
+            return 0
+        return width
 
     # ---- the step itself, identical in eager and captured form ----
     def _step(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
@@ -415,7 +461,7 @@ class BatchedStepGraphs:
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
         widths = [1]
-        if config.defers:
+        if config.defers or self.recurrent is None:  # (chunks and restoring pieces; short prompt pieces: `ride_rows`)
             most = config.max_chunk_size + 1
             widths += sorted({width_bucket(w, config) for w in range(2, most + 1)})
         capacity = self.pool.capacity
