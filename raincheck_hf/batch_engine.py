@@ -158,10 +158,12 @@ class RowScheduler:
         ride: with ``separate_prefill``, ``ride(prefill)``: how many rows of a sequence's remaining prompt its piece
             takes to ride in the decode rows' forward (the captured step: `BatchedStepGraphs.ride_rows`, a short
             follow-up question), or 0: the piece goes in the forward of its own. None: no piece rides.
+        piece_forwards: with ``separate_prefill``, each prompt piece that does not ride gets a forward of its own
+            (the captured steps run a piece alone: `BatchedStepGraphs.prefill_alone`), instead of one for them all.
     """
 
     def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
-                 ride=None):
+                 ride=None, piece_forwards: bool = False):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
@@ -170,6 +172,7 @@ class RowScheduler:
         self.token_budget = token_budget
         self.separate_prefill = separate_prefill
         self.ride = ride
+        self.piece_forwards = piece_forwards
 
     def chunk_cap(self, fed: list[SequenceState]) -> int | None:
         """The cap on each chunk of this step (`generation.shared_chunk_cap` over the ``fed`` sequences, those with a
@@ -197,7 +200,8 @@ class RowScheduler:
                 continue
             if left is not None and left <= 0:
                 break
-            most = self.ride(seq.prefill) if self.separate_prefill and self.ride is not None else 0
+            # (beside decode rows only: alone, a piece takes what the budget gives in one forward)
+            most = self.ride(seq.prefill) if decode and self.separate_prefill and self.ride is not None else 0
             piece = seq.take_prefill(left if not most else most if left is None else min(left, most))
             (riding if most else prefill).append((seq, piece))
             if left is not None:
@@ -211,8 +215,9 @@ class RowScheduler:
         if chunks:
             forwards.append(chunks)
         decoding = [(seq, groups[-1]) for seq, groups in decode] + riding
-        if self.separate_prefill and prefill and (decoding or restoring):
-            return forwards + [decoding + restoring, prefill]
+        if self.separate_prefill and prefill and (decoding or restoring or self.piece_forwards):
+            pieces = [[piece] for piece in prefill] if self.piece_forwards else [prefill]
+            return forwards + ([decoding + restoring] if decoding or restoring else []) + pieces
         main = decoding + prefill + restoring
         if main:
             forwards.append(main)
@@ -338,13 +343,14 @@ class BatchEngine:
         token_budget: rows per step (decode rows first, then prompt pieces, then restoring pieces); None: no limit
             (a prompt's whole prefill in its first step).
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
-        graphs: run the steps that carry no prompt piece (decode rows, and restoring sequences' pieces beside them)
+        graphs: run the decode steps (decode rows, and restoring sequences' pieces beside them; on the attention
+            families also short prompts riding with them, and each longer prompt's pieces in a step of their own)
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
             the same static-buffer step runs eagerly); None: follow ``config.fast_path`` (None: eager; True where
             the family supports it: every family with a fast path, the MoE ones with transformers' ``grouped_mm``
             experts in bfloat16, on CUDA; on the Gated DeltaNet families the per-slot GDN states are read and
-            written through the step's device slot indices). Prompt pieces always run on the eager
-            `ForwardRunner`. With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
+            written through the step's device slot indices; their prompt pieces run on the eager
+            `ForwardRunner`). With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
             kept per model and goes back with `close`.
     """
 
@@ -355,8 +361,9 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        # (with captured decode steps, a step's decode rows replay them beside an eager forward of its prompt pieces;
-        # a short prompt's piece rides in the replayed step: `BatchedStepGraphs.ride_rows`)
+        # (with captured steps, a short prompt's piece rides in the decode rows' step, `BatchedStepGraphs.ride_rows`;
+        # a longer one's runs in a forward of its own after it: captured alone on the attention families, eager on
+        # the Gated DeltaNet ones)
         self.text_config = model.config.get_text_config()
         self.graphs = None
         ride = None
@@ -371,7 +378,8 @@ class BatchEngine:
         self.recurrent = (self.graphs.recurrent if self.graphs is not None
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
-        self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride)
+        self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride,
+                                      piece_forwards=use_graphs and self.graphs.prefill_alone)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows

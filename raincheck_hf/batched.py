@@ -34,12 +34,13 @@ forward gives the family each sequence's row layout (`SequenceState.layout`: def
 rows or a generated row, then padding), which its GDN layers run per sequence (`batched_gdn.PackedGDNState.step`).
 A sequence's cache gets its states and boundary record when it leaves.
 
-Decode steps (every row's ``[chunk?, token]``, no prompt piece) run as captured CUDA graphs per (batch bucket,
-width, span bucket) (`fast.batched_graphs`) where the engine's ``graphs`` setting resolves on: ``fast_path=None``
-on CUDA for every family with a fast path (the MoE ones with ``grouped_mm`` experts in bfloat16; the Gated
-DeltaNet families with their per-slot states read and written in the graph), ``fast_path=True`` on any device (on
-a CPU the same static-buffer step runs eagerly); the prompt pieces and ``fast_path=False`` run on the eager
-`batch_engine.ForwardRunner`.
+Decode steps (every row's ``[chunk?, token]``) run as captured CUDA graphs per (batch bucket, width, span bucket)
+(`fast.batched_graphs`) where the engine's ``graphs`` setting resolves on: ``fast_path=None`` on CUDA for every
+family with a fast path (the MoE ones with ``grouped_mm`` experts in bfloat16; the Gated DeltaNet families with
+their per-slot states read and written in the graph), ``fast_path=True`` on any device (on a CPU the same
+static-buffer step runs eagerly). On the attention families prompt pieces do too (a short prompt rides in the
+decode step; a longer one's pieces replay a prefill step of their own); the Gated DeltaNet families' prompt pieces
+and ``fast_path=False`` run on the eager `batch_engine.ForwardRunner`.
 
 Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a model without captured
 batched steps (an accelerate-split model), continuing a cache in a batched call (a held

@@ -708,10 +708,11 @@ def run_restoring_case(model, engine: BatchEngine, cfg: RaincheckConfig, answers
 
 def test_restoring_rides_in_captured_decode_steps():
     """With captured decode steps (``fast_path=True``; on a CPU the same static-buffer step runs eagerly) a restoring
-    piece rides in every step: in the prompt's step the restoring piece replays and the prompt piece runs eagerly
-    after it (a forward of its own), every decode step carries a piece and is still replayed (never run eagerly for
-    it), and so is every step after the answer (restoring pieces only). The answer equals its own call; the restored cache equals idle-time restoration's and the
-    follow-up from it answers identically."""
+    piece rides in every step: in the prompt's step the restoring piece replays and then the prompt piece alone, in
+    a forward of its own (a prefill step of batch 1), every decode step carries a piece and is still replayed (never
+    run eagerly for it), and so is every step after the answer (restoring pieces only). Nothing runs eagerly. The
+    answer equals its own call; the restored cache equals idle-time restoration's and the follow-up from it answers
+    identically."""
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     eager = RaincheckConfig(retention=0.2, chunk_size=2, decode_guard=2, fast_path=False)
     cfg = dataclasses.replace(eager, fast_path=True)
@@ -725,13 +726,13 @@ def test_restoring_rides_in_captured_decode_steps():
     _, per_step = _drive_with_restoring(engine, [other], [state], torch.tensor(no_placeholder_ids(model)))
     other.check("answer on captured decode steps beside a restoring sequence")
     assert len(per_step) == other.n and all(n == cfg.idle_chunk_size for n in per_step)  # a piece in every step
-    # the prompt's step: the first restoring piece replayed, then the prompt's piece eagerly
-    assert paths[:2] == [("replay", True, False), ("eager", False, False)]
+    # the prompt's step: the first restoring piece replayed, then the prompt's piece alone
+    assert paths[:2] == [("replay", True, False), ("replay", False, False)]
     assert paths[2:] == [("replay", True, True)] * (other.n - 1)  # each decode step: replayed, with a piece
     while state.num_pending:  # nothing else left: restoring pieces alone, replayed too
         assert engine.step() == {}
     assert {p for p in paths[other.n + 1:]} == {("replay", True, False)}
-    assert engine.graphs.replays == len(paths) - 1
+    assert engine.graphs.replays == len(paths)
     got = engine.remove(state)
     engine.close()
     want = _idle_restored(model, cache, eager)

@@ -228,7 +228,7 @@ def test_replays_after_sequences_leave_and_join_read_nothing_stale(replay_log):
     fours = [i for i, key in enumerate(replay_log) if key.batch == 4]
     twos = [i for i, key in enumerate(replay_log) if key.batch == 2]
     assert fours and twos and fours[0] < twos[0] < fours[-1]
-    assert all(key.dense for key in replay_log)
+    assert all(key.dense for key in replay_log if not key.prefill)  # (a prompt piece alone gathers its slot)
 
 
 def test_pools_and_their_graphs_serve_the_next_call(replay_log):
@@ -341,11 +341,12 @@ def test_a_step_beside_a_paused_sequence_puts_a_padding_row_in_its_slot(replay_l
         assert step < 100
     for i, r in enumerate(requests):
         r.check(f"sequence {i}")
-    assert all(key.dense for key in replay_log)
+    decoding = [key for key in replay_log if not key.prefill]  # (step 0's prompts: each alone, its slot gathered)
+    assert all(key.dense for key in decoding) and sum(key.prefill for key in replay_log) == 4
     # (replays from step 1: step 3's two sequences, in slots 1 and 2, read the pool's bucket of 4)
-    assert [key.batch for key in replay_log] == [4, 4, 4, 4, 4, 2, 2, 1, 1, 1]
+    assert [key.batch for key in decoding] == [4, 4, 4, 4, 4, 2, 2, 1, 1, 1]
     assert [p for p in padded if p] and all(slot == 0 and start > 0 for p in padded for slot, start in p)
-    assert sum(1 for key in replay_log if key.dense) > 4
+    assert sum(1 for key in decoding if key.dense) > 4
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
@@ -368,7 +369,7 @@ def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_lo
     beside = [p for p in padded if p]
     assert len(beside) >= 2 and all(slot == 3 for p in beside for slot, _ in p)
     assert sorted({start for p in beside for _, start in p}) == sorted(start for p in beside for _, start in p)
-    assert not any(not key.dense for key in replay_log)
+    assert all(key.dense for key in replay_log if not key.prefill)
 
 
 # ---- short prompts ride in the captured steps (`BatchedStepGraphs.ride_rows`) ----
@@ -391,11 +392,10 @@ def _step_records(engine) -> list:
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
 def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
     """A held conversation's follow-up (its leftover deferred image rows, then a short text turn) joins while another
-    answer decodes: its prompt is short enough (`ride_rows`: at most two pieces of the widest warmed width) and its
-    DeepStack rows lead, so its pieces ride in the decode rows' replayed step instead of an eager forward of their
-    own; a first turn whose image rows (with DeepStack features) sit between its text rows runs eagerly on Qwen3-VL
-    and rides on Qwen2.5-VL (no DeepStack). Each answer equals its own eager batch-1 call (the follow-up: from its
-    held cache)."""
+    answer decodes: its prompt is short enough (`ride_rows`: at most two pieces of the widest warmed width) to ride
+    in the decode rows' replayed step instead of a forward of its own. The first answer's image prompt, alone at
+    step 0, ran in a prefill step (batch 1, its slot gathered; on Qwen3-VL its DeepStack rows between the text rows
+    placed row by row). Each answer equals its own eager batch-1 call (the follow-up: from its held cache)."""
     model, processor = family_model(name), family_processor(name)
     cfg = RaincheckConfig(retention=0.3, chunk_size=15, decode_guard=1, fast_path=False)
     answer = Request(model, processor, cfg, IMAGE, n=12, arrive=0)
@@ -417,14 +417,13 @@ def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
     follow.check(f"{name} follow-up beside it")
     follow_rows = prompt_rows[follow.seq]
     assert 0 < follow_rows <= 2 * width  # (the case this test is about)
-    first = [(r, carried) for r, carried in records if answer.seq in carried]
-    rode = [(r, carried) for r, carried in records if follow.seq in carried]
-    if name == "qwen3_vl":  # the image (DeepStack rows) between the text: eager
-        assert first and all(r.forwards[-1] == "eager" for r, _ in first)
-    else:  # no DeepStack features: a short image prompt rides too
-        assert first and all(r.kind in ("captured", "replayed") for r, _ in first)
-    assert rode and all(r.kind in ("captured", "replayed") and r.rows.decode == 1 for r, _ in rode)
-    assert sum(r.rows.prefill for r, _ in rode) == follow_rows
+    rode = [r for r, carried in records if follow.seq in carried]
+    assert rode and all(len(r.forwards) == 1 and r.kind in ("captured", "replayed") and r.rows.decode == 1
+                        for r in rode)
+    assert sum(r.rows.prefill for r in rode) == follow_rows
+    first = [key for key in replay_log if key.prefill]
+    assert len(first) == 1 and first[0].batch == 1 and not first[0].dense
+    assert first[0].width == batched_graphs.prefill_width(prompt_rows[answer.seq])
 
 
 def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
@@ -460,8 +459,8 @@ def test_fuzz_restoring_sequences_ride_in_replayed_steps(seed, views, replay_log
 
 def test_a_restoring_sequence_given_no_rows_holds_a_padding_row(replay_log):
     """A held conversation joins first (slot 0), an answer after it (slot 1). In the first step the held
-    conversation's piece replays alone (batch 1, dense) before the answer's prompt runs eagerly. For three steps the
-    token budget is 1:
+    conversation's piece replays alone (batch 1, dense) before the answer's prompt runs alone in a forward of its own
+    (a prefill key: batch 1, its slot gathered). For three steps the token budget is 1:
     the answer's token fills each, the restoring sequence gets no rows but holds slot 0, so those steps read views
     of slots 0 .. 1 (batch 2, dense) with a padding row in slot 0 after the restoring sequence's rows; with the
     budget lifted its pieces ride again in the same steps (batch 2); once the answer is done its pieces alone replay
@@ -483,7 +482,10 @@ def test_a_restoring_sequence_given_no_rows_holds_a_padding_row(replay_log):
     while state.num_pending:
         assert engine.step() == {}
     got = engine.remove(state)
-    assert [(key.batch, key.dense) for key in replay_log] == [(1, True)] + [(2, True)] * 7 + [(1, True)] * 2
+    # (the answer's prompt alone in its own forward, its slot gathered: a prefill key)
+    assert [(key.batch, key.dense) for key in replay_log if not key.prefill] == ([(1, True)] + [(2, True)] * 7
+                                                                                 + [(1, True)] * 2)
+    assert sum(key.prefill for key in replay_log) == 1
     assert_cache_equal(got, _idle_restored(model, cache, cfg))
 
 

@@ -1,9 +1,13 @@
-"""The batched engine's decode steps as CUDA graphs, one per key (batch bucket, width, span bucket, ...).
+"""The batched engine's steps as CUDA graphs, one per key (batch bucket, width, span bucket, ...).
 
-`batch_engine.BatchEngine` runs a step without a prompt piece (`decode_only`: each sequence's decode rows
-``[chunk?, token]``, or a restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through
-`BatchedStepGraphs` instead of the eager `batch_engine.ForwardRunner`: the step's inputs are copied into static
-buffers and a graph captured on them is replayed. A graph's key (`BatchStepKey`):
+`batch_engine.BatchEngine` runs a decode step (`decode_only`: each sequence's decode rows ``[chunk?, token]``, or a
+restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through `BatchedStepGraphs` instead
+of the eager `batch_engine.ForwardRunner`: the step's inputs are copied into static buffers and a graph captured on
+them is replayed. On the attention families prompts do too (`accepts`): a short prompt's piece (a follow-up
+question, `ride_rows`) rides in the decode step like one more sequence, its rows at its slot's offsets with their
+order keys; a longer prompt's piece runs alone in a step of its own (``prefill`` keys: batch 1, a width of
+`PREFILL_WIDTHS`, its slot gathered), which an eager forward would launch layer by layer for tens of
+milliseconds of host time. A graph's key (`BatchStepKey`):
 
 - ``batch``: the step's sequences (restoring ones included) rounded up on `BATCH_BUCKETS` (1, 2, 4, ..., 64, then
   multiples of 64); the unused rows of a bucket are padding sequences in free slots or the pool's scratch slot
@@ -41,8 +45,10 @@ the eager engine does) and its padding sequences write to the pool's scratch slo
 Graphs belong to the engine's pool: captured once per key, recaptured when the pool reallocates its tensors
 (`kv_pool.SlotKVPool.version`) or the recurrent states theirs (`batched_gdn.PackedGDNStates.version`). A capture's
 warm-up runs the real step it is captured for: on attention-only families a step is idempotent (it writes the same
-rows with the same values and keys), so the replay that follows gives the same result. Prompt pieces run on the
-eager `ForwardRunner`.
+rows with the same values and keys), so the replay that follows gives the same result. A prompt piece's DeepStack
+rows between its text rows (an image inside the prompt) are placed row by row on the device: each visual row takes
+the features of its rank among the piece's visual rows (`_fill`); the Gated DeltaNet families' prompt pieces run on
+the eager `ForwardRunner` (a prompt's rows advance the states as the step's ``[deferred, token]`` layout does not).
 
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
 per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
@@ -105,6 +111,9 @@ def batch_bucket(n: int) -> int:
     return -(-int(n) // top) * top
 
 
+PREFILL_WIDTHS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # a prompt piece alone: its widths
+
+
 def width_bucket(widest: int, config: RaincheckConfig) -> int:
     """Rows per sequence of a decode step whose widest sequence has ``widest`` rows: 1 (tokens only), else the
     smallest ``c + 1`` >= ``widest`` for a chunk size ``c`` of the configuration (its fixed size, the ladder)."""
@@ -115,6 +124,18 @@ def width_bucket(widest: int, config: RaincheckConfig) -> int:
         sizes.add(int(config.chunk_size) + 1)
     fitting = [s for s in sorted(sizes) if s >= widest]
     return fitting[0] if fitting else int(widest)
+
+
+def prefill_width(rows: int) -> int:
+    """The width of a step that runs a prompt piece of ``rows`` rows alone: the smallest of `PREFILL_WIDTHS` that holds
+    it (``rows`` beyond them: such a piece runs eagerly)."""
+    return next((w for w in PREFILL_WIDTHS if w >= rows), int(rows))
+
+
+def _piece(seq, group) -> bool:
+    """Whether ``group`` is a prompt piece (of a turn's prefill: not a decode group ``[chunk?, token]``, whose last row
+    is its generated token, nor a restoring sequence's piece); host data only."""
+    return not seq.restores_only and int(torch.as_tensor(group.kinds)[-1]) != GENERATED
 
 
 def batched_graph_blocker(adapter) -> str | None:
@@ -198,6 +219,7 @@ class BatchStepKey(NamedTuple):
     records: bool = False  # Gated DeltaNet families: some sequence records its generated row (deferred rows pending)
     chunks: bool = False  # Gated DeltaNet families: some sequence carries deferred rows (a chunk, a restoring piece)
     compiled: bool = False  # the step runs the family's compiled forms (`RaincheckConfig.compile_steps`)
+    prefill: bool = False  # a prompt piece alone (batch 1, a width of `PREFILL_WIDTHS`, its slot gathered)
 
 
 @dataclass
@@ -311,6 +333,7 @@ class BatchedStepGraphs:
         self.hidden = adapter.text_model.config.hidden_size
         self.num_deepstack = adapter.num_deepstack_layers
         self._captured: dict[BatchStepKey, tuple] = {}
+        self._prefill_buffers: dict[int, BatchStepBuffers] = {}  # a prompt piece alone: one set per width
         # Gated DeltaNet families: the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row per slot of the
         # pool, scratch slot included), kept with the pool: the engine's eager forwards use them too
         self.recurrent = adapter.packed_states(pool.total_slots)
@@ -332,15 +355,23 @@ class BatchedStepGraphs:
         """Whether the forward ``entries`` runs here (else on the eager `batch_engine.ForwardRunner`), decided on the
         host from the entries' kinds and sizes: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring
         pieces), on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`); on the attention families
-        also a step with short prompt pieces (`ride_rows`): no wider than the widest warmed width, each group's
-        DeepStack rows its leading deferred rows (`_visual_rows_lead`)."""
+        also a step with short prompt pieces beside decode rows (`ride_rows`: no wider than the widest warmed width),
+        and a prompt piece alone of up to the largest of `PREFILL_WIDTHS` rows (`batch_engine.RowScheduler` gives
+        each piece that does not ride a forward of its own: `prefill_alone`)."""
         if decode_only(entries):
             return True
         if self.recurrent is not None:
             return False
-        widest = max(len(g) for _, g in entries)
-        return (width_bucket(widest, config) <= self.ride_width(config)
-                and all(_visual_rows_lead(g) for _, g in entries))
+        if len(entries) == 1 and _piece(*entries[0]):
+            return len(entries[0][1]) <= PREFILL_WIDTHS[-1]
+        return width_bucket(max(len(g) for _, g in entries), config) <= self.ride_width(config)
+
+    @property
+    def prefill_alone(self) -> bool:
+        """Whether a prompt piece runs here alone in its forward (the attention families: `accepts`), so that the
+        scheduler gives each piece a forward of its own (one captured step of batch 1 each) rather than one eager
+        forward for them all."""
+        return self.recurrent is None
 
     def ride_width(self, config: RaincheckConfig) -> int:
         """The widest step `warm_keys` captures for ``config`` on an attention family (``width_bucket`` of the largest
@@ -354,13 +385,11 @@ class BatchedStepGraphs:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
         conversation's leftover deferred rows, then the turn's rows) its next piece takes so that it rides in this
         step's captured forward beside the decode rows, or 0: it runs on the eager `batch_engine.ForwardRunner`.
-        A prompt rides when it is short (at most `RIDE_STEPS` pieces of `ride_width`: a follow-up question; an
-        eager forward costs tens of milliseconds of host launch, a replayed step a fraction of one) and its
-        DeepStack rows lead (`_visual_rows_lead`: no image between its text rows)."""
+        A prompt rides when it is short (at most `RIDE_STEPS` pieces of `ride_width`: a follow-up question): a
+        forward of its own, even replayed, would be one more launch and one more pass over the weights in the
+        step."""
         width = self.ride_width(config)
-        if width == 0 or len(prefill) > RIDE_STEPS * width or not _visual_rows_lead(prefill):
-            return 0
-        return width
+        return 0 if len(prefill) > RIDE_STEPS * width else width
 
     # ---- the step itself, identical in eager and captured form ----
     def _step(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
@@ -456,7 +485,9 @@ class BatchedStepGraphs:
         conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
         padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where
         that bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would
-        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs."""
+        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs. On the
+        attention families also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span
+        that holds it, its slot gathered."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
@@ -481,6 +512,10 @@ class BatchedStepGraphs:
                         continue
                     for records, chunks in variants:
                         keys.append(BatchStepKey(batch, width, span, self.views, records, chunks, compiled))
+        if self.prefill_alone:  # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity
+            for width in PREFILL_WIDTHS:
+                keys += [BatchStepKey(1, width, span, False, False, False, compiled, True)
+                         for span in spans if span >= width]
         return keys
 
     def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
@@ -506,8 +541,7 @@ class BatchedStepGraphs:
         for key in todo:
             if self.failed:
                 break
-            buffers = BatchStepBuffers.empty(key, self.hidden, self.num_deepstack, self.adapter.dtype,
-                                             self.adapter.device, self.recurrent is not None)
+            buffers = self._buffers(key)
             self._fill_padding(buffers, key)
             if self._capture_new(key, buffers) is None:
                 break
@@ -550,9 +584,12 @@ class BatchedStepGraphs:
         entries = sorted(entries, key=lambda e: e[0].slot)  # (batch rows rise with the slots)
         n = len(entries)
         widest = max(len(g) for _, g in entries)
-        key_batch, width = batch_bucket(n), width_bucket(widest, config)
+        # a prompt piece alone (on the attention families) takes a prefill width and gathers its slot: views would
+        # pad every lower slot to its width
+        alone = n == 1 and self.prefill_alone and _piece(*entries[0])
+        key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
-        dense_layout = self._dense_layout(slots, key_batch, width)
+        dense_layout = None if alone else self._dense_layout(slots, key_batch, width)
         dense = dense_layout is not None
         if dense:
             key_batch, padding = dense_layout
@@ -571,10 +608,9 @@ class BatchedStepGraphs:
         recorded = self._recorded(entries)
         chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
-        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks, compiled)
+        key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks, compiled, alone)
         captured = self._captured.get(key)
-        buffers = captured[1] if captured is not None else BatchStepBuffers.empty(
-            key, self.hidden, self.num_deepstack, adapter.dtype, adapter.device, self.recurrent is not None)
+        buffers = captured[1] if captured is not None else self._buffers(key)
         # each entry's batch row (dense: its slot) and the padding rows (row, slot, start row)
         rows = slots if dense else list(range(n))
         pads = ([(slot, slot, start) for slot, start in padding.items()] if dense
@@ -584,6 +620,18 @@ class BatchedStepGraphs:
             self._fill_recurrent(buffers.recurrent, entries, recorded, rows)
         return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded),
                                  tuple(sorted(padding.items())), tuple(rows))
+
+    def _buffers(self, key: BatchStepKey) -> BatchStepBuffers:
+        """New buffers for ``key``'s step; a prompt piece alone shares them with the other spans of its width (the
+        widest are megabytes a row of buffers; one step is filled and launched at a time, and each fill is
+        enqueued after the launch before it, so no replay reads another's inputs)."""
+        if key.prefill and key.width in self._prefill_buffers:
+            return self._prefill_buffers[key.width]
+        buffers = BatchStepBuffers.empty(key, self.hidden, self.num_deepstack, self.adapter.dtype,
+                                         self.adapter.device, self.recurrent is not None)
+        if key.prefill:
+            self._prefill_buffers[key.width] = buffers
+        return buffers
 
     def _dense_layout(self, slots: list[int], key_batch: int, width: int) -> tuple[int, dict] | None:
         """``(batch bucket, {padding slot: its start row})`` of a dense step over ``slots`` (rows ``width``), or None
@@ -668,12 +716,20 @@ class BatchedStepGraphs:
         host = torch.tensor([slot_of, start_of, last_of], dtype=torch.long)  # slots, starts, last rows
         dest = _placement(count_of, width)  # (entries in row order: ``rows`` rises with the entries' slots)
         visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
+        scattered = []  # (entry, its batch row): a prompt piece whose DeepStack rows sit between its other rows
         if buffers.deepstack:
-            # a group's visual rows are its leading deferred rows (`decode_only`): all of a restoring piece's rows,
-            # all of a decode group's but its token
-            for (_, g), n_rows, v in zip(entries, lengths, visual):
-                if v > n_rows or (v == n_rows and g.want_logits):
-                    what = "a decode group" if g.want_logits else "a restoring piece"
+            # a decode group's or a restoring piece's visual rows are its leading deferred rows (`decode_only`): all
+            # of a restoring piece's rows, all of a decode group's but its token; a prompt piece's where they lead
+            # (a continued conversation's leftover deferred rows before its text: `_visual_rows_lead`)
+            for i, ((seq, g), n_rows, v) in enumerate(zip(entries, lengths, visual)):
+                if v == 0:
+                    continue
+                decoding = not seq.restores_only and int(g.kinds[-1]) == GENERATED
+                if not (seq.restores_only or decoding) and not _visual_rows_lead(g):
+                    scattered.append((i, rows[i]))
+                    visual[i] = 0  # (placed below, row by row)
+                elif v > n_rows or (v == n_rows and decoding):
+                    what = "a decode group" if decoding else "a restoring piece or prompt piece"
                     raise RuntimeError(f"{what} of {n_rows} rows carries {v} DeepStack rows")
         visual_of = [0] * batch
         for row, v in zip(rows, visual):
@@ -702,6 +758,13 @@ class BatchedStepGraphs:
             if features:
                 addend.view(batch * width, -1).index_copy_(
                     0, ds_dest, torch.cat(features).to(device, addend.dtype))
+        for e, row in scattered:  # each row its visual rank's features (a gather on the device: nothing read back)
+            group = groups[e]
+            flags = group.batch.visual.to(device)
+            rank = (flags.cumsum(0) - 1).clamp_(min=0)
+            for addend, features in zip(buffers.deepstack, group.batch.deepstack):
+                picked = features.to(device, addend.dtype)[rank]
+                addend[row, :lengths[e]] = torch.where(flags[:, None], picked, torch.zeros_like(picked))
 
 
     # ---- the Gated DeltaNet part of a step ----
