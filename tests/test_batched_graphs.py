@@ -426,6 +426,76 @@ def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
     assert first[0].width == batched_graphs.prefill_width(prompt_rows[answer.seq])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_deepstack_rows_of_a_prompt_piece_land_on_its_visual_rows(seed, replay_log):
+    """`BatchedStepGraphs._fill` on random steps: each DeepStack addend equals the reference made row by row (a
+    sequence's k-th visual row gets its k-th feature row, every other row zero: what HF's boolean-masked add does),
+    for decode groups (features on the leading deferred rows), restoring pieces (every row visual) and prompt pieces
+    whose visual rows lie anywhere (placed row by row on the device), in dense and gathered layouts."""
+    from raincheck_hf.batched import RowGroup
+    from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT
+    from raincheck_hf.models.base import RowBatch
+
+    model = family_model("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=15, fast_path=False)
+    engine = BatchEngine(model, _with(cfg, None), num_slots=4, graphs=True)
+    graphs = engine.graphs
+    layers, hidden = graphs.num_deepstack, graphs.hidden
+    assert layers > 0
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+
+    class Seq:
+        def __init__(self, slot, restores_only=False):
+            self.slot, self.restores_only = slot, restores_only
+
+    entries, want = [], []
+    for slot in sorted(rng.sample(range(4), rng.randint(1, 4))):
+        kind = rng.choice(("decode", "restoring", "prompt")) if entries else "prompt"  # (one prompt at least)
+        n = rng.randint(1, 16) if kind != "decode" else rng.randint(1, 8)
+        if kind == "decode":
+            visual = torch.zeros(n, dtype=torch.bool)
+            visual[:n - 1] = torch.rand(1, generator=gen).item() < 0.7  # its chunk's deferred rows, or none
+            kinds = torch.full((n,), DEFERRED, dtype=torch.int8)
+            kinds[-1] = GENERATED
+        elif kind == "restoring":
+            visual = torch.ones(n, dtype=torch.bool)
+            kinds = torch.full((n,), DEFERRED, dtype=torch.int8)
+        else:
+            visual = torch.rand(n, generator=gen) < 0.5
+            visual[rng.randrange(n)] = True  # (some visual row, anywhere)
+            kinds = torch.full((n,), INPUT, dtype=torch.int8)
+        v = int(visual.sum())
+        features = [torch.randn(v, hidden, generator=gen) for _ in range(layers)] if v else None
+        batch = RowBatch(torch.randn(n, hidden, generator=gen), torch.zeros(3, n, dtype=torch.long), visual, features)
+        group = RowGroup(batch, torch.arange(n), torch.arange(n), kinds, want_logits=kind == "decode")
+        entries.append((Seq(slot, kind == "restoring"), group))
+        reference = [torch.zeros(n, hidden) for _ in range(layers)]
+        for i in range(layers):
+            if v:
+                reference[i][visual] = features[i]
+        want.append(reference)
+    width = max(len(g) for _, g in entries)
+    slots = [seq.slot for seq, _ in entries]
+    for dense in (True, False):  # dense: batch row = slot, padding rows in the other slots; else rows 0 .. n - 1
+        batch = 4 if dense else len(entries)
+        key = batched_graphs.BatchStepKey(batch, width, 64, dense)
+        buffers = batched_graphs.BatchStepBuffers.empty(key, hidden, layers, torch.float32, torch.device("cpu"))
+        for t in buffers.deepstack:
+            t.fill_(7.0)  # (stale values: every fill rewrites them)
+        rows = slots if dense else list(range(len(entries)))
+        pads = [(r, r, 0) for r in range(4) if r not in slots] if dense else []
+        graphs._fill(buffers, entries, [0] * len(entries), rows, pads)
+        for row, (_, group), reference in zip(rows, entries, want):
+            n = len(group)
+            for addend, expected in zip(buffers.deepstack, reference):
+                assert torch.equal(addend[row, :n], expected), (seed, row)
+                assert not addend[row, n:].any()
+        for row, _, _ in pads:
+            assert not any(addend[row].any() for addend in buffers.deepstack)
+    engine.close()
+
+
 def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     """A prompt's rows advance the Gated DeltaNet states as the captured step's ``[deferred, token]`` layout does
     not: on Qwen3.5 no prompt piece rides (`ride_width` 0) and a step with one is not taken by the graphs."""
