@@ -16,7 +16,9 @@ by default) with a question and a ``--answer-tokens`` answer, then two text foll
 (after one client's dialogue, as ``bench serve-load`` warms a mode up before its timed rounds: what its timed rounds
 met) and ``warmed`` (the kept pool captured ahead for ``N`` sequences of ``--max-tokens`` rows, as ``serve
 --batching`` does at start).
-Per (N, variant): captures during the dialogues, pool reallocations, steps, and the keys' batch buckets and widths.
+Per (N, variant): captures during the dialogues, pool reallocations, steps, the keys' batch buckets and widths, how
+many of the captured keys gather their slots (decode steps beside sequences the warm-up's dense keys do not cover)
+and how many are a prompt piece alone (``prefill`` keys, which gather their one slot by design).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def dialogues(model, processor, config, clients: int, image, answer_tokens: int,
         keys += graphs.capture_log[log_at:]
     return {"captures": captured, "pool_reallocations": grown, "steps": steps,
             "capture_batches": sorted({k.batch for k in keys}), "capture_widths": sorted({k.width for k in keys}),
-            "gathered_captures": sum(not k.dense for k in keys)}
+            "gathered_captures": sum(not k.dense and not k.prefill for k in keys),
+            "prefill_captures": sum(k.prefill for k in keys)}
 
 
 QUESTION = "Describe the image."

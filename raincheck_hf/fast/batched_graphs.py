@@ -384,7 +384,8 @@ class BatchedStepGraphs:
     def ride_rows(self, prefill, config: RaincheckConfig) -> int:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
         conversation's leftover deferred rows, then the turn's rows) its next piece takes so that it rides in this
-        step's captured forward beside the decode rows, or 0: it runs on the eager `batch_engine.ForwardRunner`.
+        step's captured forward beside the decode rows, or 0: it runs in a forward of its own after theirs (alone in
+        a captured prefill step: `accepts`).
         A prompt rides when it is short (at most `RIDE_STEPS` pieces of `ride_width`: a follow-up question): a
         forward of its own, even replayed, would be one more launch and one more pass over the weights in the
         step."""
@@ -622,9 +623,10 @@ class BatchedStepGraphs:
                                  tuple(sorted(padding.items())), tuple(rows))
 
     def _buffers(self, key: BatchStepKey) -> BatchStepBuffers:
-        """New buffers for ``key``'s step; a prompt piece alone shares them with the other spans of its width (the
-        widest are megabytes a row of buffers; one step is filled and launched at a time, and each fill is
-        enqueued after the launch before it, so no replay reads another's inputs)."""
+        """New buffers for ``key``'s step; a prompt piece alone shares them with the other spans of its width (at 2,048
+        rows of an 8B model's width, with three DeepStack addends, 64 MB a set; one step is filled and launched at a
+        time, and each fill is enqueued on the stream after the launch before it, so no replay reads another's
+        inputs)."""
         if key.prefill and key.width in self._prefill_buffers:
             return self._prefill_buffers[key.width]
         buffers = BatchStepBuffers.empty(key, self.hidden, self.num_deepstack, self.adapter.dtype,
