@@ -155,9 +155,10 @@ class RowScheduler:
             prompt piece cost 32 x 630 rows of compute and attention (the H200 server's eager steps at 32 clients:
             335 ms each, 60% of the round). Each sequence's rows are the same either way and sequences see only their
             own slots, so the answers do not change.
-        ride: with ``separate_prefill``, ``ride(prefill)``: how many rows of a sequence's remaining prompt its piece
-            takes to ride in the decode rows' forward (the captured step: `BatchedStepGraphs.ride_rows`, a short
-            follow-up question), or 0: the piece goes in the forward of its own. None: no piece rides.
+        ride: with ``separate_prefill``, ``ride(prefill, width, sequences)``: how many rows of a sequence's remaining
+            prompt ride in the decode rows' forward (the captured step: `BatchedStepGraphs.ride_rows`, a short
+            follow-up question, while the step stays narrow; ``width``: the step's widest decode group, ``sequences``:
+            its sequences with this one), or 0: the piece goes in a forward of its own. None: no piece rides.
         piece_forwards: with ``separate_prefill``, each prompt piece that does not ride gets a forward of its own
             (the captured steps run a piece alone: `BatchedStepGraphs.prefill_alone`), instead of one for them all.
     """
@@ -194,16 +195,21 @@ class RowScheduler:
             decode.append((seq, groups))
             used += sum(len(g) for g in groups)
         left = None if self.token_budget is None else self.token_budget - used
+        widest = max((len(groups[-1]) for _, groups in decode), default=1)
         prefill, riding = [], []
         for seq in sequences:
             if seq.prefilled:
                 continue
             if left is not None and left <= 0:
                 break
-            # (beside decode rows only: alone, a piece takes what the budget gives in one forward)
-            most = self.ride(seq.prefill) if decode and self.separate_prefill and self.ride is not None else 0
-            piece = seq.take_prefill(left if not most else most if left is None else min(left, most))
+            # (beside decode rows only, and whole: alone, a piece takes what the budget gives in one forward)
+            most = 0
+            if decode and self.separate_prefill and self.ride is not None:
+                most = self.ride(seq.prefill, widest, len(decode) + len(riding) + 1)
+                most = most if left is None or most <= left else 0
+            piece = seq.take_prefill(most or left)
             (riding if most else prefill).append((seq, piece))
+            widest = max(widest, len(piece)) if most else widest
             if left is not None:
                 left -= len(piece)
             if seq.prefilled:  # its forward 0 completes in this step
@@ -371,7 +377,7 @@ class BatchEngine:
             self.graphs = batched_graphs.acquire(self.adapter, self.text_config.num_hidden_layers, num_slots, capacity)
             self.pool = self.graphs.pool
             graphs, config = self.graphs, self.config
-            ride = lambda prefill: graphs.ride_rows(prefill, config)  # noqa: E731 (short prompts ride)
+            ride = lambda prefill, width, n: graphs.ride_rows(prefill, config, width, n)  # noqa: E731
         else:
             self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
         # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps use them)

@@ -392,17 +392,17 @@ def _step_records(engine) -> list:
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
 def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
     """A held conversation's follow-up (its leftover deferred image rows, then a short text turn) joins while another
-    answer decodes: its prompt is short enough (`ride_rows`: at most two pieces of the widest warmed width) to ride
-    in the decode rows' replayed step instead of a forward of its own. The first answer's image prompt, alone at
-    step 0, ran in a prefill step (batch 1, its slot gathered; on Qwen3-VL its DeepStack rows between the text rows
-    placed row by row). Each answer equals its own eager batch-1 call (the follow-up: from its held cache)."""
+    answer decodes: its prompt fits in the widest warmed width and the step stays narrow (`ride_rows`), so it rides,
+    whole, in the decode rows' replayed step instead of a forward of its own. The first answer's image prompt, alone
+    at step 0, ran in a prefill step (batch 1, its slot gathered; on Qwen3-VL its DeepStack rows between the text
+    rows placed row by row). Each answer equals its own eager batch-1 call (the follow-up: from its held cache)."""
     model, processor = family_model(name), family_processor(name)
-    cfg = RaincheckConfig(retention=0.3, chunk_size=15, decode_guard=1, fast_path=False)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
     answer = Request(model, processor, cfg, IMAGE, n=12, arrive=0)
     follow = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=3, follow_up=True)
     engine = BatchEngine(model, _with(cfg, None), num_slots=2, graphs=True)
     width = engine.graphs.ride_width(engine.config)
-    assert width == 16
+    assert width == 32
     records = _step_records(engine)
     prompt_rows, add = {}, engine.add
 
@@ -416,14 +416,32 @@ def test_a_short_follow_up_rides_in_the_replayed_step(name, replay_log):
     answer.check(f"{name} answer")
     follow.check(f"{name} follow-up beside it")
     follow_rows = prompt_rows[follow.seq]
-    assert 0 < follow_rows <= 2 * width  # (the case this test is about)
+    assert 0 < follow_rows <= width  # (the case this test is about)
     rode = [r for r, carried in records if follow.seq in carried]
-    assert rode and all(len(r.forwards) == 1 and r.kind in ("captured", "replayed") and r.rows.decode == 1
-                        for r in rode)
-    assert sum(r.rows.prefill for r in rode) == follow_rows
+    assert len(rode) == 1 and len(rode[0].forwards) == 1 and rode[0].kind in ("captured", "replayed")
+    assert rode[0].rows.decode == 1 and rode[0].rows.prefill == follow_rows
     first = [key for key in replay_log if key.prefill]
     assert len(first) == 1 and first[0].batch == 1 and not first[0].dense
     assert first[0].width == batched_graphs.prefill_width(prompt_rows[answer.seq])
+
+
+def test_a_prompt_rides_while_the_step_stays_narrow(replay_log):
+    """`ride_rows`: a prompt rides whole when it fits in the widest warmed width (32 rows at chunk 31) and the step
+    stays within `RIDE_MAX_ROWS` (batch bucket x width: its pass over the weights), or is already as wide (a chunk
+    rides in it); else it runs in a forward of its own, as on the Gated DeltaNet families always."""
+    model = family_model("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=31)
+    engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
+    rides = engine.graphs.ride_rows
+    prompt = [None] * 20  # (only its length counts)
+    assert rides(prompt, cfg, 1, 2) == 20  # 2 x 32 rows
+    assert rides(prompt, cfg, 1, 4) == 20  # 4 x 32
+    assert rides(prompt, cfg, 1, 5) == 0  # 8 x 32 > 128: a forward of its own
+    assert rides(prompt, cfg, 32, 32) == 20  # the step is 32 wide already (chunks ride in it)
+    assert rides(prompt, cfg, 8, 32) == 0
+    assert rides([None] * 33, cfg, 32, 2) == 0  # wider than any warmed step
+    assert batched_graphs.RIDE_MAX_ROWS == 128
+    engine.close()
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -193,7 +193,11 @@ def decode_only(entries) -> bool:
     return torch.equal(kinds.cpu(), want)
 
 
-RIDE_STEPS = 2  # a prompt of at most this many widest warmed widths rides in the captured steps (`ride_rows`)
+# the rows (batch bucket x width) a step may reach by a prompt riding in it (`ride_rows`): up to about this many rows a
+# decode step's time is its pass over the weights (an 8B model's 16 GB read at the H200's 4.8 TB/s, 3.3 ms, is the
+# time of ~120 rows of its matmuls at 16 GFLOP a row and ~600 TFLOP/s; both scale with the model), so a prompt
+# that keeps the step within it costs little there, where a forward of its own is one more pass over the weights
+RIDE_MAX_ROWS = 128
 
 
 def _visual_rows_lead(group) -> bool:
@@ -381,16 +385,23 @@ class BatchedStepGraphs:
             return 0
         return width_bucket(config.max_chunk_size + 1, config)
 
-    def ride_rows(self, prefill, config: RaincheckConfig) -> int:
+    def ride_rows(self, prefill, config: RaincheckConfig, width: int = 1, sequences: int = 1) -> int:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
-        conversation's leftover deferred rows, then the turn's rows) its next piece takes so that it rides in this
-        step's captured forward beside the decode rows, or 0: it runs in a forward of its own after theirs (alone in
-        a captured prefill step: `accepts`).
-        A prompt rides when it is short (at most `RIDE_STEPS` pieces of `ride_width`: a follow-up question): a
-        forward of its own, even replayed, would be one more launch and one more pass over the weights in the
-        step."""
-        width = self.ride_width(config)
-        return 0 if len(prefill) > RIDE_STEPS * width else width
+        conversation's leftover deferred rows, then the turn's rows) ride in this step's captured forward beside the
+        decode rows (the whole prompt), or 0: it runs in a forward of its own after theirs (alone in a captured
+        prefill step: `accepts`). ``width``: the step's rows per sequence so far (its widest decode group);
+        ``sequences``: its sequences with this one. A prompt rides when it fits in `ride_width` (a follow-up
+        question) and the step stays within `RIDE_MAX_ROWS` rows (batch bucket x width), or is already as wide:
+        there a forward of its own would cost one more pass over the weights, while beyond it every sequence of
+        the step would pay the prompt's width."""
+        rows = len(prefill)
+        most = self.ride_width(config)
+        if most == 0 or rows > most:
+            return 0
+        need = width_bucket(rows, config)
+        if need <= width_bucket(width, config) or batch_bucket(sequences) * need <= RIDE_MAX_ROWS:
+            return rows
+        return 0
 
     # ---- the step itself, identical in eager and captured form ----
     def _step(self, buffers: BatchStepBuffers, key: BatchStepKey) -> None:
