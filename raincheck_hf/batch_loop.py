@@ -139,7 +139,8 @@ class BatchTurn:
     request: object = None  # the conversation's `_CancelRequest` (a new one when None), in its stopping criteria
     times: list = field(default_factory=list)
     previous_pending: int = 0
-    # `BatchLoop.prepare_ahead`'s result (HF's preparation, its sequence), or the error it raised; taken when it joins
+    # `BatchLoop.prepare_ahead`'s result (HF's preparation, its sequence or None, its grids), or the error it raised;
+    # taken when it joins
     ahead: object = None
     ahead_s: float = 0.0  # the time `BatchLoop.prepare_ahead` took
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
@@ -323,8 +324,8 @@ class BatchLoop:
         return self._closed
 
     def submit(self, job: BatchTurn) -> None:
-        """Hand a turn to the loop (``job.done`` is called when it ends). A conversation's first turn is prepared
-        here first, on the calling thread (`prepare_ahead`); then it returns at once."""
+        """Hand a turn to the loop (``job.done`` is called when it ends). The turn is prepared here first, on the
+        calling thread (`prepare_ahead`; a first turn's sequence too); then it returns at once."""
         if self._closed:
             raise self._closed_error(running=False)
         job.started = job.started or time.perf_counter()
@@ -614,24 +615,27 @@ class BatchLoop:
         return grids, prepared, captures
 
     def prepare_ahead(self, job: BatchTurn) -> None:
-        """Prepare a conversation's first turn (`_prepare`: HF's preparation and the vision tower's encoding of its
-        media; then its sequence, `batched.new_sequence`: embeddings, selection, plan) on the calling thread, before
-        it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile instead
-        of doing it when the turn joins (it only gives the sequence a slot: `BatchEngine.add_made`). Only a turn
-        that starts its conversation (nothing else reads or writes its cache) and whose selector needs no vision
-        attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and
-        raised when the turn joins, so the turn fails as it would have."""
-        if (self.on_loop_thread() or job.ahead is not None or job.conversation.cache is not None
-                or _needs_vision_attention(job.config)):
+        """Prepare a turn (`_prepare`: HF's preparation, its processors and stopping criteria) on the calling thread,
+        before it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile
+        instead of doing it when the turn joins. A conversation's first turn gets its sequence made here too
+        (`batched.new_sequence`: the vision tower's encoding of its media, embeddings, selection, plan; the loop
+        only gives it a slot: `BatchEngine.add_made`); a follow-up's sequence is made when it joins, from its held
+        cache as it is then (the loop may be restoring it until then; HF's preparation reads only the cache's
+        source ids, which restoring leaves as they are). Not for a turn whose selector needs a vision attention
+        capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised
+        when the turn joins, so the turn fails as it would have."""
+        if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return
         began = time.perf_counter()
         try:
             with torch.no_grad():
                 grids, prepared, _ = self._prepare(job, None)
-                # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
-                state = new_sequence(self.model, self.adapter, job.config, -1, prepared["input_ids"].reshape(-1),
-                                     **_media(prepared), **grids)
-                job.ahead = (prepared, state)
+                state = None
+                if job.conversation.cache is None:
+                    # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
+                    state = new_sequence(self.model, self.adapter, job.config, -1,
+                                         prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
+                job.ahead = (prepared, state, grids)
         except Exception as error:  # the turn's media, settings or processors: raised when it joins
             job.ahead = error
         job.ahead_s = time.perf_counter() - began
@@ -660,13 +664,15 @@ class BatchLoop:
                 ahead, job.ahead = job.ahead, None
                 if isinstance(ahead, BaseException):  # (its preparation on the caller's thread failed)
                     raise ahead
+                state = None
                 if ahead is None:
                     grids, prepared, captures = self._prepare(job, stack)
+                else:
+                    (prepared, state, grids), captures = ahead, None
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
                 follow_up = conv.cache is not None
-                if ahead is not None:
-                    prepared, state = ahead
+                if state is not None:
                     seq = engine.add_made(state)
                 else:
                     seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **_media(prepared),

@@ -416,10 +416,11 @@ def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_i
 def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(model, processor, monkeypatch):
     """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded, its sequence made:
     selection and plan) on the asking thread before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's
-    thread goes on stepping the running answers;
-    a follow-up is prepared on the loop's thread (it reads the held cache, which the loop may be restoring). A first
-    turn whose preparation raises fails alone with that error, as when the loop prepared it, and the loop answers the
-    next one; both dialogues equal themselves alone."""
+    thread goes on stepping the running answers; a follow-up gets HF's preparation there too, and its sequence on
+    the loop's thread (made from the held cache, which the loop may be restoring until the follow-up joins). A first
+    turn or a follow-up whose preparation raises fails alone with that error, as when the loop prepared it (the
+    follow-up's conversation keeps its held cache), and the loop answers the next one; both dialogues equal
+    themselves alone."""
     from raincheck_hf import batch_engine, batch_loop
 
     where, made = [], []
@@ -443,7 +444,11 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(conv, QUESTIONS[0], [IMAGES[0]])
         ask(conv, QUESTIONS[1])
-        assert where == made == [threading.current_thread(), loop._thread]
+        assert where == [threading.current_thread()] * 2 and made == [threading.current_thread(), loop._thread]
+        held = conv.cache
+        with pytest.raises(ValueError, match="max_new_tokens=3"):  # a follow-up's preparation fails on the asker's
+            ask(conv, QUESTIONS[1], max_new_tokens=3)             # thread: it fails alone, the held cache kept
+        assert where[-1] is threading.current_thread() and len(conv.turns) == 2 and conv.cache is held
         bad = Conversation(model, processor, CFG, background=False, loop=loop)
         with pytest.raises(ValueError, match="max_new_tokens=3"):
             ask(bad, QUESTIONS[0], [IMAGES[1]], max_new_tokens=3)

@@ -106,6 +106,8 @@ def accelerate_split(model) -> str | None:
     """
     devices, offloaded = set(), 0
     for module in model.modules():
+        if module.__dict__.get("_hf_hook") is None:  # (accelerate sets it as an attribute; most modules have none:
+            continue                                 # read once per call, on 845 modules of Qwen3-VL-8B)
         for device, offloads in _hook_devices(module):
             if device is not None:
                 devices.add(str(device))

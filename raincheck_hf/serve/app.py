@@ -800,8 +800,8 @@ def create_app(model, processor, settings: ServeSettings | None = None):
             except RuntimeError:  # the loop is gone (shutdown); the thread still checks its conversation in
                 pass
 
-        # off the event loop: with batching a conversation's first turn is prepared (its images encoded) before it
-        # is handed to the loop (`BatchLoop.prepare_ahead`)
+        # off the event loop: with batching a turn is prepared (HF's preparation; a first turn's images encoded too)
+        # before it is handed to the loop (`BatchLoop.prepare_ahead`)
         try:
             await asyncio.to_thread(server.start, turn, emit)
         except asyncio.CancelledError:  # (the request's task cancelled meanwhile: its answer stops at its next step)
