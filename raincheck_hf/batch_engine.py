@@ -183,9 +183,10 @@ class RowScheduler:
         return shared_chunk_cap(carrying, self.config.batch_chunk_rows, self.config.max_chunk_size)
 
     def schedule(self, adapter, sequences: list[SequenceState]) -> list[list[Entry]]:
-        """The step's forwards (one; two in ``serial`` mode when a chunk rides; the prompt pieces in one more with
-        ``separate_prefill``), each a list of entries in the order of ``sequences``. Takes the fed tokens, chunks
-        (each within the step's `chunk_cap`) and prompt pieces from the sequences."""
+        """The step's forwards (one; two in ``serial`` mode when a chunk rides; with ``separate_prefill`` the prompt
+        pieces that do not ride with the decode rows (``ride``) in one more, or one more each with
+        ``piece_forwards``), each a list of entries in the order of ``sequences``. Takes the fed tokens, chunks (each
+        within the step's `chunk_cap`) and prompt pieces from the sequences."""
         fed = [seq for seq in sequences if seq.prefilled and seq.token is not None]
         cap = self.chunk_cap(fed)
         decode, used = [], 0
