@@ -15,7 +15,7 @@ def add_warm_up_arguments(parser) -> None:
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                         help="before the first answer, capture every CUDA graph a conversation of up to "
                              "--warm-up-tokens rows can need (raincheck_hf.warm_up, with a progress bar; serve "
-                             "--batching: the batched decode steps of up to --max-running answers instead), so no "
+                             "--batching: the batched steps of up to --max-running answers instead), so no "
                              "answer pauses for one; nothing to do on a CPU")
     parser.add_argument("--warm-up-tokens", type=int, default=4096, metavar="N",
                         help="the conversation length (prompts, images and answers, in tokens) the warm-up covers")

@@ -93,7 +93,7 @@ class WarmUpSummary:
         return float(sum(entry[-1] for entry in self.captured) + sum(s for _, s in self.vision))
 
     def __str__(self) -> str:
-        batched = (f", {self.batched} batched decode steps ({self.batched_already} already were, "
+        batched = (f", {self.batched} batched steps ({self.batched_already} already were, "
                    f"{self.batched_seconds:.1f} s)" if self.batched or self.batched_already else "")
         if not self.graphs and not batched:
             return f"warm-up: nothing to capture ({self.coverage}); {self.seconds:.2f} s"
@@ -366,8 +366,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     elif conversations:
         parts.append("the eager engine runs this model")
     if batch is not None:
-        parts.append(f"batched decode steps of up to {batch} sequences of up to {max_tokens} rows"
-                     if summary.batched or summary.batched_already else "no batched decode step to capture")
+        parts.append(f"batched steps (decoding, and prompt pieces) of up to {batch} sequences of up to {max_tokens} "
+                     "rows" if summary.batched or summary.batched_already else "no batched step to capture")
     summary.coverage = "; ".join(parts)
     if persistent and (summary.graphs or summary.batched):
         from .persist import save_compile_artifacts

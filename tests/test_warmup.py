@@ -174,7 +174,7 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, repla
     cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
     summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
                                    conversations=0, cache_dir=False, progress=False)
-    assert summary.capacities == [] and summary.coverage.startswith("batched decode steps")
+    assert summary.capacities == [] and summary.coverage.startswith("batched steps (decoding, and prompt pieces)")
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     keys = kept.warm_keys(cfg, 3)
     assert summary.batched == len(keys) == len(kept.capture_log) and summary.batched_already == 0
@@ -186,7 +186,7 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, repla
     widths = [w for w in batched_graphs.PREFILL_WIDTHS if w <= kept.pool.capacity] if name == "qwen3_vl" else []
     assert sorted({k.width for k in alone}) == widths
     assert all(k.batch == 1 and not k.dense for k in alone)
-    assert "3 sequences of up to 256 rows" in summary.coverage and "batched decode steps" in str(summary)
+    assert "3 sequences of up to 256 rows" in summary.coverage and "batched steps" in str(summary)
     again = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
                                  cache_dir=False, progress=False)
     assert again.batched == 0 and again.batched_already == len(keys)

@@ -289,7 +289,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                                   conversations=0,
                                   cache_dir=False, progress=False)
                 result["batched_warm_up"][mode] = dict(captured=summary.batched, seconds=summary.batched_seconds)
-                log(f"[serve-load] batched warm-up ({mode}): {summary.batched} decode steps captured in "
+                log(f"[serve-load] batched warm-up ({mode}): {summary.batched} batched steps captured in "
                     f"{summary.batched_seconds:.1f} s")
         name = "bench"
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
