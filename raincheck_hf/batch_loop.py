@@ -723,7 +723,8 @@ class BatchLoop:
             for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
                 self._stop_restoring(conv, keep=False)
             return
-        log.launched(engine.last_step, launched, time.perf_counter(), time.thread_time() - cpu)
+        after = time.thread_time()
+        log.launched(engine.last_step, launched, time.perf_counter(), after - cpu, after)
         self.steps += 1
         restored = 0
         for conv in restoring:
@@ -759,7 +760,7 @@ class BatchLoop:
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
         step = log.open
         if step is not None:
-            step.reading = time.perf_counter()
+            step.reading, step.reading_cpu = time.perf_counter(), time.thread_time()
         try:
             read = read.t().tolist()
         except BaseException as error:  # (a device error surfacing here): the step's sequences fail, the loop goes on

@@ -35,7 +35,8 @@ class LoopStep(NamedTuple):
     ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
     preparation) and in restoring conversations joining or leaving the engine. ``launch_cpu_s``: the loop thread's
     own CPU time in the launch (`time.thread_time`): a launch much longer than it waited, for the device (a read
-    inside the forward) or for the interpreter's lock (other threads' Python: requests being prepared, streaming)."""
+    inside the forward) or for the interpreter's lock (other threads' Python: requests being prepared, streaming);
+    ``choose_cpu_s``: the same for ``choose_s``, up to the read."""
 
     record: StepRecord  # the engine's (`BatchEngine.last_step`)
     launch_s: float
@@ -46,6 +47,7 @@ class LoopStep(NamedTuple):
     join_s: float
     restore_s: float
     launch_cpu_s: float = 0.0
+    choose_cpu_s: float = 0.0
 
     @property
     def gap_s(self) -> float:
@@ -118,11 +120,13 @@ class _OpenTurn(NamedTuple):
 class _OpenStep:
     """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
 
-    __slots__ = ("record", "launched", "stepped", "cpu", "reading", "read", "done", "join_s", "restore_s")
+    __slots__ = ("record", "launched", "stepped", "cpu", "cpu_at", "reading", "reading_cpu", "read", "done", "join_s",
+                 "restore_s")
 
-    def __init__(self, record: StepRecord, launched: float, stepped: float, cpu: float = 0.0):
-        self.record, self.launched, self.stepped, self.cpu = record, launched, stepped, cpu
-        self.reading = self.read = self.done = None
+    def __init__(self, record: StepRecord, launched: float, stepped: float, cpu: float = 0.0,
+                 cpu_at: float | None = None):
+        self.record, self.launched, self.stepped, self.cpu, self.cpu_at = record, launched, stepped, cpu, cpu_at
+        self.reading = self.reading_cpu = self.read = self.done = None
         self.join_s = self.restore_s = 0.0
 
     def close(self, end: float) -> LoopStep:
@@ -130,8 +134,10 @@ class _OpenStep:
         # (a step with no token to read, or whose read failed: its host work after the launch is all ``choose_s``)
         reading = done if self.reading is None else self.reading
         read = reading if self.read is None else self.read
+        chosen = (0.0 if self.cpu_at is None or self.reading_cpu is None
+                  else max(self.reading_cpu - self.cpu_at, 0.0))  # (the loop thread's CPU seconds up to the read)
         return LoopStep(self.record, self.stepped - self.launched, reading - self.stepped, read - reading,
-                        done - read, end - done, self.join_s, self.restore_s, self.cpu)
+                        done - read, end - done, self.join_s, self.restore_s, self.cpu, chosen)
 
 
 class StepLog:
@@ -141,7 +147,8 @@ class StepLog:
     ``keep_turns`` turns' `TurnRecord`s (the turns' figures are their medians). Written by the loop's thread (a few
     `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
 
-    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore", "launch_cpu")
+    TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore", "launch_cpu",
+             "choose_cpu")
     ROWS = ("decode", "chunk", "prefill", "restoring")
 
     def __init__(self, keep: int = 256, keep_turns: int = 1024):
@@ -166,9 +173,10 @@ class StepLog:
 
     # ---- the loop's thread ----
     def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
-                 cpu: float = 0.0) -> None:
+                 cpu: float = 0.0, cpu_at: float | None = None) -> None:
         """A step launched at ``launched`` (``record``: what it ran; None: it raised, it does not count) and returned
-        at ``stepped``, the loop's thread using ``cpu`` seconds of CPU time in it: the previous step closes at its
+        at ``stepped``, the loop's thread using ``cpu`` seconds of CPU time in it (``cpu_at``: its `time.thread_time`
+        then, against which the open step's ``reading_cpu`` counts the choosing's): the previous step closes at its
         launch."""
         with self._lock:
             if self.open is not None:
@@ -186,7 +194,7 @@ class StepLog:
             totals[3] += rows.chunk
             totals[4] += rows.prefill
             totals[5] += rows.restoring
-            self.open = _OpenStep(record, launched, stepped, cpu)
+            self.open = _OpenStep(record, launched, stepped, cpu, cpu_at)
 
     def finished(self, now: float) -> None:
         """The loop is done with the step's tokens (streamed, turns ended): the rest of its iteration begins."""

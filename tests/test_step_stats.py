@@ -132,8 +132,9 @@ def test_step_log_arithmetic_on_made_up_times():
     nothing to run), a failed launch closes the last step and counts nothing, the means are per kind and per
     sequence count, and the record keeps only its last steps while the totals keep counting."""
     log = StepLog(keep=2)
-    log.launched(_record(), 0.0, 1.0, cpu=0.5)
+    log.launched(_record(), 0.0, 1.0, cpu=0.5, cpu_at=100.0)
     log.open.reading, log.open.read = 2.0, 4.0
+    log.open.reading_cpu = 100.75  # (0.75 s of the loop thread's CPU time in its 1 s of choosing)
     log.finished(5.0)
     log.spent("join", 0.5)
     log.spent("restore", 0.25)
@@ -155,6 +156,7 @@ def test_step_log_arithmetic_on_made_up_times():
     assert replayed["step_ms"] == pytest.approx(7000.0) and replayed["wait_ms"] == pytest.approx(1250.0)
     assert replayed["gap_ms"] == pytest.approx(4250.0) and replayed["join_ms"] == pytest.approx(250.0)
     assert replayed["launch_cpu_ms"] == pytest.approx(250.0)  # (0.5 s of the first step's launch, 0 of the third's)
+    assert replayed["choose_cpu_ms"] == pytest.approx(375.0)  # (0.75 s of the first step's choosing, none known after)
     assert eager["launch_ms"] == pytest.approx(3000.0) and eager["choose_ms"] == pytest.approx(7000.0)
     assert eager["wait_ms"] == eager["gap_ms"] == 0.0 and eager["prefill_rows"] == 7
     assert list(replayed["by_sequences"]) == [2] and replayed["by_sequences"][2]["steps"] == 2

@@ -118,11 +118,13 @@ def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[
 
 def loop_summary(steps: dict) -> str:
     """One line of a round's batching-loop figures (`BatchLoop.step_stats`): steps per kind with their mean ms
-    (launch to next launch; of it the host's launch with the loop thread's CPU time in it, its choosing and
-    preparing, the wait for the device and the host gap after the read) and mean sequences, the time new turns took to join, the total host gap and device wait."""
+    (launch to next launch; of it the host's launch and its choosing and preparing, each with the loop thread's CPU
+    time in it, the wait for the device and the host gap after the read) and mean sequences, the time new turns took
+    to join, the total host gap and device wait."""
     kinds = ", ".join(f"{kind} {k['steps']} ({_ms_of(k['step_ms'])} ms: launch {_ms_of(k['launch_ms'])} "
                       f"(cpu {_ms_of(k['launch_cpu_ms'])}), choose "
-                      f"{_ms_of(k['choose_ms'])}, wait {_ms_of(k['wait_ms'])}, gap {_ms_of(k['gap_ms'])}; "
+                      f"{_ms_of(k['choose_ms'])} (cpu {_ms_of(k.get('choose_cpu_ms'))}), wait {_ms_of(k['wait_ms'])}, "
+                      f"gap {_ms_of(k['gap_ms'])}; "
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
     return (f"{steps['steps']} steps: {kinds or 'none'}; joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
