@@ -1017,6 +1017,46 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
+    """On CUDA with real captures (fp32): an image prompt alone at step 0 replays a captured prefill step (batch 1,
+    its slot gathered; Qwen3-VL's DeepStack rows between its text rows placed on the device), a held conversation's
+    short follow-up rides in the decode rows' captured step, and nothing runs on the eager forward; each sequence's
+    tokens equal its own eager batch-1 call's, logits within 1e-3 + 1e-3 of the step's largest, caches equal."""
+    import test_batch_engine as tbe
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TWO_IMAGES
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
+    answer = tbe.Request(model, processor, cfg, IMAGE, n=12, arrive=0)
+    follow = tbe.Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=3, follow_up=True)
+    batched_graphs.release_all()
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.use_cuda
+    records, step = [], engine.step
+
+    def recorded():
+        out = step()
+        records.append(engine.last_step)
+        return out
+
+    engine.step = recorded
+    eager = engine.runner.run
+    engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
+    tbe.drive(model, engine, [answer, follow])
+    engine.runner.run = eager
+    assert graphs.capture_log and not graphs.failed, graphs.failure
+    assert any(key.prefill for key in graphs.capture_log)  # the image prompt alone
+    assert any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r in records)  # the follow-up rode
+    _assert_cuda_sequences_equal_alone(f"{name} prompts in captured steps", [answer, follow])
+    engine.close()
+    batched_graphs.release_all()
+
+
 def _cuda_restoring_case(name: str, rng_seed: int, what: str, monkeypatch, kv_tolerance: bool):
     """A drawn restoring case (`test_batch_engine.draw_restoring_case`: held conversations restoring from step 0
     beside random answers) on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 ``name``): restoring pieces ride in
