@@ -196,7 +196,7 @@ class RowScheduler:
             decode.append((seq, groups))
             used += sum(len(g) for g in groups)
         left = None if self.token_budget is None else self.token_budget - used
-        widest = max((len(groups[-1]) for _, groups in decode), default=1)
+        widest = None  # (the step's widest decode group: found when a prompt may ride, not on every decode step)
         prefill, riding = [], []
         for seq in sequences:
             if seq.prefilled:
@@ -206,11 +206,14 @@ class RowScheduler:
             # (beside decode rows only, and whole: alone, a piece takes what the budget gives in one forward)
             most = 0
             if decode and self.separate_prefill and self.ride is not None:
+                if widest is None:
+                    widest = max(len(groups[-1]) for _, groups in decode)
                 most = self.ride(seq.prefill, widest, len(decode) + len(riding) + 1)
                 most = most if left is None or most <= left else 0
             piece = seq.take_prefill(most or left)
             (riding if most else prefill).append((seq, piece))
-            widest = max(widest, len(piece)) if most else widest
+            if most:
+                widest = max(widest, len(piece))
             if left is not None:
                 left -= len(piece)
             if seq.prefilled:  # its forward 0 completes in this step

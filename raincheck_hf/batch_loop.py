@@ -112,7 +112,8 @@ class BatchTurn:
     ``stopping_criteria``, sampling settings, ``return_dict_in_generate`` / ``output_logits`` / ``output_scores``);
     ``streamer``: a transformers streamer or None (the prompt first, then each token, then ``end()``);
     ``cancel``: set, the answer stops at its next step; ``done(turn)``: called once when it ends (``result`` or
-    ``error`` set), from the loop's thread; ``started``: `time.perf_counter` when it was asked (0: when it is submitted)."""
+    ``error`` set), from the loop's thread; ``started``: `time.perf_counter` when it was asked (0: when it is
+    submitted)."""
 
     conversation: object
     config: RaincheckConfig

@@ -69,8 +69,8 @@ class TurnRecord(NamedTuple):
     """One turn's way to its first token in `BatchLoop` (`StepLog.turns`; times of `time.perf_counter`, seconds):
 
     ``ahead_s``: the turn's preparation on the asking thread (`BatchLoop.prepare_ahead`: HF's preparation; a first
-    turn's vision tower, selection and plan too; 0 for a turn prepared when it joins); ``queue_s``: the rest of the time from
-    when it was asked (`BatchTurn.started`) to its join's start on the loop's thread (waiting for the step running
+    turn's vision tower, selection and plan too; 0 for a turn prepared when it joins); ``queue_s``: the rest of the
+    time from when it was asked (`BatchTurn.started`) to its join's start on the loop's thread (waiting for the step running
     then and for the turns joining before it); ``join_s``: its `BatchLoop._join`; ``first_s``: from the
     join to the read of its first token; ``steps``: the steps launched in that time, the one that gave the token
     included, and ``kinds``: how many of them ran each way (`StepRecord.kind`); ``follow_up``: it continued a held

@@ -366,8 +366,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     elif conversations:
         parts.append("the eager engine runs this model")
     if batch is not None:
-        parts.append(f"batched steps (decoding, and prompt pieces) of up to {batch} sequences of up to {max_tokens} "
-                     "rows" if summary.batched or summary.batched_already else "no batched step to capture")
+        parts.append(f"batched steps of up to {batch} sequences of up to {max_tokens} rows"
+                     if summary.batched or summary.batched_already else "no batched step to capture")
     summary.coverage = "; ".join(parts)
     if persistent and (summary.graphs or summary.batched):
         from .persist import save_compile_artifacts

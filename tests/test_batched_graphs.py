@@ -522,7 +522,8 @@ def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
     assert engine.graphs.ride_width(cfg) == 0 and engine.scheduler.ride is not None
     prompt = engine.add(torch.tensor([1, 2, 3]))
-    assert engine.graphs.ride_rows(prompt.prefill, cfg) == 0
+    assert engine.graphs.ride_rows(prompt.prefill, cfg, 1, 2) == 0
+    assert not engine.graphs.accepts([(prompt, prompt.prefill)], cfg)
     engine.discard(prompt)
     engine.close()
 

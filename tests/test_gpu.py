@@ -1027,6 +1027,7 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
     from test_batched import IMAGE, TWO_IMAGES
+    from test_batched_graphs import _step_records
 
     monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
     model, processor = _cuda_family_model(name), family_processor(name)
@@ -1037,21 +1038,14 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda
-    records, step = [], engine.step
-
-    def recorded():
-        out = step()
-        records.append(engine.last_step)
-        return out
-
-    engine.step = recorded
+    records = _step_records(engine)
     eager = engine.runner.run
     engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
     tbe.drive(model, engine, [answer, follow])
     engine.runner.run = eager
     assert graphs.capture_log and not graphs.failed, graphs.failure
     assert any(key.prefill for key in graphs.capture_log)  # the image prompt alone
-    assert any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r in records)  # the follow-up rode
+    assert any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)  # the follow-up rode
     _assert_cuda_sequences_equal_alone(f"{name} prompts in captured steps", [answer, follow])
     engine.close()
     batched_graphs.release_all()

@@ -174,7 +174,7 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, repla
     cfg = RaincheckConfig(mode=mode, retention=0.8, chunk_size=3, decode_guard=1, fast_path=True)
     summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3,
                                    conversations=0, cache_dir=False, progress=False)
-    assert summary.capacities == [] and summary.coverage.startswith("batched steps (decoding, and prompt pieces)")
+    assert summary.capacities == [] and summary.coverage.startswith("batched steps of up to 3 sequences")
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     keys = kept.warm_keys(cfg, 3)
     assert summary.batched == len(keys) == len(kept.capture_log) and summary.batched_already == 0

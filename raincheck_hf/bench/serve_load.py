@@ -33,8 +33,8 @@ the loop's step figures over its round (`BatchLoop.step_stats`: steps by how the
 with their rows and the mean ms from a launch to the next, of it the host's launch, its choosing and preparing, its
 wait for the device, and the host gap after the read with the time new turns took to join; first turns' and
 follow-ups' ways to their first token: the wait for the loop, the join, the steps until the token by kind; the
-round's last steps and turns one by one), and a line per round sums them up. The JSON has the hardware, the settings and one row per
-(mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
+round's last steps and turns one by one), and a line per round sums them up. The JSON has the hardware, the
+settings and one row per (mode, N) with ``clients``; ``--plot`` draws tokens/s and TTFT against clients (matplotlib).
 """
 
 from __future__ import annotations
@@ -242,7 +242,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                          f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
     if model_name not in shapes.MODELS and model_name not in BUNDLED:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
-    if switch_interval is not None and (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+    if switch_interval is not None and (isinstance(switch_interval, bool)
+                                        or not isinstance(switch_interval, (int, float))
                                         or not 0 < switch_interval <= 1):
         raise ValueError(f"switch_interval must be a number of seconds in (0, 1] or None, got {switch_interval!r}.")
     settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)

@@ -71,8 +71,8 @@ The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` m
 and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
 `resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the
 single-sequence fast path's steps do: Qwen3-VL's decoder layers as two compiled regions around the cache write and
-the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled (``compile_attention=False``): at a batch
-the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
+the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled
+(``compile_attention=False``): at a batch the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
 so engines of one model with either setting share its kept pool. Inductor compiles a region once per process for
 a single row, once for several rows and once for a batch (shapes are dynamic), inside the first captures.
 
@@ -194,9 +194,10 @@ def decode_only(entries) -> bool:
 
 
 # the rows (batch bucket x width) a step may reach by a prompt riding in it (`ride_rows`): up to about this many rows a
-# decode step's time is its pass over the weights (an 8B model's 16 GB read at the H200's 4.8 TB/s, 3.3 ms, is the
-# time of ~120 rows of its matmuls at 16 GFLOP a row and ~600 TFLOP/s; both scale with the model), so a prompt
-# that keeps the step within it costs little there, where a forward of its own is one more pass over the weights
+# decode step's time is its pass over the weights (arithmetic from published figures, not a measurement: an 8B
+# model's 16 GB read at the H200's 4.8 TB/s takes 3.3 ms, the time of ~120 rows of its matmuls at 16 GFLOP a row
+# if ~600 TFLOP/s are reached; both scale with the model), so a prompt that keeps the step within it costs little
+# there, where a forward of its own is one more pass over the weights
 RIDE_MAX_ROWS = 128
 
 
@@ -364,7 +365,7 @@ class BatchedStepGraphs:
         each piece that does not ride a forward of its own: `prefill_alone`)."""
         if decode_only(entries):
             return True
-        if self.recurrent is not None:
+        if not self.prefill_alone:
             return False
         if len(entries) == 1 and _piece(*entries[0]):
             return len(entries[0][1]) <= PREFILL_WIDTHS[-1]
@@ -381,11 +382,9 @@ class BatchedStepGraphs:
         """The widest step `warm_keys` captures for ``config`` on an attention family (``width_bucket`` of the largest
         chunk + 1: prompt pieces up to it ride in the captured steps), 0 on the Gated DeltaNet families (a prompt's
         rows advance the recurrent states as the captured step's ``[deferred, token]`` layout does not)."""
-        if self.recurrent is not None:
-            return 0
-        return width_bucket(config.max_chunk_size + 1, config)
+        return width_bucket(config.max_chunk_size + 1, config) if self.prefill_alone else 0
 
-    def ride_rows(self, prefill, config: RaincheckConfig, width: int = 1, sequences: int = 1) -> int:
+    def ride_rows(self, prefill, config: RaincheckConfig, width: int, sequences: int) -> int:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
         conversation's leftover deferred rows, then the turn's rows) ride in this step's captured forward beside the
         decode rows (the whole prompt), or 0: it runs in a forward of its own after theirs (alone in a captured
@@ -737,12 +736,12 @@ class BatchedStepGraphs:
             for i, ((seq, g), n_rows, v) in enumerate(zip(entries, lengths, visual)):
                 if v == 0:
                     continue
-                decoding = not seq.restores_only and int(g.kinds[-1]) == GENERATED
-                if not (seq.restores_only or decoding) and not _visual_rows_lead(g):
+                piece = _piece(seq, g)
+                if piece and not _visual_rows_lead(g):
                     scattered.append((i, rows[i]))
                     visual[i] = 0  # (placed below, row by row)
-                elif v > n_rows or (v == n_rows and decoding):
-                    what = "a decode group" if decoding else "a restoring piece or prompt piece"
+                elif v > n_rows or (v == n_rows and not (piece or seq.restores_only)):  # (a decode group's token)
+                    what = "a prompt piece" if piece else "a restoring piece" if seq.restores_only else "a decode group"
                     raise RuntimeError(f"{what} of {n_rows} rows carries {v} DeepStack rows")
         visual_of = [0] * batch
         for row, v in zip(rows, visual):
