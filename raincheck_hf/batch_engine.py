@@ -160,7 +160,8 @@ class RowScheduler:
             follow-up question, while the step stays narrow; ``width``: the step's widest decode group, ``sequences``:
             its sequences with this one), or 0: the piece goes in a forward of its own. None: no piece rides.
         piece_forwards: with ``separate_prefill``, each prompt piece that does not ride gets a forward of its own
-            (the captured steps run a piece alone: `BatchedStepGraphs.prefill_alone`), instead of one for them all.
+            (the captured steps run a piece alone in a prefill step: `BatchedStepGraphs.accepts`), instead of one for
+            them all.
     """
 
     def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
@@ -371,9 +372,8 @@ class BatchEngine:
         self.adapter = get_adapter(model)
         check_attention_implementation(self.adapter.attn_implementation)
         use_graphs = batched_graphs.resolve_graphs(self.adapter, self.config, graphs)
-        # (with captured steps, a short prompt's piece rides in the decode rows' step, `BatchedStepGraphs.ride_rows`;
-        # a longer one's runs in a forward of its own after it: captured alone on the attention families, eager on
-        # the Gated DeltaNet ones)
+        # (with captured steps, a short prompt's piece rides in the decode rows' step on the attention families,
+        # `BatchedStepGraphs.ride_rows`; any other runs in a captured forward of its own after it, alone)
         self.text_config = model.config.get_text_config()
         self.graphs = None
         ride = None
@@ -389,7 +389,7 @@ class BatchEngine:
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride,
-                                      piece_forwards=use_graphs and self.graphs.prefill_alone)
+                                      piece_forwards=use_graphs)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows

@@ -542,6 +542,43 @@ class PackedGDNState:
         token_row = (torch.arange(rows, device=device)[None] == step.deferred[:, None]) & moved[:, None]
         return torch.where(token_row[..., None, None], out, core)
 
+    def static_prefill(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
+                       chunk_rule, recurrent_rule) -> torch.Tensor:
+        """The recurrent part of one GDN layer for a captured prompt piece (`fast.batched_graphs`' ``prefill`` keys):
+        sequence ``b``'s rows are ``[n_b input rows of a turn, padding]`` of ``qkv [B, W, C]``, ``a, b [B, W, HV]``
+        (``n_b = step.inputs[b]``, a device tensor: one captured graph serves every piece of its width), its states
+        at row ``step.slots[b]``. What `_rests` does for input rows, with the count on the device:
+
+        1. the conv continues the live window over the whole width (a real row never reads the padding after it);
+           the new window is the last ``Kc - 1`` of ``[h, its n_b rows]`` (`_last_window`, gathered per sequence);
+        2. the rows from the live state with transformers' chunked rule (its recurrent rule for a one-row step), the
+           padding after them gated off (``g = 0, beta = 0`` passes the state unchanged: exact);
+        3. the boundary moves after the input rows: ``S_b = S_L = S_live``, ``h_b`` the live window, ``M_R = I``
+           (the host's suffix length goes to 0 after the step: `PackedGDNStates.reset_suffix`).
+
+        A padding sequence (``step.real`` False, ``n_b = 0``) keeps every state exactly (``torch.where`` with its
+        old rows). Returns the core outputs ``[B, W, HV, V]`` (padding rows' are not read)."""
+        p = params
+        device = qkv.device
+        slots, real, n = step.slots, step.real, step.inputs
+        bsz, rows, _ = qkv.shape
+        valid = torch.arange(rows, device=device)[None] < n[:, None]
+        history = self.conv.index_select(0, slots)
+        y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+        q, k, v = _split_heads(y, p)
+        g, beta = _gate_off(*gdn_gates(a, b, p), valid)
+        out, state = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, g, beta,
+                                self.state.index_select(0, slots))
+        conv = _last_window(history, qkv, n)  # (n_b = 0: h itself)
+        state = state.to(self.state.dtype)
+        flag = lambda t: real.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (the [B] mask against t [B, ...])
+        eye = torch.eye(p.head_k_dim, dtype=self.rest_map.dtype, device=device).expand(bsz, *self.rest_map.shape[1:])
+        for name, new in (("state", state), ("conv", conv), ("boundary_state", state), ("leading_state", state),
+                          ("boundary_conv", conv), ("rest_map", eye)):
+            old = getattr(self, name).index_select(0, slots)
+            getattr(self, name).index_copy_(0, slots, torch.where(flag(old), new.to(old.dtype), old))
+        return out.to(qkv.dtype)
+
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:
         """Write sequence ``i``'s states into ``layer`` (an empty `cache_utils.DeferredLinearAttentionLayer` of its
@@ -634,6 +671,13 @@ class PackedGDNStates:
         for state in self.layers.values():
             for r in rows:
                 state.suffix_length[r] += 1
+
+    def reset_suffix(self, rows: list[int]) -> None:
+        """No generated token recorded in ``rows`` any more (host ints; after a captured prompt piece, whose device
+        part `PackedGDNState.static_prefill` moved their boundaries after its input rows)."""
+        for state in self.layers.values():
+            for r in rows:
+                state.suffix_length[r] = 0
 
     def save_rows(self, index: torch.Tensor) -> list:
         """Copies of rows ``index`` (a device tensor) of every layer's tensors, for `restore_rows`."""

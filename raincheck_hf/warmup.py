@@ -35,7 +35,7 @@ processor makes of each is encoded twice, so its graph is captured.
 With ``batch`` the batched engine's steps (`fast.batched_graphs`: `generate` with a batch, the server's
 ``--batching``) are captured too, on the model's kept batched pool sized for ``batch`` sequences of ``max_tokens``
 rows: `BatchedStepGraphs.warm_keys` lists the keys, from the same rules the steps take them by (`batch_bucket`,
-`width_bucket`, `slot_bucket`; on the attention families also a prompt piece alone, `prefill_width`), and each is
+`width_bucket`, `slot_bucket`; a prompt piece alone, `prefill_width`), and each is
 captured on padding-only buffers (nothing stored, no state moved).
 """
 
@@ -292,7 +292,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         batch: also capture the batched engine's decode steps (`generate` with a batch, the server's
             ``--batching``) for up to this many sequences at once, each of up to ``max_tokens`` rows: every step
             key such a batch can take with ``config`` (`fast.batched_graphs.BatchedStepGraphs.warm_keys`: batch
-            buckets, chunk widths, slot spans; on the attention families the prompt pieces' prefill widths too),
+            buckets, chunk widths, slot spans, the prompt pieces' prefill widths),
             captured on the model's kept batched pool, sized for them from now
             on (no later growth drops its graphs). None (default): not warmed; they are captured when they first run.
 

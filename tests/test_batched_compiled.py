@@ -153,6 +153,8 @@ def test_row_wise_forms_take_few_graphs_whatever_the_shapes():
               for f in forms for key, copy in f.copies.items()}
     norms = {key for name, key in graphs if name == "Qwen3_5RMSNorm.forward"}
     assert len(norms) == 3, graphs  # the layer norms, the query norm (the strided half of a projection), the key norm
-    # one row or several, each from a base of one row or several (Dynamo guards a view's base)
-    assert all(1 <= n <= 4 for n in graphs.values()), graphs
+    # one row, or several from a base of one row per sequence (tokens), of one sequence (a prompt piece alone in its
+    # prefill step) or of several of several rows (Dynamo guards a view's base), the first several-row shape once
+    # static before Dynamo makes the row count dynamic
+    assert all(1 <= n <= 5 for n in graphs.values()), graphs
     assert max(graphs.values()) < torch._dynamo.config.recompile_limit

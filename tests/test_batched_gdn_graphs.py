@@ -73,8 +73,9 @@ def test_fuzz_gdn_captured_steps_match_alone(seed, views, replay_log, monkeypatc
     """Random join schedules, prompts, modes, chunk sizes, budgets and held conversations on the GDN families,
     through an engine with the static-buffer steps (dense views of the lowest slots, or gathered slots with the
     bucket's padding in the scratch slot): each sequence equals its own eager batch-1 call (tokens, logits 1e-4,
-    cache with its GDN states, trace); every step the captured steps accept was a replay, the others ran eagerly;
-    the pool ends empty."""
+    cache with its GDN states, trace); every step the captured steps accept was a replay (decode steps, and prompt
+    pieces of input rows alone in prefill steps: `PackedGDNState.static_prefill`), the others ran eagerly; the pool
+    ends empty."""
     monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
     rng = random.Random(7700 + seed)
     name = GDN_FAMILIES[seed % 2]
@@ -85,7 +86,8 @@ def test_fuzz_gdn_captured_steps_match_alone(seed, views, replay_log, monkeypatc
     drive(model, engine, requests)
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
-    assert counts["decode"] > 0 and len(replay_log) == counts["decode"] == engine.graphs.replays
+    assert counts["decode"] > 0 and len(replay_log) == counts["taken"] == engine.graphs.replays
+    assert counts["taken"] - counts["decode"] == sum(key.prefill for key in replay_log) > 0  # (no prompt rides)
     # (with views, a decode forward beside a prompt piece whose sequence holds a lower slot gathers its slots)
     assert any(key.dense for key in replay_log) == views and (views or not any(key.dense for key in replay_log))
     assert engine.sequences == [] and len(engine.pool._free) == engine.pool.num_slots
@@ -111,8 +113,8 @@ def test_records_replay_with_every_suffix_length(replay_log):
     seen = []
     fill = engine.graphs._fill_recurrent
 
-    def watched(buffers, entries, recorded, rows):
-        fill(buffers, entries, recorded, rows)
+    def watched(buffers, entries, recorded, rows, prefill=False):
+        fill(buffers, entries, recorded, rows, prefill)
         seen.append((buffers.lead.tolist(), buffers.record_map.tolist()))
 
     engine.graphs._fill_recurrent = watched
@@ -240,3 +242,57 @@ def test_after_a_failed_capture_steps_run_eagerly_with_their_chunks_and_records(
     for i in range(len(rows)):
         assert_trace_equal(got.raincheck[i], want.raincheck[i])
         assert_cache_equal(got.cache[i], want.cache[i])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_prefill_equals_the_eager_packed_step(seed):
+    """`PackedGDNState.static_prefill` (a prompt piece's input rows in a captured step, the count on the device) against
+    the eager packed step (`PackedGDNState.step` with an input-row layout, the reference) on random states and inputs:
+    three sequences at slots of a 5-slot state in one step of width 96 (pieces of 96, 70 and 1 rows: the chunked
+    rule, padding gated off after the real rows) and a padding sequence; each sequence's core outputs on its own rows,
+    its live state and conv window, and its boundary moved after the piece (``S_b = S_L = S_live``, ``h_b`` the live
+    window, ``M_R = I``) within 1e-5 (fp32); the padding sequence's slot and the untouched slots exactly as before."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                               torch_recurrent_gated_delta_rule)
+
+    from raincheck_hf.batched_gdn import PackedRowLayout
+    from raincheck_hf.cache_utils import INPUT
+    from raincheck_hf.gdn.algebra import GDNLayerParams
+
+    hk, hv, k, v, kc, slots, width = 2, 4, 8, 16, 4, 5, 96
+    c = 2 * hk * k + hv * v
+    gen = torch.Generator().manual_seed(4100 + seed)
+    params = GDNLayerParams(conv_weight=0.5 * torch.randn(c, 1, kc, generator=gen),
+                            A_log=torch.randn(hv, generator=gen), dt_bias=torch.randn(hv, generator=gen),
+                            num_k_heads=hk, num_v_heads=hv, head_k_dim=k, head_v_dim=v)
+    base = PackedGDNState(slots, params, torch.float32, "cpu")
+    for name in PackedGDNState._NAMES:
+        t = getattr(base, name)
+        noise = torch.randn(t.shape, generator=gen)
+        t.copy_(torch.eye(k) + 0.1 * noise if name == "rest_map" else noise)
+    base.suffix_length = [3, 0, 5, 1, 2]
+    seqs = random.Random(seed).sample([(3, 96), (0, 70), (4, 1)], 3) + [(1, 0)]  # (slot, rows); rows 0: padding
+    qkv = torch.randn(len(seqs), width, c, generator=gen)
+    a, b = torch.randn(len(seqs), width, hv, generator=gen), torch.randn(len(seqs), width, hv, generator=gen)
+    step = SimpleNamespace(slots=torch.tensor([s for s, _ in seqs]), real=torch.tensor([n > 0 for _, n in seqs]),
+                           inputs=torch.tensor([n for _, n in seqs]))
+    state = base.take(list(range(slots)))
+    core = state.static_prefill(qkv, a, b, step, params, torch_chunk_gated_delta_rule,
+                                torch_recurrent_gated_delta_rule)
+    assert core.shape == (len(seqs), width, hv, v)
+    for i, (slot, n) in enumerate(seqs):
+        if n == 0:
+            continue
+        eager = base.take([slot])
+        want = eager.step(qkv[i:i + 1, :n], a[i:i + 1, :n], b[i:i + 1, :n], [PackedRowLayout(0, n, INPUT)], params,
+                          torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)
+        assert (core[i, :n] - want[0]).abs().max() <= 1e-5, (slot, n)
+        for name in PackedGDNState._NAMES:
+            got, expected = getattr(state, name)[slot], getattr(eager, name)[0]
+            assert (got - expected).abs().max() <= 1e-5, (slot, n, name)
+        assert eager.suffix_length == [0]  # (the host's: `PackedGDNStates.reset_suffix` after a captured step)
+    for slot in (1, 2):  # the padding sequence's slot, and a slot the step does not have
+        for name in PackedGDNState._NAMES:
+            assert torch.equal(getattr(state, name)[slot], getattr(base, name)[slot]), (slot, name)

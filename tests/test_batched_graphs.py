@@ -516,14 +516,39 @@ def test_deepstack_rows_of_a_prompt_piece_land_on_its_visual_rows(seed, replay_l
 
 def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     """A prompt's rows advance the Gated DeltaNet states as the captured step's ``[deferred, token]`` layout does
-    not: on Qwen3.5 no prompt piece rides (`ride_width` 0) and a step with one is not taken by the graphs."""
+    not: on Qwen3.5 no prompt piece rides (`ride_width` 0; a step with one beside decode rows is not taken by the
+    graphs), but a piece of input rows alone runs in a captured prefill step (`PackedGDNState.static_prefill`), up to
+    the widest of `PREFILL_WIDTHS`; one with a continued conversation's leftover deferred rows in front runs
+    eagerly."""
+    from raincheck_hf.batched import RowGroup
+    from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT
+    from raincheck_hf.models.base import RowBatch
+
     model = family_model("qwen3_5")
     cfg = RaincheckConfig(retention=0.3, chunk_size=15, decode_guard=1)
     engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
-    assert engine.graphs.ride_width(cfg) == 0 and engine.scheduler.ride is not None
+    graphs = engine.graphs
+    assert graphs.ride_width(cfg) == 0 and not graphs.rides and engine.scheduler.piece_forwards
     prompt = engine.add(torch.tensor([1, 2, 3]))
-    assert engine.graphs.ride_rows(prompt.prefill, cfg, 1, 2) == 0
-    assert not engine.graphs.accepts([(prompt, prompt.prefill)], cfg)
+    assert graphs.ride_rows(prompt.prefill, cfg, 1, 2) == 0
+    assert graphs.accepts([(prompt, prompt.prefill)], cfg)
+
+    class Seq:
+        restores_only = False
+
+    def group(*kinds):
+        n = len(kinds)
+        batch = RowBatch(torch.zeros(n, graphs.hidden), torch.zeros(3, n, dtype=torch.long),
+                         torch.zeros(n, dtype=torch.bool), None)
+        return RowGroup(batch, torch.arange(n), torch.arange(n), torch.tensor(kinds, dtype=torch.int8))
+
+    longest = batched_graphs.PREFILL_WIDTHS[-1]
+    assert graphs.accepts([(Seq(), group(*[INPUT] * longest))], cfg)
+    assert not graphs.accepts([(Seq(), group(*[INPUT] * (longest + 1)))], cfg)
+    assert not graphs.accepts([(Seq(), group(DEFERRED, DEFERRED, INPUT, INPUT))], cfg)  # leftover deferred rows
+    decode = (Seq(), group(DEFERRED, GENERATED))
+    assert graphs.accepts([decode], cfg)
+    assert not graphs.accepts([decode, (Seq(), group(INPUT, INPUT))], cfg)  # no prompt rides
     engine.discard(prompt)
     engine.close()
 

@@ -1051,6 +1051,40 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     batched_graphs.release_all()
 
 
+def test_cuda_gated_deltanet_prompts_run_alone_in_captured_steps(monkeypatch):
+    """On CUDA with real captures (fp32 Qwen3.5): two image prompts, one at step 0 and one joining at step 3 beside
+    the first answer's decode rows, each replay a captured prefill step of its own (batch 1, its slot gathered: the
+    Gated DeltaNet layers through `PackedGDNState.static_prefill`, the count of input rows on the device), nothing
+    runs on the eager forward and no prompt rides; each sequence's tokens equal its own eager batch-1 call's, logits
+    within 1e-3 + 1e-3 of the step's largest, caches equal."""
+    import test_batch_engine as tbe
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE, TWO_IMAGES
+    from test_batched_graphs import _step_records
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    model, processor = _cuda_family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
+    first = tbe.Request(model, processor, cfg, IMAGE, n=12, arrive=0)
+    second = tbe.Request(model, processor, cfg, TWO_IMAGES, n=6, arrive=3)
+    batched_graphs.release_all()
+    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.use_cuda and graphs.recurrent is not None
+    records = _step_records(engine)
+    eager = engine.runner.run
+    engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
+    tbe.drive(model, engine, [first, second])
+    engine.runner.run = eager
+    assert graphs.capture_log and not graphs.failed, graphs.failure
+    assert sum(key.prefill for key in graphs.capture_log) >= 1 and graphs.replays > 0
+    assert not any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)  # none rode
+    _assert_cuda_sequences_equal_alone("qwen3_5 prompts in captured prefill steps", [first, second])
+    engine.close()
+    batched_graphs.release_all()
+
+
 def _cuda_restoring_case(name: str, rng_seed: int, what: str, monkeypatch, kv_tolerance: bool):
     """A drawn restoring case (`test_batch_engine.draw_restoring_case`: held conversations restoring from step 0
     beside random answers) on CUDA with real `torch.cuda.CUDAGraph` capture (fp32 ``name``): restoring pieces ride in

@@ -182,8 +182,8 @@ def test_batched_warm_up_leaves_no_capture_to_the_batch(name, mode, views, repla
     # (on the attention families short prompt pieces ride in these steps in every mode: `ride_rows`)
     decoding, alone = [k for k in keys if not k.prefill], [k for k in keys if k.prefill]
     assert {k.width for k in decoding} == ({1} if mode == "full" and name == "qwen3_5" else {1, 4})
-    # (and a prompt piece alone: batch 1, gathered, every prefill width up to the pool's capacity; none on Qwen3.5)
-    widths = [w for w in batched_graphs.PREFILL_WIDTHS if w <= kept.pool.capacity] if name == "qwen3_vl" else []
+    # (and a prompt piece alone: batch 1, gathered, every prefill width up to the pool's capacity, on every family)
+    widths = [w for w in batched_graphs.PREFILL_WIDTHS if w <= kept.pool.capacity]
     assert sorted({k.width for k in alone}) == widths
     assert all(k.batch == 1 and not k.dense for k in alone)
     assert "3 sequences of up to 256 rows" in summary.coverage and "batched steps" in str(summary)

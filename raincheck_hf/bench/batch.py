@@ -9,7 +9,7 @@ tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, gre
 
 - ``raincheck``: ``model.generate(**batch, raincheck=RaincheckConfig())``, the default settings. At B = 1 on
   CUDA that is the fast path (``fast_path=None``); at B > 1 the batched engine, its decode steps replayed from
-  CUDA graphs on the attention families (`fast.batched_graphs`; eager on the Gated DeltaNet families).
+  CUDA graphs (`fast.batched_graphs`), each row's prompt in a captured prefill step of its own.
   ``--batch-chunk-rows`` sets the batched steps' shared chunk budget (`RaincheckConfig.batch_chunk_rows`; ``none``:
   every row its full chunk), the one setting that differs from the defaults when given.
 - ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).

@@ -3,9 +3,9 @@
 `batch_engine.BatchEngine` runs a decode step (`decode_only`: each sequence's decode rows ``[chunk?, token]``, or a
 restoring sequence's piece of pending deferred rows, `batched.RestoringState`) through `BatchedStepGraphs` instead
 of the eager `batch_engine.ForwardRunner`: the step's inputs are copied into static buffers and a graph captured on
-them is replayed. On the attention families prompts do too (`accepts`): a short prompt's piece (a follow-up
+them is replayed. Prompts do too (`accepts`): on the attention families a short prompt's piece (a follow-up
 question, `ride_rows`) rides in the decode step like one more sequence, its rows at its slot's offsets with their
-order keys; a longer prompt's piece runs alone in a step of its own (``prefill`` keys: batch 1, a width of
+order keys; any other prompt piece runs alone in a step of its own (``prefill`` keys: batch 1, a width of
 `PREFILL_WIDTHS`, its slot gathered), which an eager forward would launch layer by layer for tens of
 milliseconds of host time. A graph's key (`BatchStepKey`):
 
@@ -47,8 +47,10 @@ Graphs belong to the engine's pool: captured once per key, recaptured when the p
 warm-up runs the real step it is captured for: on attention-only families a step is idempotent (it writes the same
 rows with the same values and keys), so the replay that follows gives the same result. A prompt piece's DeepStack
 rows between its text rows (an image inside the prompt) are placed row by row on the device: each visual row takes
-the features of its rank among the piece's visual rows (`_fill`); the Gated DeltaNet families' prompt pieces run on
-the eager `ForwardRunner` (a prompt's rows advance the states as the step's ``[deferred, token]`` layout does not).
+the features of its rank among the piece's visual rows (`_fill`). On the Gated DeltaNet families no prompt rides (a
+prompt's rows advance the states as the step's ``[deferred, token]`` layout does not); a piece of input rows alone
+runs its GDN layers through `batched_gdn.PackedGDNState.static_prefill` (the rows' count on the device), and one
+that starts with a continued conversation's leftover deferred rows runs on the eager `ForwardRunner`.
 
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
 per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
@@ -90,7 +92,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache_utils import DEFERRED, GENERATED, to_device_all
+from ..cache_utils import DEFERRED, GENERATED, INPUT, to_device_all
 from ..configuration import CHUNK_LADDER, RaincheckConfig
 from ..kv_pool import DEFAULT_SLOTS, MAX_KEY, SlotKVPool, SlotStep
 from ..masking import batched_visibility_to_attention_mask
@@ -136,6 +138,13 @@ def _piece(seq, group) -> bool:
     """Whether ``group`` is a prompt piece (of a turn's prefill: not a decode group ``[chunk?, token]``, whose last row
     is its generated token, nor a restoring sequence's piece); host data only."""
     return not seq.restores_only and int(torch.as_tensor(group.kinds)[-1]) != GENERATED
+
+
+def _input_only(group) -> bool:
+    """Whether every row of ``group`` is a turn's input row (no continued conversation's leftover deferred rows in
+    front): the prompt pieces a captured step runs on the Gated DeltaNet families (`PackedGDNState.static_prefill`);
+    host data only."""
+    return bool(torch.as_tensor(group.kinds).eq(INPUT).all())
 
 
 def batched_graph_blocker(adapter) -> str | None:
@@ -233,7 +242,9 @@ class RecurrentStepBuffers:
     slots (the `BatchStepBuffers`' own tensor) index the per-slot states; per batch row ``real`` (False: a padding
     sequence, its states written back unchanged), ``deferred`` (its leading deferred rows), ``token`` (a generated
     row follows them: a decode group, not a restoring piece), ``lead`` / ``record_map`` (its generated row is
-    recorded as a leading token / into M_R) and ``suffix`` (its recorded suffix length before the step)."""
+    recorded as a leading token / into M_R) and ``suffix`` (its recorded suffix length before the step); a prompt
+    piece's step (``prefill`` keys: `PackedGDNState.static_prefill`) reads ``inputs`` (its input rows) instead of the
+    decode fields."""
 
     slots: torch.Tensor  # [B] long
     real: torch.Tensor  # [B] bool
@@ -242,16 +253,17 @@ class RecurrentStepBuffers:
     lead: torch.Tensor  # [B] bool
     record_map: torch.Tensor  # [B] bool
     suffix: torch.Tensor  # [B] long
+    inputs: torch.Tensor  # [B] long
 
     @classmethod
     def empty(cls, slots: torch.Tensor) -> "RecurrentStepBuffers":
         b, device = slots.shape[0], slots.device
         flag, long = dict(dtype=torch.bool, device=device), dict(dtype=torch.long, device=device)
         return cls(slots, torch.zeros(b, **flag), torch.zeros(b, **long), torch.zeros(b, **flag),
-                   torch.zeros(b, **flag), torch.zeros(b, **flag), torch.zeros(b, **long))
+                   torch.zeros(b, **flag), torch.zeros(b, **flag), torch.zeros(b, **long), torch.zeros(b, **long))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.real, self.deferred, self.token, self.lead, self.record_map, self.suffix]
+        return [self.real, self.deferred, self.token, self.lead, self.record_map, self.suffix, self.inputs]
 
 
 @dataclass
@@ -359,30 +371,32 @@ class BatchedStepGraphs:
     def accepts(self, entries, config: RaincheckConfig) -> bool:
         """Whether the forward ``entries`` runs here (else on the eager `batch_engine.ForwardRunner`), decided on the
         host from the entries' kinds and sizes: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring
-        pieces), on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`); on the attention families
-        also a step with short prompt pieces beside decode rows (`ride_rows`: no wider than the widest warmed width),
-        and a prompt piece alone of up to the largest of `PREFILL_WIDTHS` rows (`batch_engine.RowScheduler` gives
-        each piece that does not ride a forward of its own: `prefill_alone`)."""
+        pieces), on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`); a prompt piece alone of up
+        to the largest of `PREFILL_WIDTHS` rows (`batch_engine.RowScheduler` gives each piece that does not ride a
+        forward of its own), on the Gated DeltaNet families when its rows are all input rows (`_input_only`:
+        `PackedGDNState.static_prefill`; one with a continued conversation's leftover deferred rows in front runs
+        eagerly); on the attention families also a step with short prompt pieces beside decode rows (`ride_rows`: no
+        wider than the widest warmed width)."""
         if decode_only(entries):
             return True
-        if not self.prefill_alone:
-            return False
         if len(entries) == 1 and _piece(*entries[0]):
-            return len(entries[0][1]) <= PREFILL_WIDTHS[-1]
+            group = entries[0][1]
+            return len(group) <= PREFILL_WIDTHS[-1] and (self.recurrent is None or _input_only(group))
+        if not self.rides:
+            return False
         return width_bucket(max(len(g) for _, g in entries), config) <= self.ride_width(config)
 
     @property
-    def prefill_alone(self) -> bool:
-        """Whether a prompt piece runs here alone in its forward (the attention families: `accepts`), so that the
-        scheduler gives each piece a forward of its own (one captured step of batch 1 each) rather than one eager
-        forward for them all."""
+    def rides(self) -> bool:
+        """Whether a short prompt piece may ride in a decode step (the attention families: `ride_rows`); on the Gated
+        DeltaNet families a prompt's rows advance the recurrent states as the step's ``[deferred, token]`` layout
+        does not, so each piece runs alone in a step of its own."""
         return self.recurrent is None
 
     def ride_width(self, config: RaincheckConfig) -> int:
         """The widest step `warm_keys` captures for ``config`` on an attention family (``width_bucket`` of the largest
-        chunk + 1: prompt pieces up to it ride in the captured steps), 0 on the Gated DeltaNet families (a prompt's
-        rows advance the recurrent states as the captured step's ``[deferred, token]`` layout does not)."""
-        return width_bucket(config.max_chunk_size + 1, config) if self.prefill_alone else 0
+        chunk + 1: prompt pieces up to it ride in the captured steps), 0 where no prompt rides (`rides`)."""
+        return width_bucket(config.max_chunk_size + 1, config) if self.rides else 0
 
     def ride_rows(self, prefill, config: RaincheckConfig, width: int, sequences: int) -> int:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
@@ -419,7 +433,8 @@ class BatchedStepGraphs:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
                             compile_targets=adapter.compile_targets() if key.compiled else (),
                             compile_attention=False), \
-                    adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records):
+                    adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records,
+                                               key.prefill):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state
@@ -497,8 +512,8 @@ class BatchedStepGraphs:
         padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where
         that bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would
         not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs. On the
-        attention families also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span
-        that holds it, its slot gathered."""
+        families a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds it,
+        its slot gathered."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
@@ -523,10 +538,9 @@ class BatchedStepGraphs:
                         continue
                     for records, chunks in variants:
                         keys.append(BatchStepKey(batch, width, span, self.views, records, chunks, compiled))
-        if self.prefill_alone:  # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity
-            for width in PREFILL_WIDTHS:
-                keys += [BatchStepKey(1, width, span, False, False, False, compiled, True)
-                         for span in spans if span >= width]
+        for width in PREFILL_WIDTHS:  # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity
+            keys += [BatchStepKey(1, width, span, False, False, False, compiled, True)
+                     for span in spans if span >= width]
         return keys
 
     def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
@@ -595,9 +609,12 @@ class BatchedStepGraphs:
         entries = sorted(entries, key=lambda e: e[0].slot)  # (batch rows rise with the slots)
         n = len(entries)
         widest = max(len(g) for _, g in entries)
-        # a prompt piece alone (on the attention families) takes a prefill width and gathers its slot: views would
-        # pad every lower slot to its width
-        alone = n == 1 and self.prefill_alone and _piece(*entries[0])
+        # a prompt piece alone takes a prefill width and gathers its slot: views would pad every lower slot to its
+        # width
+        alone = n == 1 and _piece(*entries[0])
+        if alone and self.recurrent is not None and not _input_only(entries[0][1]):
+            raise ValueError("a prompt piece that starts with leftover deferred rows runs on the eager forward on the "
+                             "Gated DeltaNet families (BatchedStepGraphs.accepts says False for it).")
         key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
         dense_layout = None if alone else self._dense_layout(slots, key_batch, width)
@@ -608,6 +625,8 @@ class BatchedStepGraphs:
             padding = {}
         pool.reserve(max(pool.lengths[s] for s in slots) + width)
         if self.recurrent is not None:
+            if not self.recurrent.layers:  # (a first step before any eager forward made them)
+                self.adapter.make_packed_layers(self.recurrent)
             self.recurrent.grow(pool.total_slots)  # a row per slot, the scratch slot and the bucket's padding included
         setting = self._current_setting()
         if setting != self._setting:  # the tensors moved (graphs hold the old addresses), or another backend
@@ -616,8 +635,9 @@ class BatchedStepGraphs:
         starts = [pool.lengths[s] for s in slots]
         # (every row sees at least itself: a padding row's own row is inside the span too)
         span = static_cache.slot_bucket(max(starts + list(padding.values())) + width, pool.capacity)
-        recorded = self._recorded(entries)
-        chunks = self.recurrent is not None and any(len(g) > 1 or seq.restores_only for seq, g in entries)
+        recorded = [] if alone else self._recorded(entries)
+        chunks = self.recurrent is not None and not alone and any(len(g) > 1 or seq.restores_only
+                                                                  for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
         key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks, compiled, alone)
         captured = self._captured.get(key)
@@ -628,7 +648,7 @@ class BatchedStepGraphs:
                 else [(row, pool.scratch, 0) for row in range(n, key_batch)])
         self._fill(buffers, entries, starts, rows, pads)
         if self.recurrent is not None:
-            self._fill_recurrent(buffers.recurrent, entries, recorded, rows)
+            self._fill_recurrent(buffers.recurrent, entries, recorded, rows, alone)
         return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded),
                                  tuple(sorted(padding.items())), tuple(rows))
 
@@ -702,6 +722,8 @@ class BatchedStepGraphs:
                     pool.lengths[slot] = was
         if step.recorded:  # (the host's suffix lengths: the step recorded those rows on the device)
             self.recurrent.advance_suffix(list(step.recorded))
+        if key.prefill and self.recurrent is not None:  # (its boundary moved after the piece's input rows)
+            self.recurrent.reset_suffix(slots)
         for seq, group in entries:
             seq.stored(group)
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
@@ -788,22 +810,28 @@ class BatchedStepGraphs:
             return []
         return [seq.slot for seq, _ in entries if not seq.restores_only and seq.num_pending > 0]
 
-    def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int], rows: list[int]) -> None:
+    def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int], rows: list[int],
+                        prefill: bool = False) -> None:
         """Rewrite the GDN buffers for this step (entry ``i`` at batch row ``rows[i]``, as `_fill` placed it): which
         rows are real sequences, their deferred rows and whether a token follows them (a decode group's rows are
         ``[chunk, token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading
-        token or into M_R, and the suffix lengths (host ints of the per-slot states); padding rows: not real, no
-        rows, no record. One non-blocking copy, nothing read back."""
+        token or into M_R, and the suffix lengths (host ints of the per-slot states); with ``prefill`` (a prompt
+        piece alone: `_input_only`) its input rows instead; padding rows: not real, no rows, no record. One
+        non-blocking copy, nothing read back."""
         batch = buffers.real.shape[0]
         layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
         records = set(recorded)
-        table = [[0] * batch for _ in range(6)]  # real, deferred, token, lead, record_map, suffix
+        table = [[0] * batch for _ in range(7)]  # real, deferred, token, lead, record_map, suffix, inputs
         for row, (seq, group) in zip(rows, entries):
+            table[0][row] = 1
+            if prefill:
+                table[6][row] = len(group)
+                continue
             suffix = layer.suffix_length[seq.slot]
             token = int(not seq.restores_only)
             rec = seq.slot in records
-            for i, value in enumerate((1, len(group) - token, token, int(rec and suffix < layer.width),
-                                       int(rec and suffix >= layer.width), suffix)):
+            for i, value in enumerate((len(group) - token, token, int(rec and suffix < layer.width),
+                                       int(rec and suffix >= layer.width), suffix), start=1):
                 table[i][row] = value
         host = torch.tensor(table, dtype=torch.long)
         host = to_device_all([host], buffers.real.device)[0]
@@ -813,6 +841,7 @@ class BatchedStepGraphs:
         buffers.lead.copy_(host[3].bool())
         buffers.record_map.copy_(host[4].bool())
         buffers.suffix.copy_(host[5])
+        buffers.inputs.copy_(host[6])
 
 
 def _placement(counts: list[int], width: int) -> torch.Tensor:

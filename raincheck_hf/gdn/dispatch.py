@@ -342,13 +342,15 @@ class _StaticPackedContext:
     """One captured batched decode step (`fast.batched_graphs`), as the GDN dispatchers see it: the per-slot states
     ``states`` (`batched_gdn.PackedGDNStates`) read and written through the step's device buffers ``step``
     (`fast.batched_graphs.RecurrentStepBuffers`); ``chunks`` / ``record``: some sequence carries deferred rows /
-    records its token (host flags, part of the graph's key)."""
+    records its token; ``prefill``: the step is a prompt piece's input rows (host flags, part of the graph's
+    key)."""
 
     states: object
     step: object
     chunks: bool
     record: bool
     modules: frozenset
+    prefill: bool = False
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
     recorded: dict = dataclasses.field(default_factory=dict)
 
@@ -357,20 +359,25 @@ class _StaticPackedContext:
 
 
 def _static_packed_gdn_forward(module, ctx: _StaticPackedContext, hidden_states, **kwargs):
-    """``Qwen3_5GatedDeltaNet.forward`` for a captured batched decode step ``[B, W]``: the module's projections, gates,
+    """``Qwen3_5GatedDeltaNet.forward`` for a captured batched step ``[B, W]``: the module's projections, gates,
     gated norm and ``out_proj`` over every row at once; the recurrent part on the per-slot states at the step's slots
-    (`batched_gdn.PackedGDNState.static_step`), nothing read back to the host."""
+    (`batched_gdn.PackedGDNState.static_step`, or `static_prefill` for a prompt piece), nothing read back to the
+    host."""
     params = layer_params(module)
     bsz, rows, _ = hidden_states.shape
     qkv = module.in_proj_qkv(hidden_states)
     z = module.in_proj_z(hidden_states)
     b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
     state = ctx.states.layers.get(module.layer_idx)
-    if state is None:  # (a decode step follows its sequences' prefill on the eager engine, which made every layer)
-        raise RuntimeError(f"a captured batched step reached Gated DeltaNet layer {module.layer_idx} before any "
-                           "packed forward made its states.")
-    core = state.static_step(qkv, a, b, ctx.step, params, module_function(module, "torch_chunk_gated_delta_rule"),
-                             module_function(module, "torch_recurrent_gated_delta_rule"), ctx.chunks, ctx.record)
+    if state is None:  # (`BatchedStepGraphs.prepare` makes every layer's states before a step)
+        raise RuntimeError(f"a captured batched step reached Gated DeltaNet layer {module.layer_idx} before its "
+                           "per-slot states were made.")
+    rules = (module_function(module, "torch_chunk_gated_delta_rule"),
+             module_function(module, "torch_recurrent_gated_delta_rule"))
+    if ctx.prefill:
+        core = state.static_prefill(qkv, a, b, ctx.step, params, *rules)
+    else:
+        core = state.static_step(qkv, a, b, ctx.step, params, *rules, ctx.chunks, ctx.record)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
@@ -435,11 +442,13 @@ def packed_step(modules, states, layouts):
     return _scope(modules, _PackedStepContext(states, list(layouts), _ids(modules)))
 
 
-def static_packed_step(modules, states, step, chunks: bool, record: bool):
-    """Context manager: inside it, this thread's forwards of the GDN ``modules`` run a captured batched decode step
-    (`_StaticPackedContext`) on the per-slot ``states`` through the step's device buffers ``step``."""
+def static_packed_step(modules, states, step, chunks: bool, record: bool, prefill: bool = False):
+    """Context manager: inside it, this thread's forwards of the GDN ``modules`` run a captured batched step
+    (`_StaticPackedContext`: decode rows, or with ``prefill`` a prompt piece's input rows) on the per-slot ``states``
+    through the step's device buffers ``step``."""
     modules = list(modules)
-    return _scope(modules, _StaticPackedContext(states, step, bool(chunks), bool(record), _ids(modules)))
+    return _scope(modules, _StaticPackedContext(states, step, bool(chunks), bool(record), _ids(modules),
+                                                prefill=bool(prefill)))
 
 
 @functools.lru_cache(maxsize=8)

@@ -397,10 +397,10 @@ class ModelAdapter:
         sequence's rows laid out as ``layouts[b]`` (`batched_gdn.PackedRowLayout`)."""
         return contextlib.nullcontext()
 
-    def static_packed_step(self, states, step, chunks: bool, record: bool):
-        """A context manager around a captured batched decode step's text-model call (`fast.batched_graphs`): those
-        layers run on the per-slot ``states`` through the step's device buffers ``step`` (``chunks`` / ``record``: some
-        sequence carries deferred rows / records its token)."""
+    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False):
+        """A context manager around a captured batched step's text-model call (`fast.batched_graphs`): those layers
+        run on the per-slot ``states`` through the step's device buffers ``step`` (``chunks`` / ``record``: some
+        sequence carries deferred rows / records its token; ``prefill``: the step is a prompt piece's input rows)."""
         return contextlib.nullcontext()
 
     def export_packed_state(self, states, index: int, cache) -> None:

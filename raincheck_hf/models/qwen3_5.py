@@ -120,10 +120,10 @@ class GatedDeltaNetMixin:
         self._check_state_layout()
         return dispatch.packed_step(self._gdn_modules, states, layouts)
 
-    def static_packed_step(self, states, step, chunks: bool, record: bool):
-        """The GDN layers of a captured batched decode step (`fast.batched_graphs`) on the per-slot ``states``."""
+    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False):
+        """The GDN layers of a captured batched step (`fast.batched_graphs`) on the per-slot ``states``."""
         self._check_state_layout()
-        return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record)
+        return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record, prefill)
 
     def export_packed_state(self, states, index: int, cache) -> None:
         for module in self._gdn_modules:
