@@ -258,22 +258,34 @@ def test_soak_with_batching(glyph, dialogues):
     assert figures["steps"] < figures["completion_tokens"], figures  # several sequences per step
 
 
-def test_batching_on_the_gated_deltanet_family(dialogues):
+@pytest.mark.parametrize("fast_path", [None, True], ids=["auto", "captured"])
+def test_batching_on_the_gated_deltanet_family(dialogues, fast_path, monkeypatch):
     """The bundled glyph Qwen3.5 (Gated DeltaNet layers: per-sequence recurrent states in the batch): three
-    concurrent two-turn dialogues answer as their conversations alone do."""
+    concurrent two-turn dialogues answer as their conversations alone do; with ``fast_path=True`` (the captured
+    batched steps; on a CPU the same static-buffer steps run eagerly) the prompt pieces of input rows run alone in
+    prefill steps (`PackedGDNState.static_prefill`) and the decode steps replay too."""
     import raincheck_hf
+    from raincheck_hf import RaincheckConfig
     from raincheck_hf.quality import load_bundled
     from raincheck_hf.serve import ServeSettings, create_app, running
 
+    paths = watch_paths(monkeypatch)
     model, processor = load_bundled("qwen3_5")
     model = raincheck_hf.enable(model)
     app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=3,
-                                                     batching=True, max_batch_tokens=64))
+                                                     batching=True, max_batch_tokens=64,
+                                                     config=RaincheckConfig(fast_path=fast_path)))
     with running(app) as base:
         got = dialogues_at_once(base, dialogues, 3)
     for i in range(3):
         d = dialogues[i]
         assert got[i] == reference((model, processor), d.image(), [t.question for t in d.turns[:2]]), i
+    if fast_path:  # prompts alone in replayed prefill steps (none beside decode rows), decode steps replayed
+        assert any(p == ("replay", False, False, True) for p in paths)
+        assert not any(path == "replay" and decoding and prompt for path, _, decoding, prompt in paths)
+        assert any(p[0] == "replay" and p[2] for p in paths)
+    else:  # (auto on a CPU: the eager engine)
+        assert paths and all(p[0] == "eager" for p in paths)
 
 
 # ---- held conversations restored in the spare budget of busy steps -------------------------------------
