@@ -1017,12 +1017,15 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     batched_graphs.release_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
 def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     """On CUDA with real captures (fp32): an image prompt alone at step 0 replays a captured prefill step (batch 1,
-    its slot gathered; Qwen3-VL's DeepStack rows between its text rows placed on the device), a held conversation's
-    short follow-up rides in the decode rows' captured step, and nothing runs on the eager forward; each sequence's
-    tokens equal its own eager batch-1 call's, logits within 1e-3 + 1e-3 of the step's largest, caches equal."""
+    its slot gathered; Qwen3-VL's DeepStack rows between its text rows placed on the device; Qwen3.5's Gated DeltaNet
+    layers through `PackedGDNState.static_prefill`, the count of input rows on the device). On the attention families
+    a held conversation's short follow-up then rides in the decode rows' captured step; on Qwen3.5 no prompt rides: a
+    second image prompt joining at step 3 replays a prefill step of its own. Nothing runs on the eager forward; each
+    sequence's tokens equal its own eager batch-1 call's, logits within 1e-3 + 1e-3 of the step's largest, caches
+    equal."""
     import test_batch_engine as tbe
     from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
@@ -1032,55 +1035,23 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
     model, processor = _cuda_family_model(name), family_processor(name)
     cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
+    gdn = name == "qwen3_5"
     answer = tbe.Request(model, processor, cfg, IMAGE, n=12, arrive=0)
-    follow = tbe.Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=3, follow_up=True)
+    second = tbe.Request(model, processor, cfg, TWO_IMAGES, n=4 if not gdn else 6, arrive=3, follow_up=not gdn)
     batched_graphs.release_all()
     engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
     graphs = engine.graphs
-    assert graphs is not None and graphs.use_cuda
+    assert graphs is not None and graphs.use_cuda and (graphs.recurrent is not None) == gdn
     records = _step_records(engine)
     eager = engine.runner.run
     engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
-    tbe.drive(model, engine, [answer, follow])
+    tbe.drive(model, engine, [answer, second])
     engine.runner.run = eager
     assert graphs.capture_log and not graphs.failed, graphs.failure
     assert any(key.prefill for key in graphs.capture_log)  # the image prompt alone
-    assert any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)  # the follow-up rode
-    _assert_cuda_sequences_equal_alone(f"{name} prompts in captured steps", [answer, follow])
-    engine.close()
-    batched_graphs.release_all()
-
-
-def test_cuda_gated_deltanet_prompts_run_alone_in_captured_steps(monkeypatch):
-    """On CUDA with real captures (fp32 Qwen3.5): two image prompts, one at step 0 and one joining at step 3 beside
-    the first answer's decode rows, each replay a captured prefill step of its own (batch 1, its slot gathered: the
-    Gated DeltaNet layers through `PackedGDNState.static_prefill`, the count of input rows on the device), nothing
-    runs on the eager forward and no prompt rides; each sequence's tokens equal its own eager batch-1 call's, logits
-    within 1e-3 + 1e-3 of the step's largest, caches equal."""
-    import test_batch_engine as tbe
-    from raincheck_hf.batch_engine import BatchEngine
-    from raincheck_hf.fast import batched_graphs
-    from test_batched import IMAGE, TWO_IMAGES
-    from test_batched_graphs import _step_records
-
-    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
-    model, processor = _cuda_family_model("qwen3_5"), family_processor("qwen3_5")
-    cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
-    first = tbe.Request(model, processor, cfg, IMAGE, n=12, arrive=0)
-    second = tbe.Request(model, processor, cfg, TWO_IMAGES, n=6, arrive=3)
-    batched_graphs.release_all()
-    engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
-    graphs = engine.graphs
-    assert graphs is not None and graphs.use_cuda and graphs.recurrent is not None
-    records = _step_records(engine)
-    eager = engine.runner.run
-    engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
-    tbe.drive(model, engine, [first, second])
-    engine.runner.run = eager
-    assert graphs.capture_log and not graphs.failed, graphs.failure
-    assert sum(key.prefill for key in graphs.capture_log) >= 1 and graphs.replays > 0
-    assert not any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)  # none rode
-    _assert_cuda_sequences_equal_alone("qwen3_5 prompts in captured prefill steps", [first, second])
+    rode = any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)
+    assert rode != gdn  # the follow-up rode (attention families); no prompt rode (Qwen3.5)
+    _assert_cuda_sequences_equal_alone(f"{name} prompts in captured steps", [answer, second])
     engine.close()
     batched_graphs.release_all()
 
