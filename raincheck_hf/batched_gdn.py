@@ -31,7 +31,9 @@ parts on every sequence of the step at once, each one of `gdn.kernels`' operatio
 `conv_update_`, the delta rule `recurrent_step_`, the join `join_`, the suffix map `suffix_map_update_`: one Triton
 launch each on CUDA, as the batch-1 fast path runs them), with the per-sequence choices passed as per-row counts
 (``rows_in`` / ``valid`` ``[B]``: a deferred chunk's length, the leading segment's, 0 or 1 for a token) so a
-sequence that carries no chunk, moves no token or records nothing keeps those states exactly. Where Triton does not
+sequence that carries no chunk, moves no token or records nothing keeps those states exactly. A dense step (batch
+row ``b`` is slot ``b``) runs them in place on views of the states' first rows (`take_rows` / `put_rows`), where
+another step copies its slots' rows out and back. Where Triton does not
 run (CPU, other dtypes) the kernels' references run (`gdn.algebra`, transformers' recurrent rule op for op), the
 same math. Counted on the tiny Qwen3.5 (B = 3), a GDN layer's part of a step carrying chunks dispatches 54 non-view
 aten ops and 7 kernels, where the eager algebra it replaces (token loops of small ops) dispatched 197 ops; each is a
@@ -104,6 +106,22 @@ def _last_window(history: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> 
     joined = torch.cat([history, x.to(history.dtype)], dim=1)
     index = ends[:, None] + torch.arange(width, device=ends.device)[None]
     return joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
+
+
+def take_rows(t: torch.Tensor, slots: torch.Tensor, batch: int, dense: bool) -> torch.Tensor:
+    """A captured step's rows of the per-slot tensor ``t``: a view of rows ``0 .. batch - 1`` when the step is dense
+    (batch row ``b`` is slot ``b``), which in-place updates change in ``t`` itself; else a copy of rows ``slots``."""
+    return t[:batch] if dense else t.index_select(0, slots)
+
+
+def put_rows(t: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, dense: bool) -> None:
+    """Write a step's ``rows`` back into the per-slot tensor ``t`` (`take_rows`' inverse): nothing to do for the view
+    `take_rows` gave (updated in place), a copy into rows ``0 .. B - 1`` for a new tensor of a dense step, else
+    ``index_copy_`` at ``slots``."""
+    if not dense:
+        t.index_copy_(0, slots, rows)
+    elif rows.data_ptr() != t.data_ptr():
+        t[:rows.shape[0]].copy_(rows)
 
 
 def _row_index(rows: list[int], device) -> torch.Tensor:
@@ -423,7 +441,7 @@ class PackedGDNState:
 
     # ---- a decode step on static buffers (`fast.batched_graphs`) ----------------------------------
     def static_step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
-                    chunk_rule, recurrent_rule, chunks: bool, record: bool, *,
+                    chunk_rule, recurrent_rule, chunks: bool, record: bool, *, dense: bool = False,
                     reference: bool | None = None) -> torch.Tensor:
         """The recurrent part of one GDN layer for a captured batched decode step: sequence ``b``'s rows are
         ``[d_b deferred rows, its generated token (a decode group) or nothing (a restoring piece), padding]`` of
@@ -438,7 +456,10 @@ class PackedGDNState:
         The operations of `step` (`_chunks`, then `_rests` on the tokens) on every sequence at once, each one a
         `gdn.kernels` operation over the whole batch (one Triton launch on CUDA; its reference elsewhere, or with
         ``reference=True``; ``reference=False`` forces the kernels, on CPU in Triton's interpreter), on copies of
-        the slots' rows (``index_select``) written back after (``index_copy_``):
+        the slots' rows (``index_select``) written back after (``index_copy_``); with ``dense`` (a host flag of the
+        key: batch row ``b`` is slot ``b`` for every ``b < B``, `fast.batched_graphs`' dense steps) on views of rows
+        ``0 .. B - 1`` instead, updated in place (each copy and write-back of a 2 MiB state per sequence and layer
+        at the Qwen3.5-9B shape saved; the same values: `take_rows` / `put_rows`):
 
         1. the chunks from the boundaries: `conv_update_` (``rows_in = d_b`` per sequence: ``h_b'``, and ``h_b``
            itself for ``d_b = 0``), the delta rule token by token (`recurrent_step_`, ``valid = d_b``: the rows
@@ -465,15 +486,17 @@ class PackedGDNState:
         conv_args = (p.conv_weight, p.conv_bias, p.activation)
         g, beta = gdn_gates(a, b, p)
         flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
-        state = self.state.index_select(0, slots)  # copies of the slots' rows: the kernels update them in place
-        conv = self.conv.index_select(0, slots)
+        take = lambda t: take_rows(t, slots, bsz, dense)  # noqa: E731
+        put = lambda t, rows: put_rows(t, rows, slots, dense)  # noqa: E731
+        state = take(self.state)  # the slots' rows (copies, or views of a dense step): the kernels update them
+        conv = take(self.conv)
         leading_state = rest_map = None
         if chunks:
             d = step.deferred
             carries = d > 0
             # 1. the chunks from each sequence's boundary; h_b <- h_b' in place (d_b = 0: h_b itself)
-            boundary_conv = self.boundary_conv.index_select(0, slots)
-            boundary_state = self.boundary_state.index_select(0, slots)
+            boundary_conv = take(self.boundary_conv)
+            boundary_state = take(self.boundary_state)
             y = gk.conv_update_(boundary_conv, qkv, *conv_args, rows_in=d, reference=reference)
             q, k, v = _split_heads(y, p)
             valid = torch.arange(rows, device=device)[None] < d[:, None]
@@ -485,23 +508,23 @@ class PackedGDNState:
                 out = gk.recurrent_step_(boundary_state, q, k, v, g, beta, valid=d, reference=reference)
             core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
                                                                                      device=device))
-            self.boundary_state.index_copy_(0, slots, boundary_state)
-            self.boundary_conv.index_copy_(0, slots, boundary_conv)
+            put(self.boundary_state, boundary_state)
+            put(self.boundary_conv, boundary_conv)
             # 2. the joins: each carrying sequence's leading segment (min(t_b, Kc - 1) recorded tokens) recomputed
             # from (S_b', h_b'); its live conv window follows h_b' while t_b < Kc - 1 (a count of Kc - 1 writes none:
             # the sequences without a chunk)
             lead = step.suffix.clamp(max=self.width)
             window = torch.where(carries, lead, self.width)
-            lead_qkv = self.leading_qkv.index_select(0, slots)
+            lead_qkv = take(self.leading_qkv)
             y = gk.conv_update_(boundary_conv, lead_qkv, *conv_args, rows_in=window, history_out=conv,
                                 only_within_window=True, reference=reference)
             lq, lk, lv = _split_heads(y, p)
-            lg, lb = gdn_gates(self.leading_a.index_select(0, slots), self.leading_b.index_select(0, slots), p)
+            lg, lb = gdn_gates(take(self.leading_a), take(self.leading_b), p)
             repaired = torch.empty_like(boundary_state)
             gk.recurrent_step_(boundary_state, lq, lk, lv, lg, lb, valid=lead, state_out=repaired, reference=reference)
-            leading_before = self.leading_state.index_select(0, slots)
+            leading_before = take(self.leading_state)
             leading_state = torch.where(flag(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
-            rest_map = self.rest_map.index_select(0, slots)
+            rest_map = take(self.rest_map)
             gk.join_(state, rest_map, leading_state, leading_before, reference=reference)
             has_token = step.token
             at = d.clamp(max=rows - 1)[:, None]  # each sequence's token row
@@ -517,25 +540,25 @@ class PackedGDNState:
         y = gk.conv_update_(conv, x, *conv_args, rows_in=count, reference=reference)  # the window before the token
         q, k, v = _split_heads(y, p)
         out = gk.recurrent_step_(state, q, k, v, rg, rb, valid=count, reference=reference)
-        self.state.index_copy_(0, slots, state)
-        self.conv.index_copy_(0, slots, conv)
+        put(self.state, state)
+        put(self.conv, conv)
         if record:
             # 4. the records, the token's factors from the conv window before it (`SuffixStateMap.append_suffix`)
             lead_token, into_map = step.lead & moved, step.record_map & moved
             at_t = (torch.arange(self.width, device=device)[None] == step.suffix[:, None]) & lead_token[:, None]
             for name, new in (("leading_qkv", x), ("leading_a", xa), ("leading_b", xb)):
-                old = getattr(self, name).index_select(0, slots)
-                getattr(self, name).index_copy_(0, slots, torch.where(at_t[..., None], new.to(old.dtype), old))
+                old = take(getattr(self, name))
+                put(getattr(self, name), torch.where(at_t[..., None], new.to(old.dtype), old))
             if leading_state is None:
-                leading_state = self.leading_state.index_select(0, slots)
+                leading_state = take(self.leading_state)
             gk.recurrent_step_(leading_state, k, k, v, rg, rb, valid=lead_token.long(), reference=reference)
             if rest_map is None:
-                rest_map = self.rest_map.index_select(0, slots)
+                rest_map = take(self.rest_map)
             mg, mb = gk.gate_off(rg, rb, flag(into_map, rg))
             gk.suffix_map_update_(rest_map, k, mg, mb, l2norm=True, reference=reference)
-            self.rest_map.index_copy_(0, slots, rest_map)
+            put(self.rest_map, rest_map)
         if leading_state is not None:
-            self.leading_state.index_copy_(0, slots, leading_state)
+            put(self.leading_state, leading_state)
         out = out.to(qkv.dtype)
         if core is None:
             return out

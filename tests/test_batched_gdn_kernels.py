@@ -131,6 +131,23 @@ for name, (width, chunks, record, seqs) in CASES.items():
             kept += [s[0] for s in seqs if s[1] and not s[3] and (not s[2] or s[4] >= KC - 1)]
         before = getattr(base, n)
         row[n + " kept"] = all(torch.equal(getattr(st, n)[r], before[r]) for st in (ks, rs) for r in kept)
+    # a dense step (batch row b is slot b): the same sequences moved to slots 0 .. B - 1, the step on views of those
+    # rows updated in place, against the same step on copies written back: equal to the bit, on both paths
+    order = [s[0] for s in seqs] + [r for r in range(SLOTS) if r not in [s[0] for s in seqs]]
+    moved = base.take(order)
+    dense_step = SimpleNamespace(**{**vars(step), "slots": torch.arange(bsz)})
+    worst = 0.0
+    for reference in (False, True):
+        runs = []
+        for dense in (False, True):
+            state = copy(moved)
+            core = state.static_step(qkv, a, b, dense_step, params, torch_chunk_gated_delta_rule,
+                                     torch_recurrent_gated_delta_rule, chunks, record, dense=dense,
+                                     reference=reference)
+            runs.append((state, core))
+        (gs, gc), (ds, dc) = runs
+        worst = max([worst, err(gc, dc)] + [err(getattr(gs, n), getattr(ds, n)) for n in PackedGDNState._NAMES])
+    row["dense_err"] = worst
     out[name] = row
 print(json.dumps(out))
 """
@@ -157,6 +174,13 @@ def test_kernel_path_equals_the_reference_path(interpreted):
         assert row["core_err"] <= 1e-5 * max(1.0, row["core_scale"]), (case, row)
         for n in NAMES:
             assert row[n] <= 1e-5 * max(1.0, row[n + " scale"]), (case, n, row)
+
+
+def test_a_dense_step_on_views_equals_the_gathered_step_to_the_bit(interpreted):
+    """``dense=True`` (batch row b is slot b: the states' rows updated in place through views, `take_rows` /
+    `put_rows`) gives exactly the gathered step's states and outputs, on the kernel and the reference paths."""
+    for case, row in interpreted.items():
+        assert row["dense_err"] == 0.0, (case, row["dense_err"])
 
 
 def test_rows_without_a_chunk_token_or_record_keep_their_states_exactly(interpreted):

@@ -58,7 +58,8 @@ eager forwards take and put the same rows). Every `decode_only` step runs here, 
 plain decode step (every sequence one generated row: ``full`` mode, and an answer whose deferred rows are all
 restored), ``[chunk, token]`` steps and restoring pieces. Each GDN layer reads and writes its sequences' rows
 through the step's slot indices (``slots``, a device tensor: no host int from the device inside the step;
-`batched_gdn.PackedGDNState.static_step`); `RecurrentStepBuffers` say per batch row whether it is a real sequence
+`batched_gdn.PackedGDNState.static_step`), or in a dense step in place on views of rows ``0 .. B - 1`` (no copy of
+the states in and out); `RecurrentStepBuffers` say per batch row whether it is a real sequence
 (a padding sequence's rows are written back unchanged), how many deferred rows it carries (the chunk runs over the
 step's whole width from each boundary, the rows after a sequence's own chunk gated off, ``g = 0, beta = 0``),
 whether a token follows them (gathered from its row), and whether that token is recorded as a leading token or into
@@ -434,7 +435,7 @@ class BatchedStepGraphs:
                             compile_targets=adapter.compile_targets() if key.compiled else (),
                             compile_attention=False), \
                     adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records,
-                                               key.prefill):
+                                               key.prefill, key.dense):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,
                                     attention_mask=adapter.text_attention_mask(mask), cache=pool,
                                     use_cache=True).last_hidden_state

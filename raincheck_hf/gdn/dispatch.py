@@ -342,8 +342,9 @@ class _StaticPackedContext:
     """One captured batched decode step (`fast.batched_graphs`), as the GDN dispatchers see it: the per-slot states
     ``states`` (`batched_gdn.PackedGDNStates`) read and written through the step's device buffers ``step``
     (`fast.batched_graphs.RecurrentStepBuffers`); ``chunks`` / ``record``: some sequence carries deferred rows /
-    records its token; ``prefill``: the step is a prompt piece's input rows (host flags, part of the graph's
-    key)."""
+    records its token; ``prefill``: the step is a prompt piece's input rows; ``dense``: batch row ``b`` is slot
+    ``b`` (the states' rows are updated in place through views: `batched_gdn.take_rows`) (host flags, part of the
+    graph's key)."""
 
     states: object
     step: object
@@ -351,6 +352,7 @@ class _StaticPackedContext:
     record: bool
     modules: frozenset
     prefill: bool = False
+    dense: bool = False
     serving: dict = dataclasses.field(default_factory=dict)  # always empty: no precomputed streams
     recorded: dict = dataclasses.field(default_factory=dict)
 
@@ -377,7 +379,7 @@ def _static_packed_gdn_forward(module, ctx: _StaticPackedContext, hidden_states,
     if ctx.prefill:
         core = state.static_prefill(qkv, a, b, ctx.step, params, *rules)
     else:
-        core = state.static_step(qkv, a, b, ctx.step, params, *rules, ctx.chunks, ctx.record)
+        core = state.static_step(qkv, a, b, ctx.step, params, *rules, ctx.chunks, ctx.record, dense=ctx.dense)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, rows, -1))
 
@@ -442,13 +444,14 @@ def packed_step(modules, states, layouts):
     return _scope(modules, _PackedStepContext(states, list(layouts), _ids(modules)))
 
 
-def static_packed_step(modules, states, step, chunks: bool, record: bool, prefill: bool = False):
+def static_packed_step(modules, states, step, chunks: bool, record: bool, prefill: bool = False,
+                       dense: bool = False):
     """Context manager: inside it, this thread's forwards of the GDN ``modules`` run a captured batched step
     (`_StaticPackedContext`: decode rows, or with ``prefill`` a prompt piece's input rows) on the per-slot ``states``
     through the step's device buffers ``step``."""
     modules = list(modules)
     return _scope(modules, _StaticPackedContext(states, step, bool(chunks), bool(record), _ids(modules),
-                                                prefill=bool(prefill)))
+                                                prefill=bool(prefill), dense=bool(dense)))
 
 
 @functools.lru_cache(maxsize=8)

@@ -397,10 +397,12 @@ class ModelAdapter:
         sequence's rows laid out as ``layouts[b]`` (`batched_gdn.PackedRowLayout`)."""
         return contextlib.nullcontext()
 
-    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False):
+    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False,
+                           dense: bool = False):
         """A context manager around a captured batched step's text-model call (`fast.batched_graphs`): those layers
         run on the per-slot ``states`` through the step's device buffers ``step`` (``chunks`` / ``record``: some
-        sequence carries deferred rows / records its token; ``prefill``: the step is a prompt piece's input rows)."""
+        sequence carries deferred rows / records its token; ``prefill``: the step is a prompt piece's input rows;
+        ``dense``: batch row ``b`` is slot ``b``)."""
         return contextlib.nullcontext()
 
     def export_packed_state(self, states, index: int, cache) -> None:

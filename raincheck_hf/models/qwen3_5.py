@@ -120,10 +120,11 @@ class GatedDeltaNetMixin:
         self._check_state_layout()
         return dispatch.packed_step(self._gdn_modules, states, layouts)
 
-    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False):
+    def static_packed_step(self, states, step, chunks: bool, record: bool, prefill: bool = False,
+                           dense: bool = False):
         """The GDN layers of a captured batched step (`fast.batched_graphs`) on the per-slot ``states``."""
         self._check_state_layout()
-        return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record, prefill)
+        return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record, prefill, dense)
 
     def export_packed_state(self, states, index: int, cache) -> None:
         for module in self._gdn_modules:
