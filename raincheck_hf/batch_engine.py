@@ -130,8 +130,8 @@ class StepRecord(NamedTuple):
     through the captured decode steps (`fast.batched_graphs.BatchedStepGraphs`; on a CPU model, their
     static-buffer step run eagerly), ``"captured"`` the same but that launch captured its key's graph first (the
     capture's warm-up runs included), ``"eager"`` the packed eager forward (`ForwardRunner`: prompt pieces, or an
-    engine without captured steps; also a decode step of captured steps whose capture failed once, which then run
-    eagerly on their buffers); ``rows``: its `StepRows`."""
+    engine without captured steps; also a step of the captured steps whose capture failed, which runs eagerly on its
+    buffers); ``rows``: its `StepRows`."""
 
     forwards: tuple[str, ...]
     rows: StepRows
@@ -627,7 +627,7 @@ class BatchEngine:
                 logits.update(self.runner.run(entries))
                 how.append("eager")
                 continue
-            how.append("eager" if self.graphs.failed  # (a capture failed: its decode steps run eagerly from then on)
+            how.append("eager" if self.graphs.ran_eagerly  # (its capture failed: the step ran eagerly on its buffers)
                        else "captured" if len(self.graphs.capture_log) > captures else "replayed")
         self.last_step = StepRecord(tuple(how), rows)
         return logits

@@ -726,3 +726,41 @@ def test_batched_generate_reads_the_device_once_per_decode_step(mode, fast_path,
     assert counts[short] >= short  # the counter sees the per-step read of the tokens
     assert counts[long] - counts[short] <= long - short, counts
     batched_graphs.release_all()
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_a_failed_prompt_capture_leaves_the_decode_steps_captured(name, monkeypatch):
+    """A prompt step's capture that fails on CUDA (here: made to fail, the buffers on the CPU) warns, runs that piece
+    eagerly on its buffers and every later prompt piece on the eager forward (``prefill_failed``; `accepts` says
+    False for them), while the decode steps keep being captured and replayed (``failed`` stays False); the answers
+    equal the eager engine's."""
+    from raincheck_hf.models import get_adapter
+
+    capture, capture_new = batched_graphs.BatchedStepGraphs._capture, batched_graphs.BatchedStepGraphs._capture_new
+
+    def failing(self, key, buffers):
+        if key.prefill:
+            raise RuntimeError("capture failed")
+        return capture(self, key, buffers)
+
+    def as_on_cuda(self, key, buffers):  # (as on CUDA: a failed capture warns and falls back instead of raising)
+        self.use_cuda = key.prefill
+        try:
+            return capture_new(self, key, buffers)
+        finally:
+            self.use_cuda = False
+
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "_capture", failing)
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "_capture_new", as_on_cuda)
+    batched_graphs.release_all()
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.5, chunk_size=3, decode_guard=1, fast_path=False)
+    rows = [TWO_IMAGES, IMAGE]
+    want = run(model, batched_inputs(processor, rows), cfg, 8)
+    with pytest.warns(RuntimeWarning, match="capture of the prompt step .* failed"):
+        got = run(model, batched_inputs(processor, rows), _with(cfg, True), 8)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert kept.prefill_failed and not kept.failed and kept.replays > 0
+    assert kept.capture_log and not any(key.prefill for key in kept.capture_log)
+    batched_graphs.release_all()
+    assert_same_output(got, want, TOL, "step")

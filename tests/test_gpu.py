@@ -1010,7 +1010,7 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     tbe.drive(model, engine, requests, ahead=seed // 2 % 2 == 1)  # (seeds 2, 3, 6, 7: each next step prepared ahead)
-    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed, graphs.failure
+    assert graphs.capture_log and graphs.replays > 0 and graphs.failure is None, graphs.failure
     _assert_cuda_sequences_equal_alone(f"{name} seed {seed}", requests)
     assert engine.sequences == []
     engine.close()
@@ -1047,7 +1047,7 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
     tbe.drive(model, engine, [answer, second])
     engine.runner.run = eager
-    assert graphs.capture_log and not graphs.failed, graphs.failure
+    assert graphs.capture_log and graphs.failure is None, graphs.failure
     assert any(key.prefill for key in graphs.capture_log)  # the image prompt alone
     rode = any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)
     assert rode != gdn  # the follow-up rode (attention families); no prompt rode (Qwen3.5)
@@ -1080,7 +1080,7 @@ def _cuda_restoring_case(name: str, rng_seed: int, what: str, monkeypatch, kv_to
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda  # fast_path=True on CUDA takes the captured steps
     restored, paths = tbe.run_restoring_case(model, engine, cfg, answers, held, max_rows, budget)
-    assert graphs.capture_log and not graphs.failed, graphs.failure
+    assert graphs.capture_log and graphs.failure is None, graphs.failure
     assert ("replay", True, True) in paths  # a restoring piece beside a fed token, in a captured step
     assert graphs.replays == sum(1 for path, _, _ in paths if path == "replay")
     _assert_cuda_sequences_equal_alone(what, answers)
@@ -1211,7 +1211,7 @@ def test_cuda_batched_gdn_graphs_sequences_equal_themselves_alone(seed, monkeypa
     graphs = engine.graphs
     assert graphs is not None and graphs.use_cuda and graphs.recurrent is engine.recurrent
     tbe.drive(model, engine, requests, ahead=seed % 2 == 1)  # (odd seeds: each next step prepared ahead)
-    assert graphs.capture_log and graphs.replays > 0 and not graphs.failed, graphs.failure
+    assert graphs.capture_log and graphs.replays > 0 and graphs.failure is None, graphs.failure
     _assert_cuda_sequences_equal_alone(f"qwen3_5 seed {seed}", requests)
     assert engine.sequences == []
     engine.close()
@@ -1241,7 +1241,7 @@ def test_cuda_batched_gdn_generate_replays_decode_steps(name, dtype, mode, monke
     want = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=False), **kw)
     got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
-    assert kept.use_cuda and kept.capture_log and kept.replays > 0 and not kept.failed, kept.failure
+    assert kept.use_cuda and kept.capture_log and kept.replays > 0 and kept.failure is None, kept.failure
     if mode == "post_answer":
         assert any(key.records for key in kept.capture_log)
     if mode == "raincheck":
@@ -1367,7 +1367,7 @@ def test_cuda_batched_gdn_steps_run_the_kernels_and_equal_the_eager_engine(mode,
     monkeypatch.setattr(gk, "_use_kernel", recorded)
     got = model.generate(**inputs, raincheck=dataclasses.replace(cfg, fast_path=True), **kw)
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
-    assert kept.use_cuda and kept.replays > 0 and not kept.failed, kept.failure
+    assert kept.use_cuda and kept.replays > 0 and kept.failure is None, kept.failure
     batched_graphs.release_all()
     assert launched and all(out for _, out in launched), sorted({name for name, out in launched if not out})
     names = {name for name, _ in launched}
@@ -1462,7 +1462,7 @@ def test_cuda_batched_generate_waits_for_the_device_once_per_decode_step(mode):
     (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     captures, replays = len(kept.capture_log), kept.replays
     counts = {n: _synchronizations(lambda n=n: call(n)) for n in (short, long)}
-    assert len(kept.capture_log) == captures and kept.replays > replays and not kept.failed, kept.failure
+    assert len(kept.capture_log) == captures and kept.replays > replays and kept.failure is None, kept.failure
     per_step = (counts[long] - counts[short]) / (long - short)
     print(f"mode {mode or 'default'}: synchronizations per call {counts}, per decode step {per_step:.2f}")
     assert counts[short] >= short  # the sync debug mode sees the per-step read of the tokens

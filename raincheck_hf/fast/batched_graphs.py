@@ -362,6 +362,10 @@ class BatchedStepGraphs:
         self.replays = 0
         self.failed = False  # a capture raised: every decode step runs eagerly from then on
         self.failure: str | None = None  # what the failed capture raised
+        # a prompt step's capture raised: prompt pieces run on the eager forward from then on, the decode steps keep
+        # their graphs (a failure there does not cost every answer its captured decode steps)
+        self.prefill_failed = False
+        self.ran_eagerly = False  # the last `launch` ran its step eagerly on its buffers (its capture failed)
 
     def _current_setting(self) -> tuple:
         """What captured graphs depend on beyond their key: the pool's tensors, the attention backend, the recurrent
@@ -382,7 +386,8 @@ class BatchedStepGraphs:
             return True
         if len(entries) == 1 and _piece(*entries[0]):
             group = entries[0][1]
-            return len(group) <= PREFILL_WIDTHS[-1] and (self.recurrent is None or _input_only(group))
+            return (not self.prefill_failed and len(group) <= PREFILL_WIDTHS[-1]
+                    and (self.recurrent is None or _input_only(group)))
         if not self.rides:
             return False
         return width_bucket(max(len(g) for _, g in entries), config) <= self.ride_width(config)
@@ -450,15 +455,25 @@ class BatchedStepGraphs:
 
     def _capture_new(self, key: BatchStepKey, buffers: BatchStepBuffers):
         """Capture ``key``'s step on ``buffers`` (filled) and keep it; None when the capture failed on CUDA: a warning,
-        and every decode step runs eagerly from then on (``failed``). Without CUDA a failure raises."""
+        and every decode step runs eagerly from then on (``failed``), or for a prompt step (``key.prefill``) every
+        prompt piece runs on the eager forward from then on (``prefill_failed``) while the decode steps keep their
+        graphs. Without CUDA a failure raises."""
         try:
             graph = self._capture(key, buffers)
         except RuntimeError as error:
             if not self.use_cuda:
                 raise
-            warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
-                          f"({error}); running batched decode steps eagerly instead.", RuntimeWarning, stacklevel=4)
-            self.failed, self.failure = True, f"{type(error).__name__}: {error}"
+            what = f"{type(error).__name__}: {error}"
+            if key.prefill:
+                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the prompt step {tuple(key)} failed "
+                              f"({error}); running prompt pieces on the eager forward instead.", RuntimeWarning,
+                              stacklevel=4)
+                self.prefill_failed, self.failure = True, what
+            else:
+                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
+                              f"({error}); running batched decode steps eagerly instead.", RuntimeWarning,
+                              stacklevel=4)
+                self.failed, self.failure = True, what
             return None
         self._captured[key] = (graph, buffers)
         self.capture_log.append(key)
@@ -567,10 +582,12 @@ class BatchedStepGraphs:
         for key in todo:
             if self.failed:
                 break
+            if key.prefill and self.prefill_failed:  # (prompt pieces run on the eager forward now)
+                continue
             buffers = self._buffers(key)
             self._fill_padding(buffers, key)
             if self._capture_new(key, buffers) is None:
-                break
+                continue
             captured += 1
             if on_capture is not None:
                 on_capture(captured, len(todo))
@@ -705,12 +722,14 @@ class BatchedStepGraphs:
         for slot, (_, group) in zip(slots, entries):
             pool.lengths[slot] += len(group)
         ok = False
+        self.ran_eagerly = False
         try:
-            if captured is None and not self.failed:
+            if captured is None and not self.failed and not (key.prefill and self.prefill_failed):
                 graph = self._capture_new(key, buffers)
                 if graph is not None:
                     captured = (graph, buffers)
             if captured is None:  # capture failed: the same step, eagerly on these buffers
+                self.ran_eagerly = True
                 self._step(buffers, key)
             else:
                 captured[0].replay()
