@@ -39,9 +39,8 @@ Decode steps (every row's ``[chunk?, token]``) run as captured CUDA graphs per (
 family with a fast path (the MoE ones with ``grouped_mm`` experts in bfloat16; the Gated DeltaNet families with
 their per-slot states read and written in the graph), ``fast_path=True`` on any device (on a CPU the same
 static-buffer step runs eagerly). Prompt pieces do too: on the attention families a short prompt rides in the
-decode step; other pieces replay a prefill step of their own (on the Gated DeltaNet families every piece of input
-rows); a piece that starts with a continued conversation's leftover deferred rows on the Gated DeltaNet families,
-and ``fast_path=False``, run on the eager `batch_engine.ForwardRunner`.
+decode step; other pieces (on the Gated DeltaNet families every piece) replay a prefill step of their own;
+``fast_path=False`` runs on the eager `batch_engine.ForwardRunner`.
 
 Not here (refused before any compute by `validate_batch`): ``fast_path=True`` for a model without captured
 batched steps (an accelerate-split model), continuing a cache in a batched call (a held

@@ -492,40 +492,9 @@ class PackedGDNState:
         conv = take(self.conv)
         leading_state = rest_map = None
         if chunks:
+            core, leading_state, rest_map = self._chunk_join(qkv, g, beta, step, state, conv, p, chunk_rule,
+                                                             recurrent_rule, take, put, reference)
             d = step.deferred
-            carries = d > 0
-            # 1. the chunks from each sequence's boundary; h_b <- h_b' in place (d_b = 0: h_b itself)
-            boundary_conv = take(self.boundary_conv)
-            boundary_state = take(self.boundary_state)
-            y = gk.conv_update_(boundary_conv, qkv, *conv_args, rows_in=d, reference=reference)
-            q, k, v = _split_heads(y, p)
-            valid = torch.arange(rows, device=device)[None] < d[:, None]
-            if rows > RECURRENT_CHUNK_MAX:  # (as the batch-1 fast path: a long chunk takes transformers' chunked rule)
-                gc, bc = _gate_off(g, beta, valid)
-                out, final = self._rule(False, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_state)
-                boundary_state.copy_(final)
-            else:
-                out = gk.recurrent_step_(boundary_state, q, k, v, g, beta, valid=d, reference=reference)
-            core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype,
-                                                                                     device=device))
-            put(self.boundary_state, boundary_state)
-            put(self.boundary_conv, boundary_conv)
-            # 2. the joins: each carrying sequence's leading segment (min(t_b, Kc - 1) recorded tokens) recomputed
-            # from (S_b', h_b'); its live conv window follows h_b' while t_b < Kc - 1 (a count of Kc - 1 writes none:
-            # the sequences without a chunk)
-            lead = step.suffix.clamp(max=self.width)
-            window = torch.where(carries, lead, self.width)
-            lead_qkv = take(self.leading_qkv)
-            y = gk.conv_update_(boundary_conv, lead_qkv, *conv_args, rows_in=window, history_out=conv,
-                                only_within_window=True, reference=reference)
-            lq, lk, lv = _split_heads(y, p)
-            lg, lb = gdn_gates(take(self.leading_a), take(self.leading_b), p)
-            repaired = torch.empty_like(boundary_state)
-            gk.recurrent_step_(boundary_state, lq, lk, lv, lg, lb, valid=lead, state_out=repaired, reference=reference)
-            leading_before = take(self.leading_state)
-            leading_state = torch.where(flag(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
-            rest_map = take(self.rest_map)
-            gk.join_(state, rest_map, leading_state, leading_before, reference=reference)
             has_token = step.token
             at = d.clamp(max=rows - 1)[:, None]  # each sequence's token row
             pick = lambda t: t.gather(1, at.view(-1, 1, *([1] * (t.dim() - 2))).expand(-1, 1, *t.shape[2:]))  # noqa
@@ -565,42 +534,122 @@ class PackedGDNState:
         token_row = (torch.arange(rows, device=device)[None] == step.deferred[:, None]) & moved[:, None]
         return torch.where(token_row[..., None, None], out, core)
 
+    def _chunk_join(self, qkv, g, beta, step, state, conv, p: GDNLayerParams, chunk_rule, recurrent_rule, take, put,
+                    reference):
+        """Steps 1 and 2 of `static_step` (shared with `static_prefill`): each sequence's leading ``step.deferred``
+        rows of ``qkv`` run from its boundary (``h_b``, ``S_b`` updated and written back), then its live ``state``
+        is joined (in place) and its live conv window ``conv`` follows ``h_b'`` while its suffix is shorter than
+        ``Kc - 1``. Returns ``(the chunk rows' core outputs [B, W, HV, V], zeros elsewhere; S_L'; M_R)`` (the last two
+        the step's rows, not yet written back)."""
+        device = qkv.device
+        rows = qkv.shape[1]
+        conv_args = (p.conv_weight, p.conv_bias, p.activation)
+        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731
+        d = step.deferred
+        carries = d > 0
+        # 1. the chunks from each sequence's boundary; h_b <- h_b' in place (d_b = 0: h_b itself)
+        boundary_conv = take(self.boundary_conv)
+        boundary_state = take(self.boundary_state)
+        y = gk.conv_update_(boundary_conv, qkv, *conv_args, rows_in=d, reference=reference)
+        q, k, v = _split_heads(y, p)
+        valid = torch.arange(rows, device=device)[None] < d[:, None]
+        if rows > RECURRENT_CHUNK_MAX:  # (as the batch-1 fast path: a long chunk takes transformers' chunked rule)
+            gc, bc = _gate_off(g, beta, valid)
+            out, final = self._rule(False, chunk_rule, recurrent_rule, q, k, v, gc, bc, boundary_state)
+            boundary_state.copy_(final)
+        else:
+            out = gk.recurrent_step_(boundary_state, q, k, v, g, beta, valid=d, reference=reference)
+        core = torch.where(valid[..., None, None], out.to(qkv.dtype), torch.zeros((), dtype=qkv.dtype, device=device))
+        put(self.boundary_state, boundary_state)
+        put(self.boundary_conv, boundary_conv)
+        # 2. the joins: each carrying sequence's leading segment (min(t_b, Kc - 1) recorded tokens) recomputed from
+        # (S_b', h_b'); its live conv window follows h_b' while t_b < Kc - 1 (a count of Kc - 1 writes none: the
+        # sequences without a chunk)
+        lead = step.suffix.clamp(max=self.width)
+        window = torch.where(carries, lead, self.width)
+        lead_qkv = take(self.leading_qkv)
+        y = gk.conv_update_(boundary_conv, lead_qkv, *conv_args, rows_in=window, history_out=conv,
+                            only_within_window=True, reference=reference)
+        lq, lk, lv = _split_heads(y, p)
+        lg, lb = gdn_gates(take(self.leading_a), take(self.leading_b), p)
+        repaired = torch.empty_like(boundary_state)
+        gk.recurrent_step_(boundary_state, lq, lk, lv, lg, lb, valid=lead, state_out=repaired, reference=reference)
+        leading_before = take(self.leading_state)
+        leading_state = torch.where(flag(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
+        rest_map = take(self.rest_map)
+        gk.join_(state, rest_map, leading_state, leading_before, reference=reference)
+        return core, leading_state, rest_map
+
     def static_prefill(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step, params: GDNLayerParams,
-                       chunk_rule, recurrent_rule) -> torch.Tensor:
+                       chunk_rule, recurrent_rule, chunks: bool = False, *,
+                       reference: bool | None = None) -> torch.Tensor:
         """The recurrent part of one GDN layer for a captured prompt piece (`fast.batched_graphs`' ``prefill`` keys):
-        sequence ``b``'s rows are ``[n_b input rows of a turn, padding]`` of ``qkv [B, W, C]``, ``a, b [B, W, HV]``
-        (``n_b = step.inputs[b]``, a device tensor: one captured graph serves every piece of its width), its states
-        at row ``step.slots[b]``. What `_rests` does for input rows, with the count on the device:
+        sequence ``b``'s rows are ``[d_b leftover deferred rows of a continued conversation, n_b input rows of the
+        turn, padding]`` of ``qkv [B, W, C]``, ``a, b [B, W, HV]`` (``d_b = step.deferred[b]``, ``n_b =
+        step.inputs[b]``: device tensors, so one captured graph serves every piece of its width), its states at row
+        ``step.slots[b]``. What `step` does for such a layout (`_chunks`, then `_rests` on input rows), with the counts
+        on the device:
 
-        1. the conv continues the live window over the whole width (a real row never reads the padding after it);
-           the new window is the last ``Kc - 1`` of ``[h, its n_b rows]`` (`_last_window`, gathered per sequence);
-        2. the rows from the live state with transformers' chunked rule (its recurrent rule for a one-row step), the
-           padding after them gated off (``g = 0, beta = 0`` passes the state unchanged: exact);
-        3. the boundary moves after the input rows: ``S_b = S_L = S_live``, ``h_b`` the live window, ``M_R = I``
-           (the host's suffix length goes to 0 after the step: `PackedGDNStates.reset_suffix`).
+        1. with ``chunks`` (a host flag of the key: some piece carries deferred rows), the deferred rows from the
+           boundary and the join (`_chunk_join`, as in `static_step`): ``d_b = 0`` leaves every state as it was;
+        2. the input rows, moved to the front of the width (a gather: row ``j`` from row ``d_b + j``), continue the
+           (joined) live conv window (a real row never reads the padding after it); the new window is the last
+           ``Kc - 1`` of ``[h, the n_b rows]`` (`_last_window`); the rule runs from the live state with transformers'
+           chunked rule, the rows after ``n_b`` gated off (``g = 0, beta = 0`` passes the state unchanged: exact);
+        3. where ``n_b > 0`` the boundary moves after the input rows: ``S_b = S_L = S_live``, ``h_b`` the live window,
+           ``M_R = I`` (the host's suffix length goes to 0 after the step: `PackedGDNStates.reset_suffix`); a piece of
+           deferred rows only keeps the boundary the chunk moved, its ``S_L'`` and ``M_R``.
 
-        A padding sequence (``step.real`` False, ``n_b = 0``) keeps every state exactly (``torch.where`` with its
-        old rows). Returns the core outputs ``[B, W, HV, V]`` (padding rows' are not read)."""
+        A padding sequence (``step.real`` False, no rows) keeps every state exactly (``torch.where`` with its old
+        rows). Returns the core outputs ``[B, W, HV, V]`` (padding rows' are not read)."""
         p = params
         device = qkv.device
         slots, real, n = step.slots, step.real, step.inputs
         bsz, rows, _ = qkv.shape
-        valid = torch.arange(rows, device=device)[None] < n[:, None]
-        history = self.conv.index_select(0, slots)
-        y = causal_conv_with_history(qkv, history, p.conv_weight, p.conv_bias, p.activation)
+        take = lambda t: take_rows(t, slots, bsz, False)  # noqa: E731
+        put = lambda t, new: put_rows(t, new, slots, False)  # noqa: E731
+        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
+        g, beta = gdn_gates(a, b, p)
+        state, conv = take(self.state), take(self.conv)
+        position = torch.arange(rows, device=device)[None]
+        if chunks:
+            core, leading_state, rest_map = self._chunk_join(qkv, g, beta, step, state, conv, p, chunk_rule,
+                                                             recurrent_rule, take, put, reference)
+            d = step.deferred
+            at = (d[:, None] + position).clamp(max=rows - 1)  # each input row's source row
+
+            def front(t):
+                return t.gather(1, at.view(*at.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+
+            x, xg, xbeta = front(qkv), front(g), front(beta)
+        else:
+            core = leading_state = rest_map = None
+            x, xg, xbeta = qkv, g, beta
+        y = causal_conv_with_history(x, conv, p.conv_weight, p.conv_bias, p.activation)
         q, k, v = _split_heads(y, p)
-        g, beta = _gate_off(*gdn_gates(a, b, p), valid)
-        out, state = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, g, beta,
-                                self.state.index_select(0, slots))
-        conv = _last_window(history, qkv, n)  # (n_b = 0: h itself)
-        state = state.to(self.state.dtype)
-        flag = lambda t: real.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (the [B] mask against t [B, ...])
-        eye = torch.eye(p.head_k_dim, dtype=self.rest_map.dtype, device=device).expand(bsz, *self.rest_map.shape[1:])
-        for name, new in (("state", state), ("conv", conv), ("boundary_state", state), ("leading_state", state),
-                          ("boundary_conv", conv), ("rest_map", eye)):
-            old = getattr(self, name).index_select(0, slots)
-            getattr(self, name).index_copy_(0, slots, torch.where(flag(old), new.to(old.dtype), old))
-        return out.to(qkv.dtype)
+        xg, xbeta = _gate_off(xg, xbeta, position < n[:, None])
+        out, after = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, xg, xbeta, state)
+        moved = real & (n > 0)
+        state = torch.where(flag(moved, state), after.to(state.dtype), state)
+        conv = torch.where(flag(moved, conv), _last_window(conv, x, n), conv)
+        if leading_state is None:
+            leading_state = take(self.leading_state)
+        if rest_map is None:
+            rest_map = take(self.rest_map)
+        eye = torch.eye(p.head_k_dim, dtype=rest_map.dtype, device=device).expand_as(rest_map)
+        boundary_state, boundary_conv = take(self.boundary_state), take(self.boundary_conv)  # (the chunk's, if any)
+        for name, new, old in (("state", state, state), ("conv", conv, conv),
+                               ("boundary_state", state, boundary_state), ("boundary_conv", conv, boundary_conv),
+                               ("leading_state", state, leading_state), ("rest_map", eye, rest_map)):
+            put(getattr(self, name), torch.where(flag(moved, old), new.to(old.dtype), old))
+        out = out.to(qkv.dtype)
+        if core is None:
+            return out
+        # each input row's output back at its row d_b + j
+        src = (position - step.deferred[:, None]).clamp(min=0)
+        placed = out.gather(1, src.view(bsz, rows, 1, 1).expand(-1, -1, *out.shape[2:]))
+        inputs_here = (position >= step.deferred[:, None]) & (position < (step.deferred + n)[:, None])
+        return torch.where(inputs_here[..., None, None], placed, core)
 
     # ---- one sequence as the batch-1 engine keeps it ---------------------------------------------
     def export(self, i: int, layer, params: GDNLayerParams) -> None:

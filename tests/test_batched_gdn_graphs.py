@@ -246,14 +246,18 @@ def test_after_a_failed_capture_steps_run_eagerly_with_their_chunks_and_records(
         assert_cache_equal(got.cache[i], want.cache[i])
 
 
+@pytest.mark.parametrize("chunks", [False, True], ids=["inputs", "leftovers"])
 @pytest.mark.parametrize("seed", range(3))
-def test_static_prefill_equals_the_eager_packed_step(seed):
-    """`PackedGDNState.static_prefill` (a prompt piece's input rows in a captured step, the count on the device) against
-    the eager packed step (`PackedGDNState.step` with an input-row layout, the reference) on random states and inputs:
-    three sequences at slots of a 5-slot state in one step of width 96 (pieces of 96, 70 and 1 rows: the chunked
-    rule, padding gated off after the real rows) and a padding sequence; each sequence's core outputs on its own rows,
-    its live state and conv window, and its boundary moved after the piece (``S_b = S_L = S_live``, ``h_b`` the live
-    window, ``M_R = I``) within 1e-5 (fp32); the padding sequence's slot and the untouched slots exactly as before."""
+def test_static_prefill_equals_the_eager_packed_step(seed, chunks):
+    """`PackedGDNState.static_prefill` (a prompt piece in a captured step, its counts on the device) against the eager
+    packed step (`PackedGDNState.step` with the same layout, the reference) on random states, records and inputs:
+    sequences at slots of a 5-slot state in one step of width 96 and a padding sequence. ``inputs``: pieces of 96,
+    70 and 1 input rows (the chunked rule, padding gated off after the real rows). ``leftovers`` (the key's
+    ``chunks``): a continued conversation's leftover deferred rows in front: 30 deferred + 50 input rows, 3 + 1, 20
+    deferred rows only (suffix lengths below and past the leading segment), and 60 input rows without any. Each
+    sequence's core outputs on its own rows, its live state and conv window, its boundary (moved after the input rows,
+    or after the deferred rows of a piece without input rows), S_L and M_R within 1e-5 (fp32); the padding sequence's
+    slot (and an untouched one) exactly as before."""
     from types import SimpleNamespace
 
     from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
@@ -274,27 +278,54 @@ def test_static_prefill_equals_the_eager_packed_step(seed):
         t = getattr(base, name)
         noise = torch.randn(t.shape, generator=gen)
         t.copy_(torch.eye(k) + 0.1 * noise if name == "rest_map" else noise)
-    base.suffix_length = [3, 0, 5, 1, 2]
-    seqs = random.Random(seed).sample([(3, 96), (0, 70), (4, 1)], 3) + [(1, 0)]  # (slot, rows); rows 0: padding
+    base.suffix_length = [1, 0, 5, 2, 7]
+    pieces = ([(3, 30, 50), (0, 3, 1), (4, 20, 0), (2, 0, 60)] if chunks  # (slot, deferred rows, input rows)
+              else [(3, 0, 96), (0, 0, 70), (4, 0, 1)])
+    seqs = random.Random(seed).sample(pieces, len(pieces)) + [(1, 0, 0)]  # no rows: a padding sequence
     qkv = torch.randn(len(seqs), width, c, generator=gen)
     a, b = torch.randn(len(seqs), width, hv, generator=gen), torch.randn(len(seqs), width, hv, generator=gen)
-    step = SimpleNamespace(slots=torch.tensor([s for s, _ in seqs]), real=torch.tensor([n > 0 for _, n in seqs]),
-                           inputs=torch.tensor([n for _, n in seqs]))
+    column = lambda i: torch.tensor([s[i] for s in seqs])  # noqa: E731
+    step = SimpleNamespace(slots=column(0), real=column(1) + column(2) > 0, deferred=column(1), inputs=column(2),
+                           suffix=torch.tensor([base.suffix_length[s[0]] for s in seqs]))
     state = base.take(list(range(slots)))
     core = state.static_prefill(qkv, a, b, step, params, torch_chunk_gated_delta_rule,
-                                torch_recurrent_gated_delta_rule)
+                                torch_recurrent_gated_delta_rule, chunks)
     assert core.shape == (len(seqs), width, hv, v)
-    for i, (slot, n) in enumerate(seqs):
-        if n == 0:
+    for i, (slot, d, n) in enumerate(seqs):
+        if d + n == 0:
             continue
         eager = base.take([slot])
-        want = eager.step(qkv[i:i + 1, :n], a[i:i + 1, :n], b[i:i + 1, :n], [PackedRowLayout(0, n, INPUT)], params,
+        layout = PackedRowLayout(d, n, INPUT if n else None)
+        want = eager.step(qkv[i:i + 1, :d + n], a[i:i + 1, :d + n], b[i:i + 1, :d + n], [layout], params,
                           torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)
-        assert (core[i, :n] - want[0]).abs().max() <= 1e-5, (slot, n)
+        assert (core[i, :d + n] - want[0]).abs().max() <= 1e-5, (slot, d, n)
         for name in PackedGDNState._NAMES:
             got, expected = getattr(state, name)[slot], getattr(eager, name)[0]
-            assert (got - expected).abs().max() <= 1e-5, (slot, n, name)
-        assert eager.suffix_length == [0]  # (the host's: `PackedGDNStates.reset_suffix` after a captured step)
-    for slot in (1, 2):  # the padding sequence's slot, and a slot the step does not have
+            assert (got - expected).abs().max() <= 1e-5, (slot, d, n, name)
+        # (the host's suffix length: 0 after input rows, as `PackedGDNStates.reset_suffix` makes it after the step)
+        assert eager.suffix_length == [0 if n else base.suffix_length[slot]]
+    untouched = [slot for slot in range(slots) if slot not in {p[0] for p in pieces}]  # (padding, or not in it)
+    assert 1 in untouched
+    for slot in untouched:
         for name in PackedGDNState._NAMES:
             assert torch.equal(getattr(state, name)[slot], getattr(base, name)[slot]), (slot, name)
+
+
+def test_a_follow_up_with_leftover_deferred_rows_runs_in_a_prefill_step(replay_log):
+    """A held Qwen3.5 conversation (its first answer 2 tokens long: most of its image's deferred rows still pending)
+    asks a follow-up while another answer decodes: the follow-up's prompt, ``[leftover deferred rows, its text]``,
+    replays a prefill step that carries those rows (``chunks``: they run from the boundary and join, then the text
+    from the joined live state, `PackedGDNState.static_prefill`), nothing runs on the eager forward, and both answers
+    equal their own eager batch-1 calls (the follow-up from its held cache)."""
+    model, processor = family_model("qwen3_5"), family_processor("qwen3_5")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, fast_path=False)
+    answer = Request(model, processor, cfg, IMAGE, n=8, arrive=0)
+    follow = Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=2, follow_up=True)
+    assert int(follow.held.pending_sources.numel()) > 0  # (leftover deferred rows: the case this test is about)
+    engine = BatchEngine(model, _with(cfg, None), num_slots=2, graphs=True)
+    engine.runner.run = lambda entries: pytest.fail("a forward ran eagerly")  # noqa: ARG005
+    drive(model, engine, [answer, follow])
+    answer.check("answer")
+    follow.check("follow-up with leftover deferred rows")
+    assert any(key.prefill and key.chunks for key in replay_log)
+    engine.close()

@@ -517,9 +517,9 @@ def test_deepstack_rows_of_a_prompt_piece_land_on_its_visual_rows(seed, replay_l
 def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     """A prompt's rows advance the Gated DeltaNet states as the captured step's ``[deferred, token]`` layout does
     not: on Qwen3.5 no prompt piece rides (`ride_width` 0; a step with one beside decode rows is not taken by the
-    graphs), but a piece of input rows alone runs in a captured prefill step (`PackedGDNState.static_prefill`), up to
-    the widest of `PREFILL_WIDTHS`; one with a continued conversation's leftover deferred rows in front runs
-    eagerly."""
+    graphs), but a piece alone runs in a captured prefill step (`PackedGDNState.static_prefill`), up to the widest
+    of `PREFILL_WIDTHS`: input rows, a continued conversation's leftover deferred rows then input rows, or leftover
+    deferred rows only; no other layout."""
     from raincheck_hf.batched import RowGroup
     from raincheck_hf.cache_utils import DEFERRED, GENERATED, INPUT
     from raincheck_hf.models.base import RowBatch
@@ -545,7 +545,9 @@ def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     longest = batched_graphs.PREFILL_WIDTHS[-1]
     assert graphs.accepts([(Seq(), group(*[INPUT] * longest))], cfg)
     assert not graphs.accepts([(Seq(), group(*[INPUT] * (longest + 1)))], cfg)
-    assert not graphs.accepts([(Seq(), group(DEFERRED, DEFERRED, INPUT, INPUT))], cfg)  # leftover deferred rows
+    assert graphs.accepts([(Seq(), group(DEFERRED, DEFERRED, INPUT, INPUT))], cfg)  # leftover deferred rows in front
+    assert graphs.accepts([(Seq(), group(DEFERRED, DEFERRED))], cfg)
+    assert not graphs.accepts([(Seq(), group(INPUT, DEFERRED, INPUT))], cfg)
     decode = (Seq(), group(DEFERRED, GENERATED))
     assert graphs.accepts([decode], cfg)
     assert not graphs.accepts([decode, (Seq(), group(INPUT, INPUT))], cfg)  # no prompt rides

@@ -1021,11 +1021,11 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
 def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     """On CUDA with real captures (fp32): an image prompt alone at step 0 replays a captured prefill step (batch 1,
     its slot gathered; Qwen3-VL's DeepStack rows between its text rows placed on the device; Qwen3.5's Gated DeltaNet
-    layers through `PackedGDNState.static_prefill`, the count of input rows on the device). On the attention families
-    a held conversation's short follow-up then rides in the decode rows' captured step; on Qwen3.5 no prompt rides: a
-    second image prompt joining at step 3 replays a prefill step of its own. Nothing runs on the eager forward; each
-    sequence's tokens equal its own eager batch-1 call's, logits within 1e-3 + 1e-3 of the step's largest, caches
-    equal."""
+    layers through `PackedGDNState.static_prefill`, the counts of rows on the device). A held conversation's short
+    follow-up joining at step 3 then rides in the decode rows' captured step on the attention families; on Qwen3.5
+    no prompt rides: the follow-up, its leftover deferred rows in front of its text, replays a prefill step of its
+    own that carries them (``chunks``). Nothing runs on the eager forward; each sequence's tokens equal its own eager
+    batch-1 call's, logits within 1e-3 + 1e-3 of the step's largest, caches equal."""
     import test_batch_engine as tbe
     from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
@@ -1034,10 +1034,11 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
 
     monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
     model, processor = _cuda_family_model(name), family_processor(name)
-    cfg = RaincheckConfig(retention=0.3, chunk_size=31, decode_guard=1, fast_path=False)
     gdn = name == "qwen3_5"
+    # (Qwen3.5: chunks of 3, so the held conversation's 2-token first answer leaves deferred rows for its follow-up)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=31 if not gdn else 3, decode_guard=1, fast_path=False)
     answer = tbe.Request(model, processor, cfg, IMAGE, n=12, arrive=0)
-    second = tbe.Request(model, processor, cfg, TWO_IMAGES, n=4 if not gdn else 6, arrive=3, follow_up=not gdn)
+    second = tbe.Request(model, processor, cfg, TWO_IMAGES, n=4, arrive=3, follow_up=True)
     batched_graphs.release_all()
     engine = BatchEngine(model, dataclasses.replace(cfg, fast_path=True), num_slots=2)
     graphs = engine.graphs
@@ -1051,6 +1052,7 @@ def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     assert any(key.prefill for key in graphs.capture_log)  # the image prompt alone
     rode = any(r.rows.prefill and r.rows.decode and len(r.forwards) == 1 for r, _ in records)
     assert rode != gdn  # the follow-up rode (attention families); no prompt rode (Qwen3.5)
+    assert not gdn or any(key.prefill and key.chunks for key in graphs.capture_log)  # (its leftover rows)
     _assert_cuda_sequences_equal_alone(f"{name} prompts in captured steps", [answer, second])
     engine.close()
     batched_graphs.release_all()

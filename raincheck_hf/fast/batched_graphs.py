@@ -48,9 +48,10 @@ warm-up runs the real step it is captured for: on attention-only families a step
 rows with the same values and keys), so the replay that follows gives the same result. A prompt piece's DeepStack
 rows between its text rows (an image inside the prompt) are placed row by row on the device: each visual row takes
 the features of its rank among the piece's visual rows (`_fill`). On the Gated DeltaNet families no prompt rides (a
-prompt's rows advance the states as the step's ``[deferred, token]`` layout does not); a piece of input rows alone
-runs its GDN layers through `batched_gdn.PackedGDNState.static_prefill` (the rows' count on the device), and one
-that starts with a continued conversation's leftover deferred rows runs on the eager `ForwardRunner`.
+prompt's rows advance the states as the step's ``[deferred, token]`` layout does not); a piece alone runs its GDN
+layers through `batched_gdn.PackedGDNState.static_prefill` (a continued conversation's leftover deferred rows in
+front of the turn's input rows, if any, from the boundary and joined: ``chunks`` in the key; the counts on the
+device).
 
 Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE): the per-slot recurrent states (`batched_gdn.PackedGDNStates`, a row
 per slot of the pool, the scratch slot included) belong to the pool too (`BatchedStepGraphs.recurrent`; the engine's
@@ -141,11 +142,16 @@ def _piece(seq, group) -> bool:
     return not seq.restores_only and int(torch.as_tensor(group.kinds)[-1]) != GENERATED
 
 
-def _input_only(group) -> bool:
-    """Whether every row of ``group`` is a turn's input row (no continued conversation's leftover deferred rows in
-    front): the prompt pieces a captured step runs on the Gated DeltaNet families (`PackedGDNState.static_prefill`);
-    host data only."""
-    return bool(torch.as_tensor(group.kinds).eq(INPUT).all())
+def _piece_layout(group) -> tuple[int, int] | None:
+    """``(leading deferred rows, input rows)`` of a prompt piece ``group`` laid out as a captured prefill step runs
+    it on the Gated DeltaNet families (`PackedGDNState.static_prefill`): a continued conversation's leftover deferred
+    rows, then the turn's input rows (either part may be empty); None for any other layout. Host data only."""
+    kinds = torch.as_tensor(group.kinds, dtype=torch.int8).cpu()
+    deferred = int(kinds.eq(DEFERRED).sum())
+    inputs = int(kinds.eq(INPUT).sum())
+    if deferred + inputs != kinds.numel() or (deferred and not bool(kinds[:deferred].eq(DEFERRED).all())):
+        return None
+    return deferred, inputs
 
 
 def batched_graph_blocker(adapter) -> str | None:
@@ -244,8 +250,8 @@ class RecurrentStepBuffers:
     sequence, its states written back unchanged), ``deferred`` (its leading deferred rows), ``token`` (a generated
     row follows them: a decode group, not a restoring piece), ``lead`` / ``record_map`` (its generated row is
     recorded as a leading token / into M_R) and ``suffix`` (its recorded suffix length before the step); a prompt
-    piece's step (``prefill`` keys: `PackedGDNState.static_prefill`) reads ``inputs`` (its input rows) instead of the
-    decode fields."""
+    piece's step (``prefill`` keys: `PackedGDNState.static_prefill`) reads ``deferred`` (a continued conversation's
+    leftover deferred rows in front), ``inputs`` (the turn's input rows after them) and ``suffix``."""
 
     slots: torch.Tensor  # [B] long
     real: torch.Tensor  # [B] bool
@@ -378,16 +384,16 @@ class BatchedStepGraphs:
         host from the entries' kinds and sizes: a `decode_only` step (decode groups ``[chunk?, token]`` and restoring
         pieces), on every family (the Gated DeltaNet ones: `PackedGDNState.static_step`); a prompt piece alone of up
         to the largest of `PREFILL_WIDTHS` rows (`batch_engine.RowScheduler` gives each piece that does not ride a
-        forward of its own), on the Gated DeltaNet families when its rows are all input rows (`_input_only`:
-        `PackedGDNState.static_prefill`; one with a continued conversation's leftover deferred rows in front runs
-        eagerly); on the attention families also a step with short prompt pieces beside decode rows (`ride_rows`: no
-        wider than the widest warmed width)."""
+        forward of its own), on the Gated DeltaNet families too (`PackedGDNState.static_prefill`: a continued
+        conversation's leftover deferred rows, then the turn's input rows, `_piece_layout`); on the attention families
+        also a step with short prompt pieces beside decode rows (`ride_rows`: no wider than the widest warmed
+        width)."""
         if decode_only(entries):
             return True
         if len(entries) == 1 and _piece(*entries[0]):
             group = entries[0][1]
             return (not self.prefill_failed and len(group) <= PREFILL_WIDTHS[-1]
-                    and (self.recurrent is None or _input_only(group)))
+                    and (self.recurrent is None or _piece_layout(group) is not None))
         if not self.rides:
             return False
         return width_bucket(max(len(g) for _, g in entries), config) <= self.ride_width(config)
@@ -554,9 +560,12 @@ class BatchedStepGraphs:
                         continue
                     for records, chunks in variants:
                         keys.append(BatchStepKey(batch, width, span, self.views, records, chunks, compiled))
-        for width in PREFILL_WIDTHS:  # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity
-            keys += [BatchStepKey(1, width, span, False, False, False, compiled, True)
-                     for span in spans if span >= width]
+        # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity; on the Gated DeltaNet families
+        # in the modes that defer also with a continued conversation's leftover deferred rows in front (``chunks``)
+        leftovers = [False, True] if gdn and config.defers else [False]
+        for width in PREFILL_WIDTHS:
+            keys += [BatchStepKey(1, width, span, False, False, chunks, compiled, True)
+                     for span in spans if span >= width for chunks in leftovers]
         return keys
 
     def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
@@ -630,9 +639,9 @@ class BatchedStepGraphs:
         # a prompt piece alone takes a prefill width and gathers its slot: views would pad every lower slot to its
         # width
         alone = n == 1 and _piece(*entries[0])
-        if alone and self.recurrent is not None and not _input_only(entries[0][1]):
-            raise ValueError("a prompt piece that starts with leftover deferred rows runs on the eager forward on the "
-                             "Gated DeltaNet families (BatchedStepGraphs.accepts says False for it).")
+        if alone and self.recurrent is not None and _piece_layout(entries[0][1]) is None:
+            raise ValueError("a prompt piece of the Gated DeltaNet families must be leftover deferred rows, then input "
+                             "rows (BatchedStepGraphs.accepts says False for any other).")
         key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
         dense_layout = None if alone else self._dense_layout(slots, key_batch, width)
@@ -654,8 +663,12 @@ class BatchedStepGraphs:
         # (every row sees at least itself: a padding row's own row is inside the span too)
         span = static_cache.slot_bucket(max(starts + list(padding.values())) + width, pool.capacity)
         recorded = [] if alone else self._recorded(entries)
-        chunks = self.recurrent is not None and not alone and any(len(g) > 1 or seq.restores_only
-                                                                  for seq, g in entries)
+        if self.recurrent is None:
+            chunks = False
+        elif alone:  # (a continued conversation's leftover deferred rows in front of the piece)
+            chunks = _piece_layout(entries[0][1])[0] > 0
+        else:
+            chunks = any(len(g) > 1 or seq.restores_only for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
         key = BatchStepKey(key_batch, width, span, dense, bool(recorded), chunks, compiled, alone)
         captured = self._captured.get(key)
@@ -742,8 +755,8 @@ class BatchedStepGraphs:
                     pool.lengths[slot] = was
         if step.recorded:  # (the host's suffix lengths: the step recorded those rows on the device)
             self.recurrent.advance_suffix(list(step.recorded))
-        if key.prefill and self.recurrent is not None:  # (its boundary moved after the piece's input rows)
-            self.recurrent.reset_suffix(slots)
+        if key.prefill and self.recurrent is not None:  # (its boundary moved after the piece's input rows, if any)
+            self.recurrent.reset_suffix([seq.slot for seq, group in entries if _piece_layout(group)[1] > 0])
         for seq, group in entries:
             seq.stored(group)
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
@@ -836,18 +849,19 @@ class BatchedStepGraphs:
         rows are real sequences, their deferred rows and whether a token follows them (a decode group's rows are
         ``[chunk, token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading
         token or into M_R, and the suffix lengths (host ints of the per-slot states); with ``prefill`` (a prompt
-        piece alone: `_input_only`) its input rows instead; padding rows: not real, no rows, no record. One
-        non-blocking copy, nothing read back."""
+        piece alone: `_piece_layout`) its leftover deferred rows, input rows and suffix length; padding rows: not
+        real, no rows, no record. One non-blocking copy, nothing read back."""
         batch = buffers.real.shape[0]
         layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
         records = set(recorded)
         table = [[0] * batch for _ in range(7)]  # real, deferred, token, lead, record_map, suffix, inputs
         for row, (seq, group) in zip(rows, entries):
             table[0][row] = 1
-            if prefill:
-                table[6][row] = len(group)
-                continue
             suffix = layer.suffix_length[seq.slot]
+            if prefill:  # (leftover deferred rows, then input rows: `_piece_layout`)
+                table[1][row], table[6][row] = _piece_layout(group)
+                table[5][row] = suffix
+                continue
             token = int(not seq.restores_only)
             rec = seq.slot in records
             for i, value in enumerate((len(group) - token, token, int(rec and suffix < layer.width),

@@ -377,7 +377,7 @@ def _static_packed_gdn_forward(module, ctx: _StaticPackedContext, hidden_states,
     rules = (module_function(module, "torch_chunk_gated_delta_rule"),
              module_function(module, "torch_recurrent_gated_delta_rule"))
     if ctx.prefill:
-        core = state.static_prefill(qkv, a, b, ctx.step, params, *rules)
+        core = state.static_prefill(qkv, a, b, ctx.step, params, *rules, ctx.chunks)
     else:
         core = state.static_step(qkv, a, b, ctx.step, params, *rules, ctx.chunks, ctx.record, dense=ctx.dense)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
