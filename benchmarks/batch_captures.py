@@ -7,7 +7,8 @@ A CUDA-graph capture of a batched decode step costs 0.1-0.5 s on an 8B/9B model 
 batch compiles), and it happens inside the answers of every conversation in the batch. Which steps are captured is
 decided on the host from the batch's shape alone (`fast.batched_graphs.BatchStepKey`: batch bucket, width, slot
 span, ...), so the count is the same on any device: this tool counts them on the CPU with the tiny Qwen3-VL model
-(``fast_path=True``: the static-buffer steps, run eagerly here, each new key recorded as a capture would be).
+(``--model qwen3_5``: the tiny Qwen3.5, Gated DeltaNet layers) (``fast_path=True``: the static-buffer steps, run
+eagerly here, each new key recorded as a capture would be).
 
 The load mirrors ``bench serve-load``'s: ``N`` conversations on one `BatchLoop` (as ``serve --batching`` runs
 them), all starting together, each a three-turn dialogue: a photo-sized image (``--image``, 1,344 visual tokens
@@ -37,7 +38,10 @@ from raincheck_hf import BatchLoop, Conversation, RaincheckConfig  # noqa: E402
 from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.fast import batched_graphs  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
-from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
+from raincheck_hf.tiny import (build_tiny_processor, build_tiny_qwen3_5, build_tiny_qwen3_vl,  # noqa: E402
+                               draw_test_image)
+
+MODELS = {"qwen3_vl": build_tiny_qwen3_vl, "qwen3_5": build_tiny_qwen3_5}
 
 FOLLOW_UPS = ("And the colours?", "Anything else?")
 
@@ -101,6 +105,7 @@ QUESTION = "Describe the image."
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_vl", choices=sorted(MODELS), help="the tiny model's family")
     parser.add_argument("--clients", default="1,8,32")
     parser.add_argument("--mode", default="raincheck")
     parser.add_argument("--image", default="1344x1024", help="WIDTHxHEIGHT of each client's image")
@@ -111,7 +116,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     width, height = (int(v) for v in args.image.lower().split("x"))
-    model = build_tiny_qwen3_vl(seed=0)
+    model = MODELS[args.model](seed=0)
     processor = build_tiny_processor(max_pixels=width * height)  # (the image's own grid, not a smaller one)
     import raincheck_hf
 

@@ -766,3 +766,20 @@ def test_a_failed_prompt_capture_leaves_the_decode_steps_captured(name, monkeypa
     assert kept.capture_log and not any(key.prefill for key in kept.capture_log)
     batched_graphs.release_all()
     assert_same_output(got, want, TOL, "step")
+
+
+def test_warm_outside_no_grad_keeps_no_autograd_record():
+    """`BatchedStepGraphs.warm` called directly (outside `generate` and `warm_up`, which run under ``no_grad``) runs its
+    steps without autograd: no captured step's outputs hold a graph of the forward's activations (on a CPU each kept
+    step's logits would otherwise keep every intermediate tensor of its forward alive)."""
+    from raincheck_hf.models import get_adapter
+
+    batched_graphs.release_all()
+    model = family_model("qwen3_5")
+    adapter = get_adapter(model)
+    graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, 2, 128)
+    assert torch.is_grad_enabled()
+    assert graphs.warm(RaincheckConfig(fast_path=True), 2) > 0
+    logits = [buffers.logits for _, buffers in graphs._captured.values()]
+    assert logits and all(t is not None and t.grad_fn is None and not t.requires_grad for t in logits)
+    batched_graphs.release_all()

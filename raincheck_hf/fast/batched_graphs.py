@@ -587,6 +587,11 @@ class BatchedStepGraphs:
             self._captured.clear()
             self._mempool, self._setting = None, setting
         todo = [key for key in self.warm_keys(config, max_batch) if key not in self._captured]
+        with torch.no_grad():  # (called outside `generate` too: no autograd record kept with a step's outputs)
+            return self._warm_keys(todo, on_capture)
+
+    def _warm_keys(self, todo: list, on_capture) -> int:
+        """Capture the keys ``todo`` on padding-only buffers (`warm`); how many were captured."""
         captured = 0
         for key in todo:
             if self.failed:
