@@ -360,8 +360,8 @@ class BatchEngine:
             the same static-buffer step runs eagerly); None: follow ``config.fast_path`` (None: eager; True where
             the family supports it: every family with a fast path, the MoE ones with transformers' ``grouped_mm``
             experts in bfloat16, on CUDA; on the Gated DeltaNet families the per-slot GDN states are read and
-            written through the step's device slot indices; their prompt pieces run on the eager
-            `ForwardRunner`). With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
+            written through the step's device slot indices, and every prompt piece runs alone in a step of its
+            own). With graphs, the pool (and its graphs, and the per-slot GDN states) comes from the ones
             kept per model and goes back with `close`.
     """
 

@@ -108,6 +108,11 @@ def _last_window(history: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> 
     return joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
 
 
+def _per_row(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A ``[B]`` mask viewed to broadcast against ``t [B, ...]``."""
+    return mask.view(-1, *([1] * (t.dim() - 1)))
+
+
 def take_rows(t: torch.Tensor, slots: torch.Tensor, batch: int, dense: bool) -> torch.Tensor:
     """A captured step's rows of the per-slot tensor ``t``: a view of rows ``0 .. batch - 1`` when the step is dense
     (batch row ``b`` is slot ``b``), which in-place updates change in ``t`` itself; else a copy of rows ``slots``."""
@@ -485,7 +490,6 @@ class PackedGDNState:
         bsz, rows, _ = qkv.shape
         conv_args = (p.conv_weight, p.conv_bias, p.activation)
         g, beta = gdn_gates(a, b, p)
-        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
         take = lambda t: take_rows(t, slots, bsz, dense)  # noqa: E731
         put = lambda t, rows: put_rows(t, rows, slots, dense)  # noqa: E731
         state = take(self.state)  # the slots' rows (copies, or views of a dense step): the kernels update them
@@ -523,7 +527,7 @@ class PackedGDNState:
             gk.recurrent_step_(leading_state, k, k, v, rg, rb, valid=lead_token.long(), reference=reference)
             if rest_map is None:
                 rest_map = take(self.rest_map)
-            mg, mb = gk.gate_off(rg, rb, flag(into_map, rg))
+            mg, mb = gk.gate_off(rg, rb, _per_row(into_map, rg))
             gk.suffix_map_update_(rest_map, k, mg, mb, l2norm=True, reference=reference)
             put(self.rest_map, rest_map)
         if leading_state is not None:
@@ -544,7 +548,6 @@ class PackedGDNState:
         device = qkv.device
         rows = qkv.shape[1]
         conv_args = (p.conv_weight, p.conv_bias, p.activation)
-        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731
         d = step.deferred
         carries = d > 0
         # 1. the chunks from each sequence's boundary; h_b <- h_b' in place (d_b = 0: h_b itself)
@@ -575,7 +578,7 @@ class PackedGDNState:
         repaired = torch.empty_like(boundary_state)
         gk.recurrent_step_(boundary_state, lq, lk, lv, lg, lb, valid=lead, state_out=repaired, reference=reference)
         leading_before = take(self.leading_state)
-        leading_state = torch.where(flag(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
+        leading_state = torch.where(_per_row(carries, repaired), repaired, leading_before)  # S_L' (S_L: no chunk)
         rest_map = take(self.rest_map)
         gk.join_(state, rest_map, leading_state, leading_before, reference=reference)
         return core, leading_state, rest_map
@@ -608,7 +611,6 @@ class PackedGDNState:
         bsz, rows, _ = qkv.shape
         take = lambda t: take_rows(t, slots, bsz, False)  # noqa: E731
         put = lambda t, new: put_rows(t, new, slots, False)  # noqa: E731
-        flag = lambda m, t: m.view(-1, *([1] * (t.dim() - 1)))  # noqa: E731  (a [B] mask against t [B, ...])
         g, beta = gdn_gates(a, b, p)
         state, conv = take(self.state), take(self.conv)
         position = torch.arange(rows, device=device)[None]
@@ -630,18 +632,20 @@ class PackedGDNState:
         xg, xbeta = _gate_off(xg, xbeta, position < n[:, None])
         out, after = self._rule(rows == 1, chunk_rule, recurrent_rule, q, k, v, xg, xbeta, state)
         moved = real & (n > 0)
-        state = torch.where(flag(moved, state), after.to(state.dtype), state)
-        conv = torch.where(flag(moved, conv), _last_window(conv, x, n), conv)
+        state = torch.where(_per_row(moved, state), after.to(state.dtype), state)
+        conv = torch.where(_per_row(moved, conv), _last_window(conv, x, n), conv)
+        put(self.state, state)
+        put(self.conv, conv)
+        # the boundary after the input rows where some ran; elsewhere as it was (or as the chunk moved it)
         if leading_state is None:
             leading_state = take(self.leading_state)
         if rest_map is None:
             rest_map = take(self.rest_map)
         eye = torch.eye(p.head_k_dim, dtype=rest_map.dtype, device=device).expand_as(rest_map)
-        boundary_state, boundary_conv = take(self.boundary_state), take(self.boundary_conv)  # (the chunk's, if any)
-        for name, new, old in (("state", state, state), ("conv", conv, conv),
-                               ("boundary_state", state, boundary_state), ("boundary_conv", conv, boundary_conv),
+        for name, new, old in (("boundary_state", state, take(self.boundary_state)),
+                               ("boundary_conv", conv, take(self.boundary_conv)),
                                ("leading_state", state, leading_state), ("rest_map", eye, rest_map)):
-            put(getattr(self, name), torch.where(flag(moved, old), new.to(old.dtype), old))
+            put(getattr(self, name), torch.where(_per_row(moved, old), new.to(old.dtype), old))
         out = out.to(qkv.dtype)
         if core is None:
             return out

@@ -113,8 +113,8 @@ def test_records_replay_with_every_suffix_length(replay_log):
     seen = []
     fill = engine.graphs._fill_recurrent
 
-    def watched(buffers, entries, recorded, rows, prefill=False):
-        fill(buffers, entries, recorded, rows, prefill)
+    def watched(buffers, entries, recorded, rows, layout=None):
+        fill(buffers, entries, recorded, rows, layout)
         seen.append((buffers.lead.tolist(), buffers.record_map.tolist()))
 
     engine.graphs._fill_recurrent = watched

@@ -142,16 +142,21 @@ def _piece(seq, group) -> bool:
     return not seq.restores_only and int(torch.as_tensor(group.kinds)[-1]) != GENERATED
 
 
+def _leading_deferred(kinds: torch.Tensor) -> int:
+    """How many of a group's rows (host ``kinds``) are deferred rows before its first other row."""
+    other = kinds.ne(DEFERRED)
+    return int(other.to(torch.int8).argmax()) if bool(other.any()) else int(kinds.numel())
+
+
 def _piece_layout(group) -> tuple[int, int] | None:
     """``(leading deferred rows, input rows)`` of a prompt piece ``group`` laid out as a captured prefill step runs
     it on the Gated DeltaNet families (`PackedGDNState.static_prefill`): a continued conversation's leftover deferred
     rows, then the turn's input rows (either part may be empty); None for any other layout. Host data only."""
     kinds = torch.as_tensor(group.kinds, dtype=torch.int8).cpu()
-    deferred = int(kinds.eq(DEFERRED).sum())
-    inputs = int(kinds.eq(INPUT).sum())
-    if deferred + inputs != kinds.numel() or (deferred and not bool(kinds[:deferred].eq(DEFERRED).all())):
+    deferred = _leading_deferred(kinds)
+    if not bool(kinds[deferred:].eq(INPUT).all()):
         return None
-    return deferred, inputs
+    return deferred, int(kinds.numel()) - deferred
 
 
 def batched_graph_blocker(adapter) -> str | None:
@@ -226,10 +231,7 @@ def _visual_rows_lead(group) -> bool:
     visual = 0 if deepstack is None else int(deepstack[0].shape[0])
     if visual == 0:
         return True
-    kinds = torch.as_tensor(group.kinds, dtype=torch.int8).cpu()
-    other = kinds.ne(DEFERRED)
-    leading = int(other.to(torch.int8).argmax()) if bool(other.any()) else int(kinds.numel())
-    return visual == leading
+    return visual == _leading_deferred(torch.as_tensor(group.kinds, dtype=torch.int8).cpu())
 
 
 class BatchStepKey(NamedTuple):
@@ -318,6 +320,7 @@ class PreparedBatchStep(NamedTuple):
     recorded: tuple = ()  # Gated DeltaNet families: the slots whose generated row the step records
     padding: tuple = ()  # a dense step's padding sequences: ((slot, start row), ...) (`BatchedStepGraphs.prepare`)
     rows: tuple = ()  # each entry's batch row (a dense step: its slot)
+    inputs_ran: tuple = ()  # Gated DeltaNet prompt piece: its slot if input rows ran (its suffix goes back to 0)
 
 
 class _DeviceStep(SlotStep):
@@ -469,17 +472,15 @@ class BatchedStepGraphs:
         except RuntimeError as error:
             if not self.use_cuda:
                 raise
-            what = f"{type(error).__name__}: {error}"
+            step, instead = (("prompt", "prompt pieces on the eager forward") if key.prefill
+                             else ("decode", "batched decode steps eagerly"))
+            warnings.warn(f"raincheck batched engine: CUDA-graph capture of the {step} step {tuple(key)} failed "
+                          f"({error}); running {instead} instead.", RuntimeWarning, stacklevel=4)
             if key.prefill:
-                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the prompt step {tuple(key)} failed "
-                              f"({error}); running prompt pieces on the eager forward instead.", RuntimeWarning,
-                              stacklevel=4)
-                self.prefill_failed, self.failure = True, what
+                self.prefill_failed = True
             else:
-                warnings.warn(f"raincheck batched engine: CUDA-graph capture of the decode step {tuple(key)} failed "
-                              f"({error}); running batched decode steps eagerly instead.", RuntimeWarning,
-                              stacklevel=4)
-                self.failed, self.failure = True, what
+                self.failed = True
+            self.failure = f"{type(error).__name__}: {error}"
             return None
         self._captured[key] = (graph, buffers)
         self.capture_log.append(key)
@@ -533,9 +534,9 @@ class BatchedStepGraphs:
         conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
         padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where
         that bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would
-        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs. On the
-        families a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds it,
-        its slot gathered."""
+        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs. On every
+        family also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds
+        it, its slot gathered."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
@@ -644,9 +645,12 @@ class BatchedStepGraphs:
         # a prompt piece alone takes a prefill width and gathers its slot: views would pad every lower slot to its
         # width
         alone = n == 1 and _piece(*entries[0])
-        if alone and self.recurrent is not None and _piece_layout(entries[0][1]) is None:
-            raise ValueError("a prompt piece of the Gated DeltaNet families must be leftover deferred rows, then input "
-                             "rows (BatchedStepGraphs.accepts says False for any other).")
+        layout = None  # (a Gated DeltaNet prompt piece's leftover deferred rows and input rows)
+        if alone and self.recurrent is not None:
+            layout = _piece_layout(entries[0][1])
+            if layout is None:
+                raise ValueError("a prompt piece of the Gated DeltaNet families must be leftover deferred rows, then "
+                                 "input rows (BatchedStepGraphs.accepts says False for any other).")
         key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
         slots = [seq.slot for seq, _ in entries]
         dense_layout = None if alone else self._dense_layout(slots, key_batch, width)
@@ -670,8 +674,8 @@ class BatchedStepGraphs:
         recorded = [] if alone else self._recorded(entries)
         if self.recurrent is None:
             chunks = False
-        elif alone:  # (a continued conversation's leftover deferred rows in front of the piece)
-            chunks = _piece_layout(entries[0][1])[0] > 0
+        elif layout is not None:  # (a continued conversation's leftover deferred rows in front of the piece)
+            chunks = layout[0] > 0
         else:
             chunks = any(len(g) > 1 or seq.restores_only for seq, g in entries)
         compiled = resolve_compile_steps(config.compile_steps, self.use_cuda and not self.failed)
@@ -684,9 +688,10 @@ class BatchedStepGraphs:
                 else [(row, pool.scratch, 0) for row in range(n, key_batch)])
         self._fill(buffers, entries, starts, rows, pads)
         if self.recurrent is not None:
-            self._fill_recurrent(buffers.recurrent, entries, recorded, rows, alone)
+            self._fill_recurrent(buffers.recurrent, entries, recorded, rows, layout)
+        inputs_ran = tuple(slots) if layout is not None and layout[1] > 0 else ()
         return PreparedBatchStep(entries, slots, starts, key, buffers, setting, tuple(recorded),
-                                 tuple(sorted(padding.items())), tuple(rows))
+                                 tuple(sorted(padding.items())), tuple(rows), inputs_ran)
 
     def _buffers(self, key: BatchStepKey) -> BatchStepBuffers:
         """New buffers for ``key``'s step; a prompt piece alone shares them with the other spans of its width (at 2,048
@@ -760,8 +765,8 @@ class BatchedStepGraphs:
                     pool.lengths[slot] = was
         if step.recorded:  # (the host's suffix lengths: the step recorded those rows on the device)
             self.recurrent.advance_suffix(list(step.recorded))
-        if key.prefill and self.recurrent is not None:  # (its boundary moved after the piece's input rows, if any)
-            self.recurrent.reset_suffix([seq.slot for seq, group in entries if _piece_layout(group)[1] > 0])
+        if step.inputs_ran:  # (its boundary moved after the piece's input rows)
+            self.recurrent.reset_suffix(list(step.inputs_ran))
         for seq, group in entries:
             seq.stored(group)
         wanted = [b for b, (_, group) in enumerate(entries) if group.want_logits]  # (restoring pieces: none)
@@ -849,13 +854,13 @@ class BatchedStepGraphs:
         return [seq.slot for seq, _ in entries if not seq.restores_only and seq.num_pending > 0]
 
     def _fill_recurrent(self, buffers: RecurrentStepBuffers, entries, recorded: list[int], rows: list[int],
-                        prefill: bool = False) -> None:
+                        layout: tuple[int, int] | None = None) -> None:
         """Rewrite the GDN buffers for this step (entry ``i`` at batch row ``rows[i]``, as `_fill` placed it): which
         rows are real sequences, their deferred rows and whether a token follows them (a decode group's rows are
         ``[chunk, token]``, a restoring piece's deferred rows only: `decode_only`), which tokens record as a leading
-        token or into M_R, and the suffix lengths (host ints of the per-slot states); with ``prefill`` (a prompt
-        piece alone: `_piece_layout`) its leftover deferred rows, input rows and suffix length; padding rows: not
-        real, no rows, no record. One non-blocking copy, nothing read back."""
+        token or into M_R, and the suffix lengths (host ints of the per-slot states); for a prompt piece alone its
+        ``layout`` (`_piece_layout`: leftover deferred rows, input rows) and suffix length; padding rows: not real,
+        no rows, no record. One non-blocking copy, nothing read back."""
         batch = buffers.real.shape[0]
         layer = next(iter(self.recurrent.layers.values()))  # (suffix lengths: equal in every layer)
         records = set(recorded)
@@ -863,8 +868,8 @@ class BatchedStepGraphs:
         for row, (seq, group) in zip(rows, entries):
             table[0][row] = 1
             suffix = layer.suffix_length[seq.slot]
-            if prefill:  # (leftover deferred rows, then input rows: `_piece_layout`)
-                table[1][row], table[6][row] = _piece_layout(group)
+            if layout is not None:  # (a prompt piece alone: leftover deferred rows, then input rows)
+                table[1][row], table[6][row] = layout
                 table[5][row] = suffix
                 continue
             token = int(not seq.restores_only)
