@@ -22,6 +22,7 @@ from raincheck_hf.batch_engine import BatchEngine
 from raincheck_hf.configuration import CHUNK_LADDER
 from raincheck_hf.fast import batched_graphs, static_cache
 from raincheck_hf.kv_pool import MAX_KEY
+from raincheck_hf.models import get_adapter
 
 from families import family_model, family_params, family_processor
 from conftest import assert_same_output, no_placeholder_ids
@@ -231,15 +232,18 @@ def test_replays_after_sequences_leave_and_join_read_nothing_stale(replay_log):
     assert all(key.dense for key in replay_log if not key.prefill)  # (a prompt piece alone gathers its slot)
 
 
-def test_pools_and_their_graphs_serve_the_next_call(replay_log):
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_pools_and_their_graphs_serve_the_next_call(replay_log, name):
     """A second batched call on the model takes the first call's pool and replays its captured steps (none captured
-    again); both answers equal the eager engine's; the kept pool is empty between calls."""
-    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    again); both answers equal the eager engine's; the kept pool is empty between calls. Three sequences: the decode
+    steps run dense over a bucket of four slots, which the pool has before the first prompt step is captured (grown
+    after it, the pool's new tensors dropped that capture and the second call captured it again)."""
+    model, processor = family_model(name), family_processor(name)
     cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1)
-    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES])
+    inputs = batched_inputs(processor, [IMAGE, TWO_IMAGES, TEXT])
     want = run(model, inputs, _with(cfg, False), 6)
     first = run(model, inputs, _with(cfg, True), 6)
-    (kept,) = batched_graphs._POOLED[model.model.language_model]
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
     captured = list(kept.capture_log)
     assert captured and len(kept.pool._free) == kept.pool.num_slots and bool((kept.pool.slot_keys == MAX_KEY).all())
     second = run(model, inputs, _with(cfg, True), 6)

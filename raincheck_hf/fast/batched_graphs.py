@@ -912,7 +912,11 @@ POOLED_PER_MODEL = 2
 def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedStepGraphs:
     """A free pool of this model (with its captured graphs) grown to ``num_slots`` x ``capacity``, or a new one. Of
     several kept pools, the one with the most captured steps (one `warm_up(batch=...)` sized and filled, say):
-    growing a pool drops its graphs, so the largest of those is taken first."""
+    growing a pool drops its graphs, so the largest of those is taken first. The pool gets ``batch_bucket(num_slots)``
+    slots (and the recurrent states a row each) before any step runs: the decode steps of ``num_slots`` sequences run
+    dense over that bucket's slots, and growing to it after a prompt step was captured would drop that capture (every
+    graph holds the tensors' addresses), so a first call would capture its prompt steps twice."""
+    num_slots = batch_bucket(num_slots)
     with _POOLED_LOCK:
         free = _POOLED.get(adapter.text_model)
         graphs = None
@@ -926,6 +930,8 @@ def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedS
     graphs.adapter = adapter
     graphs.pool.grow_slots(num_slots)
     graphs.pool.reserve(capacity)
+    if graphs.recurrent is not None:
+        graphs.recurrent.grow(graphs.pool.total_slots)
     return graphs
 
 
