@@ -5,8 +5,10 @@ conversation run alone."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import sys
 import threading
@@ -463,6 +465,36 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     assert [line for line in lines if " loop: " in line] == [f"[serve-load] raincheck x2 loop: "
                                                               f"{serve_load.loop_summary(loop)}"]
     assert serve_load.loop_summary(loop).startswith(f"{loop['steps']} steps: eager {loop['steps']} (")
+    # the heap frozen after the warm-up as serve does (and unfrozen after the run), the collector's pauses counted
+    assert saved["settings"]["freeze_heap"] is True and saved["frozen_objects"] > 0 and gc.get_freeze_count() == 0
+    assert set(row["gc"]) == {"collections", "full_pause_ms_max", "full_pause_ms_total", "pause_ms_total"}
+    assert len(row["gc"]["collections"]) == 3 and any("garbage collector" in line for line in lines)
+
+
+def test_freeze_heap_and_the_pause_counter():
+    """`startup.freeze_heap` takes every live object out of the collector's reach (the serve CLI's default after its
+    warm-up); `serve_load.GcPauses` counts a full collection made while it is entered, and its pause."""
+    from raincheck_hf.bench.serve_load import GcPauses
+    from raincheck_hf.serve import cli
+    from raincheck_hf.startup import freeze_heap
+
+    def build_parser():
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        return parser
+
+    try:
+        assert freeze_heap() > 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    with GcPauses() as pauses:
+        gc.collect()
+        first = pauses.summary()
+        pauses.reset()
+    assert first["collections"][2] == 1 and first["full_pause_ms_total"] == first["full_pause_ms_max"] >= 0
+    assert pauses.summary()["collections"] == [0, 0, 0] and pauses._callback not in gc.callbacks
+    assert build_parser().parse_args([]).freeze_heap is True
+    assert build_parser().parse_args(["--no-freeze-heap"]).freeze_heap is False
 
 
 def test_serve_load_clients_in_threads_of_the_server_process_with_in_process_clients(tmp_path, monkeypatch):

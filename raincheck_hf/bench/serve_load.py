@@ -97,6 +97,47 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[low] + (values[high] - values[low]) * (position - low)
 
 
+class GcPauses:
+    """The garbage collector's collections while it is entered (`gc.callbacks`): per generation their count, and
+    the full collections' (generation 2) pauses, which stop every thread of the process (the batching loop's next
+    step included). `reset` starts a new count; `summary` is a JSON-ready dict."""
+
+    def __init__(self):
+        self._started = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = [0, 0, 0]
+        self.full_ms: list[float] = []
+        self.all_ms = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        ms = (time.perf_counter() - self._started) * 1e3
+        self._started = None
+        generation = info["generation"]
+        self.counts[generation] += 1
+        self.all_ms += ms
+        if generation == 2:
+            self.full_ms.append(ms)
+
+    def summary(self) -> dict:
+        return {"collections": list(self.counts), "full_pause_ms_max": round(max(self.full_ms, default=0.0), 2),
+                "full_pause_ms_total": round(sum(self.full_ms), 2), "pause_ms_total": round(self.all_ms, 2)}
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+        return False
+
+
 def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[str]) -> dict:
     """The figures of one (mode, client count) from its clients' records."""
     turns = [t for d in dialogues for t in d]
@@ -219,13 +260,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
-        switch_interval: float | None = None) -> dict:
+        switch_interval: float | None = None, freeze_heap: bool = True) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
     None: as it is, 5 ms by default), put back after: how long a thread that wants the interpreter's lock may wait
     for one that holds it, which the server's threads (the batching loop, request threads, the event loop that
-    streams) contend for."""
+    streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
+    row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`)."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -277,6 +319,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
+                             freeze_heap=freeze_heap,
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -298,31 +341,40 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
                                                          max_queue=queue_places, batching=batching))
         server = app.state.server
+        if freeze_heap:
+            from ..startup import freeze_heap as freeze
+
+            result["frozen_objects"] = freeze()
+        pauses = GcPauses()
         with contextlib.ExitStack() as stack:
+            stack.enter_context(pauses)
             base = stack.enter_context(running(app))
             pool = stack.enter_context(ClientPool(max(clients))) if client_processes else None
 
             loop = server.scheduler  # (``batching``: the server's `BatchLoop`, in this process)
 
-            def round_of(mode: str, n: int) -> tuple[list, list, dict | None]:
+            def round_of(mode: str, n: int) -> tuple[list, list, dict | None, dict]:
                 if loop is not None:
                     loop.reset_step_stats()
+                pauses.reset()
                 tasks = [dict(base=base, name=name, mode=mode, settings=settings, system=shapes.SYSTEM_PROMPT,
                               image_url=urls[c], questions=questions, lengths=lengths, bias=bias, think_s=think_s)
                          for c in range(n)]
                 out, errors = pool.round(tasks) if pool is not None else thread_round(tasks)
                 steps = None if loop is None else loop.step_stats(recent=LOOP_RECENT_STEPS)
+                collections = pauses.summary()  # (before the collection between rounds below)
                 server.store.close()  # the next round starts with nothing held
                 gc.collect()
-                return [d for d in out if d is not None], errors, steps
+                return [d for d in out if d is not None], errors, steps, collections
 
             for mode in modes:
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 for n in clients:
-                    dialogues, errors, steps = round_of(mode, n)
+                    dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
+                    row["gc"] = collections
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -331,6 +383,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
                     if steps is not None:
                         log(f"[serve-load] {mode} x{n} loop: {loop_summary(steps)}")
+                    log(f"[serve-load] {mode} x{n} garbage collector: {collections['collections']} collections "
+                        f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
+                        f"{collections['full_pause_ms_max']} ms the longest")
                     if n == 1 and dialogues:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
@@ -371,6 +426,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     finally:
         torch.set_num_threads(previous_threads)
         sys.setswitchinterval(previous_interval)
+        if freeze_heap and gc.get_freeze_count():  # (the process goes on, in a test say: its objects back in reach)
+            gc.unfreeze()
 
 
 def _version(package: str) -> str:
@@ -413,6 +470,9 @@ def main(argv=None):
                         help="the interpreter's thread switch interval for the run, in seconds (sys.setswitchinterval; "
                              "default: as it is, 0.005): how long the batching loop may wait for the interpreter's "
                              "lock while another of the server's threads holds it")
+    parser.add_argument("--no-freeze-heap", action="store_true",
+                        help="skip what serve does after its warm-up (gc.freeze: the objects alive then are out of "
+                             "the garbage collector's full collections), to see its pauses")
     add_setting_arguments(parser)
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every client count)")
     parser.add_argument("--plot", default=None, help="a PNG of tokens/s and TTFT against clients (matplotlib)")
@@ -425,6 +485,7 @@ def main(argv=None):
                    warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
+                   freeze_heap=not args.no_freeze_heap,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)

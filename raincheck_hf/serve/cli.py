@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..startup import add_warm_up_arguments
 
     add_warm_up_arguments(parser)
+    parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the warm-up, move every object alive (imports, model, graphs) out of the garbage "
+                             "collector's full collections (gc.freeze): each one would pause every running answer "
+                             "(default: on)")
     parser.add_argument("--log-level", default="info",
                         help="log level of uvicorn and the request log (debug | info | warning | error)")
     load = parser.add_argument_group("load (a request beyond the running places and the queue gets HTTP 429 with "
@@ -195,6 +199,10 @@ def serve(args) -> int:
     print(f"[raincheck] OpenAI-compatible API at http://{args.host}:{args.port}/v1 (model id "
           f"{settings.model_name!r}; API docs at /docs)", file=sys.stderr)
     _log_requests(args.log_level)
+    if args.freeze_heap:
+        from ..startup import freeze_heap
+
+        freeze_heap()
     # the request log (method, path, status, conversation, cached tokens, T1, duration) replaces uvicorn's access log
     uvicorn.run(create_app(model, processor, settings), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)
