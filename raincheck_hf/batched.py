@@ -270,6 +270,9 @@ class SequenceState:
     generated: int = 0
     fed: list = field(default_factory=list)
     token: "int | DeviceToken | None" = None
+    # the last split of ``pending`` (`_split_pending`): ``(pending, n, head, tail)``, reused while ``pending`` is the
+    # same object (a decode step peeks at its chunk, then takes it: one split instead of two)
+    _split: tuple | None = field(default=None, repr=False)
     restores_only = False  # (a class attribute, not a field) `RestoringState`: it generates nothing
 
     # ---- pending rows (the `DeferredDynamicCache` calls `ChunkScheduler` makes) ----
@@ -283,8 +286,17 @@ class SequenceState:
         if n is None or n >= len(self.pending):
             rows, self.pending = self.pending, None
             return rows
-        rows, self.pending = self.pending.split(n)
+        rows, self.pending = self._split_pending(n)
         return rows
+
+    def _split_pending(self, n: int) -> tuple[PendingRows, PendingRows]:
+        """``pending.split(n)`` (views), the last one reused while ``pending`` is the same object."""
+        last = self._split
+        if last is not None and last[0] is self.pending and last[1] == n:
+            return last[2], last[3]
+        head, tail = self.pending.split(n)
+        self._split = (self.pending, n, head, tail)
+        return head, tail
 
     @property
     def prefilled(self) -> bool:
@@ -311,7 +323,7 @@ class SequenceState:
         """The rows `take_pending` would return, left pending (what `ChunkScheduler.decode_step` reads)."""
         if self.num_pending == 0:
             return None
-        return self.pending if n is None or n >= len(self.pending) else self.pending.split(n)[0]
+        return self.pending if n is None or n >= len(self.pending) else self._split_pending(n)[0]
 
     def may_carry_chunk(self) -> bool:
         """Whether its next decode forward (``self.generated``) may carry a chunk (`ChunkScheduler.may_carry_chunk`):

@@ -227,8 +227,7 @@ def _visual_rows_lead(group) -> bool:
     piece's or a continued conversation's leftover deferred rows before a text prompt), the layout a captured step
     places DeepStack features in (`BatchedStepGraphs._fill`); from host data only (the features' row count and the
     rows' kinds). A prompt whose image rows sit between its text rows is not."""
-    deepstack = group.batch.deepstack
-    visual = 0 if deepstack is None else int(deepstack[0].shape[0])
+    visual = group.batch.num_deepstack_rows
     if visual == 0:
         return True
     return visual == _leading_deferred(torch.as_tensor(group.kinds, dtype=torch.int8).cpu())
@@ -792,7 +791,7 @@ class BatchedStepGraphs:
             slot_of[row], start_of[row] = slot, start
         host = torch.tensor([slot_of, start_of, last_of], dtype=torch.long)  # slots, starts, last rows
         dest = _placement(count_of, width)  # (entries in row order: ``rows`` rises with the entries' slots)
-        visual = [int(g.batch.deepstack[0].shape[0]) if g.batch.deepstack is not None else 0 for _, g in entries]
+        visual = [g.batch.num_deepstack_rows for _, g in entries]
         scattered = []  # (entry, its batch row): a prompt piece whose DeepStack rows sit between its other rows
         if buffers.deepstack:
             # a decode group's or a restoring piece's visual rows are its leading deferred rows (`decode_only`): all
@@ -813,6 +812,8 @@ class BatchedStepGraphs:
             visual_of[row] = v
         ds_dest = _placement(visual_of, width)
         groups = [g for _, g in entries]
+        # (each group's rows as its parts: a decode group's [chunk, token] is copied from them, never joined first)
+        parts = [p for g in groups for p in g.batch.parts]
         # every host tensor of the step (the placement, and the order keys of the sequences' token rows, which the
         # scheduler makes on the host) goes over in one non-blocking copy from pinned memory: no wait for the device
         write = host[1][:, None] + torch.arange(width)  # [B, W] each row's write offset in its slot
@@ -825,13 +826,14 @@ class BatchedStepGraphs:
         buffers.positions.zero_()
         buffers.query_keys.fill_(MAX_KEY)
         buffers.embeds.view(batch * width, -1).index_copy_(
-            0, dest, torch.cat([g.batch.embeds.to(device, buffers.embeds.dtype) for g in groups]))
+            0, dest, torch.cat([p.embeds.to(device, buffers.embeds.dtype) for p in parts]))
         buffers.positions.view(3, batch * width).index_copy_(
-            1, dest, torch.cat([g.batch.positions.to(device) for g in groups], dim=1))
+            1, dest, torch.cat([p.positions.to(device) for p in parts], dim=1))
         buffers.query_keys.view(-1).index_copy_(0, dest, torch.cat(keys))
         for i, addend in enumerate(buffers.deepstack):
             addend.zero_()
-            features = [g.batch.deepstack[i] for g, v in zip(groups, visual) if v]
+            features = [p.deepstack[i] for g, v in zip(groups, visual) if v
+                        for p in g.batch.parts if p.deepstack is not None]
             if features:
                 addend.view(batch * width, -1).index_copy_(
                     0, ds_dest, torch.cat(features).to(device, addend.dtype))

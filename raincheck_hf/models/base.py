@@ -8,6 +8,7 @@ adapter: the rows of a turn (`TurnInputs`), the rows of one forward (`RowBatch`)
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,17 +60,75 @@ class RowBatch:
 
     @staticmethod
     def concat(parts: list["RowBatch"]) -> "RowBatch":
+        """The parts' rows one after the other (`JoinedRows`: each field concatenated when it is first read)."""
         parts = [p for p in parts if p is not None]
         if len(parts) == 1:
             return parts[0]
-        with_ds = [p.deepstack for p in parts if p.deepstack is not None]
-        deepstack = [torch.cat(layer) for layer in zip(*with_ds)] if with_ds else None
-        return RowBatch(
-            torch.cat([p.embeds for p in parts]),
-            torch.cat([p.positions for p in parts], dim=1),
-            torch.cat([p.visual for p in parts]),
-            deepstack,
-        )
+        return JoinedRows(parts)
+
+    @property
+    def parts(self) -> tuple["RowBatch", ...]:
+        """Its rows as batches that are not joins, in order (`row_parts`)."""
+        return (self,)
+
+    @property
+    def num_deepstack_rows(self) -> int:
+        """How many rows carry DeepStack features (from shapes: nothing read from the device)."""
+        return 0 if self.deepstack is None else int(self.deepstack[0].shape[0])
+
+
+class JoinedRows(RowBatch):
+    """`RowBatch.concat`'s result: its parts' rows one after the other, each field (``embeds``, ``positions``,
+    ``visual``, ``deepstack``) concatenated from the parts when first read, then kept. A decode step's ``[chunk,
+    token]`` rows are made for each sequence of a batched step; the captured step copies every sequence's parts into
+    its buffers at once (`parts`) and never reads the joined fields: a few device operations per sequence and step
+    fewer. The eager forwards read the fields, which equal the parts concatenated."""
+
+    def __init__(self, parts: list[RowBatch]):  # (not the dataclass' fields: they are computed below)
+        self._parts = tuple(q for p in parts for q in p.parts)
+
+    @property
+    def parts(self) -> tuple[RowBatch, ...]:
+        return self._parts
+
+    @property
+    def num_deepstack_rows(self) -> int:
+        return sum(p.num_deepstack_rows for p in self._parts)
+
+    @functools.cached_property
+    def embeds(self) -> torch.Tensor:
+        return torch.cat([p.embeds for p in self._parts])
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return torch.cat([p.positions for p in self._parts], dim=1)
+
+    @functools.cached_property
+    def visual(self) -> torch.Tensor:
+        return torch.cat([p.visual for p in self._parts])
+
+    @functools.cached_property
+    def deepstack(self) -> list[torch.Tensor] | None:
+        with_ds = [p.deepstack for p in self._parts if p.deepstack is not None]
+        return [torch.cat(layer) for layer in zip(*with_ds)] if with_ds else None
+
+    def __repr__(self) -> str:
+        return f"JoinedRows({list(self._parts)!r})"
+
+
+class PendingRowBatch(RowBatch):
+    """Deferred rows waiting in a cache (`cache_utils.PendingRows`) as a `RowBatch` (`ModelAdapter.pending_batch`):
+    every row visual; ``visual`` made when first read (a captured step never reads a deferred row's flag)."""
+
+    def __init__(self, embeds: torch.Tensor, positions: torch.Tensor, deepstack):
+        self.embeds, self.positions, self.deepstack = embeds, positions, deepstack
+
+    @functools.cached_property
+    def visual(self) -> torch.Tensor:
+        return torch.ones(self.embeds.shape[0], dtype=torch.bool, device=self.embeds.device)
+
+    def __repr__(self) -> str:
+        return f"PendingRowBatch(rows={self.embeds.shape[0]})"
 
 
 def _hook_devices(module):
@@ -284,9 +343,8 @@ class ModelAdapter:
                     torch.zeros(n, 1, dtype=torch.bool, device=device).unbind(0))]
 
     def pending_batch(self, pending) -> RowBatch:
-        """Deferred rows waiting in the cache (`cache_utils.PendingRows`) as a batch."""
-        return RowBatch(pending.embeds, pending.positions, torch.ones(len(pending), dtype=torch.bool,
-                        device=self.device), pending.deepstack)
+        """Deferred rows waiting in the cache (`cache_utils.PendingRows`) as a batch (`PendingRowBatch`)."""
+        return PendingRowBatch(pending.embeds, pending.positions, pending.deepstack)
 
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
         """Run ``batch`` through the text model on ``cache``; logits of its last row (``[1, V]``) or None.
