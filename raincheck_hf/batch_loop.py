@@ -755,11 +755,13 @@ class BatchLoop:
             for seq, _ in chosen:
                 self._fail(seq, error)
             return
+        step = log.open
+        if step is not None:
+            step.preparing, step.preparing_cpu = time.perf_counter(), time.thread_time()
         try:
             engine.prepare()
         except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
-        step = log.open
         if step is not None:
             step.reading, step.reading_cpu = time.perf_counter(), time.thread_time()
         try:

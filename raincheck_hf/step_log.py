@@ -36,7 +36,9 @@ class LoopStep(NamedTuple):
     preparation) and in restoring conversations joining or leaving the engine. ``launch_cpu_s``: the loop thread's
     own CPU time in the launch (`time.thread_time`): a launch much longer than it waited, for the device (a read
     inside the forward) or for the interpreter's lock (other threads' Python: requests being prepared, streaming);
-    ``choose_cpu_s``: the same for ``choose_s``, up to the read."""
+    ``choose_cpu_s``: the same for ``choose_s``, up to the read. ``prepare_s`` / ``prepare_cpu_s``: the part of
+    ``choose_s`` (and of its CPU time) spent preparing the next step (`BatchEngine.prepare`: deciding its rows and
+    filling its captured step's buffers), the rest being the tokens' choosing and feeding."""
 
     record: StepRecord  # the engine's (`BatchEngine.last_step`)
     launch_s: float
@@ -48,6 +50,8 @@ class LoopStep(NamedTuple):
     restore_s: float
     launch_cpu_s: float = 0.0
     choose_cpu_s: float = 0.0
+    prepare_s: float = 0.0
+    prepare_cpu_s: float = 0.0
 
     @property
     def gap_s(self) -> float:
@@ -120,13 +124,13 @@ class _OpenTurn(NamedTuple):
 class _OpenStep:
     """The step the loop runs now: its engine record and the times taken so far (the loop's thread alone writes)."""
 
-    __slots__ = ("record", "launched", "stepped", "cpu", "cpu_at", "reading", "reading_cpu", "read", "done", "join_s",
-                 "restore_s")
+    __slots__ = ("record", "launched", "stepped", "cpu", "cpu_at", "preparing", "preparing_cpu", "reading",
+                 "reading_cpu", "read", "done", "join_s", "restore_s")
 
     def __init__(self, record: StepRecord, launched: float, stepped: float, cpu: float = 0.0,
                  cpu_at: float | None = None):
         self.record, self.launched, self.stepped, self.cpu, self.cpu_at = record, launched, stepped, cpu, cpu_at
-        self.reading = self.reading_cpu = self.read = self.done = None
+        self.preparing = self.preparing_cpu = self.reading = self.reading_cpu = self.read = self.done = None
         self.join_s = self.restore_s = 0.0
 
     def close(self, end: float) -> LoopStep:
@@ -136,8 +140,11 @@ class _OpenStep:
         read = reading if self.read is None else self.read
         chosen = (0.0 if self.cpu_at is None or self.reading_cpu is None
                   else max(self.reading_cpu - self.cpu_at, 0.0))  # (the loop thread's CPU seconds up to the read)
+        prepared = 0.0 if self.preparing is None else max(reading - self.preparing, 0.0)
+        prepared_cpu = (0.0 if self.preparing_cpu is None or self.reading_cpu is None
+                        else max(self.reading_cpu - self.preparing_cpu, 0.0))
         return LoopStep(self.record, self.stepped - self.launched, reading - self.stepped, read - reading,
-                        done - read, end - done, self.join_s, self.restore_s, self.cpu, chosen)
+                        done - read, end - done, self.join_s, self.restore_s, self.cpu, chosen, prepared, prepared_cpu)
 
 
 class StepLog:
@@ -148,7 +155,7 @@ class StepLog:
     `time.perf_counter` calls and one lock per step), read from any thread (`snapshot`)."""
 
     TIMES = ("step", "launch", "choose", "wait", "stream", "between", "gap", "join", "restore", "launch_cpu",
-             "choose_cpu")
+             "choose_cpu", "prepare", "prepare_cpu")
     ROWS = ("decode", "chunk", "prefill", "restoring")
 
     def __init__(self, keep: int = 256, keep_turns: int = 1024):

@@ -462,6 +462,8 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     assert loop["steps"] > 0 and sum(k["steps"] for k in loop["kinds"].values()) == loop["steps"]
     assert loop["joins"] == 6 and loop["rows"]["prefill"] > 0 and loop["rows"]["decode"] > 0
     assert 0 < len(loop["recent"]) <= serve_load.LOOP_RECENT_STEPS and "gap_ms" in loop["recent"][-1]
+    # (the next step prepared inside the choosing, after the tokens were fed: timed as a part of it)
+    assert any(0 < s["prepare_ms"] <= s["choose_ms"] for s in loop["recent"])
     assert [line for line in lines if " loop: " in line] == [f"[serve-load] raincheck x2 loop: "
                                                               f"{serve_load.loop_summary(loop)}"]
     assert serve_load.loop_summary(loop).startswith(f"{loop['steps']} steps: eager {loop['steps']} (")

@@ -133,7 +133,8 @@ def test_step_log_arithmetic_on_made_up_times():
     sequence count, and the record keeps only its last steps while the totals keep counting."""
     log = StepLog(keep=2)
     log.launched(_record(), 0.0, 1.0, cpu=0.5, cpu_at=100.0)
-    log.open.reading, log.open.read = 2.0, 4.0
+    log.open.preparing, log.open.reading, log.open.read = 1.5, 2.0, 4.0
+    log.open.preparing_cpu = 100.5  # (the next step's preparation: 0.5 s of the choosing, 0.25 s of its CPU time)
     log.open.reading_cpu = 100.75  # (0.75 s of the loop thread's CPU time in its 1 s of choosing)
     log.finished(5.0)
     log.spent("join", 0.5)
@@ -157,6 +158,8 @@ def test_step_log_arithmetic_on_made_up_times():
     assert replayed["gap_ms"] == pytest.approx(4250.0) and replayed["join_ms"] == pytest.approx(250.0)
     assert replayed["launch_cpu_ms"] == pytest.approx(250.0)  # (0.5 s of the first step's launch, 0 of the third's)
     assert replayed["choose_cpu_ms"] == pytest.approx(375.0)  # (0.75 s of the first step's choosing, none known after)
+    assert replayed["prepare_ms"] == pytest.approx(250.0) and replayed["prepare_cpu_ms"] == pytest.approx(125.0)
+    assert eager["prepare_ms"] == 0.0  # (no token read: nothing prepared)
     assert eager["launch_ms"] == pytest.approx(3000.0) and eager["choose_ms"] == pytest.approx(7000.0)
     assert eager["wait_ms"] == eager["gap_ms"] == 0.0 and eager["prefill_rows"] == 7
     assert list(replayed["by_sequences"]) == [2] and replayed["by_sequences"][2]["steps"] == 2

@@ -164,7 +164,8 @@ def loop_summary(steps: dict) -> str:
     to join, the total host gap and device wait."""
     kinds = ", ".join(f"{kind} {k['steps']} ({_ms_of(k['step_ms'])} ms: launch {_ms_of(k['launch_ms'])} "
                       f"(cpu {_ms_of(k['launch_cpu_ms'])}), choose "
-                      f"{_ms_of(k['choose_ms'])} (cpu {_ms_of(k.get('choose_cpu_ms'))}), wait {_ms_of(k['wait_ms'])}, "
+                      f"{_ms_of(k['choose_ms'])} (cpu {_ms_of(k.get('choose_cpu_ms'))}; prepare "
+                      f"{_ms_of(k.get('prepare_ms'))}, cpu {_ms_of(k.get('prepare_cpu_ms'))}), wait {_ms_of(k['wait_ms'])}, "
                       f"gap {_ms_of(k['gap_ms'])}; "
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
