@@ -473,6 +473,61 @@ def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
     assert len(cache) == 2
 
 
+def test_processed_images_equal_the_processor_and_are_made_once_per_picture():
+    """The server's processor copy (`protocol.with_processed_images`) gives what the processor gives (ids, pixels,
+    grids) for one and for two pictures of different sizes, processes a picture seen before (the same decoded object)
+    no more, a picture decoded again once more, and leaves the caller's processor as it was."""
+    from families import family_processor
+
+    from raincheck_hf.serve import protocol
+    from raincheck_hf.tiny import draw_test_image
+
+    processor = family_processor("qwen3_vl")
+    original = processor.image_processor
+    twin = protocol.with_processed_images(processor, capacity=2)
+    cached = twin.image_processor
+    assert processor.image_processor is original and isinstance(cached, protocol.ProcessedImages)
+    assert twin.tokenizer is processor.tokenizer and cached.merge_size == original.merge_size
+    a, b = draw_test_image(64, 48, seed=1), draw_test_image(40, 72, seed=2)
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def same(images):
+        text = [" and ".join([pad] * len(images)) + " what?"]
+        want = processor(text=text, images=images, return_tensors="pt")
+        got = twin(text=text, images=images, return_tensors="pt")
+        assert set(got) == set(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+
+    same([a])
+    assert cached.processed == 1
+    same([a, b])  # (`a` kept: only `b` is processed)
+    assert cached.processed == 2
+    same([b, a])
+    assert cached.processed == 2
+    same([a.copy()])  # another object with the same pixels: processed again (entries are pictures, by identity)
+    assert cached.processed == 3 and len(cached._entries) == 2
+
+
+def test_a_follow_up_does_not_process_its_resent_image_again(client, served, glyph, dialogues):
+    """Over HTTP: the first turn's picture is processed once; its follow-up resends it and the server's processor
+    takes what it made of it then (`ProcessedImages`); the answers are the conversation's alone."""
+    server = served[1]
+    cached = server.processor.image_processor
+    assert glyph[1].image_processor is not cached  # (the server's own copy of the processor)
+    d = dialogues[2]
+    questions = [t.question for t in d.turns[:2]]
+    before = cached.processed
+    messages = [first_message(data_url(d.image()), questions[0])]
+    first = ask(client, messages)
+    seen = cached.processed  # (one more, unless an earlier test of the module sent this picture)
+    assert seen <= before + 1
+    messages += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": questions[1]}]
+    second = ask(client, messages)
+    assert cached.processed == seen and second[2]["reused"]
+    assert [first[0], second[0]] == reference(glyph, d.image(), questions)
+
+
 def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting():
     """A request's ``raincheck`` settings over the server's config: the server-wide ones (``compile_steps``,
     ``batch_chunk_rows``) stay the server's."""

@@ -36,7 +36,8 @@ from ..configuration import RaincheckConfig
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request
+from .protocol import (APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request,
+                       with_processed_images)
 from .store import ConversationStore, ServedConversation
 
 logger = logging.getLogger("raincheck_hf.serve")
@@ -263,7 +264,9 @@ class Server:
     """The model, its held conversations and the metrics; `create_app` routes HTTP to it."""
 
     def __init__(self, model, processor, settings: ServeSettings):
-        self.model, self.processor, self.settings = model, processor, settings
+        # (its own copy of the processor, whose image processor keeps what it made of a picture: a follow-up
+        # resends the conversation's images, `ProcessedImages`)
+        self.model, self.processor, self.settings = model, with_processed_images(processor), settings
         self.store = ConversationStore(model, processor, settings.max_cache_bytes, reuse=settings.reuse,
                                        background=not settings.batching)
         self.admission = Admission(settings.max_running, settings.max_queue)
