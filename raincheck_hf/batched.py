@@ -270,8 +270,8 @@ class SequenceState:
     generated: int = 0
     fed: list = field(default_factory=list)
     token: "int | DeviceToken | None" = None
-    # the last split of ``pending`` (`_split_pending`): ``(pending, n, head, tail)``, reused while ``pending`` is the
-    # same object (a decode step peeks at its chunk, then takes it: one split instead of two)
+    # `peek_pending`'s split of ``pending``: ``(pending, n, head, tail)``, which `take_pending` takes while ``pending``
+    # is the same object (a decode step peeks at its chunk, then takes it: one split instead of two)
     _split: tuple | None = field(default=None, repr=False)
     restores_only = False  # (a class attribute, not a field) `RestoringState`: it generates nothing
 
@@ -286,17 +286,12 @@ class SequenceState:
         if n is None or n >= len(self.pending):
             rows, self.pending = self.pending, None
             return rows
-        rows, self.pending = self._split_pending(n)
-        return rows
-
-    def _split_pending(self, n: int) -> tuple[PendingRows, PendingRows]:
-        """``pending.split(n)`` (views), the last one reused while ``pending`` is the same object."""
-        last = self._split
+        last, self._split = self._split, None  # (no reference to rows that left kept)
         if last is not None and last[0] is self.pending and last[1] == n:
-            return last[2], last[3]
-        head, tail = self.pending.split(n)
-        self._split = (self.pending, n, head, tail)
-        return head, tail
+            rows, self.pending = last[2], last[3]
+        else:
+            rows, self.pending = self.pending.split(n)
+        return rows
 
     @property
     def prefilled(self) -> bool:
@@ -323,7 +318,11 @@ class SequenceState:
         """The rows `take_pending` would return, left pending (what `ChunkScheduler.decode_step` reads)."""
         if self.num_pending == 0:
             return None
-        return self.pending if n is None or n >= len(self.pending) else self._split_pending(n)[0]
+        if n is None or n >= len(self.pending):
+            return self.pending
+        head, tail = self.pending.split(n)
+        self._split = (self.pending, n, head, tail)
+        return head
 
     def may_carry_chunk(self) -> bool:
         """Whether its next decode forward (``self.generated``) may carry a chunk (`ChunkScheduler.may_carry_chunk`):

@@ -295,6 +295,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
+    froze = False  # (`freeze_heap` done: undone when the run ends)
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
     started = time.perf_counter()
@@ -346,6 +347,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             from ..startup import freeze_heap as freeze
 
             result["frozen_objects"] = freeze()
+            froze = True
         pauses = GcPauses()
         with contextlib.ExitStack() as stack:
             stack.enter_context(pauses)
@@ -427,7 +429,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     finally:
         torch.set_num_threads(previous_threads)
         sys.setswitchinterval(previous_interval)
-        if freeze_heap and gc.get_freeze_count():  # (the process goes on, in a test say: its objects back in reach)
+        if froze:  # (the process goes on, in a test say: its objects back in reach)
             gc.unfreeze()
 
 

@@ -18,6 +18,7 @@ import collections
 import json
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,21 +263,17 @@ class ProcessedImages:
         return getattr(self.inner, name)
 
     def __call__(self, images, **kwargs):
-        import weakref
-
         import torch
         from PIL import Image
 
         if isinstance(images, Image.Image):
             images = [images]
         if not isinstance(images, (list, tuple)) or not images or not all(isinstance(i, Image.Image) for i in images):
-            self.processed += 1
-            return self.inner(images, **kwargs)
+            return self._process(images, kwargs)
         try:
             setting = repr(sorted(kwargs.items()))
         except TypeError:  # (keyword values that do not sort): processed as they come
-            self.processed += len(images)
-            return self.inner(images, **kwargs)
+            return self._process(images, kwargs)
         outputs = []
         for image in images:
             key = (id(image), setting)
@@ -286,11 +283,9 @@ class ProcessedImages:
                     self._entries.move_to_end(key)
                     outputs.append(hit[1])
                     continue
-            self.processed += 1
-            out = self.inner([image], **kwargs)
+            out = self._process([image], kwargs)
             if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in out.values()):
-                self.processed += len(images)  # (an output this class does not know how to join): all at once
-                return self.inner(images, **kwargs)
+                return self._process(images, kwargs)  # (an output this class does not know how to join): all at once
             with self._lock:
                 self._entries[key] = (weakref.ref(image), out)
                 while len(self._entries) > self.capacity:
@@ -298,9 +293,14 @@ class ProcessedImages:
             outputs.append(out)
         if len(outputs) == 1:
             return outputs[0]
-        first = outputs[0]
-        joined = {k: torch.cat([o[k] for o in outputs]) for k in first.keys()}
-        return type(first)(data=joined)
+        joined = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0].keys()}
+        return type(outputs[0])(data=joined)
+
+    def _process(self, images, kwargs: dict):
+        """``inner``'s output for ``images``, counted in ``processed``."""
+        with self._lock:
+            self.processed += len(images) if isinstance(images, (list, tuple)) else 1
+        return self.inner(images, **kwargs)
 
 
 def with_processed_images(processor, capacity: int = 32):
