@@ -32,6 +32,8 @@
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
+#   bash benchmarks/h200_run.sh cold_start # issue 31: a fresh process to its first answer, first ever and with the caches
+#   bash benchmarks/h200_run.sh defaults31 # issue 31: default settings vs full / stock at 64, 128, 512-token answers
 #   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
 # Wheels carried in .whl/ (transformers 5.24.0, fla 0.6.0, the server tests' clients; made by
 # benchmarks/device_wheels.sh); results go to $OUT.
@@ -67,6 +69,27 @@ serve_load)
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"
+    ;;
+cold_start)
+    # issue 31: seconds from a fresh process's start to its first answer, on an empty cache folder and then with
+    # what it left (COLD_MODELS, COLD_PROCESSES)
+    for m in ${COLD_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
+        timeout "${COLD_S:-280}" python3 -m raincheck_hf.bench cold-start --model $m --processes "${COLD_PROCESSES:-3}" \
+            --out "$OUT/cold_start_${m}_h200.json" > "$OUT/cold_start_${m}_h200.log" 2>&1
+        tail -6 "$OUT/cold_start_${m}_h200.log"
+    done
+    ;;
+defaults31)
+    # issue 31: the default settings against full and stock at each answer length (LENGTHS), one process and one
+    # JSON per length; the default chunk size and "auto" side by side (DEF_MODEL, DEF_CHUNKS, DEF_VARIANTS)
+    M="${DEF_MODEL:-qwen3_vl_8b}"
+    for n in ${LENGTHS:-64 128 512}; do
+        timeout "${DEF_S:-200}" python3 -m raincheck_hf.bench latency --model "$M" --input image --turns 1 \
+            --answer-tokens $n --warmup-tokens $n --warm-up-api --chunk-sizes "${DEF_CHUNKS:-31,auto}" --reps "${DEF_REPS:-3}" \
+            --budget-s "$(( ${DEF_S:-200} - 15 ))" --variants "${DEF_VARIANTS:-stock_static_reused,stock_dynamic,full,raincheck}" \
+            --json "$OUT/latency_${M}_image_${n}_defaults_h200.json" > "$OUT/latency_${M}_image_${n}_defaults_h200.log" 2>&1
+        tail -9 "$OUT/latency_${M}_image_${n}_defaults_h200.log"
+    done
     ;;
 fuzz35)
     # the two Qwen3.5 schedule fuzzes alone (they failed once with a changed attention kernel; a cut run prints tracebacks)

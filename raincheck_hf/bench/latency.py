@@ -568,6 +568,7 @@ class LatencySettings:
     compile_steps: bool | None = None
     selector: str | None = None
     warmup: bool = True
+    warm_up_api: bool = False
     warmup_tokens: int | None = None
     idle_probe: bool = True
     budget_s: float | None = None
@@ -645,7 +646,7 @@ def _run(s: "LatencySettings", started: float, device, variant_list, log):
         "settings": dict(settings, models=list(s.models), inputs=list(s.inputs), turns=s.turns, answer_tokens=s.answer_tokens,
                          follow_up_tokens=s.follow_up_tokens, reps=s.reps, chunk_sizes=list(s.chunk_sizes),
                          primary_chunk=s.primary_chunk, sweep_turns=s.sweep_turns, warmup=s.warmup,
-                         warmup_tokens=s.warmup_tokens, idle_probe=s.idle_probe, budget_s=s.budget_s,
+                         warmup_tokens=s.warmup_tokens, warm_up_api=s.warm_up_api, idle_probe=s.idle_probe, budget_s=s.budget_s,
                          variants=[v.name for v in variant_list]),
         "runs": [],
     }
@@ -713,6 +714,31 @@ def _run(s: "LatencySettings", started: float, device, variant_list, log):
     return result
 
 
+def _warm_up_api(s: "LatencySettings", ctx, run_entry, active, log) -> None:
+    """`raincheck_hf.warm_up` for each Raincheck variant's config before anything is timed, as the CLI, the demo
+    and the server call it at start: every step graph the variant's conversations can need is captured here, so
+    the timed answers' traces should show no capture (``timed_captures`` says whether they did)."""
+    from ..warmup import warm_up
+
+    info = run_entry["prompt"]
+    done = {}
+    for v in active:
+        if v.kind != "raincheck":
+            continue
+        config = v.config(ctx.settings)
+        t0 = time.perf_counter()
+        summary = warm_up(ctx.model, ctx.processor, config, max_tokens=ctx.static_max_cache_len,
+                          max_new_tokens=max(s.answer_tokens, s.warmup_tokens),
+                          prompt_tokens=info["prompt_tokens"], follow_up_tokens=max(64, s.follow_up_tokens + 64),
+                          cache_dir=False, progress=False)
+        done[v.name] = {"seconds": round(time.perf_counter() - t0, 3), "path": summary.path,
+                        "graphs_captured": len(summary.captured), "already_captured": summary.already_captured,
+                        "coverage": summary.coverage}
+        log(f"[latency]   warm_up({v.name}): {done[v.name]['seconds']:.1f} s, {len(summary.captured)} graphs captured "
+            f"({summary.already_captured} already)")
+    run_entry["warmup"]["api"] = done
+
+
 def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error, over_budget, started, result, log):
     """Warm-up and repetitions of every variant for one (model, input); fills ``run_entry``."""
     device, settings = ctx.device, ctx.settings
@@ -754,6 +780,8 @@ def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error
         finally:
             gc.collect()
 
+    if s.warm_up_api:
+        _warm_up_api(s, ctx, run_entry, active, log)
     if s.warmup:
         for v in active:
             if over_budget():
@@ -793,7 +821,7 @@ def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error
                     run_entry["warmup"].setdefault("other_repeated_s", {})[v.name] = walls[1]
         active = [v for v in active if run_entry["variants"][v.name]["status"] == "ok"]
         static_info = {k: (round(w["calls_s"][0], 2), w["compiled"]) for k, w in run_entry["warmup"].items()
-                       if k not in ("other_s", "other_repeated_s")}
+                       if k not in ("other_s", "other_repeated_s", "api")}
         log(f"[latency]   warm-up done at {time.perf_counter() - started:.1f} s; static (first call s, compiled): "
             f"{static_info}")
         others = run_entry["warmup"].get("other_s", {})
@@ -818,6 +846,9 @@ def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error
         add_floor_ratios(run_entry)
         run_entry["lengths"] = check_lengths(run_entry["variants"], s.answer_tokens, s.follow_up_tokens)
         run_entry["rep_wall_s"] = rep_times
+        run_entry["timed_captures"] = {
+            name: sum(len(t.get("decode_captures") or []) for r in entry["reps"] for t in r["turns"])
+            for name, entry in run_entry["variants"].items() if entry["kind"] == "raincheck"}
         result["elapsed_s"] = time.perf_counter() - started
         _write(result, s.json_path)
 
@@ -900,6 +931,9 @@ def print_table(run_entry: dict, log=print) -> None:
         captured = [t.get("decode_captures") for r in entry.get("reps", []) for t in r["turns"][:1]]
         if any(captured):
             log(f"{name}: step captures during the turn-1 answer ([forward, rows, s], per repetition): {captured}")
+    if run_entry.get("timed_captures"):
+        log("graph captures during the timed answers (every turn, every repetition): "
+            + ", ".join(f"{k} {n}" for k, n in run_entry["timed_captures"].items()))
 
 
 
@@ -940,6 +974,8 @@ def main(argv=None):
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--warm-up-api", action="store_true", help="call raincheck_hf.warm_up with each Raincheck "
+                        "variant's config before anything is timed (as the CLI, the demo and the server do at start)")
     parser.add_argument("--no-idle-probe", action="store_true", help="skip the follow-up-after-idle measurement")
     parser.add_argument("--budget-s", type=float, default=None, help="start no conversation that would end past "
                         "this many seconds after start (estimated from warm-up / earlier repetitions)")
@@ -963,7 +999,7 @@ def main(argv=None):
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,
         retention=args.retention, decode_guard=args.decode_guard, selector=args.selector,
-        warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, idle_probe=not args.no_idle_probe,
+        warmup=not args.no_warmup, warm_up_api=args.warm_up_api, warmup_tokens=args.warmup_tokens, idle_probe=not args.no_idle_probe,
         budget_s=args.budget_s, device=args.device, threads=args.threads, image_size=args.image_size, video_frames=args.video_frames,
         video_size=args.video_size, static_max_cache_len=args.static_max_cache_len, json_path=args.json,
         strict=args.strict, keep_intervals=not args.no_intervals, command=command,
