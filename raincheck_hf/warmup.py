@@ -24,10 +24,12 @@ conversation can need comes from the code that picks them, not from a list kept 
 - prefills (padded to a multiple of `PREFILL_BUCKET` rows, where the family captures them): a prefill's rows
   depend on the prompt, so what is covered is bounded by arguments: first turns of 1 to ``prompt_tokens``
   prefilled rows with answers of ``max_new_tokens`` (each such first turn's padded shape at the slot bucket
-  and storage it runs at), and follow-up turns of up to ``follow_up_tokens`` rows (leftover deferred rows
-  included) at every slot bucket. Longer follow-ups, first turns beyond ``prompt_tokens`` or whose answer
-  limit puts them in another storage, are captured when they first run, as without `warm_up`. Qwen3.5's
-  prefills carrying leftover deferred rows run eagerly (never captured).
+  and storage it runs at: a storage is sized for the whole prompt, deferred rows included, so with a mode that
+  defers every storage from the prefilled rows' own up to the one a ``prompt_tokens`` prompt takes), and
+  follow-up turns of up to ``follow_up_tokens`` rows (leftover deferred rows included) at every slot bucket.
+  Longer follow-ups, first turns beyond ``prompt_tokens`` or whose answer limit puts them in another storage,
+  are captured when they first run, as without `warm_up`. Qwen3.5's prefills carrying leftover deferred rows
+  run eagerly (never captured).
 
 The vision tower is warmed for the image sizes given (``image_sizes``, with the processor): the grid the
 processor makes of each is encoded twice, so its graph is captured.
@@ -206,20 +208,23 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     def prefill_variants(kinds: list[int]) -> list:
         return _variants(adapter, kinds, pendings, (0,), rows=padded(len(kinds)))  # a prefill resets the suffix
 
-    # first turns: n prefilled rows, on the storage of round_capacity(n + answer), at the bucket of n rows
+    # first turns: n prefilled rows at the bucket of n rows, on the storage sized for the whole prompt and the answer
+    # (`generation`'s rows_needed): round_capacity(n + answer) when nothing is deferred, and with deferred rows (stored
+    # later, so counted now) any larger storage up to the one the longest prompt takes
+    largest = round_capacity(prompt_tokens + max_new_tokens)
     seen = set()
     for n in range(1, prompt_tokens + 1):
-        capacity = round_capacity(n + max_new_tokens)
-        if capacity not in out:
-            continue
-        rows, bucket = padded(n), slot_bucket(n, capacity)
-        if (rows, bucket) in seen:
-            continue
-        seen.add((rows, bucket))
-        for variant in prefill_variants([INPUT] * n):
-            key = (StepKey(rows, True, variant, bucket), rows > 1)
-            if key not in out[capacity]:
-                out[capacity].append(key)
+        rows = padded(n)
+        least = round_capacity(n + max_new_tokens)
+        for capacity in (c for c in caps if least <= c <= (largest if config.defers else least)):
+            bucket = slot_bucket(n, capacity)
+            if (rows, bucket, capacity) in seen:
+                continue
+            seen.add((rows, bucket, capacity))
+            for variant in prefill_variants([INPUT] * n):
+                key = (StepKey(rows, True, variant, bucket), rows > 1)
+                if key not in out[capacity]:
+                    out[capacity].append(key)
     # follow-ups of up to follow_up_tokens rows (a text question, the last answer's final token, leftover deferred
     # rows in front), after at least one earlier row, at every bucket
     for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):

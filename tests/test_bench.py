@@ -243,6 +243,26 @@ def test_slow_first_warmup_is_repeated(monkeypatch):
     assert warmup["other_repeated_s"].keys() == warmup["other_s"].keys() == {"full", "stock_dynamic"}
 
 
+def test_several_answer_lengths_are_a_run_each_on_one_model(tmp_path):
+    path = str(tmp_path / "latency_{answer_tokens}.json")
+    out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=1, answer_tokens=[2, 5], reps=1,
+                      chunk_sizes=(7,), variants=["full", "raincheck"], warmup_tokens="answer", warm_up_api=True,
+                      device="cpu", strict=True, json_path=path, log=lambda *a, **k: None)
+    assert [r["settings"]["answer_tokens"] for r in out] == [2, 5]
+    for n, result in zip((2, 5), out):
+        saved = json.loads((tmp_path / f"latency_{n}.json").read_text())
+        assert saved["settings"]["answer_tokens"] == saved["settings"]["warmup_tokens"] == n
+        run = saved["runs"][0]
+        assert run["lengths"]["consistent"] and run["status"] == "ok"
+        assert set(run["warmup"]["api"]) == {"full", "raincheck c=7"}  # warm_up per Raincheck variant
+        assert run["timed_captures"] == {"full": 0, "raincheck c=7": 0}
+        assert all(rep["turns"][0]["generated_tokens"] == n for rep in run["variants"]["full"]["reps"])
+    with pytest.raises(ValueError, match="answer_tokens"):
+        latency.run(models=("tiny_qwen3_vl",), answer_tokens=[2, 5], json_path=str(tmp_path / "one.json"))
+    with pytest.raises(ValueError, match="answer_tokens"):
+        latency.run(models=("tiny_qwen3_vl",), answer_tokens=[2, 2])
+
+
 def test_attention_benchmark_reports_both_variants_and_their_difference(tmp_path):
     from raincheck_hf.bench import attention
 

@@ -1162,6 +1162,35 @@ def test_cuda_batched_generate_compiles_its_captured_steps_by_default(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_storage(name):
+    """tests/test_warmup.py's storage case on CUDA with real captures (compiled steps, as by default): two pictures'
+    prompt + 150 answer tokens take a 512-slot storage while the rows prefilled + 150 fit 256; after
+    ``warm_up(image_sizes=...)`` the first answer's trace shows no capture (its prefill included), and its tokens are
+    the cold model's."""
+    from raincheck_hf.fast.static_cache import _POOLS
+    from raincheck_hf.tiny import draw_test_image
+
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg = RaincheckConfig()
+    inputs = _cuda(make_inputs(processor, images=(draw_test_image(256, 192, seed=1), draw_test_image(256, 192, seed=2))))
+    kw = dict(max_new_tokens=150, do_sample=False, return_dict_in_generate=True,
+              suppress_tokens=no_placeholder_ids(model))
+    _POOLS.clear()
+    cold = model.generate(**inputs, raincheck=cfg, **kw)
+    assert cold.raincheck.captures  # a cold model captures during its answer
+    cold_tokens = cold.sequences.clone()
+    del cold
+    _POOLS.clear()
+    raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=150, follow_up_tokens=1,
+                         image_sizes=[(192, 256)], cache_dir=False, progress=False)
+    warm = model.generate(**inputs, raincheck=cfg, **kw)
+    assert warm.cache.capacity == 512 and warm.raincheck.captures == []
+    assert torch.equal(warm.sequences, cold_tokens)
+    del warm
+    _POOLS.clear()
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
 def test_cuda_batched_warm_up_leaves_no_capture_to_the_batch(name):
     """``warm_up(batch=3, conversations=0)`` on CUDA captures the batched decode steps (compiled, as by default) on
     the model's kept pool; a batched ``generate`` of 3 rows afterwards captures nothing and answers as the eager

@@ -11,6 +11,7 @@ import raincheck_hf
 from raincheck_hf import RaincheckConfig, restore_pending
 from raincheck_hf.fast.static_cache import _POOLS, release_storage
 from raincheck_hf.warmup import buckets, capacities, step_keys
+from raincheck_hf.tiny import draw_test_image
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
 from families import family_params
@@ -271,3 +272,45 @@ def test_a_loop_hands_its_idle_engines_pool_to_another_configs_turn(replay_log, 
     alone = Conversation(model, processor, full, background=False)
     want = alone.ask("Describe it.", images=list(IMAGE["images"]), **kw)
     assert torch.equal(other.sequences, alone.sequences), (want, other)
+
+
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_warm_up_covers_a_prefill_on_the_storage_its_deferred_rows_size(family, cpu_graphs):  # noqa: F811
+    """A first turn's storage is sized for every prompt row (the deferred ones are stored later) plus the answer,
+    not for the rows it prefills: two pictures' ~120 prompt rows + 150 answer tokens take a 512-slot storage while
+    the ~55 rows prefilled (one 64-row bucket) + 150 would fit 256 slots; a prompt sized for that storage alone
+    prefills at least 107 rows (a 128-row bucket). The 64-row prefill's graph on the 512-slot storage is warmed."""
+    _, model, processor = family
+    config = RaincheckConfig(fast_path=True, compile_steps=False)
+    inputs = make_inputs(processor, images=(draw_test_image(256, 192, seed=1), draw_test_image(256, 192, seed=2)))
+    _POOLS.clear()
+    # follow_up_tokens=1: no follow-up prefill (64-row keys at every bucket) covers the first turn's by chance
+    summary = raincheck_hf.warm_up(model, processor, config, max_tokens=512, max_new_tokens=150, follow_up_tokens=1,
+                                   image_sizes=[(192, 256)], cache_dir=False, progress=False)
+    assert summary.captured
+    out = model.generate(**inputs, raincheck=config, max_new_tokens=150, do_sample=False,
+                         return_dict_in_generate=True, suppress_tokens=no_placeholder_ids(model))
+    trace = out.raincheck
+    prompt = inputs["input_ids"].shape[1]
+    prefilled = prompt - trace.deferred.numel()
+    assert prefilled <= 64 and prefilled + 150 <= 256 < prompt + 150 and out.cache.capacity == 512
+    assert trace.captures == []
+    del out
+    _POOLS.clear()
+
+
+def test_step_keys_put_a_deferring_prefill_on_every_storage_its_prompt_can_size(model):
+    from raincheck_hf.fast.static_cache import slot_bucket
+    from raincheck_hf.models import get_adapter
+
+    adapter = get_adapter(model)
+    kw = dict(max_tokens=4096, max_new_tokens=64, prompt_tokens=1600, follow_up_tokens=64, pad_prefill=True)
+    # 461 rows prefilled of a 1,402-row prompt: the storage is round_capacity(1402 + 64) = 2048 slots
+    keys = step_keys(adapter, RaincheckConfig(), **kw)
+    assert any(prefill and key.rows == 512 and key.bucket == slot_bucket(461, 2048) for key, prefill in keys[2048])
+    assert any(prefill and key.rows == 512 for key, prefill in keys[1024])  # a 461-row prompt with nothing deferred
+    # no storage beyond what the longest prompt sizes: 1,600 + 64 rows -> 2048
+    assert not any(prefill for key, prefill in keys[4096] if key.rows > 64)
+    # mode="full" prefills every prompt row: the storage is sized by them alone
+    full = step_keys(adapter, RaincheckConfig(mode="full"), **kw)
+    assert not any(prefill and key.rows == 512 for key, prefill in full[2048])

@@ -615,30 +615,49 @@ class LatencySettings:
         put("warmup_tokens", self.warmup_tokens or min(self.answer_tokens, self.decode_guard + 4))
 
 
-def run(device=None, threads: int | None = None, log=print, **settings) -> dict:
+def run(device=None, threads: int | None = None, log=print, **settings) -> dict | list[dict]:
     """Run the benchmark in-process; returns (and writes to ``json_path``) the result dict.
 
-    ``settings``: `LatencySettings`' fields (checked before any model is built). ``threads``: torch intra-op
-    threads; on CPU the default is 1 (tiny models gain nothing from more, and on a shared machine spinning thread
-    pools distort the timings), on CUDA torch's default.
+    ``settings``: `LatencySettings`' fields (checked before any model is built). ``answer_tokens`` may be a list
+    of lengths: each is a run of its own (its own result and JSON file: ``json_path`` must then hold
+    ``{answer_tokens}``, e.g. ``latency_{answer_tokens}.json``) on the same model, built and warmed once; a list
+    of the results is returned. ``threads``: torch intra-op threads; on CPU the default is 1 (tiny models gain
+    nothing from more, and on a shared machine spinning thread pools distort the timings), on CUDA torch's
+    default.
     """
     started = time.perf_counter()
-    s = LatencySettings(**settings)
+    lengths = settings.get("answer_tokens", LatencySettings.answer_tokens)
+    several = not isinstance(lengths, int)
+    lengths = list(lengths) if several else [lengths]
+    path = settings.get("json_path")
+    if several and path is not None and "{answer_tokens}" not in path:
+        raise ValueError(f"json_path={path!r}: with several answer lengths ({lengths}) it must hold "
+                         "'{answer_tokens}', one file per length")
+    if not lengths or len(set(lengths)) != len(lengths):
+        raise ValueError(f"answer_tokens={lengths!r}: give one length or several different ones")
+    runs = []
+    for n in lengths:
+        one = dict(settings, answer_tokens=n)
+        if several and path is not None:
+            one["json_path"] = path.replace("{answer_tokens}", str(n))
+        if settings.get("warmup_tokens") == "answer":
+            one["warmup_tokens"] = n
+        runs.append(LatencySettings(**one))
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    variant_list = build_variants(s.chunk_sizes, s.primary_chunk, s.turns, s.sweep_turns, s.variants)
+    variant_list = build_variants(runs[0].chunk_sizes, runs[0].primary_chunk, runs[0].turns, runs[0].sweep_turns,
+                                  runs[0].variants)
     previous_threads = torch.get_num_threads()
     if threads is not None or device.type == "cpu":
         torch.set_num_threads(threads or 1)
     try:
-        return _run(s, started, device, variant_list, log)
+        results = _run(runs, started, device, variant_list, log)
     finally:
         torch.set_num_threads(previous_threads)
+    return results if several else results[0]
 
 
-def _run(s: "LatencySettings", started: float, device, variant_list, log):
-    settings = dict(retention=s.retention, decode_guard=s.decode_guard, selector=s.selector, tpot_slack=s.tpot_slack,
-                    compile_steps=s.compile_steps)
-    result = {
+def _new_result(s: "LatencySettings", settings: dict, device, variant_list) -> dict:
+    return {
         "benchmark": "latency",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": s.command or " ".join(["python -m raincheck_hf.bench latency"] + sys.argv[2:]),
@@ -646,26 +665,39 @@ def _run(s: "LatencySettings", started: float, device, variant_list, log):
         "settings": dict(settings, models=list(s.models), inputs=list(s.inputs), turns=s.turns, answer_tokens=s.answer_tokens,
                          follow_up_tokens=s.follow_up_tokens, reps=s.reps, chunk_sizes=list(s.chunk_sizes),
                          primary_chunk=s.primary_chunk, sweep_turns=s.sweep_turns, warmup=s.warmup,
-                         warmup_tokens=s.warmup_tokens, warm_up_api=s.warm_up_api, idle_probe=s.idle_probe, budget_s=s.budget_s,
-                         variants=[v.name for v in variant_list]),
+                         warmup_tokens=s.warmup_tokens, warm_up_api=s.warm_up_api, idle_probe=s.idle_probe,
+                         budget_s=s.budget_s, variants=[v.name for v in variant_list]),
         "runs": [],
     }
+
+
+def _run(runs: list["LatencySettings"], started: float, device, variant_list, log) -> list[dict]:
+    """Every model of the settings, built once; on it, every input, and for each, every run (answer length) in
+    turn, each into its own result."""
+    s = runs[0]  # what the runs share: all but the answer length, the warm-up length and the JSON path
+    settings = dict(retention=s.retention, decode_guard=s.decode_guard, selector=s.selector, tpot_slack=s.tpot_slack,
+                    compile_steps=s.compile_steps)
+    results = [_new_result(r, settings, device, variant_list) for r in runs]
     processor = shapes.build_processor()
     suppress = shapes.special_token_ids(processor)
 
     def over_budget(extra: float = 0.0) -> bool:
         return s.budget_s is not None and time.perf_counter() - started + extra > s.budget_s
 
+    def skip_all(entry: dict) -> None:
+        for r, result in zip(runs, results):
+            result["runs"].append(dict(entry))
+            _write(result, r.json_path)
+
     for model_name in s.models:
         if over_budget():
-            result["runs"].append({"model": model_name, "status": f"skipped: time budget {s.budget_s} s spent"})
+            skip_all({"model": model_name, "status": f"skipped: time budget {s.budget_s} s spent"})
             continue
         try:
             model, model_info = shapes.build_model(model_name, device, dtype=s.dtype)
         except ValueError as error:
             log(f"[latency] skipping {model_name}: {error}")
-            result["runs"].append({"model": model_name, "status": f"skipped: {error}"})
-            _write(result, s.json_path)
+            skip_all({"model": model_name, "status": f"skipped: {error}"})
             continue
         log(f"[latency] {model_name}: {model_info['class']} {model_info['parameters'] / 1e9:.3f} B params, "
             f"{model_info['dtype']} on {device}, built in {model_info['build_s']:.1f} s")
@@ -680,38 +712,45 @@ def _run(s: "LatencySettings", started: float, device, variant_list, log):
         spec = shapes.MODELS[model_name]
         prompts = {kind: shapes.build_prompt(processor, spec, kind, s.image_size, s.video_frames, s.video_size)
                    for kind in s.inputs}
-        cache_len = s.static_max_cache_len or _static_max_cache_len(
-            [info["prompt_tokens"] for _, info in prompts.values()], s.answer_tokens, s.follow_up_tokens, s.turns)
+        cache_len = s.static_max_cache_len or max(_static_max_cache_len(
+            [info["prompt_tokens"] for _, info in prompts.values()], r.answer_tokens, r.follow_up_tokens, r.turns)
+            for r in runs)
         shared = {"static_compile_measured": False}  # per model: the compiled decode step, the reused StaticCache
         bandwidth = measure_copy_bandwidth(device)
         log(f"[latency] copy bandwidth {bandwidth['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, "
             f"{bandwidth['copy_bytes'] / 2**30:.2f} GiB copy)")
         for kind in s.inputs:
-            if over_budget():
-                result["runs"].append({"model": model_name, "input": kind,
-                                       "status": f"skipped: time budget {s.budget_s} s spent"})
-                continue
             first_inputs, prompt_info = prompts[kind]
-            ctx = Context(model, processor, device, {k: v.to(device) for k, v in first_inputs.items()}, settings,
-                          raincheck_error is None, cache_len, suppress, shared)
-            # the floor at the first answer's mean context: the prompt plus half the answer
-            step_bytes = decode_bytes(model, prompt_info["prompt_tokens"] + s.answer_tokens // 2)
-            floor = {**step_bytes, **bandwidth, "floor_s": step_bytes["total_bytes"] / bandwidth["bandwidth_bytes_per_s"]}
-            run_entry = {"model": model_name, "input": kind, "status": "ok", "model_info": model_info,
-                         "prompt": prompt_info, "primary_chunk": s.primary_chunk, "static_max_cache_len": cache_len,
-                         "memory_floor": floor, "warmup": {}, "variants": {}}
-            result["runs"].append(run_entry)
-            _run_one(s, ctx, run_entry, variant_list, raincheck_error, over_budget, started, result, log)
-            print_table(run_entry, log)
-            del ctx
+            for r, result in zip(runs, results):
+                if over_budget():
+                    result["runs"].append({"model": model_name, "input": kind,
+                                           "status": f"skipped: time budget {s.budget_s} s spent"})
+                    _write(result, r.json_path)
+                    continue
+                ctx = Context(model, processor, device, {k: v.to(device) for k, v in first_inputs.items()}, settings,
+                              raincheck_error is None, cache_len, suppress, shared)
+                # the floor at the first answer's mean context: the prompt plus half the answer
+                step_bytes = decode_bytes(model, prompt_info["prompt_tokens"] + r.answer_tokens // 2)
+                floor = {**step_bytes, **bandwidth,
+                         "floor_s": step_bytes["total_bytes"] / bandwidth["bandwidth_bytes_per_s"]}
+                run_entry = {"model": model_name, "input": kind, "status": "ok", "model_info": model_info,
+                             "prompt": prompt_info, "primary_chunk": r.primary_chunk, "static_max_cache_len": cache_len,
+                             "memory_floor": floor, "warmup": {}, "variants": {}}
+                result["runs"].append(run_entry)
+                if len(runs) > 1:
+                    log(f"[latency] {model_name} / {kind}: {r.answer_tokens}-token answers")
+                _run_one(r, ctx, run_entry, variant_list, raincheck_error, over_budget, started, result, log)
+                print_table(run_entry, log)
+                del ctx
         del model, shared
         gc.collect()
         torch.compiler.reset()  # drop the compiled decode step (and its CUDA graphs) with the model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result["elapsed_s"] = time.perf_counter() - started
-    _write(result, s.json_path)
-    return result
+    for r, result in zip(runs, results):
+        result["elapsed_s"] = time.perf_counter() - started
+        _write(result, r.json_path)
+    return results
 
 
 def _warm_up_api(s: "LatencySettings", ctx, run_entry, active, log) -> None:
@@ -949,7 +988,9 @@ def main(argv=None):
                         help=f"comma-separated, from {sorted(shapes.MODELS)} (default tiny_qwen3_vl)")
     parser.add_argument("--input", default="image", help="comma-separated, from image,video (default image)")
     parser.add_argument("--turns", type=int, default=2, help="turns per conversation (1: no follow-up metrics)")
-    parser.add_argument("--answer-tokens", type=int, default=512, help="tokens of every first-turn answer")
+    parser.add_argument("--answer-tokens", default="512", help="tokens of every first-turn answer; several "
+                        "(e.g. 64,128,512): a run each on the same model, built and warmed once, --json holding "
+                        "'{answer_tokens}' (one file per length)")
     parser.add_argument("--follow-up-tokens", type=int, default=None, help="tokens of follow-up answers "
                         "(default: --answer-tokens)")
     parser.add_argument("--reps", type=int, default=3)
@@ -972,7 +1013,8 @@ def main(argv=None):
     parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard)
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
-    parser.add_argument("--warmup-tokens", type=int, default=None, help="default min(answer, guard + 4)")
+    parser.add_argument("--warmup-tokens", default=None, help="default min(answer, guard + 4); 'answer': each run's "
+                        "answer length")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--warm-up-api", action="store_true", help="call raincheck_hf.warm_up with each Raincheck "
                         "variant's config before anything is timed (as the CLI, the demo and the server do at start)")
@@ -990,16 +1032,26 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every conversation)")
     args = parser.parse_args(argv)
     command = " ".join(["python -m raincheck_hf.bench latency"] + list(sys.argv[2:] if argv is None else argv))
+    try:
+        lengths = [int(n) for n in args.answer_tokens.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--answer-tokens {args.answer_tokens!r}: integers, comma-separated")
+    warmup_tokens = args.warmup_tokens
+    if warmup_tokens is not None and warmup_tokens != "answer":
+        try:
+            warmup_tokens = int(warmup_tokens)
+        except ValueError:
+            parser.error(f"--warmup-tokens {warmup_tokens!r}: an integer or 'answer'")
     return run(
         models=[m.strip() for m in args.model.split(",") if m.strip()],
         inputs=[i.strip() for i in args.input.split(",") if i.strip()],
-        turns=args.turns, answer_tokens=args.answer_tokens, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
+        turns=args.turns, answer_tokens=lengths[0] if len(lengths) == 1 else lengths, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
         chunk_sizes=[parse_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
         primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack, compile_steps=args.compile_steps,
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,
         retention=args.retention, decode_guard=args.decode_guard, selector=args.selector,
-        warmup=not args.no_warmup, warm_up_api=args.warm_up_api, warmup_tokens=args.warmup_tokens, idle_probe=not args.no_idle_probe,
+        warmup=not args.no_warmup, warm_up_api=args.warm_up_api, warmup_tokens=warmup_tokens, idle_probe=not args.no_idle_probe,
         budget_s=args.budget_s, device=args.device, threads=args.threads, image_size=args.image_size, video_frames=args.video_frames,
         video_size=args.video_size, static_max_cache_len=args.static_max_cache_len, json_path=args.json,
         strict=args.strict, keep_intervals=not args.no_intervals, command=command,
