@@ -1163,15 +1163,15 @@ def test_cuda_batched_generate_compiles_its_captured_steps_by_default(name):
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
 def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_storage(name):
-    """tests/test_warmup.py's storage case on CUDA with real captures (compiled steps, as by default): two pictures'
-    prompt + 150 answer tokens take a 512-slot storage while the rows prefilled + 150 fit 256; after
+    """tests/test_warmup.py's storage case on CUDA with real captures (steps not compiled: the test stays short):
+    two pictures' prompt + 150 answer tokens take a 512-slot storage while the rows prefilled + 150 fit 256; after
     ``warm_up(image_sizes=...)`` the first answer's trace shows no capture (its prefill included), and its tokens are
     the cold model's."""
     from raincheck_hf.fast.static_cache import _POOLS
     from raincheck_hf.tiny import draw_test_image
 
     model, processor = _cuda_family_model(name), family_processor(name)
-    cfg = RaincheckConfig()
+    cfg = RaincheckConfig(compile_steps=False)
     inputs = _cuda(make_inputs(processor, images=(draw_test_image(256, 192, seed=1), draw_test_image(256, 192, seed=2))))
     kw = dict(max_new_tokens=150, do_sample=False, return_dict_in_generate=True,
               suppress_tokens=no_placeholder_ids(model))
