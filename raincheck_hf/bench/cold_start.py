@@ -39,7 +39,8 @@ def _child(args) -> dict:
     processor = shapes.build_processor()
     raincheck_hf.enable(model)
     spec = shapes.MODELS[args.model]
-    config = raincheck_hf.RaincheckConfig(chunk_size=args.chunk_size)
+    # the default settings unless a chunk size is given
+    config = raincheck_hf.RaincheckConfig(**({} if args.chunk_size is None else {"chunk_size": args.chunk_size}))
     marks["model_s"] = time.time() - launched
     summary = None
     width, height = spec.image_size
@@ -92,7 +93,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
-        max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size="31", warm_up: bool = True,
+        max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0) -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
@@ -117,7 +118,9 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         launched = time.time()
         command = [sys.executable, "-m", "raincheck_hf.bench.cold_start", "--child", "--launched-at", repr(launched),
                    "--model", model, "--device", device, "--cache-dir", folder, "--max-tokens", str(max_tokens),
-                   "--max-new-tokens", str(max_new_tokens), "--chunk-size", str(chunk_size)]
+                   "--max-new-tokens", str(max_new_tokens)]
+        if chunk_size is not None:
+            command += ["--chunk-size", str(chunk_size)]
         if not warm_up:
             command.append("--no-warm-up")
         done = _launch(command, env, timeout)
@@ -136,7 +139,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         "benchmark": "cold_start",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {"model": model, "processes": processes, "device": device, "max_tokens": max_tokens,
-                     "answer_tokens": max_new_tokens, "chunk_size": chunk_size, "warm_up": warm_up,
+                     "answer_tokens": max_new_tokens, "chunk_size": chunk_size or "default", "warm_up": warm_up,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -166,7 +169,7 @@ def main(argv=None):
                         help="the cache folder (must be empty; default: a fresh temporary folder)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="warm_up's conversation bound")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the first answer's length limit")
-    parser.add_argument("--chunk-size", default="31")
+    parser.add_argument("--chunk-size", default=None, help="RaincheckConfig.chunk_size (default: the default settings')")
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -174,7 +177,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from ..configuration import parse_chunk_size
 
-    args.chunk_size = parse_chunk_size(args.chunk_size)
+    args.chunk_size = None if args.chunk_size is None else parse_chunk_size(args.chunk_size)
     if args.child:
         print(json.dumps(_child(args), default=str), flush=True)
         return 0
