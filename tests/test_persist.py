@@ -149,8 +149,9 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
         assert cold_start.main(child) == 0
     result = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert result["answer_tokens"] == 2 and result["captures_during_answer"] == []
-    assert result["warm_up"]["path"] == "eager"
+    assert result["warm_up"]["path"] == "eager" and result["warm_up"]["captures"]["each"] == []
     assert result["first_token_s"] <= result["first_answer_s"]
+    assert result["imports_s"] <= result["caches_s"] <= result["device_s"] <= result["model_s"]
     launched = []
 
     def fake_run(command, env, timeout):
@@ -189,3 +190,16 @@ def test_serve_warms_up_the_steps_it_runs(batching, monkeypatch):
     assert len(calls) == 1
     # (--batching: the running answers and the held conversations restoring beside them)
     assert (calls[0]["batch"], calls[0]["conversations"]) == ((8, 0) if batching else (None, 1))
+
+
+def test_cold_start_splits_the_warm_up_captures_by_kind_and_first_sighting():
+    from raincheck_hf.bench.cold_start import capture_figures
+
+    captured = [(2048, 32, True, None, 1536, 0.5), (2048, 32, True, None, 1792, 0.2), (2048, 512, True, None, 512, 0.3),
+                (4096, 32, True, None, 4096, 0.1), (4096, 512, True, None, 512, 0.2), (2048, 32, True, "v", 1536, 0.4)]
+    figures = capture_figures(captured, step_rows=32)
+    groups = figures["groups"]
+    assert groups["step_first"]["count"] == 2 and groups["step_first"]["total_s"] == pytest.approx(0.9)  # 2 variants
+    assert groups["step_again"] == {"count": 2, "total_s": pytest.approx(0.3), "median_s": pytest.approx(0.15)}
+    assert groups["prefill_first"]["count"] == 1 and groups["prefill_again"]["count"] == 1
+    assert figures["total_s"] == pytest.approx(1.7) and figures["each"][2] == [2048, 512, 512, 0.3]

@@ -34,7 +34,12 @@ def _child(args) -> dict:
 
     marks["imports_s"] = time.time() - launched
     caches = enable_persistent_caches(args.cache_dir)
+    marks["caches_s"] = time.time() - launched
     device = torch.device(args.device)
+    if device.type == "cuda":  # the CUDA context on its own (the model's build would pay it otherwise)
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
+    marks["device_s"] = time.time() - launched
     model, info = shapes.build_model(args.model, device)
     processor = shapes.build_processor()
     raincheck_hf.enable(model)
@@ -79,11 +84,37 @@ def _child(args) -> dict:
         "warm_up": None if summary is None else {
             "seconds": summary.seconds, "path": summary.path, "graphs_captured": len(summary.captured),
             "already_captured": summary.already_captured, "vision_grids": len(summary.vision),
-            "capacities": summary.capacities, "coverage": summary.coverage},
+            "capacities": summary.capacities, "coverage": summary.coverage,
+            "captures": capture_figures(summary.captured, config.max_chunk_size + 1)},
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
         "prompt": prompt,
         "model": info,
+    }
+
+
+def capture_figures(captured, step_rows: int) -> dict:
+    """What `warm_up`'s step captures cost (``WarmUpSummary.captured``: ``(capacity, rows, logits, variant, bucket,
+    seconds)`` each), split by prefills (more rows than the config's largest decode / chunk step, ``step_rows``;
+    a prefill of no more rows counts as a step) and steps, and by
+    a row count's first capture in the process (its warm-up pays lazy initialisation: two runs, compiles, kernel
+    tuning) and the later ones at other slot buckets or storages: count, total and median seconds each, and every
+    capture as ``[capacity, rows, bucket, seconds]``."""
+    import statistics
+
+    groups: dict = {}
+    seen = set()
+    for capacity, rows, _, variant, bucket, seconds in captured:
+        kind = "prefill" if rows > step_rows else "step"
+        first = (rows, variant) not in seen
+        seen.add((rows, variant))
+        groups.setdefault(f"{kind}_{'first' if first else 'again'}", []).append(float(seconds))
+    return {
+        "total_s": float(sum(entry[-1] for entry in captured)),
+        "groups": {name: {"count": len(v), "total_s": sum(v), "median_s": statistics.median(v)}
+                   for name, v in sorted(groups.items())},
+        "each": [[capacity, rows, bucket, round(float(seconds), 4)]
+                 for capacity, rows, _, _, bucket, seconds in captured],
     }
 
 
@@ -146,11 +177,11 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         "later": [{k: r[k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")} for r in results[1:]],
         "processes": results,
     }
-    print(f"{'process':>8} {'cache':>22} {'imports':>8} {'model':>8} {'warm-up':>8} {'1st token':>10} "
+    print(f"{'process':>8} {'cache':>22} {'imports':>8} {'device':>8} {'model':>8} {'warm-up':>8} {'1st token':>10} "
           f"{'answer':>8} {'captures':>9}")
     for r in results:
         print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>22} {r['imports_s']:>8.1f} "
-              f"{r['model_s']:>8.1f} {r['warm_up_done_s']:>8.1f} {r['first_token_s']:>10.1f} "
+              f"{r['device_s']:>8.1f} {r['model_s']:>8.1f} {r['warm_up_done_s']:>8.1f} {r['first_token_s']:>10.1f} "
               f"{r['first_answer_s']:>8.1f} {len(r['captures_during_answer']):>9}")
     if out:
         with open(out, "w") as f:
