@@ -330,7 +330,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 CHAT_MODES = ("full", "hard", "post_answer", "raincheck", "serial")
 CHAT_SELECTORS = ("cdpruner", "divprune", "fastv", "mmtok", "random", "uniform", "visionzip")
 CHAT_DEFAULTS = {"retention": 0.3, "chunk_size": 31, "decode_guard": 1, "tpot_slack": 0.02, "selector": "mmtok",
-                 "mode": "raincheck", "compile_steps": None}
+                 "mode": "raincheck", "compile_steps": None, "chunk_every": 1}
 
 
 def _chunk_size(value: str) -> int | str:
@@ -385,6 +385,9 @@ def add_chat_arguments(c) -> None:
                    "decode's (default 0.02)")
     c.add_argument("--decode-guard", type=int, default=defaults.decode_guard, metavar="G",
                    help="tokens generated before the first chunk rides along (>= 0)")
+    c.add_argument("--chunk-every", type=int, default=defaults.chunk_every, metavar="K",
+                   help="with a fixed --chunk-size, a chunk rides on every K-th decode step from the guard on "
+                   "(default 1: every step)")
     c.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="answer length limit per question")
     c.add_argument("--idle-wait", type=float, default=5.0, metavar="SECONDS",
                    help="how long to let idle-time restoration run between turns before the figures are printed")
@@ -406,7 +409,7 @@ def chat_config(args):
     try:
         return RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
                                tpot_slack=args.tpot_slack, selector=args.selector, mode=args.mode,
-                               compile_steps=args.compile_steps)
+                               compile_steps=args.compile_steps, chunk_every=args.chunk_every)
     except ValueError as error:  # name the option the user typed, not the config field
         raise ValueError(re.sub(r"RaincheckConfig\.(\w+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ",
                                 str(error))) from None

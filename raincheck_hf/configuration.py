@@ -52,6 +52,12 @@ class RaincheckConfig:
             every step. With ``"auto"`` the restoration schedule depends on timings, so which chunks a
             token saw (and, under greedy decoding, possibly the tokens while restoration runs) may
             differ between runs; a fixed size gives reproducible runs.
+        chunk_every: k, with a fixed ``chunk_size``: a chunk rides on every k-th decode forward from the guard on
+            (forwards g, g + k, g + 2k, ... with g = max(``decode_guard``, 1)), the others decode alone, an integer
+            >= 1. Default 1: every one. Spacing the chunks spreads the restoration's cost over more of the answer
+            (each chunk step costs about what it costs at k = 1; they are k times rarer), so a short answer pays
+            less of it and leaves more rows for after it, which follow-ups see all the same; a long answer sees them
+            later. Deterministic (with ``"auto"`` the measured step costs decide instead: it must stay 1).
         decode_guard: g, no deferred chunk runs before g tokens have been generated, >= 0. Default 1: the
             first token comes from the prefill alone (as fast as with pruning) and every decode step from
             then on carries a chunk until nothing is pending (0 is the same: the prefill never carries one).
@@ -122,6 +128,7 @@ class RaincheckConfig:
     compile_steps: bool | None = None
     restore_order: str = "source"
     batch_chunk_rows: int | None = 64
+    chunk_every: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -159,7 +166,7 @@ class RaincheckConfig:
             raise ValueError(f"RaincheckConfig.retention={retention!r} must be a number in [0, 1] "
                              "(0: every multimodal token deferred, 1: none).")
         object.__setattr__(self, "retention", float(retention))
-        for name, low in (("chunk_size", 1), ("decode_guard", 0)):
+        for name, low in (("chunk_size", 1), ("decode_guard", 0), ("chunk_every", 1)):
             value = getattr(self, name)
             if name == "chunk_size" and isinstance(value, str) and value == AUTO:
                 continue
@@ -167,6 +174,10 @@ class RaincheckConfig:
                 extra = ' or "auto"' if name == "chunk_size" else ""
                 raise ValueError(f"RaincheckConfig.{name}={value!r} must be an integer >= {low}{extra}.")
             object.__setattr__(self, name, int(value))
+        if self.chunk_size == AUTO and self.chunk_every != 1:
+            raise ValueError(f"RaincheckConfig.chunk_every={self.chunk_every!r} needs a fixed chunk_size: with "
+                             "chunk_size=\"auto\" the measured step costs decide which steps carry a chunk (leave "
+                             "chunk_every at 1).")
         rows = self.batch_chunk_rows
         if rows is not None:
             if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:

@@ -97,12 +97,14 @@ def chunk_size_for_forward(forward_index: int, config: RaincheckConfig, num_pend
     """How many deferred rows ride along with decode forward ``forward_index`` (>= 1), fixed chunk size.
 
     Forward i consumes generated token i, so i tokens have been generated when it runs; the guard
-    holds chunks back until ``i >= decode_guard`` (and never before the first decode forward).
+    holds chunks back until ``i >= decode_guard`` (and never before the first decode forward), and from
+    there on every ``chunk_every``-th forward carries one (`RaincheckConfig.chunk_every`).
     ``chunk_size="auto"`` goes through `ChunkScheduler` instead (this returns the ladder's largest).
     """
     if not config.restores_during_decode or num_pending == 0:
         return 0
-    if forward_index < max(config.decode_guard, 1):
+    first = max(config.decode_guard, 1)
+    if forward_index < first or (forward_index - first) % config.chunk_every:
         return 0
     return min(config.max_chunk_size, num_pending)
 

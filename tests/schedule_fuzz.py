@@ -65,6 +65,8 @@ def make_case(seed: int, family: str, videos: bool = True) -> Case:
                   selector=rng.choice(SELECTORS))
     # drawn from a stream of its own, so that the rest of a seed's case stays what it was before this setting
     config["restore_order"] = random.Random(f"restore_order-{seed}").choice(RESTORE_ORDERS)
+    if config["chunk_size"] != "auto":  # (the same: a stream of its own)
+        config["chunk_every"] = random.Random(f"chunk_every-{seed}").choice([1, 1, 2, 3])
 
     def media():
         kind = rng.choice(["image", "two_images", "video"] if videos else ["image", "two_images"])

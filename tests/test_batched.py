@@ -169,6 +169,19 @@ def test_rows_match_alone(name, mode):
         assert out.raincheck[0].restored_during_decode > 0
 
 
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_rows_with_spaced_chunks_match_alone(name):
+    """``chunk_every=2`` in a batch: each row carries its chunks every other forward, as alone, and equals its call
+    alone (the captured steps against this engine: tests/test_batched_graphs.py)."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, chunk_every=2, fast_path=False)
+    out = assert_rows_match_alone(model, processor, [IMAGE, TEXT, TWO_IMAGES], cfg)
+    for trace in out.raincheck:
+        carried = [i for i, r in enumerate(trace.restored_per_forward[1:], start=1) if r.numel()]
+        assert all((i - 1) % 2 == 0 for i in carried)
+    assert out.raincheck[0].restored_during_decode > 0
+
+
 @pytest.mark.parametrize("mode", ["raincheck", "serial"])
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
 def test_shared_chunk_budget(name, mode):
@@ -456,6 +469,8 @@ def test_fuzz_rows_match_alone(seed):
                           retention=rng.choice([0.0, 0.2, 0.3, 0.5, 1.0]),
                           chunk_size=rng.choice([1, 2, 3, 5, 8, "auto"]), decode_guard=rng.randint(0, 3),
                           selector=rng.choice(SELECTORS), fast_path=False)
+    if cfg.chunk_size != "auto":  # (a stream of its own: the rest of a seed's case stays what it was)
+        cfg.chunk_every = random.Random(f"chunk_every-{seed}").choice([1, 1, 2, 3])
     n = rng.randint(4, 12)
     kw = {}
     if rng.random() < 0.5:  # some row stops early: its own token at a random step is the EOS

@@ -179,6 +179,16 @@ def test_generate_batch_with_fast_path_true_equals_the_eager_engine(name, replay
     assert any(key.batch == 4 for key in replay_log) and any(key.width == 4 for key in replay_log)
 
 
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_spaced_chunks_on_the_captured_steps_equal_the_eager_engine(name, replay_log):
+    """``chunk_every=2``: the batch's replayed steps alternate fused ``[chunk, token]`` widths and plain decode ones,
+    and the answer equals the eager engine's."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, chunk_every=2)
+    want, got = _eager_and_graphs(name, [TWO_IMAGES, TEXT], cfg, 8)
+    assert_same_output(got, want, TOL, "step")
+    assert {key.width for key in replay_log} >= {1, 4}
+
+
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen2_5_vl")))
 def test_padding_rows_of_a_bucket_change_nothing(name, replay_log, monkeypatch):
     """Many padding sequences (batch bucket n + 5) and padding rows (width + 3) per step: the same tokens, logits

@@ -243,6 +243,21 @@ def test_slow_first_warmup_is_repeated(monkeypatch):
     assert warmup["other_repeated_s"].keys() == warmup["other_s"].keys() == {"full", "stock_dynamic"}
 
 
+def test_a_spaced_chunk_size_is_a_variant_of_its_own():
+    out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=1, answer_tokens=8, reps=1,
+                      chunk_sizes=("3", "3/3"), variants=["raincheck"], warmup_tokens=2, device="cpu", strict=True,
+                      log=lambda *a, **k: None)
+    run = out["runs"][0]
+    spaced = run["variants"]["raincheck c=3/3"]
+    assert spaced["config"]["chunk_size"] == 3 and spaced["config"]["chunk_every"] == 3
+    assert run["variants"]["raincheck c=3"]["config"]["chunk_every"] == 1
+    turn = spaced["reps"][0]["turns"][0]
+    assert turn["chunk_sizes_chosen"] and turn["steps_with_chunk"] <= 3  # forwards 1, 4, 7 of 7
+    assert latency.parse_chunk_spec("63/1") == 63 and latency.split_chunk_spec("63/10") == (63, 10)
+    with pytest.raises(ValueError, match="chunk_every"):
+        latency.run(models=("tiny_qwen3_vl",), chunk_sizes=("auto/2",))
+
+
 def test_several_answer_lengths_are_a_run_each_on_one_model(tmp_path):
     path = str(tmp_path / "latency_{answer_tokens}.json")
     out = latency.run(models=("tiny_qwen3_vl",), inputs=("image",), turns=1, answer_tokens=[2, 5], reps=1,

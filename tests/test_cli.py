@@ -132,6 +132,19 @@ def test_chat_compile_steps_is_auto_unless_forced(argv, want):
     assert config.compile_steps is want and config.mode == "serial"
 
 
+def test_chat_chunk_every_goes_to_the_config_and_a_bad_one_names_the_option():
+    import argparse
+
+    from raincheck_hf.__main__ import add_chat_arguments, chat_config
+
+    parser = argparse.ArgumentParser()
+    add_chat_arguments(parser)
+    assert chat_config(parser.parse_args([])).chunk_every == 1
+    assert chat_config(parser.parse_args(["--chunk-size", "63", "--chunk-every", "10"])).chunk_every == 10
+    with pytest.raises(ValueError, match="--chunk-every 2 needs a fixed chunk_size"):
+        chat_config(parser.parse_args(["--chunk-size", "auto", "--chunk-every", "2"]))
+
+
 # ---- the command line before anything loads ------------------------------------------------------
 
 def _imports_after(*argv) -> tuple[int, list[str], str]:

@@ -39,6 +39,10 @@ from conftest import INPUT_CASES, make_inputs
         (dict(batch_chunk_rows=2.5), "batch_chunk_rows=2.5"),
         (dict(batch_chunk_rows=True), "batch_chunk_rows=True"),
         (dict(batch_chunk_rows="64"), "batch_chunk_rows='64'"),
+        (dict(chunk_every=0), "chunk_every=0"),
+        (dict(chunk_every=True), "chunk_every=True"),
+        (dict(chunk_every=1.5), "chunk_every=1.5"),
+        (dict(chunk_size="auto", chunk_every=4), "chunk_every=4"),
     ],
 )
 def test_invalid_config_names_the_setting(kwargs, name):
@@ -163,6 +167,7 @@ CHANGED = [
     ("chunk_size", -3, "chunk_size=-3"),
     ("chunk_size", 2.5, "chunk_size=2.5"),
     ("decode_guard", -1, "decode_guard=-1"),
+    ("chunk_every", 0, "chunk_every=0"),
     ("retention", float("nan"), "retention=nan"),
     ("retention", "0.3", "retention='0.3'"),
     ("retention", 1.5, "retention=1.5"),

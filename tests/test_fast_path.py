@@ -459,7 +459,7 @@ def test_schedule_fuzz_on_replayed_steps(family, cpu_graphs, monkeypatch):
 
     monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)  # conversations grow into other pooled storages
     spec, model, processor = family
-    cases = [make_case(seed, spec.name) for seed in (3, 11, 17, 28)]
+    cases = [make_case(seed, spec.name) for seed in (3, 11, 17, 28, 32)]  # (32: chunks every third step)
     problems = check_cases(model, processor, cases, fast_path=True, threads=False, suppress=no_placeholder_ids(model),
                            atol=1e-4)
     assert not problems, "\n".join(problems)
@@ -492,6 +492,25 @@ def test_prepared_steps_replay_what_the_eager_engine_computes(family, cpu_graphs
             restore_pending(model, slow.cache, max_tokens=4)
             restore_pending(model, fast.cache, max_tokens=4)
         _assert_same_state(slow.cache, fast.cache)
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES, indirect=True)
+def test_spaced_chunks_on_replayed_steps_match_the_eager_engine(family, cpu_graphs):
+    """``chunk_every=3``: the fast path's replayed steps (fused steps on every third forward, plain ones between; on
+    Qwen3.5 plain steps that record their row while rows are pending) equal the eager engine's, and so does the
+    state after the rest is restored in idle time."""
+    _, model, processor = family
+    inputs = make_inputs(processor, **INPUT_CASES["two_images"])
+    cfg = dict(mode="raincheck", chunk_size=4, decode_guard=1, chunk_every=3)
+    slow, fast = _pair(model, inputs, **cfg)
+    _assert_same(slow, fast)
+    carried = [i for i, r in enumerate(fast.raincheck.restored_per_forward[1:], start=1) if r.numel()]
+    assert len(carried) > 1 and all((i - 1) % 3 == 0 for i in carried)
+    assert cpu_graphs  # the steps replayed
+    while fast.cache.num_pending:
+        restore_pending(model, slow.cache, max_tokens=4)
+        restore_pending(model, fast.cache, max_tokens=4)
+    _assert_same_state(slow.cache, fast.cache)
 
 
 def test_concurrent_conversations_never_lease_the_same_storage(monkeypatch):

@@ -92,6 +92,23 @@ def test_raincheck_matches_reference(model, case_inputs, retention, chunk, guard
     assert_matches_reference(model, [record(case_inputs, out)])
 
 
+@pytest.mark.parametrize("every,guard", [(3, 1), (2, 2)])
+def test_spaced_chunks_match_reference(model, case_inputs, every, guard):
+    """``chunk_every=k``: forwards g, g + k, ... carry a chunk (g = max(guard, 1)), the others decode alone; every
+    forward's logits still equal the reference's over what it sees."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=guard, chunk_every=every)
+    out = greedy(model, case_inputs, n=14, raincheck=cfg, return_dict_in_generate=True, output_logits=True)
+    trace = out.raincheck
+    first = max(guard, 1)
+    carried = [i for i, r in enumerate(trace.restored_per_forward[1:], start=1) if r.numel()]
+    assert carried and all(i >= first and (i - first) % every == 0 for i in carried)
+    pending_at = trace.deferred.numel()
+    for i in range(first, first + every * len(carried), every):  # every slot up to the last chunk carried one
+        assert i in carried or pending_at == 0
+    assert trace.chunk_size_per_forward[1:] == [3 if i in carried else 0 for i in range(1, len(trace.chunk_size_per_forward))]
+    assert_matches_reference(model, [record(case_inputs, out)])
+
+
 def _restoration_sequence(trace) -> list[int]:
     """The deferred source positions in the order they were restored (during the answer, then pending)."""
     return torch.cat([r.reshape(-1) for r in trace.restored_per_forward[1:]] + [trace.pending]).tolist()

@@ -545,3 +545,11 @@ def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting
         protocol._config({"raincheck": {"compile_steps": True}}, defaults)
     with pytest.raises(protocol.APIError, match="tpot_slack=-1"):
         protocol._config({"raincheck": {"tpot_slack": -1}}, defaults)
+    spaced = RaincheckConfig(chunk_every=3)  # a server spacing its fixed-size chunks
+    assert protocol._config({"raincheck": {"chunk_size": 15}}, spaced).chunk_every == 3
+    assert protocol._config({"raincheck": {"chunk_every": 2}}, spaced).chunk_every == 2
+    assert protocol._config({"raincheck": {"chunk_size": "auto"}}, spaced).chunk_every == 1  # "auto" decides itself
+    with pytest.raises(protocol.APIError, match="chunk_every=2"):
+        protocol._config({"raincheck": {"chunk_size": "auto", "chunk_every": 2}}, spaced)
+    with pytest.raises(protocol.APIError, match="chunk_every=0"):
+        protocol._config({"raincheck": {"chunk_every": 0}}, spaced)

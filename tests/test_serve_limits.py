@@ -371,7 +371,7 @@ def test_models_docs_and_openapi_state_the_limits_and_the_schema(served):
     schemas = spec["components"]["schemas"]
     assert "Raincheck" in schemas["ChatCompletionRequest"]["properties"]["raincheck"]["description"]
     assert set(schemas["RaincheckSettings"]["properties"]) == {"mode", "retention", "chunk_size", "decode_guard",
-                                                              "selector", "tpot_slack"}
+                                                              "selector", "tpot_slack", "chunk_every"}
     assert "413" in spec["paths"]["/v1/chat/completions"]["post"]["responses"]
 
 

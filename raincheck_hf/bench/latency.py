@@ -97,6 +97,24 @@ from transformers.generation.streamers import BaseStreamer
 from ..configuration import RaincheckConfig, parse_chunk_size
 from . import shapes
 
+def parse_chunk_spec(value) -> int | str:
+    """A chunk size as the benchmark takes it: `configuration.parse_chunk_size`'s (an integer or ``"auto"``), or
+    ``"C/K"``: size C on every K-th decode step (`RaincheckConfig.chunk_every`), kept as that text ("C/1" is C)."""
+    if isinstance(value, str) and "/" in value:
+        size, every = (part.strip() for part in value.split("/", 1))
+        size, every = parse_chunk_size(size), int(every)
+        return size if every == 1 else f"{size}/{every}"
+    return parse_chunk_size(value)
+
+
+def split_chunk_spec(spec) -> tuple[int | str, int]:
+    """``(chunk_size, chunk_every)`` of a `parse_chunk_spec` value."""
+    if isinstance(spec, str) and "/" in spec:
+        size, every = spec.split("/", 1)
+        return parse_chunk_size(size), int(every)
+    return spec, 1
+
+
 STOCK_VARIANTS = ("stock_dynamic", "stock_static", "stock_static_reused")
 PLAIN_MODES = ("full", "hard", "post_answer")
 DEFAULT_CHUNK_SIZES = (7, 15, 31, 63)
@@ -122,7 +140,9 @@ class Variant:
         from ..configuration import RaincheckConfig
 
         # fast_path=None: the CUDA fast path where the family supports it (every family now), else the eager engine
-        return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=self.chunk_size,
+        chunk_size, chunk_every = split_chunk_spec(self.chunk_size)
+        return RaincheckConfig(mode=self.mode, retention=settings["retention"], chunk_size=chunk_size,
+                               chunk_every=chunk_every,
                                decode_guard=settings["decode_guard"], selector=settings["selector"],
                                fast_path=settings.get("fast_path"), tpot_slack=settings.get("tpot_slack", 0.02),
                                compile_steps=self.compiled if self.compiled is not None
@@ -592,19 +612,20 @@ class LatencySettings:
         put("inputs", tuple(self.inputs))
         put("variants", None if self.variants is None else tuple(self.variants))
         put("follow_up_tokens", self.answer_tokens if self.follow_up_tokens is None else self.follow_up_tokens)
-        put("chunk_sizes", tuple(parse_chunk_size(c) for c in self.chunk_sizes))
+        put("chunk_sizes", tuple(parse_chunk_spec(c) for c in self.chunk_sizes))
         if (self.turns < 1 or self.answer_tokens < 1 or self.follow_up_tokens < 1 or self.reps < 1
                 or not self.chunk_sizes):
             raise ValueError("turns, answer tokens, follow-up tokens and reps must be >= 1, and there must be a chunk size.")
         if self.selector is None:
             put("selector", RaincheckConfig().selector)  # what a user gets by default
-        put("primary_chunk", parse_chunk_size(self.primary_chunk) if self.primary_chunk else (
+        put("primary_chunk", parse_chunk_spec(self.primary_chunk) if self.primary_chunk else (
             31 if 31 in self.chunk_sizes else self.chunk_sizes[0]))
         if self.primary_chunk not in self.chunk_sizes:
             raise ValueError(f"primary chunk size {self.primary_chunk} is not among the chunk sizes "
                              f"{list(self.chunk_sizes)}.")
         for c in self.chunk_sizes:  # invalid settings fail here, before any model is built
-            RaincheckConfig(retention=self.retention, chunk_size=c, decode_guard=self.decode_guard,
+            size, every = split_chunk_spec(c)
+            RaincheckConfig(retention=self.retention, chunk_size=size, chunk_every=every, decode_guard=self.decode_guard,
                             selector=self.selector, tpot_slack=self.tpot_slack, compile_steps=self.compile_steps)
         for name in self.models:
             if name not in shapes.MODELS:
@@ -787,8 +808,9 @@ def _run_one(s: "LatencySettings", ctx, run_entry, variant_list, raincheck_error
         entry = {"kind": v.kind, "family": v.family, "mode": v.mode, "chunk_size": v.chunk_size, "turns": v.turns,
                  "status": "ok", "reps": []}
         if v.kind == "raincheck":
-            entry["config"] = dict(settings, chunk_size=v.chunk_size, mode=v.mode,
-                                   compile_steps=v.config(settings).compile_steps)
+            made = v.config(settings)
+            entry["config"] = dict(settings, chunk_size=made.chunk_size, chunk_every=made.chunk_every, mode=v.mode,
+                                   compile_steps=made.compile_steps)
             if raincheck_error is not None:
                 entry["status"] = f"unsupported: {raincheck_error}"
         elif v.cache == "static":
@@ -995,8 +1017,9 @@ def main(argv=None):
                         "(default: --answer-tokens)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-sizes", default="7,15,31,63", help="chunk sizes swept for raincheck and serial; "
-                        "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto)")
-    parser.add_argument("--primary-chunk", type=parse_chunk_size, default=None, help="the chunk size that runs every "
+                        "'auto' adds chunk_size=\"auto\" (e.g. 7,15,31,63,auto); 'C/K': size C on every K-th decode "
+                        "step (RaincheckConfig.chunk_every, e.g. 63/10)")
+    parser.add_argument("--primary-chunk", type=parse_chunk_spec, default=None, help="the chunk size that runs every "
                         "turn (default 31 when swept, else the first)")
     parser.add_argument("--compile-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="RaincheckConfig.compile_steps=True (--no-compile-steps: False) for every Raincheck "
@@ -1046,7 +1069,7 @@ def main(argv=None):
         models=[m.strip() for m in args.model.split(",") if m.strip()],
         inputs=[i.strip() for i in args.input.split(",") if i.strip()],
         turns=args.turns, answer_tokens=lengths[0] if len(lengths) == 1 else lengths, follow_up_tokens=args.follow_up_tokens, reps=args.reps,
-        chunk_sizes=[parse_chunk_size(c) for c in args.chunk_sizes.split(",") if c.strip()],
+        chunk_sizes=[parse_chunk_spec(c) for c in args.chunk_sizes.split(",") if c.strip()],
         primary_chunk=args.primary_chunk, tpot_slack=args.tpot_slack, compile_steps=args.compile_steps,
         sweep_turns=args.sweep_turns,
         variants=[v.strip() for v in args.variants.split(",")] if args.variants else None,

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-guard", type=int, default=RaincheckConfig.decode_guard,
                         help=f"decode steps before the first chunk (default: the library's, "
                              f"{RaincheckConfig.decode_guard})")
+    parser.add_argument("--chunk-every", type=int, default=RaincheckConfig.chunk_every,
+                        help="with a fixed --chunk-size, a chunk on every k-th decode step from the guard on "
+                             f"(default: the library's, {RaincheckConfig.chunk_every}: every step)")
     parser.add_argument("--device", default=None)
     from ..startup import add_warm_up_arguments
 
@@ -102,7 +105,7 @@ def settings_from(args):
 
     config = RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, decode_guard=args.decode_guard,
                              selector=args.selector, mode=args.mode, tpot_slack=args.tpot_slack,
-                             compile_steps=args.compile_steps)
+                             compile_steps=args.compile_steps, chunk_every=args.chunk_every)
     from ..startup import check_warm_up_args
 
     check_warm_up_args(args)

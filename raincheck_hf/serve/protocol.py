@@ -144,7 +144,10 @@ def _raincheck(given: RaincheckSettings | None, defaults: RaincheckConfig) -> Ra
         return defaults
     settings = {name: getattr(defaults, name)
                 for name in (*RAINCHECK_FIELDS, "fast_path", "compile_steps", "batch_chunk_rows")}
-    settings.update(given.model_dump(exclude_none=True))
+    asked = given.model_dump(exclude_none=True)
+    settings.update(asked)
+    if asked.get("chunk_size") == "auto" and "chunk_every" not in asked:
+        settings["chunk_every"] = 1  # (the server's spacing of fixed-size chunks: "auto" decides which steps carry one)
     try:
         return RaincheckConfig(**settings)
     except (ValueError, TypeError) as error:

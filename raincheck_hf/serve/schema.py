@@ -127,6 +127,8 @@ class RaincheckSettings(_Strict):
         None, description="Deferred tokens prefilled per decode step (>= 1), or `auto` (sized from measured step "
                           "costs within `tpot_slack`).")
     decode_guard: int | None = Field(None, description="No chunk before this many tokens are generated (>= 0).")
+    chunk_every: int | None = Field(None, description="With a fixed `chunk_size`, a chunk on every k-th decode step "
+                                                      "from the guard on (>= 1; 1: every step).")
     selector: str | None = Field(None, description="A registered selector's name (e.g. `mmtok`).")
     tpot_slack: float | None = Field(None, description="With `chunk_size: auto`, how much the mean time per token "
                                                        "may exceed plain decode steps' (>= 0).")
