@@ -292,16 +292,19 @@ def test_levers_cli_runs_full_and_hard_once_and_each_lever(tmp_path):
     from raincheck_hf.eval.__main__ import main, parse_lever
 
     assert parse_lever("attention/4/31") == {"restore_order": "attention", "decode_guard": 4, "chunk_size": 31}
+    assert parse_lever("source/1/15/4") == {"restore_order": "source", "decode_guard": 1, "chunk_size": 15,
+                                            "chunk_every": 4}
     for bad, match in (("source/4", "ORDER/GUARD/CHUNK"), ("source/x/31", "integers"),
-                       ("sideways/4/31", "restore_order"), ("source/-1/31", "decode_guard")):
+                       ("sideways/4/31", "restore_order"), ("source/-1/31", "decode_guard"),
+                       ("source/1/31/0", "chunk_every"), ("source/1/2/3/4", "ORDER/GUARD/CHUNK")):
         with pytest.raises(ValueError, match=match):
             parse_lever(bad)
     main(["levers", "--model", "qwen3_vl", "--data", "glyph:dev", "--limit", "2", "--selectors", "uniform",
-          "--levers", "source/16/31,relevance/0/31", "--bootstrap", "10", "--json", str(tmp_path / "l.json"),
+          "--levers", "source/16/31,relevance/0/31,source/1/3/4", "--bootstrap", "10", "--json", str(tmp_path / "l.json"),
           "--markdown", str(tmp_path / "l.md")])
     out = json.loads((tmp_path / "l.json").read_text())
     assert set(out["base"]["runs"]) == {"full/-", "hard/uniform"}
-    assert [e["lever"]["decode_guard"] for e in out["levers"]] == [16, 0]
+    assert [e["lever"]["decode_guard"] for e in out["levers"]] == [16, 0, 1]
     for entry in out["levers"]:
         assert set(entry["runs"]) == {"raincheck/uniform"}
         assert "first_list" in entry["summary"]["recovery"]["raincheck/uniform"]
@@ -309,4 +312,8 @@ def test_levers_cli_runs_full_and_hard_once_and_each_lever(tmp_path):
     restored = [e["runs"]["raincheck/uniform"][0][0]["restored_during_answer"] for e in out["levers"]]
     assert restored[1] >= restored[0] > 0
     table = (tmp_path / "l.md").read_text()
-    assert "| relevance | 0 | 31 |" in table and "levers --model qwen3_vl" in table
+    assert "| relevance | 0 | 31 |" in table and "| source | 1 | 3 every 4 |" in table
+    assert "levers --model qwen3_vl" in table
+    # chunks of 3 every 4th step: restored on forwards 1, 5, 9, ... only
+    spaced = out["levers"][2]["runs"]["raincheck/uniform"][0][0]
+    assert 0 < spaced["restored_during_answer"] <= restored[1]

@@ -163,18 +163,23 @@ def cmd_run(args) -> dict:
 
 
 def parse_lever(text: str) -> dict:
-    """``"ORDER/GUARD/CHUNK"`` (e.g. ``"attention/4/31"``) -> the raincheck settings of one lever, checked by
-    `RaincheckConfig` (ValueError naming the setting)."""
+    """``"ORDER/GUARD/CHUNK"`` or ``"ORDER/GUARD/CHUNK/EVERY"`` (e.g. ``"attention/4/31"``, ``"source/1/15/4"``) ->
+    the raincheck settings of one lever (``chunk_every`` only when given), checked by `RaincheckConfig` (ValueError
+    naming the setting)."""
     parts = text.split("/")
-    if len(parts) != 3:
-        raise ValueError(f"--levers: {text!r} must be ORDER/GUARD/CHUNK, e.g. 'source/16/31' or 'attention/4/31'")
-    order, guard, chunk = parts
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--levers: {text!r} must be ORDER/GUARD/CHUNK[/EVERY], e.g. 'source/16/31', "
+                         "'attention/4/31' or 'source/1/15/4'")
+    order, numbers = parts[0], parts[1:]
     try:
-        guard, chunk = int(guard), int(chunk)
+        numbers = [int(n) for n in numbers]
     except ValueError:
-        raise ValueError(f"--levers: {text!r}: GUARD and CHUNK must be integers") from None
-    RaincheckConfig(restore_order=order, decode_guard=guard, chunk_size=chunk)
-    return {"restore_order": order, "decode_guard": guard, "chunk_size": chunk}
+        raise ValueError(f"--levers: {text!r}: GUARD, CHUNK and EVERY must be integers") from None
+    lever = {"restore_order": order, "decode_guard": numbers[0], "chunk_size": numbers[1]}
+    if len(numbers) == 3:
+        lever["chunk_every"] = numbers[2]
+    RaincheckConfig(**lever)
+    return lever
 
 
 def cmd_levers(args) -> dict:
@@ -239,7 +244,9 @@ def levers_markdown(results: list[dict]) -> str:
                     lows.append(lst["ratio"])
                 if fu is not None:
                     follow.append(fu["ratio"])
-            lines.append(f"| {lever['restore_order']} | {lever['decode_guard']} | {lever['chunk_size']} | "
+            every = lever.get("chunk_every", 1)
+            chunk = lever["chunk_size"] if every == 1 else f"{lever['chunk_size']} every {every}"
+            lines.append(f"| {lever['restore_order']} | {lever['decode_guard']} | {chunk} | "
                          + " | ".join(cells) + f" | {_fmt(min(lows) if lows else None)}% | "
                          f"{_fmt(min(follow) if follow else None)}% |")
         lines += ["", f"    {res['command']}", ""]
@@ -314,8 +321,8 @@ def main(argv=None):
     levers.add_argument("--data", default="glyph:test")
     levers.add_argument("--limit", type=int, default=None)
     levers.add_argument("--levers", required=True,
-                        help="comma-separated ORDER/GUARD/CHUNK (restore_order / decode_guard / chunk_size), "
-                             "e.g. 'source/16/31,attention/16/31,source/4/31'")
+                        help="comma-separated ORDER/GUARD/CHUNK[/EVERY] (restore_order / decode_guard / chunk_size "
+                             "/ chunk_every), e.g. 'source/16/31,attention/16/31,source/4/31,source/1/15/4'")
     levers.add_argument("--selectors", default="all", help="'all' or a comma-separated list")
     levers.add_argument("--retention", type=float, default=0.3)
     levers.add_argument("--margin", type=int, default=2)

@@ -55,7 +55,7 @@ def run_dialogue(model, processor, dialogue, config: RaincheckConfig, scorer, ma
 def evaluate(model, processor, dialogues, *, modes=MODES, selectors=("mmtok",), scorer,
              retention: float = RaincheckConfig.retention, chunk_size: int = RaincheckConfig.chunk_size,
              decode_guard: int = RaincheckConfig.decode_guard, restore_order: str = RaincheckConfig.restore_order,
-             margin: int = 2, progress=print) -> dict:
+             chunk_every: int = RaincheckConfig.chunk_every, margin: int = 2, progress=print) -> dict:
     """``{"<mode>/<selector>": [per-dialogue list of turn records]}`` (``full`` runs once, as ``full/-``)."""
     for mode in modes:
         if mode not in MODES:
@@ -65,7 +65,8 @@ def evaluate(model, processor, dialogues, *, modes=MODES, selectors=("mmtok",), 
     plan += [(m, s) for s in selectors for m in modes if m != "full"]
     for mode, selector in plan:
         config = RaincheckConfig(mode=mode, selector="uniform" if selector == "-" else selector, retention=retention,
-                                 chunk_size=chunk_size, decode_guard=decode_guard, restore_order=restore_order)
+                                 chunk_size=chunk_size, decode_guard=decode_guard, restore_order=restore_order,
+                                 chunk_every=chunk_every)
         began = time.time()
         runs[f"{mode}/{selector}"] = [run_dialogue(model, processor, d, config, scorer, margin) for d in dialogues]
         if progress:
