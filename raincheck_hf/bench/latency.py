@@ -97,22 +97,21 @@ from transformers.generation.streamers import BaseStreamer
 from ..configuration import RaincheckConfig, parse_chunk_size
 from . import shapes
 
-def parse_chunk_spec(value) -> int | str:
-    """A chunk size as the benchmark takes it: `configuration.parse_chunk_size`'s (an integer or ``"auto"``), or
-    ``"C/K"``: size C on every K-th decode step (`RaincheckConfig.chunk_every`), kept as that text ("C/1" is C)."""
-    if isinstance(value, str) and "/" in value:
-        size, every = (part.strip() for part in value.split("/", 1))
-        size, every = parse_chunk_size(size), int(every)
-        return size if every == 1 else f"{size}/{every}"
-    return parse_chunk_size(value)
-
 
 def split_chunk_spec(spec) -> tuple[int | str, int]:
-    """``(chunk_size, chunk_every)`` of a `parse_chunk_spec` value."""
+    """``(chunk_size, chunk_every)`` of a chunk size as the benchmark takes it: `configuration.parse_chunk_size`'s
+    (an integer or ``"auto"``), or ``"C/K"``: size C on every K-th decode step (`RaincheckConfig.chunk_every`)."""
     if isinstance(spec, str) and "/" in spec:
         size, every = spec.split("/", 1)
         return parse_chunk_size(size), int(every)
-    return spec, 1
+    return parse_chunk_size(spec), 1
+
+
+def parse_chunk_spec(value) -> int | str:
+    """A chunk size as the benchmark keeps it (`split_chunk_spec`'s input): an integer, ``"auto"``, or the text
+    ``"C/K"`` when K > 1 ("C/1" is C)."""
+    size, every = split_chunk_spec(value)
+    return size if every == 1 else f"{size}/{every}"
 
 
 STOCK_VARIANTS = ("stock_dynamic", "stock_static", "stock_static_reused")
