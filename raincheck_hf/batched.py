@@ -156,13 +156,16 @@ def media_of_rows(adapter, rows: list[torch.Tensor], grids: dict) -> list[dict]:
 @dataclass
 class RowGroup:
     """One sequence's rows in one packed forward (storage order): ``batch`` (its `RowBatch`), ``keys [n]``,
-    ``sources [n]``, ``kinds [n]``; ``want_logits``: the logits of its last row are wanted."""
+    ``sources [n]``, ``kinds [n]``; ``want_logits``: the logits of its last row are wanted; ``visual``: the rows'
+    visual flags on the host (``[n]`` bool) where known, so that `split` cuts a prompt's DeepStack rows without
+    reading ``batch.visual`` back from the device (a read there waits for every step queued before it)."""
 
     batch: RowBatch
     keys: torch.Tensor
     sources: torch.Tensor
     kinds: torch.Tensor
     want_logits: bool = True
+    visual: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
@@ -173,11 +176,12 @@ class RowGroup:
         if len(groups) == 1:
             return groups[0]
         device = groups[-1].keys.device
+        known = all(g.visual is not None for g in groups)
         return RowGroup(RowBatch.concat([g.batch for g in groups]),
                         torch.cat([to_device(g.keys, device) for g in groups]),
                         torch.cat([g.sources.to("cpu", torch.long) for g in groups]),
                         torch.cat([torch.as_tensor(g.kinds, dtype=torch.int8).cpu() for g in groups]),
-                        groups[-1].want_logits)
+                        groups[-1].want_logits, torch.cat([g.visual for g in groups]) if known else None)
 
     @staticmethod
     def of(rows) -> "RowGroup":
@@ -197,12 +201,13 @@ class RowGroup:
         deepstack = None
         rest_ds = None
         if b.deepstack is not None:
-            v = int(b.visual[:n].sum())
+            v = int((b.visual if self.visual is None else self.visual)[:n].sum())
             deepstack, rest_ds = [d[:v] for d in b.deepstack], [d[v:] for d in b.deepstack]
+        flags = (None, None) if self.visual is None else (self.visual[:n], self.visual[n:])
         head = RowGroup(RowBatch(b.embeds[:n], b.positions[:, :n], b.visual[:n], deepstack), self.keys[:n],
-                        self.sources[:n], self.kinds[:n], want_logits=False)
+                        self.sources[:n], self.kinds[:n], want_logits=False, visual=flags[0])
         tail = RowGroup(RowBatch(b.embeds[n:], b.positions[:, n:], b.visual[n:], rest_ds), self.keys[n:],
-                        self.sources[n:], self.kinds[n:], want_logits=self.want_logits)
+                        self.sources[n:], self.kinds[n:], want_logits=self.want_logits, visual=flags[1])
         return head, tail
 
 
@@ -302,12 +307,15 @@ class SequenceState:
         """Its first forward's rows: ``earlier`` (leftover deferred rows of a continued conversation), then T ∪ S."""
         plan = self.plan
         n = plan.input_rows.numel()
-        group = RowGroup(adapter.rows(self.turn, plan.input_rows), plan.input_keys, plan.sources(plan.input_rows),
-                         torch.full((n,), INPUT, dtype=torch.int8))
+        batch = adapter.rows(self.turn, plan.input_rows)
+        # (its visual flags read back once here, where the sequence is made, not in the steps that cut its pieces)
+        group = RowGroup(batch, plan.input_keys, plan.sources(plan.input_rows),
+                         torch.full((n,), INPUT, dtype=torch.int8), visual=batch.visual.cpu())
         if earlier is None:
             return group
         return RowGroup.concat([RowGroup(adapter.pending_batch(earlier), earlier.keys, earlier.sources.cpu(),
-                                         torch.full((len(earlier),), DEFERRED, dtype=torch.int8)), group])
+                                         torch.full((len(earlier),), DEFERRED, dtype=torch.int8),
+                                         visual=torch.ones(len(earlier), dtype=torch.bool)), group])
 
     def take_prefill(self, n: int | None) -> RowGroup:
         """The next ``n`` rows of its prefill (all when None) for this step's forward."""

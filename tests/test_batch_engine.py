@@ -771,3 +771,46 @@ def test_a_sequence_made_ahead_joins_with_the_next_arrival_number_and_only_once(
     with pytest.raises(ValueError, match="not added anywhere yet"):
         engine.add_made(made)
     engine.close()
+
+
+@pytest.mark.parametrize("leftover", [False, True])
+def test_prompt_pieces_are_cut_by_host_flags_as_the_device_flags_cut_them(leftover):
+    """A prompt's prefill (`SequenceState.prefill_group`; a continued conversation's leftover deferred rows first)
+    carries its rows' visual flags on the host, so a step that cuts a piece under the budget (`RowGroup.split`) takes
+    its DeepStack rows without reading ``batch.visual`` back from the device (a read there waits for the steps queued
+    before it): the pieces with the device flags made unreadable are the pieces cut from the device flags."""
+    from raincheck_hf.batched import new_sequence
+    from raincheck_hf.models.base import RowBatch
+
+    model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.5, chunk_size=2, fast_path=False)
+    adapter = get_adapter(model)
+    inputs = make_inputs(processor, **IMAGE, text="Describe it.")
+    media = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    cache, ids = None, inputs["input_ids"].reshape(-1)
+    if leftover:  # a held conversation with deferred rows left: its follow-up's prefill starts with them
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False, raincheck=cfg, return_dict_in_generate=True,
+                             suppress_tokens=no_placeholder_ids(model))
+        cache = out.cache
+        assert cache.peek_pending() is not None and len(cache.peek_pending()) > 0
+        ids = torch.cat([out.sequences, processor(text=[FOLLOW], return_tensors="pt")["input_ids"]], 1).reshape(-1)
+        media = {}
+    with torch.no_grad():
+        group = new_sequence(model, adapter, cfg, 0, ids, cache=cache, **media).prefill
+    assert group.visual is not None and torch.equal(group.visual, group.batch.visual.cpu())
+    assert group.visual.dtype == torch.bool and group.visual.device.type == "cpu"
+    b = group.batch
+    blind = dataclasses.replace(group, batch=RowBatch(b.embeds, b.positions, b.visual.to("meta"), b.deepstack))
+    reference = dataclasses.replace(group, visual=None)
+    n = len(group)
+    for cuts in ([n // 3, n // 3], [1, n - 2], [n - 1]):
+        left, right = blind, reference
+        for cut in cuts:
+            (head, left), (want, right) = left.split(cut), right.split(cut)
+            assert len(head) == len(want) == cut and torch.equal(head.visual, want.batch.visual)
+            assert [d.shape for d in head.batch.deepstack] == [d.shape for d in want.batch.deepstack]
+            for got, expected in zip(head.batch.deepstack, want.batch.deepstack):
+                assert torch.equal(got, expected)
+        assert torch.equal(left.visual, right.batch.visual)
+        for got, expected in zip(left.batch.deepstack, right.batch.deepstack):
+            assert torch.equal(got, expected)
