@@ -28,6 +28,7 @@ Gated DeltaNet layers (Qwen3.5) keep no rows: their cache layers and insertion b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -102,15 +103,15 @@ class PendingRows:
         return int(self.keys.shape[0])
 
     def split(self, n: int) -> tuple["PendingRows", "PendingRows"]:
-        head = PendingRows(
-            self.embeds[:n], self.positions[:, :n], self.keys[:n], self.sources[:n],
-            None if self.deepstack is None else [d[:n] for d in self.deepstack],
+        """``(the first n rows, the rest)``; the rest is a `_PendingTail` (its fields sliced when first read: a decode
+        step reads only the chunk it takes, and the rest is split again at the next step)."""
+        return self._rows(0, n), _PendingTail(self, n)
+
+    def _rows(self, start: int, stop: int) -> "PendingRows":
+        return PendingRows(
+            self.embeds[start:stop], self.positions[:, start:stop], self.keys[start:stop], self.sources[start:stop],
+            None if self.deepstack is None else [d[start:stop] for d in self.deepstack],
         )
-        tail = PendingRows(
-            self.embeds[n:], self.positions[:, n:], self.keys[n:], self.sources[n:],
-            None if self.deepstack is None else [d[n:] for d in self.deepstack],
-        )
-        return head, tail
 
     @staticmethod
     def concat(parts: list["PendingRows"]) -> "PendingRows":
@@ -126,6 +127,47 @@ class PendingRows:
             else [torch.cat(ds) for ds in zip(*[p.deepstack for p in parts])],
         )
 
+
+
+class _PendingTail(PendingRows):
+    """`PendingRows.split`'s rest: rows ``start:`` of ``base`` (a `PendingRows` whose fields are tensors), each field
+    sliced from it when first read and kept; splitting it slices ``base`` directly, so a sequence's pending rows cost
+    one set of views per step (its chunk), not two. Equal to ``base``'s rows ``start:`` in every field."""
+
+    def __init__(self, base: PendingRows, start: int):  # (not the dataclass' fields: they are read from ``base``)
+        if isinstance(base, _PendingTail):
+            base, start = base._base, base._start + start
+        self._base, self._start = base, min(start, len(base))
+        self._n = len(base) - self._start
+
+    def __len__(self) -> int:
+        return self._n
+
+    def split(self, n: int) -> tuple[PendingRows, PendingRows]:
+        return self._base._rows(self._start, self._start + n), _PendingTail(self._base, self._start + n)
+
+    def _rows(self, start: int, stop: int) -> PendingRows:
+        return self._base._rows(self._start + start, self._start + stop)
+
+    @functools.cached_property
+    def embeds(self) -> torch.Tensor:
+        return self._base.embeds[self._start:]
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return self._base.positions[:, self._start:]
+
+    @functools.cached_property
+    def keys(self) -> torch.Tensor:
+        return self._base.keys[self._start:]
+
+    @functools.cached_property
+    def sources(self) -> torch.Tensor:
+        return self._base.sources[self._start:]
+
+    @functools.cached_property
+    def deepstack(self) -> list[torch.Tensor] | None:
+        return None if self._base.deepstack is None else [d[self._start:] for d in self._base.deepstack]
 
 class DeferredDynamicCache(DynamicCache):
     """A `DynamicCache` with per-row order keys, source positions and pending deferred rows.
