@@ -127,6 +127,39 @@ def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(m
     assert not loop._thread.is_alive()
 
 
+def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model, processor):
+    """Three conversations of one config, two turns each, asked at once: while no answer ends and nothing waits to
+    join, the loop launches the next step right after a step's tokens are read, before it streams them
+    (``steps_ahead``); every turn still equals its dialogue alone, and every launched step's tokens were taken."""
+    with BatchLoop(model, max_batch_tokens=48) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
+        streamed = {}
+
+        def turn(i, k):
+            if i == 0:
+                s = ask(convs[i], QUESTIONS[k], [IMAGES[i]] if k == 0 else (), stream=True)
+                streamed[k] = "".join(s)
+            else:
+                ask(convs[i], QUESTIONS[k], [IMAGES[i]] if k == 0 else ())
+
+        errors = []
+        for k in range(2):
+            with held_loop(loop, 3):
+                threads = threading.Thread(target=lambda: errors.extend(in_threads(lambda i: turn(i, k), 3)))
+                threads.start()
+            threads.join()
+            assert not errors, errors
+        assert loop.steps_ahead > 0 and loop.steps_completed == loop.steps
+        assert [streamed[k] for k in range(2)] == [t.text for t in convs[0].turns]
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+            for k in range(2):
+                assert_same_turn(conv.turns[k], want[k], f"conversation {i} turn {k}")
+            _assert_every_deferred_token_once(conv)
+            conv.close()
+        assert loop.running == 0
+
+
 def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
     """No worker of the conversation's own: the loop restores its leftovers once no answer runs; the follow-up then
     has nothing left to restore and equals the dialogue alone (whose leftovers ride with the follow-up)."""
@@ -340,35 +373,41 @@ def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, proce
 def test_a_step_of_several_answers_reads_the_device_once(model, processor, monkeypatch):
     """After a step, the loop chooses every sequence's token and runs its stopping criteria on the device, then reads
     them all back in one copy: one host read per step of several answers (it was two per sequence), counted on the
-    loop's own thread by `HostReads` (test_batched_graphs), in the steps where no answer ends (an answer that ends
-    gives its cache back, which reads its rows). The answers equal their dialogues alone."""
+    loop's own thread by `HostReads` (test_batched_graphs) while a step's tokens are completed (`BatchLoop._complete`,
+    a next step launched ahead excluded), in the steps where no answer ends (an answer that ends gives its cache
+    back, which reads its rows). The answers equal their dialogues alone."""
     from raincheck_hf.batch_loop import BatchLoop as Loop
     from test_batched_graphs import HostReads
 
     counter = HostReads(model)
     counter.patch(monkeypatch)
     per_step = []  # (sequences that got logits, reads, whether an answer ended)
-    step = Loop._step
+    complete, launch = Loop._complete, Loop._launch
+    counting = []
 
-    def counted(self, engine):
-        logits = {}
-        engine_step = engine.step
+    def launched(self, engine):  # a launch (on its own or ahead): its logits are device data, its reads not counted
+        before = counter.reads
+        if counting:
+            out = launch(self, engine)
+        else:
+            with counter:
+                out = launch(self, engine)
+        counter.reads = before
+        return out
 
-        def stepped():
-            logits.update(engine_step())
-            counter.reads = 0  # (the step itself: its prefill pieces may read; the choosing starts here)
-            return logits
-
+    def counted(self, engine, logits):
         jobs = len(self._jobs)
-        engine.step = stepped
+        counter.reads = 0
+        counting.append(True)
         try:
             with counter:
-                step(self, engine)
+                complete(self, engine, logits)
         finally:
-            del engine.step
+            counting.pop()
         per_step.append((len(logits), counter.reads, len(self._jobs) < jobs))
 
-    monkeypatch.setattr(Loop, "_step", counted)
+    monkeypatch.setattr(Loop, "_complete", counted)
+    monkeypatch.setattr(Loop, "_launch", launched)
     with BatchLoop(model) as loop:
         convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
         errors = []
@@ -388,12 +427,13 @@ def test_a_step_of_several_answers_reads_the_device_once(model, processor, monke
 
 def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_is_contained(model, processor, caplog):
     """``on_handoff`` is called on the loop's thread after each step (so a caller whose streamers buffer hands a
-    step's pieces over once): every step that streamed a token is followed by a call before the next step; a hook
-    that raises is logged and the answer still ends as it does without the hook."""
+    step's pieces over once): every step that streamed a token is followed by a call before the next step's tokens
+    are streamed (the next step may be running, launched ahead); a hook that raises is logged and the answer still
+    ends as it does without the hook."""
     calls = []
 
     def hook():
-        calls.append((threading.current_thread().name, loop.steps))
+        calls.append((threading.current_thread().name, loop.steps_completed))
 
     with BatchLoop(model, max_batch_tokens=48, on_handoff=hook) as loop:
         with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:
