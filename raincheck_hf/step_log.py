@@ -31,7 +31,9 @@ class LoopStep(NamedTuple):
     ``stream_s``: after the read, the stopping checks, streaming and turns that ended; ``between_s``: the rest of
     the loop's iteration until the next launch (handing the tokens to the consumers, new turns joining,
     cancellations, restoring conversations joining or leaving), or until the loop found no step to run. From the
-    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. ``join_s`` /
+    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. A step launched
+    ahead (`BatchLoop._launch_ahead`: right after the read, before the streaming) closes its predecessor there, whose
+    ``stream_s`` and ``between_s`` are then near 0; the streaming falls in the ahead step's ``choose_s``. ``join_s`` /
     ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
     preparation) and in restoring conversations joining or leaving the engine. ``launch_cpu_s``: the loop thread's
     own CPU time in the launch (`time.thread_time`): a launch much longer than it waited, for the device (a read
