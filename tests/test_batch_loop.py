@@ -160,6 +160,80 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
         assert loop.running == 0
 
 
+def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_consistent_conversation(model, processor):
+    """A step launched ahead may carry a turn whose streamer then fails on the token before it, or whose client
+    cancels while it streams: the failed turn leaves its conversation as it was, the cancelled one keeps the tokens
+    it got (the step ahead's included) with a consistent cache, and the next turns equal their dialogues alone."""
+    from raincheck_hf.batch_loop import BatchLoop as Loop
+
+    failed_ahead = []
+    fail = Loop._fail
+
+    def recorded(self, seq, error):
+        failed_ahead.append(self._ahead is not None)
+        return fail(self, seq, error)
+
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+    with BatchLoop(model, max_batch_tokens=48) as loop, \
+            Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
+        first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+
+        class Breaks:  # the prompt's put, then a token each: fails at the second token
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 3:
+                    raise OSError("the terminal went away")
+
+            def end(self):
+                pass
+
+        cache = conv.cache
+        Loop._fail = recorded
+        try:
+            with pytest.raises(OSError, match="terminal"):
+                conv.ask(QUESTIONS[1], streamer=Breaks())
+        finally:
+            Loop._fail = fail
+        assert failed_ahead == [True]  # (the step after that token was already running)
+        assert conv.cache is cache and conv.turns == [first]
+        following = ask(conv, QUESTIONS[1])
+        want = alone(model, processor, cfg, conv.turns, QUESTIONS, [IMAGES[0]])
+        for k in range(2):
+            assert_same_turn(conv.turns[k], want[k], f"turn {k}")
+
+    with BatchLoop(model, max_batch_tokens=48) as loop, \
+            Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
+        class Cancels:  # cancels while the third token streams, the step after it running ahead
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 4:
+                    conv.cancel()
+
+            def end(self):
+                pass
+
+        stopped = conv.ask(QUESTIONS[0], images=[IMAGES[0]], streamer=Cancels())
+        assert stopped.cancelled and stopped.token_ids.numel() == 4 and loop.steps_ahead > 0
+        assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
+        _assert_every_deferred_token_once(conv)
+        following = conv.ask(QUESTIONS[1], output_logits=True)
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
+        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=4,
+                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
+        assert torch.equal(same.token_ids, stopped.token_ids)
+        want = fresh.ask(QUESTIONS[1], output_logits=True,
+                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
+    assert torch.equal(following.token_ids, want.token_ids)
+    for a, b in zip(following.output.logits, want.output.logits):
+        assert (a - b).abs().max() <= TOL
+
+
 def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
     """No worker of the conversation's own: the loop restores its leftovers once no answer runs; the follow-up then
     has nothing left to restore and equals the dialogue alone (whose leftovers ride with the follow-up)."""
