@@ -79,6 +79,20 @@ def assert_same_turn(got, want, what: str):
     assert_trace_equal(got.trace, want.trace)
 
 
+def _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following):
+    """A turn ``stopped`` by a cancel and the ``following`` one equal the same dialogue run alone: the first cut at
+    the tokens it kept under its chunk schedule, the second under its own (tokens identical, logits within TOL)."""
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
+        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=stopped.token_ids.numel(),
+                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
+        assert torch.equal(same.token_ids, stopped.token_ids)
+        want = fresh.ask(QUESTIONS[1], output_logits=True,
+                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
+    assert torch.equal(following.token_ids, want.token_ids)
+    for a, b in zip(following.output.logits, want.output.logits):
+        assert (a - b).abs().max() <= TOL
+
+
 def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(model, processor):
     """Three conversations (two configs: two engines), two turns each, asked from three threads at once (one
     streamed): every turn equals its dialogue alone, follow-ups continue their held caches, and steps ran several
@@ -223,15 +237,7 @@ def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_cons
         assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
         _assert_every_deferred_token_once(conv)
         following = conv.ask(QUESTIONS[1], output_logits=True)
-    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
-        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=4,
-                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
-        assert torch.equal(same.token_ids, stopped.token_ids)
-        want = fresh.ask(QUESTIONS[1], output_logits=True,
-                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
-    assert torch.equal(following.token_ids, want.token_ids)
-    for a, b in zip(following.output.logits, want.output.logits):
-        assert (a - b).abs().max() <= TOL
+    _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following)
 
 
 def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
@@ -317,15 +323,7 @@ def test_a_cancelled_turn_on_the_loop_is_left_as_conversation_cancel_leaves_it(m
         assert not following.cancelled
         _assert_every_deferred_token_once(conv)
         assert loop.running == 0
-    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
-        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=5,
-                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
-        assert torch.equal(same.token_ids, stopped.token_ids)
-        want = fresh.ask(QUESTIONS[1], output_logits=True,
-                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
-    assert torch.equal(following.token_ids, want.token_ids)
-    for a, b in zip(following.output.logits, want.output.logits):
-        assert (a - b).abs().max() <= TOL
+    _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following)
 
 
 def test_a_turn_cancelled_before_it_joins_stops_at_its_first_token(model, processor):
