@@ -858,6 +858,7 @@ class BatchLoop:
         if logits is not None:
             self._ahead = (engine, logits)
             self.steps_ahead += 1
+            self.step_log.ahead()
 
     @staticmethod
     def _host_stop(job: BatchTurn) -> bool:

@@ -178,7 +178,7 @@ class StepLog:
             # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
             self._totals: dict[tuple[str, int], list] = {}
             self._spent = {"joins": 0, "join_total_s": 0.0, "restore_beside_total_s": 0.0, "idle_restorations": 0,
-                           "restore_idle_total_s": 0.0}
+                           "restore_idle_total_s": 0.0, "steps_ahead": 0}
 
     # ---- the loop's thread ----
     def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
@@ -218,6 +218,11 @@ class StepLog:
                 if self.open is not None:
                     self._close(self.open.close(now))
                 self.open = None
+
+    def ahead(self) -> None:
+        """The step launched now went ahead of its predecessor's streaming (`BatchLoop._launch_ahead`)."""
+        with self._lock:
+            self._spent["steps_ahead"] += 1
 
     def spent(self, what: str, seconds: float) -> None:
         """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
@@ -271,7 +276,8 @@ class StepLog:
     def snapshot(self, recent: int = 0) -> dict:
         """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
         known: all but one still running), rows by kind, the seconds of the timed steps in each part
-        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration; ``kinds``: per
+        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration, ``steps_ahead`` (those
+        launched ahead of their predecessor's streaming); ``kinds``: per
         `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
         ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
         (`LoopStep.as_dict`), oldest first."""

@@ -164,6 +164,7 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
             threads.join()
             assert not errors, errors
         assert loop.steps_ahead > 0 and loop.steps_completed == loop.steps
+        assert loop.step_stats()["steps_ahead"] == loop.steps_ahead  # (no reset since the loop began)
         assert [streamed[k] for k in range(2)] == [t.text for t in convs[0].turns]
         for i, conv in enumerate(convs):
             want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])

@@ -169,7 +169,8 @@ def loop_summary(steps: dict) -> str:
                       f"gap {_ms_of(k['gap_ms'])}; "
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
-    return (f"{steps['steps']} steps: {kinds or 'none'}; joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
+    return (f"{steps['steps']} steps ({steps.get('steps_ahead', 0)} launched ahead): {kinds or 'none'}; "
+            f"joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
             f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s"
             + "".join(f"; {label}: {turn_summary(steps['turns'][key])}"
                       for key, label in (("first", "first turns"), ("follow_up", "follow-ups"))
