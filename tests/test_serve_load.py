@@ -466,7 +466,8 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     assert any(0 < s["prepare_ms"] <= s["choose_ms"] for s in loop["recent"])
     assert [line for line in lines if " loop: " in line] == [f"[serve-load] raincheck x2 loop: "
                                                               f"{serve_load.loop_summary(loop)}"]
-    assert serve_load.loop_summary(loop).startswith(f"{loop['steps']} steps: eager {loop['steps']} (")
+    assert serve_load.loop_summary(loop).startswith(
+        f"{loop['steps']} steps ({loop['steps_ahead']} launched ahead): eager {loop['steps']} (")
     # the heap frozen after the warm-up as serve does (and unfrozen after the run), the collector's pauses counted
     assert saved["settings"]["freeze_heap"] is True and saved["frozen_objects"] > 0 and gc.get_freeze_count() == 0
     assert set(row["gc"]) == {"collections", "full_pause_ms_max", "full_pause_ms_total", "pause_ms_total"}
