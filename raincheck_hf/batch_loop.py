@@ -493,7 +493,8 @@ class BatchLoop:
                     # wait for it: nothing joins or leaves an engine while it has a step in flight)
                     engine, logits = self._ahead
                     self._ahead = None
-                    self._complete(engine, logits)
+                    # (a turn whose streamer failed while it ran has left: it takes no token)
+                    self._complete(engine, {seq: row for seq, row in logits.items() if seq in self._jobs})
                     if self._ahead is None:
                         self.step_log.finished(time.perf_counter())
                     continue
@@ -776,7 +777,6 @@ class BatchLoop:
         read, before the streaming (`_launch_ahead`), so the device runs it while the loop streams and hands over."""
         log = self.step_log
         self.steps_completed += 1
-        logits = {seq: row for seq, row in logits.items() if seq in self._jobs}  # (a turn failed while it ran)
         # each sequence's token and stopping check on the device first; every one fed its token as chosen and the
         # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
         # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
@@ -985,11 +985,7 @@ class BatchLoop:
         estimate; the step itself gives them only the rows its budget has left)."""
         for conv in [c for c in self._restoring if not self._held(c)]:
             self._stop_restoring(conv, keep=False)
-        scheduler = engine.scheduler
-        answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
-        if scheduler.token_budget is not None and answering >= scheduler.token_budget:
-            return  # their decode rows alone fill the steps
-        while sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING:
+        while self._room_beside(engine):
             conv = self._next_to_restore(skip=self._restoring)
             if conv is None:
                 return
@@ -1001,18 +997,21 @@ class BatchLoop:
                 return
             self._restoring[conv] = (engine, seq)
 
-    def _restores_beside(self, engine: BatchEngine) -> bool:
-        """Whether `_restore_beside` would change ``engine``'s restoring conversations now (one no longer held leaves,
-        or a held one with pending rows joins), by the same rules."""
-        if any(not self._held(conv) for conv in self._restoring):
-            return True
+    def _room_beside(self, engine: BatchEngine) -> bool:
+        """Whether another held conversation may restore beside ``engine``'s answers now: fewer than `MAX_RESTORING`
+        restore in it, and its answers' decode rows do not fill the steps' budget alone."""
         scheduler = engine.scheduler
         answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
         if scheduler.token_budget is not None and answering >= scheduler.token_budget:
             return False
-        if sum(1 for e, _ in self._restoring.values() if e is engine) >= self.MAX_RESTORING:
-            return False
-        return self._next_to_restore(skip=self._restoring) is not None
+        return sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING
+
+    def _restores_beside(self, engine: BatchEngine) -> bool:
+        """Whether `_restore_beside` would change ``engine``'s restoring conversations now (one no longer held leaves,
+        or a held one with pending rows joins)."""
+        if any(not self._held(conv) for conv in self._restoring):
+            return True
+        return self._room_beside(engine) and self._next_to_restore(skip=self._restoring) is not None
 
     def _stop_restoring(self, conv, keep: bool) -> None:
         """``conv``'s restoring sequence leaves its engine; with ``keep`` (and the conversation still held) its cache,
