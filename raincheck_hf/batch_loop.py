@@ -275,7 +275,9 @@ class BatchLoop:
 
     Steps are launched ahead where they can be: when no turn of a step ends and nothing waits to join, leave, restore
     beside the answers or run on the loop, the next step is launched right after the step's tokens are read, and
-    the loop streams them and hands them over while the device runs it (`_launch_ahead`).
+    the loop streams them and hands them over while the device runs it (`_launch_ahead`). ``launch_ahead=False``
+    (or the attribute set so between steps) launches every step after its predecessor's streaming instead (the
+    tokens are the same; `bench serve-load --launch-ahead both` compares the two).
 
     Figures (read from any thread): ``steps`` (launched), ``steps_completed`` (their tokens streamed),
     ``steps_ahead`` (launched ahead), ``batch_size`` (sequences with rows in the last step),
@@ -292,8 +294,11 @@ class BatchLoop:
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
-                 on_step=None, on_restore=None, on_handoff=None, on_join=None):
+                 on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        if not isinstance(launch_ahead, bool):
+            raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
+        self.launch_ahead = launch_ahead
         if config is not None:
             if not isinstance(config, RaincheckConfig):
                 raise ValueError(f"BatchLoop(config={config!r}) must be a RaincheckConfig or None.")
@@ -850,7 +855,7 @@ class BatchLoop:
         turn comes first), and no held conversation waiting to restore beside the answers. The loop completes it first
         thing next iteration (`_loop`); what it streams and hands over meanwhile overlaps the device's step. Nothing
         joins, leaves or restores beside it while it runs: a turn's tokens after it are as they would be without it."""
-        if (self._closed or self._incoming or self._tasks or engine.idle
+        if (not self.launch_ahead or self._closed or self._incoming or self._tasks or engine.idle
                 or any(e is not engine and not e.idle for e in self._engines)
                 or any(job.cancel.is_set() for job in self._jobs.values()) or self._restores_beside(engine)):
             return

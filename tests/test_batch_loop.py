@@ -141,6 +141,26 @@ def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(m
     assert not loop._thread.is_alive()
 
 
+def test_a_loop_that_does_not_launch_ahead_gives_the_same_turns(model, processor):
+    """``launch_ahead=False``: every step is launched after its predecessor's streaming (none ahead); the turns are
+    those of the dialogues alone, as with launching ahead. A setting that is not a bool is refused."""
+    with pytest.raises(ValueError, match="launch_ahead"):
+        BatchLoop(model, launch_ahead="no")
+    with BatchLoop(model, max_batch_tokens=48, launch_ahead=False) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(2)]
+        errors = []
+        with held_loop(loop, 2):
+            thread = threading.Thread(target=lambda: errors.extend(in_threads(
+                lambda i: ask(convs[i], QUESTIONS[0], [IMAGES[i]]), 2)))
+            thread.start()
+        thread.join()
+        assert not errors, errors
+        assert loop.steps > 0 and loop.steps_ahead == 0 and loop.step_stats()["steps_ahead"] == 0
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+            assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
+
+
 def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model, processor):
     """Three conversations of one config, two turns each, asked at once: while no answer ends and nothing waits to
     join, the loop launches the next step right after a step's tokens are read, before it streams them
