@@ -704,15 +704,19 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
         tokens, going = torch.stack([next_tokens.long(), unfinished.long()]).tolist()
         for s, token in zip(active, fed):
             token.value = tokens[s.index]
+        done = max(going) == 0
+        leaving = [s for s in active if not going[s.index]] if leaves and not done else []
+        if not done and not leaving:  # the prepared step goes now, the streamer's work beside it on the host
+            logits = engine.step()
         if streamer is not None:
             streamer.put(torch.tensor(tokens, dtype=next_tokens.dtype))
-        if max(going) == 0:
+        if done:
             break
-        if leaves:  # finished sequences leave the engine (their slots with them)
-            for s in [s for s in active if not going[s.index]]:
+        if leaving:  # finished sequences leave the engine (their slots with them); the next step is decided again
+            for s in leaving:
                 caches[s.index] = engine.remove(s)
                 active.remove(s)
-        logits = engine.step()
+            logits = engine.step()
 
     for s in active:
         caches[s.index] = engine.remove(s)

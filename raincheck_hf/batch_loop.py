@@ -265,15 +265,22 @@ class BatchLoop:
         config: a `RaincheckConfig` whose engine is kept while empty (default: none; an engine is kept while a
             conversation on the loop uses its config).
         on_handoff: called on the loop's thread after each iteration (a step's tokens chosen and streamed, turns
-            ended) and before the loop waits for work: a caller whose streamers buffer what they get hands it all
-            to its consumers there at once (the server: one wake-up of its event loop per step for every request,
-            not one per token per request).
+            ended; the next step may run on the device meanwhile, launched ahead) and before the loop waits for work:
+            a caller whose streamers buffer what they get hands it all to its consumers there at once (the server:
+            one wake-up of its event loop per step for every request, not one per token per request).
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
             server's metrics).
 
-    Figures (read from any thread): ``steps``, ``batch_size`` (sequences with rows in the last step),
+    Steps are launched ahead where they can be: when no turn of a step ends and nothing waits to join, leave, restore
+    beside the answers or run on the loop, the next step is launched right after the step's tokens are read, and
+    the loop streams them and hands them over while the device runs it (`_launch_ahead`). ``launch_ahead=False``
+    (or the attribute set so between steps) launches every step after its predecessor's streaming instead (the
+    tokens are the same; `bench serve-load --launch-ahead both` compares the two).
+
+    Figures (read from any thread): ``steps`` (launched), ``steps_completed`` (their tokens streamed),
+    ``steps_ahead`` (launched ahead), ``batch_size`` (sequences with rows in the last step),
     ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
     ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time), `step_stats`
     (where the steps' time went).
@@ -287,8 +294,11 @@ class BatchLoop:
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
-                 on_step=None, on_restore=None, on_handoff=None, on_join=None):
+                 on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        if not isinstance(launch_ahead, bool):
+            raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
+        self.launch_ahead = launch_ahead
         if config is not None:
             if not isinstance(config, RaincheckConfig):
                 raise ValueError(f"BatchLoop(config={config!r}) must be a RaincheckConfig or None.")
@@ -310,6 +320,10 @@ class BatchLoop:
         self.restored_busy = 0  # held conversations' rows restored in steps beside answers
         self.restored_idle = 0  # ... and in idle time
         self._turn = 0  # round robin over the engines with work
+        # a step launched ahead (`_launch_ahead`): its engine and tokens' logits, completed first thing next iteration
+        self._ahead: tuple[BatchEngine, dict] | None = None
+        self.steps_ahead = 0  # steps launched ahead of their predecessor's streaming
+        self.steps_completed = 0  # steps whose tokens were taken (chosen, read, streamed)
         self.steps = 0
         self.batch_size = 0
         self.max_batch_size = 0
@@ -479,6 +493,16 @@ class BatchLoop:
         with torch.no_grad():
             while True:
                 self._handoff()  # what the last iteration streamed and ended, to the consumers at once
+                if self._ahead is not None:
+                    # a step launched ahead runs on the device: its tokens first (arrivals, cancellations and tasks
+                    # wait for it: nothing joins or leaves an engine while it has a step in flight)
+                    engine, logits = self._ahead
+                    self._ahead = None
+                    # (a turn whose streamer failed while it ran has left: it takes no token)
+                    self._complete(engine, {seq: row for seq, row in logits.items() if seq in self._jobs})
+                    if self._ahead is None:
+                        self.step_log.finished(time.perf_counter())
+                    continue
                 with self._wake:
                     if self._closed:
                         break
@@ -499,7 +523,8 @@ class BatchLoop:
                     self._restore_beside(engine)
                     self._spent("restore", time.perf_counter() - began)
                     self._step(engine)
-                    self.step_log.finished(time.perf_counter())
+                    if self._ahead is None:  # (else the step open now is the one launched ahead)
+                        self.step_log.finished(time.perf_counter())
                     continue
                 self.step_log.idle(time.perf_counter())
                 for conv in list(self._restoring):  # no answer left: back to idle-time restoration
@@ -710,11 +735,19 @@ class BatchLoop:
 
     # ---- stepping -----------------------------------------------------------------------------
     def _step(self, engine: BatchEngine) -> None:
+        logits = self._launch(engine)
+        if logits is not None:
+            self._complete(engine, logits)
+
+    def _launch(self, engine: BatchEngine) -> dict | None:
+        """Launch ``engine``'s step (the one prepared at the end of the last, unless a join or leave dropped it): its
+        next-token logits per sequence (on the device, still being computed), or None: it raised (its sequences
+        failed)."""
         restoring = [conv for conv, (e, _) in self._restoring.items() if e is engine]
         log = self.step_log
         launched, cpu = time.perf_counter(), time.thread_time()
         try:
-            logits = engine.step()  # (the step prepared at the end of the last one, unless a join or leave dropped it)
+            logits = engine.step()
         except BaseException as error:  # every sequence that had rows in the step fails; the loop goes on
             log.launched(None, launched)
             self._logger.error("a batched step failed; its sequences are answered with an error", exc_info=error)
@@ -723,7 +756,7 @@ class BatchLoop:
                     self._fail(seq, error)
             for conv in restoring:  # their slots may be half-written: their conversations keep their own caches
                 self._stop_restoring(conv, keep=False)
-            return
+            return None
         after = time.thread_time()
         log.launched(engine.last_step, launched, time.perf_counter(), after - cpu, after)
         self.steps += 1
@@ -741,6 +774,14 @@ class BatchLoop:
         self.max_batch_size = max(self.max_batch_size, self.batch_size)
         if self.on_step is not None:
             self.on_step(self.batch_size, engine.last_step.kind)
+        return logits
+
+    def _complete(self, engine: BatchEngine, logits: dict) -> None:
+        """The launched step's tokens: chosen, fed, the next step prepared, read, streamed; turns that ended leave.
+        When none ends and nothing waits to join, leave or run on the loop, the next step is launched right after the
+        read, before the streaming (`_launch_ahead`), so the device runs it while the loop streams and hands over."""
+        log = self.step_log
+        self.steps_completed += 1
         # each sequence's token and stopping check on the device first; every one fed its token as chosen and the
         # next step prepared (its host work overlaps this step on the device: `BatchEngine.prepare`); then one read of
         # them all (the step's one wait for the device; a read per sequence would wait once per sequence), then each
@@ -775,6 +816,8 @@ class BatchLoop:
                 step.read = time.perf_counter()
         got = {seq: (job, device_token, value, going and not stop)
                for (seq, job), device_token, (value, going), stop in zip(chosen, fed, read, stops)}
+        # first every token's record and stopping checks (what decides whether a turn ends), then the streaming
+        ended, order = False, []
         for seq in logits:  # (in the step's order, as the sequences came)
             if seq not in got:
                 continue
@@ -786,13 +829,41 @@ class BatchLoop:
             if len(job.answer) == 1:
                 log.turn_first_token(id(job), time.perf_counter() if step is None else step.read)
             try:
-                going = going and not self._host_stop(job)
-                finished = self._next_token(job, value, torch.long, bool(going))
+                going = bool(going and not self._host_stop(job))
+            except BaseException as error:  # its stopping criterion: it alone fails
+                self._fail(seq, error)
+                ended = True
+                continue
+            ended = ended or not going
+            order.append((seq, job, value, going))
+        if not ended:
+            self._launch_ahead(engine)
+        for seq, job, value, going in order:
+            if seq not in self._jobs:  # (the step launched ahead failed, and with it this turn)
+                continue
+            try:
+                finished = self._next_token(job, value, torch.long, going)
             except BaseException as error:  # its streamer: it alone fails
                 self._fail(seq, error)
                 continue
             if finished:
                 self._finish(job, engine.remove(seq))
+
+    def _launch_ahead(self, engine: BatchEngine) -> None:
+        """Launch ``engine``'s next step now, before this step's tokens are streamed, when nothing the loop does
+        between steps is due: no turn waiting to join, no task, no cancellation, no other engine with rows to run (its
+        turn comes first), and no held conversation waiting to restore beside the answers. The loop completes it first
+        thing next iteration (`_loop`); what it streams and hands over meanwhile overlaps the device's step. Nothing
+        joins, leaves or restores beside it while it runs: a turn's tokens after it are as they would be without it."""
+        if (not self.launch_ahead or self._closed or self._incoming or self._tasks or engine.idle
+                or any(e is not engine and not e.idle for e in self._engines)
+                or any(job.cancel.is_set() for job in self._jobs.values()) or self._restores_beside(engine)):
+            return
+        logits = self._launch(engine)
+        if logits is not None:
+            self._ahead = (engine, logits)
+            self.steps_ahead += 1
+            self.step_log.ahead()
 
     @staticmethod
     def _host_stop(job: BatchTurn) -> bool:
@@ -919,11 +990,7 @@ class BatchLoop:
         estimate; the step itself gives them only the rows its budget has left)."""
         for conv in [c for c in self._restoring if not self._held(c)]:
             self._stop_restoring(conv, keep=False)
-        scheduler = engine.scheduler
-        answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
-        if scheduler.token_budget is not None and answering >= scheduler.token_budget:
-            return  # their decode rows alone fill the steps
-        while sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING:
+        while self._room_beside(engine):
             conv = self._next_to_restore(skip=self._restoring)
             if conv is None:
                 return
@@ -934,6 +1001,22 @@ class BatchLoop:
                              exc_info=error)
                 return
             self._restoring[conv] = (engine, seq)
+
+    def _room_beside(self, engine: BatchEngine) -> bool:
+        """Whether another held conversation may restore beside ``engine``'s answers now: fewer than `MAX_RESTORING`
+        restore in it, and its answers' decode rows do not fill the steps' budget alone."""
+        scheduler = engine.scheduler
+        answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
+        if scheduler.token_budget is not None and answering >= scheduler.token_budget:
+            return False
+        return sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING
+
+    def _restores_beside(self, engine: BatchEngine) -> bool:
+        """Whether `_restore_beside` would change ``engine``'s restoring conversations now (one no longer held leaves,
+        or a held one with pending rows joins)."""
+        if any(not self._held(conv) for conv in self._restoring):
+            return True
+        return self._room_beside(engine) and self._next_to_restore(skip=self._restoring) is not None
 
     def _stop_restoring(self, conv, keep: bool) -> None:
         """``conv``'s restoring sequence leaves its engine; with ``keep`` (and the conversation still held) its cache,

@@ -31,7 +31,9 @@ class LoopStep(NamedTuple):
     ``stream_s``: after the read, the stopping checks, streaming and turns that ended; ``between_s``: the rest of
     the loop's iteration until the next launch (handing the tokens to the consumers, new turns joining,
     cancellations, restoring conversations joining or leaving), or until the loop found no step to run. From the
-    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. ``join_s`` /
+    read to the next launch (``gap_s``: ``stream_s + between_s``) the device has nothing queued. A step launched
+    ahead (`BatchLoop._launch_ahead`: right after the read, before the streaming) closes its predecessor there, whose
+    ``stream_s`` and ``between_s`` are then near 0; the streaming falls in the ahead step's ``choose_s``. ``join_s`` /
     ``restore_s``: the part of ``between_s`` spent in new turns' `BatchLoop._join` (vision encoding and
     preparation) and in restoring conversations joining or leaving the engine. ``launch_cpu_s``: the loop thread's
     own CPU time in the launch (`time.thread_time`): a launch much longer than it waited, for the device (a read
@@ -176,7 +178,7 @@ class StepLog:
             # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
             self._totals: dict[tuple[str, int], list] = {}
             self._spent = {"joins": 0, "join_total_s": 0.0, "restore_beside_total_s": 0.0, "idle_restorations": 0,
-                           "restore_idle_total_s": 0.0}
+                           "restore_idle_total_s": 0.0, "steps_ahead": 0}
 
     # ---- the loop's thread ----
     def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
@@ -216,6 +218,11 @@ class StepLog:
                 if self.open is not None:
                     self._close(self.open.close(now))
                 self.open = None
+
+    def ahead(self) -> None:
+        """The step launched now went ahead of its predecessor's streaming (`BatchLoop._launch_ahead`)."""
+        with self._lock:
+            self._spent["steps_ahead"] += 1
 
     def spent(self, what: str, seconds: float) -> None:
         """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
@@ -269,7 +276,8 @@ class StepLog:
     def snapshot(self, recent: int = 0) -> dict:
         """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
         known: all but one still running), rows by kind, the seconds of the timed steps in each part
-        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration; ``kinds``: per
+        (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration, ``steps_ahead`` (those
+        launched ahead of their predecessor's streaming); ``kinds``: per
         `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
         ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
         (`LoopStep.as_dict`), oldest first."""

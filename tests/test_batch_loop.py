@@ -79,6 +79,20 @@ def assert_same_turn(got, want, what: str):
     assert_trace_equal(got.trace, want.trace)
 
 
+def _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following):
+    """A turn ``stopped`` by a cancel and the ``following`` one equal the same dialogue run alone: the first cut at
+    the tokens it kept under its chunk schedule, the second under its own (tokens identical, logits within TOL)."""
+    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
+        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=stopped.token_ids.numel(),
+                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
+        assert torch.equal(same.token_ids, stopped.token_ids)
+        want = fresh.ask(QUESTIONS[1], output_logits=True,
+                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
+    assert torch.equal(following.token_ids, want.token_ids)
+    for a, b in zip(following.output.logits, want.output.logits):
+        assert (a - b).abs().max() <= TOL
+
+
 def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(model, processor):
     """Three conversations (two configs: two engines), two turns each, asked from three threads at once (one
     streamed): every turn equals its dialogue alone, follow-ups continue their held caches, and steps ran several
@@ -125,6 +139,126 @@ def test_conversations_from_several_threads_share_the_loop_and_answer_as_alone(m
         for conv in convs:
             conv.close()
     assert not loop._thread.is_alive()
+
+
+def test_a_loop_that_does_not_launch_ahead_gives_the_same_turns(model, processor):
+    """``launch_ahead=False``: every step is launched after its predecessor's streaming (none ahead); the turns are
+    those of the dialogues alone, as with launching ahead. A setting that is not a bool is refused."""
+    with pytest.raises(ValueError, match="launch_ahead"):
+        BatchLoop(model, launch_ahead="no")
+    with BatchLoop(model, max_batch_tokens=48, launch_ahead=False) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(2)]
+        errors = []
+        with held_loop(loop, 2):
+            thread = threading.Thread(target=lambda: errors.extend(in_threads(
+                lambda i: ask(convs[i], QUESTIONS[0], [IMAGES[i]]), 2)))
+            thread.start()
+        thread.join()
+        assert not errors, errors
+        assert loop.steps > 0 and loop.steps_ahead == 0 and loop.step_stats()["steps_ahead"] == 0
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+            assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
+
+
+def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model, processor):
+    """Three conversations of one config, two turns each, asked at once: while no answer ends and nothing waits to
+    join, the loop launches the next step right after a step's tokens are read, before it streams them
+    (``steps_ahead``); every turn still equals its dialogue alone, and every launched step's tokens were taken."""
+    with BatchLoop(model, max_batch_tokens=48) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
+        streamed = {}
+
+        def turn(i, k):
+            if i == 0:
+                s = ask(convs[i], QUESTIONS[k], [IMAGES[i]] if k == 0 else (), stream=True)
+                streamed[k] = "".join(s)
+            else:
+                ask(convs[i], QUESTIONS[k], [IMAGES[i]] if k == 0 else ())
+
+        errors = []
+        for k in range(2):
+            with held_loop(loop, 3):
+                threads = threading.Thread(target=lambda: errors.extend(in_threads(lambda i: turn(i, k), 3)))
+                threads.start()
+            threads.join()
+            assert not errors, errors
+        assert loop.steps_ahead > 0 and loop.steps_completed == loop.steps
+        assert loop.step_stats()["steps_ahead"] == loop.steps_ahead  # (no reset since the loop began)
+        assert [streamed[k] for k in range(2)] == [t.text for t in convs[0].turns]
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+            for k in range(2):
+                assert_same_turn(conv.turns[k], want[k], f"conversation {i} turn {k}")
+            _assert_every_deferred_token_once(conv)
+            conv.close()
+        assert loop.running == 0
+
+
+def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_consistent_conversation(model, processor):
+    """A step launched ahead may carry a turn whose streamer then fails on the token before it, or whose client
+    cancels while it streams: the failed turn leaves its conversation as it was, the cancelled one keeps the tokens
+    it got (the step ahead's included) with a consistent cache, and the next turns equal their dialogues alone."""
+    from raincheck_hf.batch_loop import BatchLoop as Loop
+
+    failed_ahead = []
+    fail = Loop._fail
+
+    def recorded(self, seq, error):
+        failed_ahead.append(self._ahead is not None)
+        return fail(self, seq, error)
+
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+    with BatchLoop(model, max_batch_tokens=48) as loop, \
+            Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
+        first = ask(conv, QUESTIONS[0], [IMAGES[0]])
+
+        class Breaks:  # the prompt's put, then a token each: fails at the second token
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 3:
+                    raise OSError("the terminal went away")
+
+            def end(self):
+                pass
+
+        cache = conv.cache
+        Loop._fail = recorded
+        try:
+            with pytest.raises(OSError, match="terminal"):
+                conv.ask(QUESTIONS[1], streamer=Breaks())
+        finally:
+            Loop._fail = fail
+        assert failed_ahead == [True]  # (the step after that token was already running)
+        assert conv.cache is cache and conv.turns == [first]
+        following = ask(conv, QUESTIONS[1])
+        want = alone(model, processor, cfg, conv.turns, QUESTIONS, [IMAGES[0]])
+        for k in range(2):
+            assert_same_turn(conv.turns[k], want[k], f"turn {k}")
+
+    with BatchLoop(model, max_batch_tokens=48) as loop, \
+            Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
+        class Cancels:  # cancels while the third token streams, the step after it running ahead
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 4:
+                    conv.cancel()
+
+            def end(self):
+                pass
+
+        stopped = conv.ask(QUESTIONS[0], images=[IMAGES[0]], streamer=Cancels())
+        assert stopped.cancelled and stopped.token_ids.numel() == 4 and loop.steps_ahead > 0
+        assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
+        _assert_every_deferred_token_once(conv)
+        following = conv.ask(QUESTIONS[1], output_logits=True)
+    _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following)
 
 
 def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
@@ -210,15 +344,7 @@ def test_a_cancelled_turn_on_the_loop_is_left_as_conversation_cancel_leaves_it(m
         assert not following.cancelled
         _assert_every_deferred_token_once(conv)
         assert loop.running == 0
-    with Conversation(model, processor, cfg, background=False, max_new_tokens=8) as fresh:
-        same = fresh.ask(QUESTIONS[0], images=[IMAGES[0]], max_new_tokens=5,
-                         raincheck_chunk_schedule=list(stopped.trace.chunk_size_per_forward))
-        assert torch.equal(same.token_ids, stopped.token_ids)
-        want = fresh.ask(QUESTIONS[1], output_logits=True,
-                         raincheck_chunk_schedule=list(following.trace.chunk_size_per_forward))
-    assert torch.equal(following.token_ids, want.token_ids)
-    for a, b in zip(following.output.logits, want.output.logits):
-        assert (a - b).abs().max() <= TOL
+    _assert_cancelled_dialogue_as_alone(model, processor, cfg, stopped, following)
 
 
 def test_a_turn_cancelled_before_it_joins_stops_at_its_first_token(model, processor):
@@ -340,35 +466,41 @@ def test_bad_loop_settings_are_rejected_before_compute(model, eager_model, proce
 def test_a_step_of_several_answers_reads_the_device_once(model, processor, monkeypatch):
     """After a step, the loop chooses every sequence's token and runs its stopping criteria on the device, then reads
     them all back in one copy: one host read per step of several answers (it was two per sequence), counted on the
-    loop's own thread by `HostReads` (test_batched_graphs), in the steps where no answer ends (an answer that ends
-    gives its cache back, which reads its rows). The answers equal their dialogues alone."""
+    loop's own thread by `HostReads` (test_batched_graphs) while a step's tokens are completed (`BatchLoop._complete`,
+    a next step launched ahead excluded), in the steps where no answer ends (an answer that ends gives its cache
+    back, which reads its rows). The answers equal their dialogues alone."""
     from raincheck_hf.batch_loop import BatchLoop as Loop
     from test_batched_graphs import HostReads
 
     counter = HostReads(model)
     counter.patch(monkeypatch)
     per_step = []  # (sequences that got logits, reads, whether an answer ended)
-    step = Loop._step
+    complete, launch = Loop._complete, Loop._launch
+    counting = []
 
-    def counted(self, engine):
-        logits = {}
-        engine_step = engine.step
+    def launched(self, engine):  # a launch (on its own or ahead): its logits are device data, its reads not counted
+        before = counter.reads
+        if counting:
+            out = launch(self, engine)
+        else:
+            with counter:
+                out = launch(self, engine)
+        counter.reads = before
+        return out
 
-        def stepped():
-            logits.update(engine_step())
-            counter.reads = 0  # (the step itself: its prefill pieces may read; the choosing starts here)
-            return logits
-
+    def counted(self, engine, logits):
         jobs = len(self._jobs)
-        engine.step = stepped
+        counter.reads = 0
+        counting.append(True)
         try:
             with counter:
-                step(self, engine)
+                complete(self, engine, logits)
         finally:
-            del engine.step
+            counting.pop()
         per_step.append((len(logits), counter.reads, len(self._jobs) < jobs))
 
-    monkeypatch.setattr(Loop, "_step", counted)
+    monkeypatch.setattr(Loop, "_complete", counted)
+    monkeypatch.setattr(Loop, "_launch", launched)
     with BatchLoop(model) as loop:
         convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
         errors = []
@@ -388,12 +520,13 @@ def test_a_step_of_several_answers_reads_the_device_once(model, processor, monke
 
 def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_is_contained(model, processor, caplog):
     """``on_handoff`` is called on the loop's thread after each step (so a caller whose streamers buffer hands a
-    step's pieces over once): every step that streamed a token is followed by a call before the next step; a hook
-    that raises is logged and the answer still ends as it does without the hook."""
+    step's pieces over once): every step that streamed a token is followed by a call before the next step's tokens
+    are streamed (the next step may be running, launched ahead); a hook that raises is logged and the answer still
+    ends as it does without the hook."""
     calls = []
 
     def hook():
-        calls.append((threading.current_thread().name, loop.steps))
+        calls.append((threading.current_thread().name, loop.steps_completed))
 
     with BatchLoop(model, max_batch_tokens=48, on_handoff=hook) as loop:
         with Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) as conv:

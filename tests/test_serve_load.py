@@ -466,11 +466,36 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     assert any(0 < s["prepare_ms"] <= s["choose_ms"] for s in loop["recent"])
     assert [line for line in lines if " loop: " in line] == [f"[serve-load] raincheck x2 loop: "
                                                               f"{serve_load.loop_summary(loop)}"]
-    assert serve_load.loop_summary(loop).startswith(f"{loop['steps']} steps: eager {loop['steps']} (")
+    assert serve_load.loop_summary(loop).startswith(
+        f"{loop['steps']} steps ({loop['steps_ahead']} launched ahead): eager {loop['steps']} (")
     # the heap frozen after the warm-up as serve does (and unfrozen after the run), the collector's pauses counted
     assert saved["settings"]["freeze_heap"] is True and saved["frozen_objects"] > 0 and gc.get_freeze_count() == 0
     assert set(row["gc"]) == {"collections", "full_pause_ms_max", "full_pause_ms_total", "pause_ms_total"}
     assert len(row["gc"]["collections"]) == 3 and any("garbage collector" in line for line in lines)
+
+
+def test_serve_load_compares_launching_ahead_side_by_side(tmp_path):
+    """``--launch-ahead both``: each client count's round once with the loop launching steps ahead and once without,
+    one after the other, each row named by its series and setting; without the loop, or with another value, a clear
+    error before any compute."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1, 2), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, launch_ahead="both", plot_path=str(tmp_path / "load.png"))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["launch_ahead"] == "both"
+    assert [(r["clients"], r["launch_ahead"], r["series"]) for r in saved["rows"]] == [
+        (1, True, "raincheck, launched ahead"), (1, False, "raincheck, not ahead"),
+        (2, True, "raincheck, launched ahead"), (2, False, "raincheck, not ahead")]
+    for row in saved["rows"]:
+        assert row["completion_tokens"] == row["clients"] * (4 + 3 + 3) and row["errors"] == 0
+        assert (row["loop"]["steps_ahead"] > 0) == row["launch_ahead"]  # (off: no step launched ahead)
+    assert any(line.startswith("| raincheck, not ahead | 2 |") for line in lines)
+    for bad, kwargs in (("sometimes", dict(batching=True)), ("both", {})):
+        with pytest.raises(ValueError, match="launch_ahead must be"):
+            serve_load.run(clients=(1,), launch_ahead=bad, **kwargs)
 
 
 def test_freeze_heap_and_the_pause_counter():

@@ -169,7 +169,8 @@ def loop_summary(steps: dict) -> str:
                       f"gap {_ms_of(k['gap_ms'])}; "
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
-    return (f"{steps['steps']} steps: {kinds or 'none'}; joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
+    return (f"{steps['steps']} steps ({steps.get('steps_ahead', 0)} launched ahead): {kinds or 'none'}; "
+            f"joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
             f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s"
             + "".join(f"; {label}: {turn_summary(steps['turns'][key])}"
                       for key, label in (("first", "first turns"), ("follow_up", "follow-ups"))
@@ -200,7 +201,7 @@ def print_table(result: dict, log=print) -> None:
     log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in result["rows"]:
         rate = "–" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.1f}"
-        log(f"| {r['mode']} | {r['clients']} | {rate} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} | "
+        log(f"| {r.get('series', r['mode'])} | {r['clients']} | {rate} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} | "
             f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p95_s'])} | {_ms(r['turn1_ttft_p50_s'])} | {r['errors']} |")
     for mode, o in result.get("overhead", {}).items():
         log(f"one client, {mode}: server T1 {_ms(o['server_ttft_s'])} ms vs library {_ms(o['library_ttft_s'])} ms, "
@@ -213,11 +214,12 @@ def plot(result: dict, path: str) -> None:
 
     plt = _pyplot()
     fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = {"raincheck": "#d62728", "full": "#1f77b4"}
-    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["mode"] == mode and r["output_tokens_per_s"] is not None]
+    colours = {"raincheck": "#d62728", "full": "#1f77b4", "raincheck off": "#ff9896", "full off": "#aec7e8"}
+    for mode in dict.fromkeys(r.get("series", r["mode"]) for r in result["rows"]):
+        rows = [r for r in result["rows"]
+                if r.get("series", r["mode"]) == mode and r["output_tokens_per_s"] is not None]
         x = [r["clients"] for r in rows]
-        colour = colours.get(mode)
+        colour = colours.get(rows[0]["mode"] + ("" if rows[0].get("launch_ahead", True) else " off")) if rows else None
         rate.plot(x, [r["output_tokens_per_s"] for r in rows], "o-", color=colour, label=mode)
         ttft.plot(x, [r["ttft_p50_s"] * 1e3 for r in rows], "o-", color=colour, label=f"{mode} p50")
         ttft.plot(x, [r["ttft_p95_s"] * 1e3 for r in rows], "x--", color=colour, label=f"{mode} p95")
@@ -261,7 +263,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
-        switch_interval: float | None = None, freeze_heap: bool = True) -> dict:
+        switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on") -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -293,6 +295,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
+    aheads = {"on": (True,), "off": (False,), "both": (True, False)}.get(launch_ahead)
+    if aheads is None or (not batching and launch_ahead != "on"):
+        raise ValueError(f"launch_ahead must be 'on', 'off' or 'both' (with batching), got {launch_ahead!r}"
+                         + ("" if batching else " without batching"))
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
@@ -321,7 +327,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
-                             freeze_heap=freeze_heap,
+                             freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -374,22 +380,27 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
-                for n in clients:
+                for n, ahead in ((n, a) for n in clients for a in aheads):  # (both settings of a count together)
+                    series = mode if len(aheads) == 1 else f"{mode}, {'launched ahead' if ahead else 'not ahead'}"
+                    if loop is not None:
+                        loop.launch_ahead = ahead  # (between rounds: the loop has nothing running)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
-                    row["gc"] = collections
+                    row["series"], row["gc"] = series, collections
+                    if batching:
+                        row["launch_ahead"] = ahead
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
                     rate = row["output_tokens_per_s"]
-                    log(f"[serve-load] {mode} x{n}: {rate or float('nan'):.1f} tokens/s, TTFT p50 "
+                    log(f"[serve-load] {series} x{n}: {rate or float('nan'):.1f} tokens/s, TTFT p50 "
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
                     if steps is not None:
-                        log(f"[serve-load] {mode} x{n} loop: {loop_summary(steps)}")
-                    log(f"[serve-load] {mode} x{n} garbage collector: {collections['collections']} collections "
+                        log(f"[serve-load] {series} x{n} loop: {loop_summary(steps)}")
+                    log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues:
+                    if n == 1 and dialogues and ahead == aheads[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -473,6 +484,9 @@ def main(argv=None):
                         help="the interpreter's thread switch interval for the run, in seconds (sys.setswitchinterval; "
                              "default: as it is, 0.005): how long the batching loop may wait for the interpreter's "
                              "lock while another of the server's threads holds it")
+    parser.add_argument("--launch-ahead", choices=("on", "off", "both"), default="on",
+                        help="with --batching: the loop launches a step ahead of its predecessor's streaming (on, the "
+                             "server's default), never (off), or both, each client count's rounds side by side")
     parser.add_argument("--no-freeze-heap", action="store_true",
                         help="skip what serve does after its warm-up (gc.freeze: the objects alive then are out of "
                              "the garbage collector's full collections), to see its pauses")
@@ -488,7 +502,7 @@ def main(argv=None):
                    warmup=not args.no_warmup, max_running=args.max_running, max_queue=args.max_queue,
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
-                   freeze_heap=not args.no_freeze_heap,
+                   freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
