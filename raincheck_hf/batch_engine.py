@@ -142,6 +142,13 @@ class StepRecord(NamedTuple):
         return self.forwards[0] if len(self.forwards) == 1 else "+".join(self.forwards)
 
 
+def check_prompt_forwards(value, setting: str) -> None:
+    """``max_prompt_forwards``: None, or an int >= 1 (see `RowScheduler`)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{setting} must be None (as many as the token budget gives) or an int >= 1 (prompt-piece "
+                         f"forwards per step), got {value!r}.")
+
+
 class RowScheduler:
     """Which rows each sequence gets in a step (no tensors of the model touched).
 
@@ -162,14 +169,21 @@ class RowScheduler:
         piece_forwards: with ``separate_prefill``, each prompt piece that does not ride gets a forward of its own
             (the captured steps run a piece alone in a prefill step: `BatchedStepGraphs.accepts`), instead of one for
             them all.
+        max_prompt_forwards: with ``piece_forwards``, at most this many such forwards in a step (each is a pass over
+            the weights; a step's tokens come only once all its forwards ran): the prompts beyond them wait for the
+            next step, whose decode rows run first, instead of every answer waiting for all of them. None: as many as
+            the token budget gives. Pieces that ride, and the one-forward engines (no ``piece_forwards``), are not
+            limited. An attribute: it may change between steps.
     """
 
     def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
-                 ride=None, piece_forwards: bool = False):
+                 ride=None, piece_forwards: bool = False, max_prompt_forwards: int | None = None):
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
+        check_prompt_forwards(max_prompt_forwards, "BatchEngine(max_prompt_forwards=...)")
+        self.max_prompt_forwards = max_prompt_forwards
         self.config = config
         self.token_budget = token_budget
         self.separate_prefill = separate_prefill
@@ -211,6 +225,9 @@ class RowScheduler:
                     widest = max(len(groups[-1]) for _, groups in decode)
                 most = self.ride(seq.prefill, widest, len(decode) + len(riding) + 1)
                 most = most if left is None or most <= left else 0
+            if not most and self.piece_forwards and self.max_prompt_forwards is not None \
+                    and len(prefill) >= self.max_prompt_forwards:
+                continue  # (its piece would be one forward more: it waits for a next step; a later one may ride)
             piece = seq.take_prefill(most or left)
             (riding if most else prefill).append((seq, piece))
             if most:
@@ -354,6 +371,8 @@ class BatchEngine:
         token_budget: rows per step (decode rows first, then prompt pieces, then restoring pieces); None: no limit
             (a prompt's whole prefill in its first step).
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
+        max_prompt_forwards: with ``graphs``, the most prompt-piece forwards in one step (`RowScheduler`); None: as
+            many as the token budget gives.
         graphs: run the decode steps (decode rows, and restoring sequences' pieces beside them; on the attention
             families also short prompts riding with them, and each longer prompt's pieces in a step of their own)
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
@@ -366,7 +385,8 @@ class BatchEngine:
     """
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
-                 num_slots: int = DEFAULT_SLOTS, capacity: int = 256, graphs: bool | None = None):
+                 num_slots: int = DEFAULT_SLOTS, capacity: int = 256, graphs: bool | None = None,
+                 max_prompt_forwards: int | None = None):
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
         self.adapter = get_adapter(model)
@@ -389,7 +409,7 @@ class BatchEngine:
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride,
-                                      piece_forwards=use_graphs)
+                                      piece_forwards=use_graphs, max_prompt_forwards=max_prompt_forwards)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows

@@ -67,7 +67,7 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
-from .batch_engine import BatchEngine
+from .batch_engine import BatchEngine, check_prompt_forwards
 from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
 from .configuration import RaincheckConfig
@@ -268,6 +268,9 @@ class BatchLoop:
             ended; the next step may run on the device meanwhile, launched ahead) and before the loop waits for work:
             a caller whose streamers buffer what they get hands it all to its consumers there at once (the server:
             one wake-up of its event loop per step for every request, not one per token per request).
+        launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
+        max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
+            attribute); None: as many as ``max_batch_tokens`` gives.
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
@@ -294,8 +297,11 @@ class BatchLoop:
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
-                 on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True):
+                 on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
+                 max_prompt_forwards: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
+        self._max_prompt_forwards = max_prompt_forwards
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
         self.launch_ahead = launch_ahead
@@ -586,9 +592,24 @@ class BatchLoop:
         # the new engine takes the kept pool with the most captured steps (`warm_up`'s) rather than a fresh one and
         # its captures mid-answer; an engine of theirs made again later takes it back the same way
         self._close_engines(keep=lambda e: bool(e.sequences))
-        engine = BatchEngine(self.model, config, token_budget=self.token_budget)
+        engine = BatchEngine(self.model, config, token_budget=self.token_budget,
+                             max_prompt_forwards=self._max_prompt_forwards)
         self._engines.append(engine)
         return engine
+
+    @property
+    def max_prompt_forwards(self) -> int | None:
+        """The most prompt-piece forwards in one step (`batch_engine.RowScheduler`; on captured steps each prompt piece
+        that does not ride beside the decode rows is a forward of its own); None: as many as the token budget gives.
+        May be set between steps (every engine of the loop follows)."""
+        return self._max_prompt_forwards
+
+    @max_prompt_forwards.setter
+    def max_prompt_forwards(self, value: int | None) -> None:
+        check_prompt_forwards(value, "BatchLoop.max_prompt_forwards")
+        self._max_prompt_forwards = value
+        for engine in list(self._engines):
+            engine.scheduler.max_prompt_forwards = value
 
     def _close_engines(self, keep) -> None:
         """Close the engines for which ``keep(engine)`` is False (their pools and captured graphs go back for the

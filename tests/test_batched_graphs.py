@@ -386,6 +386,53 @@ def test_padding_beside_a_turns_prompt_piece_sits_after_its_rows(name, replay_lo
     assert all(key.dense for key in replay_log if not key.prefill)
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("most", [1, 2])
+def test_a_step_runs_at_most_max_prompt_forwards_prompt_pieces(name, most, replay_log):
+    """`RowScheduler.max_prompt_forwards` on captured steps: four prompts join while one answer decodes and at step
+    0 together; no step runs more than ``most`` prompt pieces in forwards of their own (the others wait, a next step's
+    decode rows first), every prompt still gets all its rows, and each answer equals its own eager batch-1 call."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, decode_guard=1, fast_path=False)
+    rows = ((IMAGE, 8, 0), (TEXT, 3, 0), (TWO_IMAGES, 4, 0), (IMAGE, 3, 2), (VIDEO, 3, 2), (TEXT, 2, 2))
+    requests = [Request(model, processor, cfg, row, n=n, arrive=at) for row, n, at in rows]
+    engine = BatchEngine(model, _with(cfg, None), num_slots=8, graphs=True, max_prompt_forwards=most)
+    assert engine.scheduler.max_prompt_forwards == most and engine.scheduler.piece_forwards
+    records = _step_records(engine)
+    drive(model, engine, requests)
+    for i, r in enumerate(requests):
+        r.check(f"{name} sequence {i}, at most {most} prompt forwards a step")
+    pieces = [len(record.forwards) - (1 if record.rows.decode or record.rows.restoring else 0)
+              for record, _ in records]
+    assert max(pieces) == most and all(p <= most for p in pieces)  # (six prompts: the limit was reached)
+    carried = [seq for _, prefilling in records for seq in prefilling]
+    assert all(r.seq in carried for r in requests)
+
+
+def test_max_prompt_forwards_is_checked_everywhere_it_is_set():
+    """None or an int >= 1, refused with the setting's name before any compute: the engine, the loop, its attribute
+    (which every engine of the loop follows), the server's settings and its command line."""
+    from raincheck_hf.batch_loop import BatchLoop
+    from raincheck_hf.serve import ServeSettings
+
+    model = family_model("qwen3_vl")
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"BatchEngine\(max_prompt_forwards=\.\.\.\) must be"):
+            BatchEngine(model, RaincheckConfig(fast_path=False), max_prompt_forwards=bad)
+        with pytest.raises(ValueError, match=r"BatchLoop\(max_prompt_forwards=\.\.\.\) must be"):
+            BatchLoop(model, max_prompt_forwards=bad)
+        with pytest.raises(ValueError, match="max_prompt_forwards must be"):
+            ServeSettings(batching=True, max_prompt_forwards=bad)
+    with BatchLoop(model, max_prompt_forwards=2) as loop:
+        engine = loop._engine_for(RaincheckConfig(fast_path=False))
+        assert engine.scheduler.max_prompt_forwards == 2
+        loop.max_prompt_forwards = None
+        assert engine.scheduler.max_prompt_forwards is None and loop.max_prompt_forwards is None
+        with pytest.raises(ValueError, match="BatchLoop.max_prompt_forwards must be"):
+            loop.max_prompt_forwards = 0
+        assert engine.scheduler.max_prompt_forwards is None
+
+
 # ---- short prompts ride in the captured steps (`BatchedStepGraphs.ride_rows`) ----
 
 def _step_records(engine) -> list:

@@ -135,13 +135,16 @@ def test_settings_reject_bad_load_values(field, value):
 
 
 @pytest.mark.parametrize("argv,message", [(["--max-running", "0"], "--max-running must be an integer >= 1, got 0"),
-                                          (["--max-queue", "-3"], "--max-queue must be an integer >= 0, got -3")])
+                                          (["--max-queue", "-3"], "--max-queue must be an integer >= 0, got -3"),
+                                          (["--max-prompt-forwards", "0"], "--max-prompt-forwards must be an integer "
+                                           ">= 1, got 0 (unset: as many as the step's token budget gives)")])
 def test_cli_load_options_are_checked_and_named(argv, message):
     with pytest.raises(ValueError) as error:
         serve_settings(argv)
     assert str(error.value) == message
-    settings = serve_settings(["--max-running", "2", "--max-queue", "0"])
-    assert (settings.max_running, settings.max_queue) == (2, 0)
+    settings = serve_settings(["--max-running", "2", "--max-queue", "0", "--max-prompt-forwards", "2"])
+    assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards) == (2, 0, 2)
+    assert serve_settings([]).max_prompt_forwards is None
 
 
 # ---- through HTTP -----------------------------------------------------------------------------------------
@@ -496,6 +499,26 @@ def test_serve_load_compares_launching_ahead_side_by_side(tmp_path):
     for bad, kwargs in (("sometimes", dict(batching=True)), ("both", {})):
         with pytest.raises(ValueError, match="launch_ahead must be"):
             serve_load.run(clients=(1,), launch_ahead=bad, **kwargs)
+
+
+def test_serve_load_compares_prompt_forward_limits_side_by_side(tmp_path):
+    """``--prompt-forwards any,1``: each client count's round with the loop's ``max_prompt_forwards`` unset and at 1,
+    rows named by it and recording it, the loop set back between rounds; bad values refused before any compute."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, prompt_forwards=(None, 1))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["prompt_forwards"] == [None, 1]
+    assert [(r["series"], r["max_prompt_forwards"]) for r in saved["rows"]] == [
+        ("raincheck, prompt forwards any", None), ("raincheck, prompt forwards 1", 1)]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    assert serve_load._forwards("any,1, 2") == (None, 1, 2)
+    for bad, kwargs in (((0,), dict(batching=True)), ((), dict(batching=True)), ((1,), {})):
+        with pytest.raises(ValueError, match="prompt_forwards"):
+            serve_load.run(clients=(1,), prompt_forwards=bad, **kwargs)
 
 
 def test_freeze_heap_and_the_pause_counter():

@@ -214,12 +214,12 @@ def plot(result: dict, path: str) -> None:
 
     plt = _pyplot()
     fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = {"raincheck": "#d62728", "full": "#1f77b4", "raincheck off": "#ff9896", "full off": "#aec7e8"}
+    colours = {"raincheck": "#d62728", "full": "#1f77b4"}
     for mode in dict.fromkeys(r.get("series", r["mode"]) for r in result["rows"]):
         rows = [r for r in result["rows"]
                 if r.get("series", r["mode"]) == mode and r["output_tokens_per_s"] is not None]
         x = [r["clients"] for r in rows]
-        colour = colours.get(rows[0]["mode"] + ("" if rows[0].get("launch_ahead", True) else " off")) if rows else None
+        colour = colours.get(mode)  # (a series beside others of its mode: the plot's own colours)
         rate.plot(x, [r["output_tokens_per_s"] for r in rows], "o-", color=colour, label=mode)
         ttft.plot(x, [r["ttft_p50_s"] * 1e3 for r in rows], "o-", color=colour, label=f"{mode} p50")
         ttft.plot(x, [r["ttft_p95_s"] * 1e3 for r in rows], "x--", color=colour, label=f"{mode} p95")
@@ -263,7 +263,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
-        switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on") -> dict:
+        switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
+        prompt_forwards=(None,)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -299,6 +300,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     if aheads is None or (not batching and launch_ahead != "on"):
         raise ValueError(f"launch_ahead must be 'on', 'off' or 'both' (with batching), got {launch_ahead!r}"
                          + ("" if batching else " without batching"))
+    prompt_forwards = tuple(prompt_forwards)
+    from ..batch_engine import check_prompt_forwards
+
+    for value in prompt_forwards:
+        check_prompt_forwards(value, "prompt_forwards")
+    if not prompt_forwards or (not batching and prompt_forwards != (None,)):
+        raise ValueError(f"prompt_forwards must be one or more of None / an int >= 1 (with batching), got "
+                         f"{prompt_forwards!r}" + ("" if batching else " without batching"))
+    variants = [(a, f) for a in aheads for f in prompt_forwards]
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
@@ -328,6 +338,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
+                             prompt_forwards=list(prompt_forwards),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -380,15 +391,17 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
-                for n, ahead in ((n, a) for n in clients for a in aheads):  # (both settings of a count together)
-                    series = mode if len(aheads) == 1 else f"{mode}, {'launched ahead' if ahead else 'not ahead'}"
-                    if loop is not None:
-                        loop.launch_ahead = ahead  # (between rounds: the loop has nothing running)
+                for n, (ahead, forwards) in ((n, v) for n in clients for v in variants):  # (a count's together)
+                    parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
+                        [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else [])
+                    series = ", ".join(parts)
+                    if loop is not None:  # (between rounds: the loop has nothing running)
+                        loop.launch_ahead, loop.max_prompt_forwards = ahead, forwards
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"] = series, collections
                     if batching:
-                        row["launch_ahead"] = ahead
+                        row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -400,7 +413,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues and ahead == aheads[0]:
+                    if n == 1 and dialogues and (ahead, forwards) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -453,6 +466,14 @@ def _version(package: str) -> str:
         return "?"
 
 
+def _forwards(text: str) -> tuple:
+    try:
+        return tuple(None if x.strip() == "any" else int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-forwards takes 'any' or integers, comma-separated, got "
+                                         f"{text!r}") from None
+
+
 def _counts(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -487,6 +508,9 @@ def main(argv=None):
     parser.add_argument("--launch-ahead", choices=("on", "off", "both"), default="on",
                         help="with --batching: the loop launches a step ahead of its predecessor's streaming (on, the "
                              "server's default), never (off), or both, each client count's rounds side by side")
+    parser.add_argument("--prompt-forwards", type=_forwards, default=(None,), metavar="K[,K...]",
+                        help="with --batching: the loop's max_prompt_forwards, one value or several side by side "
+                             "(e.g. any,1,2; 'any': as many as the token budget gives, the default)")
     parser.add_argument("--no-freeze-heap", action="store_true",
                         help="skip what serve does after its warm-up (gc.freeze: the objects alive then are out of "
                              "the garbage collector's full collections), to see its pauses")
@@ -503,6 +527,7 @@ def main(argv=None):
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
+                   prompt_forwards=args.prompt_forwards,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)

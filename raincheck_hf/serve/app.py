@@ -65,6 +65,8 @@ class ServeSettings:
             per turn on the batch-1 engine.
         max_batch_tokens: with ``batching``, rows per step (decode rows first, then prompt pieces: a long prompt
             is prefilled over several steps while the others keep decoding).
+        max_prompt_forwards: with ``batching`` on captured steps, the most prompt-piece forwards in one step
+            (`BatchLoop.max_prompt_forwards`); None: as many as ``max_batch_tokens`` gives.
     """
 
     model_name: str = "qwen3_vl"
@@ -79,10 +81,16 @@ class ServeSettings:
     max_queue: int = 64
     batching: bool = False
     max_batch_tokens: int = 2048
+    max_prompt_forwards: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.batching, bool):
             raise ValueError(f"batching must be True or False, got {self.batching!r}")
+        if self.max_prompt_forwards is not None and (isinstance(self.max_prompt_forwards, bool)
+                                                     or not isinstance(self.max_prompt_forwards, int)
+                                                     or self.max_prompt_forwards < 1):
+            raise ValueError(f"max_prompt_forwards must be an integer >= 1, got {self.max_prompt_forwards!r} "
+                             f"(unset: as many as the step's token budget gives)")
         for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -279,7 +287,8 @@ class Server:
 
             self.scheduler = BatchScheduler(model, self.store, settings.max_batch_tokens, settings.config,
                                             on_step=self.metrics.step, on_restore=self.metrics.restored,
-                                            on_handoff=self.handoff.flush, on_join=self.metrics.joined)
+                                            on_handoff=self.handoff.flush, on_join=self.metrics.joined,
+                                            max_prompt_forwards=settings.max_prompt_forwards)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-batch-tokens", type=int, default=2048,
                       help="with --batching, rows per step: decode rows first, then prompt pieces, so a long prompt "
                            "is prefilled over several steps (default %(default)s)")
+    load.add_argument("--max-prompt-forwards", type=int, default=None,
+                      help="with --batching on CUDA, the most prompt-piece forwards in one step (each prompt piece that "
+                           "does not ride beside the decode rows runs in a forward of its own, a pass over the weights, "
+                           "and a step's tokens come after all of them); more prompts wait for the next step (default: "
+                           "as many as --max-batch-tokens gives)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -133,6 +138,7 @@ def settings_from(args):
             max_queue=args.max_queue,
             batching=args.batching,
             max_batch_tokens=args.max_batch_tokens,
+            max_prompt_forwards=args.max_prompt_forwards,
         )
     except ValueError as error:
         message = str(error)
@@ -143,7 +149,7 @@ def settings_from(args):
 
 
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
-            "max_batch_tokens": "--max-batch-tokens",
+            "max_batch_tokens": "--max-batch-tokens", "max_prompt_forwards": "--max-prompt-forwards",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",
