@@ -144,6 +144,8 @@ class BatchTurn:
     # taken when it joins
     ahead: object = None
     ahead_s: float = 0.0  # the time `BatchLoop.prepare_ahead` took
+    ahead_wait_s: float = 0.0  # of it, waiting for its place among the preparations (`BatchLoop.max_preparing`)
+    ahead_cpu_s: float = 0.0  # of it, the asking thread's CPU time
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
     shared: tuple | None = None
@@ -241,6 +243,67 @@ def _sequence(job: "BatchTurn") -> torch.Tensor:
     return job.ids
 
 
+class ArrivalGate:
+    """A context manager that lets at most ``limit`` threads in at once, in the order they arrived (None: every
+    thread at once). ``limit`` may be changed from any thread; the threads waiting then are let in by the new one.
+    ``what`` names the setting in the error a bad limit raises."""
+
+    def __init__(self, limit: int | None, what: str = "limit"):
+        self._what = what
+        self._limit = self._check(limit, what)
+        self._changed = threading.Condition()
+        self._waiting: collections.deque = collections.deque()  # the tickets of the threads waiting, oldest first
+        self._inside = 0
+        self._tickets = 0
+
+    @staticmethod
+    def _check(limit, what: str) -> int | None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{what}: must be None or an int >= 1, got {limit!r}.")
+        return limit
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        value = self._check(value, self._what)
+        with self._changed:
+            self._limit = value
+            self._changed.notify_all()
+
+    @property
+    def inside(self) -> int:
+        return self._inside
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def __enter__(self):
+        with self._changed:
+            ticket = self._tickets
+            self._tickets += 1
+            self._waiting.append(ticket)
+            try:
+                while self._waiting[0] != ticket or (self._limit is not None and self._inside >= self._limit):
+                    self._changed.wait()
+            except BaseException:  # (interrupted while waiting: its place goes to the next one)
+                self._waiting.remove(ticket)
+                self._changed.notify_all()
+                raise
+            self._waiting.popleft()
+            self._inside += 1
+            self._changed.notify_all()  # (the next in line may fit too)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._changed:
+            self._inside -= 1
+            self._changed.notify_all()
+
+
 def _check_budget(value, what: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
@@ -271,6 +334,10 @@ class BatchLoop:
         launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
+        max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
+            first turn's vision tower, selection and plan; the `max_preparing` attribute); the others wait their turn
+            in the order they asked. None: every asking thread prepares at once (they share the interpreter's lock
+            and the device with each other and with the loop's thread, so all of them finish late together).
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
@@ -298,10 +365,11 @@ class BatchLoop:
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
-                 max_prompt_forwards: int | None = None):
+                 max_prompt_forwards: int | None = None, max_preparing: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
+        self._preparing = ArrivalGate(max_preparing, "BatchLoop(max_preparing=...)")
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
         self.launch_ahead = launch_ahead
@@ -519,9 +587,9 @@ class BatchLoop:
                 for fn, holder, finished in tasks:
                     self._run_task(fn, holder, finished)
                 for job in arrivals:
-                    began = time.perf_counter()
+                    began, cpu = time.perf_counter(), time.thread_time()
                     self._join(job)
-                    self._spent("join", time.perf_counter() - began)
+                    self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
                 self._leave_cancelled()
                 engine = self._next_engine()
                 if engine is not None:
@@ -560,8 +628,8 @@ class BatchLoop:
             self._engines = []
             self._handoff()
 
-    def _spent(self, what: str, seconds: float) -> None:
-        self.step_log.spent(what, seconds)
+    def _spent(self, what: str, seconds: float, cpu: float = 0.0) -> None:
+        self.step_log.spent(what, seconds, cpu)
         if what == "join" and self.on_join is not None:
             try:
                 self.on_join(seconds)
@@ -596,6 +664,16 @@ class BatchLoop:
                              max_prompt_forwards=self._max_prompt_forwards)
         self._engines.append(engine)
         return engine
+
+    @property
+    def max_preparing(self) -> int | None:
+        """The most turns prepared at once on the asking threads (`prepare_ahead`), the others waiting in the order
+        they asked; None: no limit. May be set from any thread: waiting turns are let in by the new limit."""
+        return self._preparing.limit
+
+    @max_preparing.setter
+    def max_preparing(self, value: int | None) -> None:
+        self._preparing.limit = value
 
     @property
     def max_prompt_forwards(self) -> int | None:
@@ -674,18 +752,21 @@ class BatchLoop:
         if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return
         began = time.perf_counter()
-        try:
-            with torch.no_grad():
-                grids, prepared, _ = self._prepare(job, None)
-                state = None
-                if job.conversation.cache is None:
-                    # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
-                    state = new_sequence(self.model, self.adapter, job.config, -1,
-                                         prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
-                job.ahead = (prepared, state, grids)
-        except Exception as error:  # the turn's media, settings or processors: raised when it joins
-            job.ahead = error
-        job.ahead_s = time.perf_counter() - began
+        with self._preparing:  # (its place among the preparations, in the order the turns asked)
+            entered, cpu = time.perf_counter(), time.thread_time()
+            try:
+                with torch.no_grad():
+                    grids, prepared, _ = self._prepare(job, None)
+                    state = None
+                    if job.conversation.cache is None:
+                        # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
+                        state = new_sequence(self.model, self.adapter, job.config, -1,
+                                             prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
+                    job.ahead = (prepared, state, grids)
+            except Exception as error:  # the turn's media, settings or processors: raised when it joins
+                job.ahead = error
+            job.ahead_cpu_s = time.thread_time() - cpu
+        job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
@@ -747,7 +828,7 @@ class BatchLoop:
             return
         self._jobs[seq] = job
         self.step_log.turn_joined(id(job), job.started, began, time.perf_counter(), follow_up, len(seq.prefill),
-                                  ahead_s=job.ahead_s)
+                                  ahead_s=job.ahead_s, ahead_wait_s=job.ahead_wait_s, ahead_cpu_s=job.ahead_cpu_s)
         if job.streamer is not None:
             try:
                 job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer

@@ -71,6 +71,9 @@ class LoopStep(NamedTuple):
                 **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s") for name in StepLog.TIMES}}
 
 
+TURN_TIMES = ("ahead", "ahead_wait", "ahead_cpu", "queue", "join", "first", "ttft")  # `TurnRecord`'s, in ms
+
+
 class TurnRecord(NamedTuple):
     """One turn's way to its first token in `BatchLoop` (`StepLog.turns`; times of `time.perf_counter`, seconds):
 
@@ -81,7 +84,9 @@ class TurnRecord(NamedTuple):
     join to the read of its first token; ``steps``: the steps launched in that time, the one that gave the token
     included, and ``kinds``: how many of them ran each way (`StepRecord.kind`); ``follow_up``: it continued a held
     conversation's cache (else it prefilled from nothing); ``prompt_rows``: the rows it had to prefill (its prompt,
-    and a follow-up's leftover deferred rows)."""
+    and a follow-up's leftover deferred rows); ``ahead_wait_s`` / ``ahead_cpu_s``: of ``ahead_s``, the wait for its
+    place among the preparations (`BatchLoop.max_preparing`) and the asking thread's CPU time (the rest: waiting
+    for the device or the interpreter's lock)."""
 
     follow_up: bool
     prompt_rows: int
@@ -90,6 +95,8 @@ class TurnRecord(NamedTuple):
     join_s: float
     first_s: float
     kinds: tuple  # ((kind, steps), ...), sorted
+    ahead_wait_s: float = 0.0
+    ahead_cpu_s: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -102,7 +109,7 @@ class TurnRecord(NamedTuple):
     def as_dict(self) -> dict:
         return {"follow_up": self.follow_up, "prompt_rows": self.prompt_rows, "steps": self.steps,
                 "kinds": dict(self.kinds), **{f"{name}_ms": 1e3 * getattr(self, f"{name}_s")
-                                               for name in ("ahead", "queue", "join", "first", "ttft")}}
+                                               for name in TURN_TIMES}}
 
 
 class _OpenTurn(NamedTuple):
@@ -116,11 +123,14 @@ class _OpenTurn(NamedTuple):
     began: float
     joined: float
     launched_before: collections.Counter
+    ahead_wait: float = 0.0
+    ahead_cpu: float = 0.0
 
     def close(self, now: float, launched: collections.Counter) -> TurnRecord:
         kinds = launched - self.launched_before
         return TurnRecord(self.follow_up, self.prompt_rows, self.ahead, self.began - self.asked - self.ahead,
-                          self.joined - self.began, now - self.joined, tuple(sorted(kinds.items())))
+                          self.joined - self.began, now - self.joined, tuple(sorted(kinds.items())),
+                          self.ahead_wait, self.ahead_cpu)
 
 
 class _OpenStep:
@@ -177,7 +187,8 @@ class StepLog:
             self.open = None
             # (kind, sequences) -> [steps, timed, decode, chunk, prefill, restoring rows, then a sum per time]
             self._totals: dict[tuple[str, int], list] = {}
-            self._spent = {"joins": 0, "join_total_s": 0.0, "restore_beside_total_s": 0.0, "idle_restorations": 0,
+            self._spent = {"joins": 0, "join_total_s": 0.0, "join_cpu_s": 0.0, "restore_beside_total_s": 0.0,
+                           "idle_restorations": 0,
                            "restore_idle_total_s": 0.0, "steps_ahead": 0}
 
     # ---- the loop's thread ----
@@ -224,15 +235,17 @@ class StepLog:
         with self._lock:
             self._spent["steps_ahead"] += 1
 
-    def spent(self, what: str, seconds: float) -> None:
+    def spent(self, what: str, seconds: float, cpu: float = 0.0) -> None:
         """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
         (restoring conversations joining or leaving an engine beside the answers), ``"idle"`` (a chunk of idle-time
-        restoration); the first two count in the open step's too."""
+        restoration); the first two count in the open step's too. ``cpu``: the loop thread's CPU time in it (kept for
+        joins: ``join_cpu_s``; the rest of a join's time waits for the device or the interpreter's lock)."""
         step = self.open
         with self._lock:
             if what == "join":
                 self._spent["joins"] += 1
                 self._spent["join_total_s"] += seconds
+                self._spent["join_cpu_s"] += cpu
                 if step is not None:
                     step.join_s += seconds
             elif what == "restore":
@@ -244,14 +257,16 @@ class StepLog:
                 self._spent["restore_idle_total_s"] += seconds
 
     def turn_joined(self, key, asked: float, began: float, joined: float, follow_up: bool, prompt_rows: int,
-                    ahead_s: float = 0.0) -> None:
+                    ahead_s: float = 0.0, ahead_wait_s: float = 0.0, ahead_cpu_s: float = 0.0) -> None:
         """A turn (``key``: any hashable that names it until its first token) asked at ``asked`` (``ahead_s`` of
         that time spent preparing it on the asking thread) joined from ``began`` to ``joined``; the steps launched
         from now count towards its first token."""
         asked = min(asked, began)
         with self._lock:
-            self._awaiting[key] = _OpenTurn(follow_up, prompt_rows, asked, min(ahead_s, began - asked), began, joined,
-                                            collections.Counter(self._launched))
+            ahead = min(ahead_s, began - asked)
+            self._awaiting[key] = _OpenTurn(follow_up, prompt_rows, asked, ahead, began, joined,
+                                            collections.Counter(self._launched), min(ahead_wait_s, ahead),
+                                            min(ahead_cpu_s, ahead))
 
     def turn_first_token(self, key, now: float) -> None:
         """The turn's first token was read at ``now``: its `TurnRecord` is kept (nothing for a turn not awaited)."""
@@ -318,7 +333,7 @@ class StepLog:
                    "steps_p50": median([t.steps for t in turns]), "steps_max": max((t.steps for t in turns),
                                                                                  default=None),
                    "kinds": dict(sorted(kinds.items()))}
-        for name in ("ahead", "queue", "join", "first", "ttft"):
+        for name in TURN_TIMES:
             values = [1e3 * getattr(t, f"{name}_s") for t in turns]
             figures[f"{name}_ms_p50"] = median(values)
         return figures

@@ -594,3 +594,94 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         want = alone(model, processor, CFG, dialogue.turns, QUESTIONS, images)
         for k, turn in enumerate(dialogue.turns):
             assert_same_turn(turn, want[k], f"turn {k}")
+
+
+def test_arrival_gate_lets_threads_in_by_arrival_and_its_limit(model):
+    """`batch_loop.ArrivalGate`: with limit 1 the threads waiting enter one at a time in the order they arrived;
+    raising the limit (None: no limit) lets the waiting ones in at once; a bad limit is refused naming the setting."""
+    from raincheck_hf.batch_loop import ArrivalGate
+
+    gate, order, inside, most = ArrivalGate(1, "max_preparing"), [], [0], [0]
+    lock = threading.Lock()
+
+    def worker(i):
+        with gate:
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                order.append(i)
+            time.sleep(0.002)
+            with lock:
+                inside[0] -= 1
+
+    def wait_for(test):
+        deadline = time.monotonic() + 10
+        while not test():
+            assert time.monotonic() < deadline, "the gate's threads did not get where they should"
+            time.sleep(0.001)
+
+    threads = []
+    with gate:  # (held here: each thread started waits in line, in the order started)
+        for i in range(5):
+            threads.append(threading.Thread(target=worker, args=(i,)))
+            threads[-1].start()
+            wait_for(lambda: gate.waiting == i + 1)
+    for t in threads:
+        t.join()
+    assert order == [0, 1, 2, 3, 4] and most[0] == 1 and gate.inside == 0 and gate.waiting == 0
+
+    order.clear()
+    entered = threading.Barrier(4, timeout=10)  # three threads and this one: all inside together
+    free = [threading.Thread(target=lambda i=i: (gate.__enter__(), order.append(i), entered.wait(), gate.__exit__()))
+            for i in range(3)]
+    with gate:
+        for t in free:
+            t.start()
+        wait_for(lambda: gate.waiting == 3)
+        gate.limit = None  # the three wait no more, though one is inside
+        entered.wait()
+    for t in free:
+        t.join()
+    assert sorted(order) == [0, 1, 2] and gate.limit is None
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"max_preparing: must be None or an int >= 1"):
+            gate.limit = bad
+        with pytest.raises(ValueError, match=r"BatchLoop\(max_preparing=\.\.\.\): must be None or an int >= 1"):
+            BatchLoop(model, max_preparing=bad)
+
+
+def test_first_turns_asked_at_once_are_prepared_one_at_a_time_with_max_preparing(model, processor, monkeypatch):
+    """``BatchLoop(max_preparing=1)``: conversations asked from three threads at once are prepared one at a time on
+    their threads (never two `_prepare` calls at once), each turn's record splits the time in line from the rest,
+    and every dialogue equals itself alone; the attribute can be changed between turns."""
+    prepare, lock, busy, most = BatchLoop._prepare, threading.Lock(), [0], [0]
+
+    def counted(self, job, stack):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            time.sleep(0.01)  # (a preparation that takes a while: the others would overlap it without the gate)
+            return prepare(self, job, stack)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(BatchLoop, "_prepare", counted)
+    with BatchLoop(model, max_batch_tokens=48, max_preparing=1) as loop:
+        assert loop.max_preparing == 1
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop) for _ in range(3)]
+        errors = in_threads(lambda i: ask(convs[i], QUESTIONS[0], [IMAGES[i]]), 3)
+        assert not errors, errors
+        assert most[0] == 1
+        turns = loop.step_stats()["turns"]["first"]
+        assert turns["turns"] == 3 and turns["ahead_wait_ms_p50"] <= turns["ahead_ms_p50"]
+        loop.max_preparing = None
+        assert loop.max_preparing is None and loop._preparing.limit is None
+        for i, conv in enumerate(convs):
+            ask(conv, QUESTIONS[1])
+            conv.close()
+    for i, conv in enumerate(convs):
+        want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
+        for k, turn in enumerate(conv.turns):
+            assert_same_turn(turn, want[k], f"conversation {i} turn {k}")

@@ -137,13 +137,17 @@ def test_settings_reject_bad_load_values(field, value):
 @pytest.mark.parametrize("argv,message", [(["--max-running", "0"], "--max-running must be an integer >= 1, got 0"),
                                           (["--max-queue", "-3"], "--max-queue must be an integer >= 0, got -3"),
                                           (["--max-prompt-forwards", "0"], "--max-prompt-forwards must be an integer "
-                                           ">= 1, got 0 (unset: as many as the step's token budget gives)")])
+                                           ">= 1, got 0 (unset: as many as the step's token budget gives)"),
+                                          (["--max-preparing", "0"], "--max-preparing must be an integer >= 1, got 0 "
+                                           "(unset: every request's turn prepared at once)")])
 def test_cli_load_options_are_checked_and_named(argv, message):
     with pytest.raises(ValueError) as error:
         serve_settings(argv)
     assert str(error.value) == message
-    settings = serve_settings(["--max-running", "2", "--max-queue", "0", "--max-prompt-forwards", "2"])
-    assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards) == (2, 0, 2)
+    settings = serve_settings(["--max-running", "2", "--max-queue", "0", "--max-prompt-forwards", "2",
+                               "--max-preparing", "3"])
+    assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards, settings.max_preparing) == (
+        2, 0, 2, 3)
     assert serve_settings([]).max_prompt_forwards is None
 
 
@@ -519,6 +523,32 @@ def test_serve_load_compares_prompt_forward_limits_side_by_side(tmp_path):
     for bad, kwargs in (((0,), dict(batching=True)), ((), dict(batching=True)), ((1,), {})):
         with pytest.raises(ValueError, match="prompt_forwards"):
             serve_load.run(clients=(1,), prompt_forwards=bad, **kwargs)
+
+
+def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
+    """``--preparing any,1``: each client count's round with the loop's ``max_preparing`` unset and at 1, rows named
+    by it and recording it, the first turns' preparation split (in line, CPU) in the loop's record; bad values
+    refused before any compute."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, preparing=(None, 1))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["preparing"] == [None, 1]
+    assert [(r["series"], r["max_preparing"]) for r in saved["rows"]] == [
+        ("raincheck, preparing any", None), ("raincheck, preparing 1", 1)]
+    for row in saved["rows"]:
+        assert row["errors"] == 0 and row["completion_tokens"] == 2 * (4 + 3 + 3)
+        first = row["loop"]["turns"]["first"]
+        assert first["turns"] == 2 and 0 <= first["ahead_wait_ms_p50"] <= first["ahead_ms_p50"]
+        assert 0 < first["ahead_cpu_ms_p50"] and row["loop"]["join_cpu_s"] >= 0
+    assert any("(in line " in line for line in lines)
+    assert serve_load._forwards("any,2") == (None, 2)
+    for bad, kwargs in (((0,), dict(batching=True)), ((), dict(batching=True)), ((1,), {})):
+        with pytest.raises(ValueError, match="preparing"):
+            serve_load.run(clients=(1,), preparing=bad, **kwargs)
 
 
 def test_freeze_heap_and_the_pause_counter():

@@ -181,7 +181,7 @@ def test_turn_records_on_made_up_times():
     a reset keeps the turns still waiting for their token."""
     log = StepLog(keep=8)
     log.launched(_record("eager", sequences=1, decode=0, chunk=0, prefill=7), 0.0, 0.5)  # before any join
-    log.turn_joined("a", 1.0, 2.0, 2.5, False, 100, ahead_s=0.25)
+    log.turn_joined("a", 1.0, 2.0, 2.5, False, 100, ahead_s=0.25, ahead_wait_s=0.125, ahead_cpu_s=0.0625)
     log.turn_joined("b", 1.5, 2.5, 3.0, True, 20)
     log.turn_joined("c", 1.5, 3.0, 3.25, True, 30)
     log.launched(_record("eager", sequences=2, decode=0, chunk=0, prefill=9), 4.0, 4.5)
@@ -196,6 +196,7 @@ def test_turn_records_on_made_up_times():
     assert first["turns"] == follow["turns"] == 1
     assert first["ahead_ms_p50"] == pytest.approx(250.0) and first["queue_ms_p50"] == pytest.approx(750.0)
     assert first["join_ms_p50"] == pytest.approx(500.0) and follow["ahead_ms_p50"] == 0.0
+    assert first["ahead_wait_ms_p50"] == pytest.approx(125.0) and first["ahead_cpu_ms_p50"] == pytest.approx(62.5)
     assert first["first_ms_p50"] == pytest.approx(4500.0) and first["ttft_ms_p50"] == pytest.approx(6000.0)
     assert first["steps_p50"] == first["steps_max"] == 2 and first["kinds"] == {"eager": 1, "replayed": 1}
     assert follow["steps_p50"] == 1 and follow["kinds"] == {"eager": 1} and follow["prompt_rows_p50"] == 20
@@ -208,7 +209,8 @@ def test_turn_records_on_made_up_times():
     stats = log.snapshot()
     assert stats["turns"]["first"]["turns"] == 1 and stats["turns"]["first"]["steps_max"] == 1
     assert stats["turns"]["follow_up"] == {"turns": 0, "prompt_rows_p50": None, "steps_p50": None,
-                                           "steps_max": None, "kinds": {}, "ahead_ms_p50": None, "queue_ms_p50": None,
+                                           "steps_max": None, "kinds": {}, "ahead_ms_p50": None,
+                                           "ahead_wait_ms_p50": None, "ahead_cpu_ms_p50": None, "queue_ms_p50": None,
                                            "join_ms_p50": None, "first_ms_p50": None, "ttft_ms_p50": None}
     assert stats["recent_turns"] == []
 

@@ -170,7 +170,7 @@ def loop_summary(steps: dict) -> str:
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
     return (f"{steps['steps']} steps ({steps.get('steps_ahead', 0)} launched ahead): {kinds or 'none'}; "
-            f"joins {steps['joins']} in {steps['join_total_s']:.2f} s, "
+            f"joins {steps['joins']} in {steps['join_total_s']:.2f} s (cpu {steps.get('join_cpu_s', 0.0):.2f} s), "
             f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s"
             + "".join(f"; {label}: {turn_summary(steps['turns'][key])}"
                       for key, label in (("first", "first turns"), ("follow_up", "follow-ups"))
@@ -182,7 +182,8 @@ def turn_summary(turns: dict) -> str:
     ``turns``): medians of the preparation on the asking thread, the wait for the loop, the join, the steps until the
     token and those steps' kinds."""
     kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(turns["kinds"].items(), key=lambda item: -item[1]))
-    return (f"{turns['turns']} turns, {turns['prompt_rows_p50']:.0f} rows p50, ahead {_ms_of(turns['ahead_ms_p50'])} + "
+    return (f"{turns['turns']} turns, {turns['prompt_rows_p50']:.0f} rows p50, ahead {_ms_of(turns['ahead_ms_p50'])} "
+            f"(in line {_ms_of(turns.get('ahead_wait_ms_p50'))}, cpu {_ms_of(turns.get('ahead_cpu_ms_p50'))}) + "
             f"wait {_ms_of(turns['queue_ms_p50'])} + "
             f"join {_ms_of(turns['join_ms_p50'])} + {turns['steps_p50']:.0f} steps (most {turns['steps_max']}) "
             f"{_ms_of(turns['first_ms_p50'])} ms p50 [{kinds}]")
@@ -264,14 +265,17 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
-        prompt_forwards=(None,)) -> dict:
+        prompt_forwards=(None,), preparing=(None,)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
     None: as it is, 5 ms by default), put back after: how long a thread that wants the interpreter's lock may wait
     for one that holds it, which the server's threads (the batching loop, request threads, the event loop that
     streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
-    row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`)."""
+    row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
+    ``prompt_forwards`` / ``preparing``: with batching, the loop's `BatchLoop.launch_ahead` ("on", "off" or
+    "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values: None is the loop's default);
+    every combination gets its rounds, a client count's side by side."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -308,7 +312,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     if not prompt_forwards or (not batching and prompt_forwards != (None,)):
         raise ValueError(f"prompt_forwards must be one or more of None / an int >= 1 (with batching), got "
                          f"{prompt_forwards!r}" + ("" if batching else " without batching"))
-    variants = [(a, f) for a in aheads for f in prompt_forwards]
+    preparing = tuple(preparing)
+    from ..batch_loop import ArrivalGate
+
+    for value in preparing:
+        ArrivalGate._check(value, "preparing")
+    if not preparing or (not batching and preparing != (None,)):
+        raise ValueError(f"preparing must be one or more of None / an int >= 1 (with batching), got {preparing!r}"
+                         + ("" if batching else " without batching"))
+    variants = [(a, f, p) for a in aheads for f in prompt_forwards for p in preparing]
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
@@ -338,7 +350,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
-                             prompt_forwards=list(prompt_forwards),
+                             prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -391,17 +403,21 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
-                for n, (ahead, forwards) in ((n, v) for n in clients for v in variants):  # (a count's together)
+                # (a client count's variants side by side)
+                for n, (ahead, forwards, prepare) in ((n, v) for n in clients for v in variants):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
-                        [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else [])
+                        [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
+                        [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else [])
                     series = ", ".join(parts)
                     if loop is not None:  # (between rounds: the loop has nothing running)
                         loop.launch_ahead, loop.max_prompt_forwards = ahead, forwards
+                        loop.max_preparing = prepare
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"] = series, collections
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
+                        row["max_preparing"] = prepare
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -413,7 +429,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues and (ahead, forwards) == variants[0]:
+                    if n == 1 and dialogues and (ahead, forwards, prepare) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -470,8 +486,7 @@ def _forwards(text: str) -> tuple:
     try:
         return tuple(None if x.strip() == "any" else int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-forwards takes 'any' or integers, comma-separated, got "
-                                         f"{text!r}") from None
+        raise argparse.ArgumentTypeError(f"takes 'any' or integers, comma-separated, got {text!r}") from None
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -511,6 +526,9 @@ def main(argv=None):
     parser.add_argument("--prompt-forwards", type=_forwards, default=(None,), metavar="K[,K...]",
                         help="with --batching: the loop's max_prompt_forwards, one value or several side by side "
                              "(e.g. any,1,2; 'any': as many as the token budget gives, the default)")
+    parser.add_argument("--preparing", type=_forwards, default=(None,), metavar="K[,K...]",
+                        help="with --batching: the loop's max_preparing (turns prepared at once on the asking threads, "
+                             "the others in line), one value or several side by side (e.g. any,1,2; 'any': no limit)")
     parser.add_argument("--no-freeze-heap", action="store_true",
                         help="skip what serve does after its warm-up (gc.freeze: the objects alive then are out of "
                              "the garbage collector's full collections), to see its pauses")
@@ -527,7 +545,7 @@ def main(argv=None):
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
-                   prompt_forwards=args.prompt_forwards,
+                   prompt_forwards=args.prompt_forwards, preparing=args.preparing,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)

@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "does not ride beside the decode rows runs in a forward of its own, a pass over the weights, "
                            "and a step's tokens come after all of them); more prompts wait for the next step (default: "
                            "as many as --max-batch-tokens gives)")
+    load.add_argument("--max-preparing", type=int, default=None,
+                      help="with --batching, the most requests' turns prepared at once (HF's preparation; a first "
+                           "turn's vision encoding, selection and plan), the others in line in the order they came "
+                           "(default: all at once)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -139,6 +143,7 @@ def settings_from(args):
             batching=args.batching,
             max_batch_tokens=args.max_batch_tokens,
             max_prompt_forwards=args.max_prompt_forwards,
+            max_preparing=args.max_preparing,
         )
     except ValueError as error:
         message = str(error)
@@ -150,6 +155,7 @@ def settings_from(args):
 
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
             "max_batch_tokens": "--max-batch-tokens", "max_prompt_forwards": "--max-prompt-forwards",
+            "max_preparing": "--max-preparing",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",

@@ -57,14 +57,17 @@ class BatchScheduler(BatchLoop):
         on_join: called with the seconds a new turn's joining took on the loop's thread (its vision encoding and
             preparation: `BatchLoop._join`; the metrics).
         max_prompt_forwards: the most prompt-piece forwards in one step (`BatchLoop.max_prompt_forwards`).
+        max_preparing: the most turns prepared at once on the request threads (`BatchLoop.max_preparing`).
     """
 
     _logger = logger
 
     def __init__(self, model, store, token_budget: int | None, default_config, on_step=None, on_restore=None,
-                 on_handoff=None, on_join=None, max_prompt_forwards: int | None = None):
+                 on_handoff=None, on_join=None, max_prompt_forwards: int | None = None,
+                 max_preparing: int | None = None):
         super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
-                         on_handoff=on_handoff, on_join=on_join, max_prompt_forwards=max_prompt_forwards)
+                         on_handoff=on_handoff, on_join=on_join, max_prompt_forwards=max_prompt_forwards,
+                         max_preparing=max_preparing)
         self.store = store
 
     def _closed_error(self, running: bool) -> BaseException:
