@@ -551,6 +551,28 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
             serve_load.run(clients=(1,), preparing=bad, **kwargs)
 
 
+def test_serve_load_profiles_the_loops_thread_in_a_round_of_its_own(tmp_path):
+    """``--profile-loop``: after a mode's rounds, one more at the most clients with the loop's thread under cProfile:
+    its functions (the loop's step among them) in the JSON's ``loop_profile``, not among the rows; refused without
+    batching."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1, 2), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, profile_loop=True)
+    saved = json.loads(path.read_text())
+    assert [r["clients"] for r in saved["rows"]] == [1, 2]
+    profile = saved["loop_profile"]["raincheck"]
+    assert profile["clients"] == 2 and profile["errors"] == 0 and profile["output_tokens_per_s"] > 0
+    names = [row[0] for row in profile["by_cumulative_time"]]
+    assert any("batch_loop.py" in name and "(_step)" in name for name in names), names
+    assert all(row[1] >= 1 and row[3] >= row[2] >= 0 for row in profile["by_own_time"])
+    assert any("by cumulative time" in line for line in lines)
+    with pytest.raises(ValueError, match="profile_loop .* needs batching"):
+        serve_load.run(clients=(1,), profile_loop=True)
+
+
 def test_freeze_heap_and_the_pause_counter():
     """`startup.freeze_heap` takes every live object out of the collector's reach (the serve CLI's default after its
     warm-up); `serve_load.GcPauses` counts a full collection made while it is entered, and its pause."""

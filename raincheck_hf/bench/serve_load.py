@@ -157,6 +157,40 @@ def load_row(mode: str, clients: int, dialogues: list[list[dict]], errors: list[
     }
 
 
+def profiled_round(loop, play, top: int = 30) -> dict:
+    """``play()`` (a round: `run`'s ``round_of``) with ``loop``'s thread (a `BatchLoop`) under `cProfile`, enabled and
+    disabled there between steps (`BatchLoop.call`); its ``top`` functions by own time and by cumulative time, as
+    ``(function, calls, own s, cumulative s)``, with the round's tokens/s."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    loop.call(profiler.enable)
+    try:
+        dialogues, errors, _, _ = play()
+    finally:
+        loop.call(profiler.disable)
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = filename.split("site-packages/")[-1].split("raincheck_hf/")[-1]
+        rows.append((f"{where}:{line}({name})", int(calls), float(own), float(cumulative)))
+    row = load_row("profiled", 0, dialogues, errors)
+    return {"output_tokens_per_s": row["output_tokens_per_s"], "errors": len(errors),
+            "calls": sum(r[1] for r in rows), "seconds": sum(r[2] for r in rows),
+            "by_own_time": sorted(rows, key=lambda r: -r[2])[:top],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r[3])[:top]}
+
+
+def profile_lines(profile: dict, top: int = 20) -> list[str]:
+    """The log's lines of a `profiled_round`: its functions by own time, then by cumulative time."""
+    out = []
+    for label, key in (("own", "by_own_time"), ("cumulative", "by_cumulative_time")):
+        out.append(f"by {label} time (calls, own s, cumulative s):")
+        out += [f"  {name}: {calls}, {own:.3f}, {cumulative:.3f}" for name, calls, own, cumulative in profile[key][:top]]
+    return out
+
+
 def loop_summary(steps: dict) -> str:
     """One line of a round's batching-loop figures (`BatchLoop.step_stats`): steps per kind with their mean ms
     (launch to next launch; of it the host's launch and its choosing and preparing, each with the loop thread's CPU
@@ -265,7 +299,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
-        prompt_forwards=(None,), preparing=(None,)) -> dict:
+        prompt_forwards=(None,), preparing=(None,), profile_loop: bool = False) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -275,7 +309,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing``: with batching, the loop's `BatchLoop.launch_ahead` ("on", "off" or
     "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values: None is the loop's default);
-    every combination gets its rounds, a client count's side by side."""
+    every combination gets its rounds, a client count's side by side. ``profile_loop``: with batching, one more
+    round per mode at the most clients with the loop's thread under `cProfile` (its functions by own and by
+    cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches)."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -321,6 +357,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         raise ValueError(f"preparing must be one or more of None / an int >= 1 (with batching), got {preparing!r}"
                          + ("" if batching else " without batching"))
     variants = [(a, f, p) for a in aheads for f in prompt_forwards for p in preparing]
+    if profile_loop and not batching:
+        raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
@@ -434,6 +472,16 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
                     _write(result, json_path)
+                if profile_loop:
+                    loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing = variants[0]
+                    profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
+                    result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
+                    log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
+                        f"{profile['output_tokens_per_s'] or float('nan'):.1f} tokens/s under the profiler; "
+                        f"{profile['calls']} calls, {profile['seconds']:.2f} s of functions")
+                    for line in profile_lines(profile):
+                        log(f"[serve-load]   {line}")
+                    _write(result, json_path)
         if library:
             from PIL import Image
 
@@ -529,6 +577,9 @@ def main(argv=None):
     parser.add_argument("--preparing", type=_forwards, default=(None,), metavar="K[,K...]",
                         help="with --batching: the loop's max_preparing (turns prepared at once on the asking threads, "
                              "the others in line), one value or several side by side (e.g. any,1,2; 'any': no limit)")
+    parser.add_argument("--profile-loop", action="store_true",
+                        help="with --batching: one more round per mode at the most clients with the loop's thread "
+                             "under cProfile (its top functions in the log and the JSON's loop_profile)")
     parser.add_argument("--no-freeze-heap", action="store_true",
                         help="skip what serve does after its warm-up (gc.freeze: the objects alive then are out of "
                              "the garbage collector's full collections), to see its pauses")
@@ -545,7 +596,7 @@ def main(argv=None):
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
-                   prompt_forwards=args.prompt_forwards, preparing=args.preparing,
+                   prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
