@@ -62,7 +62,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteriaList
+from transformers import PreTrainedTokenizerBase, ProcessorMixin, StoppingCriteriaList
 from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
@@ -304,6 +304,42 @@ class ArrivalGate:
             self._changed.notify_all()
 
 
+def _tensors_in(obj):
+    """Every tensor reachable from ``obj`` through dicts, sequences and objects' attributes (``__dict__`` and
+    ``__slots__``); not through modules, tokenizers and processors (weights and vocabularies, nothing a turn made)."""
+    seen = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+            continue
+        if item is None or isinstance(item, (str, bytes, int, float, bool, torch.nn.Module, torch.dtype, torch.device,
+                                             type, PreTrainedTokenizerBase, ProcessorMixin)) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(item)
+        else:
+            stack.extend(getattr(item, "__dict__", {}).values())
+            for klass in type(item).__mro__:
+                for name in getattr(klass, "__slots__", ()):
+                    if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                        stack.append(getattr(item, name, None))
+
+
+def _used_on(obj, stream) -> None:
+    """`torch.Tensor.record_stream` ``stream`` on every CUDA tensor of ``obj`` (`_tensors_in`): made on another
+    stream (a turn prepared on a stream of its own, `BatchLoop.prepare_stream`) and used on ``stream`` from now on,
+    their memory is not given to that other stream's next allocations before ``stream``'s work queued when they are
+    freed is done."""
+    for tensor in _tensors_in(obj):
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
 def _check_budget(value, what: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
@@ -334,6 +370,11 @@ class BatchLoop:
         launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
+        prepare_stream: on CUDA, prepare each turn on the asking thread (`prepare_ahead`) on a CUDA stream of its own
+            (the `prepare_stream` attribute): the preparation's reads of the device (its selection's, its plan's)
+            then wait for its own work only, not for the steps the loop queued meanwhile on the default stream, and
+            the loop's reads do not wait for the preparations' work either. Its tensors are handed to the loop's
+            stream when it is done (`_used_on`). Off: every preparation queues on the default stream.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
             first turn's vision tower, selection and plan; the `max_preparing` attribute); the others wait their turn
             in the order they asked. None: every asking thread prepares at once (they share the interpreter's lock
@@ -365,11 +406,15 @@ class BatchLoop:
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
-                 max_prompt_forwards: int | None = None, max_preparing: int | None = None):
+                 max_prompt_forwards: int | None = None, max_preparing: int | None = None,
+                 prepare_stream: bool = False):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
         self._preparing = ArrivalGate(max_preparing, "BatchLoop(max_preparing=...)")
+        if not isinstance(prepare_stream, bool):
+            raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
+        self.prepare_stream = prepare_stream
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
         self.launch_ahead = launch_ahead
@@ -752,10 +797,14 @@ class BatchLoop:
         if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return
         began = time.perf_counter()
+        device = self.adapter.device
+        stream = None
+        if self.prepare_stream and device.type == "cuda":
+            stream = torch.cuda.Stream(device=device)
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                     grids, prepared, _ = self._prepare(job, None)
                     state = None
                     if job.conversation.cache is None:
@@ -765,6 +814,11 @@ class BatchLoop:
                     job.ahead = (prepared, state, grids)
             except Exception as error:  # the turn's media, settings or processors: raised when it joins
                 job.ahead = error
+            finally:
+                if stream is not None:
+                    stream.synchronize()  # (its work done before the loop reads any of it)
+            if stream is not None and not isinstance(job.ahead, BaseException):
+                _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 

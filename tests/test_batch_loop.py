@@ -685,3 +685,56 @@ def test_first_turns_asked_at_once_are_prepared_one_at_a_time_with_max_preparing
         want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[i]])
         for k, turn in enumerate(conv.turns):
             assert_same_turn(turn, want[k], f"conversation {i} turn {k}")
+
+
+def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model, processor, monkeypatch):
+    """`BatchLoop.prepare_stream` hands a turn prepared on a stream of its own to the loop's stream by recording
+    that stream on each of its CUDA tensors (`batch_loop._used_on`); a tensor missed would have its memory given to
+    the next preparation while the loop still reads it. `_tensors_in` finds every tensor an exhaustive walk of the
+    garbage collector's referents finds in a first turn's and a follow-up's preparation (sequence, HF's preparation,
+    processors and criteria included). On the CPU the setting changes nothing (no streams): answers as alone; a bad
+    value is refused naming it."""
+    import gc
+    import types
+
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+    from raincheck_hf import batch_loop
+
+    opaque = (torch.nn.Module, PreTrainedTokenizerBase, ProcessorMixin, types.ModuleType, type, types.FunctionType,
+              types.MethodType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
+
+    def every_tensor(obj) -> dict:
+        seen, out, stack = set(), {}, [obj]
+        while stack:
+            item = stack.pop()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, torch.Tensor):
+                out[id(item)] = item
+            elif not isinstance(item, opaque):
+                stack.extend(gc.get_referents(item))
+        return out
+
+    prepared, prepare = [], BatchLoop.prepare_ahead
+
+    def kept(self, job):
+        prepare(self, job)
+        prepared.append(job.ahead)
+
+    monkeypatch.setattr(BatchLoop, "prepare_ahead", kept)
+    with BatchLoop(model, prepare_stream=True) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop) as conv:
+            ask(conv, QUESTIONS[0], [IMAGES[0]])
+            ask(conv, QUESTIONS[1])
+    assert len(prepared) == 2 and prepared[0][1] is not None  # (a first turn's sequence, a follow-up's none)
+    for ahead in prepared:
+        want = every_tensor(ahead)
+        found = {id(t) for t in batch_loop._tensors_in(ahead)}
+        assert len(want) > 5 and set(want) <= found, [tuple(t.shape) for k, t in want.items() if k not in found]
+    want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[0]])
+    for k, turn in enumerate(conv.turns):
+        assert_same_turn(turn, want[k], f"turn {k}")
+    with pytest.raises(ValueError, match=r"BatchLoop\(prepare_stream='yes'\) must be True or False"):
+        BatchLoop(model, prepare_stream="yes")

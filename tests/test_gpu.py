@@ -1556,6 +1556,66 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
+    """`BatchLoop(prepare_stream=True)` on CUDA (fp32; captured batched steps, mmtok's captured greedy selection, the
+    vision tower's captured graph): while one conversation's long answer keeps the loop's steps queued on the default
+    stream, three first turns with images (one size: they share the tower's and the selection's graphs) are asked
+    from threads at once and prepared on streams of their own, then each asks a follow-up, one with a new image
+    (encoded on the loop's thread, on the default stream, with the same graph). Every turn equals its dialogue run
+    alone on the eager engine under its chunk schedule: tokens identical, logits within 1e-3 + 1e-3 of the largest;
+    the preparations' tensors, used on the loop's stream after their streams' memory is handed on, come out right."""
+    import threading
+
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.tiny import draw_test_image
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, selector="mmtok", fast_path=True)
+    images = [draw_test_image(128, 96, seed=s) for s in range(5)]
+    kw = dict(output_logits=True, suppress_tokens=no_placeholder_ids(model))
+    asks = {0: [("Describe it.", [images[0]], 40)],
+            **{i: [("What is in this image?", [images[i]], 6), ("And the corner?", [images[4]] if i == 1 else [], 5)]
+               for i in (1, 2, 3)}}
+    with BatchLoop(model, config=cfg, prepare_stream=True) as loop:
+        assert loop.prepare_stream
+        convs = {i: Conversation(model, processor, cfg, background=False, loop=loop) for i in asks}
+        errors = []
+
+        def dialogue(i):
+            try:
+                for question, imgs, n in asks[i]:
+                    convs[i].ask(question, images=imgs, max_new_tokens=n, min_new_tokens=n, **kw)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        long = threading.Thread(target=dialogue, args=(0,))
+        long.start()
+        while loop.steps < 3 and long.is_alive():  # (its answer is under way: steps queued on the default stream)
+            pass
+        others = [threading.Thread(target=dialogue, args=(i,)) for i in (1, 2, 3)]
+        for t in others:
+            t.start()
+        for t in [long, *others]:
+            t.join()
+        assert not errors, errors
+        turns = {i: list(c.turns) for i, c in convs.items()}
+        for c in convs.values():
+            c.close()
+    eager = dataclasses.replace(cfg, fast_path=False)
+    for i, got in turns.items():
+        with Conversation(model, processor, eager, background=False) as alone:
+            for turn, (question, imgs, _) in zip(got, asks[i]):
+                want = alone.ask(question, images=imgs, max_new_tokens=turn.token_ids.numel(),
+                                 raincheck_chunk_schedule=list(turn.trace.chunk_size_per_forward), **kw)
+                assert torch.equal(turn.token_ids, want.token_ids), (name, i, turn.token_ids, want.token_ids)
+                for a, b in zip(turn.output.logits, want.output.logits):
+                    assert (a - b).abs().max() <= 1e-3 + 1e-3 * b.abs().max(), (name, i)
+    batched_graphs.release_all()
+
+
 def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     """`cache_utils.to_device_all`: host int64 tensors of several shapes packed into one pinned, non-blocking copy
     (views of one device buffer, values intact), device tensors passed through, without a synchronization."""

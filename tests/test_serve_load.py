@@ -526,19 +526,20 @@ def test_serve_load_compares_prompt_forward_limits_side_by_side(tmp_path):
 
 
 def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
-    """``--preparing any,1``: each client count's round with the loop's ``max_preparing`` unset and at 1, rows named
-    by it and recording it, the first turns' preparation split (in line, CPU) in the loop's record; bad values
+    """``--preparing any,1 --prepare-stream both``: each client count's round with the loop's ``max_preparing`` unset
+    and at 1, each on the default stream and on streams of its own, rows named by both and recording them, the first turns' preparation split (in line, CPU) in the loop's record; bad values
     refused before any compute."""
     from raincheck_hf.bench import serve_load
 
     path, lines = tmp_path / "load.json", []
     serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
                    follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
-                   batching=True, preparing=(None, 1))
+                   batching=True, preparing=(None, 1), prepare_stream="both")
     saved = json.loads(path.read_text())
-    assert saved["settings"]["preparing"] == [None, 1]
-    assert [(r["series"], r["max_preparing"]) for r in saved["rows"]] == [
-        ("raincheck, preparing any", None), ("raincheck, preparing 1", 1)]
+    assert saved["settings"]["preparing"] == [None, 1] and saved["settings"]["prepare_stream"] == "both"
+    assert [(r["series"], r["max_preparing"], r["prepare_stream"]) for r in saved["rows"]] == [
+        ("raincheck, preparing any, one stream", None, False), ("raincheck, preparing any, own streams", None, True),
+        ("raincheck, preparing 1, one stream", 1, False), ("raincheck, preparing 1, own streams", 1, True)]
     for row in saved["rows"]:
         assert row["errors"] == 0 and row["completion_tokens"] == 2 * (4 + 3 + 3)
         first = row["loop"]["turns"]["first"]
@@ -549,6 +550,9 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     for bad, kwargs in (((0,), dict(batching=True)), ((), dict(batching=True)), ((1,), {})):
         with pytest.raises(ValueError, match="preparing"):
             serve_load.run(clients=(1,), preparing=bad, **kwargs)
+    for bad, kwargs in (("sometimes", dict(batching=True)), ("on", {})):
+        with pytest.raises(ValueError, match="prepare_stream must be"):
+            serve_load.run(clients=(1,), prepare_stream=bad, **kwargs)
 
 
 def test_serve_load_profiles_the_loops_thread_in_a_round_of_its_own(tmp_path):

@@ -65,6 +65,28 @@ def graph_capture(graph, pool=None):
         yield
 
 
+class StreamOrder:
+    """The order of the device work of the users of one set of static buffers (a captured graph's inputs and
+    outputs) across CUDA streams. Each user, holding the buffers' lock, calls `wait` before its first kernel on them
+    and `done` after its last (its outputs copied out): a user on another stream (`batch_loop.BatchLoop` prepares
+    turns on streams of their own) then starts only after the one before it, as users of one stream do by their
+    queue's order. Costs an event record per use."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self):
+        self._done = None
+
+    def wait(self, device=None) -> None:
+        if self._done is not None:
+            torch.cuda.current_stream(device).wait_event(self._done)
+
+    def done(self, device=None) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._done = event
+
+
 _PATCHES = CountedPatches()  # attention config views and DeepStack hooks (counted per instance)
 _COMPILE_PATCHES = CountedPatches()  # compiled-forward dispatchers (`fast.compiled`), a module may also hold a hook
 

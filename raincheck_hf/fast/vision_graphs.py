@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .scoping import CAPTURE_LOCK, graph_capture
+from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
@@ -86,6 +86,7 @@ class VisionGraphs:
         self._captured: OrderedDict[tuple, CapturedTower] = OrderedDict()
         self._pool = None
         self._replay_lock = threading.Lock()
+        self._order = StreamOrder()  # (replays from several CUDA streams: one after the other on the device too)
 
     def _key(self, tower, pixel_values: torch.Tensor, grid: tuple) -> tuple:
         return (grid, tuple(pixel_values.shape), tower.dtype, str(tower.config._attn_implementation))
@@ -143,11 +144,14 @@ class VisionGraphs:
             self._captured.move_to_end(key)
             pooled, deepstack = captured.outputs
             # copy in, replay and copy out are queued as one unit: two threads encoding the same grid (the
-            # demo serves several chats on one model) would otherwise replay on each other's pixels
+            # demo serves several chats on one model) would otherwise replay on each other's pixels; on the
+            # device too, when they queue on different streams
             with self._replay_lock:
+                self._order.wait(pixel_values.device)
                 captured.pixels.copy_(pixel_values)
                 captured.graph.replay()
                 pooled, deepstack = pooled.clone(), [d.clone() for d in deepstack]
+                self._order.done(pixel_values.device)
         else:
             pooled, deepstack = self._forward(tower, pixel_values, grid_thw, kwargs)
         merge = int(tower.spatial_merge_size) ** 2

@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 
 from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
-from ..fast.scoping import CAPTURE_LOCK, graph_capture
+from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture
 
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
@@ -125,6 +125,7 @@ class _Captured:
     def __init__(self, graph, run: GreedyRun):
         self.graph, self.run = graph, run
         self.lock = threading.Lock()
+        self.order = StreamOrder()  # (replays from several CUDA streams: one after the other on the device too)
 
 
 _GRAPHS: dict[object, OrderedDict] = {}  # device -> key -> _Captured, least recently used first
@@ -183,9 +184,13 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
                     graphs[key] = captured
                     while len(graphs) > MAX_GRAPHS:
                         graphs.popitem(last=False)
-    # copy in, replay and copy out as one unit: two threads selecting at one shape share the buffers
+    # copy in, replay and copy out as one unit: two threads selecting at one shape share the buffers (on the device
+    # too, when they queue on different streams)
     with captured.lock:
+        captured.order.wait(device)
         for name, t in inputs.items():
             captured.run.inputs[name].copy_(t)
         captured.graph.replay()
-        return captured.run.indices.clone()
+        indices = captured.run.indices.clone()
+        captured.order.done(device)
+        return indices
