@@ -1566,6 +1566,7 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
     alone on the eager engine under its chunk schedule: tokens identical, logits within 1e-3 + 1e-3 of the largest;
     the preparations' tensors, used on the loop's stream after their streams' memory is handed on, come out right."""
     import threading
+    import time
 
     from raincheck_hf import BatchLoop, Conversation
     from raincheck_hf.fast import batched_graphs
@@ -1594,7 +1595,7 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
         long = threading.Thread(target=dialogue, args=(0,))
         long.start()
         while loop.steps < 3 and long.is_alive():  # (its answer is under way: steps queued on the default stream)
-            pass
+            time.sleep(0.001)
         others = [threading.Thread(target=dialogue, args=(i,)) for i in (1, 2, 3)]
         for t in others:
             t.start()
