@@ -370,10 +370,10 @@ class BatchLoop:
         launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
-        prepare_stream: on CUDA, prepare each turn on the asking thread (`prepare_ahead`) on a CUDA stream of its own
-            (the `prepare_stream` attribute): the preparation's reads of the device (its selection's, its plan's)
-            then wait for its own work only, not for the steps the loop queued meanwhile on the default stream, and
-            the loop's reads do not wait for the preparations' work either. Its tensors are handed to the loop's
+        prepare_stream: on CUDA, prepare the turns on the asking threads (`prepare_ahead`) on a CUDA stream of their
+            own, one for the loop (the `prepare_stream` attribute): a preparation's reads of the device (its
+            selection's, its plan's) then wait for the preparations' work only, not for the steps the loop queued
+            meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its tensors are handed to the loop's
             stream when it is done (`_used_on`). Off: every preparation queues on the default stream.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
             first turn's vision tower, selection and plan; the `max_preparing` attribute); the others wait their turn
@@ -415,6 +415,8 @@ class BatchLoop:
         if not isinstance(prepare_stream, bool):
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
         self.prepare_stream = prepare_stream
+        self._side_stream = None  # (`_preparation_stream`: made on first use)
+        self._side_lock = threading.Lock()
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
         self.launch_ahead = launch_ahead
@@ -798,9 +800,7 @@ class BatchLoop:
             return
         began = time.perf_counter()
         device = self.adapter.device
-        stream = None
-        if self.prepare_stream and device.type == "cuda":
-            stream = torch.cuda.Stream(device=device)
+        stream = self._preparation_stream() if self.prepare_stream and device.type == "cuda" else None
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
             try:
@@ -821,6 +821,14 @@ class BatchLoop:
                 _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
+
+    def _preparation_stream(self):
+        """The CUDA stream turns are prepared on with `prepare_stream`: one per loop (made on first use), so that the
+        preparations' memory stays in one pool of the caching allocator besides the default stream's."""
+        with self._side_lock:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=self.adapter.device)
+            return self._side_stream
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
