@@ -52,6 +52,7 @@ the held cache with the rows it restored stored, as idle-time restoration (`gene
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -147,6 +148,13 @@ def check_prompt_forwards(value, setting: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{setting} must be None (as many as the token budget gives) or an int >= 1 (prompt-piece "
                          f"forwards per step), got {value!r}.")
+
+
+def check_ride_rows(value, setting: str) -> None:
+    """``ride_max_rows``: None, or an int >= 1 (see `BatchEngine`)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{setting} must be None (the default, {batched_graphs.RIDE_MAX_ROWS}) or an int >= 1 (rows "
+                         f"a decode step may grow to by a prompt riding in it), got {value!r}.")
 
 
 class RowScheduler:
@@ -373,6 +381,9 @@ class BatchEngine:
         num_slots, capacity: the pool's initial slots and rows per slot (both double on demand).
         max_prompt_forwards: with ``graphs``, the most prompt-piece forwards in one step (`RowScheduler`); None: as
             many as the token budget gives.
+        ride_max_rows: with ``graphs`` on the attention families, the most rows (batch bucket x width) a decode
+            step may grow to by a short prompt riding in it (`BatchedStepGraphs.ride_rows`); a prompt that would make
+            it wider runs in a forward of its own. None: `batched_graphs.RIDE_MAX_ROWS`. May be set between steps.
         graphs: run the decode steps (decode rows, and restoring sequences' pieces beside them; on the attention
             families also short prompts riding with them, and each longer prompt's pieces in a step of their own)
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
@@ -386,7 +397,9 @@ class BatchEngine:
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
                  num_slots: int = DEFAULT_SLOTS, capacity: int = 256, graphs: bool | None = None,
-                 max_prompt_forwards: int | None = None):
+                 max_prompt_forwards: int | None = None, ride_max_rows: int | None = None):
+        check_ride_rows(ride_max_rows, "BatchEngine(ride_max_rows=...)")
+        self._ride_max_rows = ride_max_rows
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
         self.adapter = get_adapter(model)
@@ -401,7 +414,10 @@ class BatchEngine:
             self.graphs = batched_graphs.acquire(self.adapter, self.text_config.num_hidden_layers, num_slots, capacity)
             self.pool = self.graphs.pool
             graphs, config = self.graphs, self.config
-            ride = lambda prefill, width, n: graphs.ride_rows(prefill, config, width, n)  # noqa: E731
+            def ride(prefill, width, n, engine=weakref.ref(self)):  # (a weak reference: no cycle through the scheduler)
+                most = engine().ride_max_rows
+                most = batched_graphs.RIDE_MAX_ROWS if most is None else most
+                return graphs.ride_rows(prefill, config, width, n, most)
         else:
             self.pool = SlotKVPool(self.text_config.num_hidden_layers, num_slots, capacity, self.adapter.device)
         # None: attention layers only; with graphs, the per-slot states kept with the pool (its captured steps use them)
@@ -495,6 +511,16 @@ class BatchEngine:
                 self.adapter.load_packed_state(self.recurrent, slot, cache)
         self.sequences.append(state)
         self._members.add(state)
+
+    @property
+    def ride_max_rows(self) -> int | None:
+        """The most rows a decode step may grow to by a prompt riding in it (see the class's ``ride_max_rows``)."""
+        return self._ride_max_rows
+
+    @ride_max_rows.setter
+    def ride_max_rows(self, value: int | None) -> None:
+        check_ride_rows(value, "BatchEngine.ride_max_rows")
+        self._ride_max_rows = value
 
     def remove(self, seq: SequenceState) -> DeferredDynamicCache | None:
         """``seq`` leaves (at any step): its state as the `DeferredDynamicCache` its own call would have returned

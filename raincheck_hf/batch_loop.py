@@ -67,7 +67,7 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
-from .batch_engine import BatchEngine, check_prompt_forwards
+from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
 from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
 from .configuration import RaincheckConfig
@@ -373,8 +373,11 @@ class BatchLoop:
         prepare_stream: on CUDA, prepare the turns on the asking threads (`prepare_ahead`) on a CUDA stream of their
             own, one for the loop (the `prepare_stream` attribute): a preparation's reads of the device (its
             selection's, its plan's) then wait for the preparations' work only, not for the steps the loop queued
-            meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its tensors are handed to the loop's
-            stream when it is done (`_used_on`). Off: every preparation queues on the default stream.
+            meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its
+            tensors are handed to the loop's stream when it is done (`_used_on`). Off: every preparation queues on the
+            default stream.
+        ride_max_rows: on captured steps (attention families), the most rows (batch bucket x width) a decode step
+            may grow to by a short prompt riding in it (the `ride_max_rows` attribute); None: the engine's default.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
             first turn's vision tower, selection and plan; the `max_preparing` attribute); the others wait their turn
             in the order they asked. None: every asking thread prepares at once (they share the interpreter's lock
@@ -407,10 +410,12 @@ class BatchLoop:
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = None,
-                 prepare_stream: bool = False):
+                 prepare_stream: bool = False, ride_max_rows: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
+        check_ride_rows(ride_max_rows, "BatchLoop(ride_max_rows=...)")
+        self._ride_max_rows = ride_max_rows
         self._preparing = ArrivalGate(max_preparing, "BatchLoop(max_preparing=...)")
         if not isinstance(prepare_stream, bool):
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
@@ -708,7 +713,7 @@ class BatchLoop:
         # its captures mid-answer; an engine of theirs made again later takes it back the same way
         self._close_engines(keep=lambda e: bool(e.sequences))
         engine = BatchEngine(self.model, config, token_budget=self.token_budget,
-                             max_prompt_forwards=self._max_prompt_forwards)
+                             max_prompt_forwards=self._max_prompt_forwards, ride_max_rows=self._ride_max_rows)
         self._engines.append(engine)
         return engine
 
@@ -721,6 +726,20 @@ class BatchLoop:
     @max_preparing.setter
     def max_preparing(self, value: int | None) -> None:
         self._preparing.limit = value
+
+    @property
+    def ride_max_rows(self) -> int | None:
+        """The most rows a captured decode step may grow to by a short prompt riding in it (`BatchEngine`'s
+        ``ride_max_rows``; None: `fast.batched_graphs.RIDE_MAX_ROWS`). May be set between steps (every engine of
+        the loop follows)."""
+        return self._ride_max_rows
+
+    @ride_max_rows.setter
+    def ride_max_rows(self, value: int | None) -> None:
+        check_ride_rows(value, "BatchLoop.ride_max_rows")
+        self._ride_max_rows = value
+        for engine in list(self._engines):
+            engine.ride_max_rows = value
 
     @property
     def max_prompt_forwards(self) -> int | None:

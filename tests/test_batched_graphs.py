@@ -502,7 +502,47 @@ def test_a_prompt_rides_while_the_step_stays_narrow(replay_log):
     assert rides(prompt, cfg, 8, 32) == 0
     assert rides([None] * 33, cfg, 32, 2) == 0  # wider than any warmed step
     assert batched_graphs.RIDE_MAX_ROWS == 128
+    assert rides(prompt, cfg, 1, 5, 256) == 20 and rides(prompt, cfg, 1, 9, 256) == 0  # 8 x 32 <= 256 < 16 x 32
     engine.close()
+
+
+def test_ride_max_rows_is_checked_everywhere_it_is_set_and_reaches_the_engines_steps(replay_log):
+    """``ride_max_rows`` (engine, loop): bad values refused with the setting named; the loop's value reaches its
+    engines, also when set between steps; the engine's scheduler asks `ride_rows` with it: a 20-row prompt beside 5
+    decoding sequences (batch bucket 8 x width 32 = 256 rows) rides at 256 and not at the default 128."""
+    from raincheck_hf.batch_loop import BatchLoop
+
+    model = family_model("qwen3_vl")
+    for bad in (0, -1, 2.5, True, "256"):
+        with pytest.raises(ValueError, match=r"BatchEngine\(ride_max_rows=\.\.\.\) must be"):
+            BatchEngine(model, RaincheckConfig(fast_path=False), ride_max_rows=bad)
+        with pytest.raises(ValueError, match=r"BatchLoop\(ride_max_rows=\.\.\.\) must be"):
+            BatchLoop(model, ride_max_rows=bad)
+    cfg = RaincheckConfig(chunk_size=31)
+    engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
+    asked = []
+    original = engine.graphs.ride_rows
+    engine.graphs.ride_rows = lambda *args: asked.append(args[-1]) or original(*args)
+    try:
+        ride = engine.scheduler.ride
+        prompt = [None] * 20
+        assert ride(prompt, 1, 5) == 0 and asked[-1] == batched_graphs.RIDE_MAX_ROWS
+        engine.ride_max_rows = 256
+        assert ride(prompt, 1, 5) == 20 and asked[-1] == 256
+        with pytest.raises(ValueError, match="BatchEngine.ride_max_rows must be"):
+            engine.ride_max_rows = 0
+        assert engine.ride_max_rows == 256
+    finally:
+        del engine.graphs.ride_rows
+        engine.close()
+    with BatchLoop(model, ride_max_rows=256) as loop:
+        engine = loop._engine_for(RaincheckConfig(fast_path=False))
+        assert engine.ride_max_rows == 256 and loop.ride_max_rows == 256
+        loop.ride_max_rows = None
+        assert engine.ride_max_rows is None and loop.ride_max_rows is None
+        with pytest.raises(ValueError, match="BatchLoop.ride_max_rows must be"):
+            loop.ride_max_rows = 0
+        assert engine.ride_max_rows is None
 
 
 @pytest.mark.parametrize("seed", range(6))

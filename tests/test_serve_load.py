@@ -555,6 +555,26 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
             serve_load.run(clients=(1,), prepare_stream=bad, **kwargs)
 
 
+def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
+    """``--ride-rows any,256``: each client count's round with the loop's ``ride_max_rows`` at its default and at 256,
+    rows named by it and recording it (the loop left at the first variant's); bad values refused before compute."""
+    from raincheck_hf.bench import serve_load
+
+    path = tmp_path / "load.json"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
+                   batching=True, ride_rows=(None, 256))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["ride_rows"] == [None, 256]
+    assert [(r["series"], r["ride_max_rows"]) for r in saved["rows"]] == [
+        ("raincheck, riding up to default rows", None), ("raincheck, riding up to 256 rows", 256)]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    for bad, kwargs in (((0,), dict(batching=True)), ((True,), dict(batching=True)), ((), dict(batching=True)),
+                        ((256,), {})):
+        with pytest.raises(ValueError, match="ride_rows"):
+            serve_load.run(clients=(1,), ride_rows=bad, **kwargs)
+
+
 def test_serve_load_profiles_the_loops_thread_in_a_round_of_its_own(tmp_path):
     """``--profile-loop``: after a mode's rounds, one more at the most clients with the loop's thread under cProfile:
     its functions (the loop's step among them) in the JSON's ``loop_profile``, not among the rows; refused without

@@ -299,7 +299,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
-        prompt_forwards=(None,), preparing=(None,), profile_loop: bool = False, prepare_stream: str = "off") -> dict:
+        prompt_forwards=(None,), preparing=(None,), profile_loop: bool = False, prepare_stream: str = "off",
+        ride_rows=(None,)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -309,7 +310,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing`` / ``prepare_stream``: with batching, the loop's `BatchLoop.launch_ahead` and
     ``prepare_stream`` ("on", "off" or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
-    None is the loop's default);
+    None is the loop's default); ``ride_rows``: the loop's ``ride_max_rows`` (a tuple, None its default);
     every combination gets its rounds, a client count's side by side. ``profile_loop``: with batching, one more
     round per mode at the most clients with the loop's thread under `cProfile` (its functions by own and by
     cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches)."""
@@ -357,11 +358,20 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     if not preparing or (not batching and preparing != (None,)):
         raise ValueError(f"preparing must be one or more of None / an int >= 1 (with batching), got {preparing!r}"
                          + ("" if batching else " without batching"))
+    ride_rows = tuple(ride_rows)
+    from ..batch_engine import check_ride_rows
+
+    for value in ride_rows:
+        check_ride_rows(value, "ride_rows")
+    if not ride_rows or (not batching and ride_rows != (None,)):
+        raise ValueError(f"ride_rows must be one or more of None / an int >= 1 (with batching), got {ride_rows!r}"
+                         + ("" if batching else " without batching"))
     streams = {"on": (True,), "off": (False,), "both": (False, True)}.get(prepare_stream)
     if streams is None or (not batching and prepare_stream != "off"):
         raise ValueError(f"prepare_stream must be 'on', 'off' or 'both' (with batching), got {prepare_stream!r}"
                          + ("" if batching else " without batching"))
-    variants = [(a, f, p, st) for a in aheads for f in prompt_forwards for p in preparing for st in streams]
+    variants = [(a, f, p, st, r) for a in aheads for f in prompt_forwards for p in preparing for st in streams
+                for r in ride_rows]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     device, previous_threads = claim_device(device, threads)
@@ -394,7 +404,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
-                             prepare_stream=prepare_stream,
+                             prepare_stream=prepare_stream, ride_rows=list(ride_rows),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -448,21 +458,24 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side)
-                for n, (ahead, forwards, prepare, side) in ((n, v) for n in clients for v in variants):
+                for n, (ahead, forwards, prepare, side, ride) in ((n, v) for n in clients for v in variants):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
                         [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
-                        ["own streams" if side else "one stream"] if len(streams) > 1 else [])
+                        ["own streams" if side else "one stream"] if len(streams) > 1 else []) + (
+                        [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else [])
                     series = ", ".join(parts)
                     if loop is not None:  # (between rounds: the loop has nothing running)
                         loop.launch_ahead, loop.max_prompt_forwards = ahead, forwards
                         loop.max_preparing, loop.prepare_stream = prepare, side
+                        loop.ride_max_rows = ride
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"] = series, collections
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
+                        row["ride_max_rows"] = ride
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -474,13 +487,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues and (ahead, forwards, prepare, side) == variants[0]:
+                    if n == 1 and dialogues and (ahead, forwards, prepare, side, ride) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
                     _write(result, json_path)
                 if profile_loop:
-                    loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.prepare_stream = variants[0]
+                    (loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.prepare_stream,
+                     loop.ride_max_rows) = variants[0]
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
                     result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
                     log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
@@ -587,6 +601,10 @@ def main(argv=None):
     parser.add_argument("--prepare-stream", choices=("on", "off", "both"), default="off",
                         help="with --batching: the loop prepares turns on CUDA streams of their own (on), on the "
                              "default stream (off, the default), or both side by side")
+    parser.add_argument("--ride-rows", type=_forwards, default=(None,), metavar="R[,R...]",
+                        help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
+                             "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
+                             "'any': the default)")
     parser.add_argument("--profile-loop", action="store_true",
                         help="with --batching: one more round per mode at the most clients with the loop's thread "
                              "under cProfile (its top functions in the log and the JSON's loop_profile)")
@@ -607,7 +625,7 @@ def main(argv=None):
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
-                   prepare_stream=args.prepare_stream,
+                   prepare_stream=args.prepare_stream, ride_rows=args.ride_rows,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)

@@ -412,13 +412,15 @@ class BatchedStepGraphs:
         chunk + 1: prompt pieces up to it ride in the captured steps), 0 where no prompt rides (`rides`)."""
         return width_bucket(config.max_chunk_size + 1, config) if self.rides else 0
 
-    def ride_rows(self, prefill, config: RaincheckConfig, width: int, sequences: int) -> int:
+    def ride_rows(self, prefill, config: RaincheckConfig, width: int, sequences: int,
+                  max_rows: int = RIDE_MAX_ROWS) -> int:
         """How many rows of a sequence's remaining prompt ``prefill`` (its `batched.RowGroup`: a continued
         conversation's leftover deferred rows, then the turn's rows) ride in this step's captured forward beside the
         decode rows (the whole prompt), or 0: it runs in a forward of its own after theirs (alone in a captured
         prefill step: `accepts`). ``width``: the step's rows per sequence so far (its widest decode group);
         ``sequences``: its sequences with this one. A prompt rides when it fits in `ride_width` (a follow-up
-        question) and the step stays within `RIDE_MAX_ROWS` rows (batch bucket x width), or is already as wide:
+        question) and the step stays within ``max_rows`` rows (batch bucket x width; `RIDE_MAX_ROWS` unless the
+        engine's ``ride_max_rows`` says otherwise), or is already as wide:
         there a forward of its own would cost one more pass over the weights, while beyond it every sequence of
         the step would pay the prompt's width."""
         rows = len(prefill)
@@ -426,7 +428,7 @@ class BatchedStepGraphs:
         if most == 0 or rows > most:
             return 0
         need = width_bucket(rows, config)
-        if need <= width_bucket(width, config) or batch_bucket(sequences) * need <= RIDE_MAX_ROWS:
+        if need <= width_bucket(width, config) or batch_bucket(sequences) * need <= max_rows:
             return rows
         return 0
 
