@@ -65,12 +65,17 @@ def graph_capture(graph, pool=None):
         yield
 
 
+def _on_cuda(device) -> bool:
+    """Whether ``device`` (a device, its name, or None: the current CUDA device) is a CUDA device."""
+    return device is None or torch.device(device).type == "cuda"
+
+
 class StreamOrder:
     """The order of the device work of the users of one set of static buffers (a captured graph's inputs and
     outputs) across CUDA streams. Each user, holding the buffers' lock, calls `wait` before its first kernel on them
     and `done` after its last (its outputs copied out): a user on another stream (`batch_loop.BatchLoop` prepares
     turns on streams of their own) then starts only after the one before it, as users of one stream do by their
-    queue's order. Costs an event record per use."""
+    queue's order. Costs an event record per use; off CUDA (a test's CPU replay) it does nothing."""
 
     __slots__ = ("_done",)
 
@@ -78,10 +83,12 @@ class StreamOrder:
         self._done = None
 
     def wait(self, device=None) -> None:
-        if self._done is not None:
+        if self._done is not None and _on_cuda(device):
             torch.cuda.current_stream(device).wait_event(self._done)
 
     def done(self, device=None) -> None:
+        if not _on_cuda(device):
+            return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         self._done = event
