@@ -342,30 +342,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     if aheads is None or (not batching and launch_ahead != "on"):
         raise ValueError(f"launch_ahead must be 'on', 'off' or 'both' (with batching), got {launch_ahead!r}"
                          + ("" if batching else " without batching"))
-    prompt_forwards = tuple(prompt_forwards)
-    from ..batch_engine import check_prompt_forwards
-
-    for value in prompt_forwards:
-        check_prompt_forwards(value, "prompt_forwards")
-    if not prompt_forwards or (not batching and prompt_forwards != (None,)):
-        raise ValueError(f"prompt_forwards must be one or more of None / an int >= 1 (with batching), got "
-                         f"{prompt_forwards!r}" + ("" if batching else " without batching"))
-    preparing = tuple(preparing)
+    from ..batch_engine import check_prompt_forwards, check_ride_rows
     from ..batch_loop import ArrivalGate
 
-    for value in preparing:
-        ArrivalGate._check(value, "preparing")
-    if not preparing or (not batching and preparing != (None,)):
-        raise ValueError(f"preparing must be one or more of None / an int >= 1 (with batching), got {preparing!r}"
-                         + ("" if batching else " without batching"))
-    ride_rows = tuple(ride_rows)
-    from ..batch_engine import check_ride_rows
-
-    for value in ride_rows:
-        check_ride_rows(value, "ride_rows")
-    if not ride_rows or (not batching and ride_rows != (None,)):
-        raise ValueError(f"ride_rows must be one or more of None / an int >= 1 (with batching), got {ride_rows!r}"
-                         + ("" if batching else " without batching"))
+    prompt_forwards = _loop_values(prompt_forwards, "prompt_forwards", check_prompt_forwards, batching)
+    preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
+    ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
     streams = {"on": (True,), "off": (False,), "both": (False, True)}.get(prepare_stream)
     if streams is None or (not batching and prepare_stream != "off"):
         raise ValueError(f"prepare_stream must be 'on', 'off' or 'both' (with batching), got {prepare_stream!r}"
@@ -549,6 +531,18 @@ def _version(package: str) -> str:
         return md.version(package)
     except md.PackageNotFoundError:
         return "?"
+
+
+def _loop_values(values, name: str, check, batching: bool) -> tuple:
+    """A loop setting's values to compare side by side (a tuple; None: the loop's default), each checked by
+    ``check(value, name)``; refused when empty, or other than ``(None,)`` without batching."""
+    values = tuple(values)
+    for value in values:
+        check(value, name)
+    if not values or (not batching and values != (None,)):
+        raise ValueError(f"{name} must be one or more of None / an int >= 1 (with batching), got {values!r}"
+                         + ("" if batching else " without batching"))
+    return values
 
 
 def _forwards(text: str) -> tuple:
