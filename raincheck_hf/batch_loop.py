@@ -370,8 +370,8 @@ class BatchLoop:
         launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
-        prepare_stream: on CUDA, prepare the turns on the asking threads (`prepare_ahead`) on a CUDA stream of their
-            own, one for the loop (the `prepare_stream` attribute): a preparation's reads of the device (its
+        prepare_stream: on CUDA (the default), prepare the turns on the asking threads (`prepare_ahead`) on a CUDA
+            stream of their own, one for the loop (the `prepare_stream` attribute): a preparation's reads of the device (its
             selection's, its plan's) then wait for the preparations' work only, not for the steps the loop queued
             meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its
             tensors are handed to the loop's stream when it is done (`_used_on`). Off: every preparation queues on the
@@ -379,9 +379,11 @@ class BatchLoop:
         ride_max_rows: on captured steps (attention families), the most rows (batch bucket x width) a decode step
             may grow to by a short prompt riding in it (the `ride_max_rows` attribute); None: the engine's default.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
-            first turn's vision tower, selection and plan; the `max_preparing` attribute); the others wait their turn
-            in the order they asked. None: every asking thread prepares at once (they share the interpreter's lock
-            and the device with each other and with the loop's thread, so all of them finish late together).
+            first turn's vision tower, selection and plan; the `max_preparing` attribute; default 1); the others wait
+            their turn in the order they asked, so the first asked joins first and the turns join one by one. None:
+            every asking thread prepares at once (they share the interpreter's lock and the device with each other
+            and with the loop's thread, so all of them finish late together and join in the same steps: more
+            tokens/s, later first tokens).
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
@@ -409,8 +411,8 @@ class BatchLoop:
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
-                 max_prompt_forwards: int | None = None, max_preparing: int | None = None,
-                 prepare_stream: bool = False, ride_max_rows: int | None = None):
+                 max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
+                 prepare_stream: bool = True, ride_max_rows: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards

@@ -495,13 +495,14 @@ def test_a_prompt_rides_while_the_step_stays_narrow(replay_log):
     engine = BatchEngine(model, cfg, num_slots=2, graphs=True)
     rides = engine.graphs.ride_rows
     prompt = [None] * 20  # (only its length counts)
+    assert batched_graphs.RIDE_MAX_ROWS == 1024
     assert rides(prompt, cfg, 1, 2) == 20  # 2 x 32 rows
-    assert rides(prompt, cfg, 1, 4) == 20  # 4 x 32
-    assert rides(prompt, cfg, 1, 5) == 0  # 8 x 32 > 128: a forward of its own
-    assert rides(prompt, cfg, 32, 32) == 20  # the step is 32 wide already (chunks ride in it)
-    assert rides(prompt, cfg, 8, 32) == 0
+    assert rides(prompt, cfg, 1, 32) == 20  # 32 x 32 = 1,024
+    assert rides(prompt, cfg, 1, 33) == 0  # 64 x 32 > 1,024: a forward of its own
+    assert rides(prompt, cfg, 32, 64) == 20  # the step is 32 wide already (chunks ride in it)
+    assert rides(prompt, cfg, 8, 64) == 0
     assert rides([None] * 33, cfg, 32, 2) == 0  # wider than any warmed step
-    assert batched_graphs.RIDE_MAX_ROWS == 128
+    assert rides(prompt, cfg, 1, 4, 128) == 20 and rides(prompt, cfg, 1, 5, 128) == 0  # 8 x 32 > 128
     assert rides(prompt, cfg, 1, 5, 256) == 20 and rides(prompt, cfg, 1, 9, 256) == 0  # 8 x 32 <= 256 < 16 x 32
     engine.close()
 
@@ -509,7 +510,7 @@ def test_a_prompt_rides_while_the_step_stays_narrow(replay_log):
 def test_ride_max_rows_is_checked_everywhere_it_is_set_and_reaches_the_engines_steps(replay_log):
     """``ride_max_rows`` (engine, loop): bad values refused with the setting named; the loop's value reaches its
     engines, also when set between steps; the engine's scheduler asks `ride_rows` with it: a 20-row prompt beside 5
-    decoding sequences (batch bucket 8 x width 32 = 256 rows) rides at 256 and not at the default 128."""
+    decoding sequences (batch bucket 8 x width 32 = 256 rows) rides at 256 and not at 128."""
     from raincheck_hf.batch_loop import BatchLoop
 
     model = family_model("qwen3_vl")
@@ -526,7 +527,9 @@ def test_ride_max_rows_is_checked_everywhere_it_is_set_and_reaches_the_engines_s
     try:
         ride = engine.scheduler.ride
         prompt = [None] * 20
-        assert ride(prompt, 1, 5) == 0 and asked[-1] == batched_graphs.RIDE_MAX_ROWS
+        assert ride(prompt, 1, 5) == 20 and asked[-1] == batched_graphs.RIDE_MAX_ROWS
+        engine.ride_max_rows = 128
+        assert ride(prompt, 1, 5) == 0 and asked[-1] == 128
         engine.ride_max_rows = 256
         assert ride(prompt, 1, 5) == 20 and asked[-1] == 256
         with pytest.raises(ValueError, match="BatchEngine.ride_max_rows must be"):

@@ -139,7 +139,8 @@ def test_settings_reject_bad_load_values(field, value):
                                           (["--max-prompt-forwards", "0"], "--max-prompt-forwards must be an integer "
                                            ">= 1, got 0 (unset: as many as the step's token budget gives)"),
                                           (["--max-preparing", "0"], "--max-preparing must be an integer >= 1, got 0 "
-                                           "(unset: every request's turn prepared at once)")])
+                                           "(None, 'all' on the command line: every request's turn prepared at "
+                                           "once)")])
 def test_cli_load_options_are_checked_and_named(argv, message):
     with pytest.raises(ValueError) as error:
         serve_settings(argv)
@@ -149,6 +150,9 @@ def test_cli_load_options_are_checked_and_named(argv, message):
     assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards, settings.max_preparing) == (
         2, 0, 2, 3)
     assert serve_settings([]).max_prompt_forwards is None
+    assert serve_settings([]).max_preparing == 1 and serve_settings(["--max-preparing", "all"]).max_preparing is None
+    with pytest.raises(SystemExit):  # argparse's own error for a value that is neither
+        serve_settings(["--max-preparing", "some"])
 
 
 # ---- through HTTP -----------------------------------------------------------------------------------------

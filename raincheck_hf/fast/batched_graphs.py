@@ -214,12 +214,14 @@ def decode_only(entries) -> bool:
     return torch.equal(kinds.cpu(), want)
 
 
-# the rows (batch bucket x width) a step may reach by a prompt riding in it (`ride_rows`): up to about this many rows a
-# decode step's time is its pass over the weights (arithmetic from published figures, not a measurement: an 8B
-# model's 16 GB read at the H200's 4.8 TB/s takes 3.3 ms, the time of ~120 rows of its matmuls at 16 GFLOP a row
-# if ~600 TFLOP/s are reached; both scale with the model), so a prompt that keeps the step within it costs little
-# there, where a forward of its own is one more pass over the weights
-RIDE_MAX_ROWS = 128
+# the rows (batch bucket x width) a step may reach by a prompt riding in it (`ride_rows`). Measured on the H200 at the
+# Qwen3-VL-8B shape (`bench serve-load --ride-rows any,1024`, the server's loop, one round each): a 32-row follow-up
+# riding in the decode step of 8 answers (256 rows) made that step 13.9 ms against 18.6 ms for the decode step
+# and the follow-up's own forward after it (its pass over the weights again, and the host's second launch); at 32
+# answers (1,024 rows) every step a follow-up rode in was wider (20.1 against 14.7 ms a replayed step) but the round
+# gave more tokens/s (901 against 879) and an earlier median first token (346 against 390 ms). Beyond 1,024 rows
+# (64 answers) a prompt runs in a forward of its own: not measured there
+RIDE_MAX_ROWS = 1024
 
 
 def _visual_rows_lead(group) -> bool:

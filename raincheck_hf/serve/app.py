@@ -68,8 +68,8 @@ class ServeSettings:
         max_prompt_forwards: with ``batching`` on captured steps, the most prompt-piece forwards in one step
             (`BatchLoop.max_prompt_forwards`); None: as many as ``max_batch_tokens`` gives.
         max_preparing: with ``batching``, the most turns prepared at once on the request threads (HF's preparation;
-            a first turn's vision tower, selection and plan: `BatchLoop.max_preparing`), the others in line in the
-            order they came; None: all at once.
+            a first turn's vision tower, selection and plan: `BatchLoop.max_preparing`; default 1), the others in
+            line in the order they came; None: all at once.
     """
 
     model_name: str = "qwen3_vl"
@@ -85,7 +85,7 @@ class ServeSettings:
     batching: bool = False
     max_batch_tokens: int = 2048
     max_prompt_forwards: int | None = None
-    max_preparing: int | None = None
+    max_preparing: int | None = 1
 
     def __post_init__(self):
         if not isinstance(self.batching, bool):
@@ -97,8 +97,8 @@ class ServeSettings:
                              f"(unset: as many as the step's token budget gives)")
         if self.max_preparing is not None and (isinstance(self.max_preparing, bool)
                                                or not isinstance(self.max_preparing, int) or self.max_preparing < 1):
-            raise ValueError(f"max_preparing must be an integer >= 1, got {self.max_preparing!r} (unset: every "
-                             f"request's turn prepared at once)")
+            raise ValueError(f"max_preparing must be an integer >= 1, got {self.max_preparing!r} (None, 'all' "
+                             f"on the command line: every request's turn prepared at once)")
         for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -79,10 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "does not ride beside the decode rows runs in a forward of its own, a pass over the weights, "
                            "and a step's tokens come after all of them); more prompts wait for the next step (default: "
                            "as many as --max-batch-tokens gives)")
-    load.add_argument("--max-preparing", type=int, default=None,
+    load.add_argument("--max-preparing", type=_count_or_all, default=1,
                       help="with --batching, the most requests' turns prepared at once (HF's preparation; a first "
-                           "turn's vision encoding, selection and plan), the others in line in the order they came "
-                           "(default: all at once)")
+                           "turn's vision encoding, selection and plan), the others in line in the order they came; "
+                           "'all': every request's at once (more tokens/s under a burst of new conversations, later "
+                           "first tokens; default %(default)s)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -151,6 +152,16 @@ def settings_from(args):
             if message.startswith(field_name + " "):
                 message = option + message[len(field_name):]
         raise ValueError(message) from None
+
+
+def _count_or_all(text: str):
+    """``--max-preparing``: an integer, or ``all`` (None: no limit)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1 or 'all', got {text!r}") from None
 
 
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",

@@ -64,7 +64,7 @@ class BatchScheduler(BatchLoop):
 
     def __init__(self, model, store, token_budget: int | None, default_config, on_step=None, on_restore=None,
                  on_handoff=None, on_join=None, max_prompt_forwards: int | None = None,
-                 max_preparing: int | None = None):
+                 max_preparing: int | None = 1):
         super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
                          on_handoff=on_handoff, on_join=on_join, max_prompt_forwards=max_prompt_forwards,
                          max_preparing=max_preparing)
