@@ -573,6 +573,9 @@ def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
     assert [(r["series"], r["ride_max_rows"]) for r in saved["rows"]] == [
         ("raincheck, riding up to default rows", None), ("raincheck, riding up to 256 rows", 256)]
     assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    # (the preparation settings left unset: the server's defaults)
+    assert saved["settings"]["preparing"] == [1] and saved["settings"]["prepare_stream"] == "on"
+    assert all(r["max_preparing"] == 1 and r["prepare_stream"] is True for r in saved["rows"])
     for bad, kwargs in (((0,), dict(batching=True)), ((True,), dict(batching=True)), ((), dict(batching=True)),
                         ((256,), {})):
         with pytest.raises(ValueError, match="ride_rows"):

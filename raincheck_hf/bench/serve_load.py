@@ -299,7 +299,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
-        prompt_forwards=(None,), preparing=(None,), profile_loop: bool = False, prepare_stream: str = "off",
+        prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
@@ -310,7 +310,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing`` / ``prepare_stream``: with batching, the loop's `BatchLoop.launch_ahead` and
     ``prepare_stream`` ("on", "off" or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
-    None is the loop's default); ``ride_rows``: the loop's ``ride_max_rows`` (a tuple, None its default);
+    None: the loop's default for ``max_prompt_forwards``, no limit for ``max_preparing``; ``preparing`` and
+    ``prepare_stream`` left None: the server's defaults with batching, 1 and "on"); ``ride_rows``: the loop's
+    ``ride_max_rows`` (a tuple, None its default);
     every combination gets its rounds, a client count's side by side. ``profile_loop``: with batching, one more
     round per mode at the most clients with the loop's thread under `cProfile` (its functions by own and by
     cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches)."""
@@ -342,6 +344,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     if aheads is None or (not batching and launch_ahead != "on"):
         raise ValueError(f"launch_ahead must be 'on', 'off' or 'both' (with batching), got {launch_ahead!r}"
                          + ("" if batching else " without batching"))
+    if preparing is None:  # (the server's own settings unless told otherwise)
+        preparing = (ServeSettings.max_preparing,) if batching else (None,)
+    if prepare_stream is None:
+        prepare_stream = "on" if batching else "off"
     from ..batch_engine import check_prompt_forwards, check_ride_rows
     from ..batch_loop import ArrivalGate
 
@@ -589,12 +595,13 @@ def main(argv=None):
     parser.add_argument("--prompt-forwards", type=_forwards, default=(None,), metavar="K[,K...]",
                         help="with --batching: the loop's max_prompt_forwards, one value or several side by side "
                              "(e.g. any,1,2; 'any': as many as the token budget gives, the default)")
-    parser.add_argument("--preparing", type=_forwards, default=(None,), metavar="K[,K...]",
+    parser.add_argument("--preparing", type=_forwards, default=None, metavar="K[,K...]",
                         help="with --batching: the loop's max_preparing (turns prepared at once on the asking threads, "
-                             "the others in line), one value or several side by side (e.g. any,1,2; 'any': no limit)")
-    parser.add_argument("--prepare-stream", choices=("on", "off", "both"), default="off",
-                        help="with --batching: the loop prepares turns on CUDA streams of their own (on), on the "
-                             "default stream (off, the default), or both side by side")
+                             "the others in line), one value or several side by side (e.g. any,1,2; 'any': no limit; "
+                             "default: the server's, 1)")
+    parser.add_argument("--prepare-stream", choices=("on", "off", "both"), default=None,
+                        help="with --batching: the loop prepares turns on CUDA streams of their own (on, the server's "
+                             "default), on the default stream (off), or both side by side")
     parser.add_argument("--ride-rows", type=_forwards, default=(None,), metavar="R[,R...]",
                         help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
                              "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
