@@ -62,7 +62,7 @@ from .batched import (DeviceToken, RestoringState, RowGroup, SequenceState, new_
                       start_sequences, token_rows)
 from .cache_utils import DeferredDynamicCache, to_device
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup, shared_chunk_cap
-from .configuration import RaincheckConfig
+from .configuration import RaincheckConfig, is_limit
 from .fast import batched_graphs
 from .fast.static_cache import StaticDeferredCache
 from .kv_pool import DEFAULT_SLOTS, SlotKVPool
@@ -145,14 +145,14 @@ class StepRecord(NamedTuple):
 
 def check_prompt_forwards(value, setting: str) -> None:
     """``max_prompt_forwards``: None, or an int >= 1 (see `RowScheduler`)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if not is_limit(value):
         raise ValueError(f"{setting} must be None (as many as the token budget gives) or an int >= 1 (prompt-piece "
                          f"forwards per step), got {value!r}.")
 
 
 def check_ride_rows(value, setting: str) -> None:
     """``ride_max_rows``: None, or an int >= 1 (see `BatchEngine`)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if not is_limit(value):
         raise ValueError(f"{setting} must be None (the default, {batched_graphs.RIDE_MAX_ROWS}) or an int >= 1 (rows "
                          f"a decode step may grow to by a prompt riding in it), got {value!r}.")
 
@@ -186,8 +186,7 @@ class RowScheduler:
 
     def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
                  ride=None, piece_forwards: bool = False, max_prompt_forwards: int | None = None):
-        if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
-                                         or token_budget < 1):
+        if not is_limit(token_budget):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
         check_prompt_forwards(max_prompt_forwards, "BatchEngine(max_prompt_forwards=...)")

@@ -70,7 +70,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
 from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
-from .configuration import RaincheckConfig
+from .configuration import RaincheckConfig, is_limit
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
 from .models import get_adapter
@@ -258,7 +258,7 @@ class ArrivalGate:
 
     @staticmethod
     def _check(limit, what: str) -> int | None:
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        if not is_limit(limit):
             raise ValueError(f"{what}: must be None or an int >= 1, got {limit!r}.")
         return limit
 
@@ -314,7 +314,7 @@ def _tensors_in(obj):
         if isinstance(item, torch.Tensor):
             yield item
             continue
-        if item is None or isinstance(item, (str, bytes, int, float, bool, torch.nn.Module, torch.dtype, torch.device,
+        if item is None or isinstance(item, (str, bytes, int, float, torch.nn.Module, torch.dtype, torch.device,
                                              type, PreTrainedTokenizerBase, ProcessorMixin)) or id(item) in seen:
             continue
         seen.add(id(item))
@@ -341,7 +341,7 @@ def _used_on(obj, stream) -> None:
 
 
 def _check_budget(value, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if not is_limit(value):
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
 
 

@@ -19,6 +19,12 @@ AUTO = "auto"
 CHUNK_LADDER = (7, 15, 31, 63)
 
 
+def is_limit(value) -> bool:
+    """Whether ``value`` is a limit setting's: None (no limit, or the setting's default) or an int >= 1 (a bool is not
+    taken for an int). Each caller raises its own error, naming its setting."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
 def parse_chunk_size(value) -> int | str:
     """A ``chunk_size`` from a command line or a list: ``"auto"``, else an integer (`RaincheckConfig` checks
     its range); a text that is neither raises ValueError (argparse reports it with the option's name)."""

@@ -32,7 +32,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache_utils import to_device
-from ..configuration import RaincheckConfig
+from ..configuration import RaincheckConfig, is_limit
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
 from .metrics import Metrics
@@ -90,15 +90,11 @@ class ServeSettings:
     def __post_init__(self):
         if not isinstance(self.batching, bool):
             raise ValueError(f"batching must be True or False, got {self.batching!r}")
-        if self.max_prompt_forwards is not None and (isinstance(self.max_prompt_forwards, bool)
-                                                     or not isinstance(self.max_prompt_forwards, int)
-                                                     or self.max_prompt_forwards < 1):
-            raise ValueError(f"max_prompt_forwards must be an integer >= 1, got {self.max_prompt_forwards!r} "
-                             f"(unset: as many as the step's token budget gives)")
-        if self.max_preparing is not None and (isinstance(self.max_preparing, bool)
-                                               or not isinstance(self.max_preparing, int) or self.max_preparing < 1):
-            raise ValueError(f"max_preparing must be an integer >= 1, got {self.max_preparing!r} (None, 'all' "
-                             f"on the command line: every request's turn prepared at once)")
+        for name, none_means in (("max_prompt_forwards", "unset: as many as the step's token budget gives"),
+                                 ("max_preparing", "None, 'all' on the command line: every request's turn prepared "
+                                                   "at once")):
+            if not is_limit(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r} ({none_means})")
         for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
