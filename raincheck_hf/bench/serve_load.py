@@ -340,10 +340,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
-    aheads = {"on": (True,), "off": (False,), "both": (True, False)}.get(launch_ahead)
-    if aheads is None or (not batching and launch_ahead != "on"):
-        raise ValueError(f"launch_ahead must be 'on', 'off' or 'both' (with batching), got {launch_ahead!r}"
-                         + ("" if batching else " without batching"))
+    aheads = _switch_values(launch_ahead, "launch_ahead", "on", (True, False), batching)
     if preparing is None:  # (the server's own settings unless told otherwise)
         preparing = (ServeSettings.max_preparing,) if batching else (None,)
     if prepare_stream is None:
@@ -354,10 +351,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     prompt_forwards = _loop_values(prompt_forwards, "prompt_forwards", check_prompt_forwards, batching)
     preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
-    streams = {"on": (True,), "off": (False,), "both": (False, True)}.get(prepare_stream)
-    if streams is None or (not batching and prepare_stream != "off"):
-        raise ValueError(f"prepare_stream must be 'on', 'off' or 'both' (with batching), got {prepare_stream!r}"
-                         + ("" if batching else " without batching"))
+    streams = _switch_values(prepare_stream, "prepare_stream", "off", (False, True), batching)
     variants = [(a, f, p, st, r) for a in aheads for f in prompt_forwards for p in preparing for st in streams
                 for r in ride_rows]
     if profile_loop and not batching:
@@ -454,9 +448,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else [])
                     series = ", ".join(parts)
                     if loop is not None:  # (between rounds: the loop has nothing running)
-                        loop.launch_ahead, loop.max_prompt_forwards = ahead, forwards
-                        loop.max_preparing, loop.prepare_stream = prepare, side
-                        loop.ride_max_rows = ride
+                        _apply_variant(loop, (ahead, forwards, prepare, side, ride))
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"] = series, collections
@@ -481,8 +473,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                                                              for t in dialogues[0]]
                     _write(result, json_path)
                 if profile_loop:
-                    (loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.prepare_stream,
-                     loop.ride_max_rows) = variants[0]
+                    _apply_variant(loop, variants[0])
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
                     result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
                     log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
@@ -537,6 +528,23 @@ def _version(package: str) -> str:
         return md.version(package)
     except md.PackageNotFoundError:
         return "?"
+
+
+def _switch_values(value: str, name: str, without_batching: str, both: tuple, batching: bool) -> tuple:
+    """An on / off switch of the loop compared side by side: ``value`` "on", "off" or "both" (``both``: the two in
+    the rows' order); without batching only ``without_batching`` (what the per-turn server does) is taken."""
+    values = {"on": (True,), "off": (False,), "both": both}.get(value)
+    if values is None or (not batching and value != without_batching):
+        raise ValueError(f"{name} must be 'on', 'off' or 'both' (with batching), got {value!r}"
+                         + ("" if batching else " without batching"))
+    return values
+
+
+def _apply_variant(loop, variant: tuple) -> None:
+    """Set ``loop``'s settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards,
+    max_preparing, prepare_stream, ride_max_rows)``."""
+    (loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.prepare_stream,
+     loop.ride_max_rows) = variant
 
 
 def _loop_values(values, name: str, check, batching: bool) -> tuple:
