@@ -376,6 +376,10 @@ class BatchLoop:
             meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its
             tensors are handed to the loop's stream when it is done (`_used_on`). Off: every preparation queues on the
             default stream.
+        prepare_priority: ``"normal"`` (the default) or ``"high"``: with ``prepare_stream`` on CUDA, the preparations'
+            stream at the device's highest priority (the `prepare_priority` attribute): the device schedules their
+            kernels (the vision tower's, the selection's) before the steps' kernels queued on the default stream, so a
+            turn asked while answers run gets its first token sooner and the running answers' steps wait that long.
         ride_max_rows: on captured steps (attention families), the most rows (batch bucket x width) a decode step
             may grow to by a short prompt riding in it (the `ride_max_rows` attribute); None: the engine's default.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
@@ -412,7 +416,7 @@ class BatchLoop:
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
-                 prepare_stream: bool = True, ride_max_rows: int | None = None):
+                 prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
@@ -422,7 +426,8 @@ class BatchLoop:
         if not isinstance(prepare_stream, bool):
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
         self.prepare_stream = prepare_stream
-        self._side_stream = None  # (`_preparation_stream`: made on first use)
+        self.prepare_priority = prepare_priority  # (checked by the property)
+        self._side_streams: dict[str, object] = {}  # (`_preparation_stream`: one per priority, made on first use)
         self._side_lock = threading.Lock()
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
@@ -729,6 +734,20 @@ class BatchLoop:
     def max_preparing(self, value: int | None) -> None:
         self._preparing.limit = value
 
+    PRIORITIES = ("normal", "high")
+
+    @property
+    def prepare_priority(self) -> str:
+        """The preparations' stream priority with `prepare_stream` on CUDA: ``"normal"`` or ``"high"`` (may be changed
+        between turns; a turn being prepared keeps the stream it started on)."""
+        return self._prepare_priority
+
+    @prepare_priority.setter
+    def prepare_priority(self, value: str) -> None:
+        if not isinstance(value, str) or value not in self.PRIORITIES:
+            raise ValueError(f"BatchLoop(prepare_priority={value!r}) must be 'normal' or 'high'.")
+        self._prepare_priority = value
+
     @property
     def ride_max_rows(self) -> int | None:
         """The most rows a captured decode step may grow to by a short prompt riding in it (`BatchEngine`'s
@@ -844,12 +863,17 @@ class BatchLoop:
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 
     def _preparation_stream(self):
-        """The CUDA stream turns are prepared on with `prepare_stream`: one per loop (made on first use), so that the
-        preparations' memory stays in one pool of the caching allocator besides the default stream's."""
+        """The CUDA stream turns are prepared on with `prepare_stream`: one per loop and `prepare_priority` (made on
+        first use), so that the preparations' memory stays in one pool of the caching allocator besides the default
+        stream's."""
+        priority = self.prepare_priority
         with self._side_lock:
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=self.adapter.device)
-            return self._side_stream
+            stream = self._side_streams.get(priority)
+            if stream is None:
+                # (torch maps a priority beyond the device's range to the nearest it has: -100 is its highest)
+                stream = torch.cuda.Stream(device=self.adapter.device, priority=-100 if priority == "high" else 0)
+                self._side_streams[priority] = stream
+            return stream
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""

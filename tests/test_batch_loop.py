@@ -738,3 +738,12 @@ def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model,
         assert_same_turn(turn, want[k], f"turn {k}")
     with pytest.raises(ValueError, match=r"BatchLoop\(prepare_stream='yes'\) must be True or False"):
         BatchLoop(model, prepare_stream="yes")
+    for bad in ("highest", 1, None):
+        with pytest.raises(ValueError, match=r"BatchLoop\(prepare_priority=.*\) must be 'normal' or 'high'"):
+            BatchLoop(model, prepare_priority=bad)
+    with BatchLoop(model, prepare_priority="high") as loop:  # (on the CPU no stream is made: the setting is kept)
+        assert loop.prepare_priority == "high"
+        loop.prepare_priority = "normal"
+        with pytest.raises(ValueError, match="prepare_priority"):
+            loop.prepare_priority = "low"
+        assert loop.prepare_priority == "normal"

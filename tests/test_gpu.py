@@ -1556,9 +1556,11 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
     batched_graphs.release_all()
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
-def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
-    """`BatchLoop(prepare_stream=True)` on CUDA (fp32; captured batched steps, mmtok's captured greedy selection, the
+@pytest.mark.parametrize("name,priority", [("qwen3_vl", "normal"), ("qwen3_vl", "high"), ("qwen3_5", "normal"),
+                                           ("qwen3_5", "high")])
+def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, priority):
+    """`BatchLoop(prepare_stream=True)` on CUDA, the preparations' stream at normal and at the highest priority
+    (``prepare_priority``) (fp32; captured batched steps, mmtok's captured greedy selection, the
     vision tower's captured graph): while one conversation's long answer keeps the loop's steps queued on the default
     stream, three first turns with images (one size: they share the tower's and the selection's graphs) are asked
     from threads at once and prepared on streams of their own, then each asks a follow-up, one with a new image
@@ -1580,8 +1582,10 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
     asks = {0: [("Describe it.", [images[0]], 40)],
             **{i: [("What is in this image?", [images[i]], 6), ("And the corner?", [images[4]] if i == 1 else [], 5)]
                for i in (1, 2, 3)}}
-    with BatchLoop(model, config=cfg, prepare_stream=True) as loop:
-        assert loop.prepare_stream
+    with BatchLoop(model, config=cfg, prepare_stream=True, prepare_priority=priority) as loop:
+        assert loop.prepare_stream and loop.prepare_priority == priority
+        least, greatest = torch.cuda.Stream.priority_range()
+        assert loop._preparation_stream().priority == (greatest if priority == "high" else 0), (least, greatest)
         convs = {i: Conversation(model, processor, cfg, background=False, loop=loop) for i in asks}
         errors = []
 
@@ -1611,9 +1615,10 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name):
             for turn, (question, imgs, _) in zip(got, asks[i]):
                 want = alone.ask(question, images=imgs, max_new_tokens=turn.token_ids.numel(),
                                  raincheck_chunk_schedule=list(turn.trace.chunk_size_per_forward), **kw)
-                assert torch.equal(turn.token_ids, want.token_ids), (name, i, turn.token_ids, want.token_ids)
+                assert torch.equal(turn.token_ids, want.token_ids), (name, priority, i, turn.token_ids,
+                                                                     want.token_ids)
                 for a, b in zip(turn.output.logits, want.output.logits):
-                    assert (a - b).abs().max() <= 1e-3 + 1e-3 * b.abs().max(), (name, i)
+                    assert (a - b).abs().max() <= 1e-3 + 1e-3 * b.abs().max(), (name, priority, i)
     batched_graphs.release_all()
 
 

@@ -13,6 +13,7 @@ import json
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -554,9 +555,18 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     for bad, kwargs in (((0,), dict(batching=True)), ((), dict(batching=True)), ((1,), {})):
         with pytest.raises(ValueError, match="preparing"):
             serve_load.run(clients=(1,), preparing=bad, **kwargs)
-    for bad, kwargs in (("sometimes", dict(batching=True)), ("on", {})):
+    for bad, kwargs in (("sometimes", dict(batching=True)), ("on", {}), ("on,on", dict(batching=True)),
+                        ("high,", dict(batching=True))):
         with pytest.raises(ValueError, match="prepare_stream must be"):
             serve_load.run(clients=(1,), prepare_stream=bad, **kwargs)
+    assert serve_load._stream_values("on,high", True) == (True, "high")
+    assert serve_load._stream_values("both", True) == (False, True)
+    assert serve_load._stream_values("off", False) == (False,)
+    loop = types.SimpleNamespace()
+    serve_load._apply_variant(loop, (True, None, 1, "high", None))
+    assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
+    serve_load._apply_variant(loop, (True, None, 1, False, None))
+    assert (loop.prepare_stream, loop.prepare_priority) == (False, "normal")
 
 
 def test_serve_load_compares_ride_limits_side_by_side(tmp_path):

@@ -309,7 +309,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing`` / ``prepare_stream``: with batching, the loop's `BatchLoop.launch_ahead` and
-    ``prepare_stream`` ("on", "off" or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
+    ``prepare_stream`` ("on", "off", "high", several comma-separated, or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
     None: the loop's default for ``max_prompt_forwards``, no limit for ``max_preparing``; ``preparing`` and
     ``prepare_stream`` left None: the server's defaults with batching, 1 and "on"); ``ride_rows``: the loop's
     ``ride_max_rows`` (a tuple, None its default);
@@ -351,7 +351,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     prompt_forwards = _loop_values(prompt_forwards, "prompt_forwards", check_prompt_forwards, batching)
     preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
-    streams = _switch_values(prepare_stream, "prepare_stream", "off", (False, True), batching)
+    streams = _stream_values(prepare_stream, batching)
     variants = [(a, f, p, st, r) for a in aheads for f in prompt_forwards for p in preparing for st in streams
                 for r in ride_rows]
     if profile_loop and not batching:
@@ -444,7 +444,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
                         [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
-                        ["own streams" if side else "one stream"] if len(streams) > 1 else []) + (
+                        [_STREAM_NAMES[side]] if len(streams) > 1 else []) + (
                         [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else [])
                     series = ", ".join(parts)
                     if loop is not None:  # (between rounds: the loop has nothing running)
@@ -540,11 +540,29 @@ def _switch_values(value: str, name: str, without_batching: str, both: tuple, ba
     return values
 
 
+_STREAM_NAMES = {False: "one stream", True: "own streams", "high": "own high-priority streams"}
+
+
+def _stream_values(value: str, batching: bool) -> tuple:
+    """``prepare_stream``'s values compared side by side: comma-separated "off" (the default stream), "on" (streams of
+    their own) and "high" (of their own, at the device's highest priority), or "both" ("off,on"); without batching
+    only "off" (the per-turn server prepares in its turn's thread)."""
+    names = {"off": False, "on": True, "high": "high"}
+    parts = ["off", "on"] if value == "both" else [p.strip() for p in str(value).split(",")]
+    if not parts or any(p not in names for p in parts) or len(set(parts)) < len(parts) or (
+            not batching and parts != ["off"]):
+        raise ValueError(f"prepare_stream must be 'both' or comma-separated 'off', 'on', 'high' (with batching), got "
+                         f"{value!r}" + ("" if batching else " without batching"))
+    return tuple(names[p] for p in parts)
+
+
 def _apply_variant(loop, variant: tuple) -> None:
     """Set ``loop``'s settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards,
-    max_preparing, prepare_stream, ride_max_rows)``."""
-    (loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.prepare_stream,
-     loop.ride_max_rows) = variant
+    max_preparing, prepare_stream, ride_max_rows)``, ``prepare_stream`` False, True or "high" (`_stream_values`)."""
+    ahead, forwards, preparing, stream, ride = variant
+    loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.ride_max_rows = ahead, forwards, preparing, ride
+    loop.prepare_stream = bool(stream)
+    loop.prepare_priority = "high" if stream == "high" else "normal"
 
 
 def _loop_values(values, name: str, check, batching: bool) -> tuple:
@@ -607,9 +625,10 @@ def main(argv=None):
                         help="with --batching: the loop's max_preparing (turns prepared at once on the asking threads, "
                              "the others in line), one value or several side by side (e.g. any,1,2; 'any': no limit; "
                              "default: the server's, 1)")
-    parser.add_argument("--prepare-stream", choices=("on", "off", "both"), default=None,
+    parser.add_argument("--prepare-stream", default=None, metavar="on|off|high[,...]|both",
                         help="with --batching: the loop prepares turns on CUDA streams of their own (on, the server's "
-                             "default), on the default stream (off), or both side by side")
+                             "default), on the default stream (off), on streams of their own at the device's highest "
+                             "priority (high); several comma-separated side by side ('both': off,on)")
     parser.add_argument("--ride-rows", type=_forwards, default=(None,), metavar="R[,R...]",
                         help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
                              "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
