@@ -73,7 +73,10 @@ def batching_server(glyph):
 
     model, processor = glyph
     app = create_app(model, processor, ServeSettings(model_name="glyph", max_tokens=16, max_running=2, max_queue=4,
-                                                     batching=True, max_batch_tokens=48))
+                                                     batching=True, max_batch_tokens=48, max_preparing=2,
+                                                     prepare_priority="high"))
+    loop = app.state.server.scheduler  # (the settings given to the loop; the priority does nothing on a CPU)
+    assert (loop.max_preparing, loop.prepare_priority, loop.token_budget) == (2, "high", 48)
     with running(app) as base:
         yield base, app.state.server
 

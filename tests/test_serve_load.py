@@ -154,6 +154,14 @@ def test_cli_load_options_are_checked_and_named(argv, message):
     assert serve_settings([]).max_preparing == 1 and serve_settings(["--max-preparing", "all"]).max_preparing is None
     with pytest.raises(SystemExit):  # argparse's own error for a value that is neither
         serve_settings(["--max-preparing", "some"])
+    assert serve_settings([]).prepare_priority == "normal"
+    assert serve_settings(["--prepare-priority", "high"]).prepare_priority == "high"
+    with pytest.raises(SystemExit):
+        serve_settings(["--prepare-priority", "urgent"])
+    from raincheck_hf.serve import ServeSettings
+
+    with pytest.raises(ValueError, match="prepare_priority must be 'normal' or 'high', got 'urgent'"):
+        ServeSettings(prepare_priority="urgent")
 
 
 # ---- through HTTP -----------------------------------------------------------------------------------------

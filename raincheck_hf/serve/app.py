@@ -70,6 +70,9 @@ class ServeSettings:
         max_preparing: with ``batching``, the most turns prepared at once on the request threads (HF's preparation;
             a first turn's vision tower, selection and plan: `BatchLoop.max_preparing`; default 1), the others in
             line in the order they came; None: all at once.
+        prepare_priority: with ``batching`` on CUDA, the priority of the stream turns are prepared on
+            (`BatchLoop.prepare_priority`): ``"normal"`` or ``"high"`` (a new turn's vision tower and selection go
+            before the running answers' queued steps).
     """
 
     model_name: str = "qwen3_vl"
@@ -86,10 +89,13 @@ class ServeSettings:
     max_batch_tokens: int = 2048
     max_prompt_forwards: int | None = None
     max_preparing: int | None = 1
+    prepare_priority: str = "normal"
 
     def __post_init__(self):
         if not isinstance(self.batching, bool):
             raise ValueError(f"batching must be True or False, got {self.batching!r}")
+        if self.prepare_priority not in ("normal", "high"):
+            raise ValueError(f"prepare_priority must be 'normal' or 'high', got {self.prepare_priority!r}")
         for name, none_means in (("max_prompt_forwards", "unset: as many as the step's token budget gives"),
                                  ("max_preparing", "None, 'all' on the command line: every request's turn prepared "
                                                    "at once")):
@@ -293,7 +299,8 @@ class Server:
                                             on_step=self.metrics.step, on_restore=self.metrics.restored,
                                             on_handoff=self.handoff.flush, on_join=self.metrics.joined,
                                             max_prompt_forwards=settings.max_prompt_forwards,
-                                            max_preparing=settings.max_preparing)
+                                            max_preparing=settings.max_preparing,
+                                            prepare_priority=settings.prepare_priority)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

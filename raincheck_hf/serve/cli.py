@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "turn's vision encoding, selection and plan), the others in line in the order they came; "
                            "'all': every request's at once (more tokens/s under a burst of new conversations, later "
                            "first tokens; default %(default)s)")
+    load.add_argument("--prepare-priority", choices=("normal", "high"), default="normal",
+                      help="with --batching on CUDA, the priority of the stream new turns are prepared on: 'high' "
+                           "puts a new conversation's vision encoding and selection before the running answers' "
+                           "queued steps (its first token sooner, theirs a step later; default %(default)s)")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -145,6 +149,7 @@ def settings_from(args):
             max_batch_tokens=args.max_batch_tokens,
             max_prompt_forwards=args.max_prompt_forwards,
             max_preparing=args.max_preparing,
+            prepare_priority=args.prepare_priority,
         )
     except ValueError as error:
         message = str(error)
@@ -166,7 +171,7 @@ def _count_or_all(text: str):
 
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
             "max_batch_tokens": "--max-batch-tokens", "max_prompt_forwards": "--max-prompt-forwards",
-            "max_preparing": "--max-preparing",
+            "max_preparing": "--max-preparing", "prepare_priority": "--prepare-priority",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",
