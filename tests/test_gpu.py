@@ -1569,6 +1569,7 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
     the preparations' tensors, used on the loop's stream after their streams' memory is handed on, come out right."""
     import threading
     import time
+    import traceback
 
     from raincheck_hf import BatchLoop, Conversation
     from raincheck_hf.fast import batched_graphs
@@ -1593,8 +1594,8 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
             try:
                 for question, imgs, n in asks[i]:
                     convs[i].ask(question, images=imgs, max_new_tokens=n, min_new_tokens=n, **kw)
-            except BaseException as error:  # noqa: BLE001 - reported below
-                errors.append(error)
+            except BaseException as error:  # noqa: BLE001 - reported below, with where it was raised
+                errors.append("".join(traceback.format_exception(error)))
 
         long = threading.Thread(target=dialogue, args=(0,))
         long.start()
@@ -1605,7 +1606,7 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
             t.start()
         for t in [long, *others]:
             t.join()
-        assert not errors, errors
+        assert not errors, "\n".join(errors)
         turns = {i: list(c.turns) for i, c in convs.items()}
         for c in convs.values():
             c.close()
@@ -1613,7 +1614,8 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
     for i, got in turns.items():
         with Conversation(model, processor, eager, background=False) as alone:
             for turn, (question, imgs, _) in zip(got, asks[i]):
-                want = alone.ask(question, images=imgs, max_new_tokens=turn.token_ids.numel(),
+                n = turn.token_ids.numel()  # (min_new_tokens as asked: the reference's EOS comes no sooner)
+                want = alone.ask(question, images=imgs, max_new_tokens=n, min_new_tokens=n,
                                  raincheck_chunk_schedule=list(turn.trace.chunk_size_per_forward), **kw)
                 assert torch.equal(turn.token_ids, want.token_ids), (name, priority, i, turn.token_ids,
                                                                      want.token_ids)
