@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
+#   bash benchmarks/h200_run.sh streams    # the GPU test of turns prepared on side streams, STREAMS_RUNS times
 #   bash benchmarks/h200_run.sh cold_start # issue 31: a fresh process to its first answer, first ever and with the caches
 #   bash benchmarks/h200_run.sh defaults31 # issue 31: default settings vs full / stock at 64, 128, 512-token answers
 #   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
@@ -73,6 +74,15 @@ serve_load)
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"
+    ;;
+streams)
+    # the GPU test of turns prepared on streams of their own (both families, both priorities), STREAMS_RUNS times over
+    # with its cases in parallel (the load under which a capture on a preparing thread met the loop's steps)
+    for i in $(seq "${STREAMS_RUNS:-3}"); do
+        timeout "${STREAMS_S:-180}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short -n 4 \
+            -k prepared_on_streams > "$OUT/gpu_streams_${i}_h200.log" 2>&1
+        grep -E "passed|failed" "$OUT/gpu_streams_${i}_h200.log" | tail -1
+    done
     ;;
 cold_start)
     # issue 31: seconds from a fresh process's start to its first answer, on an empty cache folder and then with
