@@ -71,6 +71,7 @@ from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
 from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
 from .configuration import RaincheckConfig, is_limit
+from .fast.scoping import device_work
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
 from .models import get_adapter
@@ -625,67 +626,84 @@ class BatchLoop:
     def _loop(self) -> None:
         with torch.no_grad():
             while True:
-                self._handoff()  # what the last iteration streamed and ended, to the consumers at once
-                if self._ahead is not None:
-                    # a step launched ahead runs on the device: its tokens first (arrivals, cancellations and tasks
-                    # wait for it: nothing joins or leaves an engine while it has a step in flight)
-                    engine, logits = self._ahead
-                    self._ahead = None
-                    # (a turn whose streamer failed while it ran has left: it takes no token)
-                    self._complete(engine, {seq: row for seq, row in logits.items() if seq in self._jobs})
-                    if self._ahead is None:
-                        self.step_log.finished(time.perf_counter())
-                    continue
-                with self._wake:
-                    if self._closed:
-                        break
-                    arrivals = list(self._incoming)
-                    self._incoming.clear()
-                    tasks = list(self._tasks)
-                    self._tasks.clear()
-                for fn, holder, finished in tasks:
-                    self._run_task(fn, holder, finished)
-                for job in arrivals:
-                    began, cpu = time.perf_counter(), time.thread_time()
-                    self._join(job)
-                    self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
-                self._leave_cancelled()
-                engine = self._next_engine()
-                if engine is not None:
-                    began = time.perf_counter()
-                    self._restore_beside(engine)
-                    self._spent("restore", time.perf_counter() - began)
-                    self._step(engine)
-                    if self._ahead is None:  # (else the step open now is the one launched ahead)
-                        self.step_log.finished(time.perf_counter())
-                    continue
-                self.step_log.idle(time.perf_counter())
-                for conv in list(self._restoring):  # no answer left: back to idle-time restoration
-                    self._stop_restoring(conv, keep=True)
-                if self._restore_idle():
-                    continue
-                self._handoff()
-                with self._wake:
-                    if not self._incoming and not self._tasks and not self._closed:
-                        self._wake.wait(self.IDLE_WAIT_S)
-            for conv in list(self._restoring):
-                self._stop_restoring(conv, keep=False)
-            with self._wake:
-                left, tasks = list(self._incoming), list(self._tasks)
-                self._incoming.clear()
-                self._tasks.clear()
-            for job in list(self._jobs.values()):
-                self._drop(job.seq)
-                self._end(job, error=self._closed_error(running=True))
-            for job in left:
-                self._end(job, error=self._closed_error(running=False))
-            for _, holder, finished in tasks:
-                holder["error"] = self._closed_error(running=False)
-                finished.set()
-            for engine in self._engines:  # every sequence has left: pools and graphs back for the model
-                engine.close()
-            self._engines = []
-            self._handoff()
+                # (its device work beside the preparing threads'; a capture on any thread waits for the iteration's
+                # end, and the iteration for the capture: `fast.scoping.device_work`)
+                with device_work():
+                    went = self._iteration()
+                if went == "closed":
+                    break
+                if went == "idle":
+                    self._handoff()
+                    with self._wake:
+                        if not self._incoming and not self._tasks and not self._closed:
+                            self._wake.wait(self.IDLE_WAIT_S)
+            with device_work():
+                self._wind_down()
+
+    def _iteration(self) -> str:
+        """One pass of the loop: ``"closed"`` (it stops), ``"idle"`` (nothing ran: it waits for work), or ``"ran"``."""
+        self._handoff()  # what the last iteration streamed and ended, to the consumers at once
+        if self._ahead is not None:
+            # a step launched ahead runs on the device: its tokens first (arrivals, cancellations and tasks
+            # wait for it: nothing joins or leaves an engine while it has a step in flight)
+            engine, logits = self._ahead
+            self._ahead = None
+            # (a turn whose streamer failed while it ran has left: it takes no token)
+            self._complete(engine, {seq: row for seq, row in logits.items() if seq in self._jobs})
+            if self._ahead is None:
+                self.step_log.finished(time.perf_counter())
+            return "ran"
+        with self._wake:
+            if self._closed:
+                return "closed"
+            arrivals = list(self._incoming)
+            self._incoming.clear()
+            tasks = list(self._tasks)
+            self._tasks.clear()
+        for fn, holder, finished in tasks:
+            self._run_task(fn, holder, finished)
+        for job in arrivals:
+            began, cpu = time.perf_counter(), time.thread_time()
+            self._join(job)
+            self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
+        self._leave_cancelled()
+        engine = self._next_engine()
+        if engine is not None:
+            began = time.perf_counter()
+            self._restore_beside(engine)
+            self._spent("restore", time.perf_counter() - began)
+            self._step(engine)
+            if self._ahead is None:  # (else the step open now is the one launched ahead)
+                self.step_log.finished(time.perf_counter())
+            return "ran"
+        self.step_log.idle(time.perf_counter())
+        for conv in list(self._restoring):  # no answer left: back to idle-time restoration
+            self._stop_restoring(conv, keep=True)
+        if self._restore_idle():
+            return "ran"
+        return "idle"
+
+    def _wind_down(self) -> None:
+        """After the loop stops: every turn still running or waiting ends with an error, every task too, and the
+        engines give their pools back."""
+        for conv in list(self._restoring):
+            self._stop_restoring(conv, keep=False)
+        with self._wake:
+            left, tasks = list(self._incoming), list(self._tasks)
+            self._incoming.clear()
+            self._tasks.clear()
+        for job in list(self._jobs.values()):
+            self._drop(job.seq)
+            self._end(job, error=self._closed_error(running=True))
+        for job in left:
+            self._end(job, error=self._closed_error(running=False))
+        for _, holder, finished in tasks:
+            holder["error"] = self._closed_error(running=False)
+            finished.set()
+        for engine in self._engines:  # every sequence has left: pools and graphs back for the model
+            engine.close()
+        self._engines = []
+        self._handoff()
 
     def _spent(self, what: str, seconds: float, cpu: float = 0.0) -> None:
         self.step_log.spent(what, seconds, cpu)
@@ -843,22 +861,27 @@ class BatchLoop:
         stream = self._preparation_stream() if self.prepare_stream and device.type == "cuda" else None
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
-            try:
-                with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                    grids, prepared, _ = self._prepare(job, None)
-                    state = None
-                    if job.conversation.cache is None:
-                        # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the turn)
-                        state = new_sequence(self.model, self.adapter, job.config, -1,
-                                             prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
-                    job.ahead = (prepared, state, grids)
-            except Exception as error:  # the turn's media, settings or processors: raised when it joins
-                job.ahead = error
-            finally:
-                if stream is not None:
-                    stream.synchronize()  # (its work done before the loop reads any of it)
-            if stream is not None and not isinstance(job.ahead, BaseException):
-                _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
+            # (device work beside the loop's, its synchronisation and hand-over included: a capture on any thread
+            # waits for it to end, `fast.scoping.device_work`)
+            with device_work():
+                try:
+                    on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                    with torch.no_grad(), on_stream:
+                        grids, prepared, _ = self._prepare(job, None)
+                        state = None
+                        if job.conversation.cache is None:
+                            # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the
+                            # turn)
+                            state = new_sequence(self.model, self.adapter, job.config, -1,
+                                                 prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
+                        job.ahead = (prepared, state, grids)
+                except Exception as error:  # the turn's media, settings or processors: raised when it joins
+                    job.ahead = error
+                finally:
+                    if stream is not None:
+                        stream.synchronize()  # (its work done before the loop reads any of it)
+                if stream is not None and not isinstance(job.ahead, BaseException):
+                    _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 

@@ -21,6 +21,13 @@ would record each other's kernels into their graphs). `graph_capture` is the one
 pauses Python's automatic garbage collector for the capture, since a collection that frees a dead CUDA graph
 (one left in a reference cycle by a closed engine or a released pool) calls a CUDA function a capture forbids,
 and that invalidates the capture being recorded.
+
+`CAPTURE_LOCK` is the exclusive side of a gate (`DeviceGate`) whose shared side, `device_work`, is held by the
+threads that do device work beside each other: a batching loop's thread between its waits, and the threads that
+prepare turns for it. A capture waits until none of them is inside, and they wait while one runs: a capture on one
+thread with another thread's device calls in flight was seen to fail ("operation not permitted when stream is
+capturing") even with thread-local capture errors (a first use of a kernel loads its module, for one, which a
+capture does not allow anywhere in the process).
 """
 
 from __future__ import annotations
@@ -34,7 +41,88 @@ import torch
 from ..patching import CountedPatches, patched, patched_for_thread
 from .context import STEP, StepScope, active_scope  # noqa: F401 (active_scope: asked here by callers)
 
-CAPTURE_LOCK = threading.RLock()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
+class DeviceGate:
+    """Device work of several threads at once (`shared`), or one thread capturing CUDA graphs alone (the gate used as
+    a context manager: exclusive, reentrant for its holder). A thread inside `shared` that asks for the exclusive
+    side leaves its shared hold while it holds it (so two such threads never wait for each other) and takes it back
+    after; threads waiting for the exclusive side go before new shared holders (a loop that steps without pause
+    does not keep a capture waiting). Never wait inside `shared` for another thread that may be waiting here."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0  # threads inside `shared`
+        self._owner = None  # the exclusive holder's thread id
+        self._depth = 0  # its nesting
+        self._waiting = 0  # threads waiting for the exclusive side
+        self._local = threading.local()  # this thread's `shared` nesting, and what it left for the exclusive side
+
+    @contextlib.contextmanager
+    def shared(self):
+        me = threading.get_ident()
+        depth = getattr(self._local, "depth", 0)
+        if self._owner == me or depth:  # (inside already, or the exclusive holder: nothing to wait for)
+            self._local.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._local.depth -= 1
+            return
+        with self._cond:
+            while self._owner is not None or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    def __enter__(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+        held = getattr(self._local, "depth", 0)  # (a `shared` holder asking: its hold is given up meanwhile)
+        with self._cond:
+            if held:
+                self._shared -= 1
+                self._cond.notify_all()
+            self._waiting += 1
+            try:
+                while self._owner is not None or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._owner, self._depth = me, 1
+        self._local.left = held
+        self._local.depth = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth:
+                return
+            self._owner = None
+            held = getattr(self._local, "left", 0)
+            if held:  # (its shared hold back at once: it was inside before it asked)
+                self._shared += 1
+            self._cond.notify_all()
+        self._local.depth, self._local.left = held, 0
+
+    @property
+    def holders(self) -> tuple[int, int | None]:
+        """``(threads inside shared, the exclusive holder's thread id or None)`` (what a test reads)."""
+        with self._cond:
+            return self._shared, self._owner
+
+
+CAPTURE_LOCK = DeviceGate()  # held for a whole capture (warm-up, capture, bookkeeping) of any graph
+device_work = CAPTURE_LOCK.shared  # held by threads doing device work beside others (a batching loop, its preparations)
 _PAUSES = [0]  # nested `paused_collector` scopes (under CAPTURE_LOCK)
 
 

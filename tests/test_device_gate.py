@@ -1,0 +1,196 @@
+"""`fast.scoping.DeviceGate`: device work of several threads at once, or one thread capturing alone.
+
+The batching loop's thread and the threads preparing turns for it hold the shared side (`device_work`); every graph
+capture holds the exclusive side (`CAPTURE_LOCK`). These tests drive the gate with plain threads and events (no
+device), and check that the loop and its preparations hold the shared side while they work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from raincheck_hf.fast.scoping import CAPTURE_LOCK, DeviceGate, device_work
+
+WAIT = 5.0  # seconds a test waits for something that must happen (never reached when it works)
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def _thread(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_shared_holders_work_at_once_and_a_capture_waits_for_them_all():
+    gate = DeviceGate()
+    inside, release = threading.Barrier(3), threading.Event()
+    order = []
+
+    def worker(name):
+        with gate.shared():
+            inside.wait(WAIT)  # (both workers are inside at once, with the test's thread)
+            release.wait(WAIT)
+            order.append(name)
+
+    workers = [_thread(lambda n=n: worker(n)) for n in ("a", "b")]
+    inside.wait(WAIT)
+    assert gate.holders == (2, None)
+
+    def capture():
+        with gate:
+            order.append("capture")
+
+    capturing = _thread(capture)
+    _until(lambda: gate._waiting == 1, "the capture to wait")
+    time.sleep(0.02)
+    assert order == []  # (it waits while anyone is inside)
+    release.set()
+    for t in [*workers, capturing]:
+        t.join(WAIT)
+    assert sorted(order[:2]) == ["a", "b"] and order[2] == "capture"
+    assert gate.holders == (0, None)
+
+
+def test_new_shared_holders_wait_behind_a_waiting_capture():
+    """A capture asked while a thread is inside goes before threads that ask for the shared side after it (a loop
+    that steps without pause does not keep it waiting)."""
+    gate = DeviceGate()
+    entered, leave = threading.Event(), threading.Event()
+    order = []
+
+    def first():
+        with gate.shared():
+            entered.set()
+            leave.wait(WAIT)
+        order.append("first out")
+
+    def capture():
+        with gate:
+            order.append("capture")
+
+    def later():
+        with gate.shared():
+            order.append("later")
+
+    threads = [_thread(first)]
+    entered.wait(WAIT)
+    threads.append(_thread(capture))
+    _until(lambda: gate._waiting == 1, "the capture to wait")
+    threads.append(_thread(later))
+    time.sleep(0.02)
+    assert "later" not in order  # (behind the waiting capture)
+    leave.set()
+    for t in threads:
+        t.join(WAIT)
+    assert order.index("capture") < order.index("later"), order
+
+
+def test_a_capture_shuts_out_shared_work_and_is_reentrant():
+    gate = DeviceGate()
+    captured, done = threading.Event(), threading.Event()
+    order = []
+
+    def capture():
+        with gate:
+            with gate:  # (a capture inside a capture's bookkeeping: the same holder)
+                with gate.shared():  # (the holder's own device work: nothing to wait for)
+                    captured.set()
+                    done.wait(WAIT)
+                    order.append("capture")
+
+    def work():
+        with gate.shared():
+            order.append("work")
+
+    capturing = _thread(capture)
+    captured.wait(WAIT)
+    assert gate.holders == (0, capturing.ident)
+    working = _thread(work)
+    time.sleep(0.02)
+    assert order == []  # (it waits for the capture)
+    done.set()
+    for t in (capturing, working):
+        t.join(WAIT)
+    assert order == ["capture", "work"] and gate.holders == (0, None)
+
+
+def test_shared_holders_asking_to_capture_give_up_their_hold_meanwhile():
+    """Two threads inside the shared side both ask for the exclusive side (each a capture in the middle of its work):
+    each leaves its hold while it waits and captures (else each would wait for the other forever), one after the
+    other, and each is back inside after its capture."""
+    gate = DeviceGate()
+    both_in = threading.Barrier(2)
+    captures, after = [], {}
+
+    def worker(name):
+        with gate.shared():
+            both_in.wait(WAIT)
+            with gate:
+                captures.append(name)
+                assert gate.holders[0] == 0  # (no one inside while it captures)
+            after[name] = gate._local.depth  # (its hold back: inside again)
+
+    workers = [_thread(lambda n=n: worker(n)) for n in ("a", "b")]
+    for t in workers:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in workers)
+    assert sorted(captures) == ["a", "b"] and after == {"a": 1, "b": 1}
+    assert gate.holders == (0, None)
+
+
+def test_an_error_inside_either_side_leaves_the_gate_open():
+    gate = DeviceGate()
+    with pytest.raises(RuntimeError):
+        with gate.shared():
+            raise RuntimeError("a step failed")
+    with pytest.raises(RuntimeError):
+        with gate.shared():
+            with gate:
+                raise RuntimeError("a capture failed")
+    assert gate.holders == (0, None) and gate._local.depth == 0
+    finished = []
+    t = _thread(lambda: (gate.__enter__(), gate.__exit__(None, None, None), finished.append(True)))
+    t.join(WAIT)
+    assert finished == [True]
+
+
+def test_the_batching_loop_and_its_preparations_work_inside_the_shared_side(monkeypatch):
+    """The loop's thread holds `device_work` while it steps and streams; a turn prepared on the asking thread
+    (`BatchLoop.prepare_ahead`) holds it while it is made; the process's captures (`CAPTURE_LOCK`) are its exclusive
+    side."""
+    from raincheck_hf import BatchLoop, Conversation, batch_loop
+    from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image
+
+    assert device_work.__self__ is CAPTURE_LOCK
+    model, processor = build_tiny_qwen3_vl(), build_tiny_processor()
+    seen = {"prepare": [], "stream": []}
+    made = batch_loop.new_sequence
+
+    def watched(*args, **kwargs):
+        seen["prepare"].append(CAPTURE_LOCK._local.__dict__.get("depth", 0))
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(batch_loop, "new_sequence", watched)
+
+    class Streamer:
+        def put(self, value):
+            seen["stream"].append(CAPTURE_LOCK._local.__dict__.get("depth", 0))
+
+        def end(self):
+            pass
+
+    with BatchLoop(model) as loop, Conversation(model, processor, background=False, loop=loop) as conv:
+        conv.ask("What is in this image?", images=[draw_test_image()], max_new_tokens=3, streamer=Streamer())
+        assert seen["prepare"] == [1]  # (on the asking thread, inside)
+        assert len(seen["stream"]) >= 3 and all(d >= 1 for d in seen["stream"])  # (on the loop's thread, inside)
+    assert CAPTURE_LOCK.holders == (0, None)
