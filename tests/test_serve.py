@@ -526,6 +526,14 @@ def test_a_follow_up_does_not_process_its_resent_image_again(client, served, gly
     second = ask(client, messages)
     assert cached.processed == seen and second[2]["reused"]
     assert [first[0], second[0]] == reference(glyph, d.image(), questions)
+    # forgotten (what `bench serve-load` does between rounds): the same picture decoded and processed again, the
+    # answer unchanged
+    decoded = len(server.images)
+    server.forget_media()
+    assert len(server.images) == 0 and not cached._entries
+    again = ask(client, [first_message(data_url(d.image()), questions[0])])
+    assert cached.processed == seen + 1 and len(server.images) == 1 and decoded >= 1
+    assert again[0] == first[0]
 
 
 def test_a_request_may_ask_for_auto_chunks_and_keeps_the_servers_compile_setting():

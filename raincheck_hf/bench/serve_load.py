@@ -432,6 +432,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 steps = None if loop is None else loop.step_stats(recent=LOOP_RECENT_STEPS)
                 collections = pauses.summary()  # (before the collection between rounds below)
                 server.store.close()  # the next round starts with nothing held
+                server.forget_media()  # ... and its images decoded and processed again, as new clients' are
                 gc.collect()
                 return [d for d in out if d is not None], errors, steps, collections
 

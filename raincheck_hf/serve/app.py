@@ -36,7 +36,7 @@ from ..configuration import RaincheckConfig, is_limit
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
 from .metrics import Metrics
-from .protocol import (APIError, ChatRequest, DecodedImages, Limits, bad, parse_chat_request,
+from .protocol import (APIError, ChatRequest, DecodedImages, Limits, ProcessedImages, bad, parse_chat_request,
                        with_processed_images)
 from .store import ConversationStore, ServedConversation
 
@@ -313,6 +313,15 @@ class Server:
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.eos_ids.add(tok.convert_tokens_to_ids("<|im_end|>"))
+
+    def forget_media(self) -> None:
+        """Forget the images decoded and processed so far (`protocol.DecodedImages`, `protocol.ProcessedImages`): the
+        next request's images are decoded and processed as a new client's are. Conversations held keep their caches
+        (a benchmark's rounds each start as new clients do: `bench serve-load`)."""
+        self.images.clear()
+        processed = getattr(self.processor, "image_processor", None)
+        if isinstance(processed, ProcessedImages):
+            processed.clear()
 
     # ---- preparing a turn (CPU, before the model) ------------------------------------------------
     def prepare(self, body, arrived: float) -> _Turn:

@@ -241,6 +241,11 @@ class DecodedImages:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        """Forget every decoded image (the next request decodes its images again)."""
+        with self._lock:
+            self._entries.clear()
+
 
 class ProcessedImages:
     """An image processor (``inner``) that keeps its output per image: a follow-up resends the conversation's images,
@@ -298,6 +303,11 @@ class ProcessedImages:
             return outputs[0]
         joined = {k: torch.cat([o[k] for o in outputs]) for k in outputs[0].keys()}
         return type(outputs[0])(data=joined)
+
+    def clear(self) -> None:
+        """Forget every processed image (the next request processes its images again)."""
+        with self._lock:
+            self._entries.clear()
 
     def _process(self, images, kwargs: dict):
         """``inner``'s output for ``images``, counted in ``processed``."""
