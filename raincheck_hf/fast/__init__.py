@@ -27,7 +27,9 @@
   the captured steps (element-wise work fused).
 - `scoping`: those hooks and the few-query attention act only for the thread running the step
   (a context variable; the shared modules and config look stock to every other thread), and graph
-  captures are serialised (`CAPTURE_LOCK`), so chats in several threads can share one model.
+  captures are serialised (`CAPTURE_LOCK`), so chats in several threads can share one model; a capture
+  also waits for a batching loop's iteration and its turns' preparations to end (`device_work`, the
+  shared side of the same `DeviceGate`), and they for it.
 - `few_query_attention` (`attention`): inside captured steps of ``sdpa`` models, attention for a
   decode token or a fused chunk as two batched matmuls over the key/value heads (stock SDPA's
   masked kernel was ~2 ms of a 10 ms decode step on the H200); prefills keep stock SDPA.
