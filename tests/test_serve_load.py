@@ -600,6 +600,41 @@ def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
             serve_load.run(clients=(1,), ride_rows=bad, **kwargs)
 
 
+def test_serve_load_repeats_rounds_in_alternating_order_and_reports_their_medians(tmp_path, monkeypatch):
+    """``--rounds 3 --prepare-stream on,high``: each client count's two variants three times, A B, B A, A B (a round's
+    place in the order falls on both alike), a row each with its ``round``; the medians over the rounds per series
+    and client count in ``medians``, equal to the median of its rows; every round's images decoded again (the server
+    forgets them between rounds, as new clients bring theirs); ``rounds`` checked before compute."""
+    import statistics
+
+    from raincheck_hf.bench import serve_load
+    from raincheck_hf.serve import protocol
+
+    decoded, decode = [], protocol.decode_image
+    monkeypatch.setattr(protocol, "decode_image", lambda *a, **k: decoded.append(1) or decode(*a, **k))
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, prepare_stream="on,high", rounds=3)
+    assert len(decoded) == 6 * 2  # (six rounds, two clients' pictures each: their follow-ups resend them, decoded once)
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["rounds"] == 3
+    own, high = "raincheck, own streams", "raincheck, own high-priority streams"
+    assert [(r["series"], r["round"], r["prepare_stream"]) for r in saved["rows"]] == [
+        (own, 0, True), (high, 0, "high"), (high, 1, "high"), (own, 1, True), (own, 2, True), (high, 2, "high")]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    medians = {m["series"]: m for m in saved["medians"]}
+    assert set(medians) == {own, high} and all(m["rounds"] == 3 and m["clients"] == 2 for m in medians.values())
+    for series, m in medians.items():
+        for key in serve_load.MEDIAN_KEYS:
+            assert m[key] == statistics.median(r[key] for r in saved["rows"] if r["series"] == series), key
+    assert any(line == "medians over the rounds" for line in lines)
+    assert any("(round 3)" in line for line in lines)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="rounds must be an integer >= 1"):
+            serve_load.run(clients=(1,), rounds=bad)
+
+
 def test_serve_load_profiles_the_loops_thread_in_a_round_of_its_own(tmp_path):
     """``--profile-loop``: after a mode's rounds, one more at the most clients with the loop's thread under cProfile:
     its functions (the loop's step among them) in the JSON's ``loop_profile``, not among the rows; refused without

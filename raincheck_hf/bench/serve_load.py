@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import gc
 import io
+import statistics
 import sys
 import time
 
@@ -231,13 +232,40 @@ def _ms(x):
     return "–" if x is None else f"{x * 1e3:.1f}"
 
 
+MEDIAN_KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "turn1_ttft_p50_s")
+
+
+def round_medians(rows: list[dict]) -> list[dict]:
+    """Per series and client count (in the rows' first order), the median over its rounds of each of `MEDIAN_KEYS`
+    (rounds without a figure left out), with ``rounds`` (how many) and ``errors`` (over all of them)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row.get("series", row["mode"]), row["clients"]), []).append(row)
+    out = []
+    for (series, clients), group in groups.items():
+        med = {"series": series, "mode": group[0]["mode"], "clients": clients, "rounds": len(group),
+               "errors": sum(r["errors"] for r in group)}
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in group if r.get(key) is not None]
+            med[key] = statistics.median(values) if values else None
+        out.append(med)
+    return out
+
+
 def print_table(result: dict, log=print) -> None:
-    log("| mode | clients | tokens/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) | turn-1 TTFT p50 (ms) | errors |")
-    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in result["rows"]:
-        rate = "–" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.1f}"
-        log(f"| {r.get('series', r['mode'])} | {r['clients']} | {rate} | {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} | "
-            f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p95_s'])} | {_ms(r['turn1_ttft_p50_s'])} | {r['errors']} |")
+    medians = result.get("medians")
+    for title, rows in (("", result["rows"]), ("medians over the rounds", medians or [])):
+        if not rows:
+            continue
+        if title:
+            log(title)
+        log("| mode | clients | tokens/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) | turn-1 TTFT p50 (ms) | errors |")
+        log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            rate = "–" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:.1f}"
+            log(f"| {r.get('series', r['mode'])} | {r['clients']} | {rate} | {_ms(r['ttft_p50_s'])} / "
+                f"{_ms(r['ttft_p95_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p95_s'])} | "
+                f"{_ms(r['turn1_ttft_p50_s'])} | {r['errors']} |")
     for mode, o in result.get("overhead", {}).items():
         log(f"one client, {mode}: server T1 {_ms(o['server_ttft_s'])} ms vs library {_ms(o['library_ttft_s'])} ms, "
             f"TPOT {_ms(o['server_tpot_s'])} vs {_ms(o['library_tpot_s'])} ms")
@@ -250,9 +278,9 @@ def plot(result: dict, path: str) -> None:
     plt = _pyplot()
     fig, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4))
     colours = {"raincheck": "#d62728", "full": "#1f77b4"}
-    for mode in dict.fromkeys(r.get("series", r["mode"]) for r in result["rows"]):
-        rows = [r for r in result["rows"]
-                if r.get("series", r["mode"]) == mode and r["output_tokens_per_s"] is not None]
+    drawn = result.get("medians") or result["rows"]  # (several rounds: their medians)
+    for mode in dict.fromkeys(r.get("series", r["mode"]) for r in drawn):
+        rows = [r for r in drawn if r.get("series", r["mode"]) == mode and r["output_tokens_per_s"] is not None]
         x = [r["clients"] for r in rows]
         colour = colours.get(mode)  # (a series beside others of its mode: the plot's own colours)
         rate.plot(x, [r["output_tokens_per_s"] for r in rows], "o-", color=colour, label=mode)
@@ -300,7 +328,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
-        ride_rows=(None,)) -> dict:
+        ride_rows=(None,), rounds: int = 1) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -313,7 +341,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     None: the loop's default for ``max_prompt_forwards``, no limit for ``max_preparing``; ``preparing`` and
     ``prepare_stream`` left None: the server's defaults with batching, 1 and "on"); ``ride_rows``: the loop's
     ``ride_max_rows`` (a tuple, None its default);
-    every combination gets its rounds, a client count's side by side. ``profile_loop``: with batching, one more
+    every combination gets its rounds, a client count's side by side. ``rounds``: each client count's variants that many
+    times, in turn and in reverse order every other time (A B, B A, ...: a round's place in the order, its caches'
+    warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
+    the rounds (``medians``, what the plot draws). ``profile_loop``: with batching, one more
     round per mode at the most clients with the loop's thread under `cProfile` (its functions by own and by
     cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches)."""
     from ..integration import enable
@@ -332,6 +363,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                          f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
     if model_name not in shapes.MODELS and model_name not in BUNDLED:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     if switch_interval is not None and (isinstance(switch_interval, bool)
                                         or not isinstance(switch_interval, (int, float))
                                         or not 0 < switch_interval <= 1):
@@ -386,7 +419,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
-                             prepare_stream=prepare_stream, ride_rows=list(ride_rows),
+                             prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -440,8 +473,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if warmup:
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
-                # (a client count's variants side by side)
-                for n, (ahead, forwards, prepare, side, ride) in ((n, v) for n in clients for v in variants):
+                # (a client count's variants side by side, every other round in reverse order)
+                for n, r, (ahead, forwards, prepare, side, ride) in (
+                        (n, r, v) for n in clients for r in range(rounds)
+                        for v in (variants if r % 2 == 0 else variants[::-1])):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
                         [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
@@ -452,7 +487,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         _apply_variant(loop, (ahead, forwards, prepare, side, ride))
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
-                    row["series"], row["gc"] = series, collections
+                    row["series"], row["gc"], row["round"] = series, collections, r
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
@@ -461,14 +496,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         row["loop"] = steps
                     result["rows"].append(row)
                     rate = row["output_tokens_per_s"]
-                    log(f"[serve-load] {series} x{n}: {rate or float('nan'):.1f} tokens/s, TTFT p50 "
+                    log(f"[serve-load] {series} x{n}{f' (round {r + 1})' if rounds > 1 else ''}: "
+                        f"{rate or float('nan'):.1f} tokens/s, TTFT p50 "
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
                     if steps is not None:
                         log(f"[serve-load] {series} x{n} loop: {loop_summary(steps)}")
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues and (ahead, forwards, prepare, side, ride) == variants[0]:
+                    if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -508,6 +544,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         "tpot_s": None if server_tpot is None or lib_tpot is None else server_tpot - lib_tpot,
                         "ttft_ratio": server_ttft / lib_ttft if server_ttft and lib_ttft else None,
                         "tpot_ratio": server_tpot / lib_tpot if server_tpot and lib_tpot else None}
+        if rounds > 1:
+            result["medians"] = round_medians(result["rows"])
         result["lengths_ok"] = all(r["completion_tokens"] == r["clients"] * sum(lengths) for r in result["rows"])
         result["elapsed_s"] = time.perf_counter() - started
         _write(result, json_path)
@@ -634,6 +672,9 @@ def main(argv=None):
                         help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
                              "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
                              "'any': the default)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each client count's variants this many times, every other time in reverse order (A B, "
+                             "B A, ...), a row each; with more than one, the medians over them too (default 1)")
     parser.add_argument("--profile-loop", action="store_true",
                         help="with --batching: one more round per mode at the most clients with the loop's thread "
                              "under cProfile (its top functions in the log and the JSON's loop_profile)")
@@ -654,7 +695,7 @@ def main(argv=None):
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
-                   prepare_stream=args.prepare_stream, ride_rows=args.ride_rows,
+                   prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
