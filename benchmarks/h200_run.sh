@@ -68,10 +68,11 @@ serve_load)
     # max_prompt_forwards side by side; PREPARING=any,1,2: its max_preparing side by side; PROFILE=1: one more round
     # at the most clients with the loop's thread under cProfile; STREAMS=both: turns prepared on the default stream and
     # on streams of their own, side by side (STREAMS=on,high: at normal and at the highest priority); RIDE=any,256: the
-    # loop's ride_max_rows side by side; ROUNDS=3: each client count's variants three times, A B / B A, with medians)
+    # loop's ride_max_rows side by side; ROUNDS=3: each client count's variants three times, A B / B A, with medians;
+    # TRACE=1: one more round at the most clients under torch.profiler, the preparations marked, the trace kept)
     M="${LOAD_MODEL:-qwen3_vl_8b}"
     timeout "${LOAD_S:-400}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
-        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${ROUNDS:+--rounds $ROUNDS} \
+        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"

@@ -715,3 +715,80 @@ def test_client_pool_reports_a_failing_client_and_still_starts_the_others():
         for n in (2, 1):
             out, errors = pool.round([task] * n, timeout=120)
             assert out == [None] * n and len(errors) == n and all("Connection" in e for e in errors), errors
+
+
+def test_trace_summary_reduces_a_trace_to_streams_and_preparation_windows():
+    """`trace_round.trace_summary` on a hand-made trace: device events per stream with their busy time (overlaps
+    counted once), the top kernels, each preparation range's wall time and each stream's busy time within it, and
+    per kind the medians; operator events and ranges of other names are not preparations."""
+    from raincheck_hf.bench.trace_round import PREPARE, trace_summary
+
+    def x(name, cat, ts, dur, stream=None):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur,
+                **({"args": {"stream": stream}} if stream is not None else {})}
+
+    trace = {"traceEvents": [
+        x(f"{PREPARE}.first", "user_annotation", 0, 1000),
+        x(f"{PREPARE}.first", "user_annotation", 2000, 500),
+        x(f"{PREPARE}.follow_up", "user_annotation", 3000, 100),
+        x("raincheck.other", "user_annotation", 0, 5000),
+        x("aten::mm", "cpu_op", 0, 5000),
+        x("gemm", "kernel", 100, 300, stream=7),  # in the first window
+        x("gemm", "kernel", 300, 300, stream=7),  # overlaps it: 100-600 busy in all
+        x("tower", "kernel", 900, 200, stream=20),  # half in the first window
+        x("copy", "gpu_memcpy", 2100, 100, stream=20),  # in the second window
+        {"ph": "i", "name": "instant", "ts": 0},
+    ]}
+    out = trace_summary(trace)
+    assert out["span_ms"] == 5.0 and out["preparations"] == 3
+    assert out["streams"]["7"]["events"] == 2 and out["streams"]["7"]["busy_ms"] == 0.5
+    assert out["streams"]["7"]["busy_share"] == 0.1
+    assert out["streams"]["7"]["top_kernels_ms"] == [("gemm", 0.6)]
+    assert out["streams"]["20"]["busy_ms"] == 0.3
+    first, second, follow = out["preparation_windows"]
+    assert (first["kind"], first["wall_ms"], first["busy_ms"]) == ("first", 1.0, {"7": 0.5, "20": 0.1})
+    assert second["busy_ms"] == {"7": 0.0, "20": 0.1} and follow["busy_ms"] == {"7": 0.0, "20": 0.0}
+    medians = out["preparation_medians"]
+    assert medians["first"] == {"preparations": 2, "wall_ms": 0.75, "busy_ms": {"7": 0.25, "20": 0.1}}
+    assert medians["follow_up"]["preparations"] == 1
+    assert trace_summary({"traceEvents": []}) == {"span_ms": None, "streams": {}, "preparations": 0,
+                                                  "preparation_medians": {}, "preparation_windows": []}
+
+
+def test_serve_load_traces_a_round_of_its_own_with_the_preparations_marked(tmp_path):
+    """``--trace-round --trace-file``: after the mode's rounds, one more at the most clients under torch.profiler,
+    every thread's operators included: each turn's preparation a range of its kind (two first turns, four
+    follow-ups), the summary in the JSON's ``trace`` (not among the rows), the trace kept gzipped; the loop's
+    ``prepare_ahead`` is its class's again after; bad combinations refused before compute."""
+    import gzip
+
+    from raincheck_hf.bench import serve_load, trace_round
+
+    path, lines, kept = tmp_path / "load.json", [], tmp_path / "trace.json.gz"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, trace_round=True, trace_path=str(kept))
+    saved = json.loads(path.read_text())
+    assert [r["clients"] for r in saved["rows"]] == [2]
+    traced = saved["trace"]["raincheck"]
+    assert traced["errors"] == 0 and traced["clients"] == 2 and traced["output_tokens_per_s"] > 0
+    if traced["all_threads"]:  # (a torch that profiles every thread: the preparations' ranges are in the trace)
+        assert traced["preparations"] == 6
+        assert {k: m["preparations"] for k, m in traced["preparation_medians"].items()} == {"first": 2, "follow_up": 4}
+    assert "raincheck.prepare" in traced["operators"] or not traced["all_threads"]
+    file = tmp_path / "trace.json_raincheck.gz"
+    assert traced["file"] == str(file) and json.loads(gzip.decompress(file.read_bytes()))["traceEvents"]
+    assert any("preparations" in line for line in lines)
+    for kwargs, message in ((dict(trace_round=True), "needs batching"),
+                            (dict(batching=True, trace_path="x.gz"), "set trace_round too")):
+        with pytest.raises(ValueError, match=message):
+            serve_load.run(clients=(1,), **kwargs)
+
+    class Loop:
+        def prepare_ahead(self, job):
+            return "class"
+
+    loop = Loop()
+    with trace_round.labelled_preparations(loop):
+        assert "prepare_ahead" in vars(loop)
+    assert "prepare_ahead" not in vars(loop) and loop.prepare_ahead(None) == "class"

@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import gc
 import io
+import os
 import statistics
 import sys
 import time
@@ -328,7 +329,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
-        ride_rows=(None,), rounds: int = 1) -> dict:
+        ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
@@ -346,7 +347,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
     the rounds (``medians``, what the plot draws). ``profile_loop``: with batching, one more
     round per mode at the most clients with the loop's thread under `cProfile` (its functions by own and by
-    cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches)."""
+    cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches). ``trace_round``: with
+    batching, one more round per mode at the most clients under `torch.profiler` (`trace_round.traced_round`: per
+    CUDA stream how busy it was, and within each turn's preparation; ``trace``, not among the rows), its trace kept
+    gzipped at ``trace_path`` (the mode's name put before the extension) when given."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -389,6 +393,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 for r in ride_rows]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
+    if (trace_round or trace_path) and not batching:
+        raise ValueError("trace_round traces the batching loop's preparations: it needs batching")
+    if trace_path and not trace_round:
+        raise ValueError("trace_path keeps the trace of trace_round's round: set trace_round too")
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
@@ -517,6 +525,25 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"{profile['output_tokens_per_s'] or float('nan'):.1f} tokens/s under the profiler; "
                         f"{profile['calls']} calls, {profile['seconds']:.2f} s of functions")
                     for line in profile_lines(profile):
+                        log(f"[serve-load]   {line}")
+                    _write(result, json_path)
+                if trace_round:
+                    from .trace_round import trace_lines, traced_round
+
+                    _apply_variant(loop, variants[0])
+                    kept = None
+                    if trace_path:
+                        root, ext = os.path.splitext(trace_path)
+                        kept = f"{root}_{mode}{ext}"
+                    traced = traced_round(loop, lambda: round_of(mode, max(clients)), kept)
+                    dialogues, errors = traced.pop("played")[:2]
+                    row = load_row(mode, max(clients), dialogues, errors)
+                    result.setdefault("trace", {})[mode] = dict(traced, clients=max(clients), file=kept,
+                                                                output_tokens_per_s=row["output_tokens_per_s"],
+                                                                errors=len(errors))
+                    rate = row["output_tokens_per_s"] or float("nan")
+                    log(f"[serve-load] {mode} x{max(clients)}, traced: {rate:.1f} tokens/s under the profiler")
+                    for line in trace_lines(traced):
                         log(f"[serve-load]   {line}")
                     _write(result, json_path)
         if library:
@@ -675,6 +702,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=1,
                         help="each client count's variants this many times, every other time in reverse order (A B, "
                              "B A, ...), a row each; with more than one, the medians over them too (default 1)")
+    parser.add_argument("--trace-round", action="store_true",
+                        help="with --batching: one more round per mode at the most clients under torch.profiler: how "
+                             "busy each CUDA stream was over it and within each turn's preparation (log and JSON)")
+    parser.add_argument("--trace-file", default=None, metavar="PATH",
+                        help="with --trace-round: keep the round's trace there, gzipped (the mode's name before the "
+                             "extension; open it in Perfetto)")
     parser.add_argument("--profile-loop", action="store_true",
                         help="with --batching: one more round per mode at the most clients with the loop's thread "
                              "under cProfile (its top functions in the log and the JSON's loop_profile)")
@@ -696,6 +729,7 @@ def main(argv=None):
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
+                   trace_round=args.trace_round, trace_path=args.trace_file,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
