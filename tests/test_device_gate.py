@@ -194,3 +194,34 @@ def test_the_batching_loop_and_its_preparations_work_inside_the_shared_side(monk
         assert seen["prepare"] == [1]  # (on the asking thread, inside)
         assert len(seen["stream"]) >= 3 and all(d >= 1 for d in seen["stream"])  # (on the loop's thread, inside)
     assert CAPTURE_LOCK.holders == (0, None)
+
+
+def test_a_shared_holder_interrupted_while_it_waits_to_capture_keeps_its_hold(monkeypatch):
+    """An exception while a shared holder waits for the exclusive side (an interrupt) leaves it inside as it was:
+    the count its own shared section takes back on leaving stays right, and the gate opens for others after."""
+    gate = DeviceGate()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with gate.shared():
+            entered.set()
+            leave.wait(WAIT)
+
+    t = _thread(other)
+    entered.wait(WAIT)
+
+    def interrupted(timeout=None):
+        raise KeyboardInterrupt
+
+    with gate.shared():
+        monkeypatch.setattr(gate._cond, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with gate:  # (the other thread is inside: it waits, and is interrupted)
+                pass
+        monkeypatch.undo()
+        assert gate.holders == (2, None) and gate._waiting == 0
+    leave.set()
+    t.join(WAIT)
+    assert gate.holders == (0, None)
+    with gate:
+        assert gate.holders[1] == threading.get_ident()

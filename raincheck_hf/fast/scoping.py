@@ -95,8 +95,12 @@ class DeviceGate:
             try:
                 while self._owner is not None or self._shared:
                     self._cond.wait()
+            except BaseException:  # (interrupted while it waited: its shared hold back, as its caller expects)
+                self._shared += held
+                raise
             finally:
                 self._waiting -= 1
+                self._cond.notify_all()
             self._owner, self._depth = me, 1
         self._local.left = held
         self._local.depth = 0
