@@ -792,3 +792,35 @@ def test_serve_load_traces_a_round_of_its_own_with_the_preparations_marked(tmp_p
     with trace_round.labelled_preparations(loop):
         assert "prepare_ahead" in vars(loop)
     assert "prepare_ahead" not in vars(loop) and loop.prepare_ahead(None) == "class"
+
+
+def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
+    """``serve --warm-up-image-sizes 1344x1024,640x480``: the warm-up is asked for those sizes as (height, width) (the
+    tower's graph of each captured before the port opens), with the batched steps under ``--batching``; none by
+    default; a malformed size is argparse's error."""
+    import argparse
+
+    import uvicorn
+
+    from raincheck_hf import loading, startup
+    from raincheck_hf.serve import cli
+
+    asked = []
+    monkeypatch.setattr(startup, "run_warm_up", lambda *a, **k: asked.append(k))
+    monkeypatch.setattr(startup, "start_caches", lambda *a, **k: None)
+    monkeypatch.setattr(loading, "load_or_exit", lambda name, device: ("model", "processor", None, None))
+    monkeypatch.setattr(loading, "note_fallbacks", lambda model: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr("raincheck_hf.serve.app.create_app", lambda *a, **k: "app")
+    monkeypatch.setattr(cli, "_log_requests", lambda level: None)  # (nothing of the test process's logging changed)
+    monkeypatch.setattr(startup, "freeze_heap", lambda: 0)  # (nor its garbage collector)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.serve(parser.parse_args(["--warm-up-image-sizes", "1344x1024, 640X480", "--batching",
+                                        "--device", "cpu"])) == 0
+    assert asked[-1]["image_sizes"] == [(1024, 1344), (480, 640)] and asked[-1]["batch"] is not None
+    assert cli.serve(parser.parse_args(["--device", "cpu"])) == 0
+    assert asked[-1]["image_sizes"] == [] and asked[-1]["batch"] is None
+    for bad in ("1344", "0x10", "axb"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--warm-up-image-sizes", bad])

@@ -438,9 +438,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
 
             result["batched_warm_up"] = {}
             for mode in modes:
+                # (with the clients' picture size, as `serve --warm-up-image-sizes` does: its tower graph captured
+                # now, not by a preparation in the first round)
                 summary = warm_up(model, processor, configs[mode], max_tokens=DEFAULT_MAX_TOKENS,
                                   max_new_tokens=answer_tokens, batch=running_places + BatchLoop.MAX_RESTORING,
-                                  conversations=0,
+                                  conversations=0, image_sizes=[(height, width)],
                                   cache_dir=False, progress=False)
                 result["batched_warm_up"][mode] = dict(captured=summary.batched, seconds=summary.batched_seconds)
                 log(f"[serve-load] batched warm-up ({mode}): {summary.batched} batched steps captured in "

@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..startup import add_warm_up_arguments
 
     add_warm_up_arguments(parser)
+    parser.add_argument("--warm-up-image-sizes", type=_image_sizes, default=(), metavar="WxH[,WxH...]",
+                        help="image sizes (width x height, pixels) whose vision-tower graph the warm-up captures, so a "
+                             "first request with an image of such a size meets it captured (default: none; each grid "
+                             "is otherwise captured when a second request brings it, holding the batching loop that "
+                             "long)")
     parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
                         help="after the warm-up, move every object alive (imports, model, graphs) out of the garbage "
                              "collector's full collections (gc.freeze): each one would pause every running answer "
@@ -159,6 +164,21 @@ def settings_from(args):
         raise ValueError(message) from None
 
 
+def _image_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``--warm-up-image-sizes``: ``WxH`` pairs (pixels, each >= 1), comma-separated."""
+    sizes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            width, height = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes WxH pairs such as 1344x1024, comma-separated, got {part!r}") \
+                from None
+        if width < 1 or height < 1:
+            raise argparse.ArgumentTypeError(f"takes sizes of at least 1x1 pixels, got {part!r}")
+        sizes.append((width, height))
+    return tuple(sizes)
+
+
 def _count_or_all(text: str):
     """``--max-preparing``: an integer, or ``all`` (None: no limit)."""
     if text.strip().lower() == "all":
@@ -223,6 +243,7 @@ def serve(args) -> int:
     from ..batch_loop import BatchLoop
 
     run_warm_up(args, model, processor, settings.config, settings.max_tokens,
+                image_sizes=[(height, width) for width, height in args.warm_up_image_sizes],
                 batch=settings.max_running + BatchLoop.MAX_RESTORING if settings.batching else None)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
