@@ -78,11 +78,12 @@ serve_load)
     tail -14 "$OUT/serve_load_${M}_h200.log"
     ;;
 streams)
-    # the GPU test of turns prepared on streams of their own (both families, both priorities), STREAMS_RUNS times over
+    # the GPU tests of turns prepared on streams of their own (both families, both priorities) and of captures on
+    # preparing threads beside the loop's steps, STREAMS_RUNS times over
     # with its cases in parallel (the load under which a capture on a preparing thread met the loop's steps)
     for i in $(seq "${STREAMS_RUNS:-3}"); do
         timeout "${STREAMS_S:-180}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfE --tb=short -n 4 \
-            -k prepared_on_streams > "$OUT/gpu_streams_${i}_h200.log" 2>&1
+            -k "prepared_on_streams or captures_on_preparing" > "$OUT/gpu_streams_${i}_h200.log" 2>&1
         grep -E "passed|failed" "$OUT/gpu_streams_${i}_h200.log" | tail -1
     done
     ;;

@@ -1624,6 +1624,70 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
     batched_graphs.release_all()
 
 
+def test_cuda_captures_on_preparing_threads_beside_the_loops_steps_answer_as_alone():
+    """Graph captures made by threads preparing turns while the loop's thread steps a long answer (the race the
+    streams test once met: "operation not permitted when stream is capturing"): six first turns asked at once (no
+    limit on preparations) with images of three new sizes, each size twice, so the vision tower's graph of a size is
+    captured on its second sighting and the selection's on its first, on the preparing threads. With
+    `fast.scoping.DeviceGate` the captures wait for the loop's iteration and the loop for them: no turn fails, every
+    answer equals its dialogue run alone on the eager engine (tokens identical, logits within 1e-3 + 1e-3 of the
+    largest), and the tower's graphs of the new sizes were captured during the answers."""
+    import threading
+    import time
+    import traceback
+
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.fast.vision_graphs import vision_graphs_for
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.tiny import draw_test_image
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, selector="mmtok", fast_path=True)
+    sizes = [(160, 96), (96, 160), (128, 128)]
+    images = {i: draw_test_image(*sizes[i % 3], seed=10 + i) for i in range(1, 7)}
+    kw = dict(output_logits=True, suppress_tokens=no_placeholder_ids(model))
+    vision = vision_graphs_for(get_adapter(model))
+    before = len(vision._captured)
+    with BatchLoop(model, config=cfg, max_preparing=None) as loop:
+        convs = {i: Conversation(model, processor, cfg, background=False, loop=loop) for i in range(7)}
+        errors, turns = [], {}
+
+        def ask(i, question, imgs, n):
+            try:
+                turns[i] = convs[i].ask(question, images=imgs, max_new_tokens=n, min_new_tokens=n, **kw)
+            except BaseException as error:  # noqa: BLE001 - reported below, with where it was raised
+                errors.append("".join(traceback.format_exception(error)))
+
+        long = threading.Thread(target=ask, args=(0, "Describe it.", [draw_test_image(128, 96, seed=0)], 60))
+        long.start()
+        while loop.steps < 3 and long.is_alive():
+            time.sleep(0.001)
+        others = [threading.Thread(target=ask, args=(i, "What is in this image?", [images[i]], 6)) for i in images]
+        for t in others:
+            t.start()
+        for t in [long, *others]:
+            t.join()
+        assert not errors, "\n".join(errors)
+        for c in convs.values():
+            c.close()
+    assert len(vision._captured) > before  # (the new sizes' tower graphs: captured while the answers ran)
+    eager = dataclasses.replace(cfg, fast_path=False)
+    asked = {0: ("Describe it.", [draw_test_image(128, 96, seed=0)]),
+             **{i: ("What is in this image?", [images[i]]) for i in images}}
+    for i, got in turns.items():
+        with Conversation(model, processor, eager, background=False) as alone:
+            question, imgs = asked[i]
+            n = got.token_ids.numel()
+            want = alone.ask(question, images=imgs, max_new_tokens=n, min_new_tokens=n,
+                             raincheck_chunk_schedule=list(got.trace.chunk_size_per_forward), **kw)
+            assert torch.equal(got.token_ids, want.token_ids), (i, got.token_ids, want.token_ids)
+            for a, b in zip(got.output.logits, want.output.logits):
+                assert (a - b).abs().max() <= 1e-3 + 1e-3 * b.abs().max(), i
+    batched_graphs.release_all()
+
+
 def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     """`cache_utils.to_device_all`: host int64 tensors of several shapes packed into one pinned, non-blocking copy
     (views of one device buffer, values intact), device tensors passed through, without a synchronization."""
