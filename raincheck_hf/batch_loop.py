@@ -70,7 +70,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
 from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
-from .configuration import RaincheckConfig, is_limit
+from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .fast.scoping import device_work
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
@@ -752,8 +752,6 @@ class BatchLoop:
     def max_preparing(self, value: int | None) -> None:
         self._preparing.limit = value
 
-    PRIORITIES = ("normal", "high")
-
     @property
     def prepare_priority(self) -> str:
         """The preparations' stream priority with `prepare_stream` on CUDA: ``"normal"`` or ``"high"`` (may be changed
@@ -762,7 +760,7 @@ class BatchLoop:
 
     @prepare_priority.setter
     def prepare_priority(self, value: str) -> None:
-        if not isinstance(value, str) or value not in self.PRIORITIES:
+        if not isinstance(value, str) or value not in PREPARE_PRIORITIES:
             raise ValueError(f"BatchLoop(prepare_priority={value!r}) must be 'normal' or 'high'.")
         self._prepare_priority = value
 

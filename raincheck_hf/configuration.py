@@ -19,6 +19,9 @@ AUTO = "auto"
 CHUNK_LADDER = (7, 15, 31, 63)
 
 
+PREPARE_PRIORITIES = ("normal", "high")  # `BatchLoop.prepare_priority`'s values (and the server's --prepare-priority)
+
+
 def is_limit(value) -> bool:
     """Whether ``value`` is a limit setting's: None (no limit, or the setting's default) or an int >= 1 (a bool is not
     taken for an int). Each caller raises its own error, naming its setting."""

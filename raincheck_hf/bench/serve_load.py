@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from ..configuration import RaincheckConfig
+from ..configuration import RaincheckConfig, is_limit
 from . import shapes
 from .load_client import ClientPool, thread_round
 from .latency import _write, hardware_info
@@ -367,7 +367,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                          f"{answer_tokens}, {follow_up_tokens}, {think_s}.")
     if model_name not in shapes.MODELS and model_name not in BUNDLED:
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    if rounds is None or not is_limit(rounds):
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     if switch_interval is not None and (isinstance(switch_interval, bool)
                                         or not isinstance(switch_interval, (int, float))

@@ -82,12 +82,11 @@ class DeviceGate:
 
     def __enter__(self):
         me = threading.get_ident()
+        held = getattr(self._local, "depth", 0)  # (a `shared` holder asking: its hold is given up meanwhile)
         with self._cond:
             if self._owner == me:
                 self._depth += 1
                 return self
-        held = getattr(self._local, "depth", 0)  # (a `shared` holder asking: its hold is given up meanwhile)
-        with self._cond:
             if held:
                 self._shared -= 1
                 self._cond.notify_all()

@@ -32,7 +32,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache_utils import to_device
-from ..configuration import RaincheckConfig, is_limit
+from ..configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
 from .metrics import Metrics
@@ -94,7 +94,7 @@ class ServeSettings:
     def __post_init__(self):
         if not isinstance(self.batching, bool):
             raise ValueError(f"batching must be True or False, got {self.batching!r}")
-        if self.prepare_priority not in ("normal", "high"):
+        if self.prepare_priority not in PREPARE_PRIORITIES:
             raise ValueError(f"prepare_priority must be 'normal' or 'high', got {self.prepare_priority!r}")
         for name, none_means in (("max_prompt_forwards", "unset: as many as the step's token budget gives"),
                                  ("max_preparing", "None, 'all' on the command line: every request's turn prepared "

@@ -7,7 +7,7 @@ import ipaddress
 import math
 import sys
 
-from ..configuration import RaincheckConfig, parse_chunk_size
+from ..configuration import PREPARE_PRIORITIES, RaincheckConfig, parse_chunk_size
 from .media import Limits
 
 DESCRIPTION = """\
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "turn's vision encoding, selection and plan), the others in line in the order they came; "
                            "'all': every request's at once (more tokens/s under a burst of new conversations, later "
                            "first tokens; default %(default)s)")
-    load.add_argument("--prepare-priority", choices=("normal", "high"), default="normal",
+    load.add_argument("--prepare-priority", choices=PREPARE_PRIORITIES, default="normal",
                       help="with --batching on CUDA, the priority of the stream new turns are prepared on: 'high' "
                            "puts a new conversation's vision encoding and selection before the running answers' "
                            "queued steps (its first token sooner, theirs a step later; default %(default)s)")
