@@ -72,6 +72,7 @@ from .cache_utils import to_device
 from .batched import RestoringState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .fast.scoping import device_work
+from .fast.vision_graphs import vision_graphs_for
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
 from .models import get_adapter
@@ -80,13 +81,21 @@ from .step_log import StepLog
 logger = logging.getLogger("raincheck_hf.batch_loop")
 
 GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-MEDIA = ("mm_encoder_outputs", "pixel_values", "pixel_values_videos")
+PIXELS = ("pixel_values", "pixel_values_videos")
+MEDIA = ("mm_encoder_outputs", *PIXELS)
 
 
-def _media(prepared: dict) -> dict:
-    """The turn's media among what HF's preparation gave (`BatchLoop._prepare`): `BatchEngine.add`'s arguments."""
+def _media(prepared: dict, adapter) -> dict:
+    """The turn's media among what HF's preparation gave (`BatchLoop._prepare`): `BatchEngine.add`'s arguments.
+    Pixels held back from HF's preparation (where a batch-1 `generate(raincheck=...)` call's would be:
+    `ModelAdapter.use_vision_graphs`, no precomputed encoder outputs, no selector reading the tower's attention) go
+    through the vision tower replayed per grid (`fast.vision_graphs`), so a turn joining the loop encodes its media
+    as the same turn asked alone does."""
     kwargs = prepared["model_kwargs"]
-    return {k: kwargs[k] for k in MEDIA if kwargs.get(k) is not None}
+    media = {k: kwargs[k] for k in MEDIA if kwargs.get(k) is not None}
+    if prepared["pixels"]:
+        media.update(prepared["pixels"], vision_graphs=vision_graphs_for(adapter))
+    return media
 
 
 class _CancelRequest(StoppingCriteria):
@@ -827,7 +836,13 @@ class BatchLoop:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
         grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
-        prepared = {}
+        pixels = {}
+        if (call.get("mm_encoder_outputs") is None and not _needs_vision_attention(job.config)
+                and self.adapter.use_vision_graphs(job.config)):
+            # as `integration.enable`'s wrapper does for a batch-1 call: the pixels skip HF's eager encoding in its
+            # preparation and go to the tower replayed per grid when the sequence is made (`_media`)
+            pixels = {k: call.pop(k) for k in PIXELS if call.get(k) is not None}
+        prepared = {"pixels": pixels}
 
         def record(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                    streamer=None, raincheck_captures=None, **model_kwargs):
@@ -870,8 +885,9 @@ class BatchLoop:
                         if job.conversation.cache is None:
                             # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the
                             # turn)
+                            media = _media(prepared, self.adapter)
                             state = new_sequence(self.model, self.adapter, job.config, -1,
-                                                 prepared["input_ids"].reshape(-1), **_media(prepared), **grids)
+                                                 prepared["input_ids"].reshape(-1), **media, **grids)
                         job.ahead = (prepared, state, grids)
                 except Exception as error:  # the turn's media, settings or processors: raised when it joins
                     job.ahead = error
@@ -931,8 +947,8 @@ class BatchLoop:
                 if state is not None:
                     seq = engine.add_made(state)
                 else:
-                    seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures, **_media(prepared),
-                                     **grids)
+                    seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures,
+                                     **_media(prepared, self.adapter), **grids)
         except BaseException as error:  # this turn's media, settings or processors: it alone fails
             self._end(job, error=error)
             return

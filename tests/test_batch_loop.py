@@ -747,3 +747,37 @@ def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model,
         with pytest.raises(ValueError, match="prepare_priority"):
             loop.prepare_priority = "low"
         assert loop.prepare_priority == "normal"
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["prepared_ahead", "prepared_on_the_loop"])
+def test_a_first_turn_on_the_loop_encodes_its_pixels_as_the_same_turn_alone(model, processor, monkeypatch, ahead):
+    """With ``fast_path=True`` a batch-1 ``generate`` encodes its pixels through `fast.vision_graphs` (the tower
+    replayed per grid on CUDA): a first turn on the loop goes through it too, whether its sequence was made on the
+    asking thread (`BatchLoop.prepare_ahead`) or on the loop's; one whose selector reads the tower's attention does
+    not (it needs the eager tower and its hooks). Answers equal the dialogue alone."""
+    from raincheck_hf.fast import vision_graphs as vg
+
+    encoded = []
+    real = vg.VisionGraphs.encode
+
+    def counting(self, pixel_values, grid_thw):
+        encoded.append(tuple(tuple(int(v) for v in r) for r in grid_thw.tolist()))
+        return real(self, pixel_values, grid_thw)
+
+    monkeypatch.setattr(vg.VisionGraphs, "encode", counting)
+    if not ahead:
+        monkeypatch.setattr(BatchLoop, "prepare_ahead", lambda self, job: None)
+    fast = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=True)
+    with BatchLoop(model) as loop:
+        with Conversation(model, processor, fast, background=False, max_new_tokens=5, loop=loop) as conv:
+            got = ask(conv, QUESTIONS[0], [IMAGES[0]])
+    assert len(encoded) == 1
+    want = alone(model, processor, fast, [got], QUESTIONS[:1], [IMAGES[0]])
+    assert len(encoded) == 2 and encoded[0] == encoded[1]  # the turn alone: the same tower call
+    assert_same_turn(got, want[0], "first turn")
+    encoded.clear()
+    vz = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=True, selector="visionzip")
+    with BatchLoop(model) as loop:
+        with Conversation(model, processor, vz, background=False, max_new_tokens=3, loop=loop) as conv:
+            ask(conv, QUESTIONS[0], [IMAGES[1]])
+    assert encoded == []
