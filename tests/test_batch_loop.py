@@ -35,7 +35,9 @@ QUESTIONS = ["What is in this image?", "And the corner?"]
 @contextlib.contextmanager
 def held_loop(loop: BatchLoop, turns: int):
     """Hold the loop's thread (a task waiting on it) while the block hands ``turns`` turns over; on leaving the block
-    they wait in the loop's queue and join together at its next iteration."""
+    they wait in the loop's queue and join together at its next iteration. On CUDA, graphs the turns' preparations
+    would capture (the vision tower's, the selection's) must be captured before: a capture waits for the loop's
+    iteration to end (`fast.scoping.device_work`), which the hold keeps from ending."""
     gate, inside = threading.Event(), threading.Event()
 
     def hold():

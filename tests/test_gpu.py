@@ -1545,6 +1545,11 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
         for conv in convs:
             conv.close()
 
+    # the vision tower's graph of the image's grid (captured on its second sighting) and the selection's, captured
+    # first: a capture on a preparing thread waits for the loop's iteration, which `held_loop` holds
+    for _ in range(2):
+        with Conversation(model, processor, cfg, background=False) as warm:
+            warm.ask("Describe it.", images=list(IMAGE["images"]), max_new_tokens=2)
     short, long = 8, 24
     with BatchLoop(model, config=cfg) as loop:
         together(loop, long)  # captures every decode step shape of both rounds
