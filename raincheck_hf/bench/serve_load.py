@@ -518,6 +518,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
+                    if rounds > 1:  # (a run cut short by its time limit keeps the medians of what it measured)
+                        result["medians"] = round_medians(result["rows"])
                     _write(result, json_path)
                 if profile_loop:
                     _apply_variant(loop, variants[0])
