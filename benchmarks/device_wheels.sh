@@ -19,6 +19,7 @@ for name in transformers fastapi starlette uvicorn pydantic pydantic_core annota
     want+=("$name==$v")
 done
 want+=("fla-core==0.6.0" "flash-linear-attention==0.6.0")  # the GPU path's Gated DeltaNet kernels (pyproject's [gpu])
+want+=("py-spy==0.4.3")  # a sampling profiler of every thread (h200_run.sh serve_load SPY=1; benchmarks/spy_summary.py)
 rm -rf .whl && mkdir -p .whl .whl_spare
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

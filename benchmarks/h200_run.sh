@@ -69,9 +69,15 @@ serve_load)
     # at the most clients with the loop's thread under cProfile; STREAMS=both: turns prepared on the default stream and
     # on streams of their own, side by side (STREAMS=on,high: at normal and at the highest priority); RIDE=any,256: the
     # loop's ride_max_rows side by side; ROUNDS=3: each client count's variants three times, A B / B A, with medians;
-    # TRACE=1: one more round at the most clients under torch.profiler, the preparations marked, the trace kept)
+    # TRACE=1: one more round at the most clients under torch.profiler, the preparations marked, the trace kept;
+    # SPY=1: the run under py-spy, below)
     M="${LOAD_MODEL:-qwen3_vl_8b}"
-    timeout "${LOAD_S:-400}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
+    # SPY=1: the whole run under py-spy (every thread of the server's process sampled, raw stacks kept;
+    # python benchmarks/spy_summary.py reads them)
+    SPY_CMD=()
+    [ -n "${SPY:-}" ] && SPY_CMD=(/tmp/site/bin/py-spy record --threads --nonblocking -r "${SPY_RATE:-200}" -f raw
+                                  -o "$OUT/serve_load_${M}_spy_h200.txt" --)
+    timeout "${LOAD_S:-400}" "${SPY_CMD[@]}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
         --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1

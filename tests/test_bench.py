@@ -422,3 +422,38 @@ def test_batch_benchmark_refuses_bad_settings_before_building(kwargs, word, monk
     with pytest.raises(ValueError, match=word):
         batch.run("tiny_qwen3_vl", args["batches"], args["variants"], args["answer_tokens"], device="cpu",
                   batch_chunk_rows=args["batch_chunk_rows"])
+
+
+def _load_script(name: str):
+    """A script of ``benchmarks/`` imported as a module (it is not part of the package)."""
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spy_summary_counts_each_threads_functions_inclusively_once_per_stack(tmp_path, capsys):
+    spy = _load_script("spy_summary")
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        "thread (1): loop;run (a/loop.py:10);step (a/engine.py:5);step (a/engine.py:7) 6\n"
+        "thread (1): loop;run (a/loop.py:10);choose (a/loop.py:40) 4\n"
+        "thread (2): io;select (selectors.py:3) 9\n"
+        "\n")
+    rows = spy.summarize(spy.parse(raw.read_text().splitlines()))
+    assert [r["thread"] for r in rows] == ["thread (1): loop", "thread (2): io"]  # (the most sampled first)
+    loop = {f: (n, share) for f, n, share in rows[0]["functions"]}
+    assert loop["run loop.py"] == (10, 1.0) and loop["step engine.py"] == (6, 0.6)  # (two lines of step: once)
+    assert loop["choose loop.py"] == (4, 0.4)
+    (under,) = spy.summarize(spy.parse(raw.read_text().splitlines()), thread="loop", under="step")
+    assert under["samples"] == 6 and under["functions"] == [["step engine.py", 6, 1.0]]
+    (own,) = spy.summarize(spy.parse(raw.read_text().splitlines()), thread="loop", own=True)
+    assert own["functions"] == [["step engine.py", 6, 0.6], ["choose loop.py", 4, 0.4]]
+    assert spy.main([str(raw), "--thread", "nobody"]) == 1
+    assert spy.main([str(raw), "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["threads"][1]["samples"] == 9
+    with pytest.raises(ValueError, match="no sample count"):
+        spy.parse(["thread (1): x;f (a.py:1) many"])
