@@ -820,12 +820,33 @@ class BatchLoop:
         return busy[self._turn % len(busy)]
 
     # ---- joining ------------------------------------------------------------------------------
-    def _prepare(self, job: BatchTurn, stack: contextlib.ExitStack | None) -> tuple[dict, dict, object]:
+    def _staged(self, inputs: dict) -> dict:
+        """``inputs`` with their pixels (`PIXELS`, floating host tensors) in the vision tower's dtype already, and for
+        a CUDA model in pinned memory: what a turn's preparation then copies to the device is half the bytes of
+        float32 pixels (~16 MB for a 1,344-token picture instead of ~33 MB), in one copy that does not hold the
+        preparing thread (a pageable copy does). The tower casts its pixels to its dtype first thing, with the same
+        rounding (to nearest even) on the host as on the device: what it computes is unchanged. Done before a turn
+        takes its place among the preparations (`prepare_ahead`), on the asking thread."""
+        tower = getattr(getattr(getattr(self.model, "model", None), "visual", None), "dtype", None)
+        cuda = self.adapter.device.type == "cuda"
+        staged = dict(inputs)
+        for key in PIXELS:
+            value = staged.get(key)
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or not value.is_floating_point():
+                continue
+            if tower is not None and tower.is_floating_point and value.dtype != tower:
+                value = value.to(tower)
+            staged[key] = value.pin_memory() if cuda else value
+        return staged
+
+    def _prepare(self, job: BatchTurn, stack: contextlib.ExitStack | None,
+                 inputs: dict | None = None) -> tuple[dict, dict, object]:
         """What `generate(raincheck=...)` prepares for ``job`` before its loop (HF's own preparation: the logits
         processors and stopping criteria, the media encoded by the vision tower): ``(grids, prepared, captures)``,
         ``grids`` the call's grids that it has (`BatchEngine.add`'s arguments).
         ``stack`` holds the vision attention capture of a config whose selector needs it (open through the turn's
-        `BatchEngine.add`); None: the config needs none."""
+        `BatchEngine.add`); None: the config needs none. ``inputs``: the turn's inputs as `_staged` made them
+        (default: ``job.inputs`` as they are)."""
         conv, model = job.conversation, self.model
         kwargs = dict(job.generate_kwargs)
         if job.request is None:
@@ -833,7 +854,8 @@ class BatchLoop:
         job.request.event = job.cancel
         kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
         device = self.adapter.device
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in job.inputs.items()}
+        moved = {k: (v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v)
+                 for k, v in (job.inputs if inputs is None else inputs).items()}
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
         grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
         pixels = {}
@@ -872,6 +894,11 @@ class BatchLoop:
         began = time.perf_counter()
         device = self.adapter.device
         stream = self._preparation_stream() if self.prepare_stream and device.type == "cuda" else None
+        try:
+            inputs = self._staged(job.inputs)  # (before its place in line: beside the other preparations)
+        except Exception:  # (pinned memory the host cannot give): the preparation copies them as they are
+            self._logger.debug("a turn's pixels could not be staged; prepared as they are", exc_info=True)
+            inputs = job.inputs
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
             # (device work beside the loop's, its synchronisation and hand-over included: a capture on any thread
@@ -880,7 +907,7 @@ class BatchLoop:
                 try:
                     on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                     with torch.no_grad(), on_stream:
-                        grids, prepared, _ = self._prepare(job, None)
+                        grids, prepared, _ = self._prepare(job, None, inputs)
                         state = None
                         if job.conversation.cache is None:
                             # its sequence too (the turn's embeddings, the selection, the plan: pure functions of the

@@ -783,3 +783,35 @@ def test_a_first_turn_on_the_loop_encodes_its_pixels_as_the_same_turn_alone(mode
         with Conversation(model, processor, vz, background=False, max_new_tokens=3, loop=loop) as conv:
             ask(conv, QUESTIONS[0], [IMAGES[1]])
     assert encoded == []
+
+
+def test_a_turns_pixels_are_staged_in_the_towers_dtype_before_its_preparation(model, processor, monkeypatch):
+    """`BatchLoop._staged`: a turn's floating host pixels in the vision tower's dtype (rounded as the tower's own
+    cast rounds them), other inputs and the caller's dict untouched; `prepare_ahead` hands the staged pixels to the
+    preparation and the answer equals the same turn alone."""
+    pixels = torch.randn(8, 12, dtype=torch.float32)
+    ids = torch.arange(5)[None]
+    with BatchLoop(model) as loop:
+        given = {"pixel_values": pixels, "input_ids": ids, "image_grid_thw": torch.tensor([[1, 2, 4]])}
+        staged = loop._staged(given)
+        assert staged["pixel_values"] is pixels and staged["input_ids"] is ids  # (an fp32 tower: nothing to do)
+        with monkeypatch.context() as m:  # (a bf16 tower, as the model's own dtype says; its weights left as they are)
+            m.setattr(type(model.model.visual), "dtype", property(lambda self: torch.bfloat16))
+            staged = loop._staged(given)
+            assert staged["pixel_values"].dtype == torch.bfloat16
+            assert torch.equal(staged["pixel_values"], pixels.to(torch.bfloat16))
+            assert staged["input_ids"] is ids and given["pixel_values"] is pixels
+            assert loop._staged({"pixel_values": ids})["pixel_values"] is ids  # (not floating: left alone)
+        seen = []
+        real = BatchLoop._prepare
+
+        def spying(self, job, stack, inputs=None):
+            seen.append(inputs)
+            return real(self, job, stack, inputs)
+
+        monkeypatch.setattr(BatchLoop, "_prepare", spying)
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop) as conv:
+            got = ask(conv, QUESTIONS[0], [IMAGES[0]])
+    assert len(seen) == 1 and seen[0] is not None and "pixel_values" in seen[0]
+    want = alone(model, processor, CFG, [got], QUESTIONS[:1], [IMAGES[0]])
+    assert_same_turn(got, want[0], "first turn")
