@@ -821,22 +821,20 @@ class BatchLoop:
 
     # ---- joining ------------------------------------------------------------------------------
     def _staged(self, inputs: dict) -> dict:
-        """``inputs`` with their pixels (`PIXELS`, floating host tensors) in the vision tower's dtype already, and for
-        a CUDA model in pinned memory: what a turn's preparation then copies to the device is half the bytes of
-        float32 pixels (~16 MB for a 1,344-token picture instead of ~33 MB), in one copy that does not hold the
-        preparing thread (a pageable copy does). The tower casts its pixels to its dtype first thing, with the same
-        rounding (to nearest even) on the host as on the device: what it computes is unchanged. Done before a turn
-        takes its place among the preparations (`prepare_ahead`), on the asking thread."""
+        """``inputs`` with their pixels (`PIXELS`, floating host tensors) in the vision tower's dtype already: what a
+        turn's preparation then copies to the device is half the bytes of float32 pixels (~16 MB for a 1,344-token
+        picture instead of ~33 MB). The tower casts its pixels to its dtype first thing, with the same rounding (to
+        nearest even) on the host as on the device: what it computes is unchanged. Done before a turn takes its
+        place among the preparations (`prepare_ahead`), on the asking thread; the caller's dict is left as it was."""
         tower = getattr(getattr(getattr(self.model, "model", None), "visual", None), "dtype", None)
-        cuda = self.adapter.device.type == "cuda"
+        if tower is None or not tower.is_floating_point:
+            return inputs
         staged = dict(inputs)
         for key in PIXELS:
             value = staged.get(key)
-            if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or not value.is_floating_point():
-                continue
-            if tower is not None and tower.is_floating_point and value.dtype != tower:
-                value = value.to(tower)
-            staged[key] = value.pin_memory() if cuda else value
+            if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_floating_point()
+                    and value.dtype != tower):
+                staged[key] = value.to(tower)
         return staged
 
     def _prepare(self, job: BatchTurn, stack: contextlib.ExitStack | None,
@@ -854,7 +852,10 @@ class BatchLoop:
         job.request.event = job.cancel
         kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
         device = self.adapter.device
-        moved = {k: (v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v)
+        # (pixels go through pinned memory: one copy that does not hold this thread, the pinned block the host
+        # allocator's again once the copy is done: as many at a time as turns are prepared at once)
+        moved = {k: (to_device(v, device) if k in PIXELS and isinstance(v, torch.Tensor)
+                     else v.to(device) if isinstance(v, torch.Tensor) else v)
                  for k, v in (job.inputs if inputs is None else inputs).items()}
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
         grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
@@ -896,7 +897,7 @@ class BatchLoop:
         stream = self._preparation_stream() if self.prepare_stream and device.type == "cuda" else None
         try:
             inputs = self._staged(job.inputs)  # (before its place in line: beside the other preparations)
-        except Exception:  # (pinned memory the host cannot give): the preparation copies them as they are
+        except Exception:  # (memory the host cannot give): the preparation copies them as they are
             self._logger.debug("a turn's pixels could not be staged; prepared as they are", exc_info=True)
             inputs = job.inputs
         with self._preparing:  # (its place among the preparations, in the order the turns asked)

@@ -564,9 +564,9 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         monkeypatch.setattr(module, "new_sequence", lambda *a, _made=module.new_sequence, **k: made.append(
             threading.current_thread()) or _made(*a, **k))
 
-    def recorded(self, job, stack):
+    def recorded(self, job, stack, inputs=None):
         where.append(threading.current_thread())
-        return prepare(self, job, stack)
+        return prepare(self, job, stack, inputs)
 
     def failing(model, config, args, kwargs):
         if kwargs.get("max_new_tokens") == 3:  # (the marked turn)
@@ -658,13 +658,13 @@ def test_first_turns_asked_at_once_are_prepared_one_at_a_time_with_max_preparing
     and every dialogue equals itself alone; the attribute can be changed between turns."""
     prepare, lock, busy, most = BatchLoop._prepare, threading.Lock(), [0], [0]
 
-    def counted(self, job, stack):
+    def counted(self, job, stack, inputs=None):
         with lock:
             busy[0] += 1
             most[0] = max(most[0], busy[0])
         try:
             time.sleep(0.01)  # (a preparation that takes a while: the others would overlap it without the gate)
-            return prepare(self, job, stack)
+            return prepare(self, job, stack, inputs)
         finally:
             with lock:
                 busy[0] -= 1

@@ -1693,6 +1693,30 @@ def test_cuda_captures_on_preparing_threads_beside_the_loops_steps_answer_as_alo
     batched_graphs.release_all()
 
 
+def test_cuda_pixels_staged_in_bf16_on_the_host_equal_the_towers_own_cast():
+    """`BatchLoop._staged` rounds a turn's float32 pixels to the tower's bfloat16 on the host before the copy
+    (pinned, non-blocking: `cache_utils.to_device`); the tower's own cast rounds them on the device. Both round to nearest even: bit-identical, normal,
+    subnormal, huge, halfway and non-finite values included (NaN payloads aside: compared as NaN)."""
+    from raincheck_hf import BatchLoop
+    from raincheck_hf.cache_utils import to_device
+    from raincheck_hf.tiny import build_tiny_qwen3_vl
+
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(4096) * 3, torch.randn(512) * 1e-39, torch.randn(256) * 1e38,
+                        torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4e38, float("inf"),
+                                      -float("inf"), float("nan"), 0.0, -0.0])])
+    model = build_tiny_qwen3_vl(seed=0).to("cuda")
+    model.model.visual.to(torch.bfloat16)
+    with BatchLoop(model) as loop:
+        staged = loop._staged({"pixel_values": values.reshape(-1, 1)})["pixel_values"]
+    assert staged.dtype == torch.bfloat16
+    host = to_device(staged, "cuda").reshape(-1)
+    device = values.to("cuda").to(torch.bfloat16)
+    assert torch.equal(torch.isnan(host), torch.isnan(device))
+    keep = ~torch.isnan(device)
+    assert torch.equal(host[keep].view(torch.int16), device[keep].view(torch.int16))
+
+
 def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     """`cache_utils.to_device_all`: host int64 tensors of several shapes packed into one pinned, non-blocking copy
     (views of one device buffer, values intact), device tensors passed through, without a synchronization."""
