@@ -32,7 +32,10 @@ conversation can need comes from the code that picks them, not from a list kept 
   run eagerly (never captured).
 
 The vision tower is warmed for the image sizes given (``image_sizes``, with the processor): the grid the
-processor makes of each is encoded twice, so its graph is captured.
+processor makes of each is encoded twice, so its graph is captured; so is the selector's graph for a prompt of one
+such image with questions of up to `TEXT_ALLOWANCE` text rows (a greedy selector on CUDA: one graph per image size
+and question-length bucket; several pictures of one size in a prompt are selected together, a shape of its own,
+captured when first met).
 
 With ``batch`` the batched engine's steps (`fast.batched_graphs`: `generate` with a batch, the server's
 ``--batching``) are captured too, on the model's kept batched pool sized for ``batch`` sequences of ``max_tokens``
@@ -89,10 +92,12 @@ class WarmUpSummary:
     batched: int = 0  # batched decode-step graphs captured now (``batch``: `fast.batched_graphs`)
     batched_already: int = 0  # batched decode-step keys captured before this call
     batched_seconds: float = 0.0
+    selection: list = field(default_factory=list)  # (visual tokens, text rows, seconds) per selection graph captured
 
     @property
     def capture_seconds(self) -> float:
-        return float(sum(entry[-1] for entry in self.captured) + sum(s for _, s in self.vision))
+        return float(sum(entry[-1] for entry in self.captured) + sum(s for _, s in self.vision)
+                     + sum(entry[-1] for entry in self.selection))
 
     def __str__(self) -> str:
         batched = (f", {self.batched} batched steps ({self.batched_already} already were, "
@@ -101,7 +106,8 @@ class WarmUpSummary:
             return f"warm-up: nothing to capture ({self.coverage}); {self.seconds:.2f} s"
         return (f"warm-up: {len(self.captured)} step graphs captured ({self.already_captured} already were, "
                 f"{self.not_captured} run eagerly) on {len(self.capacities)} slot storages "
-                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids{batched}; "
+                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids, "
+                f"{len(self.selection)} selection graphs{batched}; "
                 f"{self.seconds:.1f} s")
 
 
@@ -355,6 +361,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     with torch.no_grad():
         if grids and adapter.use_vision_graphs(config):
             _warm_vision(adapter, grids, summary)
+        if grids and summary.path == "fast" and adapter.device.type == "cuda":
+            _warm_selection(adapter, config, grids, summary, adapter.device)
         if summary.path == "fast" and conversations:
             _warm_steps(adapter, config, summary, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
                         prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens, conversations=conversations,
@@ -414,6 +422,49 @@ def _warm_vision(adapter, grids, summary: WarmUpSummary) -> None:
                 break
         if vision.use_graphs and len(vision._captured) > before:
             summary.vision.append((grid, time.perf_counter() - started))
+
+
+def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSummary, device) -> None:
+    """The selector's graphs for each image of ``grids``: a greedy selector on CUDA replays one graph per method,
+    ``k`` and input shape (`selection.kernels.greedy_select`), captured the first time a prompt needs it, and its
+    inputs' shape depends on the image's visual tokens and on the question's text rows (`mmtok` pads those to a
+    multiple of `selection.mmtok.TEXT_BUCKET`). Each image's selection runs here on stand-in features of its shape
+    with questions of every bucket up to `TEXT_ALLOWANCE` rows, through the selector's own `select` (the shapes are
+    the ones a prompt's selection takes, not a list kept here), at most `selection.kernels.MAX_GRAPHS` of them (what
+    the kernels keep). Nothing to do for a mode that selects nothing or a selector without graphs."""
+    from .selection.base import GreedySelector, Segment, SelectionContext, keep_count
+    from .selection.kernels import _GRAPHS, MAX_GRAPHS, triton_available
+    from .selection.mmtok import TEXT_BUCKET
+
+    if config.mode == "full" or config.retention >= 1.0 or isinstance(config.selector, torch.Tensor):
+        return
+    selector = config.build_selector()
+    if not isinstance(selector, GreedySelector) or config.fast_path is False or not triton_available():
+        return
+    hidden = int(adapter.text_model.embed_tokens.weight.shape[-1])
+    generator = torch.Generator().manual_seed(0)
+
+    def stand_in(rows: int) -> torch.Tensor:
+        return torch.randn(rows, hidden, generator=generator).to(device=device, dtype=adapter.dtype)
+
+    def keys() -> set:
+        return {key for graphs in _GRAPHS.values() for key in graphs}
+
+    segments = [Segment(0, "image", stand_in(tokens), (1, 1, tokens), torch.arange(tokens))
+                for tokens in dict.fromkeys(t for _, t in grids)
+                if 0 < keep_count(config.retention, tokens) < tokens]
+    # the longest questions first: the kernels keep `MAX_GRAPHS` shapes, the least recently used evicted, so that
+    # with many sizes the short questions' graphs (the common ones) are the ones kept
+    for text_rows in range(TEXT_ALLOWANCE, 0, -TEXT_BUCKET):
+        for segment in segments:
+            if len(summary.selection) >= MAX_GRAPHS:
+                return
+            before, started = keys(), time.perf_counter()
+            context = SelectionContext(text_embeds=stand_in(text_rows), model=adapter.model,
+                                       extras={"turn": None, "vision_captures": None, "fast_path": config.fast_path})
+            selector.select([segment], config.retention, context)
+            if keys() - before:
+                summary.selection.append((segment.num_tokens, text_rows, time.perf_counter() - started))
 
 
 def _batched_captures(graphs) -> bool:

@@ -1192,6 +1192,42 @@ def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_s
     _POOLS.clear()
 
 
+def test_cuda_warm_up_captures_the_selections_graphs_of_its_image_sizes():
+    """``warm_up(image_sizes=...)`` captures the selector's graphs (mmtok's, `selection.kernels`) of each size at every
+    question bucket: a first turn with one picture of that size, on the loop and alone, captures no selection graph
+    and no tower graph (it used to capture mmtok's in its preparation, holding the loop for it); its answer is the
+    cold model's."""
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.fast.vision_graphs import vision_graphs_for
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.selection import kernels
+    from raincheck_hf.tiny import draw_test_image
+
+    model, processor = _cuda_family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(compile_steps=False, fast_path=True)
+    picture = draw_test_image(224, 160, seed=4)
+    kw = dict(max_new_tokens=6, suppress_tokens=no_placeholder_ids(model))
+    with Conversation(model, processor, cfg, background=False) as cold:
+        want = cold.ask("What is in this image?", images=[picture], **kw)
+    kernels.release_selection_graphs()
+    vision = vision_graphs_for(get_adapter(model))
+    vision._captured.clear()
+    vision.seen.clear()
+    summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=16, image_sizes=[(160, 224)],
+                                   cache_dir=False, progress=False)
+    assert summary.selection and summary.vision, summary
+    keys = {key for graphs in kernels._GRAPHS.values() for key in graphs}
+    towers = set(vision._captured)
+    with BatchLoop(model, config=cfg) as loop:
+        with Conversation(model, processor, cfg, background=False, loop=loop) as conv:
+            got = conv.ask("What is in this image?", images=[picture], **kw)
+    with Conversation(model, processor, cfg, background=False) as alone:
+        again = alone.ask("What is in this image?", images=[picture], **kw)
+    assert {key for graphs in kernels._GRAPHS.values() for key in graphs} == keys
+    assert set(vision._captured) == towers
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(again.token_ids, want.token_ids)
+
+
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
 def test_cuda_batched_warm_up_leaves_no_capture_to_the_batch(name):
     """``warm_up(batch=3, conversations=0)`` on CUDA captures the batched decode steps (compiled, as by default) on

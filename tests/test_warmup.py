@@ -314,3 +314,61 @@ def test_step_keys_put_a_deferring_prefill_on_every_storage_its_prompt_can_size(
     # mode="full" prefills every prompt row: the storage is sized by them alone
     full = step_keys(adapter, RaincheckConfig(mode="full"), **kw)
     assert not any(prefill and key.rows == 512 for key, prefill in full[2048])
+
+
+def test_warm_up_selects_each_image_size_at_every_question_bucket_a_prompt_can_take(model, processor, monkeypatch):
+    """`warmup._warm_selection`: for each image size, the selector's graph shapes (`selection.kernels`: one per
+    method, k and input shape; mmtok's text rows padded to `TEXT_BUCKET`) at every question bucket up to
+    `TEXT_ALLOWANCE` rows, the longest first, at most the kernels' `MAX_GRAPHS`; a real prompt of that size then
+    selects at a warmed shape. On a CPU the kernels keep no graphs: the table is kept here by a stand-in that
+    records each shape as `greedy_select` would capture it."""
+    from raincheck_hf import warmup
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.plan import select_visual_rows
+    from raincheck_hf.selection import base, kernels
+    from raincheck_hf.selection.mmtok import TEXT_BUCKET
+
+    table = {}
+    monkeypatch.setattr(kernels, "_GRAPHS", {"device": table})
+
+    def recording(self, segments, k, context):
+        features = torch.stack([s.features for s in segments])
+        table.setdefault(kernels._key(self.kernel, self.kernel_inputs(features, context), k), True)
+        return [torch.arange(k) for _ in segments]
+
+    monkeypatch.setattr(base.GreedySelector, "select_group", recording)
+    adapter, config = get_adapter(model), RaincheckConfig(fast_path=True)
+    grids = warmup._image_grids(processor, [(128, 96), (64, 64), (96, 128)])
+    tokens = [t for _, t in grids]
+    summary = warmup.WarmUpSummary(path="fast")
+    warmup._warm_selection(adapter, config, grids[:1], summary, adapter.device)
+    buckets_ = list(range(warmup.TEXT_ALLOWANCE, 0, -TEXT_BUCKET))
+    assert [(n, m) for n, m, _ in summary.selection] == [(tokens[0], m) for m in buckets_]
+    assert len(table) == len(buckets_)
+    # a prompt with that image: its selection's shape is one of them
+    ids, grid, pixels = _prompt(processor, (128, 96))
+    turn = adapter.encode_turn(ids, 0, image_grid_thw=grid, pixel_values=pixels)
+    before = set(table)
+    select_visual_rows(turn, config, config.build_selector(), model=model)
+    assert set(table) == before
+    # three sizes: no more than the kernels keep, the longest questions first
+    table.clear()
+    summary = warmup.WarmUpSummary(path="fast")
+    warmup._warm_selection(adapter, config, grids, summary, adapter.device)
+    assert len(summary.selection) == kernels.MAX_GRAPHS == len(table)
+    assert summary.selection[0][1] == warmup.TEXT_ALLOWANCE and {n for n, _, _ in summary.selection} == set(tokens)
+    # nothing for a mode that selects nothing, or a selector without kernels
+    for other in (RaincheckConfig(mode="full", fast_path=True), RaincheckConfig(selector="fastv", fast_path=True)):
+        table.clear()
+        summary = warmup.WarmUpSummary(path="fast")
+        warmup._warm_selection(adapter, other, grids, summary, adapter.device)
+        assert summary.selection == [] and table == {}
+
+
+def _prompt(processor, size):
+    """``(input_ids [L], image_grid_thw, pixel_values)`` of a one-image question."""
+    height, width = size
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this image?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[draw_test_image(width, height, seed=3)], return_tensors="pt")
+    return inputs["input_ids"][0], inputs["image_grid_thw"], inputs["pixel_values"]
