@@ -33,6 +33,7 @@
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 #   bash benchmarks/h200_run.sh streams    # the GPU test of turns prepared on side streams, STREAMS_RUNS times
+#   bash benchmarks/h200_run.sh prepare_syncs  # where a first turn's preparation for the loop waits for the device
 #   bash benchmarks/h200_run.sh cold_start # issue 31: a fresh process to its first answer, first ever and with the caches
 #   bash benchmarks/h200_run.sh defaults31 # issue 31: default settings vs full / stock at 64, 128, 512-token answers
 #   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
@@ -83,6 +84,12 @@ serve_load)
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"
+    ;;
+prepare_syncs)
+    # where a first turn's preparation for the batching loop waits for the device (benchmarks/prepare_syncs.py)
+    timeout "${SYNCS_S:-240}" python3 benchmarks/prepare_syncs.py --model "${LOAD_MODEL:-qwen3_vl_8b}" \
+        --json "$OUT/prepare_syncs_${LOAD_MODEL:-qwen3_vl_8b}_h200.json" > "$OUT/prepare_syncs_${LOAD_MODEL:-qwen3_vl_8b}_h200.log" 2>&1
+    tail -30 "$OUT/prepare_syncs_${LOAD_MODEL:-qwen3_vl_8b}_h200.log"
     ;;
 streams)
     # the GPU tests of turns prepared on streams of their own (both families, both priorities) and of captures on

@@ -457,3 +457,17 @@ def test_spy_summary_counts_each_threads_functions_inclusively_once_per_stack(tm
     assert json.loads((tmp_path / "s.json").read_text())["threads"][1]["samples"] == 9
     with pytest.raises(ValueError, match="no sample count"):
         spy.parse(["thread (1): x;f (a.py:1) many"])
+
+
+def test_prepare_syncs_reports_each_first_turns_preparation(tmp_path, capsys):
+    """`benchmarks/prepare_syncs.py` on a CPU (no synchronization to count): one row per first turn with its
+    preparation's times, the JSON with the command."""
+    script = _load_script("prepare_syncs")
+    path = tmp_path / "syncs.json"
+    assert script.main(["--image-size", "128x96", "--turns", "2", "--json", str(path)]) == 0
+    written = json.loads(path.read_text())
+    assert [r["turn"] for r in written["rows"]] == [0, 1] and written["command"].startswith("python benchmarks/")
+    assert all(r["wall_ms"] > 0 and r["syncs"] == 0 for r in written["rows"]) and written["device"] == "cpu"
+    assert "synchronizing calls" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["--image-size", "12x9"])
