@@ -76,9 +76,12 @@ serve_load)
     # SPY=1: the whole run under py-spy (every thread of the server's process sampled, raw stacks kept;
     # python benchmarks/spy_summary.py reads them)
     SPY_CMD=()
-    # (SPY_NATIVE=1: native frames too, e.g. CUDA's launches and synchronizations, at a cost in sampling rate)
+    # (SPY_NATIVE=1: native frames too, e.g. CUDA's launches and synchronizations, at a cost in sampling rate;
+    # SPY_GIL=1: only samples of threads holding the interpreter's lock: against a run without it, how much of its
+    # time the loop's thread waits for the lock)
     [ -n "${SPY:-}" ] && SPY_CMD=(/tmp/site/bin/py-spy record --threads --nonblocking -r "${SPY_RATE:-200}" -f raw
-                                  ${SPY_NATIVE:+--native} -o "$OUT/serve_load_${M}_spy_h200.txt" --)
+                                  ${SPY_NATIVE:+--native} ${SPY_GIL:+--gil}
+                                  -o "$OUT/serve_load_${M}_spy${SPY_GIL:+_gil}_h200.txt" --)
     timeout "${LOAD_S:-400}" "${SPY_CMD[@]}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
         --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
