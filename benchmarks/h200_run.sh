@@ -64,7 +64,7 @@ attention_batch)
     ;;
 serve_load)
     # issue 30: the server under 1 / 8 / 32 clients through its continuous-batching loop, raincheck and full
-    # (SWITCH=0.0005: the interpreter's thread switch interval for the run; LOAD_MODEL=qwen3_5_9b: the Qwen3.5 shape;
+    # (SWITCH=0.0005: the interpreter's thread switch interval for the run, SWITCH=0.0005,default: side by side; LOAD_MODEL=qwen3_5_9b: the Qwen3.5 shape;
     # AHEAD=both: each client count with and without steps launched ahead, side by side; FORWARDS=any,1,2: the loop's
     # max_prompt_forwards side by side; PREPARING=any,1,2: its max_preparing side by side; PROFILE=1: one more round
     # at the most clients with the loop's thread under cProfile; STREAMS=both: turns prepared on the default stream and

@@ -457,9 +457,31 @@ def test_serve_load_benchmark_smoke(tmp_path):
     assert (tmp_path / "load.png").stat().st_size > 0
     with pytest.raises(ValueError, match="clients"):
         serve_load.run(clients=(0,))
-    for bad in (0, -1.0, 2.0, True, "0.001"):
+    for bad in (0, -1.0, 2.0, True, "0.001", (), (0.001, 0.001), (0.001, 0)):
         with pytest.raises(ValueError, match="switch_interval must be"):
             serve_load.run(clients=(1,), switch_interval=bad)
+
+
+def test_serve_load_compares_switch_intervals_side_by_side(tmp_path):
+    """``switch_interval`` with several values (``--switch-interval 0.0005,default``): each client count's rounds
+    under each, in turn, each row with its interval and series; the interpreter's own interval put back after."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    before = sys.getswitchinterval()
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1,), modes=("raincheck",), answer_tokens=3,
+                   follow_up_tokens=2, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, switch_interval=(0.0005, None), rounds=2)
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["switch_interval_s"] == [pytest.approx(0.0005), pytest.approx(before)]
+    got = [(row["round"], row["switch_interval_s"]) for row in saved["rows"]]
+    assert got == [(0, pytest.approx(0.0005)), (0, pytest.approx(before)), (1, pytest.approx(before)),
+                   (1, pytest.approx(0.0005))]  # (every other round in reverse order)
+    assert {row["series"] for row in saved["rows"]} == {"raincheck, switch interval 0.5 ms",
+                                                        f"raincheck, switch interval {1e3 * before:g} ms"}
+    assert len(saved["medians"]) == 2 and all(row["errors"] == 0 for row in saved["rows"])
+    assert sys.getswitchinterval() == before
+    assert serve_load._intervals("0.0005, default") == (0.0005, None)
 
 
 def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
@@ -475,8 +497,9 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
                    batching=True, switch_interval=0.001)
     saved = json.loads(path.read_text())
     assert saved["settings"]["batching"] is True and saved["settings"]["client_processes"] is True
-    assert saved["settings"]["switch_interval_s"] == pytest.approx(0.001) and sys.getswitchinterval() == before
+    assert saved["settings"]["switch_interval_s"] == [pytest.approx(0.001)] and sys.getswitchinterval() == before
     (row,) = saved["rows"]
+    assert row["switch_interval_s"] == pytest.approx(0.001)
     assert row["completion_tokens"] == 2 * (4 + 3 + 3) and row["errors"] == 0 and row["reused_follow_ups"] == 4
     loop = row["loop"]  # the loop's step figures over the round (`BatchLoop.step_stats`)
     assert loop["steps"] > 0 and sum(k["steps"] for k in loop["kinds"].values()) == loop["steps"]

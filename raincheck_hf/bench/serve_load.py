@@ -327,15 +327,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         max_running: int | None = None, max_queue: int | None = None, library: bool = True, device=None,
         threads: int | None = None, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
-        switch_interval: float | None = None, freeze_heap: bool = True, launch_ahead: str = "on",
+        switch_interval=None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
-    ``switch_interval``: the interpreter's thread switch interval in seconds for the run (`sys.setswitchinterval`;
-    None: as it is, 5 ms by default), put back after: how long a thread that wants the interpreter's lock may wait
-    for one that holds it, which the server's threads (the batching loop, request threads, the event loop that
-    streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
+    ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
+    is, 5 ms by default; a tuple: several compared side by side, each round under its own), put back after: how long
+    a thread that wants the interpreter's lock may wait for one that holds it, which the server's threads (the
+    batching loop, request threads, the event loop that streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing`` / ``prepare_stream``: with batching, the loop's `BatchLoop.launch_ahead` and
     ``prepare_stream`` ("on", "off", "high", several comma-separated, or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
@@ -369,10 +369,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
     if rounds is None or not is_limit(rounds):
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
-    if switch_interval is not None and (isinstance(switch_interval, bool)
-                                        or not isinstance(switch_interval, (int, float))
-                                        or not 0 < switch_interval <= 1):
-        raise ValueError(f"switch_interval must be a number of seconds in (0, 1] or None, got {switch_interval!r}.")
+    intervals = tuple(switch_interval) if isinstance(switch_interval, (tuple, list)) else (switch_interval,)
+    if not intervals or len(set(intervals)) < len(intervals) or any(
+            v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1)
+            for v in intervals):
+        raise ValueError(f"switch_interval must be a number of seconds in (0, 1], None, or a tuple of distinct such "
+                         f"values, got {switch_interval!r}.")
     settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
@@ -389,8 +391,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
     streams = _stream_values(prepare_stream, batching)
-    variants = [(a, f, p, st, r) for a in aheads for f in prompt_forwards for p in preparing for st in streams
-                for r in ride_rows]
+    variants = [(a, f, p, st, r, sw) for a in aheads for f in prompt_forwards for p in preparing for st in streams
+                for r in ride_rows for sw in intervals]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     if (trace_round or trace_path) and not batching:
@@ -400,8 +402,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
-    if switch_interval is not None:
-        sys.setswitchinterval(switch_interval)
+    if intervals[0] is not None:
+        sys.setswitchinterval(intervals[0])
     started = time.perf_counter()
     try:
         model, processor, model_info, (width, height) = _build(model_name, device)
@@ -424,7 +426,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             "settings": dict(settings, model=model_name, clients=list(clients), modes=list(modes),
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
-                             client_processes=client_processes, switch_interval_s=sys.getswitchinterval(),
+                             client_processes=client_processes,
+                             switch_interval_s=[previous_interval if v is None else v for v in intervals],
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
@@ -484,20 +487,23 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side, every other round in reverse order)
-                for n, r, (ahead, forwards, prepare, side, ride) in (
+                for n, r, (ahead, forwards, prepare, side, ride, interval) in (
                         (n, r, v) for n in clients for r in range(rounds)
                         for v in (variants if r % 2 == 0 else variants[::-1])):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
                         [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
                         [_STREAM_NAMES[side]] if len(streams) > 1 else []) + (
-                        [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else [])
+                        [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else []) + (
+                        [f"switch interval {1e3 * (interval or previous_interval):g} ms"] if len(intervals) > 1 else [])
                     series = ", ".join(parts)
+                    sys.setswitchinterval(previous_interval if interval is None else interval)
                     if loop is not None:  # (between rounds: the loop has nothing running)
                         _apply_variant(loop, (ahead, forwards, prepare, side, ride))
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
+                    row["switch_interval_s"] = sys.getswitchinterval()
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
@@ -514,7 +520,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride) == variants[0]:
+                    if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride,
+                                                            interval) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -522,7 +529,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         result["medians"] = round_medians(result["rows"])
                     _write(result, json_path)
                 if profile_loop:
-                    _apply_variant(loop, variants[0])
+                    _apply_variant(loop, variants[0][:5])
+                    sys.setswitchinterval(previous_interval if variants[0][5] is None else variants[0][5])
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
                     result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
                     log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
@@ -534,7 +542,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if trace_round:
                     from .trace_round import trace_lines, traced_round
 
-                    _apply_variant(loop, variants[0])
+                    _apply_variant(loop, variants[0][:5])
+                    sys.setswitchinterval(previous_interval if variants[0][5] is None else variants[0][5])
                     kept = None
                     if trace_path:
                         root, ext = os.path.splitext(trace_path)
@@ -654,6 +663,14 @@ def _forwards(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"takes 'any' or integers, comma-separated, got {text!r}") from None
 
 
+def _intervals(text: str) -> tuple:
+    try:
+        return tuple(None if x.strip() == "default" else float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--switch-interval takes seconds or 'default', comma-separated, got "
+                                         f"{text!r}") from None
+
+
 def _counts(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -681,10 +698,11 @@ def main(argv=None):
                              "a process each")
     parser.add_argument("--batching", action="store_true",
                         help="the server's continuous-batching loop (serve --batching) instead of a thread per turn")
-    parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                        help="the interpreter's thread switch interval for the run, in seconds (sys.setswitchinterval; "
-                             "default: as it is, 0.005): how long the batching loop may wait for the interpreter's "
-                             "lock while another of the server's threads holds it")
+    parser.add_argument("--switch-interval", type=_intervals, default=(None,), metavar="S[,S...]",
+                        help="the interpreter's thread switch interval, in seconds (sys.setswitchinterval; 'default': "
+                             "as it is, 0.005): how long the batching loop may wait for the interpreter's lock while "
+                             "another of the server's threads holds it; several: side by side, each round under its "
+                             "own")
     parser.add_argument("--launch-ahead", choices=("on", "off", "both"), default="on",
                         help="with --batching: the loop launches a step ahead of its predecessor's streaming (on, the "
                              "server's default), never (off), or both, each client count's rounds side by side")
