@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 #   bash benchmarks/h200_run.sh streams    # the GPU test of turns prepared on side streams, STREAMS_RUNS times
 #   bash benchmarks/h200_run.sh prepare_syncs  # where a first turn's preparation for the loop waits for the device
+#   bash benchmarks/h200_run.sh soak       # issue 30: the 64-client soak for SOAK_S (300) seconds, memory flat
 #   bash benchmarks/h200_run.sh cold_start # issue 31: a fresh process to its first answer, first ever and with the caches
 #   bash benchmarks/h200_run.sh defaults31 # issue 31: default settings vs full / stock at 64, 128, 512-token answers
 #   bash benchmarks/h200_run.sh fuzz35     # only the Qwen3.5 schedule fuzzes (single-sequence fast path vs eager), verbose
@@ -87,6 +88,13 @@ serve_load)
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"
+    ;;
+soak)
+    # issue 30's soak on the GPU: 64 clients for SOAK_S seconds (300: the issue's 5 minutes) against the server with
+    # its batching loop (SOAK_K=per_turn: the per-turn server), every answer checked, memory flat after the warm-up
+    RAINCHECK_SOAK_S="${SOAK_S:-300}" timeout "$(( ${SOAK_S:-300} + 240 ))" python3 -m pytest tests/test_gpu.py -v -s \
+        -p no:cacheprovider -rfEs --tb=short -k "serve_soak and ${SOAK_K:-batching}" > "$OUT/gpu_soak_${SOAK_K:-batching}_h200.log" 2>&1
+    grep -E "soak \(|PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_soak_${SOAK_K:-batching}_h200.log" | cut -c1-600 | tail -8
     ;;
 prepare_syncs)
     # where a first turn's preparation for the batching loop waits for the device (benchmarks/prepare_syncs.py)

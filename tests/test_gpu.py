@@ -869,9 +869,13 @@ def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatc
 # RAINCHECK_SOAK_S seconds of clients starting new dialogues (default 60), then every answer is checked.
 
 
-def test_cuda_serve_soak_64_clients():
-    """64 clients for RAINCHECK_SOAK_S seconds on the bundled Qwen3-VL on CUDA, eight running places: every
-    completed answer equals its conversation run alone, no 5xx / 429, the held caches within the budget."""
+@pytest.mark.parametrize("batching", [False, True], ids=["per_turn", "batching"])
+def test_cuda_serve_soak_64_clients(batching):
+    """64 clients for RAINCHECK_SOAK_S seconds on the bundled Qwen3-VL on CUDA, eight running places, the per-turn
+    server and the batching loop: every completed answer equals its conversation run alone, no 5xx / 429, the held
+    caches within the budget, and memory flat after the warm-up (the run's first quarter): the largest device memory
+    held by tensors and the largest resident memory in the second half of the rest at most 10% (+ 64 / 256 MB)
+    above the first half's. The figures are printed for the log."""
     import os
 
     pytest.importorskip("openai")
@@ -888,10 +892,13 @@ def test_cuda_serve_soak_64_clients():
     raincheck_hf.enable(model)
     config = RaincheckConfig(compile_steps=False)  # the defaults but the compile: this test is not about it
     figures = soak(model, processor, benchmark_split("dev", limit=8), clients=64, running_places=8, answer=32,
-                   config=config, duration_s=duration, budget_conversations=16)
-    print(f"soak: {figures}")
+                   config=config, duration_s=duration, budget_conversations=16, batching=batching)
+    print(f"soak ({'batching' if batching else 'per turn'}, {duration:g} s): {figures}")
     assert figures["answered"] >= 64 and figures["cancelled"] >= 6  # clients 4, 14, ..., 54 cancel their first
     assert figures["max_running"] == 8
+    device, resident = figures["memory"]["device_mb"], figures["memory"]["resident_mb"]
+    assert device[1] <= 1.1 * device[0] + 64, figures["memory"]
+    assert resident[1] <= 1.1 * resident[0] + 256, figures["memory"]
 
 
 # ---- the batched engine (batch_engine.BatchEngine on kv_pool.SlotKVPool) on CUDA (issue 29) ----

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -22,6 +23,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+
+import torch  # noqa: E402
 
 import raincheck_hf  # noqa: E402
 from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
@@ -309,15 +312,21 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
     records, errors, statuses = [], [], []
     done = threading.Event()
     watch = {"running": 0, "busy": 0, "bytes": 0, "queued": 0}
+    memory = []  # (seconds since the clients started, the process's resident MB, the device's allocated MB)
     deadline = None if duration_s is None else time.monotonic() + duration_s
 
     def watcher():
+        started, sampled = time.monotonic(), 0.0
         while not done.is_set():
             adm, store = server.admission.snapshot(), server.store.snapshot()
             watch["running"] = max(watch["running"], adm["running"])
             watch["queued"] = max(watch["queued"], adm["queued"])
             watch["busy"] = max(watch["busy"], store["busy"])
             watch["bytes"] = max(watch["bytes"], store["cache_bytes"])
+            now = time.monotonic() - started
+            if now - sampled >= 0.25:
+                memory.append((now, resident_mb(), device_allocated_mb(model)))
+                sampled = now
             time.sleep(0.005)
 
     def client_run(c, base):
@@ -420,7 +429,39 @@ def soak(model, processor, dialogues, clients: int, running_places: int, answer:
             "steps": steps,
             "restored_busy": None if server.scheduler is None else server.scheduler.restored_busy,
             "restored_idle": None if server.scheduler is None else server.scheduler.restored_idle,
-            **{f"max_{k}": v for k, v in watch.items()}}
+            "memory": memory_halves(memory), **{f"max_{k}": v for k, v in watch.items()}}
+
+
+def resident_mb() -> float | None:
+    """This process's resident memory in MB (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def device_allocated_mb(model) -> float | None:
+    """The CUDA memory held by live tensors on the model's device in MB (None off CUDA)."""
+    device = next(model.parameters()).device
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def memory_halves(samples: list) -> dict:
+    """The largest resident and device-allocated MB over the first and the second half of ``samples`` taken after the
+    first quarter of the run (its warm-up: the first dialogues' caches, graphs and pools), and how many samples."""
+    if not samples:
+        return {"samples": 0}
+    end = samples[-1][0]
+    after = [s for s in samples if s[0] >= end / 4]
+    first, second = after[:len(after) // 2], after[len(after) // 2:]
+
+    def most(part, i):
+        values = [s[i] for s in part if s[i] is not None]
+        return max(values) if values else None
+
+    return {"samples": len(samples), "seconds": end,
+            "resident_mb": [most(first, 1), most(second, 1)], "device_mb": [most(first, 2), most(second, 2)]}
 
 
 def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogues):
@@ -429,6 +470,16 @@ def test_soak_concurrent_clients_equal_their_conversations_alone(glyph, dialogue
     figures = soak(model, processor, dialogues, clients=14, running_places=4, answer=16)
     assert figures["cancelled"] == 14 // 5 and figures["answered"] == 6 * 14 - 2 * figures["cancelled"]
     assert figures["evictions"] > 0 and figures["max_running"] == 4  # the budget and the places were reached
+    assert figures["memory"]["samples"] > 0 and all(v is not None for v in figures["memory"]["resident_mb"])
+
+
+def test_memory_halves_compare_the_run_after_its_first_quarter():
+    samples = [(0.0, 900.0, 10.0), (1.0, 100.0, 5.0), (2.0, 110.0, 6.0), (3.0, 120.0, 7.0), (4.0, 105.0, 8.0)]
+    # after the first quarter (from 1.0 s): [1.0, 2.0] and [3.0, 4.0]; the warm-up's 900 MB left out
+    assert memory_halves(samples) == {"samples": 5, "seconds": 4.0, "resident_mb": [110.0, 120.0],
+                                      "device_mb": [6.0, 8.0]}
+    assert memory_halves([(0.0, 1.0, None), (1.0, 2.0, None)])["device_mb"] == [None, None]
+    assert memory_halves([]) == {"samples": 0}
 
 
 def test_serve_load_benchmark_smoke(tmp_path):
