@@ -93,7 +93,7 @@ def _media(prepared: dict, adapter) -> dict:
     as the same turn asked alone does."""
     kwargs = prepared["model_kwargs"]
     media = {k: kwargs[k] for k in MEDIA if kwargs.get(k) is not None}
-    if prepared["pixels"]:
+    if prepared.get("pixels"):
         media.update(prepared["pixels"], vision_graphs=vision_graphs_for(adapter))
     return media
 
