@@ -83,7 +83,8 @@ def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=No
 
 
 def build_plan(turn, keep: torch.Tensor, turn_index: int, source_offset: int) -> DeferredPlan:
-    visual_rows = (turn.visual_index >= 0).nonzero().flatten().cpu()
+    visual_rows = (turn.visual_rows if turn.visual_rows is not None
+                   else (turn.visual_index >= 0).nonzero().flatten().cpu())
     keep = keep.cpu()
     selected = visual_rows[keep]
     deferred = visual_rows[~keep]

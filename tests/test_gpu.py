@@ -1736,6 +1736,33 @@ def test_cuda_captures_on_preparing_threads_beside_the_loops_steps_answer_as_alo
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_cuda_a_turns_encoding_decides_its_rows_on_the_host(name):
+    """`ModelAdapter.encode_turn` on CUDA: which rows are images, videos, text or the question is worked out on the
+    host from one copy of the ids, and the device gets index tensors in one copy; apart from the vision tower's own
+    synchronizations and the model's rope index's (each counted alone, on the same inputs) it waits for the device at
+    most four times (the ids' copy, the grid's, the next position). The masked assignments and counts on device
+    tensors it replaced waited some fifteen times. The counts are printed for the log."""
+    from raincheck_hf.fast.vision_graphs import vision_graphs_for
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.tiny import draw_test_image
+
+    model, processor = _cuda_family_model(name), family_processor(name)
+    adapter = get_adapter(model)
+    inputs = _cuda(make_inputs(processor, images=(draw_test_image(160, 128, seed=5), draw_test_image(96, 128, seed=6))))
+    ids, grid, pixels = inputs["input_ids"][0], inputs["image_grid_thw"], inputs["pixel_values"]
+    vision = vision_graphs_for(adapter)
+    for _ in range(2):  # (the tower's graph captured on its second sighting)
+        adapter.encode_turn(ids, 0, image_grid_thw=grid, pixel_values=pixels, vision_graphs=vision)
+    total = _synchronizations(lambda: adapter.encode_turn(ids, 0, image_grid_thw=grid, pixel_values=pixels,
+                                                           vision_graphs=vision))
+    tower = _synchronizations(lambda: vision.encode(pixels, grid))
+    mm_types = (ids == model.config.image_token_id).long()
+    rope = _synchronizations(lambda: adapter._rope_index(ids, mm_types, grid, None, None))
+    print(f"{name}: encode_turn {total} synchronizations, the tower {tower}, the rope index {rope}")
+    assert total - tower - rope <= 4, (total, tower, rope)
+
+
 def test_cuda_pixels_staged_in_bf16_on_the_host_equal_the_towers_own_cast():
     """`BatchLoop._staged` rounds a turn's float32 pixels to the tower's bfloat16 on the host before the copy
     (pinned, non-blocking: `cache_utils.to_device`); the tower's own cast rounds them on the device. Both round to nearest even: bit-identical, normal,

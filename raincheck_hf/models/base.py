@@ -32,6 +32,8 @@ class TurnInputs:
         segments: the multimodal segments (an image, or one temporal slice of a video) in source order.
         text_rows: ``[m]`` rows of the turn's text (the question a query-aware selector reads).
         next_position: M-RoPE text position following the last row.
+        visual_rows: ``[n]`` the visual rows, on the host (what `num_visual` and a plan read without waiting for the
+            device); None: read from ``visual_index``.
     """
 
     input_ids: torch.Tensor
@@ -42,9 +44,12 @@ class TurnInputs:
     segments: list[Segment]
     text_rows: torch.Tensor
     next_position: int
+    visual_rows: torch.Tensor | None = None
 
     @property
     def num_visual(self) -> int:
+        if self.visual_rows is not None:
+            return int(self.visual_rows.numel())
         return int((self.visual_index >= 0).sum())
 
 

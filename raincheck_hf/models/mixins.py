@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache_utils import to_device_all
 from ..patching import module_function
 from ..selection import Segment
 from .base import TurnInputs
@@ -75,31 +76,43 @@ class QwenVisionLanguageMixin:
         instead of ``get_image_features`` / ``get_video_features``. ``second_per_grid_ts`` (``[n_videos]``,
         Qwen2.5-VL's processor) spaces video frames in time for families whose rope index reads it.
         """
-        if input_ids.numel() > text_prefix and int(input_ids[-1]) in (self.image_token_id, self.video_token_id):
+        # Which rows are what is decided on the host, from one copy of the ids: on a GPU each mask, count or masked
+        # assignment over device tensors would wait for the device (twenty-odd waits a first turn, each one giving
+        # the interpreter up to the other threads of a server); the device gets index tensors in one copy.
+        host_ids = input_ids.reshape(-1).cpu()
+        if host_ids.numel() > text_prefix and int(host_ids[-1]) in (self.image_token_id, self.video_token_id):
             # The first token's logits are the last row's, and what follows continues from it: a placeholder there
             # could be deferred, and stock `generate` would continue each M-RoPE axis of it on its own.
-            kind = "image" if int(input_ids[-1]) == self.image_token_id else "video"
+            kind = "image" if int(host_ids[-1]) == self.image_token_id else "video"
             raise ValueError(
-                f"the prompt ends with a <|{kind}_pad|> placeholder (id {int(input_ids[-1])}); generate(raincheck=...) "
+                f"the prompt ends with a <|{kind}_pad|> placeholder (id {int(host_ids[-1])}); generate(raincheck=...) "
                 "answers from a prompt that ends with text. Close the image or video with its <|vision_end|> and the "
                 "turn's text, as the processor's chat template does (apply_chat_template(..., add_generation_prompt=True))."
             )
         device = self.device
         ids = input_ids.to(device)
         embeds = self.text_model.embed_tokens(ids)
-        is_image, is_video = self.placeholder_masks(ids, text_prefix)
+        is_image, is_video = self.placeholder_masks(host_ids, text_prefix)  # (host)
         is_visual = is_image | is_video
-        n_visual = int(is_visual.sum())
+        visual_rows = is_visual.nonzero().flatten()
+        n_visual = int(visual_rows.numel())
+        image_pos = is_image[visual_rows]  # per visual row in source order: an image's (else a video's)
+        visual_index = torch.full_like(host_ids, -1)
+        visual_index[visual_rows] = torch.arange(n_visual)
+        question = ~torch.isin(host_ids, self._non_question_ids)
+        question[:text_prefix] = False
+        where = {"image": image_pos.nonzero().flatten(), "video": (~image_pos).nonzero().flatten()}
+        rows_on, where_image, where_video, visual_index_on, mm_types, text_rows = to_device_all(
+            [visual_rows, where["image"], where["video"], visual_index, is_image.long() + 2 * is_video.long(),
+             question.nonzero().flatten()], device)
+        where_on = {"image": where_image, "video": where_video}
 
         # visual features in source order (images and videos may interleave)
         feats = embeds.new_zeros(n_visual, embeds.shape[-1])
         deepstack = None
-        image_pos = is_image[is_visual]
-        for modality, mask_rows, values, grid in (
-            ("image", is_image, pixel_values, image_grid_thw),
-            ("video", is_video, pixel_values_videos, video_grid_thw),
-        ):
-            n_rows = int(mask_rows.sum())
+        for modality, values, grid in (("image", pixel_values, image_grid_thw),
+                                       ("video", pixel_values_videos, video_grid_thw)):
+            n_rows = int(where[modality].numel())
             out = self._vision_outputs(modality, mm_encoder_outputs, values, grid, vision_graphs)
             if out is None:
                 if n_rows:
@@ -115,21 +128,17 @@ class QwenVisionLanguageMixin:
                     f"{modality} features ({pooled.shape[0]} rows) do not match the {n_rows} <|{modality}_pad|> "
                     f"placeholders among the new tokens; pass only the {modality}s of the new turn."
                 )
-            where = image_pos if modality == "image" else ~image_pos
-            feats[where] = pooled
+            feats.index_copy_(0, where_on[modality], pooled)
             deepstack_features = getattr(out, "deepstack_features", None)
             if deepstack_features is not None and self.has_deepstack:
                 if deepstack is None:
                     deepstack = [embeds.new_zeros(n_visual, embeds.shape[-1]) for _ in deepstack_features]
                 for layer, feat in zip(deepstack, deepstack_features):
-                    layer[where] = torch.cat(list(feat)).to(device, embeds.dtype)
+                    layer.index_copy_(0, where_on[modality], torch.cat(list(feat)).to(device, embeds.dtype))
         embeds = embeds.clone()
-        embeds[is_visual] = feats
-        visual_index = torch.full_like(ids, -1)
-        visual_index[is_visual] = torch.arange(n_visual, device=device)
+        embeds.index_copy_(0, rows_on, feats)
 
         # absolute 3-D positions: the model's own rope index on this turn, shifted to continue
-        mm_types = is_image.long() + 2 * is_video.long()
         positions = self._rope_index(ids, mm_types, image_grid_thw, video_grid_thw, second_per_grid_ts)
         positions = positions.to(device) + position_offset
         # what follows the turn continues from its LAST row, as stock `generate` advances the position ids column by
@@ -140,10 +149,8 @@ class QwenVisionLanguageMixin:
         next_position = int(positions[:, -1].max()) + 1 if positions.numel() else position_offset
 
         segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
-        question = ~torch.isin(ids, self._non_question_ids.to(device))
-        question[:text_prefix] = False
-        return TurnInputs(ids, embeds, positions, visual_index, deepstack, segments,
-                          question.nonzero().flatten(), next_position)
+        return TurnInputs(ids, embeds, positions, visual_index_on, deepstack, segments, text_rows, next_position,
+                          visual_rows=visual_rows)
 
     def _segments(self, ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw):
         """One segment per image and per video temporal slice, in source order.
