@@ -235,9 +235,12 @@ def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(
     again = tmp_path / "grid-again.png"  # another name: the browser ignores the same file chosen twice
     grid.image().save(again)
     ask(page, grid.turns[0].question, str(again))
-    page.wait_for_function("() => document.querySelector('#rc-scrub-text')?.innerText.includes('70 of 70')",
-                           timeout=120_000)
-    assert "restored during the answer" in page.inner_text("#rc-caption")
+    # this answer's figures, not the first answer's still on the page (its timeline also ended at 70 of 70): the
+    # third conversation's caption once its answer is done
+    page.wait_for_function(
+        "() => { const caption = document.querySelector('#rc-caption')?.innerText || '';"
+        " return caption.includes('Conversation 3') && caption.includes('restored during the answer')"
+        " && (document.querySelector('#rc-scrub-text')?.innerText || '').includes('70 of 70'); }", timeout=120_000)
     slider = page.locator("#rc-scrub input[type='range']")
     assert slider.is_enabled()
     last = int(slider.get_attribute("max"))
