@@ -120,9 +120,9 @@ def main(argv=None) -> int:
               f"{row['syncs']} synchronizing calls")
     for where, n in out["rows"][-1]["where"].items():
         print(f"  {n:4d}  {where}")
+    what = "synchronizing CUDA calls of a first turn's preparation for the loop (a diagnosis)"
     return 0 if write_script_result("prepare_syncs.py", argv, args.json, rows=out["rows"], model_info=out["model_info"],
-                                    device=out["device"], gpu=out["gpu"], what="synchronizing CUDA calls of a first turn's preparation for the loop "
-                                         "(a diagnosis)") else 1
+                                    device=out["device"], gpu=out["gpu"], what=what) else 1
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
 from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
-from .cache_utils import to_device
+from .cache_utils import to_device, to_device_all
 from .batched import RestoringState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .fast.scoping import device_work
@@ -852,11 +852,17 @@ class BatchLoop:
         job.request.event = job.cancel
         kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), job.request])
         device = self.adapter.device
-        # (pixels go through pinned memory: one copy that does not hold this thread, the pinned block the host
-        # allocator's again once the copy is done: as many at a time as turns are prepared at once)
-        moved = {k: (to_device(v, device) if k in PIXELS and isinstance(v, torch.Tensor)
-                     else v.to(device) if isinstance(v, torch.Tensor) else v)
-                 for k, v in (job.inputs if inputs is None else inputs).items()}
+        # the turn's inputs to the device without waiting for it: the ids, masks and grids in one pinned copy, the
+        # pixels through pinned memory of their own (the block the host allocator's again once the copy is done: as
+        # many at a time as turns are prepared at once); a pageable copy would hold this thread, each one
+        given = job.inputs if inputs is None else inputs
+        moved = dict(given)
+        ints = [k for k, v in given.items()
+                if isinstance(v, torch.Tensor) and k not in PIXELS and v.dtype == torch.long]
+        moved.update(zip(ints, to_device_all([given[k] for k in ints], device)))
+        for key, value in given.items():
+            if isinstance(value, torch.Tensor) and key not in ints:
+                moved[key] = to_device(value, device) if key in PIXELS else value.to(device)
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
         grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
         pixels = {}
