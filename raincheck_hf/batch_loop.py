@@ -437,7 +437,11 @@ class BatchLoop:
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
         self.prepare_stream = prepare_stream
         self.prepare_priority = prepare_priority  # (checked by the property)
-        self._side_streams: dict[str, object] = {}  # (`_preparation_stream`: one per priority, made on first use)
+        # (`_take_stream`: per priority, the streams made so far and those no preparation holds now)
+        self._side_streams: dict[str, list] = {}
+        self._free_streams: dict[str, list] = {}
+        self._stream_holders: dict[int, list] = {}  # held streams (by id): [their priority, preparations holding]
+        self._stream_turn = 0
         self._side_lock = threading.Lock()
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
@@ -900,7 +904,7 @@ class BatchLoop:
             return
         began = time.perf_counter()
         device = self.adapter.device
-        stream = self._preparation_stream() if self.prepare_stream and device.type == "cuda" else None
+        side = self.prepare_stream and device.type == "cuda"
         try:
             inputs = self._staged(job.inputs)  # (before its place in line: beside the other preparations)
         except Exception:  # (memory the host cannot give): the preparation copies them as they are
@@ -908,9 +912,10 @@ class BatchLoop:
             inputs = job.inputs
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
+            stream = self._take_stream() if side else None
             # (device work beside the loop's, its synchronisation and hand-over included: a capture on any thread
             # waits for it to end, `fast.scoping.device_work`)
-            with device_work():
+            with device_work(), self._holding(stream):
                 try:
                     on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                     with torch.no_grad(), on_stream:
@@ -933,18 +938,44 @@ class BatchLoop:
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 
-    def _preparation_stream(self):
-        """The CUDA stream turns are prepared on with `prepare_stream`: one per loop and `prepare_priority` (made on
-        first use), so that the preparations' memory stays in one pool of the caching allocator besides the default
-        stream's."""
+    MAX_PREPARATION_STREAMS = 4  # streams per priority at most; more preparations at once share them
+
+    def _take_stream(self):
+        """A CUDA stream for one preparation with `prepare_stream` (at `prepare_priority`): one that no other
+        preparation holds, made on first need, so that preparations run at once (``max_preparing`` above 1) wait
+        for their own work only; at most `MAX_PREPARATION_STREAMS` per priority (each keeps a pool of the caching
+        allocator's), beyond that the preparations share them in turn. Given back by `_holding`."""
         priority = self.prepare_priority
         with self._side_lock:
-            stream = self._side_streams.get(priority)
-            if stream is None:
+            made = self._side_streams.setdefault(priority, [])
+            free = self._free_streams.setdefault(priority, [])
+            if free:
+                stream = free.pop()
+            elif len(made) < self.MAX_PREPARATION_STREAMS:
                 # (torch maps a priority beyond the device's range to the nearest it has: -100 is its highest)
                 stream = torch.cuda.Stream(device=self.adapter.device, priority=-100 if priority == "high" else 0)
-                self._side_streams[priority] = stream
+                made.append(stream)
+            else:
+                self._stream_turn += 1
+                stream = made[self._stream_turn % len(made)]  # (all held: shared in turn)
+            held = self._stream_holders.setdefault(id(stream), [priority, 0])
+            held[1] += 1
             return stream
+
+    @contextlib.contextmanager
+    def _holding(self, stream):
+        """``stream`` (from `_take_stream`, or None) held for the block, then free for the next preparation once no
+        preparation holds it."""
+        try:
+            yield
+        finally:
+            if stream is not None:
+                with self._side_lock:
+                    held = self._stream_holders[id(stream)]
+                    held[1] -= 1
+                    if held[1] == 0:
+                        del self._stream_holders[id(stream)]
+                        self._free_streams[held[0]].append(stream)
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""
