@@ -1743,8 +1743,9 @@ def test_cuda_a_turns_encoding_decides_its_rows_on_the_host(name):
     """`ModelAdapter.encode_turn` on CUDA: which rows are images, videos, text or the question is worked out on the
     host from one copy of the ids, and the device gets index tensors in one copy; apart from the vision tower's own
     synchronizations and the model's rope index's (each counted alone, on the same inputs) it waits for the device at
-    most four times (the ids' copy, the grid's, the next position). The masked assignments and counts on device
-    tensors it replaced waited some fifteen times. The counts are printed for the log."""
+    most four times (the ids' copy, the grid's, the next position), where the counts, mask reads and masked
+    assignments on device tensors it replaced waited about a dozen times (by reading that code; not measured). The
+    counts are printed for the log."""
     from raincheck_hf.fast.vision_graphs import vision_graphs_for
     from raincheck_hf.models import get_adapter
     from raincheck_hf.tiny import draw_test_image

@@ -76,9 +76,9 @@ class QwenVisionLanguageMixin:
         instead of ``get_image_features`` / ``get_video_features``. ``second_per_grid_ts`` (``[n_videos]``,
         Qwen2.5-VL's processor) spaces video frames in time for families whose rope index reads it.
         """
-        # Which rows are what is decided on the host, from one copy of the ids: on a GPU each mask, count or masked
-        # assignment over device tensors would wait for the device (twenty-odd waits a first turn, each one giving
-        # the interpreter up to the other threads of a server); the device gets index tensors in one copy.
+        # Which rows are what is decided on the host, from one copy of the ids: on a GPU each count, mask read or masked
+        # assignment over device tensors waits for the device (and gives the interpreter up to a server's other
+        # threads meanwhile); the device gets index tensors in one copy.
         host_ids = input_ids.reshape(-1).cpu()
         if host_ids.numel() > text_prefix and int(host_ids[-1]) in (self.image_token_id, self.video_token_id):
             # The first token's logits are the last row's, and what follows continues from it: a placeholder there
