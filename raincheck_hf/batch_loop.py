@@ -437,10 +437,10 @@ class BatchLoop:
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
         self.prepare_stream = prepare_stream
         self.prepare_priority = prepare_priority  # (checked by the property)
-        # (`_take_stream`: per priority, the streams made so far and those no preparation holds now)
+        # (`_preparation_stream`: per priority, the streams made so far and those no preparation holds now)
         self._side_streams: dict[str, list] = {}
         self._free_streams: dict[str, list] = {}
-        self._stream_holders: dict[int, list] = {}  # held streams (by id): [their priority, preparations holding]
+        self._stream_holders: dict[int, int] = {}  # held streams (by id): how many preparations hold each
         self._stream_turn = 0
         self._side_lock = threading.Lock()
         if not isinstance(launch_ahead, bool):
@@ -830,8 +830,8 @@ class BatchLoop:
         picture instead of ~33 MB). The tower casts its pixels to its dtype first thing, with the same rounding (to
         nearest even) on the host as on the device: what it computes is unchanged. Done before a turn takes its
         place among the preparations (`prepare_ahead`), on the asking thread; the caller's dict is left as it was."""
-        tower = getattr(getattr(getattr(self.model, "model", None), "visual", None), "dtype", None)
-        if tower is None or not tower.is_floating_point:
+        tower = self.adapter.vision_tower.dtype
+        if not tower.is_floating_point:
             return inputs
         staged = dict(inputs)
         for key in PIXELS:
@@ -860,13 +860,9 @@ class BatchLoop:
         # pixels through pinned memory of their own (the block the host allocator's again once the copy is done: as
         # many at a time as turns are prepared at once); a pageable copy would hold this thread, each one
         given = job.inputs if inputs is None else inputs
-        moved = dict(given)
-        ints = [k for k, v in given.items()
-                if isinstance(v, torch.Tensor) and k not in PIXELS and v.dtype == torch.long]
-        moved.update(zip(ints, to_device_all([given[k] for k in ints], device)))
-        for key, value in given.items():
-            if isinstance(value, torch.Tensor) and key not in ints:
-                moved[key] = to_device(value, device) if key in PIXELS else value.to(device)
+        rest = [k for k, v in given.items() if isinstance(v, torch.Tensor) and k not in PIXELS]
+        moved = {**given, **dict(zip(rest, to_device_all([given[k] for k in rest], device))),
+                 **{k: to_device(given[k], device) for k in PIXELS if isinstance(given.get(k), torch.Tensor)}}
         call = validate_request(model, job.config, (), {**moved, "cache": conv.cache, **kwargs})
         grids = {name: call[name] for name in GRIDS if call.get(name) is not None}
         pixels = {}
@@ -912,10 +908,9 @@ class BatchLoop:
             inputs = job.inputs
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
             entered, cpu = time.perf_counter(), time.thread_time()
-            stream = self._take_stream() if side else None
             # (device work beside the loop's, its synchronisation and hand-over included: a capture on any thread
             # waits for it to end, `fast.scoping.device_work`)
-            with device_work(), self._holding(stream):
+            with device_work(), (self._preparation_stream() if side else contextlib.nullcontext()) as stream:
                 try:
                     on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                     with torch.no_grad(), on_stream:
@@ -940,11 +935,13 @@ class BatchLoop:
 
     MAX_PREPARATION_STREAMS = 4  # streams per priority at most; more preparations at once share them
 
-    def _take_stream(self):
-        """A CUDA stream for one preparation with `prepare_stream` (at `prepare_priority`): one that no other
-        preparation holds, made on first need, so that preparations run at once (``max_preparing`` above 1) wait
-        for their own work only; at most `MAX_PREPARATION_STREAMS` per priority (each keeps a pool of the caching
-        allocator's), beyond that the preparations share them in turn. Given back by `_holding`."""
+    @contextlib.contextmanager
+    def _preparation_stream(self):
+        """The CUDA stream one preparation runs on with `prepare_stream` (at `prepare_priority`), held for the block:
+        one no other preparation holds, made on first need, so that preparations at once
+        (``max_preparing`` above 1) wait for their own work only; at most `MAX_PREPARATION_STREAMS` per priority (each
+        keeps a pool of the caching allocator's), beyond that the preparations share them in turn. Free for the next
+        preparation once none holds it."""
         priority = self.prepare_priority
         with self._side_lock:
             made = self._side_streams.setdefault(priority, [])
@@ -958,24 +955,15 @@ class BatchLoop:
             else:
                 self._stream_turn += 1
                 stream = made[self._stream_turn % len(made)]  # (all held: shared in turn)
-            held = self._stream_holders.setdefault(id(stream), [priority, 0])
-            held[1] += 1
-            return stream
-
-    @contextlib.contextmanager
-    def _holding(self, stream):
-        """``stream`` (from `_take_stream`, or None) held for the block, then free for the next preparation once no
-        preparation holds it."""
+            self._stream_holders[id(stream)] = self._stream_holders.get(id(stream), 0) + 1
         try:
-            yield
+            yield stream
         finally:
-            if stream is not None:
-                with self._side_lock:
-                    held = self._stream_holders[id(stream)]
-                    held[1] -= 1
-                    if held[1] == 0:
-                        del self._stream_holders[id(stream)]
-                        self._free_streams[held[0]].append(stream)
+            with self._side_lock:
+                self._stream_holders[id(stream)] -= 1
+                if not self._stream_holders[id(stream)]:
+                    del self._stream_holders[id(stream)]
+                    free.append(stream)
 
     def _join(self, job: BatchTurn) -> None:
         """Prepare ``job`` as `generate(raincheck=...)` does and add it to its config's engine; an error ends it."""

@@ -818,10 +818,10 @@ def test_a_turns_pixels_are_staged_in_the_towers_dtype_before_its_preparation(mo
 
 
 def test_preparations_at_once_each_take_a_stream_of_their_own(model, monkeypatch):
-    """`BatchLoop._take_stream` / `_holding` (CUDA only in use; here with stand-in streams): preparations held at once
-    get distinct streams, one given back is taken again before a new one is made, at most
-    `MAX_PREPARATION_STREAMS` per priority (then shared in turn, free again only once no holder is left), and each
-    priority has streams of its own."""
+    """`BatchLoop._preparation_stream` (CUDA only in use; here with stand-in streams): preparations held at once get
+    distinct streams, one given back is taken again before a new one is made, at most `MAX_PREPARATION_STREAMS` per
+    priority (then shared in turn, free again only once no holder is left), and each priority has streams of its
+    own."""
     import torch.cuda
 
     made = []
@@ -832,19 +832,18 @@ def test_preparations_at_once_each_take_a_stream_of_their_own(model, monkeypatch
             made.append(self)
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    with BatchLoop(model) as loop:
+    with BatchLoop(model) as loop, contextlib.ExitStack() as held:
         monkeypatch.setattr(BatchLoop, "MAX_PREPARATION_STREAMS", 2)
-        a, b = loop._take_stream(), loop._take_stream()
+        first = contextlib.ExitStack()
+        a = first.enter_context(loop._preparation_stream())
+        b = held.enter_context(loop._preparation_stream())
         assert a is not b and len(made) == 2 and a.priority == 0
-        with loop._holding(a):
-            pass
-        assert loop._take_stream() is a and len(made) == 2  # (given back: taken again, none made)
-        c = loop._take_stream()  # (both held and the most made: shared)
+        first.close()
+        assert held.enter_context(loop._preparation_stream()) is a and len(made) == 2  # (given back: taken again)
+        c = held.enter_context(loop._preparation_stream())  # (both held and the most made: shared)
         assert c in (a, b) and len(made) == 2
-        for stream in (a, b, c):
-            with loop._holding(stream):
-                pass
+        held.close()
         assert sorted(map(id, loop._free_streams["normal"])) == sorted(map(id, (a, b)))  # each free once
         loop.prepare_priority = "high"
-        high = loop._take_stream()
-        assert high not in (a, b) and high.priority == -100
+        with loop._preparation_stream() as high:
+            assert high not in (a, b) and high.priority == -100

@@ -1634,8 +1634,7 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
     with BatchLoop(model, config=cfg, prepare_stream=True, prepare_priority=priority) as loop:
         assert loop.prepare_stream and loop.prepare_priority == priority
         least, greatest = torch.cuda.Stream.priority_range()
-        stream = loop._take_stream()
-        with loop._holding(stream):
+        with loop._preparation_stream() as stream:
             assert stream.priority == (greatest if priority == "high" else 0), (least, greatest)
         convs = {i: Conversation(model, processor, cfg, background=False, loop=loop) for i in asks}
         errors = []
