@@ -645,9 +645,10 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     assert serve_load._stream_values("both", True) == (False, True)
     assert serve_load._stream_values("off", False) == (False,)
     loop = types.SimpleNamespace()
-    serve_load._apply_variant(loop, (True, None, 1, "high", None))
+    interval = sys.getswitchinterval()
+    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval))
     assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
-    serve_load._apply_variant(loop, (True, None, 1, False, None))
+    serve_load._apply_variant(loop, (True, None, 1, False, None, interval))
     assert (loop.prepare_stream, loop.prepare_priority) == (False, "normal")
 
 

@@ -392,7 +392,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
     streams = _stream_values(prepare_stream, batching)
     variants = [(a, f, p, st, r, sw) for a in aheads for f in prompt_forwards for p in preparing for st in streams
-                for r in ride_rows for sw in intervals]
+                for r in ride_rows for sw in (sys.getswitchinterval() if v is None else v for v in intervals)]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     if (trace_round or trace_path) and not batching:
@@ -402,8 +402,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     device, previous_threads = claim_device(device, threads)
     previous_interval = sys.getswitchinterval()
     froze = False  # (`freeze_heap` done: undone when the run ends)
-    if intervals[0] is not None:
-        sys.setswitchinterval(intervals[0])
+    sys.setswitchinterval(variants[0][5])
     started = time.perf_counter()
     try:
         model, processor, model_info, (width, height) = _build(model_name, device)
@@ -427,7 +426,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              answer_tokens=answer_tokens, follow_up_tokens=follow_up_tokens, think_s=think_s,
                              warmup=warmup, max_running=running_places, max_queue=queue_places, batching=batching,
                              client_processes=client_processes,
-                             switch_interval_s=[previous_interval if v is None else v for v in intervals],
+                             switch_interval_s=list(dict.fromkeys(v[5] for v in variants)),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
@@ -495,11 +494,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
                         [_STREAM_NAMES[side]] if len(streams) > 1 else []) + (
                         [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else []) + (
-                        [f"switch interval {1e3 * (interval or previous_interval):g} ms"] if len(intervals) > 1 else [])
+                        [f"switch interval {1e3 * interval:g} ms"] if len(intervals) > 1 else [])
                     series = ", ".join(parts)
-                    sys.setswitchinterval(previous_interval if interval is None else interval)
-                    if loop is not None:  # (between rounds: the loop has nothing running)
-                        _apply_variant(loop, (ahead, forwards, prepare, side, ride))
+                    # (between rounds: the loop has nothing running)
+                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval))
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
@@ -529,8 +527,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         result["medians"] = round_medians(result["rows"])
                     _write(result, json_path)
                 if profile_loop:
-                    _apply_variant(loop, variants[0][:5])
-                    sys.setswitchinterval(previous_interval if variants[0][5] is None else variants[0][5])
+                    _apply_variant(loop, variants[0])
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
                     result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
                     log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
@@ -542,8 +539,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if trace_round:
                     from .trace_round import trace_lines, traced_round
 
-                    _apply_variant(loop, variants[0][:5])
-                    sys.setswitchinterval(previous_interval if variants[0][5] is None else variants[0][5])
+                    _apply_variant(loop, variants[0])
                     kept = None
                     if trace_path:
                         root, ext = os.path.splitext(trace_path)
@@ -636,9 +632,13 @@ def _stream_values(value: str, batching: bool) -> tuple:
 
 
 def _apply_variant(loop, variant: tuple) -> None:
-    """Set ``loop``'s settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards,
-    max_preparing, prepare_stream, ride_max_rows)``, ``prepare_stream`` False, True or "high" (`_stream_values`)."""
-    ahead, forwards, preparing, stream, ride = variant
+    """Set the settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards, max_preparing,
+    prepare_stream, ride_max_rows, switch interval in seconds)``, ``prepare_stream`` False, True or "high"
+    (`_stream_values`); the first five are ``loop``'s (None: no batching loop, only the interval)."""
+    ahead, forwards, preparing, stream, ride, interval = variant
+    sys.setswitchinterval(interval)
+    if loop is None:
+        return
     loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.ride_max_rows = ahead, forwards, preparing, ride
     loop.prepare_stream = bool(stream)
     loop.prepare_priority = "high" if stream == "high" else "normal"
