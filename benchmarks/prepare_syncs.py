@@ -34,17 +34,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig, batch_loop, enable  # noqa: E402
 from raincheck_hf.bench import shapes  # noqa: E402
 from raincheck_hf.bench.latency import write_script_result  # noqa: E402
+from raincheck_hf.serve.cli import _image_sizes  # noqa: E402
 from raincheck_hf.tiny import draw_test_image  # noqa: E402
 
 
 def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--image-size takes WxH (e.g. 1344x1024), got {text!r}") from error
-    if width < 32 or height < 32:
-        raise argparse.ArgumentTypeError(f"--image-size must be at least 32x32 pixels, got {text!r}")
-    return width, height
+    """``--image-size``: one ``WxH`` (`serve --warm-up-image-sizes`' parser), at least 32x32 pixels."""
+    sizes = _image_sizes(text)
+    if len(sizes) != 1 or min(sizes[0]) < 32:
+        raise argparse.ArgumentTypeError(f"--image-size takes one WxH of at least 32x32 pixels, got {text!r}")
+    return sizes[0]
 
 
 def count_syncs(fn):

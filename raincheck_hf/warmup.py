@@ -362,7 +362,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         if grids and adapter.use_vision_graphs(config):
             _warm_vision(adapter, grids, summary)
         if grids and summary.path == "fast" and adapter.device.type == "cuda":
-            _warm_selection(adapter, config, grids, summary, adapter.device)
+            _warm_selection(adapter, config, grids, summary)
         if summary.path == "fast" and conversations:
             _warm_steps(adapter, config, summary, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
                         prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens, conversations=conversations,
@@ -424,7 +424,7 @@ def _warm_vision(adapter, grids, summary: WarmUpSummary) -> None:
             summary.vision.append((grid, time.perf_counter() - started))
 
 
-def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSummary, device) -> None:
+def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSummary) -> None:
     """The selector's graphs for each image of ``grids``: a greedy selector on CUDA replays one graph per method,
     ``k`` and input shape (`selection.kernels.greedy_select`), captured the first time a prompt needs it, and its
     inputs' shape depends on the image's visual tokens and on the question's text rows (`mmtok` pads those to a
@@ -433,7 +433,7 @@ def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSumm
     the ones a prompt's selection takes, not a list kept here), at most `selection.kernels.MAX_GRAPHS` of them (what
     the kernels keep). Nothing to do for a mode that selects nothing or a selector without graphs."""
     from .selection.base import GreedySelector, Segment, SelectionContext, keep_count
-    from .selection.kernels import _GRAPHS, MAX_GRAPHS, triton_available
+    from .selection.kernels import MAX_GRAPHS, captured_shapes, triton_available
     from .selection.mmtok import TEXT_BUCKET
 
     if config.mode == "full" or config.retention >= 1.0 or isinstance(config.selector, torch.Tensor):
@@ -445,10 +445,7 @@ def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSumm
     generator = torch.Generator().manual_seed(0)
 
     def stand_in(rows: int) -> torch.Tensor:
-        return torch.randn(rows, hidden, generator=generator).to(device=device, dtype=adapter.dtype)
-
-    def keys() -> set:
-        return {key for graphs in _GRAPHS.values() for key in graphs}
+        return torch.randn(rows, hidden, generator=generator).to(device=adapter.device, dtype=adapter.dtype)
 
     segments = [Segment(0, "image", stand_in(tokens), (1, 1, tokens), torch.arange(tokens))
                 for tokens in dict.fromkeys(t for _, t in grids)
@@ -459,11 +456,11 @@ def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSumm
         for segment in segments:
             if len(summary.selection) >= MAX_GRAPHS:
                 return
-            before, started = keys(), time.perf_counter()
+            before, started = captured_shapes(), time.perf_counter()
             context = SelectionContext(text_embeds=stand_in(text_rows), model=adapter.model,
                                        extras={"turn": None, "vision_captures": None, "fast_path": config.fast_path})
             selector.select([segment], config.retention, context)
-            if keys() - before:
+            if captured_shapes() - before:
                 summary.selection.append((segment.num_tokens, text_rows, time.perf_counter() - started))
 
 

@@ -1223,14 +1223,14 @@ def test_cuda_warm_up_captures_the_selections_graphs_of_its_image_sizes():
     summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=16, image_sizes=[(160, 224)],
                                    cache_dir=False, progress=False)
     assert summary.selection and summary.vision, summary
-    keys = {key for graphs in kernels._GRAPHS.values() for key in graphs}
+    keys = kernels.captured_shapes()
     towers = set(vision._captured)
     with BatchLoop(model, config=cfg) as loop:
         with Conversation(model, processor, cfg, background=False, loop=loop) as conv:
             got = conv.ask("What is in this image?", images=[picture], **kw)
     with Conversation(model, processor, cfg, background=False) as alone:
         again = alone.ask("What is in this image?", images=[picture], **kw)
-    assert {key for graphs in kernels._GRAPHS.values() for key in graphs} == keys
+    assert kernels.captured_shapes() == keys
     assert set(vision._captured) == towers
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(again.token_ids, want.token_ids)
 

@@ -341,7 +341,7 @@ def test_warm_up_selects_each_image_size_at_every_question_bucket_a_prompt_can_t
     grids = warmup._image_grids(processor, [(128, 96), (64, 64), (96, 128)])
     tokens = [t for _, t in grids]
     summary = warmup.WarmUpSummary(path="fast")
-    warmup._warm_selection(adapter, config, grids[:1], summary, adapter.device)
+    warmup._warm_selection(adapter, config, grids[:1], summary)
     buckets_ = list(range(warmup.TEXT_ALLOWANCE, 0, -TEXT_BUCKET))
     assert [(n, m) for n, m, _ in summary.selection] == [(tokens[0], m) for m in buckets_]
     assert len(table) == len(buckets_)
@@ -354,14 +354,14 @@ def test_warm_up_selects_each_image_size_at_every_question_bucket_a_prompt_can_t
     # three sizes: no more than the kernels keep, the longest questions first
     table.clear()
     summary = warmup.WarmUpSummary(path="fast")
-    warmup._warm_selection(adapter, config, grids, summary, adapter.device)
+    warmup._warm_selection(adapter, config, grids, summary)
     assert len(summary.selection) == kernels.MAX_GRAPHS == len(table)
     assert summary.selection[0][1] == warmup.TEXT_ALLOWANCE and {n for n, _, _ in summary.selection} == set(tokens)
     # nothing for a mode that selects nothing, or a selector without kernels
     for other in (RaincheckConfig(mode="full", fast_path=True), RaincheckConfig(selector="fastv", fast_path=True)):
         table.clear()
         summary = warmup.WarmUpSummary(path="fast")
-        warmup._warm_selection(adapter, other, grids, summary, adapter.device)
+        warmup._warm_selection(adapter, other, grids, summary)
         assert summary.selection == [] and table == {}
 
 

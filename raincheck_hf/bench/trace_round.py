@@ -8,7 +8,10 @@ per CUDA stream, its kernels (and copies) and how busy it was over the round, an
 busy each stream was. A preparation whose own stream is idle most of its range waits for the host (the interpreter's
 lock, its own Python); one whose stream is busy but slow shares the device with the loop's steps.
 
-The profiler slows what it watches: the figures say where the time goes, not how much there is without it.
+A preparation's range is its whole `prepare_ahead`, its wait for its place among the preparations included: under a
+burst with ``max_preparing=1`` a first turn's range is mostly that wait (the loop's record, ``ahead`` and ``in
+line``, tells the two apart). The profiler slows what it watches: the figures say where the time goes, not how much
+there is without it.
 """
 
 from __future__ import annotations

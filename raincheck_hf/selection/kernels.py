@@ -136,6 +136,12 @@ def _key(method: str, inputs: dict, k: int) -> tuple:
     return (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
 
 
+def captured_shapes() -> set:
+    """The keys (method, ``k``, input shapes) of the selection graphs captured now, on every device."""
+    with _TABLE_LOCK:
+        return {key for graphs in _GRAPHS.values() for key in graphs}
+
+
 def release_selection_graphs() -> None:
     """Drop every captured selection graph (and its buffers)."""
     with _TABLE_LOCK:

@@ -56,10 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_warm_up_arguments(parser)
     parser.add_argument("--warm-up-image-sizes", type=_image_sizes, default=(), metavar="WxH[,WxH...]",
-                        help="image sizes (width x height, pixels) whose vision-tower graph the warm-up captures, so a "
-                             "first request with an image of such a size meets it captured (default: none; each grid "
-                             "is otherwise captured when a second request brings it, holding the batching loop that "
-                             "long)")
+                        help="image sizes (width x height, pixels) whose vision-tower and token-selection graphs the "
+                             "warm-up captures, so a first request with an image of such a size meets them captured "
+                             "(default: none; otherwise each is captured by the requests that first need it, holding "
+                             "the batching loop that long)")
     parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
                         help="after the warm-up, move every object alive (imports, model, graphs) out of the garbage "
                              "collector's full collections (gc.freeze): each one would pause every running answer "
