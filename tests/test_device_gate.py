@@ -225,3 +225,36 @@ def test_a_shared_holder_interrupted_while_it_waits_to_capture_keeps_its_hold(mo
     assert gate.holders == (0, None)
     with gate:
         assert gate.holders[1] == threading.get_ident()
+
+
+def test_every_capture_warms_up_on_one_side_stream_per_device(monkeypatch):
+    """`fast.scoping.warm_up_stream`: the one side stream of a device for the whole process (made on first need, per
+    device), and the one every capture's warm-up takes: CUDA libraries keep per-stream state for good (cuBLAS a
+    workspace per handle and stream), so a stream per capture or per storage grew the device memory with each one
+    (`test_gpu.py::test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped` on the GPU)."""
+    import inspect
+
+    from raincheck_hf.fast import batched_graphs, graphs, scoping, vision_graphs
+    from raincheck_hf.selection import kernels
+
+    made = []
+
+    class FakeStream:
+        def __init__(self, device=None, priority=0):
+            made.append(device)
+
+    monkeypatch.setattr(scoping.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(scoping.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})
+    first = scoping.warm_up_stream("cuda:0")
+    assert scoping.warm_up_stream("cuda") is first and scoping.warm_up_stream(None) is first
+    threads = [threading.Thread(target=scoping.warm_up_stream, args=("cuda:1",)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert scoping.warm_up_stream("cuda:1") is not first and made == [0, 1]
+    # no capture path makes a stream of its own
+    for module in (graphs, vision_graphs, batched_graphs, kernels):
+        source = inspect.getsource(module)
+        assert "cuda.Stream(" not in source and "warm_up_stream(" in source, module.__name__

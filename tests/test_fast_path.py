@@ -651,6 +651,7 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
     from types import SimpleNamespace
 
     import raincheck_hf.fast.graphs as graphs
+    from raincheck_hf.fast import scoping
     from raincheck_hf.fast.vision_graphs import VisionGraphs
     from raincheck_hf.models import get_adapter
 
@@ -672,10 +673,11 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
                 state["capturing"] -= 1
 
     stream = SimpleNamespace(wait_stream=lambda other: None)
-    cuda = SimpleNamespace(Stream=lambda: stream, current_stream=lambda: stream,
-                           stream=lambda s: contextlib.nullcontext(), graph=fake_graph, synchronize=lambda: None,
-                           CUDAGraph=lambda: SimpleNamespace(pool=lambda: None))
+    cuda = SimpleNamespace(Stream=lambda device=None, priority=0: stream, current_stream=lambda: stream,
+                           current_device=lambda: 0, stream=lambda s: contextlib.nullcontext(), graph=fake_graph,
+                           synchronize=lambda: None, CUDAGraph=lambda: SimpleNamespace(pool=lambda: None))
     monkeypatch.setattr(graphs.torch, "cuda", cuda)  # the torch module: restored after the test
+    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})  # (the fake stream is not kept past the test)
     adapter = get_adapter(model)
     caches = [StaticDeferredCache(4, 256, 64, "cpu"), StaticDeferredCache(4, 256, 64, "cpu")]
     steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]

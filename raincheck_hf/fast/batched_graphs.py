@@ -101,7 +101,7 @@ from ..masking import batched_visibility_to_attention_mask
 from ..models.base import accelerate_split
 from . import static_cache
 from .compiled import resolve_compile_steps
-from .scoping import CAPTURE_LOCK, graph_capture, step_scope
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope, warm_up_stream
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of the largest
 
@@ -367,7 +367,6 @@ class BatchedStepGraphs:
         self.recurrent = adapter.packed_states(pool.total_slots)
         self._setting = self._current_setting()  # what the captured graphs were made on
         self._mempool = None
-        self._stream = None
         self.capture_log: list[BatchStepKey] = []  # every capture, in order
         self.replays = 0
         self.failed = False  # a capture raised: every decode step runs eagerly from then on
@@ -508,9 +507,7 @@ class BatchedStepGraphs:
             run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
             return _EagerStep(run)
         with CAPTURE_LOCK:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
+            stream = warm_up_stream(buffers.embeds.device)
             stream.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(stream):

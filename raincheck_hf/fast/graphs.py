@@ -41,7 +41,7 @@ import torch
 
 from ..cache_utils import DEFERRED, GENERATED, to_device
 from ..masking import visibility_to_attention_mask
-from .scoping import CAPTURE_LOCK, graph_capture, step_scope
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope, warm_up_stream
 from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
 from .timing import StepTimings
 
@@ -220,7 +220,6 @@ class StepGraphs:
         # with: kept, so that alternating settings (a benchmark, two chats) replay instead of capturing again
         self._other_settings: dict[tuple, tuple] = {}
         self._pool = None
-        self._warmup_stream = None  # one side stream for every capture's warm-up (per-stream library state is kept)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
         # every capture made on this storage, in order: (key, wall seconds); `generate` reads the ones made during
         # its forwards (its trace, and `chunk_size="auto"`'s budget). One entry per graph, so it stays short.
@@ -272,9 +271,7 @@ class StepGraphs:
         # kernel tuning, compiles): one warm-up run then, two for a new one
         warmups = 1 if any(k.shape == key.shape for k in self._captured) else 2
         with CAPTURE_LOCK:
-            if self._warmup_stream is None:
-                self._warmup_stream = torch.cuda.Stream()
-            stream = self._warmup_stream
+            stream = warm_up_stream(adapter.device)
             # the warm-up runs (and the timed replays) change the cache's recurrent (GDN) state too: kept aside
             # before the side stream starts, put back after, also when the capture fails (the step then runs
             # eagerly from the state it should see)

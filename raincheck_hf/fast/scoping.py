@@ -148,6 +148,29 @@ def paused_collector():
                 gc.enable()
 
 
+_WARM_UP_STREAMS: dict = {}  # CUDA device index -> the process's one side stream for capture warm-ups there
+_WARM_UP_LOCK = threading.Lock()
+
+
+def warm_up_stream(device=None) -> "torch.cuda.Stream":
+    """The side stream every capture's warm-up runs on (lazy initialisation, library handles and workspaces, kernel
+    tuning: outside the capture), one per CUDA device for the whole process, made on first need.
+
+    One, not one per capture or per storage: CUDA libraries keep state per stream that is never given back while
+    the process lives (cuBLAS and cuBLASLt a workspace per handle and stream, 32 MB on a Hopper GPU), so a stream
+    made for each capture, or each conversation's storage, grew the device memory by that much with every one (a
+    server holding many conversations at once: gigabytes). Sharing it is safe: each user orders it against its own
+    stream (``wait_stream`` both ways), so another thread's warm-up on it only adds a wait."""
+    index = torch.device("cuda" if device is None else device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    with _WARM_UP_LOCK:
+        stream = _WARM_UP_STREAMS.get(index)
+        if stream is None:
+            stream = _WARM_UP_STREAMS[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
 @contextlib.contextmanager
 def graph_capture(graph, pool=None):
     """``torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")`` (only the calling thread's unsafe
