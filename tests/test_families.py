@@ -289,3 +289,31 @@ def test_prompt_ending_with_a_placeholder_is_refused(family, case):
     kind = "image" if case == "one_image" else "video"
     with pytest.raises(ValueError, match=rf"ends with a <\|{kind}_pad\|> placeholder"):
         greedy(model, inputs, n=2, raincheck=RaincheckConfig(retention=1.0))
+
+
+@pytest.mark.parametrize("family", family_params(), indirect=True)
+@pytest.mark.parametrize("case", ["two_images", "image_and_video"])
+def test_a_turns_rows_worked_out_on_the_host_equal_the_reference(family, case):
+    """`ModelAdapter.rows` with host row indexes (a plan's) works out which rows are visual and their DeepStack rows
+    on the host (`TurnInputs.visual_rows`), so nothing waits for the device; against `rows_reference` (read from the
+    device's ``visual_index``) on random subsets in random order, the empty one, every row, and text rows only:
+    embeddings, positions, visual flags and DeepStack rows equal."""
+    fam, model, processor = family
+    adapter = get_adapter(model)
+    inputs = make_inputs(processor, **INPUT_CASES[case])
+    with torch.no_grad():
+        turn = adapter.encode_turn(inputs["input_ids"][0], 0, image_grid_thw=inputs.get("image_grid_thw"),
+                                   video_grid_thw=inputs.get("video_grid_thw"), pixel_values=inputs.get("pixel_values"),
+                                   pixel_values_videos=inputs.get("pixel_values_videos"))
+    assert turn.visual_rows is not None and turn.num_visual > 0
+    n = turn.visual_index.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    picks = [torch.randperm(n, generator=generator)[:k] for k in (1, 5, n // 3, n // 2)]
+    picks += [torch.arange(0), torch.arange(n), turn.text_rows.cpu(), turn.visual_rows[::2].flip(0)]
+    for rows in picks:
+        got, want = adapter.rows(turn, rows), adapter.rows_reference(turn, rows)
+        assert torch.equal(got.embeds, want.embeds) and torch.equal(got.positions, want.positions)
+        assert torch.equal(got.visual, want.visual) and got.visual.dtype == torch.bool
+        assert (got.deepstack is None) == (want.deepstack is None) == (turn.deepstack is None), fam.name
+        for a, b in zip(got.deepstack or [], want.deepstack or []):
+            assert torch.equal(a, b)

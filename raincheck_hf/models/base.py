@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache_utils import to_device
+from ..cache_utils import to_device, to_device_all
 from ..masking import check_attention_implementation, visibility_to_attention_mask
 from ..patching import module_function
 from ..selection import Segment
@@ -315,7 +315,25 @@ class ModelAdapter:
 
     # ---- one forward over arbitrary rows ------------------------------------------------------
     def rows(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
-        """The given rows of a turn as a batch (``row_index`` indexes the turn's rows)."""
+        """The given rows of a turn as a batch (``row_index`` indexes the turn's rows).
+
+        Host ``row_index`` of a turn whose visual rows are known on the host (`TurnInputs.visual_rows`): which rows
+        are visual, and which DeepStack rows they take, are worked out on the host and moved in one non-blocking
+        copy, so nothing waits for the device (a plan's rows are host tensors; a boolean index on the device waits
+        for its count, and a plain copy of pageable memory for the device's queue). Otherwise `rows_reference`."""
+        if turn.visual_rows is None or row_index.device.type != "cpu" or row_index.dtype == torch.bool:
+            return self.rows_reference(turn, row_index)
+        visual_index = torch.full((turn.visual_index.shape[0],), -1, dtype=torch.long)
+        visual_index[turn.visual_rows] = torch.arange(turn.visual_rows.numel())
+        vis = visual_index[row_index]
+        visual = vis >= 0
+        index, picked, flags = to_device_all([row_index.long(), vis[visual], visual.long()], self.device)
+        deepstack = None if turn.deepstack is None else [d.index_select(0, picked) for d in turn.deepstack]
+        return RowBatch(turn.embeds.index_select(0, index), turn.positions.index_select(1, index), flags.bool(),
+                        deepstack)
+
+    def rows_reference(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
+        """`rows` read from the device's ``visual_index`` (the reference it is tested against)."""
         row_index = row_index.to(self.device)
         vis = turn.visual_index[row_index]
         visual = vis >= 0
