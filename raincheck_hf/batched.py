@@ -308,9 +308,9 @@ class SequenceState:
         plan = self.plan
         n = plan.input_rows.numel()
         batch = adapter.rows(self.turn, plan.input_rows)
-        # (its visual flags read back once here, where the sequence is made, not in the steps that cut its pieces)
+        # (its visual flags on the host once here, where the sequence is made, not in the steps that cut its pieces)
         group = RowGroup(batch, plan.input_keys, plan.sources(plan.input_rows),
-                         torch.full((n,), INPUT, dtype=torch.int8), visual=batch.visual.cpu())
+                         torch.full((n,), INPUT, dtype=torch.int8), visual=self.turn.visual_flags_on_host(plan.input_rows))
         if earlier is None:
             return group
         return RowGroup.concat([RowGroup(adapter.pending_batch(earlier), earlier.keys, earlier.sources.cpu(),
@@ -572,7 +572,7 @@ def new_sequence(model, adapter, config: RaincheckConfig, index: int, ids: torch
     trace = RaincheckTrace(mode=config.mode, selected=plan.sources(plan.selected_rows),
                            deferred=plan.sources(plan.deferred_rows),
                            segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments])
-    source_ids = ids.cpu() if cache is None else torch.cat([cache.source_ids, new_ids.cpu()])
+    source_ids = turn.ids_on_host() if cache is None else torch.cat([cache.source_ids, turn.ids_on_host()])
     state = SequenceState(index, pad, source_ids, turn, plan, ChunkScheduler(config), trace, turn.next_position)
     earlier = None
     if cache is not None:

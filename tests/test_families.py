@@ -9,6 +9,8 @@ the family's own test file.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -317,3 +319,9 @@ def test_a_turns_rows_worked_out_on_the_host_equal_the_reference(family, case):
         assert (got.deepstack is None) == (want.deepstack is None) == (turn.deepstack is None), fam.name
         for a, b in zip(got.deepstack or [], want.deepstack or []):
             assert torch.equal(a, b)
+        # the flags a batched sequence keeps on the host, from the host rows and from the device's index alike
+        unknown = dataclasses.replace(turn, visual_rows=None, host_ids=None)
+        assert torch.equal(turn.visual_flags_on_host(rows), want.visual.cpu())
+        assert torch.equal(unknown.visual_flags_on_host(rows), want.visual.cpu())
+    assert torch.equal(turn.ids_on_host(), inputs["input_ids"][0]) and turn.host_ids is not None
+    assert torch.equal(dataclasses.replace(turn, host_ids=None).ids_on_host(), inputs["input_ids"][0])

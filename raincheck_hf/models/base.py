@@ -34,6 +34,8 @@ class TurnInputs:
         next_position: M-RoPE text position following the last row.
         visual_rows: ``[n]`` the visual rows, on the host (what `num_visual` and a plan read without waiting for the
             device); None: read from ``visual_index``.
+        host_ids: ``[L]`` ``input_ids`` on the host (what a sequence's bookkeeping keeps without waiting for the
+            device); None: read from ``input_ids``.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +47,17 @@ class TurnInputs:
     text_rows: torch.Tensor
     next_position: int
     visual_rows: torch.Tensor | None = None
+    host_ids: torch.Tensor | None = None
+
+    def ids_on_host(self) -> torch.Tensor:
+        """``input_ids`` on the host (``host_ids`` when the encoding kept them)."""
+        return self.host_ids if self.host_ids is not None else self.input_ids.cpu()
+
+    def visual_flags_on_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[len(rows)]`` bool on the host: which of ``rows`` (indexes into the turn's rows) are visual."""
+        if self.visual_rows is not None:
+            return torch.isin(rows.cpu(), self.visual_rows)
+        return (self.visual_index[rows.to(self.visual_index.device)] >= 0).cpu()
 
     @property
     def num_visual(self) -> int:

@@ -150,7 +150,7 @@ class QwenVisionLanguageMixin:
 
         segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
         return TurnInputs(ids, embeds, positions, visual_index_on, deepstack, segments, text_rows, next_position,
-                          visual_rows=visual_rows)
+                          visual_rows=visual_rows, host_ids=host_ids)
 
     def _segments(self, ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw):
         """One segment per image and per video temporal slice, in source order.
