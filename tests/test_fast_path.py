@@ -1069,3 +1069,34 @@ def test_a_cycle_that_dies_inside_a_capture_waits_for_the_next_collection():
         assert where == [False]
     finally:
         gc.set_threshold(*threshold)
+
+
+def test_a_held_caches_count_includes_the_steps_captured_on_its_storage(model, monkeypatch):
+    """`serve.store.cache_nbytes` (what ``--max-cache-gb`` weighs) counts, beside the cache's tensors, the device
+    memory of the steps captured on its slot storage: their graph pool's segments (`fast.graphs.graph_pool_bytes`,
+    from the allocator's snapshot: that pool's segments only) and their static buffers, every setting's, each
+    tensor once. A pool stands in here (no CUDA on a CPU)."""
+    from raincheck_hf.fast import graphs
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.serve.store import cache_nbytes
+
+    segments = [{"segment_pool_id": (0, 0), "total_size": 1 << 20}, {"segment_pool_id": (7, 1), "total_size": 3 << 20},
+                {"segment_pool_id": (7, 1), "total_size": 2 << 20}, {"segment_pool_id": (8, 0), "total_size": 5}]
+    monkeypatch.setattr(graphs.torch.cuda, "memory_snapshot", lambda: segments)
+    assert graphs.graph_pool_bytes((7, 1)) == 5 << 20 and graphs.graph_pool_bytes(None) == 0
+
+    cache = StaticDeferredCache(4, 256, 64, "cpu")
+    alone = cache_nbytes(cache)
+    step_graphs = graphs.StepGraphs(get_adapter(model), use_graphs=False)
+    cache.storage.graphs = step_graphs
+    assert cache_nbytes(cache) == alone  # nothing captured: nothing more
+    step_graphs._pool, step_graphs._pool_bytes = (7, 1), None  # (as a capture leaves them)
+    one = graphs.StepBuffers.empty(8, 16, 2, torch.float32, "cpu")
+    one.logits = torch.zeros(1, 32)
+    other = graphs.StepBuffers.empty(4, 16, 2, torch.float32, "cpu", step_info=False)
+    step_graphs._captured[graphs.StepKey(8, True, None, 256)] = (None, one)
+    step_graphs._other_settings[("eager", True)] = ({graphs.StepKey(4, False, None, 256): (None, other)}, None)
+    tensors = [one.embeds, one.positions, one.query_keys, one.slots, one.step_info, one.logits, *one.deepstack,
+               other.embeds, other.positions, other.query_keys, other.slots, *other.deepstack]
+    expected = (5 << 20) + sum(t.untyped_storage().nbytes() for t in tensors)
+    assert cache_nbytes(cache) == alone + expected

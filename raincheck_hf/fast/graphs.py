@@ -199,6 +199,17 @@ class StepFigures(NamedTuple):
     capture: float | None  # wall seconds its latest capture (at any bucket) took; None: never captured
 
 
+def graph_pool_bytes(pool) -> int:
+    """Bytes of the device memory segments a CUDA-graph memory pool (``graph.pool()``) holds, from the caching
+    allocator's snapshot (segments are kept by their pool while it lives, whatever the graphs still use). 0 for
+    None."""
+    if pool is None:
+        return 0
+    pool = tuple(pool)
+    return sum(int(segment["total_size"]) for segment in torch.cuda.memory_snapshot()
+               if tuple(segment.get("segment_pool_id", ())) == pool)
+
+
 class StepGraphs:
     """Captured steps of one `SlotStorage` (the graphs point at its tensors and at their own buffers).
 
@@ -220,6 +231,7 @@ class StepGraphs:
         # with: kept, so that alternating settings (a benchmark, two chats) replay instead of capturing again
         self._other_settings: dict[tuple, tuple] = {}
         self._pool = None
+        self._pool_bytes = 0  # `pool_bytes` as last read (None: a capture since: read again when asked)
         self.timings = StepTimings(enabled=self.use_graphs)  # device time of the replays (`chunk_size="auto"`)
         # every capture made on this storage, in order: (key, wall seconds); `generate` reads the ones made during
         # its forwards (its trace, and `chunk_size="auto"`'s budget). One entry per graph, so it stays short.
@@ -287,6 +299,7 @@ class StepGraphs:
                     self._step(adapter, cache, buffers, want_logits, bucket, variant)
                 self._pool = graph.pool()
                 torch.cuda.synchronize()
+                self._pool_bytes = None
                 if rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs), not a prefill
                     # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
                     self.timings.time_replays(key, graph)
@@ -324,6 +337,27 @@ class StepGraphs:
     def clock() -> float:
         """Host wall clock of capture times (tests stand in a clock of their own)."""
         return time.perf_counter()
+
+    @property
+    def pool_bytes(self) -> int:
+        """The device memory the graphs' pool holds (`graph_pool_bytes`), read from the allocator's snapshot when
+        first asked after a capture (not at each capture: a warm-up captures a hundred graphs or more)."""
+        if self._pool_bytes is None:
+            self._pool_bytes = graph_pool_bytes(self._pool)
+        return self._pool_bytes
+
+    def nbytes(self) -> int:
+        """Device memory the captured steps hold beside the storage's own tensors: their pool's segments
+        (``pool_bytes``) and their static buffers (every setting's), each tensor's storage once."""
+        seen, total = set(), self.pool_bytes
+        for captured in [self._captured] + [other[0] for other in self._other_settings.values()]:
+            for _, buffers in captured.values():
+                for t in (buffers.embeds, buffers.positions, buffers.query_keys, buffers.slots, buffers.step_info,
+                          buffers.logits, *buffers.deepstack):
+                    if t is not None and t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        total += t.untyped_storage().nbytes()
+        return total
 
     def step_figures(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool,
                      real_rows: int | None = None, pending_after: int = 1) -> "StepFigures | None":

@@ -60,8 +60,13 @@ class ServedConversation(Conversation):
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes of the tensors a cache holds (its layers, bookkeeping and pending rows), each storage once."""
+    """Bytes of the tensors a cache holds (its layers, bookkeeping and pending rows), each storage once, and on the
+    CUDA fast path the device memory of the steps captured on its slot storage (their pool and static buffers:
+    `fast.graphs.StepGraphs.nbytes`), which live as long as the storage does."""
     seen, total = set(), 0
+    graphs = getattr(getattr(cache, "storage", None), "graphs", None)
+    if graphs is not None and hasattr(graphs, "nbytes"):
+        total += graphs.nbytes()
 
     def add(value, depth):
         nonlocal total
