@@ -349,15 +349,14 @@ class StepGraphs:
     def nbytes(self) -> int:
         """Device memory the captured steps hold beside the storage's own tensors: their pool's segments
         (``pool_bytes``) and their static buffers (every setting's), each tensor's storage once."""
-        seen, total = set(), self.pool_bytes
+        storages = {}
         for captured in [self._captured] + [other[0] for other in self._other_settings.values()]:
             for _, buffers in captured.values():
-                for t in (buffers.embeds, buffers.positions, buffers.query_keys, buffers.slots, buffers.step_info,
-                          buffers.logits, *buffers.deepstack):
-                    if t is not None and t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        total += t.untyped_storage().nbytes()
-        return total
+                for value in vars(buffers).values():
+                    for t in value if isinstance(value, list) else [value]:
+                        if isinstance(t, torch.Tensor):
+                            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return self.pool_bytes + sum(storages.values())
 
     def step_figures(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool,
                      real_rows: int | None = None, pending_after: int = 1) -> "StepFigures | None":

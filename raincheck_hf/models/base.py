@@ -53,11 +53,17 @@ class TurnInputs:
         """``input_ids`` on the host (``host_ids`` when the encoding kept them)."""
         return self.host_ids if self.host_ids is not None else self.input_ids.cpu()
 
+    def visual_index_on_host(self) -> torch.Tensor:
+        """``visual_index`` on the host, made from ``visual_rows`` when the encoding kept them (else read back)."""
+        if self.visual_rows is None:
+            return self.visual_index.cpu()
+        index = torch.full((self.visual_index.shape[0],), -1, dtype=torch.long)
+        index[self.visual_rows] = torch.arange(self.visual_rows.numel())
+        return index
+
     def visual_flags_on_host(self, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows)]`` bool on the host: which of ``rows`` (indexes into the turn's rows) are visual."""
-        if self.visual_rows is not None:
-            return torch.isin(rows.cpu(), self.visual_rows)
-        return (self.visual_index[rows.to(self.visual_index.device)] >= 0).cpu()
+        return self.visual_index_on_host()[rows.cpu()] >= 0
 
     @property
     def num_visual(self) -> int:
@@ -336,9 +342,7 @@ class ModelAdapter:
         for its count, and a plain copy of pageable memory for the device's queue). Otherwise `rows_reference`."""
         if turn.visual_rows is None or row_index.device.type != "cpu" or row_index.dtype == torch.bool:
             return self.rows_reference(turn, row_index)
-        visual_index = torch.full((turn.visual_index.shape[0],), -1, dtype=torch.long)
-        visual_index[turn.visual_rows] = torch.arange(turn.visual_rows.numel())
-        vis = visual_index[row_index]
+        vis = turn.visual_index_on_host()[row_index]
         visual = vis >= 0
         index, picked, flags = to_device_all([row_index.long(), vis[visual], visual.long()], self.device)
         deepstack = None if turn.deepstack is None else [d.index_select(0, picked) for d in turn.deepstack]

@@ -64,8 +64,8 @@ def cache_nbytes(cache) -> int:
     CUDA fast path the device memory of the steps captured on its slot storage (their pool and static buffers:
     `fast.graphs.StepGraphs.nbytes`), which live as long as the storage does."""
     seen, total = set(), 0
-    graphs = getattr(getattr(cache, "storage", None), "graphs", None)
-    if graphs is not None and hasattr(graphs, "nbytes"):
+    graphs = getattr(getattr(cache, "storage", None), "graphs", None)  # (a `StepGraphs`, on the fast path)
+    if graphs is not None:
         total += graphs.nbytes()
 
     def add(value, depth):
