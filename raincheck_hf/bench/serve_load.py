@@ -335,7 +335,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
     is, 5 ms by default; a tuple: several compared side by side, each round under its own), put back after: how long
     a thread that wants the interpreter's lock may wait for one that holds it, which the server's threads (the
-    batching loop, request threads, the event loop that streams) contend for. ``freeze_heap``: after the warm-up, `startup.freeze_heap` (as ``serve`` does at start); each
+    batching loop, request threads, the event loop that streams) contend for. ``freeze_heap``: after the warm-up,
+    `startup.freeze_heap` (as ``serve`` does at start); each
     row's ``gc`` has the garbage collector's pauses during its round either way (`GcPauses`). ``launch_ahead`` /
     ``prompt_forwards`` / ``preparing`` / ``prepare_stream``: with batching, the loop's `BatchLoop.launch_ahead` and
     ``prepare_stream`` ("on", "off", "high", several comma-separated, or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
