@@ -7,7 +7,8 @@ mode) over the rows of every sequence that has work:
 
 - each running sequence that was fed a token (`feed`) contributes its decode row with its deferred chunk when
   its scheduler gives it one (``[chunk, token]`` fused; ``serial``: the chunks in a forward of their own first);
-  when several carry one, each chunk is cut to the step's share of `RaincheckConfig.batch_chunk_rows`
+  with a `RaincheckConfig.batch_chunk_rows` cap (None by default: no cap), when several carry one, each chunk is
+  cut to the step's share of it
   (`RowScheduler.chunk_cap`, `generation.shared_chunk_cap`: ladder sizes, a lone sequence never cut);
 - sequences still prefilling contribute the next piece of their prompt (for a continued conversation: its
   leftover deferred rows, then the new turn's T ∪ S), under a per-step token budget (``token_budget`` rows per
@@ -38,8 +39,8 @@ and runs the forward from them (packing, the slot placement and mask, the family
 
 Every sequence sees only its own rows (docs/method.md §3 per sequence, through its slot's order keys), so each
 sequence's tokens and logits are those of the same sequence run alone through batch-1 ``generate`` under the same
-chunk schedule (its trace's ``chunk_size_per_forward``, which a shared budget may have cut; with
-``batch_chunk_rows=None`` it is the schedule it gets alone), to float rounding (a chunked prefill sums attention
+chunk schedule (its trace's ``chunk_size_per_forward``: with ``batch_chunk_rows=None``, the default, the schedule
+it gets alone; a cap may have cut it), to float rounding (a chunked prefill sums attention
 and the Gated DeltaNet recurrence in pieces).
 
 A held conversation joins with its batch-1 `DeferredDynamicCache` (`add(..., cache=)`): its KV rows and order

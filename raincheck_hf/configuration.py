@@ -112,18 +112,16 @@ class RaincheckConfig:
             it runs the fast path's code without graphs, which the tests compare). Graph replay was
             checked against the eager engine on the H200 (`tests/test_gpu.py`).
         batch_chunk_rows: with a batch of sequences (``generate`` with B > 1, `batch_engine.BatchEngine`, the
-            server's ``--batching``), the deferred chunk rows one step may carry in all, shared by the
+            server's ``--batching``), a cap on the deferred chunk rows one step may carry in all, shared by the
             sequences of the step that carry a chunk (`generation.shared_chunk_cap`): while n of them times
             ``chunk_size`` fits, each carries its full chunk; otherwise each carries the largest size of
-            `CHUNK_LADDER` below ``chunk_size`` with n times it within the budget, at least the ladder's
-            smallest (7; a ``chunk_size`` below that is never cut). A single sequence always carries what
-            it carries alone, so batch 1 is unchanged. Each sequence of a batch then equals itself alone
-            *under the same chunk schedule* (its trace's ``chunk_size_per_forward``). An integer >= 1, or
-            None: no sharing (every sequence carries its full chunk, each row equals its own call exactly).
-            Default 64: a step of 8 sequences carries 7 chunk rows each (56, with their tokens 64 rows),
-            well below the ~200 rows under which a bf16 decode step of an 8B-parameter model stays
-            memory-bound on an H200 by its roofline (arithmetic from its published bandwidth and bf16
-            throughput, not a measurement), so the chunks cost little beside the weights every step reads.
+            `CHUNK_LADDER` below ``chunk_size`` with n times it within the cap, at least the ladder's smallest
+            (7; a ``chunk_size`` below that is never cut). A single sequence always carries what it carries
+            alone. None (default): no cap, every sequence carries its full chunk, so each row of a batch equals
+            its own call exactly, whatever else runs beside it. An integer >= 1 trades that for narrower steps:
+            a cut chunk leaves fewer deferred tokens restored while the answer is written (the rest after it),
+            so a row then equals itself alone only *under the same chunk schedule* (its trace's
+            ``chunk_size_per_forward``), and an answer can depend on how many others were running.
     """
 
     retention: float = 0.3
@@ -136,7 +134,7 @@ class RaincheckConfig:
     tpot_slack: float = 0.02
     compile_steps: bool | None = None
     restore_order: str = "source"
-    batch_chunk_rows: int | None = 64
+    batch_chunk_rows: int | None = None
     chunk_every: int = 1
 
     def __post_init__(self):

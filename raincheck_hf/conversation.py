@@ -20,8 +20,9 @@ With ``loop=`` (a `batch_loop.BatchLoop` on the same model) a turn is handed to 
 ``generate`` call: the loop's thread runs it in one forward per step with the turns of the other conversations on
 the loop (continuous batching), and restores the leftovers in idle time or in the steps' spare budget (no worker
 of the conversation's own). `ask` blocks (or streams) until the turn ends; its `TurnResult`, the history, the held
-cache and cancellation are as without the loop (the tokens and logits are those of the same dialogue run alone
-under the same chunk schedule: with a shared chunk budget, several answers at once may carry smaller chunks).
+cache and cancellation are as without the loop (the tokens and logits are those of the same dialogue run alone;
+with a `RaincheckConfig.batch_chunk_rows` cap, only under the same chunk schedule: several answers at once may
+then carry smaller chunks).
 A turn that fails on the loop leaves the conversation as it was before it (the loop ran it on a copy of the cache).
 
 Positions are never taken from ``model.rope_deltas``: the engine builds every turn's 3-D

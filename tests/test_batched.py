@@ -215,6 +215,23 @@ def test_shared_chunk_budget(name, mode):
     assert any(a.chunk_size_per_forward != b.chunk_size_per_forward for a, b in zip(traces, off.raincheck))
 
 
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_rows_carrying_chunks_at_once_equal_their_own_calls_by_default(name):
+    """The default settings (``batch_chunk_rows=None``): four image prompts with 31-row chunks, three or four of them
+    carrying a chunk in the same steps, each carrying its full chunk; each row equals its own call without any replay
+    of a schedule (tokens, logits within 1e-4, trace, cache), so an answer does not depend on what runs beside it."""
+    assert RaincheckConfig().batch_chunk_rows is None
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.1, fast_path=False)
+    out = assert_rows_match_alone(model, processor, [BIG_IMAGE, TWO_IMAGES, IMAGE, BIG_IMAGE], cfg, n=8)
+    traces = out.raincheck
+    widest = max(sum(1 for t in traces if len(t.chunk_size_per_forward) > f and t.chunk_size_per_forward[f] == 31)
+                 for f in range(1, max(len(t.chunk_size_per_forward) for t in traces)))
+    assert widest >= 3  # (a step where a cap of 64 would have cut every chunk to 7 rows)
+    assert all(c in (0, 31) or c == t.restored_per_forward[f].numel()
+               for t in traces for f, c in enumerate(t.chunk_size_per_forward) if f)
+
+
 @pytest.mark.parametrize("order", ["relevance", "attention"])
 @pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
 def test_rows_restore_in_their_own_order(name, order):

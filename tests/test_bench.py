@@ -374,7 +374,7 @@ def test_batch_benchmark_rows_ratios_and_exact_lengths(tmp_path):
     assert two["tpot_over_full"] == pytest.approx(two["tpot_s"] / rows[("full", 2)]["tpot_s"])
     assert two["tokens_per_s_over_stock"] == pytest.approx(two["tokens_per_s"] / rows[("stock", 2)]["tokens_per_s"])
     assert "tpot_over_full" not in rows[("full", 2)]
-    assert result["settings"]["batch_chunk_rows"] == 64
+    assert result["settings"]["batch_chunk_rows"] is None
 
 
 def test_batch_benchmark_profiles_a_call_per_row(tmp_path):

@@ -57,13 +57,13 @@ def test_defaults_follow_the_method():
         0.3, 31, 1, "raincheck", "source")
 
 
-def test_batch_chunk_rows_is_64_by_default_and_takes_none_or_a_positive_int():
-    """The batched steps' shared chunk budget: 64 by default (8 sequences x 7 rows fit), None (no sharing) or an
-    integer >= 1 (numpy integers normalised); anything else is refused by name, on assignment too (the old value
-    stays)."""
+def test_batch_chunk_rows_is_none_by_default_and_takes_none_or_a_positive_int():
+    """The batched steps' shared chunk cap: None by default (every sequence carries its full chunk: each row of a
+    batch equals its own call), or an integer >= 1 (numpy integers normalised); anything else is refused by name, on
+    assignment too (the old value stays)."""
     import numpy as np
 
-    assert RaincheckConfig().batch_chunk_rows == 64
+    assert RaincheckConfig().batch_chunk_rows is None
     assert RaincheckConfig(batch_chunk_rows=None).batch_chunk_rows is None
     cfg = RaincheckConfig(batch_chunk_rows=np.int64(1))
     assert cfg.batch_chunk_rows == 1 and type(cfg.batch_chunk_rows) is int

@@ -929,10 +929,10 @@ def test_cuda_serve_soak_64_clients(batching):
     duration = float(os.environ.get("RAINCHECK_SOAK_S", "60"))
     model, processor = load_bundled("qwen3_vl", device="cuda")
     raincheck_hf.enable(model)
-    # the defaults but the compile (this test is not about it) and the batches' shared chunk budget: while several
-    # answers carry chunks the default cuts them, and an answer that sees fewer restored tokens may differ from its
-    # conversation alone (found here: 1 in a 5-minute soak); without the sharing each carries what it carries alone
-    config = RaincheckConfig(compile_steps=False, batch_chunk_rows=None)
+    # the defaults but the compile (this test is not about it); the default carries every answer's full chunk (a
+    # `batch_chunk_rows` cap cut them under load, and an answer that saw fewer restored tokens differed from its
+    # conversation alone: 1 in a 5-minute soak)
+    config = RaincheckConfig(compile_steps=False)
     figures = soak(model, processor, benchmark_split("dev", limit=8), clients=64, running_places=8, answer=32,
                    config=config, duration_s=duration, budget_conversations=16, batching=batching)
     print(f"soak ({'batching' if batching else 'per turn'}, {duration:g} s): {figures}")

@@ -10,8 +10,8 @@ tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, gre
 - ``raincheck``: ``model.generate(**batch, raincheck=RaincheckConfig())``, the default settings. At B = 1 on
   CUDA that is the fast path (``fast_path=None``); at B > 1 the batched engine, its decode steps replayed from
   CUDA graphs (`fast.batched_graphs`), each row's prompt in a captured prefill step of its own.
-  ``--batch-chunk-rows`` sets the batched steps' shared chunk budget (`RaincheckConfig.batch_chunk_rows`; ``none``:
-  every row its full chunk), the one setting that differs from the defaults when given.
+  ``--batch-chunk-rows`` sets a cap on the batched steps' chunk rows (`RaincheckConfig.batch_chunk_rows`; ``none``,
+  the default: every row its full chunk), the one setting that differs from the defaults when given.
 - ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).
 - ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the eager engine (a batch's
   prompt pieces run on it), so the batch's scaling over one row is also given engine for engine.
@@ -208,9 +208,10 @@ def main(argv=None):
     parser.add_argument("--answer-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--batch-chunk-rows", default=str(DEFAULT_CHUNK_ROWS),
-                        help="RaincheckConfig.batch_chunk_rows of the raincheck / full variants: an integer >= 1, or "
-                             f"'none' (no sharing); default {DEFAULT_CHUNK_ROWS}")
+    parser.add_argument("--batch-chunk-rows", default=str(DEFAULT_CHUNK_ROWS).lower(),
+                        help="RaincheckConfig.batch_chunk_rows of the raincheck / full variants: an integer >= 1 (a "
+                             "cap on a step's chunk rows, shared), or 'none' (no cap: every row its full chunk); "
+                             f"default {str(DEFAULT_CHUNK_ROWS).lower()} (the config's)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed calls, one more under torch.profiler per row: device time, the host's "
                              "waits for the device, the top kernels (in the JSON's rows)")

@@ -528,7 +528,7 @@ class BatchedStepGraphs:
         (its capacity: the span buckets), sequences in the lowest slots (`BatchEngine` keeps them there: the dense
         steps), smallest first: batch buckets up to ``batch_bucket(max_batch)``; widths 1 and, where the mode leaves
         deferred rows to restore beside tokens (chunks, or held conversations' restoring pieces), every `width_bucket`
-        size up to the largest chunk + 1 (a shared chunk budget cuts chunks to ladder sizes, a last chunk is shorter);
+        size up to the largest chunk + 1 (a last chunk is shorter; a ``batch_chunk_rows`` cap cuts chunks to ladder sizes);
         on the Gated DeltaNet families with and without recorded rows. A step beside sequences it does not carry (a
         turn's prompt piece in its own forward: `batch_engine.RowScheduler`'s ``separate_prefill``; a held
         conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
