@@ -659,6 +659,58 @@ def test_no_prompt_rides_on_the_gated_deltanet_families(replay_log):
     engine.close()
 
 
+@pytest.fixture
+def extent_log(monkeypatch):
+    """Every few-query attention call of a captured step (on the CPU its matmul form, `fast.attention._few_query`):
+    ``(batch rows, slots, rows hidden by the mask and past the extent?, the step's key extents)``; checks each call
+    keeps the promise the extents make to the Triton kernel (`fast.context.StepScope.key_extent`: no row of batch row
+    ``b`` sees a slot at or past ``extent[b]``)."""
+    from raincheck_hf.fast import attention
+    from raincheck_hf.fast.context import active_scope
+
+    log = []
+    few_query = attention._few_query
+
+    def checked(query, key, value, attention_mask, scale, low_precision_reads=False):
+        scope = active_scope()
+        extent = None if scope is None else scope.key_extent
+        assert extent is not None and extent.shape == (query.shape[0],), "a batched step's attention without extents"
+        slots = attention_mask.shape[-1]
+        assert bool((extent >= 1).all()) and bool((extent <= slots).all()), (extent.tolist(), slots)
+        past = torch.arange(slots)[None, :] >= extent[:, None]  # [B, S]
+        hidden = not bool((attention_mask.expand(query.shape[0], -1, -1, -1) & past[:, None, None, :]).any())
+        assert hidden, f"a row sees a slot past its sequence's extent {extent.tolist()} (span {slots})"
+        log.append((query.shape[0], slots, extent.tolist()))
+        return few_query(query, key, value, attention_mask, scale, low_precision_reads)
+
+    monkeypatch.setattr(attention, "_few_query", checked)
+    return log
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_captured_steps_attention_keeps_within_its_key_extents(seed, views, replay_log, extent_log,
+                                                                    monkeypatch):
+    """The key extents a captured step gives its attention (``write[:, -1] + 1``: each batch row's last row + 1,
+    which the Triton kernel stops at) hide nothing the mask shows, in random join schedules with held conversations
+    and prompt pieces, and with held conversations restoring beside answers (dense views and gathered slots): every
+    call's mask is empty past each sequence's extent, and some extent falls short of the span (so the kernel skips
+    reads)."""
+    monkeypatch.setattr(batched_graphs.BatchedStepGraphs, "views", views)
+    _run_captured_case(9100 + seed, seed, draw_case, most=5)
+    replay_log.clear()  # (the restoring case counts its own replays)
+    run_restoring_fuzz(GRAPH_FAMILIES[(seed + 1) % len(GRAPH_FAMILIES)], 9200 + seed, seed, replay_log)
+    assert extent_log and any(min(extent) < slots for _, slots, extent in extent_log)
+
+
+def test_the_gated_deltanet_families_attention_keeps_within_its_key_extents(replay_log, extent_log):
+    """Qwen3.5's gated attention layers in a batch's captured steps: the same promise (`extent_log`)."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1)
+    want, got = _eager_and_graphs("qwen3_5", [TWO_IMAGES, TEXT, IMAGE], cfg, 6)
+    assert_same_output(got, want, TOL, "step")
+    assert extent_log and any(min(extent) < slots for _, slots, extent in extent_log)
+
+
 # ---- restoring sequences (held conversations restored in the spare budget) in the captured steps ----
 
 @pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])

@@ -187,6 +187,64 @@ def test_triton_kernel_matches_sdpa_in_the_interpreter():
         assert r["usable"] and r["routed"] and r["err"] <= 1e-5, (name, r)
 
 
+EXTENT_SCRIPT = r"""
+import json, sys, torch
+from types import SimpleNamespace
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from raincheck_hf.fast import attention
+from raincheck_hf.fast.context import STEP, StepScope
+out = {}
+for b, hq, hkv, rows, slots, d in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(b * 100 + rows + slots)
+    q = torch.randn(b, hq, rows, d, generator=g)
+    k = torch.randn(b, hkv, slots, d, generator=g)
+    v = torch.randn(b, hkv, slots, d, generator=g)
+    # each sequence's rows at start .. start + rows - 1, seeing a random part of the slots below and themselves
+    starts = torch.randint(0, slots - rows + 1, (b,), generator=g)
+    starts[0] = 0  # (a sequence whose extent ends inside the first split)
+    starts[-1] = slots - rows  # (one as long as the span)
+    extent = starts + rows
+    col = torch.arange(slots)
+    write = starts[:, None] + torch.arange(rows)
+    visible = (torch.rand(b, 1, rows, slots, generator=g) < 0.6) & (col[None, None, None] < write[:, None, :, None])
+    visible |= col[None, None, None] == write[:, None, :, None]
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    whole = attention._few_query_triton(q, k, v, visible, 0.3)
+    bounded = attention._few_query_triton(q, k, v, visible, 0.3, extent)
+    want, _ = sdpa_attention_forward(module, q, k, v, visible, scaling=0.3)
+    with STEP.using(StepScope(frozenset(), {}, key_extent=extent)):
+        routed, _ = attention.few_query_attention(module, q, k, v, visible, scaling=0.3)
+    out[str([b, hq, hkv, rows, slots])] = {"same": torch.equal(whole, bounded), "routed": torch.equal(routed, bounded),
+                                           "err": (bounded - want).abs().max().item()}
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernel_stops_at_each_sequences_key_extent():
+    """A batched step's per-sequence key extents (`StepScope.key_extent`, routed by `few_query_attention`): the
+    kernel walks each sequence's slots only up to its own rows, and the result is bit for bit the same as walking
+    every slot (the slots skipped are ones its mask hides), within 1e-5 of SDPA; sequences ending inside the first
+    split, in a middle one, and at the span, decode and chunk-sized rows, several splits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    cases = [(4, 8, 2, 1, 300, 16), (3, 4, 2, 32, 260, 16), (2, 4, 4, 5, 130, 32)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", EXTENT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    for name, r in results.items():
+        assert r["same"] and r["routed"] and r["err"] <= 1e-5, (name, r)
+
+
 def test_the_triton_kernel_is_not_used_on_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)

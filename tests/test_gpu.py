@@ -288,6 +288,32 @@ def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch
     assert (attention._few_query_triton(*fp32, mask, 128 ** -0.5) - want32).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 32])
+def test_cuda_few_query_kernel_stops_at_each_sequences_key_extent(rows):
+    """The Triton kernel with a batched step's per-sequence key extents (`StepScope.key_extent`) at the real shapes in
+    bf16 (32 query / 8 key-value heads, 128 dims, a 2,112-slot span): sequences of 40 to 2,112 rows, each row seeing
+    a random part of its own rows and itself; bit for bit the walk over every slot, within bf16 rounding of SDPA."""
+    from raincheck_hf.fast import attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    b, slots = 8, 2112
+    q = torch.randn(b, 32, rows, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, 8, slots, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, 8, slots, 128, device="cuda", generator=g).bfloat16()
+    extent = torch.tensor([40, 300, 700, 1024, 1500, 1600, 2000, slots], device="cuda")
+    write = (extent - rows)[:, None] + torch.arange(rows, device="cuda")
+    col = torch.arange(slots, device="cuda")
+    mask = (torch.rand(b, 1, rows, slots, device="cuda", generator=g) < 0.7) & (col < write[:, None, :, None])
+    mask |= col == write[:, None, :, None]
+    whole = attention._few_query_triton(q, k, v, mask, 128 ** -0.5)
+    bounded = attention._few_query_triton(q, k, v, mask, 128 ** -0.5, extent)
+    assert torch.equal(whole, bounded)
+    module = types.SimpleNamespace(num_key_value_groups=4, is_causal=True, training=False)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
+    assert (bounded.float() - want).abs().max().item() <= 2e-2
+
+
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----
 
 GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)

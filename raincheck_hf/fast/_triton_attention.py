@@ -7,7 +7,10 @@ split of the key slots. It walks its split in ``BLOCK_N`` tiles with an online s
 half-precision inputs accumulated in float32; probabilities cast to the value dtype for the second product, as
 flash attention does) and writes its unnormalised output with its running maximum and sum; `combine` merges the
 splits. A score the boolean visibility hides is ``-inf``; the running maximum starts at a large finite negative,
-so a tile (or a split) in which a row sees nothing adds exactly nothing.
+so a tile (or a split) in which a row sees nothing adds exactly nothing. With ``HAS_EXTENT`` each sequence's walk
+stops at its own extent (``EXTENT[b]``: no row of sequence ``b`` sees a slot at or past it), so a batch whose
+sequences hold fewer rows than the step's span reads only their own keys; the tiles it skips are ones in which no
+row sees anything, so the result is the same, bit for bit.
 """
 
 import triton
@@ -17,11 +20,13 @@ NEG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp(-inf 
 
 
 @triton.jit
-def few_query_split(Q, K, V, MASK, O, M, L, S, HKV, GROUP, ROWS, SPLIT_LEN, scale,
+def few_query_split(Q, K, V, MASK, EXTENT, O, M, L, S, HKV, GROUP, ROWS, SPLIT_LEN, scale,
                     sq_b, sq_h, sq_l, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_l, sm_s,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    HAS_EXTENT: tl.constexpr):
     # Grid (B * HKV, cdiv(GROUP * ROWS, BLOCK_M), splits). O [splits, B * HKV, GROUP * ROWS, D] fp32,
-    # M / L [splits, B * HKV, GROUP * ROWS] fp32, all contiguous. Inputs: last axis contiguous.
+    # M / L [splits, B * HKV, GROUP * ROWS] fp32, all contiguous. Inputs: last axis contiguous. EXTENT [B] int64
+    # (read only with HAS_EXTENT).
     bh = tl.program_id(0)
     split = tl.program_id(2)
     b = (bh // HKV).to(tl.int64)
@@ -43,6 +48,8 @@ def few_query_split(Q, K, V, MASK, O, M, L, S, HKV, GROUP, ROWS, SPLIT_LEN, scal
     m_base = MASK + b * sm_b
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, S)
+    if HAS_EXTENT:
+        end = tl.minimum(end, tl.load(EXTENT + b).to(tl.int32))
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end

@@ -66,7 +66,7 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
 
         return compiled(_few_query)(query, key, value, attention_mask, scale), None
     if triton_usable(query, key, value, attention_mask):
-        return _few_query_triton(query, key, value, attention_mask, scale), None
+        return _few_query_triton(query, key, value, attention_mask, scale, _extent(scope, query)), None
     return _few_query(query, key, value, attention_mask, scale, low_precision_reads=True), None
 
 
@@ -85,6 +85,15 @@ def triton_usable(query, key, value, attention_mask) -> bool:
 
 
 BLOCK_N = 64  # key slots per tile
+
+
+def _extent(scope, query) -> torch.Tensor | None:
+    """The step's per-sequence key extents (`fast.context.StepScope.key_extent`: a batched step's ``[B]``, no row of
+    sequence ``b`` sees a slot at or past ``extent[b]``) where they fit this call's batch, else None (every slot)."""
+    extent = None if scope is None else scope.key_extent
+    if extent is None or extent.dim() != 1 or extent.shape[0] != query.shape[0] or extent.device != query.device:
+        return None
+    return extent
 
 
 def _block_m(group_rows: int) -> int:
@@ -106,9 +115,11 @@ def _processors(device) -> int:
     return 2  # the interpreter: two splits, so the CPU tests cover the merge
 
 
-def _few_query_triton(query, key, value, attention_mask, scale: float):
+def _few_query_triton(query, key, value, attention_mask, scale: float, extent: torch.Tensor | None = None):
     """`_few_query` as one Triton kernel over the key slots in splits (`fast._triton_attention`), then the splits'
-    merge; ``[B, L, Hq, D]`` in the value dtype."""
+    merge; ``[B, L, Hq, D]`` in the value dtype. ``extent`` (``[B]`` integers, on the device): sequence ``b``'s
+    rows see no slot at or past ``extent[b]`` (the caller's promise), so its programs read its keys only up to
+    there (the same result, bit for bit: the slots skipped are ones its mask hides); None: every slot."""
     from . import _triton_attention as kernels
 
     b, hq, rows, d = query.shape
@@ -124,12 +135,14 @@ def _few_query_triton(query, key, value, attention_mask, scale: float):
     peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
     total = torch.empty_like(peak)
     mask = attention_mask.view(torch.uint8)
+    has_extent = extent is not None
     kernels.few_query_split[(b * hkv, m_blocks, splits)](
-        query, key, value, mask, out, peak, total, slots, hkv, group, rows, split_len, float(scale),
+        query, key, value, mask, extent.long() if has_extent else mask, out, peak, total, slots, hkv, group, rows,
+        split_len, float(scale),
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
         mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        IEEE=query.dtype == torch.float32, num_warps=4)
+        IEEE=query.dtype == torch.float32, HAS_EXTENT=has_extent, num_warps=4)
     if splits == 1:
         merged = out[0] / total[0, ..., None]
     else:

@@ -71,8 +71,9 @@ decode step computes neither; the host's suffix lengths move after the step (`Pa
 step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
 warm-up and puts them back after it: the replay that follows runs the real step once.
 
-The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA)
-and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA,
+which reads each sequence's keys only up to its own rows, ``write[:, -1] + 1``, not the whole span the step's
+longest sequence sets: `fast.context.StepScope.key_extent`) and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
 `resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the
 single-sequence fast path's steps do: Qwen3-VL's decoder layers as two compiled regions around the cache write and
 the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled
@@ -445,11 +446,14 @@ class BatchedStepGraphs:
         visible = torch.where((queries == MAX_KEY)[:, :, None], own, visible)
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
+        # each batch row's rows sit at ``write`` (its start + 0 .. W - 1) and see nothing past them: stored rows below,
+        # empty slots (``MAX_KEY``) above; the attention reads each sequence's keys up to there only
+        extent = write[:, -1] + 1
         pool.step = _DeviceStep(buffers, span, key.dense)
         try:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
                             compile_targets=adapter.compile_targets() if key.compiled else (),
-                            compile_attention=False), \
+                            compile_attention=False, key_extent=extent), \
                     adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records,
                                                key.prefill, key.dense):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,

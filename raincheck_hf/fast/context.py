@@ -23,6 +23,10 @@ class StepScope:
     # the few-query attention's core compiled too (else its Triton kernel where usable): the single-sequence steps'
     # choice; the batched steps keep the kernel, which at a batch beats the compiled matmul form
     compiled_attention: bool = False
+    # a batched step's per-sequence key extents (``[B]`` on the device: no row of batch row ``b`` sees a slot at or
+    # past ``key_extent[b]``), so the few-query kernel reads each sequence's keys only up to its own rows; None: the
+    # whole span
+    key_extent: object = None
 
 
 STEP = ThreadScoped("raincheck_fast_step")
