@@ -711,6 +711,60 @@ def test_the_gated_deltanet_families_attention_keeps_within_its_key_extents(repl
     assert extent_log and any(min(extent) < slots for _, slots, extent in extent_log)
 
 
+KERNEL_STEPS_SCRIPT = r"""
+import json, sys, dataclasses, torch
+sys.path.insert(0, "tests")
+from raincheck_hf import RaincheckConfig
+from raincheck_hf.fast import attention, batched_graphs
+from families import family_model, family_processor
+from test_batched import IMAGE, TEXT, TWO_IMAGES, batched_inputs, run
+calls = []  # per kernel call: (bounded, some block of padding rows only)
+kernel = attention._few_query_triton
+def counted(q, k, v, mask, scale, extent=None, real=None):
+    group = q.shape[1] // k.shape[1]
+    per_block = attention._block_m(group * q.shape[2]) // group
+    skips = real is not None and any(first >= n for n in real.tolist() for first in range(0, q.shape[2], per_block))
+    calls.append((extent is not None and real is not None, skips))
+    return kernel(q, k, v, mask, scale, extent, real)
+attention._few_query_triton = counted
+name = sys.argv[1]
+model, processor = family_model(name), family_processor(name)
+inputs = batched_inputs(processor, [TWO_IMAGES, TEXT, IMAGE])
+# (63-row chunks: a step 64 rows wide, two row blocks a sequence, the second skipped for one carrying no chunk)
+cfg = RaincheckConfig(retention=0.1, chunk_size=63, decode_guard=1)
+want = run(model, inputs, dataclasses.replace(cfg, fast_path=False), 6)
+got = run(model, inputs, dataclasses.replace(cfg, fast_path=True), 6)
+err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+print(json.dumps({"same": torch.equal(got.sequences, want.sequences), "err": err, "kernel_calls": len(calls),
+                  "bounded": sum(b for b, _ in calls), "skipping": sum(k for _, k in calls),
+                  "finite": all(bool(torch.isfinite(l).all()) for l in got.logits)}))
+"""
+
+
+@pytest.mark.parametrize("name", family_params(("qwen3_vl", "qwen3_5")))
+def test_captured_steps_through_the_triton_kernel_equal_the_eager_engine(name):
+    """A batch's captured steps with their attention in the few-query Triton kernel (Triton's interpreter on the CPU),
+    bounded per sequence (its key extent, its padding rows' blocks skipped): the same tokens as the eager engine,
+    logits within 1e-4, every logit finite."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", KERNEL_STEPS_SCRIPT, name], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["same"] and r["finite"] and r["err"] <= TOL, r
+    assert r["kernel_calls"] > 0 and r["bounded"] == r["kernel_calls"] and r["skipping"] > 0, r
+
+
 # ---- restoring sequences (held conversations restored in the spare budget) in the captured steps ----
 
 @pytest.mark.parametrize("views", [True, False], ids=["views", "gather"])

@@ -245,6 +245,72 @@ def test_the_triton_kernel_stops_at_each_sequences_key_extent():
         assert r["same"] and r["routed"] and r["err"] <= 1e-5, (name, r)
 
 
+ROWS_SCRIPT = r"""
+import json, sys, torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from types import SimpleNamespace
+from raincheck_hf.fast import attention
+from raincheck_hf.fast.context import STEP, StepScope
+out = {}
+for b, hq, hkv, rows, slots, d, real in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(b * 10 + rows + slots)
+    q = torch.randn(b, hq, rows, d, generator=g)
+    k = torch.randn(b, hkv, slots, d, generator=g)
+    v = torch.randn(b, hkv, slots, d, generator=g)
+    real = torch.tensor(real)  # each sequence's real rows (0: a padding sequence); the rest of ``rows`` is padding
+    starts = torch.randint(0, slots - rows + 1, (b,), generator=g)
+    extent = starts + rows
+    col = torch.arange(slots)
+    write = starts[:, None] + torch.arange(rows)
+    visible = (torch.rand(b, 1, rows, slots, generator=g) < 0.6) & (col[None, None, None] < write[:, None, :, None])
+    padding = torch.arange(rows)[None] >= real[:, None]  # [B, L]: a padding row sees only its own row
+    visible = torch.where(padding[:, None, :, None], torch.zeros_like(visible), visible)
+    visible |= col[None, None, None] == write[:, None, :, None]
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    every = attention._few_query_triton(q, k, v, visible, 0.3, extent)
+    skipped = attention._few_query_triton(q, k, v, visible, 0.3, extent, real)
+    want, _ = sdpa_attention_forward(module, q, k, v, visible, scaling=0.3)
+    with STEP.using(StepScope(frozenset(), {}, key_extent=extent, query_rows=real)):
+        routed, _ = attention.few_query_attention(module, q, k, v, visible, scaling=0.3)
+    is_real = ~padding  # [B, L]
+    block = attention._block_m((hq // hkv) * rows) // (hq // hkv)  # query positions per row block
+    first = torch.arange(rows) // block * block  # [L] each position's block's first position
+    dropped = first[None] >= real[:, None]  # [B, L] rows in a block of padding only
+    out[str([b, hq, hkv, rows, slots, real.tolist()])] = {
+        "real_same": torch.equal(skipped[is_real], every[is_real]),
+        "dropped_zero": bool((skipped[dropped] == 0).all()), "dropped": int(dropped.sum()),
+        "finite": bool(torch.isfinite(skipped).all()), "routed": torch.equal(routed, skipped),
+        "err": (skipped[is_real] - want[is_real]).abs().max().item()}
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernel_skips_blocks_of_padding_rows():
+    """A batched step's per-sequence real query rows (`StepScope.query_rows`, routed by `few_query_attention`): a row
+    block holding only a sequence's padding rows (every sequence padded to the step's widest) is not computed (its
+    rows' output is 0, finite), every real row's output is bit for bit the one computed without the skip, within
+    1e-5 of SDPA; one-token sequences beside 32-row chunks, a padding sequence (0 rows), several row blocks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    cases = [(4, 8, 2, 32, 200, 16, [1, 32, 0, 17]), (3, 8, 2, 8, 130, 16, [1, 8, 3]), (2, 4, 4, 1, 70, 16, [1, 0])]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    for name, r in results.items():
+        assert r["real_same"] and r["dropped_zero"] and r["finite"] and r["routed"] and r["err"] <= 1e-5, (name, r)
+    assert results[str([4, 8, 2, 32, 200, [1, 32, 0, 17]])]["dropped"] == 16 + 32 + 0  # (the 1- and 0-row ones)
+
+
 def test_the_triton_kernel_is_not_used_on_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)

@@ -290,9 +290,10 @@ def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch
 
 @pytest.mark.parametrize("rows", [1, 32])
 def test_cuda_few_query_kernel_stops_at_each_sequences_key_extent(rows):
-    """The Triton kernel with a batched step's per-sequence key extents (`StepScope.key_extent`) at the real shapes in
-    bf16 (32 query / 8 key-value heads, 128 dims, a 2,112-slot span): sequences of 40 to 2,112 rows, each row seeing
-    a random part of its own rows and itself; bit for bit the walk over every slot, within bf16 rounding of SDPA."""
+    """The Triton kernel with a batched step's per-sequence key extents and real query rows (`StepScope`'s
+    ``key_extent`` / ``query_rows``) at the real shapes in bf16 (32 query / 8 key-value heads, 128 dims, a 2,112-slot
+    span): sequences of 40 to 2,112 rows, each row seeing a random part of its own rows and itself; bit for bit the
+    walk over every slot, within bf16 rounding of SDPA; real rows bit for bit the same with padding blocks skipped."""
     from raincheck_hf.fast import attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -312,6 +313,12 @@ def test_cuda_few_query_kernel_stops_at_each_sequences_key_extent(rows):
     module = types.SimpleNamespace(num_key_value_groups=4, is_causal=True, training=False)
     want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
     assert (bounded.float() - want).abs().max().item() <= 2e-2
+    # each sequence's real query rows (a one-token sequence beside chunks, a padding one): its padding rows' blocks
+    # skipped, its real rows bit for bit the same
+    real = torch.tensor([1, rows, 0, 1, rows, max(rows // 2, 1), 1, rows], device="cuda")
+    skipped = attention._few_query_triton(q, k, v, mask, 128 ** -0.5, extent, real)
+    is_real = torch.arange(rows, device="cuda")[None] < real[:, None]
+    assert torch.equal(skipped[is_real], bounded[is_real]) and bool(torch.isfinite(skipped).all())
 
 
 # ---- greedy selectors: Triton step kernels replayed from CUDA graphs against the reference loops ----

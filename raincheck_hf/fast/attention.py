@@ -66,7 +66,8 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
 
         return compiled(_few_query)(query, key, value, attention_mask, scale), None
     if triton_usable(query, key, value, attention_mask):
-        return _few_query_triton(query, key, value, attention_mask, scale, _extent(scope, query)), None
+        return _few_query_triton(query, key, value, attention_mask, scale, _per_sequence(scope, "key_extent", query),
+                                 _per_sequence(scope, "query_rows", query)), None
     return _few_query(query, key, value, attention_mask, scale, low_precision_reads=True), None
 
 
@@ -85,15 +86,17 @@ def triton_usable(query, key, value, attention_mask) -> bool:
 
 
 BLOCK_N = 64  # key slots per tile
+_TINY = 1e-30  # below any real row's softmax sum (>= 1)
 
 
-def _extent(scope, query) -> torch.Tensor | None:
-    """The step's per-sequence key extents (`fast.context.StepScope.key_extent`: a batched step's ``[B]``, no row of
-    sequence ``b`` sees a slot at or past ``extent[b]``) where they fit this call's batch, else None (every slot)."""
-    extent = None if scope is None else scope.key_extent
-    if extent is None or extent.dim() != 1 or extent.shape[0] != query.shape[0] or extent.device != query.device:
+def _per_sequence(scope, name: str, query) -> torch.Tensor | None:
+    """The step's per-sequence bound ``name`` (`fast.context.StepScope`'s ``key_extent``: no row of sequence ``b``
+    sees a slot at or past ``extent[b]``; ``query_rows``: its query positions from ``rows[b]`` on are padding) where it
+    fits this call's batch, else None (every slot, every row)."""
+    bound = None if scope is None else getattr(scope, name)
+    if bound is None or bound.dim() != 1 or bound.shape[0] != query.shape[0] or bound.device != query.device:
         return None
-    return extent
+    return bound
 
 
 def _block_m(group_rows: int) -> int:
@@ -115,11 +118,15 @@ def _processors(device) -> int:
     return 2  # the interpreter: two splits, so the CPU tests cover the merge
 
 
-def _few_query_triton(query, key, value, attention_mask, scale: float, extent: torch.Tensor | None = None):
+def _few_query_triton(query, key, value, attention_mask, scale: float, extent: torch.Tensor | None = None,
+                      query_rows: torch.Tensor | None = None):
     """`_few_query` as one Triton kernel over the key slots in splits (`fast._triton_attention`), then the splits'
     merge; ``[B, L, Hq, D]`` in the value dtype. ``extent`` (``[B]`` integers, on the device): sequence ``b``'s
     rows see no slot at or past ``extent[b]`` (the caller's promise), so its programs read its keys only up to
-    there (the same result, bit for bit: the slots skipped are ones its mask hides); None: every slot."""
+    there (the same result, bit for bit: the slots skipped are ones its mask hides); None: every slot.
+    ``query_rows`` (``[B]``): sequence ``b``'s query positions from ``query_rows[b]`` on are padding, whose output
+    nobody reads: row blocks of padding only are not computed (their output is 0; the other rows' is the same, bit
+    for bit); None: every row computed."""
     from . import _triton_attention as kernels
 
     b, hq, rows, d = query.shape
@@ -135,20 +142,24 @@ def _few_query_triton(query, key, value, attention_mask, scale: float, extent: t
     peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
     total = torch.empty_like(peak)
     mask = attention_mask.view(torch.uint8)
-    has_extent = extent is not None
+    has_extent, has_rows = extent is not None, query_rows is not None
     kernels.few_query_split[(b * hkv, m_blocks, splits)](
-        query, key, value, mask, extent.long() if has_extent else mask, out, peak, total, slots, hkv, group, rows,
-        split_len, float(scale),
+        query, key, value, mask, extent.long() if has_extent else mask, query_rows.long() if has_rows else mask,
+        out, peak, total, slots, hkv, group, rows, split_len, float(scale),
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
         mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        IEEE=query.dtype == torch.float32, HAS_EXTENT=has_extent, num_warps=4)
+        IEEE=query.dtype == torch.float32, HAS_EXTENT=has_extent, HAS_ROWS=has_rows, num_warps=4)
+    # (a row's sum is at least 1 wherever it saw a slot, every real row sees itself; the padding rows a block skipped
+    # have none: their output is 0, not 0 / 0)
     if splits == 1:
-        merged = out[0] / total[0, ..., None]
+        merged = out[0] / (total[0, ..., None] if not has_rows else total[0, ..., None].clamp_min(_TINY))
     else:
         weight = torch.exp(peak - peak.amax(0))  # [splits, B * Hkv, rows]
-        merged = (out * weight[..., None]).sum(0) / (total * weight).sum(0)[..., None]
-    return merged.to(value.dtype).view(b, hq, rows, d).transpose(1, 2).contiguous()
+        norm = (total * weight).sum(0)[..., None]
+        merged = (out * weight[..., None]).sum(0) / (norm if not has_rows else norm.clamp_min(_TINY))
+    # rows are position-major within a key/value head's group: [B, Hkv, L, G, D] -> [B, L, Hkv * G, D]
+    return merged.to(value.dtype).view(b, hkv, rows, group, d).transpose(1, 2).reshape(b, rows, hq, d)
 
 
 def low_precision_scores(query, key) -> bool:

@@ -73,7 +73,8 @@ warm-up and puts them back after it: the replay that follows runs the real step 
 
 The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA,
 which reads each sequence's keys only up to its own rows, ``write[:, -1] + 1``, not the whole span the step's
-longest sequence sets: `fast.context.StepScope.key_extent`) and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
+longest sequence sets, and computes no block of only padding rows: a one-token sequence beside 32-row chunks
+costs one block of its rows; `fast.context.StepScope`'s ``key_extent`` and ``query_rows``) and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
 `resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the
 single-sequence fast path's steps do: Qwen3-VL's decoder layers as two compiled regions around the cache write and
 the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled
@@ -447,13 +448,15 @@ class BatchedStepGraphs:
         mask = batched_visibility_to_attention_mask(visible, adapter.attn_implementation, adapter.dtype)
         text_model = adapter.text_model
         # each batch row's rows sit at ``write`` (its start + 0 .. W - 1) and see nothing past them: stored rows below,
-        # empty slots (``MAX_KEY``) above; the attention reads each sequence's keys up to there only
+        # empty slots (``MAX_KEY``) above; the attention reads each sequence's keys up to there only, and skips its
+        # padding rows (those after its real ones, `_placement`; their keys are ``MAX_KEY``) where a block holds no other
         extent = write[:, -1] + 1
+        query_rows = (queries != MAX_KEY).sum(-1)
         pool.step = _DeviceStep(buffers, span, key.dense)
         try:
             with step_scope(text_model, buffers.deepstack, layers=adapter.deepstack_layers(),
                             compile_targets=adapter.compile_targets() if key.compiled else (),
-                            compile_attention=False, key_extent=extent), \
+                            compile_attention=False, key_extent=extent, query_rows=query_rows), \
                     adapter.static_packed_step(self.recurrent, buffers.recurrent, key.chunks, key.records,
                                                key.prefill, key.dense):
                 hidden = text_model(inputs_embeds=buffers.embeds, position_ids=buffers.positions,

@@ -27,6 +27,9 @@ class StepScope:
     # past ``key_extent[b]``), so the few-query kernel reads each sequence's keys only up to its own rows; None: the
     # whole span
     key_extent: object = None
+    # its per-sequence real query rows (``[B]``: positions from ``query_rows[b]`` on are padding, whose attention
+    # output nobody reads), so the kernel skips blocks of padding rows; None: every row
+    query_rows: object = None
 
 
 STEP = ThreadScoped("raincheck_fast_step")

@@ -268,14 +268,15 @@ def _hook_deepstack(module):
 
 @contextlib.contextmanager
 def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, layers=None, compile_targets=(),
-               compile_attention: bool = True, key_extent: torch.Tensor | None = None):
+               compile_attention: bool = True, key_extent: torch.Tensor | None = None,
+               query_rows: torch.Tensor | None = None):
     """For the calling thread, inside the block: decoder layer ``layers[i]`` (default: the i-th; the adapter's
     ``deepstack_layers()``) adds ``addends[i]`` to its output (DeepStack), with ``few_query`` the attention
     layers of an ``sdpa`` model run `fast.attention.few_query_attention`, and the ``(module, forward)`` pairs
     ``compile_targets`` (`ModelAdapter.compile_targets`; with the few-query attention's core unless
     ``compile_attention`` is False, which keeps its Triton kernel) run compiled (`fast.compiled`). Other threads
-    (and this one after the block) see the stock modules' behaviour. ``key_extent``: a batched step's per-sequence
-    key extents for the few-query kernel (`fast.context.StepScope.key_extent`)."""
+    (and this one after the block) see the stock modules' behaviour. ``key_extent`` / ``query_rows``: a batched
+    step's per-sequence key extents and real query rows for the few-query kernel (`fast.context.StepScope`)."""
     attention = [layer.self_attn for layer in text_model.layers if hasattr(layer, "self_attn")] if few_query else []
     layers = list(text_model.layers[:len(addends)] if layers is None else layers)[:len(addends)]
     if attention:
@@ -283,7 +284,7 @@ def step_scope(text_model, addends: list[torch.Tensor], few_query: bool = True, 
 
         register()
     scope = StepScope(frozenset(id(m) for m in attention), {id(layer): a for layer, a in zip(layers, addends)},
-                      bool(compile_targets), bool(compile_targets) and compile_attention, key_extent)
+                      bool(compile_targets), bool(compile_targets) and compile_attention, key_extent, query_rows)
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(_PATCHES, layers, _hook_deepstack))
         if compile_targets:
