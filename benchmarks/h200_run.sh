@@ -49,10 +49,11 @@ export PYTHONWARNINGS=ignore
 case "${1:-vl}" in
 batch)
     # issue 29: batched generate at B = 1, 8, 32 (raincheck, full, their B = 1 eager twins, stock), Qwen3-VL-8B then
-    # Qwen3.5-9B; 128-token answers, one timed call each after a warm-up (BATCH_REPS)
+    # Qwen3.5-9B; 128-token answers, one timed call each after a warm-up (BATCH_REPS; CAPS=none,64: the chunk cap
+    # RaincheckConfig.batch_chunk_rows side by side, the default first)
     for m in ${BATCH_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
         timeout "${BATCH_S:-280}" python3 -m raincheck_hf.bench batch --model $m --batch "${BATCHES:-1,8,32}" \
-            --reps "${BATCH_REPS:-1}" ${BATCH_VARIANTS:+--variants $BATCH_VARIANTS} ${BATCH_PROFILE:+--profile} --json "$OUT/batch_${m}_h200.json" \
+            --reps "${BATCH_REPS:-1}" ${BATCH_VARIANTS:+--variants $BATCH_VARIANTS} ${BATCH_PROFILE:+--profile} ${CAPS:+--batch-chunk-rows $CAPS} --json "$OUT/batch_${m}_h200.json" \
             > "$OUT/batch_${m}_h200.log" 2>&1
         tail -14 "$OUT/batch_${m}_h200.log"
     done
@@ -72,6 +73,7 @@ serve_load)
     # on streams of their own, side by side (STREAMS=on,high: at normal and at the highest priority); RIDE=any,256: the
     # loop's ride_max_rows side by side; ROUNDS=3: each client count's variants three times, A B / B A, with medians;
     # TRACE=1: one more round at the most clients under torch.profiler, the preparations marked, the trace kept;
+    # CAPS=none,64: the server config's chunk cap RaincheckConfig.batch_chunk_rows side by side, the default first;
     # SPY=1: the run under py-spy, below)
     M="${LOAD_MODEL:-qwen3_vl_8b}"
     # SPY=1: the whole run under py-spy (every thread of the server's process sampled, raw stacks kept;
@@ -84,7 +86,7 @@ serve_load)
                                   ${SPY_NATIVE:+--native} ${SPY_GIL:+--gil}
                                   -o "$OUT/serve_load_${M}_spy${SPY_GIL:+_gil}_h200.txt" --)
     timeout "${LOAD_S:-400}" "${SPY_CMD[@]}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
-        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
+        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${CAPS:+--chunk-rows $CAPS} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"

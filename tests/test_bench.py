@@ -400,14 +400,30 @@ def test_batch_benchmark_takes_the_shared_chunk_budget(tmp_path, monkeypatch):
     seen = []
     time_call = batch.time_call
     monkeypatch.setattr(batch, "time_call", lambda model, device, inputs, kwargs: (
-        seen.append(kwargs["raincheck"].batch_chunk_rows), time_call(model, device, inputs, kwargs))[1])
+        seen.append(kwargs["raincheck"].batch_chunk_rows) if "raincheck" in kwargs else None,
+        time_call(model, device, inputs, kwargs))[1])
     for arg, want in (("none", None), ("8", 8)):
         seen.clear()
         result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck", "--answer-tokens",
                              "2", "--reps", "1", "--device", "cpu", "--batch-chunk-rows", arg])
         assert seen == [want, want] and result["settings"]["batch_chunk_rows"] == want
+    # several side by side: each raincheck / full variant once per cap (the first under its own name), stock once,
+    # raincheck over the full of its own cap
+    seen.clear()
+    result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck,full,stock",
+                         "--answer-tokens", "2", "--reps", "1", "--device", "cpu", "--batch-chunk-rows", "none,8"])
+    assert seen == [None, None, 8, 8, None, None, 8, 8]
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["raincheck", "raincheck_cap8", "full", "full_cap8", "stock"]
+    assert [rows[v].get("batch_chunk_rows", "-") for v in rows] == [None, 8, None, 8, "-"]
+    assert result["settings"]["batch_chunk_rows"] == [None, 8]
+    assert rows["raincheck_cap8"]["tpot_over_full"] == pytest.approx(
+        rows["raincheck_cap8"]["tpot_s"] / rows["full_cap8"]["tpot_s"])
+    assert batch.cap_suffix(None, 8) == "_uncapped" and batch.cap_suffix(64, None) == "_cap64"
     with pytest.raises(SystemExit):
         batch.main(["--batch-chunk-rows", "many"])
+    with pytest.raises(ValueError, match="distinct"):
+        batch.run("tiny_qwen3_vl", [1], ["raincheck"], batch_chunk_rows=[8, 8])
 
 
 @pytest.mark.parametrize("kwargs, word", [({"batches": [0]}, "--batch"), ({"variants": ["fast"]}, "--variants"),

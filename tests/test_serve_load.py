@@ -646,9 +646,9 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     assert serve_load._stream_values("off", False) == (False,)
     loop = types.SimpleNamespace()
     interval = sys.getswitchinterval()
-    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval))
+    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None))
     assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
-    serve_load._apply_variant(loop, (True, None, 1, False, None, interval))
+    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None))
     assert (loop.prepare_stream, loop.prepare_priority) == (False, "normal")
 
 
@@ -673,6 +673,33 @@ def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
                         ((256,), {})):
         with pytest.raises(ValueError, match="ride_rows"):
             serve_load.run(clients=(1,), ride_rows=bad, **kwargs)
+
+
+def test_serve_load_compares_chunk_caps_side_by_side(tmp_path, monkeypatch):
+    """``--chunk-rows none,8``: each client count's round with the server config's ``batch_chunk_rows`` unset (every
+    answer its full chunk) and at 8, rows named by it and recording it, the requests' configs made from it (the
+    engines the loop ran had that cap), the server left at the first variant's; bad values refused before compute."""
+    from raincheck_hf.batch_loop import BatchLoop
+    from raincheck_hf.bench import serve_load
+
+    caps, engine_for = [], BatchLoop._engine_for
+    monkeypatch.setattr(BatchLoop, "_engine_for",
+                        lambda self, config: caps.append(config.batch_chunk_rows) or engine_for(self, config))
+    path = tmp_path / "load.json"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
+                   batching=True, chunk_rows=(None, 8))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["batch_chunk_rows"] == [None, 8]
+    assert [(r["series"], r["batch_chunk_rows"]) for r in saved["rows"]] == [
+        ("raincheck, chunk cap none", None), ("raincheck, chunk cap 8", 8)]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    assert 8 in caps and set(caps[:caps.index(8)]) == {None} and set(caps[caps.index(8):]) == {8}  # (in round order)
+    assert serve_load._caps("none,64") == (None, 64)
+    for bad, kwargs in (((0,), dict(batching=True)), ((True,), dict(batching=True)), ((), dict(batching=True)),
+                        ((8,), {})):
+        with pytest.raises(ValueError, match="chunk_rows"):
+            serve_load.run(clients=(1,), chunk_rows=bad, **kwargs)
 
 
 def test_serve_load_repeats_rounds_in_alternating_order_and_reports_their_medians(tmp_path, monkeypatch):

@@ -11,7 +11,9 @@ tokens (``min_new_tokens = max_new_tokens``, every special token suppressed, gre
   CUDA that is the fast path (``fast_path=None``); at B > 1 the batched engine, its decode steps replayed from
   CUDA graphs (`fast.batched_graphs`), each row's prompt in a captured prefill step of its own.
   ``--batch-chunk-rows`` sets a cap on the batched steps' chunk rows (`RaincheckConfig.batch_chunk_rows`; ``none``,
-  the default: every row its full chunk), the one setting that differs from the defaults when given.
+  the default: every row its full chunk), the one setting that differs from the defaults when given; several
+  (``none,64``) run side by side, the first under the variant's name, each other as ``<variant>_cap<N>`` (or
+  ``<variant>_uncapped`` for ``none``).
 - ``full``: the same with ``RaincheckConfig(mode="full")`` (every visual token prefilled at once).
 - ``raincheck_eager`` / ``full_eager`` (B = 1 only): the same with ``fast_path=False``, the eager engine (a batch's
   prompt pieces run on it), so the batch's scaling over one row is also given engine for engine.
@@ -130,8 +132,17 @@ def summarize(reps: list[dict], batch: int, answer_tokens: int) -> dict:
             "exact_lengths": all(r["generated_tokens"] == answer_tokens for r in reps), "runs": reps}
 
 
+def cap_suffix(batch_chunk_rows, first) -> str:
+    """A variant's name suffix for a chunk cap compared side by side (`run`'s ``batch_chunk_rows`` list): none for the
+    first one listed, else ``_cap<N>`` or ``_uncapped``."""
+    if batch_chunk_rows == first:
+        return ""
+    return "_uncapped" if batch_chunk_rows is None else f"_cap{batch_chunk_rows}"
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Ratios the batching targets read (in place): over B = 1, raincheck over full, over stock."""
+    """Ratios the batching targets read (in place): over B = 1, raincheck over full (of the same chunk cap), over
+    stock."""
     at = {(r["variant"], r["batch"]): r for r in rows}
     for r in rows:
         one = at.get((r["variant"], 1))
@@ -143,19 +154,27 @@ def add_ratios(rows: list[dict]) -> None:
         stock = at.get(("stock", r["batch"]))
         if stock is not None and r["variant"] != "stock":
             r["tokens_per_s_over_stock"] = r["tokens_per_s"] / stock["tokens_per_s"]
-        full = at.get(("full", r["batch"]))
-        if r["variant"] == "raincheck" and full is not None and r["tpot_s"] and full["tpot_s"]:
-            r["tpot_over_full"] = r["tpot_s"] / full["tpot_s"]
+        if r["variant"].startswith("raincheck") and not r["variant"].endswith("_eager"):
+            suffix = r["variant"][len("raincheck"):]  # ("", or a chunk cap's: `cap_suffix`)
+            full = at.get((f"full{suffix}", r["batch"]))
+            if full is not None and r["tpot_s"] and full["tpot_s"]:
+                r["tpot_over_full"] = r["tpot_s"] / full["tpot_s"]
 
 
 def run(model_name: str, batches: list[int], variants: list[str], answer_tokens: int = 128, reps: int = 2,
         device=None, image_size=None, json_path: str | None = None, log=print,
         batch_chunk_rows=DEFAULT_CHUNK_ROWS, profile: bool = False) -> dict:
+    """``batch_chunk_rows``: the raincheck / full variants' `RaincheckConfig.batch_chunk_rows`, or a list of several
+    run side by side (each after the first as ``<variant><cap_suffix>``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        RaincheckConfig(batch_chunk_rows=batch_chunk_rows)
-    except ValueError as error:
-        raise ValueError(f"--batch-chunk-rows: {error}") from None
+    caps = list(batch_chunk_rows) if isinstance(batch_chunk_rows, (list, tuple)) else [batch_chunk_rows]
+    if not caps or len(set(caps)) < len(caps):
+        raise ValueError(f"--batch-chunk-rows must list distinct values, got {caps}.")
+    for cap in caps:
+        try:
+            RaincheckConfig(batch_chunk_rows=cap)
+        except ValueError as error:
+            raise ValueError(f"--batch-chunk-rows: {error}") from None
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"--variants has {bad}; choose from {list(VARIANTS)}.")
@@ -171,25 +190,30 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
               "settings": {"batches": batches, "variants": variants, "answer_tokens": answer_tokens, "reps": reps,
                            "profile": profile,
                            "image_size": list(image_size or MODELS[model_name].image_size),
-                           "batch_chunk_rows": batch_chunk_rows,
-                           "raincheck_config": ("RaincheckConfig() (defaults)" if batch_chunk_rows == DEFAULT_CHUNK_ROWS
-                                                else f"RaincheckConfig(batch_chunk_rows={batch_chunk_rows!r})")},
+                           "batch_chunk_rows": caps[0] if len(caps) == 1 else caps,
+                           "raincheck_config": ("RaincheckConfig() (defaults)" if caps == [DEFAULT_CHUNK_ROWS]
+                                                else " / ".join("RaincheckConfig() (defaults)" if c == DEFAULT_CHUNK_ROWS
+                                                                else f"RaincheckConfig(batch_chunk_rows={c!r})"
+                                                                for c in caps))},
               "rows": []}
     for batch in batches:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                   for k, v in build_batch(processor, MODELS[model_name], batch, image_size).items()}
         result["settings"].setdefault("prompt_tokens", int(inputs["attention_mask"][0].sum()))
-        for variant in variants:
+        for variant, cap in ((v, c) for v in variants for c in (caps if v != "stock" else caps[:1])):
             if variant in EAGER_AT_ONE and batch != 1:
                 continue
-            kwargs = _kwargs(variant, answer_tokens, suppress, batch_chunk_rows)
+            kwargs = _kwargs(variant, answer_tokens, suppress, cap)
             time_call(model, device, inputs, kwargs)  # warm-up: the same call (captures, compiles, autotuning)
             runs = [time_call(model, device, inputs, kwargs) for _ in range(reps)]
-            row = {"variant": variant, **summarize(runs, batch, answer_tokens)}
+            name = variant if variant == "stock" else variant + cap_suffix(cap, caps[0])
+            row = {"variant": name, **summarize(runs, batch, answer_tokens)}
+            if variant != "stock":
+                row["batch_chunk_rows"] = cap
             if profile:
                 row["profile"] = profile_call(model, device, inputs, kwargs)
             result["rows"].append(row)
-            log(f"B={batch:3d} {variant:16s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
+            log(f"B={batch:3d} {name:20s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
                 f"TPOT {row['tpot_s'] * 1e3:7.2f} ms")
             _write(result, json_path)
         del inputs
@@ -211,20 +235,24 @@ def main(argv=None):
     parser.add_argument("--batch-chunk-rows", default=str(DEFAULT_CHUNK_ROWS).lower(),
                         help="RaincheckConfig.batch_chunk_rows of the raincheck / full variants: an integer >= 1 (a "
                              "cap on a step's chunk rows, shared), or 'none' (no cap: every row its full chunk); "
+                             "several comma-separated run side by side (e.g. none,64); "
                              f"default {str(DEFAULT_CHUNK_ROWS).lower()} (the config's)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed calls, one more under torch.profiler per row: device time, the host's "
                              "waits for the device, the top kernels (in the JSON's rows)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
-    rows = args.batch_chunk_rows.strip()
-    if rows.lower() == "none":
-        chunk_rows = None
-    else:
+    chunk_rows = []
+    for rows in (r.strip() for r in args.batch_chunk_rows.split(",")):
+        if rows.lower() == "none":
+            chunk_rows.append(None)
+            continue
         try:
-            chunk_rows = int(rows)
+            chunk_rows.append(int(rows))
         except ValueError:
-            parser.error(f"--batch-chunk-rows must be an integer >= 1 or 'none', got {args.batch_chunk_rows!r}")
+            parser.error(f"--batch-chunk-rows must be integers >= 1 or 'none', comma-separated, got "
+                         f"{args.batch_chunk_rows!r}")
+    chunk_rows = chunk_rows[0] if len(chunk_rows) == 1 else chunk_rows
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:

@@ -329,7 +329,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         command: str | None = None, log=print, batching: bool = False, client_processes: bool = True,
         switch_interval=None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
-        ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None) -> dict:
+        ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
+        chunk_rows=(None,)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -342,7 +343,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ``prepare_stream`` ("on", "off", "high", several comma-separated, or "both"), ``max_prompt_forwards`` and ``max_preparing`` (each a tuple of values:
     None: the loop's default for ``max_prompt_forwards``, no limit for ``max_preparing``; ``preparing`` and
     ``prepare_stream`` left None: the server's defaults with batching, 1 and "on"); ``ride_rows``: the loop's
-    ``ride_max_rows`` (a tuple, None its default);
+    ``ride_max_rows`` (a tuple, None its default); ``chunk_rows``: with batching, the server config's
+    `RaincheckConfig.batch_chunk_rows` (a tuple: None, the default, no cap; an int, a cap shared by the answers
+    carrying chunks), set between rounds;
     every combination gets its rounds, a client count's side by side. ``rounds``: each client count's variants that many
     times, in turn and in reverse order every other time (A B, B A, ...: a round's place in the order, its caches'
     warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
@@ -391,9 +394,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     prompt_forwards = _loop_values(prompt_forwards, "prompt_forwards", check_prompt_forwards, batching)
     preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
+    chunk_rows = _loop_values(chunk_rows, "chunk_rows", _check_chunk_rows, batching)
     streams = _stream_values(prepare_stream, batching)
-    variants = [(a, f, p, st, r, sw) for a in aheads for f in prompt_forwards for p in preparing for st in streams
-                for r in ride_rows for sw in (sys.getswitchinterval() if v is None else v for v in intervals)]
+    variants = [(a, f, p, st, r, sw, cr) for a in aheads for f in prompt_forwards for p in preparing
+                for st in streams for r in ride_rows
+                for sw in (sys.getswitchinterval() if v is None else v for v in intervals) for cr in chunk_rows]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     if (trace_round or trace_path) and not batching:
@@ -431,6 +436,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
+                             batch_chunk_rows=list(chunk_rows),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -487,7 +493,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side, every other round in reverse order)
-                for n, r, (ahead, forwards, prepare, side, ride, interval) in (
+                for n, r, (ahead, forwards, prepare, side, ride, interval, cap) in (
                         (n, r, v) for n in clients for r in range(rounds)
                         for v in (variants if r % 2 == 0 else variants[::-1])):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
@@ -495,10 +501,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
                         [_STREAM_NAMES[side]] if len(streams) > 1 else []) + (
                         [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else []) + (
-                        [f"switch interval {1e3 * interval:g} ms"] if len(intervals) > 1 else [])
+                        [f"switch interval {1e3 * interval:g} ms"] if len(intervals) > 1 else []) + (
+                        [f"chunk cap {cap or 'none'}"] if len(chunk_rows) > 1 else [])
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
-                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval))
+                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap), server)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
@@ -506,7 +513,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
-                        row["ride_max_rows"] = ride
+                        row["ride_max_rows"], row["batch_chunk_rows"] = ride, cap
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -520,7 +527,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
                     if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride,
-                                                            interval) == variants[0]:
+                                                            interval, cap) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -528,7 +535,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         result["medians"] = round_medians(result["rows"])
                     _write(result, json_path)
                 if profile_loop:
-                    _apply_variant(loop, variants[0])
+                    _apply_variant(loop, variants[0], server)
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
                     result.setdefault("loop_profile", {})[mode] = dict(profile, clients=max(clients))
                     log(f"[serve-load] {mode} x{max(clients)}, the loop's thread profiled: "
@@ -540,7 +547,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if trace_round:
                     from .trace_round import trace_lines, traced_round
 
-                    _apply_variant(loop, variants[0])
+                    _apply_variant(loop, variants[0], server)
                     kept = None
                     if trace_path:
                         root, ext = os.path.splitext(trace_path)
@@ -632,14 +639,17 @@ def _stream_values(value: str, batching: bool) -> tuple:
     return tuple(names[p] for p in parts)
 
 
-def _apply_variant(loop, variant: tuple) -> None:
+def _apply_variant(loop, variant: tuple, server=None) -> None:
     """Set the settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards, max_preparing,
-    prepare_stream, ride_max_rows, switch interval in seconds)``, ``prepare_stream`` False, True or "high"
-    (`_stream_values`); the first five are ``loop``'s (None: no batching loop, only the interval)."""
-    ahead, forwards, preparing, stream, ride, interval = variant
+    prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows)``, ``prepare_stream`` False, True or
+    "high" (`_stream_values`); the first five are ``loop``'s (None: no batching loop, only the interval), the last
+    the ``server``'s config's (its requests' configs are made from it)."""
+    ahead, forwards, preparing, stream, ride, interval, cap = variant
     sys.setswitchinterval(interval)
     if loop is None:
         return
+    if server is not None:
+        server.settings.config.batch_chunk_rows = cap
     loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.ride_max_rows = ahead, forwards, preparing, ride
     loop.prepare_stream = bool(stream)
     loop.prepare_priority = "high" if stream == "high" else "normal"
@@ -657,11 +667,25 @@ def _loop_values(values, name: str, check, batching: bool) -> tuple:
     return values
 
 
+def _check_chunk_rows(value, name: str) -> None:
+    """``chunk_rows``: None or an int >= 1 (`RaincheckConfig.batch_chunk_rows`)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None (no cap) or an int >= 1 (a step's chunk rows), got {value!r}")
+
+
 def _forwards(text: str) -> tuple:
     try:
         return tuple(None if x.strip() == "any" else int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes 'any' or integers, comma-separated, got {text!r}") from None
+
+
+def _caps(text: str) -> tuple:
+    try:
+        return tuple(None if x.strip().lower() == "none" else int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--chunk-rows takes 'none' or integers, comma-separated, got "
+                                         f"{text!r}") from None
 
 
 def _intervals(text: str) -> tuple:
@@ -722,6 +746,10 @@ def main(argv=None):
                         help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
                              "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
                              "'any': the default)")
+    parser.add_argument("--chunk-rows", type=_caps, default=(None,), metavar="N[,N...]",
+                        help="with --batching: the server config's RaincheckConfig.batch_chunk_rows ('none', the "
+                             "default: every answer carries its full chunk; N: a cap on a step's chunk rows, shared), "
+                             "one value or several side by side (e.g. none,64)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="each client count's variants this many times, every other time in reverse order (A B, "
                              "B A, ...), a row each; with more than one, the medians over them too (default 1)")
@@ -752,6 +780,7 @@ def main(argv=None):
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
+                   chunk_rows=args.chunk_rows,
                    trace_round=args.trace_round, trace_path=args.trace_file,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
