@@ -7,6 +7,7 @@ device), and check that the loop and its preparations hold the shared side while
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -258,3 +259,64 @@ def test_every_capture_warms_up_on_one_side_stream_per_device(monkeypatch):
     for module in (graphs, vision_graphs, batched_graphs, kernels):
         source = inspect.getsource(module)
         assert "cuda.Stream(" not in source and "warm_up_stream(" in source, module.__name__
+
+
+def test_a_capture_keeps_the_allocators_caches_and_ends_even_when_its_block_raises(monkeypatch):
+    """`fast.scoping.graph_capture`: the graph's own ``capture_begin`` (the pool token given, ``thread_local``) and
+    ``capture_end`` on the device's one capture stream (`capture_stream`, made once per device), after a device-wide
+    synchronize, with the collector paused; never ``torch.cuda.empty_cache`` or the pinned
+    host memory's emptying (which ``torch.cuda.graph`` does before every capture, so a warm-up of hundreds of
+    captures gave back and allocated again its device blocks and pinned buffers each time); a block that raises still
+    ends the capture, and its error reaches the caller."""
+    import gc
+
+    from raincheck_hf.fast import scoping
+
+    calls = []
+
+    class FakeStream:
+        def __init__(self, device=None, priority=0):
+            calls.append(("stream made", device))
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            assert not gc.isenabled()  # (the collector paused: `paused_collector`)
+            calls.append(("begin", pool, capture_error_mode, current[-1]))
+
+        def capture_end(self):
+            calls.append(("end", current[-1]))
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a capture emptied an allocator's cache")
+
+    monkeypatch.setattr(scoping.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(scoping.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(scoping.torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize",)))
+    monkeypatch.setattr(scoping.torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(scoping.torch.cuda, "empty_cache", refused)
+    monkeypatch.setattr(scoping.torch._C, "_host_emptyCache", refused, raising=False)
+    monkeypatch.setattr(scoping, "_CAPTURE_STREAMS", {})
+    was_enabled = gc.isenabled()
+    with scoping.graph_capture(FakeGraph(), pool=("pool", 7)):
+        calls.append(("body", current[-1]))
+    stream = scoping.capture_stream()
+    assert isinstance(stream, FakeStream)
+    assert calls == [("synchronize",), ("stream made", 0), ("begin", ("pool", 7), "thread_local", stream),
+                     ("body", stream), ("end", stream)]
+    assert gc.isenabled() == was_enabled and current == [None]
+    calls.clear()
+    with pytest.raises(ValueError, match="in the block"):
+        with scoping.graph_capture(FakeGraph()):
+            raise ValueError("in the block")
+    assert calls == [("synchronize",), ("begin", None, "thread_local", stream), ("end", stream)]  # (the same stream)
+    assert gc.isenabled() == was_enabled and current == [None]

@@ -658,26 +658,27 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
     state = {"capturing": 0, "overlaps": 0}
     lock, entered = threading.Lock(), threading.Event()
 
-    @contextlib.contextmanager
-    def fake_graph(graph, pool=None, capture_error_mode="global"):
+    def capture_begin(pool=None, capture_error_mode="global"):
         with lock:
             state["capturing"] += 1
             state["overlaps"] += state["capturing"] > 1
         if state["capturing"] == 1:
             entered.wait(timeout=0.5)  # would see the other capture begin, if it could
         entered.set()
-        try:
-            yield
-        finally:
-            with lock:
-                state["capturing"] -= 1
+
+    def capture_end():
+        with lock:
+            state["capturing"] -= 1
 
     stream = SimpleNamespace(wait_stream=lambda other: None)
     cuda = SimpleNamespace(Stream=lambda device=None, priority=0: stream, current_stream=lambda: stream,
-                           current_device=lambda: 0, stream=lambda s: contextlib.nullcontext(), graph=fake_graph,
-                           synchronize=lambda: None, CUDAGraph=lambda: SimpleNamespace(pool=lambda: None))
+                           current_device=lambda: 0, stream=lambda s: contextlib.nullcontext(),
+                           synchronize=lambda: None,
+                           CUDAGraph=lambda: SimpleNamespace(pool=lambda: None, capture_begin=capture_begin,
+                                                             capture_end=capture_end))
     monkeypatch.setattr(graphs.torch, "cuda", cuda)  # the torch module: restored after the test
-    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})  # (the fake stream is not kept past the test)
+    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})  # (the fake streams are not kept past the test)
+    monkeypatch.setattr(scoping, "_CAPTURE_STREAMS", {})
     adapter = get_adapter(model)
     caches = [StaticDeferredCache(4, 256, 64, "cpu"), StaticDeferredCache(4, 256, 64, "cpu")]
     steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]

@@ -171,12 +171,44 @@ def warm_up_stream(device=None) -> "torch.cuda.Stream":
         return stream
 
 
+_CAPTURE_STREAMS: dict = {}  # CUDA device index -> the process's one stream that captures run on there
+
+
+def capture_stream(device=None) -> "torch.cuda.Stream":
+    """The stream every graph capture on ``device`` (default: the current one) runs on, one per device for the process
+    (as `torch.cuda.graph`'s default capture stream is one per process), made on first need. Only captures use it,
+    under `CAPTURE_LOCK`: no other work can land in a graph being captured on it."""
+    index = torch.device("cuda" if device is None else device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    with _WARM_UP_LOCK:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
 @contextlib.contextmanager
 def graph_capture(graph, pool=None):
-    """``torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")`` (only the calling thread's unsafe
-    calls break it) under `CAPTURE_LOCK`, with the collector paused (`paused_collector`)."""
-    with paused_collector(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        yield
+    """Capture the block's device work into ``graph`` (a ``torch.cuda.CUDAGraph``; ``pool``: a memory pool token to
+    share, e.g. another graph's ``pool()``), with ``capture_error_mode="thread_local"`` (only the calling thread's
+    unsafe calls break it), under `CAPTURE_LOCK`, with the collector paused (`paused_collector`), on `capture_stream`.
+
+    What ``torch.cuda.graph`` does, through the graph's own ``capture_begin`` / ``capture_end``, without emptying the
+    allocators' caches before each capture (``torch.cuda.empty_cache`` and the pinned host memory's): a warm-up that
+    captures hundreds of steps in a row would give their device blocks and pinned buffers back before each capture
+    and allocate them again in the next step (``cudaMalloc`` / ``cudaHostAlloc`` each time), and the engine's
+    pinned non-blocking copies would lose their cached buffers at every capture in the middle of serving. vLLM's
+    capture loop skips the same emptying (it patches it out for every graph after the first)."""
+    with paused_collector():
+        torch.cuda.synchronize()  # (as torch's context: the capture starts after all earlier work)
+        stream = capture_stream()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()  # (also after an error in the block: it ends the capture, and raises its own)
 
 
 def _on_cuda(device) -> bool:
