@@ -20,6 +20,7 @@ _EXPORTS = {
     "disable": "integration", "enable": "integration", "is_enabled": "integration", "Selector": "selection",
     "available_selectors": "selection", "get_selector": "selection", "register_selector": "selection",
     "Conversation": "conversation", "BatchLoop": "batch_loop", "warm_up": "warmup", "WarmUpSummary": "warmup",
+    "IdleWarmUp": "warmup",
 }
 
 
@@ -44,5 +45,5 @@ def __dir__():
 __all__ = [
     "BatchLoop", "Conversation", "DeferredDynamicCache", "MODES", "RaincheckConfig", "RaincheckGenerateOutput", "RaincheckTrace",
     "Selector", "available_selectors", "disable", "enable", "get_selector", "is_enabled", "register_selector",
-    "restore_pending", "warm_up", "WarmUpSummary",
+    "restore_pending", "warm_up", "WarmUpSummary", "IdleWarmUp",
 ]

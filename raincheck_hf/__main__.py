@@ -187,8 +187,7 @@ def chat(args) -> int:
     # every option is checked before anything is loaded (and before transformers is imported: a bad option
     # answers in the time torch takes to import)
     config, device, dialogue, images = check_chat_args(args)
-    from . import Conversation
-    from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
+    from .quality.references import read_glyph_grid
     from .tiny import draw_test_image
 
     start_caches(args, device)
@@ -220,22 +219,45 @@ def chat(args) -> int:
     if args.save_image and images:
         images[0].save(args.save_image)
         print(f"[raincheck] the first image is saved to {args.save_image}", file=sys.stderr)
-    # every graph the chat can need, the first image's tower included, before the first question
-    run_warm_up(args, model, processor, config, args.max_new_tokens, [(image.height, image.width) for image in images[:1]])
+    # what the first answer needs (its storage's steps, the first image's tower and selection) before the first
+    # question; the rest of the chat's graphs in idle time: while it waits for a question, paused while it answers
+    idle = run_warm_up(args, model, processor, config, args.max_new_tokens,
+                       [(image.height, image.width) for image in images[:1]], first_turn=True)
     interactive = args.interactive or not questions
     if interactive:
         print(BANNER + (f"\n[raincheck] attached to the first question: {', '.join(attached)}" if attached else ""))
+    try:
+        return _chat_loop(args, model, processor, config, idle, questions, interactive, scripted, bundled, images,
+                          videos, attached, cells, kind)
+    finally:
+        if idle is not None:
+            idle.pause()
+
+
+def _chat_loop(args, model, processor, config, idle, questions, interactive, scripted, bundled, images, videos,
+               attached, cells, kind) -> int:
+    """`chat`'s turns (``idle``: the `warmup.IdleWarmUp` of the graphs the first turn's warm-up left, or None)."""
+    from . import Conversation
+    from .quality.references import glyph_reference, judge, missing_from_grid, read_glyph_grid
+
     with Conversation(model, processor, config, max_new_tokens=args.max_new_tokens) as conversation:
         turn = 0
         while True:
             if turn < len(questions):
                 text = questions[turn]
+                if turn and idle is not None:  # (a scripted follow-up comes at once: no idle time before it)
+                    idle.finish()
                 print(f"\nyou> {text}")
             elif interactive:
+                if idle is not None:
+                    idle.resume()
                 try:
                     text = input("\nyou> ").strip()
                 except EOFError:
                     break
+                finally:
+                    if idle is not None:
+                        idle.pause()
                 if not text:
                     continue
                 if text.startswith("/"):

@@ -40,22 +40,29 @@ def start_caches(args, device: str) -> None:
                   f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
 
 
-def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=(), batch: int | None = None) -> None:
+def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=(), batch: int | None = None,
+                first_turn: bool = False):
     """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr. ``batch``: instead
     the batched engine's decode steps for up to that many sequences (the server's ``--batching``, where every turn
-    runs in the batched engine)."""
+    runs in the batched engine). ``first_turn``: only what a first turn with an image of ``image_sizes`` needs
+    before its answer; returns the `warmup.IdleWarmUp` that captures the rest (the caller resumes it while idle),
+    or None (nothing was captured, or nothing is left)."""
     if not args.warm_up:
-        return
+        return None
     from .integration import enable
-    from .warmup import warm_up
+    from .warmup import IdleWarmUp, warm_up
 
     enable(model)  # as `Conversation` and the server do (idempotent)
     max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
-    summary = warm_up(model, processor, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
-                      image_sizes=list(image_sizes) or None, cache_dir=args.cache_dir, progress=True, batch=batch,
-                      conversations=1 if batch is None else 0)
+    bounds = dict(max_tokens=max_tokens, max_new_tokens=max_new_tokens, image_sizes=list(image_sizes) or None,
+                  cache_dir=args.cache_dir)
+    summary = warm_up(model, processor, config, progress=True, batch=batch, conversations=1 if batch is None else 0,
+                      first_turn=first_turn, **bounds)
     if summary.graphs or summary.batched:
         print(f"[raincheck] {summary}", file=sys.stderr)
+    if first_turn and summary.graphs:
+        return IdleWarmUp(model, processor, config, **bounds)
+    return None
 
 
 def freeze_heap() -> int:

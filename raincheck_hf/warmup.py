@@ -46,7 +46,9 @@ captured on padding-only buffers (nothing stored, no state moved).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +95,8 @@ class WarmUpSummary:
     batched_already: int = 0  # batched decode-step keys captured before this call
     batched_seconds: float = 0.0
     selection: list = field(default_factory=list)  # (visual tokens, text rows, seconds) per selection graph captured
+    first_turn: bool = False  # only what a first turn within the bounds needs (``first_turn=True``)
+    stopped: bool = False  # ``stop`` was set before every capture was made (a later call goes on from there)
 
     @property
     def capture_seconds(self) -> float:
@@ -174,9 +178,13 @@ def _suffixes(adapter, max_tokens: int) -> range:
 
 
 def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_tokens: int, prompt_tokens: int,
-              follow_up_tokens: int, pad_prefill: bool) -> dict[int, list[tuple]]:
+              follow_up_tokens: int, pad_prefill: bool, first_turn=None) -> dict[int, list[tuple]]:
     """Capacity -> ``[(StepKey, prefill)]``: the step shapes a conversation within the bounds can run on a storage
-    of that capacity (see the module docstring). ``pad_prefill``: the family's prefills are padded and captured."""
+    of that capacity (see the module docstring). ``pad_prefill``: the family's prefills are padded and captured.
+    ``first_turn``: None (every turn), or the prefilled row counts a first turn can have (a collection of ints):
+    only what such a turn with a prompt of ``prompt_tokens`` rows needs, i.e. the storage that prompt and its
+    answer take (`first_turn_capacity`) with its decode / chunk / idle-time steps at every slot bucket and the
+    prefills of those row counts on it."""
     from .fast import graphs
     from .fast.static_cache import round_capacity, slot_bucket
 
@@ -201,6 +209,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
             if (rows, want_logits, variant) not in steps:
                 steps.append((rows, want_logits, variant))
     caps = capacities(max_tokens)
+    if first_turn is not None:
+        caps = [first_turn_capacity(prompt_tokens, max_new_tokens, max_tokens)]
     out: dict[int, list[tuple]] = {c: [] for c in caps}
     for capacity in caps:
         for bucket in buckets(capacity):
@@ -219,7 +229,7 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     # later, so counted now) any larger storage up to the one the longest prompt takes
     largest = round_capacity(prompt_tokens + max_new_tokens)
     seen = set()
-    for n in range(1, prompt_tokens + 1):
+    for n in (range(1, prompt_tokens + 1) if first_turn is None else sorted(first_turn)):
         rows = padded(n)
         least = round_capacity(n + max_new_tokens)
         for capacity in (c for c in caps if least <= c <= (largest if config.defers else least)):
@@ -231,6 +241,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
                 key = (StepKey(rows, True, variant, bucket), rows > 1)
                 if key not in out[capacity]:
                     out[capacity].append(key)
+    if first_turn is not None:
+        return out
     # follow-ups of up to follow_up_tokens rows (a text question, the last answer's final token, leftover deferred
     # rows in front), after at least one earlier row, at every bucket
     for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):
@@ -252,6 +264,29 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     return out
 
 
+def first_turn_capacity(prompt_tokens: int, max_new_tokens: int, max_tokens: int) -> int:
+    """The slot storage a first turn of ``prompt_tokens`` prompt rows (deferred ones included: they are stored later)
+    and an answer of ``max_new_tokens`` starts on (`round_capacity`), within the storages of ``max_tokens``."""
+    from .fast.static_cache import round_capacity
+
+    return min(round_capacity(prompt_tokens + max_new_tokens), capacities(max_tokens)[-1])
+
+
+def first_turn_rows(config: RaincheckConfig, visual_tokens: list[int], prompt_tokens: int) -> list[int]:
+    """The prefilled row counts of a first turn (`step_keys`' ``first_turn``): with images of ``visual_tokens``
+    tokens each (one a prompt), the tokens the config selects of it (every one in ``full`` mode) plus 1 to
+    `TEXT_ALLOWANCE` rows of text; without images, 1 to ``prompt_tokens``; never more than ``prompt_tokens``."""
+    from .selection.base import keep_count
+
+    if not visual_tokens or isinstance(config.selector, torch.Tensor):  # (a keep-mask: its own count)
+        return list(range(1, prompt_tokens + 1))
+    rows = set()
+    for tokens in visual_tokens:
+        kept = tokens if config.mode == "full" else keep_count(config.retention, tokens)
+        rows.update(range(kept + 1, min(kept + TEXT_ALLOWANCE, prompt_tokens) + 1))
+    return sorted(rows) or list(range(1, prompt_tokens + 1))
+
+
 # ---- the call ----------------------------------------------------------------------------------
 
 def _bar(total: int, progress: bool, desc: str):
@@ -264,7 +299,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
             max_tokens: int = DEFAULT_MAX_TOKENS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
             prompt_tokens: int | None = None, follow_up_tokens: int = DEFAULT_FOLLOW_UP_TOKENS,
             image_sizes=None, conversations: int = 1, cache_dir=None, progress: bool = True,
-            batch: int | None = None) -> WarmUpSummary:
+            batch: int | None = None, first_turn: bool = False, stop=None) -> WarmUpSummary:
     """Pay the one-time costs that a conversation within the given bounds can need before its first answer.
 
     On the CUDA fast path this captures every step graph such a conversation can run (decode, fused chunk,
@@ -306,6 +341,14 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
             buckets, chunk widths, slot spans, the prompt pieces' prefill widths),
             captured on the model's kept batched pool, sized for them from now
             on (no later growth drops its graphs). None (default): not warmed; they are captured when they first run.
+        first_turn: only what a first turn needs before its answer (a prompt of ``prompt_tokens`` rows, by default
+            an image of ``image_sizes`` and its question, and its answer of ``max_new_tokens``): its slot storage's
+            steps at every slot bucket, the prefills such a prompt takes on it, the vision tower's and the
+            selection's graphs; not the other storages nor the follow-ups' prefills, which a later call captures
+            (the same call without ``first_turn``, or an `IdleWarmUp` in idle time: it skips what is captured).
+            The single-sequence steps only (with ``batch``: a ValueError).
+        stop: a ``threading.Event``; once set, the call returns before its next capture (``stopped`` in the
+            summary): what `IdleWarmUp` pauses with. None: every capture is made.
 
     Returns:
         A `WarmUpSummary` (what was captured, in how many seconds; ``str()`` gives a one-line account).
@@ -339,6 +382,13 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         raise ValueError(f"warm_up: max_new_tokens ({max_new_tokens}) must be below max_tokens ({max_tokens})")
     if not isinstance(progress, bool):
         raise ValueError(f"warm_up: progress must be True or False, got {progress!r}")
+    if not isinstance(first_turn, bool):
+        raise ValueError(f"warm_up: first_turn must be True or False, got {first_turn!r}")
+    if first_turn and batch is not None:
+        raise ValueError(f"warm_up: first_turn=True warms a conversation's first turn; batch={batch!r} warms the "
+                         "batched engine's steps (call it without first_turn)")
+    if stop is not None and not (callable(getattr(stop, "is_set", None))):
+        raise ValueError(f"warm_up: stop must be a threading.Event (or None), got {stop!r}")
     if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, (str, bytes)) \
             and not hasattr(cache_dir, "__fspath__"):
         raise ValueError(f"warm_up: cache_dir must be a path, None or False, got {cache_dir!r}")
@@ -346,7 +396,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     if not is_enabled(model):
         raise ValueError(f"warm_up: {type(model).__name__} is not enabled: call raincheck_hf.enable(model) first")
 
-    summary = WarmUpSummary(path=adapter.execution_path(config))
+    summary = WarmUpSummary(path=adapter.execution_path(config), first_turn=first_turn)
     persistent = cache_dir is not False and adapter.device.type == "cuda"  # Triton / Inductor compile on CUDA
     if persistent:
         from .persist import enable_persistent_caches
@@ -364,13 +414,18 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         if grids and summary.path == "fast" and adapter.device.type == "cuda":
             _warm_selection(adapter, config, grids, summary)
         if summary.path == "fast" and conversations:
+            rows = first_turn_rows(config, [tokens for _, tokens in grids], prompt_tokens) if first_turn else None
             _warm_steps(adapter, config, summary, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
                         prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens, conversations=conversations,
-                        progress=progress)
+                        progress=progress, first_turn=rows, stop=stop)
         if batch is not None:
             _warm_batched(adapter, config, summary, batch=batch, max_tokens=max_tokens, progress=progress)
     parts = []  # (conversations=0: the single-sequence steps were not asked for)
-    if conversations and summary.graphs:
+    if conversations and summary.graphs and first_turn:
+        parts.append(f"a first turn of up to {prompt_tokens} prompt rows with an answer of up to {max_new_tokens} "
+                     f"tokens (its storage of {first_turn_capacity(prompt_tokens, max_new_tokens, max_tokens)} "
+                     "slots); the rest of the conversation's steps not yet")
+    elif conversations and summary.graphs:
         parts.append(f"conversations of up to {max_tokens} rows: every decode / chunk step; first-turn prefills of up "
                      f"to {prompt_tokens} rows with answers of up to {max_new_tokens} tokens; follow-ups of up to "
                      f"{follow_up_tokens} new rows")
@@ -381,6 +436,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     if batch is not None:
         parts.append(f"batched steps of up to {batch} sequences of up to {max_tokens} rows"
                      if summary.batched or summary.batched_already else "no batched step to capture")
+    if summary.stopped:
+        parts.append("stopped before every capture was made")
     summary.coverage = "; ".join(parts)
     if persistent and (summary.graphs or summary.batched):
         from .persist import save_compile_artifacts
@@ -388,6 +445,100 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         save_compile_artifacts(cache_dir)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+class IdleWarmUp:
+    """The rest of a warm-up, captured in idle time on a thread of its own.
+
+    After ``warm_up(..., first_turn=True)`` captured what a first answer needs, `resume` starts (or goes on with) the
+    same call without ``first_turn`` in the background, and `pause` stops it before its next capture and waits for
+    the one under way (a fraction of a second). Pause it while an answer runs and resume it while nothing does (a
+    chat waiting for the next question), so that no capture competes with an answer; each call skips what is
+    captured already, so pausing loses nothing. `finish` captures what is left in the calling thread. The
+    `raincheck_hf` CLI's chat does this.
+
+    Args:
+        model, processor, config: as for `warm_up`.
+        **kwargs: `warm_up`'s other keyword arguments (its bounds, ``image_sizes``, ``conversations``,
+            ``cache_dir``), the ones the first-turn call had; not ``first_turn``, ``stop`` or ``batch``.
+
+    Attributes:
+        summaries: each background or `finish` call's `WarmUpSummary`, in order.
+        done: nothing is left to capture (or a call failed: ``error``; it is not tried again).
+        error: the exception a call raised, or None (a background call's is kept here, not raised).
+    """
+
+    def __init__(self, model, processor=None, config=None, **kwargs):
+        for name in ("first_turn", "stop", "batch", "progress"):
+            if name in kwargs:
+                raise ValueError(f"IdleWarmUp takes warm_up's bounds; {name}= is its own to set, got {kwargs[name]!r}")
+        self.model, self.processor, self.config, self.kwargs = model, processor, config, kwargs
+        self.summaries: list[WarmUpSummary] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # (resume / pause / finish from several threads: one at a time)
+
+    def _call(self, stop, progress: bool) -> None:
+        try:
+            summary = warm_up(self.model, self.processor, self.config, stop=stop, progress=progress, **self.kwargs)
+        except BaseException as error:  # (a background call's error is kept, not lost in its thread)
+            self.error, self.done = error, True
+            return
+        self.summaries.append(summary)
+        self.done = not summary.stopped
+
+    def resume(self) -> None:
+        """Capture what is left on a background thread (nothing if all is done or it runs already)."""
+        with self._lock:
+            if self.done or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._call, args=(self._stop, False), daemon=True,
+                                            name="raincheck-idle-warm-up")
+            self._thread.start()
+
+    def pause(self) -> None:
+        """Stop the background captures before the next one and wait for the one under way."""
+        with self._lock:
+            self._stop.set()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) for the background call to end without stopping it; whether all is done
+        (False also while it still runs, or after a pause left some)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return self.done
+
+    def finish(self, progress: bool = True) -> WarmUpSummary | None:
+        """Capture what is left now, in the calling thread (the background call paused first); its summary, or None
+        when nothing was left. A failure raises here."""
+        self.pause()
+        if self.done:
+            return None
+        self._call(None, progress)
+        if self.error is not None:
+            raise self.error
+        return self.summaries[-1]
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The block runs with the background captures paused; they resume after it (unless all is done)."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
+    @property
+    def captured(self) -> int:
+        """Step graphs the calls captured so far."""
+        return sum(len(s.captured) for s in self.summaries)
 
 
 def _image_grids(processor, sizes) -> list[tuple[dict, int]]:
@@ -497,7 +648,10 @@ def _warm_batched(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, b
 
 
 def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max_tokens, max_new_tokens,
-                prompt_tokens, follow_up_tokens, conversations, progress) -> None:
+                prompt_tokens, follow_up_tokens, conversations, progress, first_turn=None, stop=None) -> None:
+    """Capture `step_keys`' steps on pooled storages. The first turn's storage first (`first_turn_capacity`), then
+    the larger ones a conversation grows into, then the smaller ones (shorter prompts): what a conversation needs
+    soonest is captured first, which matters when ``stop`` ends the call early."""
     from .fast.compiled import resolve_compile_steps
     from .fast.graphs import scratch_slots
     from .fast.static_cache import StaticDeferredCache, keep_storage
@@ -508,43 +662,60 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
     recurrent = adapter.static_recurrent_layout()
     plan = None
     bar = None
+    first = first_turn_capacity(prompt_tokens, max_new_tokens, max_tokens)
+    order = sorted(capacities(max_tokens), key=lambda c: (c < first, c if c >= first else -c))
+    stopping = (lambda: False) if stop is None else stop.is_set
     try:
-        for capacity in capacities(max_tokens):
+        for capacity in order:
+            if plan is not None and capacity not in plan:  # (a first turn's plan: its storage only)
+                continue
+            if stopping():
+                summary.stopped = True
+                break
             # the storages conversations of this size lease (`runner.open_runner`), kept in the pool; held
             # together, so each of them is another storage
             caches = [StaticDeferredCache(layers, capacity, scratch, adapter.device, pool_key=adapter.text_model,
                                           recurrent=recurrent) for _ in range(conversations)]
-            for cache in caches:
-                graphs = StaticRunner(adapter, cache).step_graphs  # the storage's graphs, made on first use
-                if not graphs.use_graphs:
-                    for c in caches:
-                        c.storage.release()
-                    return
-                summary.graphs = True
-                cache.compile_steps = resolve_compile_steps(config.compile_steps, graphs.use_graphs)
-                graphs._use_setting(adapter, cache)  # the graphs of this attention backend and compile setting
-                if plan is None:
-                    plan = step_keys(adapter, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
-                                     prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens,
-                                     pad_prefill=graphs.pad_prefill)
-                    bar = _bar(sum(map(len, plan.values())) * conversations, progress, "raincheck warm-up")
-                keep_storage(adapter.text_model, cache.storage)
-                if capacity not in summary.capacities:
-                    summary.capacities.append(capacity)
-                for key, prefill in plan[capacity]:
-                    if key in graphs._captured:
-                        summary.already_captured += 1
-                    else:
-                        seconds = graphs.warm(adapter, cache, key, prefill)
-                        if seconds is None:
-                            summary.not_captured += 1
+            try:
+                for cache in caches:
+                    graphs = StaticRunner(adapter, cache).step_graphs  # the storage's graphs, made on first use
+                    if not graphs.use_graphs:
+                        return
+                    summary.graphs = True
+                    cache.compile_steps = resolve_compile_steps(config.compile_steps, graphs.use_graphs)
+                    graphs._use_setting(adapter, cache)  # the graphs of this attention backend and compile setting
+                    if plan is None:
+                        plan = step_keys(adapter, config, max_tokens=max_tokens, max_new_tokens=max_new_tokens,
+                                         prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens,
+                                         pad_prefill=graphs.pad_prefill, first_turn=first_turn)
+                        bar = _bar(sum(map(len, plan.values())) * conversations, progress, "raincheck warm-up")
+                    keep_storage(adapter.text_model, cache.storage)
+                    if capacity not in summary.capacities:
+                        summary.capacities.append(capacity)
+                    for key, prefill in plan[capacity]:
+                        if key in graphs._captured:
+                            summary.already_captured += 1
+                        elif stopping():
+                            summary.stopped = True
+                            break
                         else:
-                            summary.captured.append((capacity, key.rows, key.want_logits, key.variant, key.bucket,
-                                                     seconds))
-                    bar.update(1)
-            for cache in caches:
-                cache.storage.release()
-            del caches, cache
+                            seconds = graphs.warm(adapter, cache, key, prefill)
+                            if seconds is None:
+                                summary.not_captured += 1
+                            else:
+                                summary.captured.append((capacity, key.rows, key.want_logits, key.variant, key.bucket,
+                                                         seconds))
+                        bar.update(1)
+                    if summary.stopped:
+                        break
+            finally:
+                for cache in caches:  # (back to the pool, kept: the next lease of this size takes one)
+                    cache.storage.release()
+                del caches
+                cache = None  # (no reference to a released storage's cache kept)
+            if summary.stopped:
+                break
     finally:
+        summary.capacities.sort()
         if bar is not None:
             bar.close()

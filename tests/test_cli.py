@@ -243,3 +243,48 @@ def test_a_good_device_passes_the_check(monkeypatch):
     assert check_device(None) == "cuda" and check_device("cuda:1") == "cuda:1"
     with pytest.raises(ValueError, match=r"there are 2 CUDA devices \(cuda:0 to cuda:1\)"):
         check_device("cuda:2")
+
+
+def test_chat_captures_the_rest_of_its_warm_up_only_while_it_waits_for_a_question(monkeypatch, capsys):
+    """The chat warms only the first turn before the first question (``run_warm_up(..., first_turn=True)``), and
+    the rest (its `IdleWarmUp`) runs while the chat waits for a question: resumed before each prompt, paused as
+    soon as a question comes and before the process ends; scripted questions come at once, so the rest is
+    finished before the second one."""
+    import builtins
+
+    import raincheck_hf.__main__ as cli
+
+    events = []
+
+    class Idle:
+        def resume(self):
+            events.append("resume")
+
+        def pause(self):
+            events.append("pause")
+
+        def finish(self):
+            events.append("finish")
+
+    def warm(*args, first_turn=False, **kwargs):
+        events.append(("warm", first_turn))
+        return Idle()
+
+    asked = iter(["what is in this image?", "and now?"])
+
+    def typed(prompt=""):
+        events.append("input")
+        try:
+            return next(asked)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(cli, "run_warm_up", warm)
+    monkeypatch.setattr(builtins, "input", typed)
+    assert main(["chat", "--model", "tiny", "--interactive", "--max-new-tokens", "2", "--idle-wait", "0"]) == 0
+    assert events == [("warm", True)] + ["resume", "input", "pause"] * 3 + ["pause"]
+    assert capsys.readouterr().out.count("assistant> ") == 2
+    events.clear()
+    assert main(["chat", "--model", "tiny", "--question", "a?", "--question", "b?", "--max-new-tokens", "2",
+                 "--idle-wait", "0"]) == 0
+    assert events == [("warm", True), "finish", "pause"]

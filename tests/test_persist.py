@@ -150,12 +150,20 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     result = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert result["answer_tokens"] == 2 and result["captures_during_answer"] == []
     assert result["warm_up"]["path"] == "eager" and result["warm_up"]["captures"]["each"] == []
-    assert result["first_token_s"] <= result["first_answer_s"]
+    assert result["first_token_s"] <= result["first_answer_s"] <= result["rest_done_s"]
     assert result["imports_s"] <= result["caches_s"] <= result["device_s"] <= result["model_s"]
+    # (the default scope, the chat's: the first turn's warm-up, then the rest after the answer, timed apart)
+    assert result["warm_up_scope"] == "first" and result["rest"]["graphs_captured"] == 0
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert cold_start.main(child + ["--warm-up-scope", "all"]) == 0
+    everything = json.loads(buffer.getvalue().strip().splitlines()[-1])
+    assert everything["warm_up_scope"] == "all" and everything["rest"] is None and "rest_done_s" not in everything
     launched = []
 
     def fake_run(command, env, timeout):
         assert command[:3] == [sys.executable, "-m", "raincheck_hf.bench.cold_start"] and "--child" in command
+        assert command[command.index("--warm-up-scope") + 1] == "first"
         assert not any(name in env for name in ENV)  # each child finds only the cache folder
         launched.append(command[command.index("--cache-dir") + 1])
         return subprocess.CompletedProcess(command, 0, stdout="noise\n" + json.dumps(result) + "\n", stderr="")
@@ -169,8 +177,11 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert saved["benchmark"] == "cold_start" and saved["hardware"]["device"] == "cpu"
     assert saved["settings"]["answer_tokens"] == 2 and len(saved["later"]) == 2
     assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
+    assert saved["settings"]["warm_up_scope"] == "first"
     with pytest.raises(ValueError, match="--processes must be >= 2"):
         cold_start.run("tiny_qwen3_vl", processes=1)
+    with pytest.raises(ValueError, match="--warm-up-scope"):
+        cold_start.run("tiny_qwen3_vl", warm_up_scope="some")
 
 
 @pytest.mark.parametrize("batching", [False, True])

@@ -372,3 +372,99 @@ def _prompt(processor, size):
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[draw_test_image(width, height, seed=3)], return_tensors="pt")
     return inputs["input_ids"][0], inputs["image_grid_thw"], inputs["pixel_values"]
+
+
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(family, cpu_graphs):  # noqa: F811
+    """``warm_up(first_turn=True)`` captures only the first turn's storage (its steps at every slot bucket, its
+    prefills; not the other storage of the bounds): the first answer captures nothing. `IdleWarmUp` captures the rest on its
+    thread (skipping what is captured): paused before it is done, resumed, waited for; after it a whole conversation
+    captures nothing, and the two calls together captured what one full `warm_up` does. ``stop`` set before a call
+    captures nothing; set after two captures, two."""
+    import threading
+
+    from raincheck_hf import IdleWarmUp
+    from raincheck_hf.fast import graphs as fast_graphs
+    from raincheck_hf.fast.static_cache import round_capacity
+
+    _, model, processor = family
+    config = RaincheckConfig(fast_path=True, chunk_size=3, decode_guard=2, compile_steps=False)
+    prompt = make_inputs(processor, **INPUT_CASES["two_images"])["input_ids"].shape[1]
+    bounds = dict(max_tokens=512, max_new_tokens=MAX_NEW[0], prompt_tokens=prompt, cache_dir=False)
+    _POOLS.clear()
+    full = raincheck_hf.warm_up(model, processor, config, progress=False, **bounds)
+    _POOLS.clear()
+
+    first = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=True, **bounds)
+    assert first.first_turn and first.captured and not first.stopped
+    assert first.capacities == [round_capacity(prompt + MAX_NEW[0])] and len(first.captured) < len(full.captured)
+    assert "a first turn of up to" in first.coverage
+    outs, _ = _conversation(model, processor, config)
+    assert outs[0].raincheck.captures == []
+    del outs
+    _POOLS.clear()
+
+    # stop: set before (nothing captured), set after two captures (two)
+    stop = threading.Event()
+    stop.set()
+    none = raincheck_hf.warm_up(model, processor, config, progress=False, stop=stop, **bounds)
+    assert none.stopped and none.captured == [] and "stopped" in none.coverage
+    warm, made = fast_graphs.StepGraphs.warm, []
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        if len(made) == 2:
+            stop.set()
+        return warm(self, *args, **kwargs)
+
+    stop.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_graphs.StepGraphs, "warm", counted)
+        two = raincheck_hf.warm_up(model, processor, config, progress=False, stop=stop, **bounds)
+    assert two.stopped and len(two.captured) == 2
+    _POOLS.clear()
+
+    # the chat's way: the first turn's warm-up, then the rest in idle time, paused and resumed
+    first = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=True, **bounds)
+    idle = IdleWarmUp(model, processor, config, **bounds)
+    idle.resume()
+    idle.pause()  # (before it is done, or just after: either way nothing is lost)
+    idle.resume()
+    assert idle.wait(timeout=120) and idle.error is None and idle.done
+    assert len(first.captured) + idle.captured == len(full.captured)
+    assert idle.finish() is None  # (nothing left)
+    warm_outs, idle_captures = _conversation(model, processor, config)
+    assert all(out.raincheck.captures == [] for out in warm_outs) and idle_captures == 0
+    with pytest.raises(ValueError, match="first_turn"):
+        IdleWarmUp(model, processor, config, first_turn=True)
+    with pytest.raises(ValueError, match="first_turn=True warms"):
+        raincheck_hf.warm_up(model, processor, config, first_turn=True, batch=2)
+    with pytest.raises(ValueError, match="stop must be"):
+        raincheck_hf.warm_up(model, processor, config, stop="now")
+
+
+def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model):
+    """`step_keys(first_turn=...)`: for a first turn of a 1,344-token image and its question, the storage that prompt
+    and its answer take (2,048 slots) with every decode / chunk / idle-time step at every slot bucket the full plan
+    has there, and the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows,
+    padded to 64): a subset of the full plan; ``full`` mode prefills every visual token."""
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.selection.base import keep_count
+    from raincheck_hf.warmup import TEXT_ALLOWANCE, first_turn_capacity, first_turn_rows
+
+    adapter = get_adapter(model)
+    cfg = RaincheckConfig()
+    kept = keep_count(cfg.retention, 1344)
+    rows = first_turn_rows(cfg, [1344], prompt_tokens=1600)
+    assert rows == list(range(kept + 1, kept + TEXT_ALLOWANCE + 1))
+    assert first_turn_rows(RaincheckConfig(mode="full"), [1344], 1600) == list(range(1345, 1601))  # (capped)
+    assert first_turn_rows(cfg, [], 300) == list(range(1, 301))  # no image: any prompt up to its bound
+    assert first_turn_capacity(1600, 256, 4096) == 2048 and first_turn_capacity(1600, 256, 1024) == 1024
+    bounds = dict(max_tokens=4096, max_new_tokens=256, prompt_tokens=1600, follow_up_tokens=64, pad_prefill=True)
+    plan = step_keys(adapter, cfg, first_turn=rows, **bounds)
+    full = step_keys(adapter, cfg, **bounds)
+    assert list(plan) == [2048] and set(plan[2048]) < set(full[2048])
+    assert {k for k in plan[2048] if not k[1]} == {k for k in full[2048] if not k[1]}  # every step, every bucket
+    prefills = {key.rows for key, prefill in plan[2048] if prefill}
+    assert prefills == {-(-n // 64) * 64 for n in rows}
+    assert sum(map(len, plan.values())) < sum(map(len, full.values())) / 3

@@ -7,7 +7,9 @@ weights of the real shape, `bench.shapes`), enables the persistent caches (`pers
 on one cache folder, runs `raincheck_hf.warm_up` (unless ``--no-warm-up``), then answers the benchmark's image
 question once, and reports when its first token and its whole answer came, counted from the moment the parent
 launched it (interpreter start and imports included), with the captures the answer made (its trace's
-``captures``: none after a warm-up that covers it). The first process starts on an empty cache folder (first
+``captures``: none after a warm-up that covers it). ``--warm-up-scope first`` (the default, what the CLI's chat
+does) warms only what the first turn needs before it (``warm_up(..., first_turn=True)``) and, after the answer, the
+rest as idle time would (`IdleWarmUp.finish`, timed: ``rest``); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first
 ever: every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON
 with the hardware.
 """
@@ -49,10 +51,11 @@ def _child(args) -> dict:
     marks["model_s"] = time.time() - launched
     summary = None
     width, height = spec.image_size
+    bounds = dict(max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens, image_sizes=[(height, width)],
+                  cache_dir=args.cache_dir)
+    first_turn = args.warm_up_scope == "first"
     if args.warm_up:
-        summary = raincheck_hf.warm_up(model, processor, config, max_tokens=args.max_tokens,
-                                       max_new_tokens=args.max_new_tokens, image_sizes=[(height, width)],
-                                       cache_dir=args.cache_dir, progress=False)
+        summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
     inputs, prompt = shapes.build_prompt(processor, spec, "image")
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
@@ -77,10 +80,23 @@ def _child(args) -> dict:
         torch.cuda.synchronize(device)
     marks["first_answer_s"] = time.time() - launched
     marks["first_token_s"] = (first.at or time.time()) - launched
+    answer_tokens = int(out.sequences.shape[1] - inputs["input_ids"].shape[1])
+    captures = [list(c) for c in out.raincheck.captures]
+    rest = None
+    if args.warm_up and first_turn:  # what idle time captures after the answer (the chat: while it waits)
+        del out
+        started = time.time()
+        more = raincheck_hf.IdleWarmUp(model, processor, config, **bounds).finish(progress=False)
+        rest = {"seconds": time.time() - started, "graphs_captured": 0 if more is None else len(more.captured),
+                "already_captured": 0 if more is None else more.already_captured,
+                "captures": None if more is None else capture_figures(more.captured, config.max_chunk_size + 1)}
+        marks["rest_done_s"] = time.time() - launched
     return {
         **marks,
-        "answer_tokens": int(out.sequences.shape[1] - inputs["input_ids"].shape[1]),
-        "captures_during_answer": [list(c) for c in out.raincheck.captures],
+        "answer_tokens": answer_tokens,
+        "captures_during_answer": captures,
+        "warm_up_scope": args.warm_up_scope if args.warm_up else None,
+        "rest": rest,
         "warm_up": None if summary is None else {
             "seconds": summary.seconds, "path": summary.path, "graphs_captured": len(summary.captured),
             "already_captured": summary.already_captured, "vision_grids": len(summary.vision),
@@ -125,7 +141,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
-        out: str | None = None, timeout: float = 1800.0) -> dict:
+        out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first") -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -134,6 +150,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
 
     if model not in MODELS:
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    if warm_up_scope not in ("first", "all"):
+        raise ValueError(f"--warm-up-scope must be 'first' or 'all', got {warm_up_scope!r}")
     if processes < 2:
         raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,7 +167,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         launched = time.time()
         command = [sys.executable, "-m", "raincheck_hf.bench.cold_start", "--child", "--launched-at", repr(launched),
                    "--model", model, "--device", device, "--cache-dir", folder, "--max-tokens", str(max_tokens),
-                   "--max-new-tokens", str(max_new_tokens)]
+                   "--max-new-tokens", str(max_new_tokens), "--warm-up-scope", warm_up_scope]
         if chunk_size is not None:
             command += ["--chunk-size", str(chunk_size)]
         if not warm_up:
@@ -171,6 +189,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {"model": model, "processes": processes, "device": device, "max_tokens": max_tokens,
                      "answer_tokens": max_new_tokens, "chunk_size": chunk_size or "default", "warm_up": warm_up,
+                     "warm_up_scope": warm_up_scope if warm_up else None,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -202,6 +221,9 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the first answer's length limit")
     parser.add_argument("--chunk-size", default=None, help="RaincheckConfig.chunk_size (default: the default settings')")
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--warm-up-scope", choices=("first", "all"), default="first",
+                        help="first: what the first turn needs before it, the rest after the answer (timed apart; "
+                             "what the chat does); all: everything before the first answer")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -213,7 +235,7 @@ def main(argv=None):
         print(json.dumps(_child(args), default=str), flush=True)
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
-               args.chunk_size, args.warm_up, args.out)
+               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope)
 
 
 if __name__ == "__main__":
