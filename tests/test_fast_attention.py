@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -136,6 +137,27 @@ def test_split_count_and_row_blocks():
     assert [attention._block_m(n) for n in (1, 4, 16, 17, 64, 128)] == [16, 16, 16, 32, 64, 64]
 
 
+def run_in_interpreter(script: str, cases: list) -> dict:
+    """``script`` (it prints one JSON line last) over ``cases`` in a fresh process under Triton's interpreter
+    (``TRITON_INTERPRET=1`` is read when Triton compiles a kernel, so it must be set before the first one); its
+    results, one per case. Skips without Triton."""
+    import os
+    import subprocess
+    import sys
+
+    from raincheck_hf._triton import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    return results
+
+
 TRITON_SCRIPT = r"""
 import json, sys, torch
 from types import SimpleNamespace
@@ -166,23 +188,9 @@ def test_triton_kernel_matches_sdpa_in_the_interpreter():
     and chunk-sized row counts, GQA groups of 1 to 4, several row blocks (4 x 20 = 80 rows), several slot splits
     (a row that sees nothing in some), a mask shared by the batch, key / value views of a larger pool; within 1e-5
     of stock SDPA, and `few_query_attention` routes to it."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from raincheck_hf._triton import triton_available
-
-    if not triton_available():
-        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
     cases = [(1, 4, 2, 1, 97, 128, 16, False), (3, 8, 2, 5, 150, 160, 32, False), (2, 8, 2, 20, 200, 256, 16, True),
              (2, 4, 4, 1, 33, 40, 16, False), (1, 8, 2, 32, 130, 130, 64, False)]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases)
+    results = run_in_interpreter(TRITON_SCRIPT, cases)
     for name, r in results.items():
         assert r["usable"] and r["routed"] and r["err"] <= 1e-5, (name, r)
 
@@ -225,22 +233,8 @@ def test_the_triton_kernel_stops_at_each_sequences_key_extent():
     kernel walks each sequence's slots only up to its own rows, and the result is bit for bit the same as walking
     every slot (the slots skipped are ones its mask hides), within 1e-5 of SDPA; sequences ending inside the first
     split, in a middle one, and at the span, decode and chunk-sized rows, several splits."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from raincheck_hf._triton import triton_available
-
-    if not triton_available():
-        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
     cases = [(4, 8, 2, 1, 300, 16), (3, 4, 2, 32, 260, 16), (2, 4, 4, 5, 130, 32)]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", EXTENT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases)
+    results = run_in_interpreter(EXTENT_SCRIPT, cases)
     for name, r in results.items():
         assert r["same"] and r["routed"] and r["err"] <= 1e-5, (name, r)
 
@@ -290,22 +284,8 @@ def test_the_triton_kernel_skips_blocks_of_padding_rows():
     block holding only a sequence's padding rows (every sequence padded to the step's widest) is not computed (its
     rows' output is 0, finite), every real row's output is bit for bit the one computed without the skip, within
     1e-5 of SDPA; one-token sequences beside 32-row chunks, a padding sequence (0 rows), several row blocks."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from raincheck_hf._triton import triton_available
-
-    if not triton_available():
-        pytest.skip("needs Triton (its interpreter runs the kernel on CPU)")
     cases = [(4, 8, 2, 32, 200, 16, [1, 32, 0, 17]), (3, 8, 2, 8, 130, 16, [1, 8, 3]), (2, 4, 4, 1, 70, 16, [1, 0])]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == len(cases)
+    results = run_in_interpreter(ROWS_SCRIPT, cases)
     for name, r in results.items():
         assert r["real_same"] and r["dropped_zero"] and r["finite"] and r["routed"] and r["err"] <= 1e-5, (name, r)
     assert results[str([4, 8, 2, 32, 200, [1, 32, 0, 17]])]["dropped"] == 16 + 32 + 0  # (the 1- and 0-row ones)

@@ -149,7 +149,7 @@ def paused_collector():
 
 
 _WARM_UP_STREAMS: dict = {}  # CUDA device index -> the process's one side stream for capture warm-ups there
-_WARM_UP_LOCK = threading.Lock()
+_WARM_UP_LOCK = threading.Lock()  # (making the kept streams: warm-up and capture)
 
 
 def warm_up_stream(device=None) -> "torch.cuda.Stream":
@@ -161,31 +161,29 @@ def warm_up_stream(device=None) -> "torch.cuda.Stream":
     made for each capture, or each conversation's storage, grew the device memory by that much with every one (a
     server holding many conversations at once: gigabytes). Sharing it is safe: each user orders it against its own
     stream (``wait_stream`` both ways), so another thread's warm-up on it only adds a wait."""
+    return _process_stream(_WARM_UP_STREAMS, device)
+
+
+_CAPTURE_STREAMS: dict = {}  # CUDA device index -> the process's one stream that captures run on there
+
+
+def _process_stream(streams: dict, device) -> "torch.cuda.Stream":
+    """``streams``' stream of ``device`` (None: the current CUDA device), made on first need and kept."""
     index = torch.device("cuda" if device is None else device).index
     if index is None:
         index = torch.cuda.current_device()
     with _WARM_UP_LOCK:
-        stream = _WARM_UP_STREAMS.get(index)
+        stream = streams.get(index)
         if stream is None:
-            stream = _WARM_UP_STREAMS[index] = torch.cuda.Stream(device=index)
+            stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
-
-
-_CAPTURE_STREAMS: dict = {}  # CUDA device index -> the process's one stream that captures run on there
 
 
 def capture_stream(device=None) -> "torch.cuda.Stream":
     """The stream every graph capture on ``device`` (default: the current one) runs on, one per device for the process
     (as `torch.cuda.graph`'s default capture stream is one per process), made on first need. Only captures use it,
     under `CAPTURE_LOCK`: no other work can land in a graph being captured on it."""
-    index = torch.device("cuda" if device is None else device).index
-    if index is None:
-        index = torch.cuda.current_device()
-    with _WARM_UP_LOCK:
-        stream = _CAPTURE_STREAMS.get(index)
-        if stream is None:
-            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
-        return stream
+    return _process_stream(_CAPTURE_STREAMS, device)
 
 
 @contextlib.contextmanager
