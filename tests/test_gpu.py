@@ -1244,13 +1244,16 @@ def test_cuda_batched_generate_compiles_its_captured_steps_by_default(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl"])
-def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_storage(name):
+@pytest.mark.parametrize("first_turn", [False, True], ids=["all", "first_turn"])
+def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_storage(name, first_turn):
     """tests/test_warmup.py's storage case on CUDA with real captures (steps not compiled: the test stays short):
     two pictures' prompt + 150 answer tokens take a 512-slot storage while the rows prefilled + 150 fit 256; after
     ``warm_up(image_sizes=...)`` the first answer's trace shows no capture (its prefill included), and its tokens are
-    the cold model's. Qwen3-VL only: the tiny Qwen3.5's case (fla's kernels tuned anew in the worker for each new
-    prefill length) had not finished after about a minute on the H200; its keys come from the same rule, tested on
-    both families on the CPU (tests/test_warmup.py, with the capture stand-in)."""
+    the cold model's; also after ``warm_up(first_turn=True)`` alone (its storage's steps and its prompt's
+    prefills only: the rest is left to idle time). Qwen3-VL only: the tiny Qwen3.5's case (fla's kernels tuned
+    anew in the worker for each new prefill length) had not finished after about a minute on the H200; its keys
+    come from the same rule, tested on both families on the CPU (tests/test_warmup.py, with the capture
+    stand-in)."""
     from raincheck_hf.fast.static_cache import _POOLS
     from raincheck_hf.tiny import draw_test_image
 
@@ -1265,8 +1268,9 @@ def test_cuda_warm_up_leaves_no_capture_to_a_first_answer_on_its_deferred_rows_s
     cold_tokens = cold.sequences.clone()
     del cold
     _POOLS.clear()
-    raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=150, follow_up_tokens=1,
-                         image_sizes=[(192, 256)], cache_dir=False, progress=False)
+    summary = raincheck_hf.warm_up(model, processor, cfg, max_tokens=512, max_new_tokens=150, follow_up_tokens=1,
+                                   image_sizes=[(192, 256)], cache_dir=False, progress=False, first_turn=first_turn)
+    assert summary.capacities == ([512] if first_turn else [256, 512])
     warm = model.generate(**inputs, raincheck=cfg, **kw)
     assert warm.cache.capacity == 512 and warm.raincheck.captures == []
     assert torch.equal(warm.sequences, cold_tokens)
