@@ -377,8 +377,8 @@ def _prompt(processor, size):
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
 def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(family, cpu_graphs):  # noqa: F811
     """``warm_up(first_turn=True)`` captures only the first turn's storage (its steps at every slot bucket, its
-    prefills; not the other storage of the bounds): the first answer captures nothing. `IdleWarmUp` captures the rest on its
-    thread (skipping what is captured): paused before it is done, resumed, waited for; after it a whole conversation
+    prefills; not the other storage of the bounds): the first answer captures nothing. `IdleWarmUp` captures the rest on
+    its thread (skipping what is captured): paused before it is done, resumed, waited for; after it a whole conversation
     captures nothing, and the two calls together captured what one full `warm_up` does. ``stop`` set before a call
     captures nothing; set after two captures, two."""
     import threading

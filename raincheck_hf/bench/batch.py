@@ -191,10 +191,9 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
                            "profile": profile,
                            "image_size": list(image_size or MODELS[model_name].image_size),
                            "batch_chunk_rows": caps[0] if len(caps) == 1 else caps,
-                           "raincheck_config": ("RaincheckConfig() (defaults)" if caps == [DEFAULT_CHUNK_ROWS]
-                                                else " / ".join("RaincheckConfig() (defaults)" if c == DEFAULT_CHUNK_ROWS
-                                                                else f"RaincheckConfig(batch_chunk_rows={c!r})"
-                                                                for c in caps))},
+                           "raincheck_config": " / ".join(
+                               "RaincheckConfig() (defaults)" if c == DEFAULT_CHUNK_ROWS
+                               else f"RaincheckConfig(batch_chunk_rows={c!r})" for c in caps)},
               "rows": []}
     for batch in batches:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v

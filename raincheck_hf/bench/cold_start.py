@@ -2,16 +2,16 @@
 
 ``python -m raincheck_hf.bench cold-start --model qwen3_vl_8b --processes 3 --out cold_start.json``
 
-Runs ``--processes`` fresh Python processes one after the other. Each: imports, builds the model (random
-weights of the real shape, `bench.shapes`), enables the persistent caches (`persist.enable_persistent_caches`)
-on one cache folder, runs `raincheck_hf.warm_up` (unless ``--no-warm-up``), then answers the benchmark's image
-question once, and reports when its first token and its whole answer came, counted from the moment the parent
-launched it (interpreter start and imports included), with the captures the answer made (its trace's
-``captures``: none after a warm-up that covers it). ``--warm-up-scope first`` (the default, what the CLI's chat
-does) warms only what the first turn needs before it (``warm_up(..., first_turn=True)``) and, after the answer, the
-rest as idle time would (`IdleWarmUp.finish`, timed: ``rest``); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first
-ever: every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON
-with the hardware.
+Runs ``--processes`` fresh Python processes one after the other. Each: imports, builds the model (random weights of the
+real shape, `bench.shapes`), enables the persistent caches (`persist.enable_persistent_caches`) on one cache folder,
+runs `raincheck_hf.warm_up` (unless ``--no-warm-up``), then answers the benchmark's image question once, and reports
+when its first token and its whole answer came, counted from the moment the parent launched it (interpreter start and
+imports included), with the captures the answer made (its trace's ``captures``: none after a warm-up that covers it).
+``--warm-up-scope first`` (the default, what the CLI's chat does) warms only what the first turn needs before it
+(``warm_up(..., first_turn=True)``) and, after the answer, the rest as idle time would (`IdleWarmUp.finish`, timed:
+``rest``); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first ever:
+every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON with the
+hardware.
 """
 
 from __future__ import annotations

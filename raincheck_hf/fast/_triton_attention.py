@@ -1,19 +1,19 @@
 """Triton kernel of the few-query attention (see `raincheck_hf.fast.attention`, which imports this module on
 first launch, so that importing the package needs no Triton).
 
-One program owns one key/value head of one sequence, a block of its query rows (the query heads of the head's
-group stacked as rows, position-major: row ``m = l * GROUP + g`` is query head ``hk * GROUP + g`` at query position
-``l``) and one split of the key slots. It walks its split in ``BLOCK_N`` tiles with an online softmax in float32 (scores of
-half-precision inputs accumulated in float32; probabilities cast to the value dtype for the second product, as
-flash attention does) and writes its unnormalised output with its running maximum and sum; `combine` merges the
-splits. A score the boolean visibility hides is ``-inf``; the running maximum starts at a large finite negative,
-so a tile (or a split) in which a row sees nothing adds exactly nothing. With ``HAS_EXTENT`` each sequence's walk
-stops at its own extent (``EXTENT[b]``: no row of sequence ``b`` sees a slot at or past it), so a batch whose
-sequences hold fewer rows than the step's span reads only their own keys; the tiles it skips are ones in which no
-row sees anything, so the result is the same, bit for bit. With ``HAS_ROWS`` a sequence's query positions at or
-past ``ROWS_REAL[b]`` are padding (a batched step pads every sequence to its widest): a program whose block holds
-only such rows reads nothing and leaves them an empty sum (``L = 0``; the merge makes their output 0), so a
-one-token sequence beside 32-row chunks costs one block of rows, not all of them.
+One program owns one key/value head of one sequence, a block of its query rows (the query heads of the head's group
+stacked as rows, position-major: row ``m = l * GROUP + g`` is query head ``hk * GROUP + g`` at query position ``l``) and
+one split of the key slots. It walks its split in ``BLOCK_N`` tiles with an online softmax in float32 (scores of
+half-precision inputs accumulated in float32; probabilities cast to the value dtype for the second product, as flash
+attention does) and writes its unnormalised output with its running maximum and sum; `combine` merges the splits. A
+score the boolean visibility hides is ``-inf``; the running maximum starts at a large finite negative, so a tile (or a
+split) in which a row sees nothing adds exactly nothing. With ``HAS_EXTENT`` each sequence's walk stops at its own
+extent (``EXTENT[b]``: no row of sequence ``b`` sees a slot at or past it), so a batch whose sequences hold fewer rows
+than the step's span reads only their own keys; the tiles it skips are ones in which no row sees anything, so the result
+is the same, bit for bit. With ``HAS_ROWS`` a sequence's query positions at or past ``ROWS_REAL[b]`` are padding (a
+batched step pads every sequence to its widest): a program whose block holds only such rows reads nothing and leaves
+them an empty sum (``L = 0``; the merge makes their output 0), so a one-token sequence beside 32-row chunks costs one
+block of rows, not all of them.
 """
 
 import triton

@@ -71,16 +71,17 @@ decode step computes neither; the host's suffix lengths move after the step (`Pa
 step is not idempotent here (the states advance), so the capture copies the step's rows of the states before its
 warm-up and puts them back after it: the replay that follows runs the real step once.
 
-The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA,
-which reads each sequence's keys only up to its own rows, ``write[:, -1] + 1``, not the whole span the step's
-longest sequence sets, and computes no block of only padding rows: a one-token sequence beside 32-row chunks
-costs one block of its rows; `fast.context.StepScope`'s ``key_extent`` and ``query_rows``) and, with ``RaincheckConfig.compile_steps`` (by default wherever the steps are captured, i.e. on CUDA:
-`resolve_compile_steps`), the family's compiled forms (`ModelAdapter.compile_targets`, `fast.compiled`) as the
-single-sequence fast path's steps do: Qwen3-VL's decoder layers as two compiled regions around the cache write and
-the attention, the other families' norms and dense MLPs. Unlike there, the attention's core is not compiled
-(``compile_attention=False``): at a batch the kernel beats the compiled matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`),
-so engines of one model with either setting share its kept pool. Inductor compiles a region once per process for
-a single row, once for several rows and once for a batch (shapes are dynamic), inside the first captures.
+The batched steps run the few-query attention of `fast.attention` (on ``sdpa`` models, its Triton kernel on CUDA, which
+reads each sequence's keys only up to its own rows, ``write[:, -1] + 1``, not the whole span the step's longest sequence
+sets, and computes no block of only padding rows: a one-token sequence beside 32-row chunks costs one block of its rows;
+`fast.context.StepScope`'s ``key_extent`` and ``query_rows``) and, with ``RaincheckConfig.compile_steps`` (by default
+wherever the steps are captured, i.e. on CUDA: `resolve_compile_steps`), the family's compiled forms
+(`ModelAdapter.compile_targets`, `fast.compiled`) as the single-sequence fast path's steps do: Qwen3-VL's decoder layers
+as two compiled regions around the cache write and the attention, the other families' norms and dense MLPs. Unlike
+there, the attention's core is not compiled (``compile_attention=False``): at a batch the kernel beats the compiled
+matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`), so engines of one model with
+either setting share its kept pool. Inductor compiles a region once per process for a single row, once for several rows
+and once for a batch (shapes are dynamic), inside the first captures.
 
 Without CUDA (``graphs=True`` on a CPU model) the same step runs eagerly on the same static buffers (no capture:
 there is nothing to replay), which is what the CPU tests exercise.
@@ -449,7 +450,8 @@ class BatchedStepGraphs:
         text_model = adapter.text_model
         # each batch row's rows sit at ``write`` (its start + 0 .. W - 1) and see nothing past them: stored rows below,
         # empty slots (``MAX_KEY``) above; the attention reads each sequence's keys up to there only, and skips its
-        # padding rows (those after its real ones, `_placement`; their keys are ``MAX_KEY``) where a block holds no other
+        # padding rows (those after its real ones, `_placement`; their keys are ``MAX_KEY``) where a block holds only
+        # such rows
         extent = write[:, -1] + 1
         query_rows = (queries != MAX_KEY).sum(-1)
         pool.step = _DeviceStep(buffers, span, key.dense)
@@ -535,15 +537,15 @@ class BatchedStepGraphs:
         (its capacity: the span buckets), sequences in the lowest slots (`BatchEngine` keeps them there: the dense
         steps), smallest first: batch buckets up to ``batch_bucket(max_batch)``; widths 1 and, where the mode leaves
         deferred rows to restore beside tokens (chunks, or held conversations' restoring pieces), every `width_bucket`
-        size up to the largest chunk + 1 (a last chunk is shorter; a ``batch_chunk_rows`` cap cuts chunks to ladder sizes);
-        on the Gated DeltaNet families with and without recorded rows. A step beside sequences it does not carry (a
-        turn's prompt piece in its own forward: `batch_engine.RowScheduler`'s ``separate_prefill``; a held
+        size up to the largest chunk + 1 (a last chunk is shorter; a ``batch_chunk_rows`` cap cuts chunks to ladder
+        sizes); on the Gated DeltaNet families with and without recorded rows. A step beside sequences it does not carry
+        (a turn's prompt piece in its own forward: `batch_engine.RowScheduler`'s ``separate_prefill``; a held
         conversation restoring that the budget gave no rows) is one of these keys too: those sequences' slots hold
-        padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where
-        that bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would
-        not fit after its slot's rows, does a step gather its slots; its key is captured when it first runs. On every
-        family also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds
-        it, its slot gathered."""
+        padding rows after their own rows, in the batch bucket of the step's highest slot (`prepare`). Only where that
+        bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would not fit
+        after its slot's rows, does a step gather its slots; its key is captured when it first runs. On every family
+        also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds it, its slot
+        gathered."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))

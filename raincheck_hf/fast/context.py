@@ -7,7 +7,7 @@ This module is below all of them, so none of them imports another to ask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..patching import ThreadScoped
 
@@ -26,10 +26,10 @@ class StepScope:
     # a batched step's per-sequence key extents (``[B]`` on the device: no row of batch row ``b`` sees a slot at or
     # past ``key_extent[b]``), so the few-query kernel reads each sequence's keys only up to its own rows; None: the
     # whole span
-    key_extent: object = None
+    key_extent: object = field(default=None, compare=False)
     # its per-sequence real query rows (``[B]``: positions from ``query_rows[b]`` on are padding, whose attention
     # output nobody reads), so the kernel skips blocks of padding rows; None: every row
-    query_rows: object = None
+    query_rows: object = field(default=None, compare=False)
 
 
 STEP = ThreadScoped("raincheck_fast_step")
