@@ -70,7 +70,8 @@ from .kv_pool import DEFAULT_SLOTS, SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
-__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "StepRecord", "StepRows", "batched_sample"]
+__all__ = ["BatchEngine", "ForwardRunner", "RowScheduler", "StepRecord", "StepRows", "WideForward", "batched_sample",
+           "width_split"]
 
 Entry = tuple[SequenceState, RowGroup]  # one sequence's rows in one forward
 
@@ -127,8 +128,9 @@ class StepRecord(NamedTuple):
     """What `BatchEngine.step` ran last (``BatchEngine.last_step``), for diagnosing a loop's time: decided with the
     step, from host data only (nothing read from the device for it).
 
-    ``forwards``: how each of its forwards ran (one; two in ``serial`` mode when chunks ride, and with captured
-    decode steps when prompt pieces ride beside decode rows: `RowScheduler`'s ``separate_prefill``): ``"replayed"``
+    ``forwards``: how each of its forwards ran (one; two in ``serial`` mode when chunks ride, or when the decode
+    forward is split by width (`RowScheduler.by_width`), and with captured decode steps when prompt pieces ride beside
+    decode rows: `RowScheduler`'s ``separate_prefill``): ``"replayed"``
     through the captured decode steps (`fast.batched_graphs.BatchedStepGraphs`; on a CPU model, their
     static-buffer step run eagerly), ``"captured"`` the same but that launch captured its key's graph first (the
     capture's warm-up runs included), ``"eager"`` the packed eager forward (`ForwardRunner`: prompt pieces, or an
@@ -149,6 +151,57 @@ def check_prompt_forwards(value, setting: str) -> None:
     if not is_limit(value):
         raise ValueError(f"{setting} must be None (as many as the token budget gives) or an int >= 1 (prompt-piece "
                          f"forwards per step), got {value!r}.")
+
+
+SPLIT_ROWS = 256  # rows a forward runs in about the time of its one pass over the weights (`width_split`)
+
+
+class WideForward(list):
+    """The wide half of a step split by width (`width_split`): a forward of its own, after the narrow half's, whose
+    captured step gathers its slots (`fast.batched_graphs.BatchedStepGraphs.prepare`'s ``gather``)."""
+
+
+def width_split(widths: list[int], split_rows: int | None) -> bool:
+    """Whether a forward whose entries have ``widths`` rows each runs as two: its one-row entries (decode tokens
+    without a chunk) in one forward, the wider ones (a token with its chunk, a restoring piece, a riding prompt) in
+    another. A batched forward is rectangular, every entry padded to the widest, so while a few sequences carry
+    chunks every other one pays their width; two forwards pay a second pass over the weights instead. A pure rule,
+    by a roofline model of a forward's cost: ``max(1, rows / split_rows)`` passes' worth (a forward of up to
+    ``split_rows`` rows costs about its one read of the weights; beyond, its arithmetic grows with its rows); split
+    when the one forward's ``len(widths) x widest`` rows cost more than the narrow forward's and the wide one's
+    together. None: never split. (The bf16 ridge of an H100 or H200, peak arithmetic over memory bandwidth, is 200
+    to 300 rows for a dense model's matrix products: arithmetic from the published figures, not a measurement.)"""
+    if split_rows is None:
+        return False
+    wide = [w for w in widths if w > 1]
+    narrow = len(widths) - len(wide)
+    if not wide or not narrow:
+        return False
+    widest = max(wide)
+
+    def passes(rows: int) -> float:
+        return max(1.0, rows / split_rows)
+
+    return passes(len(widths) * widest) > passes(narrow) + passes(len(wide) * widest)
+
+
+def split_batches(max_batch: int, width: int, split_rows: int | None = SPLIT_ROWS) -> list[int]:
+    """The batch buckets (`fast.batched_graphs.batch_bucket`) the wide half of a step split by width can take in steps
+    of up to ``max_batch`` sequences whose widest entry has ``width`` rows (`width_split`; a narrower widest entry
+    splits less often): what `raincheck_hf.warm_up` captures those halves at."""
+    out = set()
+    for n in range(2, max_batch + 1):
+        for wide in range(1, n):
+            if width_split([1] * (n - wide) + [width] * wide, split_rows):
+                out.add(batched_graphs.batch_bucket(wide))
+    return sorted(out)
+
+
+def check_split_rows(value, setting: str) -> None:
+    """``split_rows``: None, or an int >= 1 (see `width_split`)."""
+    if not is_limit(value):
+        raise ValueError(f"{setting} must be None (never split a step by width) or an int >= 1 (rows a forward runs "
+                         f"in about the time of its pass over the weights; default {SPLIT_ROWS}), got {value!r}.")
 
 
 def check_ride_rows(value, setting: str) -> None:
@@ -178,6 +231,9 @@ class RowScheduler:
         piece_forwards: with ``separate_prefill``, each prompt piece that does not ride gets a forward of its own
             (the captured steps run a piece alone in a prefill step: `BatchedStepGraphs.accepts`), instead of one for
             them all.
+        split_rows: the step's decode forward (decode rows, restoring pieces, riding prompts) runs as two forwards by
+            width when `width_split` says it costs less (its one-row entries, then the wider ones: a `WideForward`),
+            with this many rows to a pass over the weights; None: never. An attribute: it may change between steps.
         max_prompt_forwards: with ``piece_forwards``, at most this many such forwards in a step (each is a pass over
             the weights; a step's tokens come only once all its forwards ran): the prompts beyond them wait for the
             next step, whose decode rows run first, instead of every answer waiting for all of them. None: as many as
@@ -186,11 +242,14 @@ class RowScheduler:
     """
 
     def __init__(self, config: RaincheckConfig, token_budget: int | None = None, separate_prefill: bool = False,
-                 ride=None, piece_forwards: bool = False, max_prompt_forwards: int | None = None):
+                 ride=None, piece_forwards: bool = False, max_prompt_forwards: int | None = None,
+                 split_rows: int | None = SPLIT_ROWS):
         if not is_limit(token_budget):
             raise ValueError(f"BatchEngine token_budget must be None (no limit) or an int >= 1 (rows per step), "
                              f"got {token_budget!r}.")
         check_prompt_forwards(max_prompt_forwards, "BatchEngine(max_prompt_forwards=...)")
+        check_split_rows(split_rows, "BatchEngine(split_rows=...)")
+        self.split_rows = split_rows
         self.max_prompt_forwards = max_prompt_forwards
         self.config = config
         self.token_budget = token_budget
@@ -253,11 +312,19 @@ class RowScheduler:
         decoding = [(seq, groups[-1]) for seq, groups in decode] + riding
         if self.separate_prefill and prefill and (decoding or restoring or self.piece_forwards):
             pieces = [[piece] for piece in prefill] if self.piece_forwards else [prefill]
-            return forwards + ([decoding + restoring] if decoding or restoring else []) + pieces
+            return forwards + (self.by_width(decoding + restoring) if decoding or restoring else []) + pieces
         main = decoding + prefill + restoring
         if main:
-            forwards.append(main)
+            forwards += self.by_width(main)
         return forwards
+
+    def by_width(self, entries: list[Entry]) -> list[list[Entry]]:
+        """``entries`` as one forward, or split by width (`width_split`): their one-row entries, then a `WideForward`
+        of the others, each in the order of ``entries``. Each sequence's rows are the same either way, and every
+        sequence sees only its own slot, so nothing any sequence computes changes."""
+        if not width_split([len(g) for _, g in entries], self.split_rows):
+            return [entries]
+        return [[e for e in entries if len(e[1]) == 1], WideForward(e for e in entries if len(e[1]) > 1)]
 
     def restoring_pieces(self, adapter, sequences: list[SequenceState], left: int | None) -> list[Entry]:
         """The restoring sequences' pieces in the step's spare budget: ``left``, the rows the budget has after every
@@ -384,6 +451,11 @@ class BatchEngine:
         ride_max_rows: with ``graphs`` on the attention families, the most rows (batch bucket x width) a decode
             step may grow to by a short prompt riding in it (`BatchedStepGraphs.ride_rows`); a prompt that would make
             it wider runs in a forward of its own. None: `batched_graphs.RIDE_MAX_ROWS`. May be set between steps.
+        split_rows: a step's decode forward runs as two by width when `width_split` (with this many rows to a pass
+            over the weights) says that costs less: the sequences decoding a token alone in one, those carrying a
+            chunk (and restoring pieces, riding prompts) in a second, so that a few chunks do not pad every other
+            sequence to their width (with captured steps the second gathers its slots, at the width of the largest
+            chunk). Default `SPLIT_ROWS`; None: never. Answers are the same either way. May be set between steps.
         graphs: run the decode steps (decode rows, and restoring sequences' pieces beside them; on the attention
             families also short prompts riding with them, and each longer prompt's pieces in a step of their own)
             as captured CUDA graphs per (batch bucket, width, span bucket) (`fast.batched_graphs`; on a CPU model
@@ -397,8 +469,10 @@ class BatchEngine:
 
     def __init__(self, model, config: RaincheckConfig | None = None, *, token_budget: int | None = None,
                  num_slots: int = DEFAULT_SLOTS, capacity: int = 256, graphs: bool | None = None,
-                 max_prompt_forwards: int | None = None, ride_max_rows: int | None = None):
+                 max_prompt_forwards: int | None = None, ride_max_rows: int | None = None,
+                 split_rows: int | None = SPLIT_ROWS):
         check_ride_rows(ride_max_rows, "BatchEngine(ride_max_rows=...)")
+        check_split_rows(split_rows, "BatchEngine(split_rows=...)")
         self._ride_max_rows = ride_max_rows
         self.model = model
         self.config = config if config is not None else RaincheckConfig()
@@ -425,7 +499,8 @@ class BatchEngine:
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
         self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride,
-                                      piece_forwards=use_graphs, max_prompt_forwards=max_prompt_forwards)
+                                      piece_forwards=use_graphs, max_prompt_forwards=max_prompt_forwards,
+                                      split_rows=split_rows)
         self.sequences: list[SequenceState] = []  # in arrival order
         self._members: set[SequenceState] = set()
         self.carried: dict[SequenceState, int] = {}  # the sequences with rows in the last step, and their rows
@@ -521,6 +596,18 @@ class BatchEngine:
     def ride_max_rows(self, value: int | None) -> None:
         check_ride_rows(value, "BatchEngine.ride_max_rows")
         self._ride_max_rows = value
+
+    @property
+    def split_rows(self) -> int | None:
+        """Rows to a pass over the weights in the rule that splits a step's decode forward by width (see the class's
+        ``split_rows``; None: never split)."""
+        return self.scheduler.split_rows
+
+    @split_rows.setter
+    def split_rows(self, value: int | None) -> None:
+        check_split_rows(value, "BatchEngine.split_rows")
+        self.abandon()  # (a step prepared under the old rule is decided again)
+        self.scheduler.split_rows = value
 
     def remove(self, seq: SequenceState) -> DeferredDynamicCache | None:
         """``seq`` leaves (at any step): its state as the `DeferredDynamicCache` its own call would have returned
@@ -631,9 +718,15 @@ class BatchEngine:
             forwards = self.scheduler.schedule(self.adapter, self.sequences)
             rows = StepRows.of(forwards, fed)
             ready = [None] * len(forwards)
-            # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks')
-            if self.graphs is not None and len(forwards) == 1 and self.graphs.accepts(forwards[0], self.config):
-                ready[0] = self.graphs.prepare(forwards[0], self.config)
+            # (``serial`` mode's second forward is filled after its first ran: its rows start after the chunks'; a
+            # step split by width is two forwards over other sequences, both filled now: the narrow one's padding in
+            # the wide one's slots sits where the wide one writes after it)
+            split = len(forwards) == 2 and isinstance(forwards[1], WideForward)
+            if self.graphs is not None and (len(forwards) == 1 or split) and all(
+                    self.graphs.accepts(f, self.config) for f in forwards):
+                ready = [self.graphs.prepare(f, self.config, gather=isinstance(f, WideForward)) for f in forwards]
+                if split and ready[0].setting != ready[1].setting:  # (the wide one grew the pool: fill the first again)
+                    ready[0] = self.graphs.prepare(forwards[0], self.config)
         except BaseException:
             snapshot.restore()
             raise
@@ -668,7 +761,7 @@ class BatchEngine:
             if prepared is not None:
                 logits.update(self.graphs.launch(prepared))
             elif self.graphs is not None and self.graphs.accepts(entries, self.config):
-                logits.update(self.graphs.run(entries, self.config))
+                logits.update(self.graphs.run(entries, self.config, gather=isinstance(entries, WideForward)))
             else:
                 logits.update(self.runner.run(entries))
                 how.append("eager")
@@ -707,7 +800,7 @@ def batched_sample(model, input_ids, logits_processor, stopping_criteria, genera
                              model_kwargs.get("mm_encoder_outputs"), raincheck_captures)
     engine = BatchEngine(model, config, num_slots=len(states),
                          capacity=max(len(s.prefill) + s.num_pending for s in states)
-                         + generation_config.max_length - input_ids.shape[1] + 1)
+                         + generation_config.max_length - input_ids.shape[1] + 1, split_rows=SPLIT_ROWS)
     try:
         return _drive(engine, states, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
     finally:

@@ -626,20 +626,23 @@ def _warm_batched(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, b
     """`warm_up`'s ``batch``: the model's kept batched pool (`batched_graphs.acquire`) sized for ``batch`` sequences of
     ``max_tokens`` rows, its decode-step keys captured (`BatchedStepGraphs.warm`), and the pool given back for the
     model's next `BatchEngine`."""
+    from .batch_engine import SPLIT_ROWS, split_batches
     from .fast import batched_graphs
 
     if not batched_graphs.resolve_graphs(adapter, config, None):
         return  # (the eager batched engine: nothing to capture)
+    # (the wide halves of steps split by width, as the engines' default rule splits them)
+    split = split_batches(batch, batched_graphs.split_width(config), SPLIT_ROWS)
     graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, batch, max_tokens)
     bar = None
     try:
         if not _batched_captures(graphs):
             return
-        keys = graphs.warm_keys(config, batch)
+        keys = graphs.warm_keys(config, batch, split)
         summary.batched_already = sum(1 for key in keys if key in graphs._captured)
         bar = _bar(len(keys) - summary.batched_already, progress, "raincheck batched warm-up")
         started = time.perf_counter()
-        summary.batched = graphs.warm(config, batch, on_capture=lambda i, total: bar.update(1))
+        summary.batched = graphs.warm(config, batch, on_capture=lambda i, total: bar.update(1), split_batches=split)
         summary.batched_seconds = time.perf_counter() - started
     finally:
         if bar is not None:

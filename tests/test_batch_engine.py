@@ -195,10 +195,11 @@ def assert_some_chunks_cut(cfg: RaincheckConfig, requests: list[Request], what: 
     assert any(differ), f"{what}: the shared budget cut no chunk"
 
 
-def _run_fuzz_case(base: int, seed: int, draw, ahead: bool = False, graphs: bool | None = None):
+def _run_fuzz_case(base: int, seed: int, draw, ahead: bool = False, graphs: bool | None = None, **engine_kwargs):
     """Seed ``base + seed``'s case drawn by ``draw`` on the family the seed picks, driven through a fresh engine with
     few slots (``ahead``: each next step prepared before the host reads the tokens, as the drivers do; ``graphs``:
-    the engine's setting), each sequence checked against its own call; ``(family, config, requests, engine)``."""
+    the engine's setting; ``engine_kwargs``: more of its settings), each sequence checked against its own call;
+    ``(family, config, requests, engine)``."""
     rng = random.Random(base + seed)
     name = ALL_FAMILIES[seed % len(ALL_FAMILIES)]
     model, processor = family_model(name), family_processor(name)
@@ -207,7 +208,8 @@ def _run_fuzz_case(base: int, seed: int, draw, ahead: bool = False, graphs: bool
     if graphs:  # (the requests' own calls stay on the eager engine: ``cfg`` says fast_path=False)
         graphs = batched_graphs.batched_graph_blocker(get_adapter(model)) is None or None  # else: the eager engine
         engine_cfg = dataclasses.replace(cfg, fast_path=None)
-    engine = BatchEngine(model, engine_cfg, token_budget=budget, num_slots=1, capacity=16, graphs=graphs)
+    engine = BatchEngine(model, engine_cfg, token_budget=budget, num_slots=1, capacity=16, graphs=graphs,
+                         **engine_kwargs)
     drive(model, engine, requests, ahead)
     for i, r in enumerate(requests):
         r.check(f"{name} seed {seed} sequence {i}")
@@ -232,6 +234,46 @@ def test_fuzz_prepared_steps_match_alone(seed, graphs):
     call (tokens, logits, cache, trace), on the eager engine and on the captured steps' static buffers."""
     name, _, _, engine = _run_fuzz_case(2000, seed, draw_case, ahead=True, graphs=graphs)
     assert engine.sequences == [] and engine._ahead is None
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_steps_split_by_width_match_alone(seed, graphs, monkeypatch):
+    """The same random schedules with every decode forward that mixes one-row entries and wider ones split by width
+    (``split_rows=1``: `width_split` says yes wherever it can), steps prepared ahead: each sequence still equals its
+    own call (tokens, logits 1e-4, cache, trace), on the eager engine and on the captured steps' static buffers (the
+    wide half gathering its slots at the largest chunk's width); every mixed forward was split, no other."""
+    from raincheck_hf import batch_engine
+
+    splits = []  # per decode forward: (its entries' widths mixed one-row and wider ones, forwards made of it)
+    by_width = batch_engine.RowScheduler.by_width
+
+    def noted(self, entries):
+        out = by_width(self, entries)
+        splits.append((len({len(g) > 1 for _, g in entries}) == 2, len(out)))
+        return out
+
+    monkeypatch.setattr(batch_engine.RowScheduler, "by_width", noted)
+    _run_fuzz_case(2400, seed, draw_case, ahead=True, graphs=graphs, split_rows=1)
+    assert all(n == (2 if mixed else 1) for mixed, n in splits)
+
+
+def test_width_split_is_a_roofline_rule():
+    """`width_split`: split a forward's one-row entries from its wider ones when, at ``split_rows`` rows to a pass
+    over the weights, the padded forward costs more passes than the two; never without both kinds, or with None;
+    `split_batches`: the wide halves' batch buckets such steps can take."""
+    from raincheck_hf.batch_engine import split_batches, width_split
+
+    assert width_split([1] * 24 + [32] * 8, 256)  # 1,024 rows (4 passes) against 24 + 256 (1 + 1)
+    assert not width_split([1] * 6 + [32] * 2, 256)  # 256 rows: one pass either way
+    assert width_split([1] * 16 + [32] * 16, 256)  # 1,024 rows (4) against 16 + 512 (1 + 2)
+    assert width_split([1] * 8 + [32] * 24, 128) and not width_split([1] * 8 + [32] * 24, 256)
+    assert not width_split([32] * 8, 1) and not width_split([1] * 8, 1) and not width_split([1, 32], None)
+    assert width_split([1, 2], 1)
+    assert split_batches(16, 32) == [] and split_batches(32, 32) == [1, 2, 4, 8, 16, 32]
+    assert split_batches(4, 8, split_rows=1) == [1, 2, 4]  # (steps of 2 to 4 sequences: 1 to 3 wide ones)
+    with pytest.raises(ValueError, match=r"BatchEngine\(split_rows=...\) must be None"):
+        BatchEngine(family_model("qwen3_vl"), RaincheckConfig(), split_rows=0)
 
 
 def test_prepared_step_abandoned_leaves_every_sequence_as_it_was():

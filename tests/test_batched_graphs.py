@@ -312,8 +312,8 @@ def _padding_in_held_slots(monkeypatch) -> list:
     padded = []
     prepare = batched_graphs.BatchedStepGraphs.prepare
 
-    def noted(self, entries, config):
-        step = prepare(self, entries, config)
+    def noted(self, entries, config, gather=False):
+        step = prepare(self, entries, config, gather)
         padded.append([(slot, start) for slot, start in step.padding if start])
         return step
 

@@ -468,3 +468,42 @@ def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model
     prefills = {key.rows for key, prefill in plan[2048] if prefill}
     assert prefills == {-(-n // 64) * 64 for n in rows}
     assert sum(map(len, plan.values())) < sum(map(len, full.values())) / 3
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_batched_warm_up_covers_the_wide_halves_of_steps_split_by_width(name, replay_log, monkeypatch):  # noqa: F811
+    """With a rule that splits every mixed decode forward (``SPLIT_ROWS = 1``): ``warm_up(batch=3)`` also captures
+    the wide halves' keys (their slots gathered, at the largest chunk's width, at each batch bucket
+    `batch_engine.split_batches` gives), and a batched ``generate`` of an image row and two text rows afterwards
+    splits its steps (a one-row forward beside a gathered wide one), captures nothing of its own and answers as the
+    eager engine does."""
+    import dataclasses
+
+    import raincheck_hf.warmup as warmup
+    from raincheck_hf import batch_engine
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.models import get_adapter
+    from families import family_model, family_processor
+    from test_batched import BIG_IMAGE, TEXT, batched_inputs, run
+
+    monkeypatch.setattr(warmup, "_batched_captures", lambda graphs: True)
+    monkeypatch.setattr(batch_engine, "SPLIT_ROWS", 1)
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, decode_guard=1, fast_path=True)
+    raincheck_hf.warm_up(model, processor, cfg, max_tokens=256, max_new_tokens=16, batch=3, conversations=0,
+                         cache_dir=False, progress=False)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    width = batched_graphs.split_width(cfg)
+    wide = {k for k in kept.capture_log if not k.dense and not k.prefill and k.width == width}
+    assert {k.batch for k in wide} == set(batch_engine.split_batches(3, width, 1)) == {1, 2}
+    captured = len(kept.capture_log)
+    replay_log.clear()
+    rows = [BIG_IMAGE, TEXT, TEXT]
+    want = run(model, batched_inputs(processor, rows), dataclasses.replace(cfg, fast_path=False), 10)
+    got = run(model, batched_inputs(processor, rows), cfg, 10)
+    (kept,) = batched_graphs._POOLED[get_adapter(model).text_model]
+    assert len(kept.capture_log) == captured  # nothing captured during the answers
+    assert any(k in wide for k in replay_log)  # (the wide halves replayed)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert (a - b).abs().max().item() <= 1e-4

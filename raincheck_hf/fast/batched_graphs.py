@@ -133,6 +133,13 @@ def width_bucket(widest: int, config: RaincheckConfig) -> int:
     return fitting[0] if fitting else int(widest)
 
 
+def split_width(config: RaincheckConfig) -> int:
+    """The width of the wide half of a step split by width (`BatchedStepGraphs.prepare`'s ``gather``): the largest
+    chunk + 1 on the ladder, which holds any chunk, restoring piece (at most the idle chunk, the largest chunk) or
+    riding prompt (`BatchedStepGraphs.ride_width`) such a half carries."""
+    return width_bucket(config.max_chunk_size + 1, config)
+
+
 def prefill_width(rows: int) -> int:
     """The width of a step that runs a prompt piece of ``rows`` rows alone: the smallest of `PREFILL_WIDTHS` that holds
     it (``rows`` beyond them: such a piece runs eagerly)."""
@@ -532,7 +539,7 @@ class BatchedStepGraphs:
         return graph
 
     # ---- captures ahead of the first steps (`raincheck_hf.warm_up(batch=...)`) ----
-    def warm_keys(self, config: RaincheckConfig, max_batch: int) -> list[BatchStepKey]:
+    def warm_keys(self, config: RaincheckConfig, max_batch: int, split_batches=()) -> list[BatchStepKey]:
         """Every key a decode step of at most ``max_batch`` sequences of ``config`` can take on this pool as it is
         (its capacity: the span buckets), sequences in the lowest slots (`BatchEngine` keeps them there: the dense
         steps), smallest first: batch buckets up to ``batch_bucket(max_batch)``; widths 1 and, where the mode leaves
@@ -545,7 +552,8 @@ class BatchedStepGraphs:
         bucket is larger than the pool (and than the bucket of the step's sequences), or a padding row would not fit
         after its slot's rows, does a step gather its slots; its key is captured when it first runs. On every family
         also a prompt piece alone (`accepts`): batch 1, each of `PREFILL_WIDTHS` with every span that holds it, its slot
-        gathered."""
+        gathered. ``split_batches``: the batch buckets of the wide halves of steps split by width
+        (`batch_engine.split_batches`): each at `split_width`, every span, its slots gathered."""
         top = batch_bucket(max_batch)
         batches = [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * BATCH_BUCKETS[-1], top + 1,
                                                                       BATCH_BUCKETS[-1]))
@@ -570,6 +578,15 @@ class BatchedStepGraphs:
                         continue
                     for records, chunks in variants:
                         keys.append(BatchStepKey(batch, width, span, self.views, records, chunks, compiled))
+        # the wide half of a step split by width (`batch_engine.WideForward`): its slots gathered, the largest chunk's width
+        if config.defers or self.recurrent is None:
+            width = split_width(config)
+            for batch in split_batches:
+                for span in spans:
+                    if span < width:
+                        continue
+                    for records, chunks in ([(False, False)] if not gdn else [(False, True), (True, True)]):
+                        keys.append(BatchStepKey(batch, width, span, False, records, chunks, compiled))
         # a prompt piece alone: batch 1, its slot gathered, up to the pool's capacity; on the Gated DeltaNet families
         # in the modes that defer also with a continued conversation's leftover deferred rows in front (``chunks``)
         leftovers = [False, True] if gdn and config.defers else [False]
@@ -578,7 +595,7 @@ class BatchedStepGraphs:
                      for span in spans if span >= width for chunks in leftovers]
         return keys
 
-    def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None) -> int:
+    def warm(self, config: RaincheckConfig, max_batch: int, on_capture=None, split_batches=()) -> int:
         """Capture every key of `warm_keys` not captured yet, on padding-only buffers (every row a padding row of the
         free slots: nothing is stored, no state moves); returns how many were captured. The pool must have no
         sequence; it grows to ``batch_bucket(max_batch)`` slots first, at least the `DEFAULT_SLOTS` an engine asks
@@ -596,7 +613,7 @@ class BatchedStepGraphs:
         if setting != self._setting:
             self._captured.clear()
             self._mempool, self._setting = None, setting
-        todo = [key for key in self.warm_keys(config, max_batch) if key not in self._captured]
+        todo = [key for key in self.warm_keys(config, max_batch, split_batches) if key not in self._captured]
         with torch.no_grad():  # (called outside `generate` too: no autograd record kept with a step's outputs)
             return self._warm_keys(todo, on_capture)
 
@@ -637,16 +654,20 @@ class BatchedStepGraphs:
                 t.zero_()
 
     # ---- one step ----
-    def run(self, entries, config: RaincheckConfig) -> dict:
+    def run(self, entries, config: RaincheckConfig, gather: bool = False) -> dict:
         """Run the forward ``entries`` (`decode_only`: decode groups and restoring pieces) of an engine with
         ``config``; the logits ``[V]`` of each sequence whose group wants them (a restoring piece's are ignored)."""
-        return self.launch(self.prepare(entries, config))
+        return self.launch(self.prepare(entries, config, gather))
 
-    def prepare(self, entries, config: RaincheckConfig) -> "PreparedBatchStep":
+    def prepare(self, entries, config: RaincheckConfig, gather: bool = False) -> "PreparedBatchStep":
         """The step of ``entries`` made ready to `launch`: its key chosen and its buffers filled (device copies
         enqueued behind whatever runs; nothing read back), the pool grown for it; its rows are not stored yet (the
         slots' lengths move at `launch`). The engine prepares step ``i + 1`` before it waits for step ``i``'s tokens,
-        so this host work overlaps the device's; it launches it only if no sequence joined or left since."""
+        so this host work overlaps the device's; it launches it only if no sequence joined or left since.
+        ``gather``: the wide half of a step split by width (`batch_engine.WideForward`): it gathers its slots (a dense
+        step would pad every lower slot's sequence to its width, what the split avoids) at the width of the largest
+        chunk + 1 (the one width `warm_keys` captures such steps at: whatever its entries are, a chunk, a restoring
+        piece or a riding prompt, none is wider)."""
         pool, adapter = self.pool, self.adapter
         entries = sorted(entries, key=lambda e: e[0].slot)  # (batch rows rise with the slots)
         n = len(entries)
@@ -661,8 +682,10 @@ class BatchedStepGraphs:
                 raise ValueError("a prompt piece of the Gated DeltaNet families must be leftover deferred rows, then "
                                  "input rows (BatchedStepGraphs.accepts says False for any other).")
         key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
+        if gather and not alone:
+            width = max(width, split_width(config))
         slots = [seq.slot for seq, _ in entries]
-        dense_layout = None if alone else self._dense_layout(slots, key_batch, width)
+        dense_layout = None if alone or gather else self._dense_layout(slots, key_batch, width)
         dense = dense_layout is not None
         if dense:
             key_batch, padding = dense_layout
