@@ -3,13 +3,16 @@
 Each sequence is a `batched.SequenceState` (its own plan, pending deferred rows, 3-D positions, DeepStack rows,
 `ChunkScheduler` and trace) and owns a slot of a `kv_pool.SlotKVPool` (and, on the Gated DeltaNet families, a
 row of the per-slot recurrent states `batched_gdn.PackedGDNStates`). A step is one forward (two in ``serial``
-mode) over the rows of every sequence that has work:
+mode, or split by width, below) over the rows of every sequence that has work:
 
 - each running sequence that was fed a token (`feed`) contributes its decode row with its deferred chunk when
   its scheduler gives it one (``[chunk, token]`` fused; ``serial``: the chunks in a forward of their own first);
   with a `RaincheckConfig.batch_chunk_rows` cap (None by default: no cap), when several carry one, each chunk is
-  cut to the step's share of it
-  (`RowScheduler.chunk_cap`, `generation.shared_chunk_cap`: ladder sizes, a lone sequence never cut);
+  cut to the step's share of it (`RowScheduler.chunk_cap`, `generation.shared_chunk_cap`: ladder sizes, a lone
+  sequence never cut). A forward is rectangular (every sequence padded to the widest), so when a few sequences
+  carry chunks among many that decode a token alone, it runs as two by width (`width_split`,
+  `RowScheduler.by_width`: the one-row entries, then a `WideForward` of the others), which changes no sequence's
+  rows;
 - sequences still prefilling contribute the next piece of their prompt (for a continued conversation: its
   leftover deferred rows, then the new turn's T ∪ S), under a per-step token budget (``token_budget`` rows per
   step, decode rows first, the rest to the waiting prompts in arrival order: vLLM's chunked prefill). A long
@@ -606,8 +609,7 @@ class BatchEngine:
     @split_rows.setter
     def split_rows(self, value: int | None) -> None:
         check_split_rows(value, "BatchEngine.split_rows")
-        self.abandon()  # (a step prepared under the old rule is decided again)
-        self.scheduler.split_rows = value
+        self.scheduler.split_rows = value  # (a step prepared under the old rule stays: answers are the same)
 
     def remove(self, seq: SequenceState) -> DeferredDynamicCache | None:
         """``seq`` leaves (at any step): its state as the `DeferredDynamicCache` its own call would have returned

@@ -67,7 +67,7 @@ from transformers.generation.logits_process import (MinLengthLogitsProcessor, Mi
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
 
-from .batch_engine import BatchEngine, check_prompt_forwards, check_ride_rows
+from .batch_engine import SPLIT_ROWS, BatchEngine, check_prompt_forwards, check_ride_rows, check_split_rows
 from .cache_utils import to_device, to_device_all
 from .batched import RestoringState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
@@ -392,6 +392,8 @@ class BatchLoop:
             turn asked while answers run gets its first token sooner and the running answers' steps wait that long.
         ride_max_rows: on captured steps (attention families), the most rows (batch bucket x width) a decode step
             may grow to by a short prompt riding in it (the `ride_max_rows` attribute); None: the engine's default.
+        split_rows: the engines' rule for splitting a decode forward by width (`batch_engine.width_split`; the
+            `split_rows` attribute): rows to a pass over the weights, default `batch_engine.SPLIT_ROWS`; None: never.
         max_preparing: the most turns prepared at once on the threads that ask (`prepare_ahead`: HF's preparation, a
             first turn's vision tower, selection and plan; the `max_preparing` attribute; default 1); the others wait
             their turn in the order they asked, so the first asked joins first and the turns join one by one. None:
@@ -426,12 +428,15 @@ class BatchLoop:
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
-                 prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None):
+                 prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None,
+                 split_rows: int | None = SPLIT_ROWS):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
         check_ride_rows(ride_max_rows, "BatchLoop(ride_max_rows=...)")
         self._ride_max_rows = ride_max_rows
+        check_split_rows(split_rows, "BatchLoop(split_rows=...)")
+        self._split_rows = split_rows
         self._preparing = ArrivalGate(max_preparing, "BatchLoop(max_preparing=...)")
         if not isinstance(prepare_stream, bool):
             raise ValueError(f"BatchLoop(prepare_stream={prepare_stream!r}) must be True or False.")
@@ -751,7 +756,8 @@ class BatchLoop:
         # its captures mid-answer; an engine of theirs made again later takes it back the same way
         self._close_engines(keep=lambda e: bool(e.sequences))
         engine = BatchEngine(self.model, config, token_budget=self.token_budget,
-                             max_prompt_forwards=self._max_prompt_forwards, ride_max_rows=self._ride_max_rows)
+                             max_prompt_forwards=self._max_prompt_forwards, ride_max_rows=self._ride_max_rows,
+                             split_rows=self._split_rows)
         self._engines.append(engine)
         return engine
 
@@ -790,6 +796,19 @@ class BatchLoop:
         self._ride_max_rows = value
         for engine in list(self._engines):
             engine.ride_max_rows = value
+
+    @property
+    def split_rows(self) -> int | None:
+        """The engines' rows to a pass over the weights when they split a decode forward by width
+        (`batch_engine.width_split`; None: never). May be set between steps (every engine of the loop follows)."""
+        return self._split_rows
+
+    @split_rows.setter
+    def split_rows(self, value: int | None) -> None:
+        check_split_rows(value, "BatchLoop.split_rows")
+        self._split_rows = value
+        for engine in list(self._engines):
+            engine.split_rows = value
 
     @property
     def max_prompt_forwards(self) -> int | None:

@@ -646,10 +646,10 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     assert serve_load._stream_values("off", False) == (False,)
     loop = types.SimpleNamespace()
     interval = sys.getswitchinterval()
-    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None))
+    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None, 256))
     assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
-    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None))
-    assert (loop.prepare_stream, loop.prepare_priority) == (False, "normal")
+    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None, None))
+    assert (loop.prepare_stream, loop.prepare_priority, loop.split_rows) == (False, "normal", None)
 
 
 def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
@@ -700,6 +700,32 @@ def test_serve_load_compares_chunk_caps_side_by_side(tmp_path, monkeypatch):
                         ((8,), {})):
         with pytest.raises(ValueError, match="chunk_rows"):
             serve_load.run(clients=(1,), chunk_rows=bad, **kwargs)
+
+
+def test_serve_load_compares_width_splits_side_by_side(tmp_path, monkeypatch):
+    """``--split-rows default,never``: each client count's round with the loop's ``split_rows`` at the engine's
+    default and at None (no step split by width), rows named by it and recording it, the loop's engines following
+    it; bad values refused before compute."""
+    from raincheck_hf.batch_engine import SPLIT_ROWS, BatchEngine
+    from raincheck_hf.bench import serve_load
+
+    seen, step = [], BatchEngine.step
+    monkeypatch.setattr(BatchEngine, "step", lambda self: seen.append(self.split_rows) or step(self))
+    path = tmp_path / "load.json"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lambda *a: None,
+                   batching=True, split_rows=("default", None))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["split_rows"] == [SPLIT_ROWS, None]
+    assert [(r["series"], r["split_rows"]) for r in saved["rows"]] == [
+        (f"raincheck, split at {SPLIT_ROWS}", SPLIT_ROWS), ("raincheck, split at never", None)]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 2 * (4 + 3 + 3) for r in saved["rows"])
+    assert None in seen and SPLIT_ROWS in seen and seen.index(None) > seen.index(SPLIT_ROWS)
+    assert serve_load._splits("default,never,64") == ("default", None, 64)
+    for bad, kwargs in (((0,), dict(batching=True)), (("default", "default"), dict(batching=True)),
+                        ((), dict(batching=True)), ((None,), {})):
+        with pytest.raises(ValueError, match="split_rows"):
+            serve_load.run(clients=(1,), split_rows=bad, **kwargs)
 
 
 def test_serve_load_repeats_rounds_in_alternating_order_and_reports_their_medians(tmp_path, monkeypatch):

@@ -330,7 +330,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         switch_interval=None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
-        chunk_rows=(None,)) -> dict:
+        chunk_rows=(None,), split_rows=("default",)) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -345,7 +345,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ``prepare_stream`` left None: the server's defaults with batching, 1 and "on"); ``ride_rows``: the loop's
     ``ride_max_rows`` (a tuple, None its default); ``chunk_rows``: with batching, the server config's
     `RaincheckConfig.batch_chunk_rows` (a tuple: None, the default, no cap; an int, a cap shared by the answers
-    carrying chunks), set between rounds;
+    carrying chunks), set between rounds; ``split_rows``: with batching, the loop's ``split_rows`` (a tuple:
+    ``"default"``, `batch_engine.SPLIT_ROWS`; None, never split a step by width; an int);
     every combination gets its rounds, a client count's side by side. ``rounds``: each client count's variants that many
     times, in turn and in reverse order every other time (A B, B A, ...: a round's place in the order, its caches'
     warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
@@ -395,10 +396,19 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     preparing = _loop_values(preparing, "preparing", ArrivalGate._check, batching)
     ride_rows = _loop_values(ride_rows, "ride_rows", check_ride_rows, batching)
     chunk_rows = _loop_values(chunk_rows, "chunk_rows", _check_chunk_rows, batching)
+    from ..batch_engine import SPLIT_ROWS, check_split_rows
+
+    split_rows = tuple(SPLIT_ROWS if v == "default" else v for v in split_rows)
+    for value in split_rows:
+        check_split_rows(value, "split_rows")
+    if not split_rows or len(set(split_rows)) < len(split_rows) or (not batching and split_rows != (SPLIT_ROWS,)):
+        raise ValueError(f"split_rows must be one or more distinct of 'default' / None / an int >= 1 (with batching), "
+                         f"got {split_rows!r}" + ("" if batching else " without batching"))
     streams = _stream_values(prepare_stream, batching)
-    variants = [(a, f, p, st, r, sw, cr) for a in aheads for f in prompt_forwards for p in preparing
+    variants = [(a, f, p, st, r, sw, cr, sr) for a in aheads for f in prompt_forwards for p in preparing
                 for st in streams for r in ride_rows
-                for sw in (sys.getswitchinterval() if v is None else v for v in intervals) for cr in chunk_rows]
+                for sw in (sys.getswitchinterval() if v is None else v for v in intervals) for cr in chunk_rows
+                for sr in split_rows]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     if (trace_round or trace_path) and not batching:
@@ -436,7 +446,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
-                             batch_chunk_rows=list(chunk_rows),
+                             batch_chunk_rows=list(chunk_rows), split_rows=list(split_rows),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -493,7 +503,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side, every other round in reverse order)
-                for n, r, (ahead, forwards, prepare, side, ride, interval, cap) in (
+                for n, r, (ahead, forwards, prepare, side, ride, interval, cap, split) in (
                         (n, r, v) for n in clients for r in range(rounds)
                         for v in (variants if r % 2 == 0 else variants[::-1])):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
@@ -502,10 +512,11 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [_STREAM_NAMES[side]] if len(streams) > 1 else []) + (
                         [f"riding up to {ride or 'default'} rows"] if len(ride_rows) > 1 else []) + (
                         [f"switch interval {1e3 * interval:g} ms"] if len(intervals) > 1 else []) + (
-                        [f"chunk cap {cap or 'none'}"] if len(chunk_rows) > 1 else [])
+                        [f"chunk cap {cap or 'none'}"] if len(chunk_rows) > 1 else []) + (
+                        [f"split at {split or 'never'}"] if len(split_rows) > 1 else [])
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
-                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap), server)
+                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap, split), server)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
@@ -513,7 +524,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     if batching:
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
-                        row["ride_max_rows"], row["batch_chunk_rows"] = ride, cap
+                        row["ride_max_rows"], row["batch_chunk_rows"], row["split_rows"] = ride, cap, split
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -527,7 +538,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
                     if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride,
-                                                            interval, cap) == variants[0]:
+                                                            interval, cap, split) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -641,16 +652,17 @@ def _stream_values(value: str, batching: bool) -> tuple:
 
 def _apply_variant(loop, variant: tuple, server=None) -> None:
     """Set the settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards, max_preparing,
-    prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows)``, ``prepare_stream`` False, True or
-    "high" (`_stream_values`); the first five are ``loop``'s (None: no batching loop, only the interval), the last
-    the ``server``'s config's (its requests' configs are made from it)."""
-    ahead, forwards, preparing, stream, ride, interval, cap = variant
+    prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows, split_rows)``, ``prepare_stream``
+    False, True or "high" (`_stream_values`); the first five and the last are ``loop``'s (None: no batching loop,
+    only the interval), ``batch_chunk_rows`` the ``server``'s config's (its requests' configs are made from it)."""
+    ahead, forwards, preparing, stream, ride, interval, cap, split = variant
     sys.setswitchinterval(interval)
     if loop is None:
         return
     if server is not None:
         server.settings.config.batch_chunk_rows = cap
     loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.ride_max_rows = ahead, forwards, preparing, ride
+    loop.split_rows = split
     loop.prepare_stream = bool(stream)
     loop.prepare_priority = "high" if stream == "high" else "normal"
 
@@ -685,6 +697,15 @@ def _caps(text: str) -> tuple:
         return tuple(None if x.strip().lower() == "none" else int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"--chunk-rows takes 'none' or integers, comma-separated, got "
+                                         f"{text!r}") from None
+
+
+def _splits(text: str) -> tuple:
+    parts = [x.strip().lower() for x in text.split(",") if x.strip()]
+    try:
+        return tuple("default" if x == "default" else None if x == "never" else int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--split-rows takes 'default', 'never' or integers, comma-separated, got "
                                          f"{text!r}") from None
 
 
@@ -746,6 +767,10 @@ def main(argv=None):
                         help="with --batching: the loop's ride_max_rows (the most rows a captured decode step may grow "
                              "to by a short prompt riding in it), one value or several side by side (e.g. any,256; "
                              "'any': the default)")
+    parser.add_argument("--split-rows", type=_splits, default=("default",), metavar="R[,R...]",
+                        help="with --batching: the loop's split_rows (a decode step split by width when a roofline "
+                             "rule with R rows to a pass over the weights says so; 'default': the engine's, "
+                             "'never': no split), one value or several side by side (e.g. default,never)")
     parser.add_argument("--chunk-rows", type=_caps, default=(None,), metavar="N[,N...]",
                         help="with --batching: the server config's RaincheckConfig.batch_chunk_rows ('none', the "
                              "default: every answer carries its full chunk; N: a cap on a step's chunk rows, shared), "
@@ -780,7 +805,7 @@ def main(argv=None):
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
-                   chunk_rows=args.chunk_rows,
+                   chunk_rows=args.chunk_rows, split_rows=args.split_rows,
                    trace_round=args.trace_round, trace_path=args.trace_file,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
