@@ -50,6 +50,7 @@ import contextlib
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -483,8 +484,12 @@ class IdleWarmUp:
     def _call(self, stop, progress: bool) -> None:
         try:
             summary = warm_up(self.model, self.processor, self.config, stop=stop, progress=progress, **self.kwargs)
-        except BaseException as error:  # (a background call's error is kept, not lost in its thread)
+        except BaseException as error:  # (a background call's error is kept and said, not lost in its thread)
             self.error, self.done = error, True
+            if stop is not None:
+                warnings.warn(f"raincheck_hf: the idle-time warm-up failed ({type(error).__name__}: {error}); the "
+                              "graphs it did not capture are captured when an answer first needs them.",
+                              RuntimeWarning, stacklevel=1)
             return
         self.summaries.append(summary)
         self.done = not summary.stopped

@@ -437,6 +437,13 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
     assert all(out.raincheck.captures == [] for out in warm_outs) and idle_captures == 0
     with pytest.raises(ValueError, match="first_turn"):
         IdleWarmUp(model, processor, config, first_turn=True)
+    failing = IdleWarmUp(model, processor, config, max_tokens=0)  # (warm_up refuses it: on its thread)
+    with pytest.warns(RuntimeWarning, match="idle-time warm-up failed .*max_tokens"):
+        failing.resume()
+        failing.wait(timeout=60)
+    assert failing.done and isinstance(failing.error, ValueError)
+    with pytest.raises(ValueError, match="max_tokens"):
+        IdleWarmUp(model, processor, config, max_tokens=0).finish()
     with pytest.raises(ValueError, match="first_turn=True warms"):
         raincheck_hf.warm_up(model, processor, config, first_turn=True, batch=2)
     with pytest.raises(ValueError, match="stop must be"):
