@@ -174,18 +174,19 @@ def width_split(widths: list[int], split_rows: int | None) -> bool:
     when the one forward's ``len(widths) x widest`` rows cost more than the narrow forward's and the wide one's
     together. None: never split. (The bf16 ridge of an H100 or H200, peak arithmetic over memory bandwidth, is 200
     to 300 rows for a dense model's matrix products: arithmetic from the published figures, not a measurement.)"""
-    if split_rows is None:
-        return False
     wide = [w for w in widths if w > 1]
-    narrow = len(widths) - len(wide)
-    if not wide or not narrow:
+    return _splits(len(widths) - len(wide), len(wide), max(wide, default=1), split_rows)
+
+
+def _splits(narrow: int, wide: int, widest: int, split_rows: int | None) -> bool:
+    """`width_split` for ``narrow`` one-row entries and ``wide`` others, the widest ``widest`` rows."""
+    if split_rows is None or not narrow or not wide:
         return False
-    widest = max(wide)
 
     def passes(rows: int) -> float:
         return max(1.0, rows / split_rows)
 
-    return passes(len(widths) * widest) > passes(narrow) + passes(len(wide) * widest)
+    return passes((narrow + wide) * widest) > passes(narrow) + passes(wide * widest)
 
 
 def split_batches(max_batch: int, width: int, split_rows: int | None = SPLIT_ROWS) -> list[int]:
@@ -195,7 +196,7 @@ def split_batches(max_batch: int, width: int, split_rows: int | None = SPLIT_ROW
     out = set()
     for n in range(2, max_batch + 1):
         for wide in range(1, n):
-            if width_split([1] * (n - wide) + [width] * wide, split_rows):
+            if _splits(n - wide, wide, width, split_rows):
                 out.add(batched_graphs.batch_bucket(wide))
     return sorted(out)
 
