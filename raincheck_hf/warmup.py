@@ -183,9 +183,9 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     """Capacity -> ``[(StepKey, prefill)]``: the step shapes a conversation within the bounds can run on a storage
     of that capacity (see the module docstring). ``pad_prefill``: the family's prefills are padded and captured.
     ``first_turn``: None (every turn), or the prefilled row counts a first turn can have (a collection of ints):
-    only what such a turn with a prompt of ``prompt_tokens`` rows needs, i.e. the storage that prompt and its
-    answer take (`first_turn_capacity`) with its decode / chunk / idle-time steps at every slot bucket and the
-    prefills of those row counts on it."""
+    only what such a turn with a prompt of ``prompt_tokens`` rows needs and its conversation's later turns on the
+    same storage, i.e. the storage that prompt and its answer take (`first_turn_capacity`) with its decode / chunk /
+    idle-time steps at every slot bucket, the prefills of those row counts and the follow-ups' on it."""
     from .fast import graphs
     from .fast.static_cache import round_capacity, slot_bucket
 
@@ -242,9 +242,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
                 key = (StepKey(rows, True, variant, bucket), rows > 1)
                 if key not in out[capacity]:
                     out[capacity].append(key)
-    if first_turn is not None:
-        return out
-    # follow-ups of up to follow_up_tokens rows (a text question, the last answer's final token, leftover deferred
+    # follow-ups of up to follow_up_tokens rows (a first turn's plan too: its conversation holds that storage from
+    # then on, so a later warm-up cannot capture on it) (a text question, the last answer's final token, leftover deferred
     # rows in front), after at least one earlier row, at every bucket
     for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):
         kinds_seen = []
@@ -662,7 +661,7 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
     soonest is captured first, which matters when ``stop`` ends the call early."""
     from .fast.compiled import resolve_compile_steps
     from .fast.graphs import scratch_slots
-    from .fast.static_cache import StaticDeferredCache, keep_storage
+    from .fast.static_cache import StaticDeferredCache, keep_storage, kept_in_use
     from .fast.runner import StaticRunner
 
     scratch = max(scratch_slots(config.max_chunk_size), scratch_slots(config.idle_chunk_size))
@@ -681,9 +680,11 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
                 summary.stopped = True
                 break
             # the storages conversations of this size lease (`runner.open_runner`), kept in the pool; held
-            # together, so each of them is another storage
+            # together, so each of them is another storage. Kept ones a live conversation holds count among them
+            # (nothing can be captured on those now, and another beside them would serve no conversation)
+            held = kept_in_use(adapter.text_model, layers, capacity, scratch, adapter.device, recurrent)
             caches = [StaticDeferredCache(layers, capacity, scratch, adapter.device, pool_key=adapter.text_model,
-                                          recurrent=recurrent) for _ in range(conversations)]
+                                          recurrent=recurrent) for _ in range(max(0, conversations - held))]
             try:
                 for cache in caches:
                     graphs = StaticRunner(adapter, cache).step_graphs  # the storage's graphs, made on first use
@@ -697,6 +698,8 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
                                          prompt_tokens=prompt_tokens, follow_up_tokens=follow_up_tokens,
                                          pad_prefill=graphs.pad_prefill, first_turn=first_turn)
                         bar = _bar(sum(map(len, plan.values())) * conversations, progress, "raincheck warm-up")
+                    if capacity not in plan:  # (a first turn's plan, its storage held by a conversation now)
+                        break
                     keep_storage(adapter.text_model, cache.storage)
                     if capacity not in summary.capacities:
                         summary.capacities.append(capacity)

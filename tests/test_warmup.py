@@ -385,6 +385,7 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
 
     from raincheck_hf import IdleWarmUp
     from raincheck_hf.fast import graphs as fast_graphs
+    from raincheck_hf.models import get_adapter
     from raincheck_hf.fast.static_cache import round_capacity
 
     _, model, processor = family
@@ -424,6 +425,24 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
     assert two.stopped and len(two.captured) == 2
     _POOLS.clear()
 
+    # the rest in idle time while the first turn's conversation holds its storage: that storage counts as warmed (no
+    # second one of its size), and its follow-ups (in the first turn's plan) capture nothing
+    first = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=True, **bounds)
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    out = model.generate(**make_inputs(processor, **INPUT_CASES["two_images"]), raincheck=config,
+                         max_new_tokens=MAX_NEW[0], **kw)
+    held = out.cache.storage
+    rest = IdleWarmUp(model, processor, config, **bounds).finish(progress=False)
+    assert first.capacities[0] not in rest.capacities and len(rest.capacities) == len(full.capacities) - 1
+    sizes = [s.capacity for s in _POOLS[get_adapter(model).text_model]]
+    assert sorted(sizes) == sorted(full.capacities) and held.kept  # (one storage a size: the held one is the first's)
+    follow = model.generate(**follow_up(model, processor, out.sequences, text="And the colours of part 1?"),
+                            cache=out.cache, raincheck=config, max_new_tokens=MAX_NEW[1], **kw)
+    assert follow.cache.storage is held and follow.raincheck.captures == []
+    del out, follow, held
+    _POOLS.clear()
+
     # the chat's way: the first turn's warm-up, then the rest in idle time, paused and resumed
     first = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=True, **bounds)
     idle = IdleWarmUp(model, processor, config, **bounds)
@@ -453,8 +472,9 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
 def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model):
     """`step_keys(first_turn=...)`: for a first turn of a 1,344-token image and its question, the storage that prompt
     and its answer take (2,048 slots) with every decode / chunk / idle-time step at every slot bucket the full plan
-    has there, and the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows,
-    padded to 64): a subset of the full plan; ``full`` mode prefills every visual token."""
+    has there, the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to
+    64) and the follow-ups' (the conversation keeps that storage): a subset of the full plan; ``full`` mode
+    prefills every visual token."""
     from raincheck_hf.models import get_adapter
     from raincheck_hf.selection.base import keep_count
     from raincheck_hf.warmup import TEXT_ALLOWANCE, first_turn_capacity, first_turn_rows
@@ -473,7 +493,9 @@ def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model
     assert list(plan) == [2048] and set(plan[2048]) < set(full[2048])
     assert {k for k in plan[2048] if not k[1]} == {k for k in full[2048] if not k[1]}  # every step, every bucket
     prefills = {key.rows for key, prefill in plan[2048] if prefill}
-    assert prefills == {-(-n // 64) * 64 for n in rows}
+    assert prefills == {-(-n // 64) * 64 for n in rows} | {64}  # (and the follow-ups', 64 rows, at every bucket)
+    follow_ups = {k for k in full[2048] if k[1] and k[0].rows == 64}
+    assert follow_ups and follow_ups <= set(plan[2048])
     assert sum(map(len, plan.values())) < sum(map(len, full.values())) / 3
 
 

@@ -149,6 +149,16 @@ def keep_storage(pool_key, storage: SlotStorage) -> None:
             pool.append(storage)
 
 
+def kept_in_use(pool_key, num_layers: int, capacity: int, scratch: int, device,
+                recurrent: RecurrentLayout | None = None) -> int:
+    """How many storages of this size kept in ``pool_key``'s pool (`keep_storage`) a live cache holds now: a warm-up
+    counts them among the storages it was asked for (it cannot capture on them, and a new storage beside them would
+    only be one more)."""
+    with _POOL_LOCK:
+        return sum(1 for s in _POOLS.get(pool_key, ()) if s.kept and s.busy
+                   and s.matches(num_layers, capacity, scratch, device, recurrent))
+
+
 def release_storage(model) -> int:
     """Drop the slot storages (KV tensors and captured graphs) kept for ``model``; returns how many.
 
