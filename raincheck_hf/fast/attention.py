@@ -123,10 +123,11 @@ def _few_query_triton(query, key, value, attention_mask, scale: float, extent: t
     """`_few_query` as one Triton kernel over the key slots in splits (`fast._triton_attention`), then the splits'
     merge; ``[B, L, Hq, D]`` in the value dtype. ``extent`` (``[B]`` integers, on the device): sequence ``b``'s
     rows see no slot at or past ``extent[b]`` (the caller's promise), so its programs read its keys only up to
-    there (the same result, bit for bit: the slots skipped are ones its mask hides); None: every slot.
+    there (the same result in exact arithmetic: the slots skipped are ones its mask hides; on a GPU within the
+    rounding of its sums); None: every slot.
     ``query_rows`` (``[B]``): sequence ``b``'s query positions from ``query_rows[b]`` on are padding, whose output
-    nobody reads: row blocks of padding only are not computed (their output is 0; the other rows' is the same, bit
-    for bit); None: every row computed."""
+    nobody reads: row blocks of padding only are not computed (their output is 0; the other rows' is the same, as
+    above); None: every row computed."""
     from . import _triton_attention as kernels
 
     b, hq, rows, d = query.shape
