@@ -692,21 +692,23 @@ def _forwards(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"takes 'any' or integers, comma-separated, got {text!r}") from None
 
 
-def _caps(text: str) -> tuple:
-    try:
-        return tuple(None if x.strip().lower() == "none" else int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--chunk-rows takes 'none' or integers, comma-separated, got "
-                                         f"{text!r}") from None
+def _ints_or(words: dict, option: str):
+    """An argparse type: comma-separated integers, or the ``words`` (lowercase) for the values they stand for."""
+    names = " or ".join(f"'{w}'" for w in words)
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(words[x] if x in words else int(x)
+                         for x in (part.strip().lower() for part in text.split(",")) if x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} takes {names} or integers, comma-separated, got "
+                                             f"{text!r}") from None
+
+    return parse
 
 
-def _splits(text: str) -> tuple:
-    parts = [x.strip().lower() for x in text.split(",") if x.strip()]
-    try:
-        return tuple("default" if x == "default" else None if x == "never" else int(x) for x in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--split-rows takes 'default', 'never' or integers, comma-separated, got "
-                                         f"{text!r}") from None
+_caps = _ints_or({"none": None}, "--chunk-rows")
+_splits = _ints_or({"default": "default", "never": None}, "--split-rows")
 
 
 def _intervals(text: str) -> tuple:
