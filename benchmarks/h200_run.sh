@@ -33,6 +33,7 @@
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 #   bash benchmarks/h200_run.sh streams    # the GPU test of turns prepared on side streams, STREAMS_RUNS times
+#   bash benchmarks/h200_run.sh loop_host    # where the batching loop's host time per step goes at 8 / 32 turns
 #   bash benchmarks/h200_run.sh prepare_syncs  # where a first turn's preparation for the loop waits for the device
 #   bash benchmarks/h200_run.sh soak       # issue 30: the 64-client soak for SOAK_S (300) seconds, memory flat
 #   bash benchmarks/h200_run.sh cold_start # issue 31: a fresh process to its first answer, first ever and with the caches
@@ -98,6 +99,15 @@ soak)
     RAINCHECK_SOAK_S="${SOAK_S:-300}" timeout "$(( ${SOAK_S:-300} + 240 ))" python3 -m pytest tests/test_gpu.py -v -s \
         -p no:cacheprovider -rfEs --tb=short -k "serve_soak and ${SOAK_K:-batching}" > "$OUT/gpu_soak_${SOAK_K:-batching}_h200.log" 2>&1
     grep -E "soak \(|PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_soak_${SOAK_K:-batching}_h200.log" | cut -c1-600 | tail -8
+    ;;
+loop_host)
+    # where the batching loop's host time per step goes at N turns on the real shape (benchmarks/loop_host_profile.py):
+    # each part's wall and thread CPU time, the loop thread's synchronizing calls per step, a cProfile of one round
+    timeout "${LOOP_S:-300}" python3 benchmarks/loop_host_profile.py --model "${LOAD_MODEL:-qwen3_vl_8b}" \
+        --turns "${TURNS:-8,32}" --variant "${VARIANT:-server}" --mode "${MODES:-raincheck,full}" --tokens "${TOKENS:-48}" \
+        --reps 2 --syncs --cprofile "${CPROFILE:-45}" \
+        --json "$OUT/loop_host_profile_${LOAD_MODEL:-qwen3_vl_8b}_h200.json" > "$OUT/loop_host_profile_${LOAD_MODEL:-qwen3_vl_8b}_h200.log" 2>&1
+    grep -E "N=|thread CPU|loop thread|^ +[0-9]+  " "$OUT/loop_host_profile_${LOAD_MODEL:-qwen3_vl_8b}_h200.log" | head -80
     ;;
 prepare_syncs)
     # where a first turn's preparation for the batching loop waits for the device (benchmarks/prepare_syncs.py)

@@ -3,6 +3,14 @@ step's one read of the tokens: a CPU diagnosis tool for the loop's per-step cost
 
     python benchmarks/loop_host_profile.py --turns 1,8,32 --tokens 32 --json out.json
     python benchmarks/loop_host_profile.py --turns 32 --variant server --cprofile 30   # + the top functions
+    python benchmarks/loop_host_profile.py --model qwen3_vl_8b --turns 8,32 --variant server --syncs --cprofile 40
+
+On a GPU (``--model`` a real shape, random bf16 weights, its 1,344-token image; or a tiny one) the loop's steps are
+the captured ones a user gets, and the parts below say where the host's time per step goes while the device runs the
+step before: ``--syncs`` counts, in one more round, the synchronizing CUDA calls the loop's own thread makes per step
+(torch's sync debug mode; the step's one intended wait is its read of the tokens in `BatchLoop._complete`) by the
+line that made them, and each part's thread CPU time is kept beside its wall time (a wait for the device spins: CPU
+time that is not Python).
 
 It runs N `Conversation`s on one `BatchLoop` over the tiny Qwen3-VL model (`raincheck_hf.tiny`, fp32, CPU, captured
 decode steps requested: ``fast_path=True``, whose static-buffer step runs eagerly on a CPU), each its own image
@@ -38,6 +46,7 @@ it, not what a GPU step costs. ``--generate`` adds batched ``generate`` at the s
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import functools
@@ -48,6 +57,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 
 import torch
 from transformers import LogitsProcessorList
@@ -55,11 +65,23 @@ from transformers import LogitsProcessorList
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig, batch_engine, batch_loop, integration  # noqa: E402
+from raincheck_hf.bench import shapes  # noqa: E402
 from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
-from raincheck_hf.tiny import build_tiny_processor, build_tiny_qwen3_vl, draw_test_image  # noqa: E402
+from raincheck_hf.tiny import build_tiny_processor, draw_test_image  # noqa: E402
 
 VARIANTS = ("plain", "server")
+
+
+def _size(text: str) -> tuple[int, int]:
+    """``--image-size``: ``WxH``, at least 32x32 pixels."""
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--image-size takes WxH (e.g. 1344x1024), got {text!r}") from None
+    if min(w, h) < 32:
+        raise argparse.ArgumentTypeError(f"--image-size must be at least 32x32 pixels, got {text!r}")
+    return w, h
 
 
 class LoopClock:
@@ -71,11 +93,12 @@ class LoopClock:
         self.profiler = None
 
     def start_step(self):
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self.iterations and "next" not in self.iterations[-1]:
-            self.iterations[-1]["next"] = now
+            self.iterations[-1]["next"], self.iterations[-1]["next_cpu"] = now, cpu
         if self.on:
-            self.iterations.append({"entry": now, "model": 0.0, "choose": 0.0})
+            self.iterations.append({"entry": now, "entry_cpu": cpu, "model": 0.0, "choose": 0.0, "choose_cpu": 0.0,
+                                    "prepare_cpu": 0.0})
 
     def current(self):
         return self.iterations[-1] if self.on and self.iterations and "next" not in self.iterations[-1] else None
@@ -96,7 +119,7 @@ def installed(clock: LoopClock, model):
             out = step(self)
             it = clock.current()
             if it is not None:
-                it["returned"] = time.perf_counter()
+                it["returned"], it["returned_cpu"] = time.perf_counter(), time.thread_time()
                 it["rows"] = len(out)
                 it["sequences"] = len(self.sequences)
             return out
@@ -104,26 +127,28 @@ def installed(clock: LoopClock, model):
 
     def prepare_wrapper(prepare):
         def wrapper(self):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             try:
                 return prepare(self)
             finally:
                 it = clock.current()
                 if it is not None:
                     it["prepare"] = it.get("prepare", 0.0) + time.perf_counter() - t
-                    it["prepared"] = time.perf_counter()
+                    it["prepare_cpu"] += time.thread_time() - cpu
+                    it["prepared"], it["prepared_cpu"] = time.perf_counter(), time.thread_time()
         return wrapper
 
     def timed(part):
         def wrapper_of(fn):
             def wrapper(*args, **kwargs):
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
                 try:
                     return fn(*args, **kwargs)
                 finally:
                     it = clock.current()
                     if it is not None:
                         it[part] = it.get(part, 0.0) + time.perf_counter() - t
+                        it[f"{part}_cpu"] = it.get(f"{part}_cpu", 0.0) + time.thread_time() - cpu
             return wrapper
         return wrapper_of
 
@@ -217,23 +242,59 @@ def summarize(iterations: list[dict], turns: int) -> dict:
                "before_read": it["prepared"] - it["returned"], "choose": it["choose"], "prepare": it["prepare"],
                "after_read": it["next"] - it["prepared"]}
         row["host"] = total - row["model"]
+        # the loop's thread's CPU time in each part (beside the wall times: a wait for the device spins)
+        row.update(total_cpu=it["next_cpu"] - it["entry_cpu"], step_cpu=it["returned_cpu"] - it["entry_cpu"],
+                   before_read_cpu=it["prepared_cpu"] - it["returned_cpu"], choose_cpu=it["choose_cpu"],
+                   prepare_cpu=it["prepare_cpu"], after_read_cpu=it["next_cpu"] - it["prepared_cpu"])
         rows.append(row)
     out = {"iterations": len(rows)}
     for k in ("total", "model", "host", "step", "before_read", "choose", "prepare", "after_read"):
         out[f"{k}_ms"] = 1e3 * statistics.median(r[k] for r in rows) if rows else 0.0
+    for k in ("total", "step", "before_read", "choose", "prepare", "after_read"):
+        out[f"{k}_cpu_ms"] = 1e3 * statistics.median(r[f"{k}_cpu"] for r in rows) if rows else 0.0
     hosts = sorted(r["host"] for r in rows)
     out["host_p20_ms"] = 1e3 * hosts[len(hosts) // 5] if hosts else 0.0
     out["host_per_turn_ms"] = out["host_ms"] / turns
     return out
 
 
+def loop_syncs(loop, run_round) -> dict:
+    """One ``run_round()`` under torch's sync debug mode (``warn``): the synchronizing CUDA calls made on the loop's
+    own thread, by the line that made them, and the steps it ran (the asking threads' calls are not counted)."""
+    if not torch.cuda.is_available():
+        return None  # (no CUDA: nothing synchronizes)
+    name = loop._thread.name if loop._thread is not None else "raincheck-batch-loop"
+    where: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" in str(message) and threading.current_thread().name == name:
+            with lock:
+                where[f"{os.path.relpath(filename)}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    steps = loop.steps
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_round()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    steps = loop.steps - steps
+    return {"steps": steps, "syncs": sum(where.values()), "per_step": sum(where.values()) / max(steps, 1),
+            "where": dict(where.most_common())}
+
+
 def profile_case(model, processor, turns: int, variant: str, tokens: int, reps: int, mode: str,
-                 cprofile: int = 0) -> dict:
+                 cprofile: int = 0, image_size: tuple[int, int] = (192, 160), syncs: bool = False) -> dict:
     config = RaincheckConfig(mode=mode, fast_path=True)
-    prompts = [("Describe the image.", draw_test_image(192, 160, seed=i)) for i in range(turns)]
+    prompts = [("Describe the image.", draw_test_image(*image_size, seed=i)) for i in range(turns)]
     eos = model.config.text_config.vocab_size - 1 if hasattr(model.config, "text_config") else 0
     clock = LoopClock()
-    top = None
+    top, synced = None, None
     with torch.no_grad(), installed(clock, model), BatchLoop(model, max_batch_tokens=None, config=config) as loop:
         def fresh():  # a new conversation per turn and round (each round a first turn)
             return [Conversation(model, processor, config, background=False, loop=loop) for _ in range(turns)]
@@ -263,8 +324,15 @@ def profile_case(model, processor, turns: int, variant: str, tokens: int, reps: 
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(cprofile)
             top = out.getvalue()
+        if syncs and torch.cuda.is_available():
+            convs = fresh()
+            synced = loop_syncs(loop, lambda: one_round(loop, convs, prompts, tokens, variant, eos))
+            close(convs)
     result = {"turns": turns, "variant": variant, "mode": mode, "tokens": tokens, "reps": reps,
-              "answer_tokens_min": min(answered), **summarize(clock.iterations, turns)}
+              "image_size": list(image_size), "answer_tokens_min": min(answered),
+              **summarize(clock.iterations, turns)}
+    if synced is not None:
+        result["loop_syncs"] = synced
     if top is not None:
         result["cprofile_top"] = top
     return result
@@ -272,9 +340,18 @@ def profile_case(model, processor, turns: int, variant: str, tokens: int, reps: 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny_qwen3_vl", choices=sorted(shapes.MODELS),
+                        help="a tiny model (CPU, or a GPU when there is one) or a real shape with random bf16 "
+                             "weights (a GPU)")
+    parser.add_argument("--image-size", type=_size, default=None, metavar="WxH",
+                        help="each turn's picture (default: 192x160 on a tiny model, the shape's 1,344-token "
+                             "picture on a real one)")
+    parser.add_argument("--syncs", action="store_true",
+                        help="one more round counting the loop thread's synchronizing CUDA calls per step (a GPU)")
     parser.add_argument("--turns", default="1,8,32", help="concurrent turns, comma-separated")
     parser.add_argument("--variant", default=",".join(VARIANTS), help="plain, server (comma-separated)")
-    parser.add_argument("--mode", default="raincheck", help="the RaincheckConfig mode (raincheck, full, ...)")
+    parser.add_argument("--mode", default="raincheck",
+                        help="RaincheckConfig modes (raincheck, full, ...), comma-separated")
     parser.add_argument("--tokens", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--reps", type=int, default=2, help="timed rounds per case")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: host timings less noisy)")
@@ -287,21 +364,37 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = integration.enable(build_tiny_qwen3_vl(seed=0).eval())
-    processor = build_tiny_processor()
+    spec = shapes.MODELS[args.model]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, model_info = shapes.build_model(args.model, device, dtype=None if device.type == "cuda" else torch.float32)
+    model = integration.enable(model.eval())
+    image_size = args.image_size or (tuple(spec.image_size) if spec.real_shape else (192, 160))
+    processor = (shapes.build_processor() if spec.real_shape
+                 else build_tiny_processor(max_pixels=max(image_size[0] * image_size[1], 192 * 160)))
     rows, generate_rows = [], []
     for variant in args.variant.split(","):
         if variant not in VARIANTS:
             raise ValueError(f"--variant must be among {VARIANTS}, got {variant!r}")
-        for turns in (int(n) for n in args.turns.split(",")):
-            row = profile_case(model, processor, turns, variant, args.tokens, args.reps, args.mode, args.cprofile)
+        for mode, turns in ((m, int(n)) for m in args.mode.split(",") for n in args.turns.split(",")):
+            row = profile_case(model, processor, turns, variant, args.tokens, args.reps, mode, args.cprofile,
+                               image_size, args.syncs)
             top = row.pop("cprofile_top", None)
             rows.append(row)
-            print(f"{variant:>7} N={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}, "
+            print(f"{variant:>7} {mode} N={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}, "
                   f"{row['host_per_turn_ms']:.3f} per turn) | before the read {row['before_read_ms']:.2f} "
                   f"(choose {row['choose_ms']:.2f}, prepare {row['prepare_ms']:.2f}) | after the read "
                   f"{row['after_read_ms']:.2f} | step {row['step_ms']:.2f} (model {row['model_ms']:.2f}) "
                   f"[{row['iterations']} steps]", flush=True)
+            print(f"{'':>7} thread CPU ms: before the read {row['before_read_cpu_ms']:.2f} (choose "
+                  f"{row['choose_cpu_ms']:.2f}, prepare {row['prepare_cpu_ms']:.2f}) | after the read "
+                  f"{row['after_read_cpu_ms']:.2f} | step {row['step_cpu_ms']:.2f} | iteration "
+                  f"{row['total_cpu_ms']:.2f}", flush=True)
+            if "loop_syncs" in row:
+                synced = row["loop_syncs"]
+                print(f"{'':>7} loop thread: {synced['syncs']} synchronizing calls in {synced['steps']} steps",
+                      flush=True)
+                for where, n in synced["where"].items():
+                    print(f"{'':>9}{n:6d}  {where}", flush=True)
             if top:
                 print(top, flush=True)
     if args.generate:
@@ -309,14 +402,16 @@ def main(argv=None):
         import host_step_profile
 
         for turns in (int(n) for n in args.turns.split(",")):
-            row = host_step_profile.profile_case(model, processor, turns, args.mode, args.tokens, args.reps)
+            row = host_step_profile.profile_case(model, processor, turns, args.mode.split(",")[0], args.tokens,
+                                                 args.reps)
             generate_rows.append(row)
             print(f"generate B={turns:<3} host {row['host_ms']:.2f} ms/step (p20 {row['host_p20_ms']:.2f}) "
                   f"(iteration {row['total_ms']:.2f}, model {row['model_ms']:.2f})", flush=True)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return write_script_result("loop_host_profile.py", argv, args.json, label=args.label, rows=rows,
-                               generate_rows=generate_rows,
-                               what="host ms per step of the batching loop with N turns (tiny Qwen3-VL, CPU; a "
-                                    "diagnosis, not a GPU figure)")
+                               generate_rows=generate_rows, model_info=model_info, device=str(device), gpu=gpu,
+                               what=f"host ms per step of the batching loop with N turns ({args.model} on "
+                                    f"{device.type}; a diagnosis of where the loop's host time goes)")
 
 
 if __name__ == "__main__":
