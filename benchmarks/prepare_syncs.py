@@ -15,6 +15,8 @@ The script builds ``--model`` (`raincheck_hf.bench.shapes`: random weights at th
 synchronizing CUDA calls of its preparation (torch's sync debug mode, ``warn``: one warning per call that waits for
 the device) by the Python line that made them, with the preparation's wall and CPU time. Its answer is one token
 (the loop's own steps stay out of the count: the preparation runs on the asking thread before the loop gets it).
+Each conversation then asks a text follow-up, and the last one's join on the loop's thread (`BatchLoop._join`: the
+held cache loaded into the engine's pool, the turn's rows encoded) is counted the same way (``follow_up_join``).
 The JSON carries the hardware.
 """
 
@@ -88,17 +90,33 @@ def run(model_name: str, image_size: tuple[int, int], turns: int, mode: str) -> 
         record.update(wall_ms=1e3 * (time.perf_counter() - started), cpu_ms=1e3 * (time.thread_time() - cpu),
                       syncs=sum(where.values()), where=dict(where.most_common()))
 
+    joined = {}
+    real_join = batch_loop.BatchLoop._join
+
+    def join_measured(self, job):
+        if job.conversation.cache is None:  # (a first turn's join: not counted)
+            return real_join(self, job)
+        started, cpu = time.perf_counter(), time.thread_time()
+        _, where = count_syncs(lambda: real_join(self, job))
+        joined.update(wall_ms=1e3 * (time.perf_counter() - started), cpu_ms=1e3 * (time.thread_time() - cpu),
+                      syncs=sum(where.values()), where=dict(where.most_common()))
+
     rows = []
     batch_loop.BatchLoop.prepare_ahead = measured
+    batch_loop.BatchLoop._join = join_measured
     try:
         with BatchLoop(model, config=config) as loop:
             for i in range(turns):
                 picture = draw_test_image(image_size[0], image_size[1], seed=i)
                 with Conversation(model, processor, config, background=False, loop=loop) as conv:
                     conv.ask("What is in this image?", images=[picture], max_new_tokens=1)
-                rows.append(dict(record, turn=i))
+                    row = dict(record, turn=i)
+                    conv.ask("And what colour is it?", max_new_tokens=1)
+                    row["follow_up_join"] = dict(joined)
+                rows.append(row)
     finally:
         batch_loop.BatchLoop.prepare_ahead = real
+        batch_loop.BatchLoop._join = real_join
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"model_info": info, "rows": rows, "device": str(device), "gpu": gpu}
 
@@ -115,9 +133,14 @@ def main(argv=None) -> int:
         parser.error(f"--turns must be at least 1, got {args.turns}")
     out = run(args.model, args.image_size, args.turns, args.mode)
     for row in out["rows"]:
+        fj = row["follow_up_join"]
         print(f"turn {row['turn']}: preparation {row['wall_ms']:.1f} ms (its thread's CPU {row['cpu_ms']:.1f} ms), "
-              f"{row['syncs']} synchronizing calls")
+              f"{row['syncs']} synchronizing calls; its follow-up's join {fj.get('wall_ms', 0):.1f} ms (CPU "
+              f"{fj.get('cpu_ms', 0):.1f} ms), {fj.get('syncs', 0)} synchronizing calls")
     for where, n in out["rows"][-1]["where"].items():
+        print(f"  {n:4d}  {where}")
+    print("the last follow-up's join:")
+    for where, n in out["rows"][-1]["follow_up_join"].get("where", {}).items():
         print(f"  {n:4d}  {where}")
     what = "synchronizing CUDA calls of a first turn's preparation for the loop (a diagnosis)"
     return 0 if write_script_result("prepare_syncs.py", argv, args.json, rows=out["rows"], model_info=out["model_info"],
