@@ -168,23 +168,51 @@ class BatchTurn:
     answer: list = field(default_factory=list)  # the answer's tokens so far (host ints), for them
 
 
-def row_key(processor):
+def _listed(tensor, reads: dict | None) -> list:
+    """``tensor``'s values as a flat host list: from ``reads`` (`_host_reads`, made on the thread that prepared the
+    turn) when it has them, else read here (from a device tensor: a wait for the device's queue)."""
+    if reads is not None and id(tensor) in reads:
+        return reads[id(tensor)]
+    return torch.as_tensor(tensor).reshape(-1).tolist()
+
+
+def _host_reads(prepared: dict) -> dict:
+    """Host copies, by ``id`` of the tensor, of what the loop's thread reads when a prepared turn joins (`row_key`,
+    `_shared_plan`: the suppressed tokens and EOS ids of its processors and criteria), and of its prompt's ids (for
+    its streamer) under ``"ids"``. Made by `BatchLoop.prepare_ahead` on the preparing thread, whose stream holds
+    only the turn's own work: read on the loop's thread, a device tensor would wait for the step running there
+    (`BatchLoop._join_in_flight`)."""
+    tensors = []
+    for processor in prepared.get("processors") or ():
+        kind = type(processor)
+        if kind is SuppressTokensLogitsProcessor:
+            tensors.append(processor.suppress_tokens)
+        elif kind in _EOS_FLOORS:
+            tensors.append(processor.eos_token_id)
+    for criterion in prepared.get("criteria") or ():
+        if type(criterion) is EosTokenCriteria:
+            tensors.append(criterion.eos_token_id)
+    reads = {id(t): t.reshape(-1).tolist() for t in tensors if isinstance(t, torch.Tensor)}
+    reads["ids"] = prepared["input_ids"].cpu()
+    return reads
+
+
+def row_key(processor, reads: dict | None = None):
     """A hashable key for a logits processor that acts on each row of ``scores`` alone and reads nothing of
     ``input_ids`` (processors with equal keys give every row what each gives it alone, so the loop runs one of them
     on the rows of all the turns that have them), or None. HF's `SuppressTokensLogitsProcessor` has one; any
     processor may declare one with a ``raincheck_row_key()`` method (the server's ``logit_bias``). HF's
     `MinLengthLogitsProcessor` and `MinNewTokensLengthLogitsProcessor` (``min_length``, ``min_new_tokens``: the
     server's ``min_tokens``) have one too: they read only the length of their own turn, which the loop knows on the
-    host (`_no_eos_yet`)."""
+    host (`_no_eos_yet`). ``reads``: host copies of the tensors it reads (`_host_reads`)."""
     own = getattr(processor, "raincheck_row_key", None)
     if own is not None:
         return own()
     kind = type(processor)
     if kind is SuppressTokensLogitsProcessor:
-        return ("suppress_tokens", tuple(sorted(set(processor.suppress_tokens.reshape(-1).tolist()))))
+        return ("suppress_tokens", tuple(sorted(set(_listed(processor.suppress_tokens, reads)))))
     if kind in _EOS_FLOORS:
-        eos = tuple(sorted(set(torch.as_tensor(processor.eos_token_id).reshape(-1).tolist())))
-        return (kind.__name__, eos)
+        return (kind.__name__, tuple(sorted(set(_listed(processor.eos_token_id, reads)))))
     return None
 
 
@@ -212,16 +240,16 @@ def _no_eos_yet(members: list, k: int, scores: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, -math.inf, scores)
 
 
-def _shared_plan(job: "BatchTurn"):
+def _shared_plan(job: "BatchTurn", reads: dict | None = None):
     """``job``'s group key when its token can be chosen together with other turns' (`BatchLoop._choose_all`), else
     None: greedy, neither scores nor logits returned, every processor with a `row_key`, every stopping criterion a
     maximum length, an EOS check or a cancellation (whose checks the loop makes for the group). Sets what the
-    group's checks read of the turn."""
+    group's checks read of the turn. ``reads``: host copies of the tensors it reads (`_host_reads`)."""
     if job.generation_config.do_sample or job.scores is not None or job.raw_logits is not None:
         return None
     keys = []
     for processor in job.processors or ():
-        key = row_key(processor)
+        key = row_key(processor, reads)
         if key is None:
             return None
         keys.append(key)
@@ -234,6 +262,7 @@ def _shared_plan(job: "BatchTurn"):
                 return None
             max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
         elif kind is EosTokenCriteria and eos is None:
+            eos_ids = _listed(criterion.eos_token_id, reads)
             eos = criterion.eos_token_id.to(job.ids.device)
         elif kind is _CancelRequest:
             cancels.append(criterion)
@@ -241,7 +270,7 @@ def _shared_plan(job: "BatchTurn"):
             return None
     job.max_length, job.eos, job.cancels = max_length, eos, tuple(cancels)
     job.length = int(job.ids.shape[1])
-    eos_key = None if eos is None else tuple(sorted(set(eos.reshape(-1).tolist())))
+    eos_key = None if eos is None else tuple(sorted(set(eos_ids)))
     return tuple(keys), eos_key, str(job.ids.device)
 
 
@@ -378,6 +407,8 @@ class BatchLoop:
             a caller whose streamers buffer what they get hands it all to its consumers there at once (the server:
             one wake-up of its event loop per step for every request, not one per token per request).
         launch_ahead: launch steps ahead of their predecessor's streaming where they can be (below).
+        join_in_flight: turns prepared ahead (`prepare_ahead`) join while a step runs on the device, before the next
+            step is prepared, instead of between steps (below); False: only between steps (the tokens are the same).
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
         prepare_stream: on CUDA (the default), prepare the turns on the asking threads (`prepare_ahead`) on a CUDA
@@ -409,10 +440,14 @@ class BatchLoop:
     beside the answers or run on the loop, the next step is launched right after the step's tokens are read, and
     the loop streams them and hands them over while the device runs it (`_launch_ahead`). ``launch_ahead=False``
     (or the attribute set so between steps) launches every step after its predecessor's streaming instead (the
-    tokens are the same; `bench serve-load --launch-ahead both` compares the two).
+    tokens are the same; `bench serve-load --launch-ahead both` compares the two). A turn prepared ahead joins while
+    a step runs (`_join_in_flight`: after the step's tokens were chosen on the device, before the next step is
+    prepared, which then carries its prompt), so its arrival neither stops the next step from being launched ahead
+    nor leaves the device idle while it joins; with ``join_in_flight=False`` turns join only between steps (`bench
+    serve-load --join-in-flight both` compares the two).
 
     Figures (read from any thread): ``steps`` (launched), ``steps_completed`` (their tokens streamed),
-    ``steps_ahead`` (launched ahead), ``batch_size`` (sequences with rows in the last step),
+    ``steps_ahead`` (launched ahead), ``joins_in_flight`` (turns that joined while a step ran), ``batch_size`` (sequences with rows in the last step),
     ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
     ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time), `step_stats`
     (where the steps' time went).
@@ -429,7 +464,7 @@ class BatchLoop:
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
                  prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None,
-                 split_rows: int | None = SPLIT_ROWS):
+                 split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = True):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
@@ -451,6 +486,10 @@ class BatchLoop:
         if not isinstance(launch_ahead, bool):
             raise ValueError(f"BatchLoop(launch_ahead={launch_ahead!r}) must be True or False.")
         self.launch_ahead = launch_ahead
+        if not isinstance(join_in_flight, bool):
+            raise ValueError(f"BatchLoop(join_in_flight={join_in_flight!r}) must be True or False.")
+        self.join_in_flight = join_in_flight
+        self.joins_in_flight = 0  # turns that joined while a step ran (`_join_in_flight`)
         if config is not None:
             if not isinstance(config, RaincheckConfig):
                 raise ValueError(f"BatchLoop(config={config!r}) must be a RaincheckConfig or None.")
@@ -680,10 +719,7 @@ class BatchLoop:
             self._tasks.clear()
         for fn, holder, finished in tasks:
             self._run_task(fn, holder, finished)
-        for job in arrivals:
-            began, cpu = time.perf_counter(), time.thread_time()
-            self._join(job)
-            self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
+        self._join_all(arrivals)
         self._leave_cancelled()
         engine = self._next_engine()
         if engine is not None:
@@ -700,6 +736,43 @@ class BatchLoop:
         if self._restore_idle():
             return "ran"
         return "idle"
+
+    def _join_all(self, jobs) -> None:
+        for job in jobs:
+            began, cpu = time.perf_counter(), time.thread_time()
+            self._join(job)
+            self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
+
+    def _joins_in_flight(self, job: BatchTurn, engine: BatchEngine) -> bool:
+        """Whether ``job`` may join ``engine`` while a step of it runs on the device (`_join_in_flight`): prepared
+        ahead on its own thread (`prepare_ahead`: nothing of it is left to run on the loop's thread but the hand-over
+        into the engine's pool, whose copies queue behind the step), of ``engine``'s config, and of a conversation that
+        neither restores in an engine nor completes its restoration before a follow-up (``early_follow_up=False``):
+        those run model work on the loop's thread first, and join between steps as before."""
+        conv = job.conversation
+        return (job.ahead is not None and job.config == engine.config and conv not in self._restoring
+                and conv.early_follow_up)
+
+    def _join_in_flight(self, engine: BatchEngine) -> None:
+        """The turns waiting to join ``engine`` that may (`_joins_in_flight`) join now, while its step runs on the
+        device, before the next step is prepared: that step then carries their prompts, and the loop may launch it
+        ahead (`_launch_ahead`) instead of leaving the device idle while they join between steps. What a join queues
+        on the device (the held cache copied into the pool, a first turn's embeddings) runs after the step, on its
+        stream; nothing of the step changes (its rows were placed when it launched)."""
+        if not self.join_in_flight:
+            return
+        with self._wake:
+            if self._closed or self._tasks:
+                return
+            ready = [job for job in self._incoming if self._joins_in_flight(job, engine)]
+            if not ready:
+                return
+            left = [job for job in self._incoming if all(job is not r for r in ready)]
+            self._incoming.clear()
+            self._incoming.extend(left)
+        self.joins_in_flight += len(ready)
+        self.step_log.joined_in_flight(len(ready))
+        self._join_all(ready)
 
     def _wind_down(self) -> None:
         """After the loop stops: every turn still running or waiting ends with an error, every task too, and the
@@ -941,6 +1014,11 @@ class BatchLoop:
                             media = _media(prepared, self.adapter)
                             state = new_sequence(self.model, self.adapter, job.config, -1,
                                                  prepared["input_ids"].reshape(-1), **media, **grids)
+                        if stream is not None or device.type != "cuda":  # (on its own stream: no wait for the loop)
+                            try:
+                                prepared["host_reads"] = _host_reads(prepared)
+                            except Exception:  # (the loop's thread then reads them itself)
+                                self._logger.debug("a turn's host reads failed", exc_info=True)
                         job.ahead = (prepared, state, grids)
                 except Exception as error:  # the turn's media, settings or processors: raised when it joins
                     job.ahead = error
@@ -1025,6 +1103,7 @@ class BatchLoop:
             self._end(job, error=error)
             return
         job.engine, job.seq = engine, seq
+        reads = prepared.get("host_reads")
         job.ids = prepared["input_ids"]
         job.prompt_length = int(job.ids.shape[1])
         job.processors, job.criteria = prepared["processors"], prepared["criteria"]
@@ -1037,7 +1116,7 @@ class BatchLoop:
         job.scores, job.raw_logits, job.finished_pad = sampling_setup(job.ids, job.criteria, job.generation_config)
         job.unfinished = torch.ones(1, dtype=torch.long, device=job.ids.device)
         try:
-            job.shared = _shared_plan(job)
+            job.shared = _shared_plan(job, reads)
         except BaseException as error:  # (a processor's key): it alone fails
             engine.discard(seq)
             self._end(job, error=error)
@@ -1047,7 +1126,8 @@ class BatchLoop:
                                   ahead_s=job.ahead_s, ahead_wait_s=job.ahead_wait_s, ahead_cpu_s=job.ahead_cpu_s)
         if job.streamer is not None:
             try:
-                job.streamer.put(job.ids.cpu())  # the prompt first, as generate gives it to a streamer
+                # the prompt first, as generate gives it to a streamer (its host copy when the preparation made one)
+                job.streamer.put(reads["ids"] if reads is not None and "ids" in reads else job.ids.cpu())
             except BaseException as error:  # the turn's streamer: it alone fails
                 self._fail(seq, error)
 
@@ -1114,6 +1194,7 @@ class BatchLoop:
             for seq, _ in chosen:
                 self._fail(seq, error)
             return
+        self._join_in_flight(engine)  # (turns waiting to join: while the step runs, into the next one)
         step = log.open
         if step is not None:
             step.preparing, step.preparing_cpu = time.perf_counter(), time.thread_time()
@@ -1173,7 +1254,9 @@ class BatchLoop:
         turn comes first), and no held conversation waiting to restore beside the answers. The loop completes it first
         thing next iteration (`_loop`); what it streams and hands over meanwhile overlaps the device's step. Nothing
         joins, leaves or restores beside it while it runs: a turn's tokens after it are as they would be without it."""
-        if (not self.launch_ahead or self._closed or self._incoming or self._tasks or engine.idle
+        with self._wake:  # (a turn that cannot join while a step runs joins between steps: none is launched ahead)
+            waiting = any(not (self.join_in_flight and self._joins_in_flight(job, engine)) for job in self._incoming)
+        if (not self.launch_ahead or self._closed or waiting or self._tasks or engine.idle
                 or any(e is not engine and not e.idle for e in self._engines)
                 or any(job.cancel.is_set() for job in self._jobs.values()) or self._restores_beside(engine)):
             return

@@ -189,7 +189,7 @@ class StepLog:
             self._totals: dict[tuple[str, int], list] = {}
             self._spent = {"joins": 0, "join_total_s": 0.0, "join_cpu_s": 0.0, "restore_beside_total_s": 0.0,
                            "idle_restorations": 0,
-                           "restore_idle_total_s": 0.0, "steps_ahead": 0}
+                           "restore_idle_total_s": 0.0, "steps_ahead": 0, "joins_in_flight": 0}
 
     # ---- the loop's thread ----
     def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
@@ -234,6 +234,11 @@ class StepLog:
         """The step launched now went ahead of its predecessor's streaming (`BatchLoop._launch_ahead`)."""
         with self._lock:
             self._spent["steps_ahead"] += 1
+
+    def joined_in_flight(self, turns: int) -> None:
+        """``turns`` joined while a step ran (`BatchLoop._join_in_flight`; their times count as ``"join"`` too)."""
+        with self._lock:
+            self._spent["joins_in_flight"] += turns
 
     def spent(self, what: str, seconds: float, cpu: float = 0.0) -> None:
         """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
@@ -292,7 +297,7 @@ class StepLog:
         """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
         known: all but one still running), rows by kind, the seconds of the timed steps in each part
         (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration, ``steps_ahead`` (those
-        launched ahead of their predecessor's streaming); ``kinds``: per
+        launched ahead of their predecessor's streaming), ``joins_in_flight`` (turns that joined while a step ran); ``kinds``: per
         `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
         ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
         (`LoopStep.as_dict`), oldest first."""

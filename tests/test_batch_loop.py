@@ -197,6 +197,61 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
         assert loop.running == 0
 
 
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_turns_that_arrive_while_a_step_runs_join_before_the_next_step_and_equal_their_dialogues_alone(
+        model, processor, in_flight):
+    """While a long answer runs, a new conversation's first turn and a held conversation's follow-up arrive (handed
+    over while the loop streams a token, a step launched ahead running): with ``join_in_flight`` (the default) both
+    join during the next step, before the step after it is prepared (``joins_in_flight``), and that step, carrying
+    their prompts, is launched ahead too; with it off they join between steps, and no step is launched ahead of
+    their joining. Every turn equals its dialogue alone either way; a setting that is not a bool is refused."""
+    with pytest.raises(ValueError, match="join_in_flight"):
+        BatchLoop(model, join_in_flight=1)
+    cfg = RaincheckConfig(retention=0.25, chunk_size=64, decode_guard=1)  # (every deferred row back in one chunk)
+    with BatchLoop(model, max_batch_tokens=None, join_in_flight=in_flight) as loop:
+        long, new, held = (Conversation(model, processor, cfg, background=False, max_new_tokens=6, loop=loop)
+                           for _ in range(3))
+        ask(held, QUESTIONS[0], [IMAGES[2]])
+        assert held.pending == 0
+        others, errors = [], []
+        ahead_at = {}
+
+        class HandsOver:  # at the long answer's third token: the other two turns asked, and waiting in the queue
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 4:
+                    ahead_at["before"] = loop.steps_ahead
+                    others.extend(threading.Thread(target=lambda c=c, q=q, im=im: errors.extend(
+                        in_threads(lambda _: ask(c, q, im), 1))) for c, q, im in (
+                            (new, QUESTIONS[0], [IMAGES[1]]), (held, QUESTIONS[1], ())))
+                    for t in others:
+                        t.start()
+                    deadline = time.monotonic() + 60
+                    while len(loop._incoming) < 2 and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                    assert len(loop._incoming) == 2
+
+            def end(self):
+                pass
+
+        ask(long, QUESTIONS[0], [IMAGES[0]], max_new_tokens=12, streamer=HandsOver())
+        for t in others:
+            t.join()
+        assert not errors, errors
+        assert loop.joins_in_flight == (2 if in_flight else 0)
+        if in_flight:  # (the steps after the hand-over: every one but the last of the long answer launched ahead)
+            assert loop.steps_ahead - ahead_at["before"] >= 12 - 4 - 1
+        for conv, image in ((long, IMAGES[0]), (new, IMAGES[1]), (held, IMAGES[2])):
+            want = alone(model, processor, cfg, conv.turns, QUESTIONS, [image])
+            for k, turn in enumerate(conv.turns):
+                assert_same_turn(turn, want[k], f"turn {k}")
+            conv.close()
+        assert loop.running == 0
+
+
 def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_consistent_conversation(model, processor):
     """A step launched ahead may carry a turn whose streamer then fails on the token before it, or whose client
     cancels while it streams: the failed turn leaves its conversation as it was, the cancelled one keeps the tokens

@@ -592,6 +592,30 @@ def test_serve_load_compares_launching_ahead_side_by_side(tmp_path):
             serve_load.run(clients=(1,), launch_ahead=bad, **kwargs)
 
 
+def test_serve_load_compares_joins_in_flight_side_by_side(tmp_path):
+    """``--join-in-flight both``: each client count's round with turns joining while a step runs and only between
+    steps, rows named and recording it, the loop's record counting the joins made while a step ran (none when off);
+    without the loop, or with another value, a clear error before any compute."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(3,), modes=("raincheck",), answer_tokens=6,
+                   follow_up_tokens=4, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, join_in_flight="both", plot_path=str(tmp_path / "load.png"))
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["join_in_flight"] == "both"
+    assert [(r["join_in_flight"], r["series"]) for r in saved["rows"]] == [
+        (True, "raincheck, joins in flight"), (False, "raincheck, joins between steps")]
+    on, off = saved["rows"]
+    for row in (on, off):
+        assert row["completion_tokens"] == 3 * (6 + 4 + 4) and row["errors"] == 0 and row["loop"]["joins"] == 9
+    assert off["loop"]["joins_in_flight"] == 0 and 0 <= on["loop"]["joins_in_flight"] <= 9
+    assert any("while a step ran) in" in line for line in lines)
+    for bad, kwargs in (("sometimes", dict(batching=True)), ("both", {})):
+        with pytest.raises(ValueError, match="join_in_flight must be"):
+            serve_load.run(clients=(1,), join_in_flight=bad, **kwargs)
+
+
 def test_serve_load_compares_prompt_forward_limits_side_by_side(tmp_path):
     """``--prompt-forwards any,1``: each client count's round with the loop's ``max_prompt_forwards`` unset and at 1,
     rows named by it and recording it, the loop set back between rounds; bad values refused before any compute."""
@@ -646,10 +670,11 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     assert serve_load._stream_values("off", False) == (False,)
     loop = types.SimpleNamespace()
     interval = sys.getswitchinterval()
-    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None, 256))
+    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None, 256, True))
     assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
-    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None, None))
-    assert (loop.prepare_stream, loop.prepare_priority, loop.split_rows) == (False, "normal", None)
+    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None, None, False))
+    assert (loop.prepare_stream, loop.prepare_priority, loop.split_rows, loop.join_in_flight) == (
+        False, "normal", None, False)
 
 
 def test_serve_load_compares_ride_limits_side_by_side(tmp_path):
