@@ -139,6 +139,7 @@ class BatchTurn:
     engine: BatchEngine | None = None
     seq: object = None
     ids: torch.Tensor | None = None
+    host_ids: torch.Tensor | None = None  # the prompt's ids on the host, when its preparation read them (`_host_reads`)
     prompt_length: int = 0
     processors: object = None
     criteria: object = None
@@ -277,9 +278,18 @@ def _shared_plan(job: "BatchTurn", reads: dict | None = None):
 def _sequence(job: "BatchTurn") -> torch.Tensor:
     """The turn's whole sequence (prompt and answer): ``ids`` with the tokens kept on the host (`BatchTurn.tail`)."""
     if job.tail:
-        tail = torch.tensor([job.tail], dtype=job.ids.dtype).to(job.ids.device)
+        tail = to_device(torch.tensor([job.tail], dtype=job.ids.dtype), job.ids.device)
         job.ids, job.tail = torch.cat([job.ids, tail], dim=-1), []
     return job.ids
+
+
+def _host_sequence(job: "BatchTurn") -> torch.Tensor:
+    """The turn's whole sequence on the host: its prompt's host ids (`_host_reads`) and the answer's tokens, read
+    back step by step (`BatchTurn.answer`); without host ids, the device's copied back (a wait for the device)."""
+    if job.host_ids is None:
+        return _sequence(job).cpu()
+    answer = torch.tensor([job.answer], dtype=job.host_ids.dtype)
+    return torch.cat([job.host_ids.reshape(1, -1), answer], dim=-1)
 
 
 class ArrivalGate:
@@ -1105,6 +1115,7 @@ class BatchLoop:
         job.engine, job.seq = engine, seq
         reads = prepared.get("host_reads")
         job.ids = prepared["input_ids"]
+        job.host_ids = reads.get("ids") if reads is not None else None
         job.prompt_length = int(job.ids.shape[1])
         job.processors, job.criteria = prepared["processors"], prepared["criteria"]
         # criteria that can check the answer's tokens as host ints run after the step's one read (`_host_stop`):
@@ -1235,7 +1246,10 @@ class BatchLoop:
                 continue
             ended = ended or not going
             order.append((seq, job, value, going))
-        if not ended:
+        # turns that ended leave first, and the next step is decided without them, so that it can be launched ahead
+        # of the streaming too (it was prepared with their tokens fed)
+        removed = self._remove_ended(engine, order) if ended and self.launch_ahead else {}
+        if not ended or removed:
             self._launch_ahead(engine)
         for seq, job, value, going in order:
             if seq not in self._jobs:  # (the step launched ahead failed, and with it this turn)
@@ -1243,17 +1257,37 @@ class BatchLoop:
             try:
                 finished = self._next_token(job, value, torch.long, going)
             except BaseException as error:  # its streamer: it alone fails
-                self._fail(seq, error)
+                if seq in removed:  # (out of the engine already: its cache is dropped, its conversation unchanged)
+                    del removed[seq]
+                    self._end(self._jobs.pop(seq), error=error)
+                else:
+                    self._fail(seq, error)
                 continue
             if finished:
-                self._finish(job, engine.remove(seq))
+                self._finish(job, removed.pop(seq) if seq in removed else engine.remove(seq))
+
+    def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
+        """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
+        their last tokens are streamed: ``{seq: its cache}`` (`BatchEngine.remove`, for `_finish`), and the next
+        step prepared again without them (their removal dropped the one prepared with their tokens fed), unless no
+        answer is left in it."""
+        removed = {seq: engine.remove(seq) for seq, _, _, going in order if not going}
+        if engine.idle:  # (no answer left to step: nothing to launch ahead)
+            return removed
+        try:
+            engine.prepare()
+        except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
+            self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
+        return removed
 
     def _launch_ahead(self, engine: BatchEngine) -> None:
-        """Launch ``engine``'s next step now, before this step's tokens are streamed, when nothing the loop does
-        between steps is due: no turn waiting to join, no task, no cancellation, no other engine with rows to run (its
-        turn comes first), and no held conversation waiting to restore beside the answers. The loop completes it first
-        thing next iteration (`_loop`); what it streams and hands over meanwhile overlaps the device's step. Nothing
-        joins, leaves or restores beside it while it runs: a turn's tokens after it are as they would be without it."""
+        """Launch ``engine``'s next step now, before this step's tokens are streamed (the turns that ended in it out of
+        the engine already: `_remove_ended`), when nothing the loop does between steps is due: no turn waiting to
+        join (but those that may join while a step runs, `_join_in_flight`), no task, no cancellation, no other
+        engine with rows to run (its turn comes first), and no held conversation waiting to restore beside the
+        answers. The loop completes it first thing next iteration (`_loop`); what it streams and hands over meanwhile
+        overlaps the device's step. Nothing leaves or restores beside it while it runs, and a turn joining meanwhile
+        enters the step after it: a turn's tokens after it are as they would be without it."""
         with self._wake:  # (a turn that cannot join while a step runs joins between steps: none is launched ahead)
             waiting = any(not (self.join_in_flight and self._joins_in_flight(job, engine)) for job in self._incoming)
         if (not self.launch_ahead or self._closed or waiting or self._tasks or engine.idle
@@ -1451,7 +1485,7 @@ class BatchLoop:
         it, with the turn in its history, as `Conversation`'s own turn leaves it."""
         self._jobs.pop(job.seq, None)
         conv = job.conversation
-        _sequence(job)
+        sequence = _host_sequence(job)  # (the device's would wait for a step launched ahead meanwhile)
         try:
             if job.streamer is not None:
                 job.streamer.end()
@@ -1460,10 +1494,10 @@ class BatchLoop:
             return
         output = None
         if job.generation_config.return_dict_in_generate:  # what the per-turn path's generate call returns
-            output = RaincheckGenerateOutput(sequences=job.ids, scores=job.scores, logits=job.raw_logits, cache=cache,
-                                             raincheck=job.seq.trace)
+            output = RaincheckGenerateOutput(sequences=_sequence(job), scores=job.scores, logits=job.raw_logits,
+                                             cache=cache, raincheck=job.seq.trace)
         with conv._lock:
-            result = conv._record_turn(cache, job.ids, job.seq.trace, job.prompt_length, job.times, job.started,
+            result = conv._record_turn(cache, sequence, job.seq.trace, job.prompt_length, job.times, job.started,
                                        job.previous_pending, job.request.stopped, output=output)
         self._recorded(job, result)
         self._end(job, result=result)

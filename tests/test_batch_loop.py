@@ -163,10 +163,22 @@ def test_a_loop_that_does_not_launch_ahead_gives_the_same_turns(model, processor
             assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
 
 
-def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model, processor):
-    """Three conversations of one config, two turns each, asked at once: while no answer ends and nothing waits to
-    join, the loop launches the next step right after a step's tokens are read, before it streams them
-    (``steps_ahead``); every turn still equals its dialogue alone, and every launched step's tokens were taken."""
+def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model, processor, monkeypatch):
+    """Three conversations of one config, two turns each, asked at once: while nothing waits to join that cannot
+    join while a step runs, the loop launches the next step right after a step's tokens are read, before it streams
+    them (``steps_ahead``; the turns that ended in the step leave first); every turn still equals its dialogue alone,
+    every launched step's tokens were taken, and no step ran without an answer in it (the last turn's end launches
+    nothing)."""
+    empty = []
+    launch = BatchLoop._launch
+
+    def counted(self, engine):
+        logits = launch(self, engine)
+        if not any(not seq.restores_only for seq in engine.carried):
+            empty.append(self.steps)
+        return logits
+
+    monkeypatch.setattr(BatchLoop, "_launch", counted)
     with BatchLoop(model, max_batch_tokens=48) as loop:
         convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(3)]
         streamed = {}
@@ -185,7 +197,7 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
                 threads.start()
             threads.join()
             assert not errors, errors
-        assert loop.steps_ahead > 0 and loop.steps_completed == loop.steps
+        assert loop.steps_ahead > 0 and loop.steps_completed == loop.steps and not empty
         assert loop.step_stats()["steps_ahead"] == loop.steps_ahead  # (no reset since the loop began)
         assert [streamed[k] for k in range(2)] == [t.text for t in convs[0].turns]
         for i, conv in enumerate(convs):
