@@ -457,7 +457,8 @@ class BatchLoop:
     serve-load --join-in-flight both` compares the two).
 
     Figures (read from any thread): ``steps`` (launched), ``steps_completed`` (their tokens streamed),
-    ``steps_ahead`` (launched ahead), ``joins_in_flight`` (turns that joined while a step ran), ``batch_size`` (sequences with rows in the last step),
+    ``steps_ahead`` (launched ahead), ``joins_in_flight`` (turns that joined while a step ran), ``batch_size``
+    (sequences with rows in the last step),
     ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
     ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time), `step_stats`
     (where the steps' time went).
