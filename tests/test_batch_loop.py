@@ -209,14 +209,18 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
         assert loop.running == 0
 
 
-@pytest.mark.parametrize("in_flight", [True, False])
+@pytest.mark.parametrize("name, in_flight", [("qwen3_vl", True), ("qwen3_vl", False), ("qwen3_5", True)])
 def test_turns_that_arrive_while_a_step_runs_join_before_the_next_step_and_equal_their_dialogues_alone(
-        model, processor, in_flight):
+        name, in_flight):
     """While a long answer runs, a new conversation's first turn and a held conversation's follow-up arrive (handed
     over while the loop streams a token, a step launched ahead running): with ``join_in_flight`` (the default) both
     join during the next step, before the step after it is prepared (``joins_in_flight``), and that step, carrying
     their prompts, is launched ahead too; with it off they join between steps, and no step is launched ahead of
-    their joining. Every turn equals its dialogue alone either way; a setting that is not a bool is refused."""
+    their joining. Every turn equals its dialogue alone either way, on both families (Qwen3.5: the joining
+    sequences' Gated DeltaNet states loaded while the step runs); a setting that is not a bool is refused."""
+    from families import family_model, family_processor
+
+    model, processor = family_model(name), family_processor(name)
     with pytest.raises(ValueError, match="join_in_flight"):
         BatchLoop(model, join_in_flight=1)
     cfg = RaincheckConfig(retention=0.25, chunk_size=64, decode_guard=1)  # (every deferred row back in one chunk)
