@@ -848,17 +848,16 @@ def _drive(engine, states, input_ids, logits_processor, stopping_criteria, gener
             token.value = tokens[s.index]
         done = max(going) == 0
         leaving = [s for s in active if not going[s.index]] if leaves and not done else []
-        if not done and not leaving:  # the prepared step goes now, the streamer's work beside it on the host
+        if leaving:  # finished sequences leave the engine (their slots with them); the next step is decided again
+            for s in leaving:
+                caches[s.index] = engine.remove(s)
+                active.remove(s)
+        if not done:  # the next step goes now, the streamer's work beside it on the host
             logits = engine.step()
         if streamer is not None:
             streamer.put(torch.tensor(tokens, dtype=next_tokens.dtype))
         if done:
             break
-        if leaving:  # finished sequences leave the engine (their slots with them); the next step is decided again
-            for s in leaving:
-                caches[s.index] = engine.remove(s)
-                active.remove(s)
-            logits = engine.step()
 
     for s in active:
         caches[s.index] = engine.remove(s)
