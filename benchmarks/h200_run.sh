@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_run.sh wave4      # chunked GDN kernel + capture-aware auto: tests, kernels, Qwen3.5 / Qwen3-VL
 #   bash benchmarks/h200_run.sh vl_sweep   # mapsweep, then Qwen3-VL-8B: stock static compiled, full, raincheck c=7/15/31/63/auto
 #   bash benchmarks/h200_run.sh batch      # issue 29: batched generate at B = 1, 8, 32 vs stock (Qwen3-VL-8B, Qwen3.5-9B)
+#   bash benchmarks/h200_run.sh loop_tests # the batching loop's, batched generate's and the server's GPU tests only
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
@@ -163,6 +164,16 @@ gpu_tests)
     timeout -s INT -k 30 "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
         $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") > "$OUT/gpu_tests_h200.log" 2>&1
     grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
+    ;;
+loop_tests)
+    # the GPU tests of the batching loop, batched generate and the server (a subset of gpu_tests for a short call:
+    # soaks, turns prepared on streams of their own joining while steps run, the loop's syncs per step, held
+    # conversations' memory, the few-query kernel's extent)
+    timeout -s INT -k 30 "${TESTS_S:-300}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short \
+        --durations=10 -n "${GPU_WORKERS:-8}" -k "soak or prepared_on_streams or captures_on_preparing or \
+waits_for_the_device_once or batched_generate or server_parallel or held_at_once or kernel_stops or cancelled_stream" \
+        > "$OUT/gpu_loop_tests_h200.log" 2>&1
+    grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_loop_tests_h200.log" | cut -c1-220 | tail -20
     ;;
 final_tests)
     # this wave's GPU checks in one call: the new GPU tests first (GDN kernels, every family's fast path incl.
