@@ -1251,7 +1251,7 @@ class BatchLoop:
         # of the streaming too (it was prepared with their tokens fed)
         removed = self._remove_ended(engine, order) if ended and self.launch_ahead else {}
         if not ended or removed:
-            self._launch_ahead(engine)
+            self._launch_ahead(engine, gone=removed)
         for seq, job, value, going in order:
             if seq not in self._jobs:  # (the step launched ahead failed, and with it this turn)
                 continue
@@ -1281,19 +1281,21 @@ class BatchLoop:
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
         return removed
 
-    def _launch_ahead(self, engine: BatchEngine) -> None:
+    def _launch_ahead(self, engine: BatchEngine, gone=()) -> None:
         """Launch ``engine``'s next step now, before this step's tokens are streamed (the turns that ended in it out of
         the engine already: `_remove_ended`), when nothing the loop does between steps is due: no turn waiting to
         join (but those that may join while a step runs, `_join_in_flight`), no task, no cancellation, no other
         engine with rows to run (its turn comes first), and no held conversation waiting to restore beside the
         answers. The loop completes it first thing next iteration (`_loop`); what it streams and hands over meanwhile
         overlaps the device's step. Nothing leaves or restores beside it while it runs, and a turn joining meanwhile
-        enters the step after it: a turn's tokens after it are as they would be without it."""
+        enters the step after it: a turn's tokens after it are as they would be without it. ``gone``: sequences that
+        left already (a cancelled one among them keeps nothing from being launched)."""
         with self._wake:  # (a turn that cannot join while a step runs joins between steps: none is launched ahead)
             waiting = any(not (self.join_in_flight and self._joins_in_flight(job, engine)) for job in self._incoming)
         if (not self.launch_ahead or self._closed or waiting or self._tasks or engine.idle
                 or any(e is not engine and not e.idle for e in self._engines)
-                or any(job.cancel.is_set() for job in self._jobs.values()) or self._restores_beside(engine)):
+                or any(job.cancel.is_set() for seq, job in self._jobs.items() if seq not in gone)
+                or self._restores_beside(engine)):
             return
         logits = self._launch(engine)
         if logits is not None:

@@ -268,6 +268,60 @@ def test_turns_that_arrive_while_a_step_runs_join_before_the_next_step_and_equal
         assert loop.running == 0
 
 
+def test_an_answer_cancelled_in_a_step_leaves_before_the_next_step_which_goes_ahead(model, processor, monkeypatch):
+    """Two answers at once; one client cancels while a token of its streams: at the next step its answer ends (the
+    cancellation read on the host) and leaves before the step after it is prepared again, and that step, the other
+    answer's, is launched ahead of the streaming all the same. Both turns equal their dialogues alone (the cancelled
+    one cut at the tokens it kept)."""
+    launched_after = []
+    launch_ahead = BatchLoop._launch_ahead
+
+    def recorded(self, engine, gone=()):
+        launch_ahead(self, engine, gone)
+        if gone:
+            launched_after.append(self._ahead is not None)
+
+    monkeypatch.setattr(BatchLoop, "_launch_ahead", recorded)
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2)
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        convs = [Conversation(model, processor, cfg, background=False, loop=loop) for _ in range(2)]
+
+        class Cancels:  # cancels while its third token streams
+            def __init__(self):
+                self.puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 4:
+                    convs[0].cancel()
+
+            def end(self):
+                pass
+
+        got, errors = {}, []
+
+        def turn(i):
+            try:
+                kw = dict(streamer=Cancels()) if i == 0 else {}
+                got[i] = ask(convs[i], QUESTIONS[0], [IMAGES[i]], max_new_tokens=12 if i else 10, **kw)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(2)]
+        with held_loop(loop, 2):
+            for t in threads:
+                t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert got[0].cancelled and got[0].token_ids.numel() < 10 and got[1].token_ids.numel() == 12
+        assert launched_after[:1] == [True], launched_after  # (the cancelled answer's end: the next step went ahead)
+        for i, conv in enumerate(convs):
+            want = alone(model, processor, cfg, conv.turns, QUESTIONS, [IMAGES[i]])
+            assert_same_turn(conv.turns[0], want[0], f"conversation {i}")
+            conv.close()
+
+
 def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_consistent_conversation(model, processor):
     """A step launched ahead may carry a turn whose streamer then fails on the token before it, or whose client
     cancels while it streams: the failed turn leaves its conversation as it was, the cancelled one keeps the tokens
