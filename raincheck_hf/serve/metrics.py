@@ -109,7 +109,8 @@ class Metrics:
             for kind in STEP_KINDS:
                 self._step_kinds.labels(kind=kind)
             self._join = Histogram("raincheck_join_seconds", "Time a new turn took to join the batching loop on its "
-                                   "thread (vision encoding and preparation; no step runs meanwhile).",
+                                   "thread (its sequence handed into the engine; a turn prepared on its request's "
+                                   "thread joins while a step runs, others between steps).",
                                    buckets=TTFT_BUCKETS, registry=self.registry)
             self._restored_held = Counter(
                 "raincheck_restored_held", "Deferred tokens of held conversations restored by the batching loop: in "
