@@ -46,7 +46,6 @@ it, not what a GPU step costs. ``--generate`` adds batched ``generate`` at the s
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import cProfile
 import functools
@@ -57,31 +56,21 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 
 import torch
 from transformers import LogitsProcessorList
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its sibling scripts)
 
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig, batch_engine, batch_loop, integration  # noqa: E402
 from raincheck_hf.bench import shapes  # noqa: E402
 from raincheck_hf.bench.latency import write_script_result  # noqa: E402
 from raincheck_hf.models import get_adapter  # noqa: E402
 from raincheck_hf.tiny import build_tiny_processor, draw_test_image  # noqa: E402
+from prepare_syncs import _size, count_syncs  # noqa: E402 (the --image-size parser, the sync counter)
 
 VARIANTS = ("plain", "server")
-
-
-def _size(text: str) -> tuple[int, int]:
-    """``--image-size``: ``WxH``, at least 32x32 pixels."""
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--image-size takes WxH (e.g. 1344x1024), got {text!r}") from None
-    if min(w, h) < 32:
-        raise argparse.ArgumentTypeError(f"--image-size must be at least 32x32 pixels, got {text!r}")
-    return w, h
 
 
 class LoopClock:
@@ -259,30 +248,11 @@ def summarize(iterations: list[dict], turns: int) -> dict:
 
 
 def loop_syncs(loop, run_round) -> dict:
-    """One ``run_round()`` under torch's sync debug mode (``warn``): the synchronizing CUDA calls made on the loop's
-    own thread, by the line that made them, and the steps it ran (the asking threads' calls are not counted)."""
-    if not torch.cuda.is_available():
-        return None  # (no CUDA: nothing synchronizes)
-    name = loop._thread.name if loop._thread is not None else "raincheck-batch-loop"
-    where: collections.Counter = collections.Counter()
-    lock = threading.Lock()
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing CUDA operation" in str(message) and threading.current_thread().name == name:
-            with lock:
-                where[f"{os.path.relpath(filename)}:{lineno}"] += 1
-
-    torch.cuda.synchronize()
+    """One ``run_round()`` under torch's sync debug mode: the synchronizing CUDA calls made on the loop's own thread,
+    by the line that made them (`prepare_syncs.count_syncs`; the asking threads' calls are not counted), and the
+    steps it ran."""
     steps = loop.steps
-    before = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run_round()
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
+    _, where = count_syncs(run_round, thread=loop._thread.name if loop._thread is not None else None)
     steps = loop.steps - steps
     return {"steps": steps, "syncs": sum(where.values()), "per_step": sum(where.values()) / max(steps, 1),
             "where": dict(where.most_common())}
@@ -398,7 +368,6 @@ def main(argv=None):
             if top:
                 print(top, flush=True)
     if args.generate:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import host_step_profile
 
         for turns in (int(n) for n in args.turns.split(",")):

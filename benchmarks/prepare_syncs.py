@@ -26,6 +26,7 @@ import argparse
 import collections
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -48,16 +49,25 @@ def _size(text: str) -> tuple[int, int]:
     return sizes[0]
 
 
-def count_syncs(fn):
+def count_syncs(fn, thread: str | None = None):
     """``(fn's result, Counter of 'file:line' -> synchronizing calls)``: torch's sync debug mode in ``warn`` while
-    ``fn`` runs (process-wide: run it while no other thread uses the device)."""
+    ``fn`` runs (process-wide); ``thread``: only the calls made on the thread of that name (others may use the
+    device meanwhile), else every thread's (run it while no other thread uses the device)."""
     on_cuda = torch.cuda.is_available()
     if on_cuda:
         torch.cuda.synchronize()
     where: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+
+    def show(message, category, filename, lineno, file=None, line=None):  # (on the thread that made the call)
+        if "synchronizing CUDA operation" in str(message) and thread in (None, threading.current_thread().name):
+            with lock:
+                where[f"{os.path.relpath(filename)}:{lineno}"] += 1
+
     before = torch.cuda.get_sync_debug_mode() if on_cuda else None
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         if on_cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -65,9 +75,6 @@ def count_syncs(fn):
         finally:
             if on_cuda:
                 torch.cuda.set_sync_debug_mode(before)
-    for w in caught:
-        if "synchronizing CUDA operation" in str(w.message):
-            where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
     return out, where
 
 
