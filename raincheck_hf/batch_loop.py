@@ -139,7 +139,7 @@ class BatchTurn:
     engine: BatchEngine | None = None
     seq: object = None
     ids: torch.Tensor | None = None
-    host_ids: torch.Tensor | None = None  # the prompt's ids on the host, when its preparation read them (`_host_reads`)
+    host_ids: torch.Tensor | None = None  # the prompt's ids on the host, when its preparation read them
     prompt_length: int = 0
     processors: object = None
     criteria: object = None
@@ -179,10 +179,10 @@ def _listed(tensor, reads: dict | None) -> list:
 
 def _host_reads(prepared: dict) -> dict:
     """Host copies, by ``id`` of the tensor, of what the loop's thread reads when a prepared turn joins (`row_key`,
-    `_shared_plan`: the suppressed tokens and EOS ids of its processors and criteria), and of its prompt's ids (for
-    its streamer) under ``"ids"``. Made by `BatchLoop.prepare_ahead` on the preparing thread, whose stream holds
-    only the turn's own work: read on the loop's thread, a device tensor would wait for the step running there
-    (`BatchLoop._join_in_flight`)."""
+    `_shared_plan`: the suppressed tokens and EOS ids of its processors and criteria). Made by
+    `BatchLoop.prepare_ahead` on the preparing thread (with the prompt's host ids, ``prepared["host_ids"]``), whose
+    stream holds only the turn's own work: read on the loop's thread, a device tensor would wait for the step
+    running there (`BatchLoop._join_in_flight`)."""
     tensors = []
     for processor in prepared.get("processors") or ():
         kind = type(processor)
@@ -193,9 +193,7 @@ def _host_reads(prepared: dict) -> dict:
     for criterion in prepared.get("criteria") or ():
         if type(criterion) is EosTokenCriteria:
             tensors.append(criterion.eos_token_id)
-    reads = {id(t): t.reshape(-1).tolist() for t in tensors if isinstance(t, torch.Tensor)}
-    reads["ids"] = prepared["input_ids"].cpu()
-    return reads
+    return {id(t): t.reshape(-1).tolist() for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def row_key(processor, reads: dict | None = None):
@@ -284,7 +282,7 @@ def _sequence(job: "BatchTurn") -> torch.Tensor:
 
 
 def _host_sequence(job: "BatchTurn") -> torch.Tensor:
-    """The turn's whole sequence on the host: its prompt's host ids (`_host_reads`) and the answer's tokens, read
+    """The turn's whole sequence on the host: its prompt's host ids (`BatchTurn.host_ids`) and the answer's tokens, read
     back step by step (`BatchTurn.answer`); without host ids, the device's copied back (a wait for the device)."""
     if job.host_ids is None:
         return _sequence(job).cpu()
@@ -770,15 +768,16 @@ class BatchLoop:
         ahead (`_launch_ahead`) instead of leaving the device idle while they join between steps. What a join queues
         on the device (the held cache copied into the pool, a first turn's embeddings) runs after the step, on its
         stream; nothing of the step changes (its rows were placed when it launched)."""
-        if not self.join_in_flight:
+        if not self.join_in_flight or not self._incoming:  # (most steps: nothing waits; no lock taken)
             return
         with self._wake:
             if self._closed or self._tasks:
                 return
-            ready = [job for job in self._incoming if self._joins_in_flight(job, engine)]
+            ready, left = [], []
+            for job in self._incoming:
+                (ready if self._joins_in_flight(job, engine) else left).append(job)
             if not ready:
                 return
-            left = [job for job in self._incoming if all(job is not r for r in ready)]
             self._incoming.clear()
             self._incoming.extend(left)
         self.joins_in_flight += len(ready)
@@ -1028,6 +1027,7 @@ class BatchLoop:
                         if stream is not None or device.type != "cuda":  # (on its own stream: no wait for the loop)
                             try:
                                 prepared["host_reads"] = _host_reads(prepared)
+                                prepared["host_ids"] = prepared["input_ids"].cpu()
                             except Exception:  # (the loop's thread then reads them itself)
                                 self._logger.debug("a turn's host reads failed", exc_info=True)
                         job.ahead = (prepared, state, grids)
@@ -1115,8 +1115,7 @@ class BatchLoop:
             return
         job.engine, job.seq = engine, seq
         reads = prepared.get("host_reads")
-        job.ids = prepared["input_ids"]
-        job.host_ids = reads.get("ids") if reads is not None else None
+        job.ids, job.host_ids = prepared["input_ids"], prepared.get("host_ids")
         job.prompt_length = int(job.ids.shape[1])
         job.processors, job.criteria = prepared["processors"], prepared["criteria"]
         # criteria that can check the answer's tokens as host ints run after the step's one read (`_host_stop`):
@@ -1139,7 +1138,7 @@ class BatchLoop:
         if job.streamer is not None:
             try:
                 # the prompt first, as generate gives it to a streamer (its host copy when the preparation made one)
-                job.streamer.put(reads["ids"] if reads is not None and "ids" in reads else job.ids.cpu())
+                job.streamer.put(job.host_ids if job.host_ids is not None else job.ids.cpu())
             except BaseException as error:  # the turn's streamer: it alone fails
                 self._fail(seq, error)
 
@@ -1290,8 +1289,11 @@ class BatchLoop:
         overlaps the device's step. Nothing leaves or restores beside it while it runs, and a turn joining meanwhile
         enters the step after it: a turn's tokens after it are as they would be without it. ``gone``: sequences that
         left already (a cancelled one among them keeps nothing from being launched)."""
-        with self._wake:  # (a turn that cannot join while a step runs joins between steps: none is launched ahead)
-            waiting = any(not (self.join_in_flight and self._joins_in_flight(job, engine)) for job in self._incoming)
+        waiting = False  # (a turn that cannot join while a step runs joins between steps: none is launched ahead)
+        if self._incoming:
+            with self._wake:
+                waiting = any(not (self.join_in_flight and self._joins_in_flight(job, engine))
+                              for job in self._incoming)
         if (not self.launch_ahead or self._closed or waiting or self._tasks or engine.idle
                 or any(e is not engine and not e.idle for e in self._engines)
                 or any(job.cancel.is_set() for seq, job in self._jobs.items() if seq not in gone)
