@@ -298,8 +298,8 @@ class StepLog:
         known: all but one still running), rows by kind, the seconds of the timed steps in each part
         (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration, ``steps_ahead`` (those
         launched ahead of their predecessor's streaming), ``joins_in_flight`` (turns that joined while a step ran);
-        ``kinds``: per `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed steps, and
-        ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
+        ``kinds``: per `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed
+        steps, and ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
         (`LoopStep.as_dict`), oldest first."""
         with self._lock:
             totals = {key: list(value) for key, value in self._totals.items()}
