@@ -12,9 +12,9 @@ extent (``EXTENT[b]``: no row of sequence ``b`` sees a slot at or past it), so a
 than the step's span reads only their own keys; the tiles it skips are ones in which no row sees anything, so the result
 is the same in exact arithmetic (bit for bit in Triton's interpreter; on a GPU the bounded specialization's code may
 round the last bits of its sums otherwise). With ``HAS_ROWS`` a sequence's query positions at or past
-``ROWS_REAL[b]`` are padding (a batched step pads every sequence to its widest): a program whose block holds only such rows reads nothing and leaves
-them an empty sum (``L = 0``; the merge makes their output 0), so a one-token sequence beside 32-row chunks costs one
-block of rows, not all of them.
+``ROWS_REAL[b]`` are padding (a batched step pads every sequence to its widest): a program whose block holds only
+such rows reads nothing and leaves them an empty sum (``L = 0``; the merge makes their output 0), so a one-token
+sequence beside 32-row chunks costs one block of rows, not all of them.
 """
 
 import triton
