@@ -29,7 +29,7 @@ turn: the engine's config decides its row scheduling (``serial`` splits chunks i
 every sequence's planning, so one engine per config keeps `BatchEngine` unchanged. An engine left empty is dropped
 (its pool's memory with it) unless a conversation on the loop still uses its config (`_keeps`).
 
-Conversations on the loop have no restoring worker of their own: their leftover deferred rows are restored by the
+Conversations on the loop are not on the model's restorer thread (`restorer.IdleRestorer`): their leftover deferred rows are restored by the
 loop's thread, in the order `_next_to_restore` gives them (the most recently used first):
 
 - while answers run, in the steps' spare budget: up to `MAX_RESTORING` conversations with pending rows join the

@@ -2,8 +2,9 @@
 
 Every turn goes through ``model.generate(..., raincheck=config, cache=...)`` with the whole
 conversation as ``input_ids`` (HF's convention for continuing from a cache) and the new turn's
-images only. Between turns a background worker prefills the leftover deferred rows one chunk at
-a time, taking the model lock per chunk, so a follow-up waits at most one chunk. When a follow-up
+images only. Between turns the model's restorer (`restorer.IdleRestorer`: one thread per model for all its
+conversations, the most recently used first) prefills the leftover deferred rows one chunk at a time, taking the
+conversation's lock per chunk, so a follow-up waits at most one chunk. When a follow-up
 arrives before restoration is done, the leftovers are prefilled in the same forward as the new
 turn, ahead of it in physical order (docs/method.md §6, "early follow-up"); with
 ``early_follow_up=False`` the conversation instead completes restoration first (the plain
@@ -45,6 +46,7 @@ from .configuration import RaincheckConfig
 from .generation import RaincheckTrace, restore_pending
 from .integration import enable
 from .models import get_adapter
+from .restorer import restorer_for
 
 
 @dataclass
@@ -59,7 +61,7 @@ class TurnResult:
         token_times: seconds between consecutive generated tokens (``n - 1`` values).
         restored_during_answer: deferred tokens prefilled while the answer was generated.
         restored_after_answer: deferred tokens of this turn prefilled after it (updated live by the
-            worker, or at the next turn's prefill).
+            restorer, or at the next turn's prefill).
         pending: deferred tokens of this turn not yet prefilled (live).
         cancelled: the answer was stopped early (`Conversation.cancel`, `StreamingTurn.close`); ``text``
             and ``token_ids`` hold what was generated until then, which is what the history keeps.
@@ -156,8 +158,9 @@ class Conversation:
         processor: its processor (chat template, image and video processors).
         config: the `RaincheckConfig` for every turn (default: `RaincheckConfig()`).
         system: optional system prompt for the first turn.
-        background: restore leftovers between turns, in a background worker (with ``loop``: by the loop's
-            thread); False: only on `complete()` or at the next turn.
+        background: restore leftovers between turns in the background (by the model's one restorer thread, shared
+            with its other conversations; with ``loop``: by the loop's thread); False: only on `complete()` or at the
+            next turn.
         early_follow_up: prefill leftovers together with a follow-up instead of waiting for them.
         max_new_tokens: default answer length limit (a per-call ``max_new_tokens`` wins).
         loop: a `BatchLoop` on the same model: the turns run in its batch, beside the other conversations' on it
@@ -196,16 +199,15 @@ class Conversation:
         self._in_flight: threading.Thread | None = None  # a streamed answer's thread
         self._request: _CancelRequest | None = None  # the answer being generated
         self._failed: BaseException | None = None  # a turn failed after it changed the cache
-        self._wake = threading.Condition()
         self._closed = False
         self._background = background
         self._last_used = time.monotonic()  # the loop restores the most recently used conversation first
-        self._worker = None
+        self._restorer = None
         if loop is not None:
-            loop.attach(self)  # the loop restores its leftovers: no worker of its own
+            loop.attach(self)  # the loop restores its leftovers, between its steps
         elif background:
-            self._worker = threading.Thread(target=self._restore_in_background, name="raincheck-restore", daemon=True)
-            self._worker.start()
+            self._restorer = restorer_for(self.model)  # one thread per model restores every held conversation's
+            self._restorer.attach(self)
 
     # ---- public API -------------------------------------------------------------------------
     @property
@@ -296,17 +298,15 @@ class Conversation:
             total += n
 
     def close(self) -> None:
-        """Cancel an answer being generated and wait for it; stop the background worker (a chunk in
+        """Cancel an answer being generated and wait for it; stop restoring in the background (a chunk in
         progress finishes first)."""
         self._closed = True
         self.cancel()
         in_flight = self._in_flight
         if in_flight is not None and in_flight is not threading.current_thread():
             in_flight.join()
-        with self._wake:
-            self._wake.notify_all()
-        if self._worker is not None:
-            self._worker.join()
+        if self._restorer is not None:
+            self._restorer.detach(self)
         if self.loop is not None:
             self.loop.detach(self)
 
@@ -423,11 +423,11 @@ class Conversation:
                 if self.cache is not None and self.cache.turn != turn_before:
                     self._failed = error
                 raise
-            # the turn's record is made under the lock too: the worker's next chunk counts for this turn
+            # the turn's record is made under the lock too: the restorer's next chunk counts for this turn
             result = self._record_turn(out.cache, out.sequences, out.raincheck, inputs["input_ids"].shape[1],
                                        clock.times, start, previous_pending, request.stopped, output=out)
-        with self._wake:
-            self._wake.notify_all()
+        if self._restorer is not None:
+            self._restorer.wake()  # its leftovers may be restored now
         return result
 
     def _record_turn(self, cache, sequences: torch.Tensor, trace, prompt_length: int, times: list[float],
@@ -483,11 +483,3 @@ class Conversation:
             self.turns[-1].restored_after_answer += n
             self.turns[-1].pending = self.cache.num_pending
 
-    def _restore_in_background(self):
-        while not self._closed:
-            with self._wake:
-                while not self._closed and self.pending == 0:
-                    self._wake.wait(timeout=0.5)
-            if self._closed:
-                return
-            self._restore_one_chunk()

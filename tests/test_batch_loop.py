@@ -394,7 +394,7 @@ def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
     late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # the answer ends before any chunk
     with BatchLoop(model, max_batch_tokens=64) as loop, \
             Conversation(model, processor, late, max_new_tokens=6, loop=loop) as conv:
-        assert conv._worker is None
+        assert conv._restorer is None
         first = ask(conv, QUESTIONS[0], [IMAGES[0]])
         deferred = first.trace.deferred.numel()
         assert deferred > 0 and first.restored_during_answer == 0

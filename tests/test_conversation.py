@@ -113,12 +113,59 @@ def test_bad_questions_are_rejected_before_compute(model, processor):
         Conversation(model, processor, RaincheckConfig(selector=torch.ones(3, dtype=torch.bool)))
 
 
-def test_close_stops_the_worker(model, processor):
+def test_close_detaches_from_the_restorer_and_its_thread_ends(model, processor):
+    from raincheck_hf.restorer import restorer_for
+
+    restorer = restorer_for(model)
     conv = Conversation(model, processor, CFG, max_new_tokens=4)
+    assert conv._restorer is restorer and restorer.attached >= 1 and restorer.running
+    before = restorer.attached
     conv.close()
-    assert not conv._worker.is_alive()
+    assert restorer.attached == before - 1
+    if before == 1:  # no other conversation on the model: the thread ends
+        deadline = time.monotonic() + 10
+        while restorer.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not restorer.running
     with pytest.raises(RuntimeError, match="closed"):
         conv.ask("hi")
+
+
+def test_conversations_on_one_model_share_one_restorer_thread(model, processor):
+    """Several conversations holding leftovers at once are all restored in idle time by the model's one restorer
+    thread (not a thread each: every CUDA thread costs a cuBLAS workspace), and each ends with the cache
+    `complete()` gives (the same rows, keys within rounding)."""
+    import threading
+
+    def restore_threads():
+        return sum(t.name == "raincheck-restore" and t.is_alive() for t in threading.enumerate())
+
+    images = [draw_test_image(128, 96, seed=s) for s in (1, 4, 7)]
+    convs = [Conversation(model, processor, CFG, max_new_tokens=6) for _ in images]
+    alone = [Conversation(model, processor, CFG, background=False, max_new_tokens=6) for _ in images]
+    try:
+        for conv, twin, image in zip(convs, alone, images):
+            assert restore_threads() == 1
+            conv.ask("What is in this image?", images=[image])
+            twin.ask("What is in this image?", images=[image])
+            assert twin.pending > 0
+        for conv in convs:
+            _wait_until_restored(conv)
+        assert restore_threads() == 1
+        for conv, twin in zip(convs, alone):
+            deferred = conv.turns[0].trace.deferred.numel()
+            assert conv.turns[0].restored_during_answer + conv.turns[0].restored_after_answer == deferred
+            assert twin.complete() > 0
+            assert torch.equal(conv.cache.row_sources, twin.cache.row_sources)
+            for la, lb in zip(conv.cache.layers, twin.cache.layers):
+                assert torch.allclose(la.keys, lb.keys, atol=1e-5)
+        follow = [conv.ask("And the corner?", output_logits=True) for conv in convs]
+        again = [twin.ask("And the corner?", output_logits=True) for twin in alone]
+        for a, b in zip(follow, again):
+            assert torch.equal(a.token_ids, b.token_ids)
+    finally:
+        for conv in convs + alone:
+            conv.close()
 
 
 # ---- stopping an answer early ----------------------------------------------------------------------

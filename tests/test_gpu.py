@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import types
 import warnings
 
@@ -901,12 +902,16 @@ def test_cuda_gdn_ops_launch_the_kernels_and_match_their_cpu_versions(monkeypatc
     assert all(use for _, use in launched), launched
 
 
-def test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped():
+@pytest.mark.parametrize("background", [False, True], ids=["no_restoring", "restoring_in_background"])
+def test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped(background):
     """Conversations held at once each capture their steps on a storage of their own; once they are closed and
     dropped the device memory held by tensors is back where it was (within the storages the pool keeps, 4 MB
     each here, and 8 MB), however many there were. Each storage used to warm its captures up on a CUDA stream of
     its own, and cuBLAS keeps a 32 MB workspace per stream for good: 33.5 MB more with each conversation held at
-    once, never given back (`fast.scoping.warm_up_stream`)."""
+    once, never given back (`fast.scoping.warm_up_stream`). With ``background`` their leftovers are restored in
+    idle time: each conversation had a worker thread of its own, and each thread a cuBLAS handle with its 32 MB
+    workspace, kept by torch's handle pool after the thread ends; the model's one restorer thread
+    (`restorer.IdleRestorer`) restores them all."""
     import gc
 
     from raincheck_hf.fast.static_cache import POOLED_PER_MODEL
@@ -922,10 +927,17 @@ def test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped():
         chats = []
         for i in range(n):
             d = dialogues[i % POOLED_PER_MODEL]  # (the same prompts: no selection or tower shape of their own)
-            chat = raincheck_hf.Conversation(model, processor, config, background=False)
-            for k, turn in enumerate(d.turns[:2]):
-                chat.ask(turn.question, images=[d.image()] if k == 0 else [], max_new_tokens=16)
+            chat = raincheck_hf.Conversation(model, processor, config, background=background)
+            # (restoring: a first turn of one token only, whose leftovers, all of them, the restorer then prefills
+            # in chunks; a 16-token answer restores them all itself, and a follow-up in its own prefill)
+            for k, turn in enumerate(d.turns[:1 if background else 2]):
+                chat.ask(turn.question, images=[d.image()] if k == 0 else [], max_new_tokens=1 if background else 16)
             chats.append(chat)
+        if background:  # every one's leftovers restored (by its thread, or the one restorer)
+            deadline = time.monotonic() + 60
+            while any(c.pending for c in chats) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not any(c.pending for c in chats)
         for chat in chats:
             chat.close()
         del chats, chat

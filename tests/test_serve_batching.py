@@ -172,7 +172,7 @@ def test_idle_time_restoration_by_the_loop(batching_server, glyph, dialogues):
     deferred = reply.model_extra["raincheck"]["deferred"]
     assert deferred > 0 and reply.model_extra["raincheck"]["restored_during"] == 0
     conv = server.store.get(reply.model_extra["raincheck"]["conversation_id"])
-    assert conv._worker is None
+    assert conv._restorer is None
     wait_for(lambda: conv.turns[0].restored_after_answer == deferred)  # counted once its chunk's forward ran
     assert conv.pending == 0 and conv.turns[0].pending == 0
     text = reply.choices[0].message.content

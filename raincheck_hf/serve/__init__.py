@@ -3,7 +3,7 @@
 ``python -m raincheck_hf serve`` (needs the ``serve`` extra: FastAPI + uvicorn). A follow-up that
 resends the dialogue continues the held conversation whose token ids are its longest prefix
 (images and videos compared by content hash), so it prefills only its own new tokens; between
-requests each conversation's worker restores the deferred tokens in idle time. See
+requests the model's restorer thread restores the held conversations' deferred tokens in idle time. See
 ``docs/serving.md``.
 
 Layout: `schema` (the request as pydantic models: validation and ``/docs``), `protocol` (the request

@@ -5,8 +5,8 @@ beyond it), is checked (`protocol.parse_chat_request`), tokenized whole with the
 template, waits for a running place, is matched against the held conversations
 (`store.ConversationStore.checkout`) and answered by that conversation in a thread of its own (`Server.start`,
 the one place where a turn starts and its tokens come out): `Conversation`'s generate call continues the cache,
-so a follow-up prefills only its new tokens; after the answer the conversation's worker restores
-the deferred leftovers in idle time. Different conversations answer concurrently on the one model
+so a follow-up prefills only its new tokens; after the answer the model's restorer thread
+(`restorer.IdleRestorer`, one for all held conversations) restores the deferred leftovers in idle time. Different conversations answer concurrently on the one model
 (the engine is batch 1: their steps interleave on the device; the fast path keeps each thread's
 state apart and runs graph captures one at a time, `fast.scoping`). A client that goes away sets
 the turn's cancel event, `Conversation`'s own cancellation: generation stops at the next step,

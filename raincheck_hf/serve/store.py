@@ -107,8 +107,8 @@ class Checkout:
 class ConversationStore:
     """Held conversations of one model, least recently used evicted first above ``max_bytes``.
 
-    ``background``: each conversation restores its leftovers in a worker of its own (False: the server's batching
-    loop does it, `next_to_restore`)."""
+    ``background``: the conversations' leftovers are restored by the model's restorer thread (`restorer.IdleRestorer`;
+    False: the server's batching loop does it, `next_to_restore`)."""
 
     def __init__(self, model, processor, max_bytes: int | None, reuse: bool = True, background: bool = True):
         self.model, self.processor, self.max_bytes, self.reuse = model, processor, max_bytes, reuse
