@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -142,7 +141,7 @@ def test_upload_a_grid_ask_two_questions_stream_and_the_picture_changes(app_url,
     toasts = page.locator("[data-testid='toast-body']")
     assert toasts.count() == 0, f"Gradio showed an error: {toasts.all_inner_texts()}"
 
-    # closing the tab ends the session, and the session's conversation is closed (its worker stops)
+    # closing the tab ends the session, and the session's conversation is closed (no longer restored)
     before = restore_workers()
     page.context.close()
     deadline = time.monotonic() + 20
@@ -167,7 +166,10 @@ def settled_picture(page, quiet: float = 0.6, timeout: float = 15.0) -> str:
 
 
 def restore_workers() -> int:
-    return sum(t.name == "raincheck-restore" and t.is_alive() for t in threading.enumerate())
+    """Conversations the models' restorer threads restore in the background (`restorer.IdleRestorer`)."""
+    from raincheck_hf.restorer import _RESTORERS
+
+    return sum(r.attached for r in list(_RESTORERS.values()))
 
 
 COMPARE_ARTIFACT = ROOT / "artifacts" / "demo_compare.png"
