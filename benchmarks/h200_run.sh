@@ -77,7 +77,7 @@ serve_load)
     # TRACE=1: one more round at the most clients under torch.profiler, the preparations marked, the trace kept;
     # CAPS=none,64: the server config's chunk cap RaincheckConfig.batch_chunk_rows side by side, the default first;
     # SPLIT=default,never: the loop's split_rows (decode steps split by width, or never) side by side;
-    # JOIN=both: turns joining while a step runs (the default) and only between steps, side by side;
+    # JOIN=both: turns joining while a step runs and only between steps (the default), side by side;
     # SPY=1: the run under py-spy, below)
     M="${LOAD_MODEL:-qwen3_vl_8b}"
     # SPY=1: the whole run under py-spy (every thread of the server's process sampled, raw stacks kept;
@@ -105,7 +105,7 @@ soak)
 loop_host)
     # where the batching loop's host time per step goes at N turns on the real shape (benchmarks/loop_host_profile.py):
     # each part's wall and thread CPU time, the loop thread's synchronizing calls per step, a cProfile of one round
-    timeout "${LOOP_S:-300}" python3 benchmarks/loop_host_profile.py --model "${LOAD_MODEL:-qwen3_vl_8b}" \
+    timeout "${LOOP_S:-300}" python3 -u benchmarks/loop_host_profile.py --model "${LOAD_MODEL:-qwen3_vl_8b}" \
         --turns "${TURNS:-8,32}" --variant "${VARIANT:-server}" --mode "${MODES:-raincheck,full}" --tokens "${TOKENS:-48}" \
         --reps 2 --syncs --cprofile "${CPROFILE:-45}" \
         --json "$OUT/loop_host_profile_${LOAD_MODEL:-qwen3_vl_8b}_h200.json" > "$OUT/loop_host_profile_${LOAD_MODEL:-qwen3_vl_8b}_h200.log" 2>&1

@@ -341,7 +341,19 @@ def main(argv=None):
     image_size = args.image_size or (tuple(spec.image_size) if spec.real_shape else (192, 160))
     processor = (shapes.build_processor() if spec.real_shape
                  else build_tiny_processor(max_pixels=max(image_size[0] * image_size[1], 192 * 160)))
-    rows, generate_rows = [], []
+    rows, generate_rows, warmed = [], [], {}
+    if device.type == "cuda":  # every batched step a case can take captured first, as `serve --batching` does at start
+        from raincheck_hf.warmup import DEFAULT_MAX_TOKENS, warm_up
+
+        for mode in args.mode.split(","):
+            began = time.perf_counter()
+            summary = warm_up(model, processor, RaincheckConfig(mode=mode, fast_path=True), max_tokens=DEFAULT_MAX_TOKENS,
+                              max_new_tokens=args.tokens, batch=max(int(n) for n in args.turns.split(",")),
+                              conversations=0, image_sizes=[(image_size[1], image_size[0])], cache_dir=False,
+                              progress=False)
+            warmed[mode] = {"batched_captured": summary.batched, "seconds": round(time.perf_counter() - began, 1)}
+            print(f"warm-up ({mode}): {summary.batched} batched steps captured in {warmed[mode]['seconds']} s",
+                  flush=True)
     for variant in args.variant.split(","):
         if variant not in VARIANTS:
             raise ValueError(f"--variant must be among {VARIANTS}, got {variant!r}")
@@ -379,6 +391,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return write_script_result("loop_host_profile.py", argv, args.json, label=args.label, rows=rows,
                                generate_rows=generate_rows, model_info=model_info, device=str(device), gpu=gpu,
+                               batched_warm_up=warmed,
                                what=f"host ms per step of the batching loop with N turns ({args.model} on "
                                     f"{device.type}; a diagnosis of where the loop's host time goes)")
 

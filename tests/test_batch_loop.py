@@ -213,7 +213,7 @@ def test_steps_launched_ahead_of_the_streaming_leave_every_answer_as_alone(model
 def test_turns_that_arrive_while_a_step_runs_join_before_the_next_step_and_equal_their_dialogues_alone(
         name, in_flight):
     """While a long answer runs, a new conversation's first turn and a held conversation's follow-up arrive (handed
-    over while the loop streams a token, a step launched ahead running): with ``join_in_flight`` (the default) both
+    over while the loop streams a token, a step launched ahead running): with ``join_in_flight`` on both
     join during the next step, before the step after it is prepared (``joins_in_flight``), and that step, carrying
     their prompts, is launched ahead too; with it off they join between steps, and no step is launched ahead of
     their joining. Every turn equals its dialogue alone either way, on both families (Qwen3.5: the joining

@@ -331,7 +331,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         switch_interval=None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
-        chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "on") -> dict:
+        chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "off") -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -387,7 +387,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     queue_places = max_queue if max_queue is not None else max(clients)
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
     aheads = _switch_values(launch_ahead, "launch_ahead", "on", (True, False), batching)
-    in_flight = _switch_values(join_in_flight, "join_in_flight", "on", (True, False), batching)
+    in_flight = _switch_values(join_in_flight, "join_in_flight", "off", (True, False), batching)
     if preparing is None:  # (the server's own settings unless told otherwise)
         preparing = (ServeSettings.max_preparing,) if batching else (None,)
     if prepare_stream is None:
@@ -761,9 +761,9 @@ def main(argv=None):
     parser.add_argument("--launch-ahead", choices=("on", "off", "both"), default="on",
                         help="with --batching: the loop launches a step ahead of its predecessor's streaming (on, the "
                              "server's default), never (off), or both, each client count's rounds side by side")
-    parser.add_argument("--join-in-flight", choices=("on", "off", "both"), default="on",
-                        help="with --batching: turns prepared ahead join the loop while a step runs (on, the server's "
-                             "default), only between steps (off), or both, each client count's rounds side by side")
+    parser.add_argument("--join-in-flight", choices=("on", "off", "both"), default="off",
+                        help="with --batching: turns prepared ahead join the loop while a step runs (on), only between "
+                             "steps (off, the server's default), or both, each client count's rounds side by side")
     parser.add_argument("--prompt-forwards", type=_forwards, default=(None,), metavar="K[,K...]",
                         help="with --batching: the loop's max_prompt_forwards, one value or several side by side "
                              "(e.g. any,1,2; 'any': as many as the token budget gives, the default)")
