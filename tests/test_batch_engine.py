@@ -856,3 +856,23 @@ def test_prompt_pieces_are_cut_by_host_flags_as_the_device_flags_cut_them(leftov
         assert torch.equal(left.visual, right.batch.visual)
         for got, expected in zip(left.batch.deepstack, right.batch.deepstack):
             assert torch.equal(got, expected)
+
+
+
+def test_static_buffer_steps_run_whatever_the_callers_grad_mode():
+    """The captured steps' static buffers serve every caller of the model: after a `BatchLoop`'s turn (its thread
+    runs the steps under ``no_grad``, as ``generate`` does), a `BatchEngine` driven with grad mode on, on the same
+    model, runs its steps on those buffers too, each sequence equal to its own call. A logits buffer made under
+    ``no_grad`` was written in place with grad mode on, and torch refused it (found by a test order that ran the
+    loop's tests first)."""
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.tiny import draw_test_image
+
+    name = ALL_FAMILIES[0]
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=2, fast_path=True)  # (the static buffers)
+    with BatchLoop(model) as loop, Conversation(model, processor, cfg, background=False, max_new_tokens=4,
+                                                loop=loop) as conv:
+        conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=1)])
+    assert torch.is_grad_enabled()
+    _run_fuzz_case(2000, 0, draw_case, ahead=True, graphs=True)

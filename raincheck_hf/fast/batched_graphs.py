@@ -779,16 +779,19 @@ class BatchedStepGraphs:
         ok = False
         self.ran_eagerly = False
         try:
-            if captured is None and not self.failed and not (key.prefill and self.prefill_failed):
-                graph = self._capture_new(key, buffers)
-                if graph is not None:
-                    captured = (graph, buffers)
-            if captured is None:  # capture failed: the same step, eagerly on these buffers
-                self.ran_eagerly = True
-                self._step(buffers, key)
-            else:
-                captured[0].replay()
-                self.replays += 1
+            # (no autograd record, whatever the caller's grad mode: the static buffers serve every caller, and a buffer
+            # made under `no_grad`, e.g. by a `BatchLoop`'s thread, cannot be written in place with grad mode on)
+            with torch.no_grad():
+                if captured is None and not self.failed and not (key.prefill and self.prefill_failed):
+                    graph = self._capture_new(key, buffers)
+                    if graph is not None:
+                        captured = (graph, buffers)
+                if captured is None:  # capture failed: the same step, eagerly on these buffers
+                    self.ran_eagerly = True
+                    self._step(buffers, key)
+                else:
+                    captured[0].replay()
+                    self.replays += 1
             ok = True
         finally:
             if not ok:  # the step's rows are taken back (as `SlotKVPool.end_step(False)`)
