@@ -537,17 +537,20 @@ class BatchEngine:
         self.join(state, cache)
         return state
 
-    def add_made(self, state: SequenceState) -> SequenceState:
-        """A fresh prompt's sequence made ahead by `batched.new_sequence` with this engine's model and an equal config
-        (elsewhere, e.g. on the thread that asked: `batch_loop.BatchLoop.prepare_ahead`), prefilled from the next
-        `step` on, as `add` would have made it; it takes the next arrival number."""
+    def add_made(self, state: SequenceState, cache: DeferredDynamicCache | None = None) -> SequenceState:
+        """A sequence made ahead by `batched.new_sequence` with this engine's model and an equal config (elsewhere,
+        e.g. on the thread that asked: `batch_loop.BatchLoop.prepare_ahead`), prefilled from the next `step` on, as
+        `add` would have made it; it takes the next arrival number. ``cache``: for a follow-up, the held cache it was
+        made from, as it was then (the caller's promise; copied in, left unchanged)."""
         if self._closed:
             raise ValueError("BatchEngine.add_made after close(): the engine gave its pool back; make a new engine.")
         if state in self._members or state.prefilled:
             raise ValueError("BatchEngine.add_made takes a sequence made by new_sequence and not added anywhere yet.")
+        if cache is not None:
+            _check_held(cache, "add_made(cache=...)")
         state.index = self._arrivals
         self._arrivals += 1
-        self.join(state, None)
+        self.join(state, cache)
         return state
 
     def restore(self, cache: DeferredDynamicCache, max_rows: int | None = None) -> RestoringState:

@@ -69,7 +69,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .batch_engine import SPLIT_ROWS, BatchEngine, check_prompt_forwards, check_ride_rows, check_split_rows
 from .cache_utils import to_device, to_device_all
-from .batched import RestoringState, new_sequence
+from .batched import RestoringState, SequenceState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .fast.scoping import device_work
 from .fast.vision_graphs import vision_graphs_for
@@ -387,6 +387,14 @@ def _used_on(obj, stream) -> None:
             tensor.record_stream(stream)
 
 
+def _made_from(prepared: dict, cache) -> bool:
+    """Whether a follow-up's sequence made ahead (`BatchLoop._follow_up_ahead`) was made from ``cache`` as it is now:
+    the same object with the same pending rows (restoring its leftovers in idle time changes them in place; an
+    engine's restoration gives the conversation another cache)."""
+    made = prepared.get("made_from")
+    return made is not None and made[0]() is cache and made[1] == cache.num_pending
+
+
 def _check_budget(value, what: str) -> None:
     if not is_limit(value):
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
@@ -501,6 +509,8 @@ class BatchLoop:
             raise ValueError(f"BatchLoop(join_in_flight={join_in_flight!r}) must be True or False.")
         self.join_in_flight = join_in_flight
         self.joins_in_flight = 0  # turns that joined while a step ran (`_join_in_flight`)
+        self.follow_ups_made_ahead = 0  # follow-ups whose sequence `prepare_ahead` made (`_follow_up_ahead`)
+        self.follow_ups_made_again = 0  # of those, made again when they joined (their held cache had changed)
         if config is not None:
             if not isinstance(config, RaincheckConfig):
                 raise ValueError(f"BatchLoop(config={config!r}) must be a RaincheckConfig or None.")
@@ -995,11 +1005,13 @@ class BatchLoop:
         before it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile
         instead of doing it when the turn joins. A conversation's first turn gets its sequence made here too
         (`batched.new_sequence`: the vision tower's encoding of its media, embeddings, selection, plan; the loop
-        only gives it a slot: `BatchEngine.add_made`); a follow-up's sequence is made when it joins, from its held
-        cache as it is then (the loop may be restoring it until then; HF's preparation reads only the cache's
-        source ids, which restoring leaves as they are). Not for a turn whose selector needs a vision attention
-        capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised
-        when the turn joins, so the turn fails as it would have."""
+        only gives it a slot: `BatchEngine.add_made`). So does a follow-up (`_follow_up_ahead`), from its held cache as
+        it is now, when nothing is restoring it (its lock free at once, not restoring in an engine of the loop,
+        ``early_follow_up``); the loop uses that sequence only if the held cache is still the one it was made from
+        (same object, same pending rows), else makes it again when the turn joins (the loop may have restored some of
+        the leftovers meanwhile). Not for a turn whose selector needs a vision attention capture; called from the
+        loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so the
+        turn fails as it would have."""
         if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return
         began = time.perf_counter()
@@ -1026,6 +1038,8 @@ class BatchLoop:
                             media = _media(prepared, self.adapter)
                             state = new_sequence(self.model, self.adapter, job.config, -1,
                                                  prepared["input_ids"].reshape(-1), **media, **grids)
+                        else:
+                            state = self._follow_up_ahead(job, prepared, grids, stream)
                         if stream is not None or device.type != "cuda":  # (on its own stream: no wait for the loop)
                             try:
                                 prepared["host_reads"] = _host_reads(prepared)
@@ -1042,6 +1056,37 @@ class BatchLoop:
                     _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
+
+    def _follow_up_ahead(self, job: BatchTurn, prepared: dict, grids: dict, stream) -> SequenceState | None:
+        """In `prepare_ahead`, a follow-up's sequence made from its held cache as it is now (`batched.new_sequence`:
+        the cache's leftover rows ahead of the turn, the turn's embeddings, selection and plan), or None where the loop
+        makes it when the turn joins: a conversation that completes its leftovers before a follow-up
+        (``early_follow_up=False``: that runs the model when it joins), restores in one of the loop's engines, or
+        whose lock is taken (a chunk of its leftovers being restored in idle time, in place). ``prepared["made_from"]``
+        records the cache and its pending rows (`_made_from`). On a stream of its own the sequence's device work first
+        waits for the loop's stream (the held cache was written there). An error here is left to the join, which makes
+        the sequence again and fails the turn if that fails too."""
+        conv = job.conversation
+        if not conv.early_follow_up or conv in self._restoring or not conv._lock.acquire(blocking=False):
+            return None
+        try:
+            cache = conv.cache
+            if cache is None or conv in self._restoring:
+                return None
+            if stream is not None:
+                stream.wait_stream(torch.cuda.default_stream(self.adapter.device))
+            state = new_sequence(self.model, self.adapter, job.config, -1, prepared["input_ids"].reshape(-1),
+                                 cache=cache, **_media(prepared, self.adapter), **grids)
+            if stream is not None:
+                stream.synchronize()  # (its reads of the held cache done while the lock keeps the cache as it is)
+            prepared["made_from"] = (weakref.ref(cache), cache.num_pending)
+            self.follow_ups_made_ahead += 1
+            return state
+        except Exception:  # (the join makes it again, and reports what fails then)
+            self._logger.debug("a follow-up's sequence could not be made ahead; made when it joins", exc_info=True)
+            return None
+        finally:
+            conv._lock.release()
 
     MAX_PREPARATION_STREAMS = 4  # streams per priority at most; more preparations at once share them
 
@@ -1107,8 +1152,11 @@ class BatchLoop:
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
                 follow_up = conv.cache is not None
+                if state is not None and follow_up and not _made_from(prepared, conv.cache):
+                    state = None  # the held cache changed since its sequence was made (restored rows): made again
+                    self.follow_ups_made_again += 1
                 if state is not None:
-                    seq = engine.add_made(state)
+                    seq = engine.add_made(state, cache=conv.cache)
                 else:
                     seq = engine.add(prepared["input_ids"], cache=conv.cache, captures=captures,
                                      **_media(prepared, self.adapter), **grids)

@@ -676,8 +676,8 @@ def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_i
 def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(model, processor, monkeypatch):
     """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded, its sequence made:
     selection and plan) on the asking thread before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's
-    thread goes on stepping the running answers; a follow-up gets HF's preparation there too, and its sequence on
-    the loop's thread (made from the held cache, which the loop may be restoring until the follow-up joins). A first
+    thread goes on stepping the running answers; a follow-up gets HF's preparation there too, and its sequence from
+    the held cache as it is then (nothing restores it here: ``background=False``). A first
     turn or a follow-up whose preparation raises fails alone with that error, as when the loop prepared it (the
     follow-up's conversation keeps its held cache), and the loop answers the next one; both dialogues equal
     themselves alone."""
@@ -704,7 +704,8 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(conv, QUESTIONS[0], [IMAGES[0]])
         ask(conv, QUESTIONS[1])
-        assert where == [threading.current_thread()] * 2 and made == [threading.current_thread(), loop._thread]
+        assert where == [threading.current_thread()] * 2 and made == [threading.current_thread()] * 2
+        assert (loop.follow_ups_made_ahead, loop.follow_ups_made_again) == (1, 0)
         held = conv.cache
         with pytest.raises(ValueError, match="max_new_tokens=3"):  # a follow-up's preparation fails on the asker's
             ask(conv, QUESTIONS[1], max_new_tokens=3)             # thread: it fails alone, the held cache kept
@@ -972,3 +973,54 @@ def test_preparations_at_once_each_take_a_stream_of_their_own(model, monkeypatch
         loop.prepare_priority = "high"
         with loop._preparation_stream() as high:
             assert high not in (a, b) and high.priority == -100
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_makes_it_again(name, monkeypatch):
+    """A follow-up's sequence is made on the asking thread from its held cache (`BatchLoop._follow_up_ahead`), its
+    leftover deferred rows riding ahead of it; the loop only copies the cache in when it joins. Where the held cache
+    changed after that (here: one chunk of the leftovers restored in place, as idle-time restoration does, right
+    after the sequence was made), the loop makes the sequence again from the cache as it is when the turn joins. Each
+    dialogue equals the same one alone (with that chunk restored between its turns), on Qwen3-VL and Qwen3.5 (whose
+    held Gated DeltaNet states the follow-up continues)."""
+    from families import family_model, family_processor
+
+    from raincheck_hf import batch_loop
+
+    model, processor = family_model(name), family_processor(name)
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # (the answers end before any chunk)
+    made, original = [], BatchLoop._follow_up_ahead
+    monkeypatch.setattr(batch_loop, "new_sequence", lambda *a, _made=batch_loop.new_sequence, **k: made.append(
+        (threading.current_thread(), k.get("cache") is not None)) or _made(*a, **k))
+
+    def then_restore_a_chunk(self, job, prepared, grids, stream):
+        state = original(self, job, prepared, grids, stream)
+        if job.conversation in changed:
+            assert job.conversation._restore_one_chunk() > 0
+        return state
+
+    monkeypatch.setattr(BatchLoop, "_follow_up_ahead", then_restore_a_chunk)
+    changed = []
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        kept, moved = (Conversation(model, processor, late, background=False, max_new_tokens=5, loop=loop)
+                       for _ in range(2))
+        changed.append(moved)
+        for conv, image in ((kept, IMAGES[0]), (moved, IMAGES[1])):
+            ask(conv, QUESTIONS[0], [image])
+            assert conv.pending > 0
+            ask(conv, QUESTIONS[1])
+        follow_ups = [m for m in made if m[1]]
+        assert follow_ups == [(threading.current_thread(), True)] * 2  # both made on the asking thread
+        assert (loop.follow_ups_made_ahead, loop.follow_ups_made_again) == (2, 1)
+        for conv in (kept, moved):
+            conv.close()
+    for conv, image, chunk in ((kept, IMAGES[0], False), (moved, IMAGES[1], True)):
+        with Conversation(model, processor, late, background=False, max_new_tokens=5) as solo:
+            for k, turn in enumerate(conv.turns):
+                if k == 1 and chunk:
+                    solo._restore_one_chunk()
+                ask(solo, QUESTIONS[k], [image] if k == 0 else (), max_new_tokens=turn.token_ids.numel(),
+                    raincheck_chunk_schedule=list(turn.trace.chunk_size_per_forward))
+            for k, (got, want) in enumerate(zip(conv.turns, solo.turns)):
+                assert_same_turn(got, want, f"{'moved' if chunk else 'kept'} turn {k}")
+        assert conv.turns[1].trace.restored_per_forward[0].numel() > 0  # leftovers rode with the follow-up
