@@ -1152,9 +1152,13 @@ class BatchLoop:
                 engine = self._engine_for(job.config)
                 job.previous_pending = conv.pending
                 follow_up = conv.cache is not None
-                if state is not None and follow_up and not _made_from(prepared, conv.cache):
-                    state = None  # the held cache changed since its sequence was made (restored rows): made again
-                    self.follow_ups_made_again += 1
+                if state is not None and follow_up:
+                    if _made_from(prepared, conv.cache):
+                        self.step_log.follow_up_joined(made_ahead=True)
+                    else:  # the held cache changed since its sequence was made (restored rows): made again
+                        state = None
+                        self.follow_ups_made_again += 1
+                        self.step_log.follow_up_joined(made_ahead=False)
                 if state is not None:
                     seq = engine.add_made(state, cache=conv.cache)
                 else:

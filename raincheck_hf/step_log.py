@@ -189,7 +189,8 @@ class StepLog:
             self._totals: dict[tuple[str, int], list] = {}
             self._spent = {"joins": 0, "join_total_s": 0.0, "join_cpu_s": 0.0, "restore_beside_total_s": 0.0,
                            "idle_restorations": 0,
-                           "restore_idle_total_s": 0.0, "steps_ahead": 0, "joins_in_flight": 0}
+                           "restore_idle_total_s": 0.0, "steps_ahead": 0, "joins_in_flight": 0,
+                           "follow_ups_made_ahead": 0, "follow_ups_made_again": 0}
 
     # ---- the loop's thread ----
     def launched(self, record: StepRecord | None, launched: float, stepped: float | None = None,
@@ -239,6 +240,12 @@ class StepLog:
         """``turns`` joined while a step ran (`BatchLoop._join_in_flight`; their times count as ``"join"`` too)."""
         with self._lock:
             self._spent["joins_in_flight"] += turns
+
+    def follow_up_joined(self, made_ahead: bool) -> None:
+        """A follow-up joined with its sequence made on its request's thread (``made_ahead``), or made again on the
+        loop's because its held cache had changed since (`BatchLoop._follow_up_ahead`)."""
+        with self._lock:
+            self._spent["follow_ups_made_ahead" if made_ahead else "follow_ups_made_again"] += 1
 
     def spent(self, what: str, seconds: float, cpu: float = 0.0) -> None:
         """``seconds`` of the loop's thread in ``what``: ``"join"`` (a new turn's `BatchLoop._join`), ``"restore"``
@@ -297,7 +304,9 @@ class StepLog:
         """Plain data: ``steps`` (since the last reset), ``timed`` (of them, those whose time to the next launch is
         known: all but one still running), rows by kind, the seconds of the timed steps in each part
         (``seconds``: totals of `LoopStep`'s times), the loop's time in joins and restoration, ``steps_ahead`` (those
-        launched ahead of their predecessor's streaming), ``joins_in_flight`` (turns that joined while a step ran);
+        launched ahead of their predecessor's streaming), ``joins_in_flight`` (turns that joined while a step ran),
+        ``follow_ups_made_ahead`` / ``follow_ups_made_again`` (follow-ups that joined with their sequence made on
+        their request's thread / made again on the loop's);
         ``kinds``: per `StepRecord.kind`, its steps, mean sequences, rows and the mean ms of each part over its timed
         steps, and ``by_sequences``: the same per number of sequences in the step; ``recent``: the last ``recent`` steps
         (`LoopStep.as_dict`), oldest first."""

@@ -1012,6 +1012,8 @@ def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_
         follow_ups = [m for m in made if m[1]]
         assert follow_ups == [(threading.current_thread(), True)] * 2  # both made on the asking thread
         assert (loop.follow_ups_made_ahead, loop.follow_ups_made_again) == (2, 1)
+        logged = loop.step_log.snapshot()
+        assert (logged["follow_ups_made_ahead"], logged["follow_ups_made_again"]) == (1, 1)  # (used / made again)
         for conv in (kept, moved):
             conv.close()
     for conv, image, chunk in ((kept, IMAGES[0], False), (moved, IMAGES[1], True)):

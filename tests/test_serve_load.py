@@ -610,7 +610,7 @@ def test_serve_load_compares_joins_in_flight_side_by_side(tmp_path):
     for row in (on, off):
         assert row["completion_tokens"] == 3 * (6 + 4 + 4) and row["errors"] == 0 and row["loop"]["joins"] == 9
     assert off["loop"]["joins_in_flight"] == 0 and 0 <= on["loop"]["joins_in_flight"] <= 9
-    assert any("while a step ran) in" in line for line in lines)
+    assert any("while a step ran; follow-ups' sequences " in line for line in lines)
     for bad, kwargs in (("sometimes", dict(batching=True)), ("both", {})):
         with pytest.raises(ValueError, match="join_in_flight must be"):
             serve_load.run(clients=(1,), join_in_flight=bad, **kwargs)

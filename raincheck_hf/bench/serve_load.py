@@ -206,7 +206,8 @@ def loop_summary(steps: dict) -> str:
                       f"{k['sequences']:.1f} seqs)"
                       for kind, k in sorted(steps["kinds"].items(), key=lambda item: -item[1]["steps"]))
     return (f"{steps['steps']} steps ({steps.get('steps_ahead', 0)} launched ahead): {kinds or 'none'}; "
-            f"joins {steps['joins']} ({steps.get('joins_in_flight', 0)} while a step ran) in "
+            f"joins {steps['joins']} ({steps.get('joins_in_flight', 0)} while a step ran; follow-ups' sequences "
+            f"{steps.get('follow_ups_made_ahead', 0)} made ahead, {steps.get('follow_ups_made_again', 0)} made again) in "
             f"{steps['join_total_s']:.2f} s (cpu {steps.get('join_cpu_s', 0.0):.2f} s), "
             f"host gap {steps['seconds']['gap']:.2f} s, device wait {steps['seconds']['wait']:.2f} s"
             + "".join(f"; {label}: {turn_summary(steps['turns'][key])}"
