@@ -364,6 +364,8 @@ class Conversation:
                 self._request = None
             if self.loop is not None:
                 self.loop.notify()  # its leftovers may be restored now
+            elif self._restorer is not None:
+                self._restorer.wake()  # (now that no turn runs: the restorer passes over a conversation in a turn)
 
     def _loop_turn(self, inputs, streamer, generate_kwargs, request: _CancelRequest) -> TurnResult:
         """The turn on the loop: handed over, then waited for (the loop writes the history, `_record_turn`)."""
@@ -426,8 +428,6 @@ class Conversation:
             # the turn's record is made under the lock too: the restorer's next chunk counts for this turn
             result = self._record_turn(out.cache, out.sequences, out.raincheck, inputs["input_ids"].shape[1],
                                        clock.times, start, previous_pending, request.stopped, output=out)
-        if self._restorer is not None:
-            self._restorer.wake()  # its leftovers may be restored now
         return result
 
     def _record_turn(self, cache, sequences: torch.Tensor, trace, prompt_length: int, times: list[float],

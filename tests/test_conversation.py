@@ -298,3 +298,24 @@ def test_a_turn_that_fails_mid_answer_says_so_on_the_next_ask(model, processor):
         with pytest.raises(RuntimeError, match="start a new Conversation") as info:
             conv.ask("Still there?")
         assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_the_restorer_starts_as_soon_as_a_turn_ends(model, processor, monkeypatch):
+    """A turn's end wakes the model's restorer once the turn no longer counts as running (it passes over a
+    conversation in a turn): with its idle wait made longer than the test's, the leftovers are still restored, so the
+    wake-up, not the wait running out, started them."""
+    from raincheck_hf.restorer import IdleRestorer
+
+    monkeypatch.setattr(IdleRestorer, "WAIT_IDLE_S", 600.0)
+    turn = Conversation._generate_turn
+
+    def slow_to_end(self, *args):  # the turn's record made, a moment passes before the turn stops counting as running
+        result = turn(self, *args)
+        time.sleep(0.2)
+        return result
+
+    monkeypatch.setattr(Conversation, "_generate_turn", slow_to_end)
+    with Conversation(model, processor, CFG, max_new_tokens=4) as conv:
+        r = conv.ask("What is in this image?", images=[draw_test_image(128, 96, seed=5)])
+        assert r.trace.pending.numel() > 0
+        _wait_until_restored(conv, timeout=60.0)
