@@ -111,8 +111,9 @@ def test_detach_waits_for_a_chunk_in_progress_and_closed_ones_are_skipped():
     assert started.wait(10)
     done = threading.Event()
     threading.Thread(target=lambda: (restorer.detach(slow), done.set()), daemon=True).start()
+    wait_for(lambda: restorer.attached == 1)  # detached (no chunk after this one) ...
     time.sleep(0.05)
-    assert not done.is_set()  # the chunk in progress is waited for
+    assert not done.is_set()  # ... and the chunk in progress waited for
     release.set()
     assert done.wait(10)
     assert log == ["slow"] and slow.pending == 4  # no chunk after the detach
