@@ -526,6 +526,8 @@ class BatchLoop:
         self._thread: threading.Thread | None = None
         self._engines: list[BatchEngine] = []
         self._jobs: dict[object, BatchTurn] = {}  # sequence -> its turn
+        self._arriving: list[BatchTurn] = []  # turns taken from the queue whose join has not run yet
+        self.failures = 0  # iterations that failed with an unexpected error (`_recover`)
         self._restoring: dict[object, tuple[BatchEngine, RestoringState]] = {}  # conversation -> its restoring seq
         self._conversations = weakref.WeakSet()  # the Conversations on this loop (`attach`)
         self._conversations_lock = threading.Lock()
@@ -707,7 +709,13 @@ class BatchLoop:
                 # (its device work beside the preparing threads'; a capture on any thread waits for the iteration's
                 # end, and the iteration for the capture: `fast.scoping.device_work`)
                 with device_work():
-                    went = self._iteration()
+                    try:
+                        went = self._iteration()
+                    except Exception as error:  # (a bug, or the device's error): its turns end with it, not the loop
+                        self._logger.error("an iteration of the batching loop failed; the turns in its engines end "
+                                           "with the error", exc_info=error)
+                        self._recover(error)
+                        went = "ran"
                 if went == "closed":
                     break
                 if went == "idle":
@@ -759,10 +767,36 @@ class BatchLoop:
         return "idle"
 
     def _join_all(self, jobs) -> None:
-        for job in jobs:
+        self._arriving = list(jobs)  # (what `_recover` ends if an error stops the joins midway)
+        while self._arriving:
+            job = self._arriving.pop(0)
             began, cpu = time.perf_counter(), time.thread_time()
             self._join(job)
             self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
+
+    def _recover(self, error: BaseException) -> None:
+        """After an unexpected error in an iteration (`_loop`), so that no turn waits for a loop that stopped: every
+        turn in the loop's engines and every one it was about to join ends with the error (its conversation stays as
+        it was before the turn: the engines ran on copies of the held caches), the conversations restoring in the
+        engines keep their held caches as they were, a step launched ahead is dropped, and the engines are closed
+        (their pools given back; the next turns get new ones). Turns still queued and tasks stay queued."""
+        self.failures += 1
+        failure = RuntimeError(f"the batching loop failed while this turn was in it ({type(error).__name__}: "
+                               f"{error}); its conversation stays as it was before the turn.")
+        failure.__cause__ = error
+        self._ahead = None
+        self._restoring.clear()  # (their held caches were never changed: each engine restored a copy)
+        jobs, arriving = list(self._jobs.values()), self._arriving
+        self._jobs.clear()
+        self._arriving = []
+        for job in jobs + arriving:
+            self._end(job, error=failure)
+        engines, self._engines = self._engines, []
+        for engine in engines:
+            try:
+                engine.close()
+            except Exception as failed:  # (its pool is dropped with it)
+                self._logger.error("closing a batch engine after a failure failed", exc_info=failed)
 
     def _joins_in_flight(self, job: BatchTurn, engine: BatchEngine) -> bool:
         """Whether ``job`` may join ``engine`` while a step of it runs on the device (`_join_in_flight`): prepared

@@ -1026,3 +1026,51 @@ def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_
             for k, (got, want) in enumerate(zip(conv.turns, solo.turns)):
                 assert_same_turn(got, want, f"{'moved' if chunk else 'kept'} turn {k}")
         assert conv.turns[1].trace.restored_per_forward[0].numel() > 0  # leftovers rode with the follow-up
+
+
+def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(model, processor, monkeypatch, caplog):
+    """An error the loop does not expect (here the engine's `remove` raising once, as a bug or a device error would)
+    used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
+    loop's engines end with the error (their conversations as they were before the turn), and the loop goes on with
+    new engines: the same conversation's next ask, and a held conversation's follow-up, equal their dialogues alone."""
+    from raincheck_hf.batch_engine import BatchEngine
+
+    remove, broken = BatchEngine.remove, []
+
+    def failing_once(self, seq):
+        if not broken:
+            broken.append(seq)
+            raise RuntimeError("remove broke")
+        return remove(self, seq)
+
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        held = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
+        ask(held, QUESTIONS[0], [IMAGES[2]])
+        monkeypatch.setattr(BatchEngine, "remove", failing_once)
+        hit = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
+        outcome = {}
+
+        def first_turn():  # (in a thread: before the fix it never came back)
+            try:
+                ask(hit, QUESTIONS[0], [IMAGES[0]])
+            except RuntimeError as error:
+                outcome["error"] = error
+
+        with caplog.at_level("ERROR", logger="raincheck_hf.batch_loop"):
+            asker = threading.Thread(target=first_turn, daemon=True)
+            asker.start()
+            asker.join(timeout=120)
+        assert not asker.is_alive(), "the turn never ended: the loop stopped"
+        assert "batching loop failed while this turn was in it" in str(outcome.get("error"))
+        assert broken and loop.failures == 1 and "remove broke" in caplog.text
+        assert hit.turns == [] and hit.cache is None  # as before the turn
+        thread = loop._thread
+        ask(hit, QUESTIONS[0], [IMAGES[0]])
+        ask(held, QUESTIONS[1])
+        assert loop._thread is thread and thread.is_alive() and loop.failures == 1
+        for conv in (held, hit):
+            conv.close()
+    for conv, image in ((held, IMAGES[2]), (hit, IMAGES[0])):
+        want = alone(model, processor, CFG, conv.turns, QUESTIONS, [image])
+        for k, turn in enumerate(conv.turns):
+            assert_same_turn(turn, want[k], f"turn {k}")
