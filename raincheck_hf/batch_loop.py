@@ -767,11 +767,12 @@ class BatchLoop:
         return "idle"
 
     def _join_all(self, jobs) -> None:
-        self._arriving = list(jobs)  # (what `_recover` ends if an error stops the joins midway)
+        self._arriving = list(jobs)  # (what `_recover` ends if an error stops the joins midway, the one joining too)
         while self._arriving:
-            job = self._arriving.pop(0)
+            job = self._arriving[0]
             began, cpu = time.perf_counter(), time.thread_time()
             self._join(job)
+            self._arriving.pop(0)
             self._spent("join", time.perf_counter() - began, time.thread_time() - cpu)
 
     def _recover(self, error: BaseException) -> None:
@@ -786,10 +787,11 @@ class BatchLoop:
         failure.__cause__ = error
         self._ahead = None
         self._restoring.clear()  # (their held caches were never changed: each engine restored a copy)
-        jobs, arriving = list(self._jobs.values()), self._arriving
+        jobs = list(self._jobs.values())
+        jobs += [job for job in self._arriving if all(job is not j for j in jobs)]  # (one joining may be in both)
         self._jobs.clear()
         self._arriving = []
-        for job in jobs + arriving:
+        for job in jobs:
             self._end(job, error=failure)
         engines, self._engines = self._engines, []
         for engine in engines:
@@ -1101,7 +1103,7 @@ class BatchLoop:
         waits for the loop's stream (the held cache was written there). An error here is left to the join, which makes
         the sequence again and fails the turn if that fails too."""
         conv = job.conversation
-        if not conv.early_follow_up or conv in self._restoring or not conv._lock.acquire(blocking=False):
+        if not conv.early_follow_up or not conv._lock.acquire(blocking=False):
             return None
         try:
             cache = conv.cache

@@ -206,7 +206,7 @@ class Conversation:
         if loop is not None:
             loop.attach(self)  # the loop restores its leftovers, between its steps
         elif background:
-            self._restorer = restorer_for(self.model)  # one thread per model restores every held conversation's
+            self._restorer = restorer_for(self.model)  # (one thread per model, for all its conversations)
             self._restorer.attach(self)
 
     # ---- public API -------------------------------------------------------------------------

@@ -1074,3 +1074,40 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
         want = alone(model, processor, CFG, conv.turns, QUESTIONS, [image])
         for k, turn in enumerate(conv.turns):
             assert_same_turn(turn, want[k], f"turn {k}")
+
+
+def test_an_unexpected_error_while_a_turn_joins_ends_that_turn(model, processor, monkeypatch):
+    """An unexpected error in the middle of a turn's join (after its sequence entered the engine, before the loop
+    recorded the turn) ends that turn with the error too: it was taken off the queue and in no engine's record, and
+    nothing answered it. The next turn on the loop runs as usual."""
+    from raincheck_hf import batch_loop
+
+    setup, broken = batch_loop.sampling_setup, []
+
+    def failing_once(*args, **kwargs):
+        if not broken:
+            broken.append(True)
+            raise RuntimeError("setup broke")
+        return setup(*args, **kwargs)
+
+    monkeypatch.setattr(batch_loop, "sampling_setup", failing_once)
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
+        outcome = {}
+
+        def first_turn():
+            try:
+                ask(conv, QUESTIONS[0], [IMAGES[0]])
+            except RuntimeError as error:
+                outcome["error"] = error
+
+        asker = threading.Thread(target=first_turn, daemon=True)
+        asker.start()
+        asker.join(timeout=120)
+        assert not asker.is_alive(), "the turn never ended"
+        assert "setup broke" in str(outcome.get("error")) and loop.failures == 1
+        assert conv.turns == [] and conv.cache is None
+        ask(conv, QUESTIONS[0], [IMAGES[0]])
+        conv.close()
+    want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[0]])
+    assert_same_turn(conv.turns[0], want[0], "turn 0")
