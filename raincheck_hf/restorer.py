@@ -108,8 +108,9 @@ class IdleRestorer:
             if conversation._lock.acquire(blocking=False):
                 self._current = conversation
                 return conversation
-        del live
-        self._cond.wait(timeout=self.WAIT_BUSY_S if wanted else self.WAIT_IDLE_S)
+        timeout = self.WAIT_BUSY_S if wanted else self.WAIT_IDLE_S
+        live = wanted = conversation = None  # (none held alive while waiting: one dropped meanwhile is let go)
+        self._cond.wait(timeout=timeout)
         return None
 
     def _run(self) -> None:
