@@ -450,8 +450,8 @@ def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
     from raincheck_hf.tiny import draw_test_image
 
     calls = []
-    real = protocol.decode_image
-    monkeypatch.setattr(protocol, "decode_image", lambda data, param: calls.append(param) or real(data, param))
+    real = protocol.decode_pixels
+    monkeypatch.setattr(protocol, "decode_pixels", lambda data, param: calls.append(param) or real(data, param))
 
     def encoded(image, fmt):
         buf = io.BytesIO()
@@ -465,9 +465,14 @@ def test_decoded_images_are_reused_by_their_encoded_bytes(monkeypatch):
     assert len(calls) == 1 and again[1] == first[1] and again[0] is first[0]
     as_bmp = cache.decode(encoded(a, "BMP"), "p")
     assert len(calls) == 2 and as_bmp[1] == first[1]
-    cache.decode(encoded(b, "PNG"), "p")  # a third entry: the PNG of `a`, least recently used, goes
+    # the hash (worked out on the cache's hashing thread) is the pixels' and size's, whatever the encoding
+    assert f"{first[1]}" == protocol.digest(b"(64, 48)", a.convert("RGB").tobytes())
+    other = cache.decode(encoded(b, "PNG"), "p")  # a third entry: the PNG of `a`, least recently used, goes
+    assert other[1] != first[1] and f"{other[1]}" != f"{first[1]}"
     cache.decode(encoded(a, "PNG"), "p")
     assert len(calls) == 4 and len(cache) == 2
+    grey = cache.decode(encoded(a.convert("L"), "PNG"), "p")[0]  # decoded to RGB whatever the file's mode
+    assert grey.mode == "RGB" and grey.tobytes() == a.convert("L").convert("RGB").tobytes()
     with pytest.raises(protocol.APIError):
         cache.decode(b"not an image", "p")
     assert len(cache) == 2

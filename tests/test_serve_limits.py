@@ -89,8 +89,9 @@ def no_decoding(monkeypatch):
     from raincheck_hf.serve import protocol
 
     calls = []
-    real = protocol.decode_image
-    monkeypatch.setattr(protocol, "decode_image", lambda data, param: calls.append(param) or real(data, param))
+    for name in ("decode_image", "decode_pixels"):  # (without the server's cache; with it, and a video's frames)
+        real = getattr(protocol, name)
+        monkeypatch.setattr(protocol, name, lambda data, param, real=real: calls.append(param) or real(data, param))
     return calls
 
 

@@ -763,8 +763,8 @@ def test_serve_load_repeats_rounds_in_alternating_order_and_reports_their_median
     from raincheck_hf.bench import serve_load
     from raincheck_hf.serve import protocol
 
-    decoded, decode = [], protocol.decode_image
-    monkeypatch.setattr(protocol, "decode_image", lambda *a, **k: decoded.append(1) or decode(*a, **k))
+    decoded, decode = [], protocol.decode_pixels
+    monkeypatch.setattr(protocol, "decode_pixels", lambda *a, **k: decoded.append(1) or decode(*a, **k))
     path, lines = tmp_path / "load.json", []
     serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("raincheck",), answer_tokens=4,
                    follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,

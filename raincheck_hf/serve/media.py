@@ -178,18 +178,31 @@ def check_pixels(width: int, height: int, param: str, limits: Limits, what: str 
     return pixels
 
 
-def decode_image(data: bytes, param: str):
-    """``(RGB PIL image, content hash of its pixels)``: two encodings of one picture share a hash. Call it
-    after `probe_image` and the limits: it decodes every pixel."""
+def decode_pixels(data: bytes, param: str):
+    """The RGB PIL image, every pixel decoded (an RGB picture as decoded, without a copy). Call it after
+    `probe_image` and the limits."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with _open(data) as opened:
-            image = opened.convert("RGB")  # decodes
+            opened.load()  # decodes
+            image = opened if opened.mode == "RGB" else opened.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, TypeError, IndexError,
             Image.DecompressionBombError, struct.error) as error:
         raise _unreadable(param, error) from None
-    return image, digest(f"{image.size}".encode(), image.tobytes())
+    return image
+
+
+def pixel_digest(image) -> str:
+    """The content hash of a decoded picture's pixels and size: two encodings of one picture share it."""
+    return digest(f"{image.size}".encode(), image.tobytes())
+
+
+def decode_image(data: bytes, param: str):
+    """``(RGB PIL image, content hash of its pixels)`` (`decode_pixels`, `pixel_digest`). Call it after
+    `probe_image` and the limits: it decodes every pixel."""
+    image = decode_pixels(data, param)
+    return image, pixel_digest(image)
 
 
 def digest(*parts: bytes) -> str:
