@@ -676,8 +676,9 @@ def test_on_handoff_runs_on_the_loop_thread_after_every_step_and_a_failing_one_i
 def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(model, processor, monkeypatch):
     """A conversation's first turn on a loop is prepared (HF's preparation, its images encoded, its sequence made:
     selection and plan) on the asking thread before the loop gets it (`BatchLoop.prepare_ahead`), so the loop's
-    thread goes on stepping the running answers; a follow-up gets HF's preparation there too, and its sequence from
-    the held cache as it is then (nothing restores it here: ``background=False``). A first
+    thread goes on stepping the running answers; a follow-up gets HF's preparation there too, and with
+    ``follow_ups_ahead`` its sequence from the held cache as it is then (nothing restores it here:
+    ``background=False``; by default the loop's thread makes it when it joins). A first
     turn or a follow-up whose preparation raises fails alone with that error, as when the loop prepared it (the
     follow-up's conversation keeps its held cache), and the loop answers the next one; both dialogues equal
     themselves alone."""
@@ -700,7 +701,7 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
 
     monkeypatch.setattr(BatchLoop, "_prepare", recorded)
     monkeypatch.setattr(batch_loop, "validate_request", failing)
-    with BatchLoop(model) as loop:
+    with BatchLoop(model, follow_ups_ahead=True) as loop:
         conv = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(conv, QUESTIONS[0], [IMAGES[0]])
         ask(conv, QUESTIONS[1])
@@ -722,6 +723,15 @@ def test_a_first_turn_is_prepared_on_the_askers_thread_and_its_error_comes_back(
         want = alone(model, processor, CFG, dialogue.turns, QUESTIONS, images)
         for k, turn in enumerate(dialogue.turns):
             assert_same_turn(turn, want[k], f"turn {k}")
+    made.clear()
+    with BatchLoop(model) as loop:  # by default a follow-up's sequence is made by the loop's thread when it joins
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop) as conv:
+            ask(conv, QUESTIONS[0], [IMAGES[0]])
+            ask(conv, QUESTIONS[1])
+        assert made[0] is threading.current_thread() and made[1].name == "raincheck-batch-loop", made
+        assert (loop.follow_ups_made_ahead, loop.follow_ups_made_again) == (0, 0)
+    for k, turn in enumerate(alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[0]])):
+        assert_same_turn(conv.turns[k], turn, f"turn {k}")
 
 
 def test_arrival_gate_lets_threads_in_by_arrival_and_its_limit(model):
@@ -1001,7 +1011,7 @@ def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_
 
     monkeypatch.setattr(BatchLoop, "_follow_up_ahead", then_restore_a_chunk)
     changed = []
-    with BatchLoop(model, max_batch_tokens=None) as loop:
+    with BatchLoop(model, max_batch_tokens=None, follow_ups_ahead=True) as loop:
         kept, moved = (Conversation(model, processor, late, background=False, max_new_tokens=5, loop=loop)
                        for _ in range(2))
         changed.append(moved)

@@ -1729,7 +1729,9 @@ def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, prior
     asks = {0: [("Describe it.", [images[0]], 40)],
             **{i: [("What is in this image?", [images[i]], 6), ("And the corner?", [images[4]] if i == 1 else [], 5)]
                for i in (1, 2, 3)}}
-    with BatchLoop(model, config=cfg, prepare_stream=True, prepare_priority=priority) as loop:
+    # (at the highest priority the follow-ups' sequences are made ahead too, on the asking threads' streams)
+    with BatchLoop(model, config=cfg, prepare_stream=True, prepare_priority=priority,
+                   follow_ups_ahead=priority == "high") as loop:
         assert loop.prepare_stream and loop.prepare_priority == priority
         least, greatest = torch.cuda.Stream.priority_range()
         with loop._preparation_stream() as stream:

@@ -616,6 +616,30 @@ def test_serve_load_compares_joins_in_flight_side_by_side(tmp_path):
             serve_load.run(clients=(1,), join_in_flight=bad, **kwargs)
 
 
+def test_serve_load_compares_follow_ups_made_ahead_side_by_side(tmp_path):
+    """``--follow-ups-ahead both``: each client count's round with follow-ups' sequences made on their request's
+    thread and by the loop when they join, rows named and recording it, the loop's record counting the sequences
+    made ahead (every one when on: ``full`` leaves nothing to restore, which would make the loop make it; none when
+    off); without the loop, or with another value, a clear error before any compute."""
+    from raincheck_hf.bench import serve_load
+
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(2,), modes=("full",), answer_tokens=5,
+                   follow_up_tokens=3, warmup=False, library=False, json_path=str(path), log=lines.append,
+                   batching=True, follow_ups_ahead="both")
+    saved = json.loads(path.read_text())
+    assert saved["settings"]["follow_ups_ahead"] == "both"
+    assert [(r["follow_ups_ahead"], r["series"]) for r in saved["rows"]] == [
+        (True, "full, follow-ups made ahead"), (False, "full, follow-ups made on joining")]
+    on, off = saved["rows"]
+    for row in (on, off):
+        assert row["completion_tokens"] == 2 * (5 + 3 + 3) and row["errors"] == 0
+    assert on["loop"]["follow_ups_made_ahead"] == 4 and off["loop"]["follow_ups_made_ahead"] == 0
+    for bad, kwargs in (("sometimes", dict(batching=True)), ("both", {})):
+        with pytest.raises(ValueError, match="follow_ups_ahead must be"):
+            serve_load.run(clients=(1,), follow_ups_ahead=bad, **kwargs)
+
+
 def test_serve_load_compares_prompt_forward_limits_side_by_side(tmp_path):
     """``--prompt-forwards any,1``: each client count's round with the loop's ``max_prompt_forwards`` unset and at 1,
     rows named by it and recording it, the loop set back between rounds; bad values refused before any compute."""
@@ -670,11 +694,12 @@ def test_serve_load_compares_preparation_limits_side_by_side(tmp_path):
     assert serve_load._stream_values("off", False) == (False,)
     loop = types.SimpleNamespace()
     interval = sys.getswitchinterval()
-    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None, 256, True))
+    serve_load._apply_variant(loop, (True, None, 1, "high", None, interval, None, 256, True, True))
     assert (loop.prepare_stream, loop.prepare_priority, loop.max_preparing) == (True, "high", 1)
-    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None, None, False))
-    assert (loop.prepare_stream, loop.prepare_priority, loop.split_rows, loop.join_in_flight) == (
-        False, "normal", None, False)
+    assert loop.follow_ups_ahead
+    serve_load._apply_variant(loop, (True, None, 1, False, None, interval, None, None, False, False))
+    assert (loop.prepare_stream, loop.prepare_priority, loop.split_rows, loop.join_in_flight,
+            loop.follow_ups_ahead) == (False, "normal", None, False, False)
 
 
 def test_serve_load_compares_ride_limits_side_by_side(tmp_path):

@@ -332,7 +332,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         switch_interval=None, freeze_heap: bool = True, launch_ahead: str = "on",
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
-        chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "off") -> dict:
+        chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "off",
+        follow_ups_ahead: str = "off") -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -349,7 +350,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     `RaincheckConfig.batch_chunk_rows` (a tuple: None, the default, no cap; an int, a cap shared by the answers
     carrying chunks), set between rounds; ``split_rows``: with batching, the loop's ``split_rows`` (a tuple:
     ``"default"``, `batch_engine.SPLIT_ROWS`; None, never split a step by width; an int); ``join_in_flight``: with
-    batching, the loop's `BatchLoop.join_in_flight` ("on", "off" or "both");
+    batching, the loop's `BatchLoop.join_in_flight` ("on", "off" or "both"); ``follow_ups_ahead``: with batching, the
+    loop's `BatchLoop.follow_ups_ahead` (the same);
     every combination gets its rounds, a client count's side by side. ``rounds``: each client count's variants that many
     times, in turn and in reverse order every other time (A B, B A, ...: a round's place in the order, its caches'
     warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
@@ -389,6 +391,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     ServeSettings(max_running=running_places, max_queue=queue_places, batching=batching)  # checked before compute
     aheads = _switch_values(launch_ahead, "launch_ahead", "on", (True, False), batching)
     in_flight = _switch_values(join_in_flight, "join_in_flight", "off", (True, False), batching)
+    early = _switch_values(follow_ups_ahead, "follow_ups_ahead", "off", (True, False), batching)
     if preparing is None:  # (the server's own settings unless told otherwise)
         preparing = (ServeSettings.max_preparing,) if batching else (None,)
     if prepare_stream is None:
@@ -409,10 +412,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         raise ValueError(f"split_rows must be one or more distinct of 'default' / None / an int >= 1 (with batching), "
                          f"got {split_rows!r}" + ("" if batching else " without batching"))
     streams = _stream_values(prepare_stream, batching)
-    variants = [(a, f, p, st, r, sw, cr, sr, j) for a in aheads for f in prompt_forwards for p in preparing
+    variants = [(a, f, p, st, r, sw, cr, sr, j, e) for a in aheads for f in prompt_forwards for p in preparing
                 for st in streams for r in ride_rows
                 for sw in (sys.getswitchinterval() if v is None else v for v in intervals) for cr in chunk_rows
-                for sr in split_rows for j in in_flight]
+                for sr in split_rows for j in in_flight for e in early]
     if profile_loop and not batching:
         raise ValueError("profile_loop profiles the batching loop's thread: it needs batching")
     if (trace_round or trace_path) and not batching:
@@ -448,6 +451,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              client_processes=client_processes,
                              switch_interval_s=list(dict.fromkeys(v[5] for v in variants)),
                              freeze_heap=freeze_heap, launch_ahead=launch_ahead, join_in_flight=join_in_flight,
+                             follow_ups_ahead=follow_ups_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
                              batch_chunk_rows=list(chunk_rows), split_rows=list(split_rows),
@@ -507,7 +511,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side, every other round in reverse order)
-                for n, r, (ahead, forwards, prepare, side, ride, interval, cap, split, joins) in (
+                for n, r, (ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups) in (
                         (n, r, v) for n in clients for r in range(rounds)
                         for v in (variants if r % 2 == 0 else variants[::-1])):
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
@@ -518,10 +522,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [f"switch interval {1e3 * interval:g} ms"] if len(intervals) > 1 else []) + (
                         [f"chunk cap {cap or 'none'}"] if len(chunk_rows) > 1 else []) + (
                         [f"split at {split or 'never'}"] if len(split_rows) > 1 else []) + (
-                        ["joins in flight" if joins else "joins between steps"] if len(in_flight) > 1 else [])
+                        ["joins in flight" if joins else "joins between steps"] if len(in_flight) > 1 else []) + (
+                        ["follow-ups made ahead" if early_ups else "follow-ups made on joining"] if len(early) > 1 else [])
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
-                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap, split, joins), server)
+                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups),
+                                   server)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
@@ -530,7 +536,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         row["launch_ahead"], row["max_prompt_forwards"] = ahead, forwards
                         row["max_preparing"], row["prepare_stream"] = prepare, side
                         row["ride_max_rows"], row["batch_chunk_rows"], row["split_rows"] = ride, cap, split
-                        row["join_in_flight"] = joins
+                        row["join_in_flight"], row["follow_ups_ahead"] = joins, early_ups
                     if steps is not None:
                         row["loop"] = steps
                     result["rows"].append(row)
@@ -544,7 +550,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
                     if n == 1 and r == 0 and dialogues and (ahead, forwards, prepare, side, ride,
-                                                            interval, cap, split, joins) == variants[0]:
+                                                            interval, cap, split, joins, early_ups) == variants[0]:
                         result["server_one_client"] = result.get("server_one_client", {})
                         result["server_one_client"][mode] = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")}
                                                              for t in dialogues[0]]
@@ -658,11 +664,12 @@ def _stream_values(value: str, batching: bool) -> tuple:
 
 def _apply_variant(loop, variant: tuple, server=None) -> None:
     """Set the settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards, max_preparing,
-    prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows, split_rows, join_in_flight)``,
-    ``prepare_stream`` False, True or "high" (`_stream_values`); the first five and the last two are ``loop``'s (None:
+    prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows, split_rows, join_in_flight,
+    follow_ups_ahead)``,
+    ``prepare_stream`` False, True or "high" (`_stream_values`); the first five and the last three are ``loop``'s (None:
     no batching loop, only the interval), ``batch_chunk_rows`` the ``server``'s config's (its requests' configs are
     made from it)."""
-    ahead, forwards, preparing, stream, ride, interval, cap, split, joins = variant
+    ahead, forwards, preparing, stream, ride, interval, cap, split, joins, early = variant
     sys.setswitchinterval(interval)
     if loop is None:
         return
@@ -670,7 +677,7 @@ def _apply_variant(loop, variant: tuple, server=None) -> None:
         server.settings.config.batch_chunk_rows = cap
     loop.launch_ahead, loop.max_prompt_forwards, loop.max_preparing, loop.ride_max_rows = ahead, forwards, preparing, ride
     loop.split_rows = split
-    loop.join_in_flight = joins
+    loop.join_in_flight, loop.follow_ups_ahead = joins, early
     loop.prepare_stream = bool(stream)
     loop.prepare_priority = "high" if stream == "high" else "normal"
 
@@ -765,6 +772,9 @@ def main(argv=None):
     parser.add_argument("--join-in-flight", choices=("on", "off", "both"), default="off",
                         help="with --batching: turns prepared ahead join the loop while a step runs (on), only between "
                              "steps (off, the server's default), or both, each client count's rounds side by side")
+    parser.add_argument("--follow-ups-ahead", choices=("on", "off", "both"), default="off",
+                        help="with --batching: a follow-up's sequence made on its request's thread before it joins "
+                             "(on), or by the loop when it joins (off, the server's default), or both side by side")
     parser.add_argument("--prompt-forwards", type=_forwards, default=(None,), metavar="K[,K...]",
                         help="with --batching: the loop's max_prompt_forwards, one value or several side by side "
                              "(e.g. any,1,2; 'any': as many as the token budget gives, the default)")
@@ -816,7 +826,7 @@ def main(argv=None):
                    library=not args.no_library, json_path=args.json, plot_path=args.plot, batching=args.batching,
                    client_processes=not args.in_process_clients, switch_interval=args.switch_interval,
                    freeze_heap=not args.no_freeze_heap, launch_ahead=args.launch_ahead,
-                   join_in_flight=args.join_in_flight,
+                   join_in_flight=args.join_in_flight, follow_ups_ahead=args.follow_ups_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
                    chunk_rows=args.chunk_rows, split_rows=args.split_rows,
