@@ -429,8 +429,8 @@ class BatchLoop:
         follow_ups_ahead: a follow-up's sequence (the held cache's leftover rows ahead of the turn, its embeddings, its
             plan) is made by `prepare_ahead` on the asking thread (`_follow_up_ahead`) instead of by the loop's thread
             when the turn joins (the `follow_ups_ahead` attribute). False (the default): on an H100 at the Qwen3-VL-8B
-            shape a follow-up's first token came later with it (at 8 clients its preparation took 13.4 ms against 8.5,
-            its join 2.7 against 4.0) and the server gave 5% fewer tokens/s.
+            shape a follow-up's first token came later with it (at 8 clients its preparation took 13.6 ms against 8.8,
+            its join 3.1 against 4.0) and the server gave 5% fewer tokens/s.
         max_prompt_forwards: on captured steps, the most prompt-piece forwards in one step (the `max_prompt_forwards`
             attribute); None: as many as ``max_batch_tokens`` gives.
         prepare_stream: on CUDA (the default), prepare the turns on the asking threads (`prepare_ahead`) on a CUDA

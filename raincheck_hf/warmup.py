@@ -76,6 +76,8 @@ class WarmUpSummary:
         already_captured: step keys that were captured before this call (an earlier `warm_up` or conversation).
         not_captured: step keys that this storage runs eagerly (not capturable, no room), or whose capture failed.
         vision: ``(grid, seconds)`` per image grid whose tower graph was captured now.
+        vision_failure: why the vision tower's capture failed (a warning says so too; the tower then runs eagerly on
+            this model), or None.
         capacities: the slot-storage capacities warmed (kept in the model's pool from now on).
         seconds: wall seconds of the whole call.
         persistent_cache: the cache folder in use (`persist.enable_persistent_caches`), or None.
@@ -98,6 +100,7 @@ class WarmUpSummary:
     selection: list = field(default_factory=list)  # (visual tokens, text rows, seconds) per selection graph captured
     first_turn: bool = False  # only what a first turn within the bounds needs (``first_turn=True``)
     stopped: bool = False  # ``stop`` was set before every capture was made (a later call goes on from there)
+    vision_failure: str | None = None  # why the vision tower's capture failed (it runs eagerly from then on), or None
 
     @property
     def capture_seconds(self) -> float:
@@ -109,9 +112,11 @@ class WarmUpSummary:
                    f"{self.batched_seconds:.1f} s)" if self.batched or self.batched_already else "")
         if not self.graphs and not batched:
             return f"warm-up: nothing to capture ({self.coverage}); {self.seconds:.2f} s"
+        failed = (f" (the vision tower's capture failed, it runs eagerly: {self.vision_failure})"
+                  if self.vision_failure else "")
         return (f"warm-up: {len(self.captured)} step graphs captured ({self.already_captured} already were, "
                 f"{self.not_captured} run eagerly) on {len(self.capacities)} slot storages "
-                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids, "
+                f"({', '.join(map(str, self.capacities))} slots), {len(self.vision)} vision grids{failed}, "
                 f"{len(self.selection)} selection graphs{batched}; "
                 f"{self.seconds:.1f} s")
 
@@ -577,6 +582,8 @@ def _warm_vision(adapter, grids, summary: WarmUpSummary) -> None:
                 break
         if vision.use_graphs and len(vision._captured) > before:
             summary.vision.append((grid, time.perf_counter() - started))
+        elif vision.failure is not None:
+            summary.vision_failure = vision.failure
 
 
 def _warm_selection(adapter, config: RaincheckConfig, grids, summary: WarmUpSummary) -> None:

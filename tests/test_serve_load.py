@@ -482,6 +482,25 @@ def test_memory_halves_compare_the_run_after_its_first_quarter():
     assert memory_halves([]) == {"samples": 0}
 
 
+def test_server_overhead_takes_medians_of_the_first_turns_and_splits_the_difference():
+    """`serve_load.overhead`: the server's and the library's first-turn TTFT / TPOT as medians over their dialogues
+    (later turns and a missing TPOT left out), their differences and ratios, and the server's part split into the
+    client's request and response (TTFT less the server's own clock) and what the server did (its clock less the
+    library's TTFT)."""
+    from raincheck_hf.bench.serve_load import overhead
+
+    served = [[{"ttft_s": t, "tpot_s": p, "server_t1_s": c}, {"ttft_s": 9.0, "tpot_s": 9.0, "server_t1_s": 9.0}]
+              for t, p, c in ((0.100, 0.010, 0.090), (0.120, None, 0.100), (0.110, 0.012, 0.104))]
+    runs = [[{"ttft_s": t, "tpot_s": p}, {"ttft_s": 5.0, "tpot_s": 5.0}] for t, p in ((0.080, 0.009), (0.084, 0.011))]
+    got = overhead(served, runs)
+    assert got["rounds"] == {"server": 3, "library": 2}
+    assert got["server_ttft_s"] == pytest.approx(0.110) and got["library_ttft_s"] == pytest.approx(0.082)
+    assert got["server_tpot_s"] == pytest.approx(0.011) and got["library_tpot_s"] == pytest.approx(0.010)
+    assert got["ttft_s"] == pytest.approx(0.028) and got["ttft_ratio"] == pytest.approx(0.110 / 0.082)
+    assert got["client_http_s"] == pytest.approx(0.110 - 0.100) and got["in_server_s"] == pytest.approx(0.100 - 0.082)
+    assert got["client_http_s"] + got["in_server_s"] == pytest.approx(got["ttft_s"])
+
+
 def test_serve_load_benchmark_smoke(tmp_path):
     """`python -m raincheck_hf.bench serve-load` on the tiny model, two client counts: the JSON's structure,
     answers of the requested length, reuse on the follow-ups, the plot."""
@@ -505,6 +524,9 @@ def test_serve_load_benchmark_smoke(tmp_path):
     for mode in ("raincheck", "full"):
         lib = saved["library"][mode]
         assert lib["ttft_s"] > 0 and lib["tpot_s"] > 0 and saved["overhead"][mode]["ttft_s"] is not None
+        assert len(lib["rounds"]) == 1 and saved["overhead"][mode]["rounds"] == {"server": 1, "library": 1}
+        assert saved["overhead"][mode]["client_http_s"] > 0
+    assert saved["jpeg_decode_s"] > 0
     assert (tmp_path / "load.png").stat().st_size > 0
     with pytest.raises(ValueError, match="clients"):
         serve_load.run(clients=(0,))

@@ -219,3 +219,35 @@ def test_concurrent_encodes_of_one_grid_each_get_their_own_features(model, proce
     assert not torch.equal(want[0], want[1])
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+def test_a_failed_capture_turns_the_towers_graphs_off_and_the_warm_up_says_why(model, processor, monkeypatch):
+    """A tower capture that raises (an op that cannot be captured, or no device memory for it) warns, answers eagerly
+    with the same features, and turns this tower's graphs off (`VisionGraphs.failure` says why); `warm_up` reports
+    it in its summary (``vision_failure``) instead of silently warming no grid."""
+    import raincheck_hf
+    from raincheck_hf.fast.vision_graphs import vision_graphs_for
+    from raincheck_hf.tiny import draw_test_image
+
+    def refused(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(VisionGraphs, "_capture", refused)
+    graphs = vision_graphs_for(get_adapter(model))
+    graphs.use_graphs, graphs.failure = True, None  # (as on CUDA)
+    graphs._captured.clear()
+    graphs.seen.clear()
+    x = make_inputs(processor, images=(draw_test_image(128, 96, seed=3),))
+    try:
+        with torch.no_grad():
+            want = graphs.encode(x["pixel_values"], x["image_grid_thw"])
+            with pytest.warns(RuntimeWarning, match="capture of the vision tower failed"):
+                got = graphs.encode(x["pixel_values"], x["image_grid_thw"])  # second sighting: the capture raises
+        assert torch.equal(want.pooler_output[0], got.pooler_output[0])
+        assert not graphs.use_graphs
+        assert graphs.failure == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        summary = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True), max_tokens=512,
+                                       image_sizes=[(96, 128)], cache_dir=False, progress=False)
+        assert summary.vision == [] and summary.vision_failure == graphs.failure
+    finally:
+        graphs.use_graphs, graphs.failure = False, None  # (the model's tower as a CPU model has it)

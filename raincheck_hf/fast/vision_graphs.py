@@ -82,6 +82,7 @@ class VisionGraphs:
             use_graphs = device.type == "cuda" and torch.cuda.is_available()
         self.tower_ref = weakref.ref(tower)
         self.use_graphs = use_graphs
+        self.failure: str | None = None  # why a capture failed (the graphs are off from then on), or None
         self.seen: dict[tuple, int] = {}
         self._captured: OrderedDict[tuple, CapturedTower] = OrderedDict()
         self._pool = None
@@ -140,6 +141,7 @@ class VisionGraphs:
                     warnings.warn(f"raincheck fast path: CUDA-graph capture of the vision tower failed ({error}); "
                                   "running it eagerly instead.", RuntimeWarning, stacklevel=2)
                     self.use_graphs, self._captured, self._pool = False, OrderedDict(), None
+                    self.failure = f"{type(error).__name__}: {error}"
         if captured is not None:
             self._captured.move_to_end(key)
             pooled, deepstack = captured.outputs
