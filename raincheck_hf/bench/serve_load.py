@@ -531,7 +531,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         [f"chunk cap {cap or 'none'}"] if len(chunk_rows) > 1 else []) + (
                         [f"split at {split or 'never'}"] if len(split_rows) > 1 else []) + (
                         ["joins in flight" if joins else "joins between steps"] if len(in_flight) > 1 else []) + (
-                        ["follow-ups made ahead" if early_ups else "follow-ups made on joining"] if len(early) > 1 else [])
+                        ["follow-ups made ahead" if early_ups else "follow-ups made on joining"]
+                        if len(early) > 1 else [])
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
                     _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups),
