@@ -561,8 +561,6 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     if n == 1 and dialogues and (ahead, forwards, prepare, side, ride,
                                                  interval, cap, split, joins, early_ups) == variants[0]:
                         turns = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")} for t in dialogues[0]]
-                        if r == 0:
-                            result.setdefault("server_one_client", {})[mode] = turns
                         result.setdefault("server_one_client_rounds", {}).setdefault(mode, []).append(turns)
                     if rounds > 1:  # (a run cut short by its time limit keeps the medians of what it measured)
                         result["medians"] = round_medians(result["rows"])
@@ -616,9 +614,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     runs.append(library_conversation(model, processor, configs[mode], image, questions, lengths,
                                                      bias, think_s))
                     gc.collect()
-                records = runs[0]
-                result["library"][mode] = {"ttft_s": records[0]["ttft_s"], "tpot_s": records[0]["tpot_s"],
-                                           "turns": [{k: r[k] for k in ("ttft_s", "tpot_s")} for r in records],
+                result["library"][mode] = {"ttft_s": _first_turns_median(runs, "ttft_s"),
+                                           "tpot_s": _first_turns_median(runs, "tpot_s"),
                                            "rounds": [[{k: r[k] for k in ("ttft_s", "tpot_s")} for r in run]
                                                       for run in runs]}
                 served = result.get("server_one_client_rounds", {}).get(mode)
@@ -640,6 +637,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             gc.unfreeze()
 
 
+def _first_turns_median(dialogues: list, key: str) -> float | None:
+    """The median of ``key`` over the dialogues' first turns (None where no first turn has it)."""
+    values = [d[0].get(key) for d in dialogues if d and d[0].get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def overhead(served: list, runs: list) -> dict:
     """The server's one-client overhead over the library from their dialogues (``served``: the server's one-client
     rounds, each a list of turns with ``ttft_s``, ``tpot_s``, ``server_t1_s``; ``runs``: the library's, each a list
@@ -647,13 +650,9 @@ def overhead(served: list, runs: list) -> dict:
     where the server's part of the first token goes: ``client_http_s`` (the client's request and the server's
     response, outside the server's own clock: the TTFT the client saw less the server's ``server_t1_s``) and
     ``in_server_s`` (the server's own clock less the library's TTFT); ``rounds`` how many of each."""
-    def median(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    server_ttft, server_tpot = median(d[0]["ttft_s"] for d in served), median(d[0]["tpot_s"] for d in served)
-    server_t1 = median(d[0].get("server_t1_s") for d in served)
-    lib_ttft, lib_tpot = median(d[0]["ttft_s"] for d in runs), median(d[0]["tpot_s"] for d in runs)
+    server_ttft, server_tpot = _first_turns_median(served, "ttft_s"), _first_turns_median(served, "tpot_s")
+    server_t1 = _first_turns_median(served, "server_t1_s")
+    lib_ttft, lib_tpot = _first_turns_median(runs, "ttft_s"), _first_turns_median(runs, "tpot_s")
     return {"server_ttft_s": server_ttft, "library_ttft_s": lib_ttft,
             "server_tpot_s": server_tpot, "library_tpot_s": lib_tpot,
             "ttft_s": None if server_ttft is None or lib_ttft is None else server_ttft - lib_ttft,
