@@ -6,6 +6,7 @@
 # own; those are not carried. Needs .venv (bash scripts/setup.sh) and PyPI.
 #
 #   bash benchmarks/device_wheels.sh        # then carry [".whl"] and start the command with h200_run.sh's install
+#   SPY=1 bash benchmarks/device_wheels.sh  # with py-spy too (serve_load SPY=1); the tree may then exceed the carry limit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "needs .venv: bash scripts/setup.sh" >&2; exit 1; }
@@ -19,11 +20,16 @@ for name in transformers fastapi starlette uvicorn pydantic pydantic_core annota
     want+=("$name==$v")
 done
 want+=("fla-core==0.6.0" "flash-linear-attention==0.6.0")  # the GPU path's Gated DeltaNet kernels (pyproject's [gpu])
-want+=("py-spy==0.4.3")  # a sampling profiler of every thread (h200_run.sh serve_load SPY=1; benchmarks/spy_summary.py)
 rm -rf .whl && mkdir -p .whl .whl_spare
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${want[@]}"
 .venv/bin/python benchmarks/slim_wheel.py .whl/transformers-*.whl
 mv .whl/*.full .whl_spare/ 2>/dev/null || true
+# py-spy (a sampling profiler of every thread: h200_run.sh serve_load SPY=1, benchmarks/spy_summary.py) only when asked:
+# its 2.9 MB put the working tree and .whl/ together past the device tool's 64 MiB carry limit
+if [ -n "${SPY:-}" ]; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux1_x86_64 -d .whl "py-spy==0.4.3"
+fi
 echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
