@@ -94,7 +94,7 @@ def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 12) -> dict:
+def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 30) -> dict:
     """One more call of the same kind under `torch.profiler` (after the timed ones): where its time went. Wall
     seconds; device seconds (the sum of the kernels' time, CUDA only); the host's seconds in the calls that wait for
     the device (`HOST_WAITS`) and how many; the ``top`` kernels (CUDA) or operators (CPU) by self time. A profiled
