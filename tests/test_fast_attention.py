@@ -295,3 +295,99 @@ def test_the_triton_kernel_is_not_used_on_cpu_tensors_outside_the_interpreter(mo
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module, q, k, v, mask = _batched_views(5, 2, 4, 2, 3, slots=30, capacity=40)
     assert not attention.triton_usable(q, k, v, mask)
+
+
+# ---- the kernel's tiles fit the device's shared memory (256-dim heads on a Hopper GPU) ----
+
+H100_SHARED = 232_448  # a program's opt-in shared memory on an H100 / H200 (what Triton checks a launch against)
+A100_SHARED = 166_912
+
+
+def test_the_kernels_tiles_fit_the_devices_shared_memory():
+    """`launch_tiles` keeps the first choice (64-slot tiles, 3 stages) for 128-dim heads, and picks tiles that fit for
+    Qwen3.5's 256-dim heads: Triton refused 3 stages there on an H100 (233,472 bytes asked, the `shared_bytes`
+    figure, against 232,448)."""
+    assert attention.shared_bytes(256, 2, 64, 64, 3) == 233_472
+    assert attention.launch_tiles(128, 2, 64, H100_SHARED) == (64, 3)
+    assert attention.launch_tiles(128, 2, 64, A100_SHARED) == (64, 3)
+    assert attention.launch_tiles(256, 2, 64, H100_SHARED) == (64, 2)
+    assert attention.launch_tiles(256, 2, 16, H100_SHARED) == (64, 3)  # (a decode step's 16-row block fits)
+    assert attention.launch_tiles(256, 4, 64, A100_SHARED) == (32, 1)
+    assert attention.launch_tiles(256, 2, 64, None) == attention.TILE_CHOICES[0]  # (the interpreter: no limit)
+    for d in (16, 32, 64, 128, 256):
+        for itemsize in (2, 4):
+            for block_m in (16, 32, 64):
+                for limit in (A100_SHARED, H100_SHARED):
+                    block_n, stages = attention.launch_tiles(d, itemsize, block_m, limit)
+                    assert attention.shared_bytes(d, itemsize, block_m, block_n, stages) <= limit
+
+
+def test_a_launch_refused_for_shared_memory_retries_with_smaller_tiles_and_keeps_them(monkeypatch):
+    """Where Triton still refuses a launch for its shared memory (the estimate short on another Triton), the launch
+    is retried with the next smaller tiles, which the key keeps from then on; nothing is left half-launched (a
+    refused launch raises before it starts)."""
+    pytest.importorskip("triton")
+    from raincheck_hf.fast import _triton_attention as kernels
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_N, num_stages, **kwargs):
+                launches.append((grid, BLOCK_N, num_stages, args[13]))  # (args[13]: SPLIT_LEN)
+                if num_stages == 3:
+                    raise kernels.OutOfResources(233_472, 232_448, "shared memory")
+                args[6].zero_()  # O
+                args[7].zero_()  # M
+                args[8].fill_(1.0)  # L
+            return launch
+
+    monkeypatch.setattr(kernels, "few_query_split", Kernel())
+    monkeypatch.setattr(attention, "_TILES", {})
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 8, 4, 32, generator=g), torch.randn(2, 2, 300, 32, generator=g), torch.randn(2, 2, 300, 32,
+                                                                                                           generator=g)
+    mask = torch.ones(2, 1, 4, 300, dtype=torch.bool)
+    out = attention._few_query_triton(q, k, v, mask, 0.3)
+    assert out.shape == (2, 4, 8, 32)
+    assert [(n, s) for _, n, s, _ in launches] == [(64, 3), (64, 2)]
+    assert all(split_len % n == 0 for _, n, _, split_len in launches)
+    assert attention._TILES == {(32, 4, 16, torch.device("cpu")): (64, 2)}
+    launches.clear()
+    attention._few_query_triton(q, k, v, mask, 0.3)
+    assert [(n, s) for _, n, s, _ in launches] == [(64, 2)]  # (kept: no refused launch again)
+
+
+TILES_SCRIPT = r"""
+import json, sys, torch
+from types import SimpleNamespace
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from raincheck_hf.fast import attention
+out = {}
+for b, hq, hkv, rows, slots, d in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(b * 100 + rows + slots + d)
+    q = torch.randn(b, hq, rows, d, generator=g)
+    k = torch.randn(b, hkv, slots, d, generator=g)
+    v = torch.randn(b, hkv, slots, d, generator=g)
+    visible = torch.rand(b, 1, rows, slots, generator=g) < 0.5
+    visible[..., 0] = True
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    want, _ = sdpa_attention_forward(module, q, k, v, visible, scaling=0.3)
+    block_m = attention._block_m(hq // hkv * rows)
+    errors = {}
+    for tiles in attention.TILE_CHOICES:
+        attention._TILES[(d, 4, block_m, q.device)] = tiles
+        got = attention._few_query_triton(q, k, v, visible, 0.3)
+        errors[str(list(tiles))] = (got - want).abs().max().item()
+    out[str([b, hq, hkv, rows, slots, d])] = errors
+print(json.dumps(out))
+"""
+
+
+def test_every_tile_choice_computes_the_same_attention_in_the_interpreter():
+    """Each of `TILE_CHOICES` (the key tile decides the splits' lengths) within 3e-5 of SDPA in Triton's interpreter,
+    Qwen3.5's head shape (4 query heads a key/value head, 256 dims) at a 32-row chunk step among them."""
+    results = run_in_interpreter(TILES_SCRIPT, [(2, 16, 4, 32, 150, 256), (3, 8, 2, 5, 97, 32)])
+    for name, errors in results.items():
+        assert len(errors) == len(attention.TILE_CHOICES), (name, errors)
+        assert max(errors.values()) <= 3e-5, (name, errors)  # (fp32 sums over 256 dims: ~1e-5 from SDPA's)

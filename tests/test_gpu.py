@@ -289,38 +289,41 @@ def test_cuda_few_query_low_precision_reads_match_the_upcast_form_and_sdpa(batch
     assert (attention._few_query_triton(*fp32, mask, 128 ** -0.5) - want32).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (16, 4, 256)])
 @pytest.mark.parametrize("rows", [1, 32])
-def test_cuda_few_query_kernel_stops_at_each_sequences_key_extent(rows):
+def test_cuda_few_query_kernel_stops_at_each_sequences_key_extent(rows, heads, kv_heads, dim):
     """The Triton kernel with a batched step's per-sequence key extents and real query rows (`StepScope`'s
-    ``key_extent`` / ``query_rows``) at the real shapes in bf16 (32 query / 8 key-value heads, 128 dims, a 2,112-slot
-    span): sequences of 40 to 2,112 rows, each row seeing a random part of its own rows and itself: within a bf16
-    rounding of the walk over every slot (the H200 run of ec8ae27 found the 32-row case not bit for bit: another
-    specialization of the kernel) and of SDPA; real rows the same with padding blocks skipped."""
+    ``key_extent`` / ``query_rows``) at the real shapes in bf16 (Qwen3-VL-8B's 32 query / 8 key-value heads of 128
+    dims; Qwen3.5-9B's 16 / 4 of 256, whose 64-row blocks at 3 pipelining stages asked more shared memory than a
+    Hopper GPU has, `attention.launch_tiles`; a 2,112-slot span): sequences of 40 to 2,112 rows, each row seeing a
+    random part of its own rows and itself: within a bf16 rounding of the walk over every slot (the H200 run of
+    ec8ae27 found the 32-row case not bit for bit: another specialization of the kernel) and of SDPA; real rows the
+    same with padding blocks skipped."""
     from raincheck_hf.fast import attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     b, slots = 8, 2112
-    q = torch.randn(b, 32, rows, 128, device="cuda", generator=g).bfloat16()
-    k = torch.randn(b, 8, slots, 128, device="cuda", generator=g).bfloat16()
-    v = torch.randn(b, 8, slots, 128, device="cuda", generator=g).bfloat16()
+    q = torch.randn(b, heads, rows, dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, kv_heads, slots, dim, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, kv_heads, slots, dim, device="cuda", generator=g).bfloat16()
     extent = torch.tensor([40, 300, 700, 1024, 1500, 1600, 2000, slots], device="cuda")
     write = (extent - rows)[:, None] + torch.arange(rows, device="cuda")
     col = torch.arange(slots, device="cuda")
     mask = (torch.rand(b, 1, rows, slots, device="cuda", generator=g) < 0.7) & (col < write[:, None, :, None])
     mask |= col == write[:, None, :, None]
-    whole = attention._few_query_triton(q, k, v, mask, 128 ** -0.5)
-    bounded = attention._few_query_triton(q, k, v, mask, 128 ** -0.5, extent)
+    whole = attention._few_query_triton(q, k, v, mask, dim ** -0.5)
+    bounded = attention._few_query_triton(q, k, v, mask, dim ** -0.5, extent)
     # (the same sums in exact arithmetic; the bounded kernel is another specialization, whose code may round the
     # accumulation's last bits otherwise: within a bf16 rounding, not bit for bit as in the interpreter)
     assert (whole.float() - bounded.float()).abs().max().item() <= 2 ** -6
-    module = types.SimpleNamespace(num_key_value_groups=4, is_causal=True, training=False)
-    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=128 ** -0.5)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=dim ** -0.5)
     assert (bounded.float() - want).abs().max().item() <= 2e-2
     # each sequence's real query rows (a one-token sequence beside chunks, a padding one): its padding rows' blocks
     # skipped, its real rows bit for bit the same
     real = torch.tensor([1, rows, 0, 1, rows, max(rows // 2, 1), 1, rows], device="cuda")
-    skipped = attention._few_query_triton(q, k, v, mask, 128 ** -0.5, extent, real)
+    skipped = attention._few_query_triton(q, k, v, mask, dim ** -0.5, extent, real)
     is_real = torch.arange(rows, device="cuda")[None] < real[:, None]
     assert (skipped[is_real].float() - bounded[is_real].float()).abs().max().item() <= 2 ** -6
     assert bool(torch.isfinite(skipped).all())

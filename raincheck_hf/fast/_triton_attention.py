@@ -19,6 +19,7 @@ sequence beside 32-row chunks costs one block of rows, not all of them.
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources  # noqa: F401  (a launch that asks for too much shared memory)
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum's start: finite, so exp(-inf - NEG) = 0 and exp(NEG - NEG) = 1
 

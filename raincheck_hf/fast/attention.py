@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -85,8 +86,13 @@ def triton_usable(query, key, value, attention_mask) -> bool:
             and attention_mask.shape[0] in (1, query.shape[0]) and attention_mask.device == query.device)
 
 
-BLOCK_N = 64  # key slots per tile
+BLOCK_N = 64  # key slots per tile (the first choice; `launch_tiles`)
+NUM_STAGES = 3  # Triton's software-pipelining depth on NVIDIA GPUs when a launch names none (the first choice)
 _TINY = 1e-30  # below any real row's softmax sum (>= 1)
+# (key slots per tile, pipelining stages), from the most shared memory a program takes to the least
+TILE_CHOICES = ((BLOCK_N, NUM_STAGES), (BLOCK_N, 2), (32, 2), (BLOCK_N, 1), (32, 1), (16, 1))
+_TILES: dict = {}  # (head dim, element size, query rows per program, device) -> (BLOCK_N, num_stages) in use
+_TILES_LOCK = threading.Lock()
 
 
 def _per_sequence(scope, name: str, query) -> torch.Tensor | None:
@@ -102,6 +108,66 @@ def _per_sequence(scope, name: str, query) -> torch.Tensor | None:
 def _block_m(group_rows: int) -> int:
     """Query rows (a group's heads x positions) per program: a power of two from 16 (`tl.dot`'s least) to 64."""
     return min(64, pow2(group_rows, 16))
+
+
+def shared_bytes(d: int, itemsize: int, block_m: int, block_n: int, stages: int) -> int:
+    """The shared memory one program of `fast._triton_attention.few_query_split` asks for: ``stages`` pipelined
+    copies of a key and a value tile (``block_n x d`` each), its query block (``block_m x d``) and a mask tile
+    (``block_m x block_n`` bytes). On an H100 with 256-dim bf16 heads, 64-row blocks, 64-slot tiles and 3 stages
+    this is 233,472 bytes, the figure Triton reported when it refused that launch (its limit there: 232,448)."""
+    return stages * 2 * block_n * d * itemsize + block_m * d * itemsize + block_m * block_n
+
+
+def launch_tiles(d: int, itemsize: int, block_m: int, limit: int | None) -> tuple[int, int]:
+    """The first of `TILE_CHOICES` whose `shared_bytes` fit ``limit`` (a program's shared memory on the device;
+    None: Triton's interpreter, which has no such limit: the first choice). Heads of up to 128 dims take the first
+    choice on any GPU of the last generations; Qwen3.5's 256-dim heads in bf16 at 64-row blocks take 2 stages on
+    a Hopper GPU (3 do not fit)."""
+    if limit is None:
+        return TILE_CHOICES[0]
+    for block_n, stages in TILE_CHOICES:
+        if shared_bytes(d, itemsize, block_m, block_n, stages) <= limit:
+            return block_n, stages
+    return TILE_CHOICES[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit(device) -> int | None:
+    """A program's shared memory on ``device`` (the opt-in maximum, the limit Triton checks a launch against);
+    None off CUDA (Triton's interpreter)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if not limit:
+        import triton
+
+        limit = triton.runtime.driver.active.utils.get_device_properties(_device_index(device))["max_shared_mem"]
+    return int(limit)
+
+
+def _device_index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _tiles(d: int, itemsize: int, block_m: int, device) -> tuple[int, int]:
+    key = (d, itemsize, block_m, device)
+    tiles = _TILES.get(key)
+    if tiles is None:
+        with _TILES_LOCK:
+            tiles = _TILES.setdefault(key, launch_tiles(d, itemsize, block_m, _shared_limit(device)))
+    return tiles
+
+
+def _smaller_tiles(key, failed: tuple[int, int]) -> tuple[int, int] | None:
+    """After a launch with ``failed`` tiles ran out of shared memory (the estimate was short on this Triton): the
+    next choice, kept for ``key`` from then on; None when none is left."""
+    later = TILE_CHOICES[TILE_CHOICES.index(failed) + 1:] if failed in TILE_CHOICES else ()
+    if not later:
+        return None
+    with _TILES_LOCK:
+        _TILES[key] = later[0]
+    return later[0]
 
 
 def split_count(programs: int, slots: int, processors: int, block_n: int = BLOCK_N) -> int:
@@ -127,7 +193,9 @@ def _few_query_triton(query, key, value, attention_mask, scale: float, extent: t
     rounding of its sums); None: every slot.
     ``query_rows`` (``[B]``): sequence ``b``'s query positions from ``query_rows[b]`` on are padding, whose output
     nobody reads: row blocks of padding only are not computed (their output is 0; the other rows' is the same, as
-    above); None: every row computed."""
+    above); None: every row computed.
+    The key tile and the pipelining depth are the largest whose shared memory fits the device (`launch_tiles`:
+    256-dim heads do not fit the first choice on a Hopper GPU), the next smaller if Triton still refuses a launch."""
     from . import _triton_attention as kernels
 
     b, hq, rows, d = query.shape
@@ -136,21 +204,33 @@ def _few_query_triton(query, key, value, attention_mask, scale: float, extent: t
     group_rows = group * rows
     block_m = _block_m(group_rows)
     m_blocks = cdiv(group_rows, block_m)
-    splits = split_count(b * hkv * m_blocks, slots, _processors(query.device))
-    split_len = cdiv(cdiv(slots, splits), BLOCK_N) * BLOCK_N  # whole tiles per split
-    splits = cdiv(slots, split_len)  # (rounding up to whole tiles may leave the last split empty: drop it)
-    out = torch.empty(splits, b * hkv, group_rows, d, device=query.device, dtype=torch.float32)
-    peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
-    total = torch.empty_like(peak)
+    key_of_tiles = (d, query.element_size(), block_m, query.device)
+    tiles = _tiles(*key_of_tiles)
     mask = attention_mask.view(torch.uint8)
     has_extent, has_rows = extent is not None, query_rows is not None
-    kernels.few_query_split[(b * hkv, m_blocks, splits)](
-        query, key, value, mask, extent.long() if has_extent else mask, query_rows.long() if has_rows else mask,
-        out, peak, total, slots, hkv, group, rows, split_len, float(scale),
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
-        mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        IEEE=query.dtype == torch.float32, HAS_EXTENT=has_extent, HAS_ROWS=has_rows, num_warps=4)
+    while True:
+        block_n, stages = tiles
+        splits = split_count(b * hkv * m_blocks, slots, _processors(query.device), block_n)
+        split_len = cdiv(cdiv(slots, splits), block_n) * block_n  # whole tiles per split
+        splits = cdiv(slots, split_len)  # (rounding up to whole tiles may leave the last split empty: drop it)
+        out = torch.empty(splits, b * hkv, group_rows, d, device=query.device, dtype=torch.float32)
+        peak = torch.empty(splits, b * hkv, group_rows, device=query.device, dtype=torch.float32)
+        total = torch.empty_like(peak)
+        try:
+            kernels.few_query_split[(b * hkv, m_blocks, splits)](
+                query, key, value, mask, extent.long() if has_extent else mask,
+                query_rows.long() if has_rows else mask,
+                out, peak, total, slots, hkv, group, rows, split_len, float(scale),
+                query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+                value.stride(0), value.stride(1), value.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0,
+                mask.stride(2), mask.stride(3), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                IEEE=query.dtype == torch.float32, HAS_EXTENT=has_extent, HAS_ROWS=has_rows, num_warps=4,
+                num_stages=stages)
+            break
+        except kernels.OutOfResources:  # (raised before anything is launched: retrying is safe, even in a capture)
+            tiles = _smaller_tiles(key_of_tiles, tiles)
+            if tiles is None:
+                raise
     # (a row's sum is at least 1 wherever it saw a slot, every real row sees itself; the padding rows a block skipped
     # have none: their output is 0, not 0 / 0)
     if splits == 1:
