@@ -378,8 +378,8 @@ def test_batch_benchmark_rows_ratios_and_exact_lengths(tmp_path):
 
 
 def test_batch_benchmark_profiles_a_call_per_row(tmp_path):
-    """``--profile``: one more call per row under torch.profiler; on CPU its top operators by self time and no device
-    figures."""
+    """``--profile``: two more calls per row under torch.profiler, the whole call and its decode steps alone (from the
+    first token, per step); on CPU their top operators by self time and no device figures."""
     from raincheck_hf.bench import batch
 
     result = batch.run("tiny_qwen3_vl", [2], ["raincheck"], answer_tokens=3, reps=1, device="cpu",
@@ -388,9 +388,16 @@ def test_batch_benchmark_profiles_a_call_per_row(tmp_path):
     prof = row["profile"]
     assert result["settings"]["profile"] is True
     assert prof["wall_s"] > 0 and prof["device_s"] is None and prof["host_waits"] == 0
-    assert 0 < len(prof["top"]) <= 12 and all(t["calls"] >= 1 and t["self_s"] >= 0 for t in prof["top"])
+    assert 0 < len(prof["top"]) <= 30 and all(t["calls"] >= 1 and t["self_s"] >= 0 for t in prof["top"])
     assert prof["top"] == sorted(prof["top"], key=lambda t: -t["self_s"])
     assert any(t["name"] in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul") for t in prof["top"])
+    # the decode steps alone (no prompt encoding or prefill: a shorter time than the whole call's), per step
+    decode = row["decode_profile"]
+    assert decode["steps"] == 2 and decode["device_s"] is None and decode["per_step_ms"]["device"] is None
+    assert decode["per_step_ms"]["wall"] == pytest.approx(decode["wall_s"] * 1e3 / 2)
+    assert 0 < decode["wall_s"] < prof["wall_s"]
+    assert decode["top"] and decode["top"] == sorted(decode["top"], key=lambda t: -t["self_s"])
+    assert all(t["per_step_ms"] == pytest.approx(t["self_s"] * 1e3 / 2) for t in decode["top"])
 
 
 def test_batch_benchmark_takes_the_shared_chunk_budget(tmp_path, monkeypatch):

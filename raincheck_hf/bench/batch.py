@@ -24,8 +24,9 @@ costs, CUDA-graph captures and compiles, are paid before timing): ``e2e_s`` (the
 encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
-``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. ``--profile`` adds one more call per row under
-`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed.
+``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. ``--profile`` adds two more calls per row under
+`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed: the whole
+call (``profile``) and its decode steps alone, per step (``decode_profile``).
 The JSON carries the hardware and the
 ratios the batching targets read: each variant's tokens/s over its own B = 1 (and over the eager engine's B = 1
 for ``raincheck`` / ``full``), ``raincheck`` TPOT over ``full``'s, and each variant's tokens/s over ``stock``'s.
@@ -94,31 +95,70 @@ def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 30) -> dict:
+class _ProfileFromFirstToken(TokenClock):
+    """A `TokenClock` that starts ``prof`` (a `torch.profiler.profile`) when the first generated token reaches the
+    host: what it records is the decode steps only, the prompts' encoding and prefill left out."""
+
+    def __init__(self, device, prof):
+        super().__init__(device)
+        self.prof = prof
+
+    def put(self, value):
+        super().put(value)
+        if len(self.times) == 1 and not getattr(self, "_started", False):
+            self._started = True
+            self.prof.start()
+
+
+def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 30, decode_only: bool = False) -> dict:
     """One more call of the same kind under `torch.profiler` (after the timed ones): where its time went. Wall
     seconds; device seconds (the sum of the kernels' time, CUDA only); the host's seconds in the calls that wait for
     the device (`HOST_WAITS`) and how many; the ``top`` kernels (CUDA) or operators (CPU) by self time. A profiled
-    call runs slower than a timed one: the figures say where time goes, not how long a call takes."""
+    call runs slower than a timed one: the figures say where time goes, not how long a call takes.
+
+    ``decode_only``: the profiler runs from the first generated token to the call's end (the decode steps, without
+    the prompts' encoding and prefill), and every figure is also given per step (``steps``: the tokens after the
+    first; ``per_step_ms``, each top entry's ``per_step_ms``), so a batched step's kernels read directly."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        time_call(model, device, inputs, kwargs)
-    wall = time.perf_counter() - start
+    if decode_only:
+        prof = profile(activities=activities)
+        clock = _ProfileFromFirstToken(device, prof)
+        model.generate(**inputs, **kwargs, streamer=clock)
+        _sync(device)
+        end = time.perf_counter()
+        if not clock.times:
+            raise RuntimeError("bench batch --profile: the call generated no token to start the decode profile at")
+        prof.stop()
+        wall, steps = end - clock.times[0], len(clock.times) - 1
+    else:
+        with profile(activities=activities) as prof:
+            time_call(model, device, inputs, kwargs)
+        wall, steps = time.perf_counter() - start, None
     events = prof.key_averages()
     on_device = device.type == "cuda"
     device_us = sum(e.self_device_time_total for e in events) if on_device else 0.0
     waits = [e for e in events if e.key in HOST_WAITS]
     ranked = sorted(events, key=lambda e: e.self_device_time_total if on_device else e.self_cpu_time_total,
                     reverse=True)[:top]
-    return {"wall_s": wall, "device_s": device_us / 1e6 if on_device else None,
-            "host_wait_s": sum(e.self_cpu_time_total for e in waits) / 1e6,
-            "host_waits": sum(e.count for e in waits),
-            "top": [{"name": e.key[:120], "calls": e.count,
-                     "self_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e6}
-                    for e in ranked]}
+    out = {"wall_s": wall, "device_s": device_us / 1e6 if on_device else None,
+           "host_wait_s": sum(e.self_cpu_time_total for e in waits) / 1e6,
+           "host_waits": sum(e.count for e in waits),
+           "top": [{"name": e.key[:120], "calls": e.count,
+                    "self_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e6}
+                   for e in ranked]}
+    if decode_only:
+        per = max(steps, 1)
+        out["steps"] = steps
+        out["per_step_ms"] = {"wall": wall * 1e3 / per,
+                              "device": device_us / 1e3 / per if on_device else None,
+                              "host_wait": out["host_wait_s"] * 1e3 / per}
+        for entry in out["top"]:
+            entry["per_step_ms"] = entry["self_s"] * 1e3 / per
+    return out
 
 
 def summarize(reps: list[dict], batch: int, answer_tokens: int) -> dict:
@@ -211,6 +251,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
                 row["batch_chunk_rows"] = cap
             if profile:
                 row["profile"] = profile_call(model, device, inputs, kwargs)
+                row["decode_profile"] = profile_call(model, device, inputs, kwargs, decode_only=True)
             result["rows"].append(row)
             log(f"B={batch:3d} {name:20s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
                 f"TPOT {row['tpot_s'] * 1e3:7.2f} ms")
@@ -237,8 +278,9 @@ def main(argv=None):
                              "several comma-separated run side by side (e.g. none,64); "
                              f"default {str(DEFAULT_CHUNK_ROWS).lower()} (the config's)")
     parser.add_argument("--profile", action="store_true",
-                        help="after the timed calls, one more under torch.profiler per row: device time, the host's "
-                             "waits for the device, the top kernels (in the JSON's rows)")
+                        help="after the timed calls, two more under torch.profiler per row: device time, the host's "
+                             "waits for the device, the top kernels, of the whole call and of its decode steps per "
+                             "step (in the JSON's rows)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     chunk_rows = []
