@@ -494,3 +494,21 @@ def test_prepare_syncs_reports_each_first_turns_preparation(tmp_path, capsys):
     assert "synchronizing calls" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         script.main(["--image-size", "12x9"])
+
+
+def test_token_clock_waits_for_the_device_only_for_a_token_still_on_it(monkeypatch):
+    """The benchmarks' `TokenClock` times a token when ``put`` is handed it. Host tensors (what every generate loop
+    here hands over, read after their step) are not waited for: the batched engine launches its next step before it
+    hands over this step's tokens, and a device-wide wait there held the host until that next step had ended. A
+    token still on a device is synchronized first."""
+    from raincheck_hf.bench import latency
+
+    waits = []
+    monkeypatch.setattr(latency, "_sync", lambda device: waits.append(device))
+    clock = latency.TokenClock(torch.device("cuda"))
+    clock.put(torch.tensor([[1, 2, 3]]))  # the prompt: not a token
+    clock.put(torch.tensor([4, 5]))
+    assert waits == [] and len(clock.times) == 1
+    clock.put(torch.empty(2, dtype=torch.long, device="meta"))  # (a tensor not on the host)
+    assert waits == [torch.device("cuda")] and len(clock.times) == 2
+    assert clock.times[0] <= clock.times[1]

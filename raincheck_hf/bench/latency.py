@@ -188,11 +188,17 @@ def _sync(device: torch.device):
 
 
 class TokenClock(BaseStreamer):
-    """Streamer recording, after a device sync, when each generated token reaches the host.
+    """Streamer recording when each generated token reaches the host: the time ``put`` is handed it.
 
-    The first ``put`` is the prompt (HF's `generate` and the Raincheck loop both send it first) and
-    is not a token.
-    """
+    The first ``put`` is the prompt (HF's `generate` and the Raincheck loops all send it first) and
+    is not a token. Every loop measured here hands over host tensors, whose read already waited for the
+    step that made them (stock `generate`'s ``next_tokens.cpu()``, the single-sequence loop's, the batched
+    engine's one read a step), so the clock waits for nothing itself; a token handed over on the device is
+    synchronized first. It must not wait otherwise: the batched engine (`batch_engine.batched_sample`)
+    launches its next step before it hands over this step's tokens, and a device-wide wait there held the
+    host until that next step had ended, so its preparation of the one after never overlapped the device
+    (every `bench batch` figure at B > 1 before the twenty-third session paid that on each step; stock
+    `generate` and batch-1 calls did not)."""
 
     def __init__(self, device: torch.device):
         self.device, self.times, self._prompt_seen = device, [], False
@@ -201,7 +207,8 @@ class TokenClock(BaseStreamer):
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        _sync(self.device)
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            _sync(self.device)
         self.times.append(time.perf_counter())
 
     def end(self):
