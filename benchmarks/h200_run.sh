@@ -52,10 +52,11 @@ case "${1:-vl}" in
 batch)
     # issue 29: batched generate at B = 1, 8, 32 (raincheck, full, their B = 1 eager twins, stock), Qwen3-VL-8B then
     # Qwen3.5-9B; 128-token answers, one timed call each after a warm-up (BATCH_REPS; CAPS=none,64: the chunk cap
-    # RaincheckConfig.batch_chunk_rows side by side, the default first)
+    # RaincheckConfig.batch_chunk_rows side by side, the default first; BATCH_PROFILE=1: two profiled calls per row,
+    # the whole call and its decode steps; CLOCK_CHECK=1: each row timed again with a device wait at every token)
     for m in ${BATCH_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
         timeout "${BATCH_S:-280}" python3 -m raincheck_hf.bench batch --model $m --batch "${BATCHES:-1,8,32}" \
-            --reps "${BATCH_REPS:-1}" ${BATCH_VARIANTS:+--variants $BATCH_VARIANTS} ${BATCH_PROFILE:+--profile} ${CAPS:+--batch-chunk-rows $CAPS} --json "$OUT/batch_${m}_h200.json" \
+            --reps "${BATCH_REPS:-1}" ${BATCH_VARIANTS:+--variants $BATCH_VARIANTS} ${BATCH_PROFILE:+--profile} ${CLOCK_CHECK:+--clock-check} ${CAPS:+--batch-chunk-rows $CAPS} --json "$OUT/batch_${m}_h200.json" \
             > "$OUT/batch_${m}_h200.log" 2>&1
         tail -14 "$OUT/batch_${m}_h200.log"
     done

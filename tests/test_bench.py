@@ -512,3 +512,19 @@ def test_token_clock_waits_for_the_device_only_for_a_token_still_on_it(monkeypat
     clock.put(torch.empty(2, dtype=torch.long, device="meta"))  # (a tensor not on the host)
     assert waits == [torch.device("cuda")] and len(clock.times) == 2
     assert clock.times[0] <= clock.times[1]
+
+
+def test_batch_benchmark_times_each_row_again_with_the_old_clock_when_asked(tmp_path):
+    """``--clock-check``: each row's call timed again with a device-wide wait at every token (`SyncedClock`, the
+    clock before the twenty-third session), side by side in the row."""
+    from raincheck_hf.bench import batch
+
+    result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck,stock", "--answer-tokens",
+                         "3", "--reps", "1", "--device", "cpu", "--clock-check", "--json", str(tmp_path / "b.json")])
+    assert result["settings"]["clock_check"] is True
+    for row in result["rows"]:
+        synced = row["synced_clock"]
+        assert set(synced) == {"e2e_s", "ttft_s", "tpot_s", "tokens_per_s"}
+        assert synced["tokens_per_s"] == pytest.approx(2 * 3 / synced["e2e_s"])
+    plain = batch.run("tiny_qwen3_vl", [2], ["raincheck"], answer_tokens=2, reps=1, device="cpu", log=lambda *a: None)
+    assert "synced_clock" not in plain["rows"][0] and plain["settings"]["clock_check"] is False

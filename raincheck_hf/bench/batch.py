@@ -24,7 +24,9 @@ costs, CUDA-graph captures and compiles, are paid before timing): ``e2e_s`` (the
 encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
-``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls. ``--profile`` adds two more calls per row under
+``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls (each token timed when it reaches the host,
+`latency.TokenClock`; ``--clock-check`` also times each row with a device-wide wait at every token, as this benchmark
+did before: ``synced_clock``). ``--profile`` adds two more calls per row under
 `torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed: the whole
 call (``profile``) and its decode steps alone, per step (``decode_profile``).
 The JSON carries the hardware and the
@@ -75,8 +77,18 @@ def _kwargs(variant: str, answer_tokens: int, suppress: list[int], batch_chunk_r
     return kw
 
 
-def time_call(model, device, inputs: dict, kwargs: dict) -> dict:
-    clock = TokenClock(device)
+class SyncedClock(TokenClock):
+    """The clock `bench batch` used before the twenty-third session: a device-wide wait at every token (see
+    `TokenClock`), kept to show what it cost (``--clock-check``)."""
+
+    def put(self, value):
+        if self._prompt_seen:
+            _sync(self.device)
+        super().put(value)
+
+
+def time_call(model, device, inputs: dict, kwargs: dict, clock_class=TokenClock) -> dict:
+    clock = clock_class(device)
     _sync(device)
     start = time.perf_counter()
     out = model.generate(**inputs, **kwargs, streamer=clock)
@@ -203,7 +215,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 def run(model_name: str, batches: list[int], variants: list[str], answer_tokens: int = 128, reps: int = 2,
         device=None, image_size=None, json_path: str | None = None, log=print,
-        batch_chunk_rows=DEFAULT_CHUNK_ROWS, profile: bool = False) -> dict:
+        batch_chunk_rows=DEFAULT_CHUNK_ROWS, profile: bool = False, clock_check: bool = False) -> dict:
     """``batch_chunk_rows``: the raincheck / full variants' `RaincheckConfig.batch_chunk_rows`, or a list of several
     run side by side (each after the first as ``<variant><cap_suffix>``)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -228,7 +240,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
     suppress = special_token_ids(processor)
     result = {"benchmark": "batch", "hardware": hardware_info(device), "model": info,
               "settings": {"batches": batches, "variants": variants, "answer_tokens": answer_tokens, "reps": reps,
-                           "profile": profile,
+                           "profile": profile, "clock_check": clock_check,
                            "image_size": list(image_size or MODELS[model_name].image_size),
                            "batch_chunk_rows": caps[0] if len(caps) == 1 else caps,
                            "raincheck_config": " / ".join(
@@ -249,12 +261,19 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
             row = {"variant": name, **summarize(runs, batch, answer_tokens)}
             if variant != "stock":
                 row["batch_chunk_rows"] = cap
+            if clock_check:  # the same call timed as before the twenty-third session (a device wait at every token)
+                synced = summarize([time_call(model, device, inputs, kwargs, SyncedClock) for _ in range(reps)],
+                                   batch, answer_tokens)
+                row["synced_clock"] = {k: synced[k] for k in ("e2e_s", "ttft_s", "tpot_s", "tokens_per_s")}
             if profile:
                 row["profile"] = profile_call(model, device, inputs, kwargs)
                 row["decode_profile"] = profile_call(model, device, inputs, kwargs, decode_only=True)
             result["rows"].append(row)
+            synced = row.get("synced_clock")
             log(f"B={batch:3d} {name:20s} {row['tokens_per_s']:8.1f} tok/s  TTFT {row['ttft_s'] * 1e3:8.1f} ms  "
-                f"TPOT {row['tpot_s'] * 1e3:7.2f} ms")
+                f"TPOT {row['tpot_s'] * 1e3:7.2f} ms"
+                + (f"  (synced clock: {synced['tokens_per_s']:.1f} tok/s, TPOT {synced['tpot_s'] * 1e3:.2f} ms)"
+                   if synced else ""))
             _write(result, json_path)
         del inputs
         if device.type == "cuda":
@@ -281,6 +300,9 @@ def main(argv=None):
                         help="after the timed calls, two more under torch.profiler per row: device time, the host's "
                              "waits for the device, the top kernels, of the whole call and of its decode steps per "
                              "step (in the JSON's rows)")
+    parser.add_argument("--clock-check", action="store_true",
+                        help="also time each row's call with a device-wide wait at every token, as this benchmark did "
+                             "before (`synced_clock` in the JSON's rows)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     chunk_rows = []
@@ -300,4 +322,4 @@ def main(argv=None):
         parser.error(f"--batch must be comma-separated integers, got {args.batch!r}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     return run(args.model, batches, variants, args.answer_tokens, args.reps, args.device, json_path=args.json,
-               batch_chunk_rows=chunk_rows, profile=args.profile)
+               batch_chunk_rows=chunk_rows, profile=args.profile, clock_check=args.clock_check)
