@@ -120,9 +120,10 @@ def shared_bytes(d: int, itemsize: int, block_m: int, block_n: int, stages: int)
 
 def launch_tiles(d: int, itemsize: int, block_m: int, limit: int | None) -> tuple[int, int]:
     """The first of `TILE_CHOICES` whose `shared_bytes` fit ``limit`` (a program's shared memory on the device;
-    None: Triton's interpreter, which has no such limit: the first choice). Heads of up to 128 dims take the first
-    choice on any GPU of the last generations; Qwen3.5's 256-dim heads in bf16 at 64-row blocks take 2 stages on
-    a Hopper GPU (3 do not fit)."""
+    None: Triton's interpreter, which has no such limit: the first choice). Half-precision heads of up to 128 dims
+    take the first choice on an A100 / H100 / H200 (Qwen3-VL, Qwen2.5-VL: the kernel as before); Qwen3.5's 256-dim
+    heads in bf16 at 64-row blocks take 2 stages on a Hopper GPU (3 do not fit); float32 inputs (the tiny test
+    models) take fewer stages at 128 dims and more at their own small head dims."""
     if limit is None:
         return TILE_CHOICES[0]
     for block_n, stages in TILE_CHOICES:
