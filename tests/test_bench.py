@@ -522,9 +522,38 @@ def test_batch_benchmark_times_each_row_again_with_the_old_clock_when_asked(tmp_
     result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck,stock", "--answer-tokens",
                          "3", "--reps", "1", "--device", "cpu", "--clock-check", "--json", str(tmp_path / "b.json")])
     assert result["settings"]["clock_check"] is True
+    for row in result["rows"]:  # (each run's captures from its traces: none on a CPU, none for stock)
+        assert [(r["captures"], r["capture_s"]) for r in row["runs"]] == [(0, 0)]
     for row in result["rows"]:
         synced = row["synced_clock"]
         assert set(synced) == {"e2e_s", "ttft_s", "tpot_s", "tokens_per_s"}
         assert synced["tokens_per_s"] == pytest.approx(2 * 3 / synced["e2e_s"])
     plain = batch.run("tiny_qwen3_vl", [2], ["raincheck"], answer_tokens=2, reps=1, device="cpu", log=lambda *a: None)
     assert "synced_clock" not in plain["rows"][0] and plain["settings"]["clock_check"] is False
+
+
+def test_batch_benchmark_counts_the_captures_its_calls_traces_report():
+    """`bench.batch.time_call` gives each call's CUDA-graph captures from its traces (one trace at B = 1, a list at
+    B > 1): how many and their seconds, so a first timed call that still captured shows why it was slow."""
+    from types import SimpleNamespace
+
+    from raincheck_hf.bench import batch
+
+    class Model:
+        def __init__(self, traces):
+            self.traces = traces
+
+        def generate(self, input_ids, streamer, **kwargs):
+            streamer.put(input_ids)
+            for _ in range(3):
+                streamer.put(torch.tensor([7]))
+            return SimpleNamespace(sequences=torch.zeros(1, input_ids.shape[1] + 3), raincheck=self.traces)
+
+    inputs = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
+    one = SimpleNamespace(captures=[(0, 512, 0.125), (3, 32, 0.25)])
+    run = batch.time_call(Model(one), torch.device("cpu"), inputs, {})
+    assert (run["captures"], run["capture_s"], run["generated_tokens"], run["steps"]) == (2, 0.375, 3, 3)
+    run = batch.time_call(Model([one, SimpleNamespace(captures=[])]), torch.device("cpu"), inputs, {})
+    assert (run["captures"], run["capture_s"]) == (2, 0.375)
+    run = batch.time_call(Model(None), torch.device("cpu"), inputs, {})
+    assert (run["captures"], run["capture_s"]) == (0, 0)

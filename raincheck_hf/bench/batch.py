@@ -24,7 +24,9 @@ costs, CUDA-graph captures and compiles, are paid before timing): ``e2e_s`` (the
 encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (aggregate output tokens/s),
 ``ttft_s`` (call start to the first token on the host), ``tpot_s`` (per-row time per output token after the
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
-``decode_tokens_per_s`` = B / tpot_s. Medians over ``--reps`` calls (each token timed when it reaches the host,
+``decode_tokens_per_s`` = B / tpot_s; each run also gives the CUDA-graph captures its traces report (``captures``,
+``capture_s``: the single-sequence path's; a batch's captured steps are not in its traces). Medians over ``--reps``
+calls (each token timed when it reaches the host,
 `latency.TokenClock`; ``--clock-check`` also times each row with a device-wide wait at every token, as this benchmark
 did before: ``synced_clock``). ``--profile`` adds two more calls per row under
 `torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed: the whole
@@ -74,6 +76,7 @@ def _kwargs(variant: str, answer_tokens: int, suppress: list[int], batch_chunk_r
     mode = "full" if variant.startswith("full") else "raincheck"
     kw["raincheck"] = RaincheckConfig(mode=mode, fast_path=False if variant in EAGER_AT_ONE else None,
                                       batch_chunk_rows=batch_chunk_rows)
+    kw["return_dict_in_generate"] = True  # (the traces: each call's CUDA-graph captures, `time_call`)
     return kw
 
 
@@ -97,9 +100,13 @@ def time_call(model, device, inputs: dict, kwargs: dict, clock_class=TokenClock)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     generated = int(sequences.shape[1] - inputs["input_ids"].shape[1])
     times = clock.times
+    traces = getattr(out, "raincheck", None)
+    traces = [] if traces is None else traces if isinstance(traces, list) else [traces]
+    captures = [c for trace in traces for c in trace.captures]  # (the single-sequence path's; batched steps: none)
     return {"e2e_s": end - start, "ttft_s": times[0] - start,
             "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-            "generated_tokens": generated, "steps": len(times)}
+            "generated_tokens": generated, "steps": len(times),
+            "captures": len(captures), "capture_s": sum(c[2] for c in captures)}
 
 
 # the host's waits for the device (a read back synchronizes its stream; the engine's non-blocking pinned copies to the
