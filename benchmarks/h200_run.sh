@@ -12,6 +12,7 @@
 #                                     # selector (Qwen3-VL-8B image + 64-frame video); Qwen3-VL-8B image latency with
 #                                     # the default settings (selector mmtok)
 #   bash benchmarks/h200_run.sh selectors35  # the same for Qwen3.5-9B (image)
+#   bash benchmarks/h200_run.sh gdn_batch  # the GDN kernels at batches 8 / 32 (GDN_BATCHES): chunk kernel vs chunked form
 #   bash benchmarks/h200_run.sh gdn   # GPU tests of the Gated DeltaNet kernels; their per-layer cost against the
 #                                     # references, eager and in a CUDA graph, with the tile sweep (issue 16)
 #   bash benchmarks/h200_run.sh wave  # every GPU test, Qwen3.5-9B latency (default settings), the server against the
@@ -348,6 +349,17 @@ gdn)
         > "$OUT/test_gpu_gdn_h200.log" 2>&1
     tail -4 "$OUT/test_gpu_gdn_h200.log"
     timeout 300 python3 -m raincheck_hf.bench gdn --sweep --json "$OUT/gdn_kernels_h200.json" 2>&1 | tee "$OUT/gdn_kernels_h200.log"
+    ;;
+gdn_batch)
+    # the Gated DeltaNet kernels at the batches of the batched engine (GDN_BATCHES, default 8,32): the recurrent chunk
+    # kernel against the chunked form and the join, with the tile sweep (GDN_SWEEP=0: without); 35 s a batch was too
+    # short for fla's import and the compiles
+    for b in $(echo "${GDN_BATCHES:-8,32}" | tr , ' '); do
+        timeout "${GDN_S:-150}" python3 -m raincheck_hf.bench gdn --batch "$b" \
+            --ops recurrent_step,recurrent_step_chunk,chunked_step,join $([ "${GDN_SWEEP:-1}" = 1 ] && echo --sweep) \
+            --json "$OUT/gdn_batch${b}_h200.json" > "$OUT/gdn_batch${b}_h200.log" 2>&1
+        tail -12 "$OUT/gdn_batch${b}_h200.log"
+    done
     ;;
 wave)
     # this wave's GPU checks and runs in one device call, each part bounded so that the next still runs:
