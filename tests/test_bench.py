@@ -516,7 +516,7 @@ def test_token_clock_waits_for_the_device_only_for_a_token_still_on_it(monkeypat
 
 def test_batch_benchmark_times_each_row_again_with_the_old_clock_when_asked(tmp_path):
     """``--clock-check``: each row's call timed again with a device-wide wait at every token (`SyncedClock`, the
-    clock before the twenty-third session), side by side in the row."""
+    clock until 2026-12-06), side by side in the row."""
     from raincheck_hf.bench import batch
 
     result = batch.main(["--model", "tiny_qwen3_vl", "--batch", "2", "--variants", "raincheck,stock", "--answer-tokens",

@@ -81,7 +81,7 @@ def _kwargs(variant: str, answer_tokens: int, suppress: list[int], batch_chunk_r
 
 
 class SyncedClock(TokenClock):
-    """The clock `bench batch` used before the twenty-third session: a device-wide wait at every token (see
+    """The clock `bench batch` used until 2026-12-06: a device-wide wait at every token (see
     `TokenClock`), kept to show what it cost (``--clock-check``)."""
 
     def put(self, value):
@@ -268,7 +268,7 @@ def run(model_name: str, batches: list[int], variants: list[str], answer_tokens:
             row = {"variant": name, **summarize(runs, batch, answer_tokens)}
             if variant != "stock":
                 row["batch_chunk_rows"] = cap
-            if clock_check:  # the same call timed as before the twenty-third session (a device wait at every token)
+            if clock_check:  # the same call timed as until 2026-12-06 (a device wait at every token)
                 synced = summarize([time_call(model, device, inputs, kwargs, SyncedClock) for _ in range(reps)],
                                    batch, answer_tokens)
                 row["synced_clock"] = {k: synced[k] for k in ("e2e_s", "ttft_s", "tpot_s", "tokens_per_s")}

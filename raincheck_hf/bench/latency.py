@@ -197,7 +197,7 @@ class TokenClock(BaseStreamer):
     synchronized first. It must not wait otherwise: the batched engine (`batch_engine.batched_sample`)
     launches its next step before it hands over this step's tokens, and a device-wide wait there held the
     host until that next step had ended, so its preparation of the one after never overlapped the device
-    (every `bench batch` figure at B > 1 before the twenty-third session paid that on each step; stock
+    (every `bench batch` figure at B > 1 until 2026-12-06 paid that on each step; stock
     `generate` and batch-1 calls did not)."""
 
     def __init__(self, device: torch.device):
