@@ -557,3 +557,41 @@ def test_batch_benchmark_counts_the_captures_its_calls_traces_report():
     assert (run["captures"], run["capture_s"]) == (2, 0.375)
     run = batch.time_call(Model(None), torch.device("cpu"), inputs, {})
     assert (run["captures"], run["capture_s"]) == (0, 0)
+
+
+def test_kernel_categories_sum_a_profiles_kernels_by_kind_per_step(tmp_path, capsys):
+    """`benchmarks/kernel_categories.py`: a `bench batch --profile` row's listed kernels summed by kind (per step for
+    a decode profile), host-side operators left out (their kernels are listed on their own), what the list leaves of
+    the device time as ``unlisted``; rows without the profile skipped, a CPU row's figures None."""
+    cats = _load_script("kernel_categories")
+    top = [{"name": "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "calls": 10, "self_s": 0.010},
+           {"name": "void cublasLt::splitKreduce_kernel<32, 16, int, float>", "calls": 10, "self_s": 0.002},
+           {"name": "few_query_split", "calls": 4, "self_s": 0.003},
+           {"name": "aten::_cudnn_attention_forward", "calls": 2, "self_s": 0.004},
+           {"name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "calls": 2, "self_s": 0.004},
+           {"name": "recurrent_step", "calls": 8, "self_s": 0.005},
+           {"name": "join", "calls": 2, "self_s": 0.001},
+           {"name": "mmtok_gain", "calls": 3, "self_s": 0.0005},
+           {"name": "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "calls": 8, "self_s": 0.002},
+           {"name": "Memcpy DtoD (Device -> Device)", "calls": 5, "self_s": 0.001},
+           {"name": "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>", "calls": 5,
+            "self_s": 0.0015},
+           {"name": "some_unknown_kernel", "calls": 1, "self_s": 0.0005}]
+    rows = [{"variant": "raincheck", "batch": 8, "profile": {"device_s": 0.040, "top": top},
+             "decode_profile": {"device_s": 0.040, "steps": 4, "top": top}},
+            {"variant": "full", "batch": 1},
+            {"variant": "full", "batch": 2, "profile": {"device_s": None, "top": top}}]
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps({"rows": rows}))
+    table = cats.main([str(path), "--profile", "decode_profile"])
+    (row,) = table
+    assert row["per"] == "step" and row["total"] == pytest.approx(10.0)
+    want = {"gemm": 3.0, "attention": 1.75, "gdn": 1.5, "selection": 0.125, "compiled": 0.5, "copies": 0.25,
+            "elementwise": 0.375, "other": 0.125}
+    for k, v in want.items():
+        assert row[k] == pytest.approx(v), k
+    assert row["unlisted"] == pytest.approx(10.0 - sum(want.values()))
+    whole = cats.main([str(path)])
+    assert [r["batch"] for r in whole] == [8, 2] and whole[0]["per"] == "call"
+    assert whole[0]["gemm"] == pytest.approx(12.0) and whole[1]["total"] is None and whole[1]["unlisted"] is None
+    assert "ms/call" in capsys.readouterr().out
