@@ -1049,12 +1049,12 @@ class BatchLoop:
         before it is handed to the loop, so that the loop's thread goes on stepping the running answers meanwhile
         instead of doing it when the turn joins. A conversation's first turn gets its sequence made here too
         (`batched.new_sequence`: the vision tower's encoding of its media, embeddings, selection, plan; the loop
-        only gives it a slot: `BatchEngine.add_made`). With `follow_ups_ahead` so does a follow-up (`_follow_up_ahead`),
-        from its held cache as it is now, when nothing is restoring it (its lock free at once, not restoring in an
-        engine of the loop, ``early_follow_up``); the loop uses that sequence only if the held cache is still the one
-        it was made from (same object, same pending rows), else makes it again when the turn joins (the loop may have
-        restored some of the leftovers meanwhile). Not for a turn whose selector needs a vision attention capture; called from the
-        loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so the
+        only gives it a slot: `BatchEngine.add_made`). With `follow_ups_ahead` so does a follow-up
+        (`_follow_up_ahead`), from its held cache as it is now, when nothing is restoring it (its lock free at once,
+        not restoring in an engine of the loop, ``early_follow_up``); the loop uses that sequence only if the held
+        cache is still the one it was made from (same object, same pending rows), else makes it again when the turn
+        joins (the loop may have restored some of the leftovers meanwhile). Not for a turn whose selector needs a
+        vision attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so the
         turn fails as it would have."""
         if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return

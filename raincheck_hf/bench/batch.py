@@ -124,8 +124,7 @@ class _ProfileFromFirstToken(TokenClock):
 
     def put(self, value):
         super().put(value)
-        if len(self.times) == 1 and not getattr(self, "_started", False):
-            self._started = True
+        if len(self.times) == 1:  # (once: the times only grow)
             self.prof.start()
 
 
@@ -141,19 +140,14 @@ def profile_call(model, device, inputs: dict, kwargs: dict, top: int = 30, decod
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
-    start = time.perf_counter()
     if decode_only:
         prof = profile(activities=activities)
-        clock = _ProfileFromFirstToken(device, prof)
-        model.generate(**inputs, **kwargs, streamer=clock)
-        _sync(device)
-        end = time.perf_counter()
-        if not clock.times:
-            raise RuntimeError("bench batch --profile: the call generated no token to start the decode profile at")
+        run = time_call(model, device, inputs, kwargs, lambda d: _ProfileFromFirstToken(d, prof))
         prof.stop()
-        wall, steps = end - clock.times[0], len(clock.times) - 1
+        wall, steps = run["e2e_s"] - run["ttft_s"], run["steps"] - 1
     else:
+        _sync(device)
+        start = time.perf_counter()
         with profile(activities=activities) as prof:
             time_call(model, device, inputs, kwargs)
         wall, steps = time.perf_counter() - start, None

@@ -519,9 +519,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     round_of(mode, 1)
                     log(f"[serve-load] warmed up {mode}")
                 # (a client count's variants side by side, every other round in reverse order)
-                for n, r, (ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups) in (
-                        (n, r, v) for n in clients for r in range(rounds)
-                        for v in (variants if r % 2 == 0 else variants[::-1])):
+                for n, r, variant in ((n, r, v) for n in clients for r in range(rounds)
+                                      for v in (variants if r % 2 == 0 else variants[::-1])):
+                    ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups = variant
                     parts = [mode] + (["launched ahead" if ahead else "not ahead"] if len(aheads) > 1 else []) + (
                         [f"prompt forwards {forwards or 'any'}"] if len(prompt_forwards) > 1 else []) + (
                         [f"preparing {prepare or 'any'}"] if len(preparing) > 1 else []) + (
@@ -535,8 +535,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         if len(early) > 1 else [])
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
-                    _apply_variant(loop, (ahead, forwards, prepare, side, ride, interval, cap, split, joins, early_ups),
-                                   server)
+                    _apply_variant(loop, variant, server)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
                     row["series"], row["gc"], row["round"] = series, collections, r
@@ -558,8 +557,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
-                    if n == 1 and dialogues and (ahead, forwards, prepare, side, ride,
-                                                 interval, cap, split, joins, early_ups) == variants[0]:
+                    if n == 1 and dialogues and variant == variants[0]:
                         turns = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")} for t in dialogues[0]]
                         result.setdefault("server_one_client_rounds", {}).setdefault(mode, []).append(turns)
                     if rounds > 1:  # (a run cut short by its time limit keeps the medians of what it measured)
@@ -597,10 +595,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         if library:
             from PIL import Image
 
+            from ..serve.media import decode_pixels
+
             decodes = []  # what the server does for a new picture and the library is given done: its decoding
             for _ in range(5):
                 began = time.perf_counter()
-                Image.open(io.BytesIO(jpegs[0])).convert("RGB")
+                decode_pixels(jpegs[0], "image")
                 decodes.append(time.perf_counter() - began)
             result["jpeg_decode_s"] = statistics.median(decodes)
             for mode in modes:
@@ -702,10 +702,9 @@ def _stream_values(value: str, batching: bool) -> tuple:
 def _apply_variant(loop, variant: tuple, server=None) -> None:
     """Set the settings compared side by side (between rounds): ``(launch_ahead, max_prompt_forwards, max_preparing,
     prepare_stream, ride_max_rows, switch interval in seconds, batch_chunk_rows, split_rows, join_in_flight,
-    follow_ups_ahead)``,
-    ``prepare_stream`` False, True or "high" (`_stream_values`); the first five and the last three are ``loop``'s (None:
-    no batching loop, only the interval), ``batch_chunk_rows`` the ``server``'s config's (its requests' configs are
-    made from it)."""
+    follow_ups_ahead)``, ``prepare_stream`` False, True or "high" (`_stream_values`); the first five and the last three
+    are ``loop``'s (None: no batching loop, only the interval), ``batch_chunk_rows`` the ``server``'s config's (its
+    requests' configs are made from it)."""
     ahead, forwards, preparing, stream, ride, interval, cap, split, joins, early = variant
     sys.setswitchinterval(interval)
     if loop is None:

@@ -163,7 +163,7 @@ def _tiles(d: int, itemsize: int, block_m: int, device) -> tuple[int, int]:
 def _smaller_tiles(key, failed: tuple[int, int]) -> tuple[int, int] | None:
     """After a launch with ``failed`` tiles ran out of shared memory (the estimate was short on this Triton): the
     next choice, kept for ``key`` from then on; None when none is left."""
-    later = TILE_CHOICES[TILE_CHOICES.index(failed) + 1:] if failed in TILE_CHOICES else ()
+    later = TILE_CHOICES[TILE_CHOICES.index(failed) + 1:]  # (every tiles in use are one of the choices)
     if not later:
         return None
     with _TILES_LOCK:

@@ -27,8 +27,7 @@ from pydantic import ValidationError
 from ..configuration import RaincheckConfig
 from .errors import APIError, bad
 from .media import (Deadline, Limits, check_pixels, check_video, decode_image, decode_pixels, decode_video, digest,
-                    pixel_digest, probe_image,
-                    probe_video, read_url)
+                    pixel_digest, probe_image, probe_video, read_url)
 from .schema import (MAX_VIDEO_FRAMES, AssistantMessage, ChatCompletionRequest, ImagePart, RaincheckSettings,
                      SystemMessage, TextPart, VideoFramesPart, VideoURLPart, shown, validation_error)
 
