@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests -q -rs "$@"
+# The test files run on up to 4 worker processes, one per core (pytest-xdist; a file stays on one worker, so its
+# module fixtures are built once); pass -n 0 to run them in this process, one after another.
+exec .venv/bin/python -m pytest tests -q -rs -n auto --maxprocesses 4 --dist loadfile "$@"
