@@ -1054,8 +1054,8 @@ class BatchLoop:
         not restoring in an engine of the loop, ``early_follow_up``); the loop uses that sequence only if the held
         cache is still the one it was made from (same object, same pending rows), else makes it again when the turn
         joins (the loop may have restored some of the leftovers meanwhile). Not for a turn whose selector needs a
-        vision attention capture; called from the loop's own thread it does nothing. A preparation that raises is kept and raised when the turn joins, so the
-        turn fails as it would have."""
+        vision attention capture; called from the loop's own thread it does nothing. A preparation that raises is
+        kept and raised when the turn joins, so the turn fails as it would have."""
         if self.on_loop_thread() or job.ahead is not None or _needs_vision_attention(job.config):
             return
         began = time.perf_counter()

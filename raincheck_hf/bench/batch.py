@@ -26,11 +26,10 @@ encoding and prefill included), ``tokens_per_s`` = B x answer_tokens / e2e_s (ag
 first: (last token - first token) / (answer_tokens - 1), every row gets one token per step) and
 ``decode_tokens_per_s`` = B / tpot_s; each run also gives the CUDA-graph captures its traces report (``captures``,
 ``capture_s``: the single-sequence path's; a batch's captured steps are not in its traces). Medians over ``--reps``
-calls (each token timed when it reaches the host,
-`latency.TokenClock`; ``--clock-check`` also times each row with a device-wide wait at every token, as this benchmark
-did before: ``synced_clock``). ``--profile`` adds two more calls per row under
-`torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels), untimed: the whole
-call (``profile``) and its decode steps alone, per step (``decode_profile``).
+calls (each token timed when it reaches the host, `latency.TokenClock`; ``--clock-check`` also times each row with a
+device-wide wait at every token, as this benchmark did before: ``synced_clock``). ``--profile`` adds two more calls
+per row under `torch.profiler` (`profile_call`: device time, the host's waits for the device, the top kernels),
+untimed: the whole call (``profile``) and its decode steps alone, per step (``decode_profile``).
 The JSON carries the hardware and the
 ratios the batching targets read: each variant's tokens/s over its own B = 1 (and over the eager engine's B = 1
 for ``raincheck`` / ``full``), ``raincheck`` TPOT over ``full``'s, and each variant's tokens/s over ``stock``'s.
