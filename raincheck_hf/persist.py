@@ -7,8 +7,11 @@ on-disk caches; `enable_persistent_caches` points them at one folder the user ca
     RAINCHECK_CACHE_DIR (default: $XDG_CACHE_HOME/raincheck_hf, else ~/.cache/raincheck_hf)
       current/manifest.json   what the entries were built with (versions, GPU, CUDA)
       current/triton/         TRITON_CACHE_DIR (kernels and, with TRITON_CACHE_AUTOTUNING=1, autotuning results)
-      current/inductor/       TORCHINDUCTOR_CACHE_DIR (FX graph cache, Inductor's own autotuning)
-      current/torch_compile_artifacts.bin   torch.compiler.save_cache_artifacts after a warm-up, loaded at start
+      current/inductor/       TORCHINDUCTOR_CACHE_DIR (FX graph and AOTAutograd caches, Inductor's autotuning,
+                              Dynamo's automatic-dynamic profiles)
+      current/torch_compile_artifacts.bin   torch.compiler.save_cache_artifacts after a warm-up, loaded at start,
+                              only where the user's own TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR keep those
+                              caches elsewhere (`artifacts_needed`)
       stale/<time>-<reason>/  folders set aside: built with other versions or another GPU, or unreadable
 
 A cache built by other versions of torch / Triton / fla / transformers / raincheck_hf, or on another GPU or
@@ -83,7 +86,7 @@ class PersistentCaches:
         set_aside: the folder moved to ``stale/`` at this start, with why, or None.
         env: the environment variables set for this process (name -> value).
         user_env: those the user had set already (left alone; name -> their value).
-        loaded_artifacts: whether torch's compile artifacts of an earlier process were loaded.
+        loaded_artifacts: whether torch's compile artifacts of an earlier process were loaded (`artifacts_needed`).
     """
 
     root: Path
@@ -150,8 +153,9 @@ def prepare(root, expected: dict | None = None) -> tuple[Path, tuple[Path, str] 
 def enable_persistent_caches(cache_dir=None) -> PersistentCaches:
     """Use the cache folder ``cache_dir`` (default `default_cache_dir`) for Triton's and Inductor's caches in this
     process: checks its manifest (a stale or corrupt folder is set aside and rebuilt), sets ``TRITON_CACHE_DIR``,
-    ``TRITON_CACHE_AUTOTUNING=1`` and ``TORCHINDUCTOR_CACHE_DIR`` where the user has not, and loads torch's compile
-    artifacts saved by an earlier process (a file that fails to load is set aside). Once per folder per process."""
+    ``TRITON_CACHE_AUTOTUNING=1`` and ``TORCHINDUCTOR_CACHE_DIR`` where the user has not, and, where the user's own
+    directories keep those caches elsewhere (`artifacts_needed`), loads torch's compile artifacts saved by an earlier
+    process (a file that fails to load is set aside). Once per folder per process."""
     root = Path(default_cache_dir() if cache_dir is None else cache_dir).expanduser().resolve()
     with _LOCK:
         done = _ENABLED.get(str(root))
@@ -172,9 +176,24 @@ def enable_persistent_caches(cache_dir=None) -> PersistentCaches:
             else:
                 os.environ[name] = value
                 caches.env[name] = value
-        caches.loaded_artifacts = _load_artifacts(root, current)
+        caches.loaded_artifacts = artifacts_needed(caches) and _load_artifacts(root, current)
         _ENABLED[str(root)] = caches
         return caches
+
+
+def artifacts_needed(caches: PersistentCaches) -> bool:
+    """Whether torch's compile-artifacts file is worth saving and loading for ``caches``: only when the user's own
+    ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` keeps those caches outside the folder. Otherwise every entry
+    the file holds (FX graphs, AOTAutograd results, kernels, autotuning, Dynamo's automatic-dynamic profiles) is
+    already in ``current/``, written there by the process that compiled it, where torch looks first;
+    `torch.compiler.load_cache_artifacts` would only write each one again (4.0-5.8 s of a second Qwen3-VL-8B process's
+    start in the twenty-second session's cold-start run)."""
+    return any(name in caches.user_env and _resolved(caches.user_env[name]) != _resolved(caches.entries / sub)
+               for name, sub in ENV_DIRS.items())
+
+
+def _resolved(path) -> Path:
+    return Path(path).expanduser().resolve()
 
 
 def _load_artifacts(root: Path, current: Path) -> bool:
@@ -205,12 +224,13 @@ def _load_artifacts(root: Path, current: Path) -> bool:
 
 def save_compile_artifacts(cache_dir=None) -> Path | None:
     """Write torch's compile artifacts of this process (`torch.compiler.save_cache_artifacts`) into the cache
-    folder, for the next process to load; the path, or None when there was nothing to save."""
+    folder, for the next process to load; the path, or None when there was nothing to save or no need to
+    (`artifacts_needed`: the folder holds the caches themselves)."""
     import torch
 
     root = Path(default_cache_dir() if cache_dir is None else cache_dir).expanduser().resolve()
     caches = _ENABLED.get(str(root))
-    if caches is None:
+    if caches is None or not artifacts_needed(caches):
         return None
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:

@@ -18,7 +18,10 @@ ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in ENV + ("RAINCHECK_CACHE_DIR",):
-        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+        # set first, so that monkeypatch records the old state (absent too) and puts it back after the test, also
+        # over what `enable_persistent_caches` wrote into os.environ
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     yield
 
 
@@ -77,13 +80,42 @@ def test_default_folder(clean_env, monkeypatch, tmp_path):
     assert persist.default_cache_dir() == tmp_path / "set"
 
 
-def test_corrupt_compile_artifacts_are_set_aside(tmp_path, clean_env):
+def test_corrupt_compile_artifacts_are_set_aside(tmp_path, clean_env, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # (the file is read only then)
     current, _ = persist.prepare(tmp_path)
     (current / persist.ARTIFACTS).write_bytes(b"truncated garbage")
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
         caches = persist.enable_persistent_caches(tmp_path)
     assert not caches.loaded_artifacts and not (current / persist.ARTIFACTS).exists()
     assert any(p.name.endswith(persist.ARTIFACTS) for p in (tmp_path / "stale").iterdir())
+
+
+@pytest.mark.parametrize("own", [None, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"])
+def test_compile_artifacts_are_saved_and_loaded_only_where_the_caches_live_elsewhere(tmp_path, clean_env, monkeypatch,
+                                                                                      own):
+    """With the folder's own inductor / triton directories the compiled entries are already there, so the artifacts
+    file is neither written nor read (a second process would only write each entry again); with a directory of the
+    user's own it is both, and what was saved is what is loaded."""
+    import torch
+
+    if own is not None:
+        monkeypatch.setenv(own, str(tmp_path / "mine"))
+    saved, loaded = b"artifacts of an earlier process", []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (saved, None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or object())
+    monkeypatch.setattr(persist, "_ENABLED", {})
+    caches = persist.enable_persistent_caches(tmp_path / "cache")
+    assert persist.artifacts_needed(caches) == (own is not None)
+    path = persist.save_compile_artifacts(tmp_path / "cache")
+    assert (path is not None) == (own is not None)
+    assert (caches.entries / persist.ARTIFACTS).exists() == (own is not None)
+    (caches.entries / persist.ARTIFACTS).write_bytes(saved)  # (a file left there either way)
+    # as a new process; the environment the first start set stays, and a directory that is the folder's own does not
+    # count as the user's
+    monkeypatch.setattr(persist, "_ENABLED", {})
+    again = persist.enable_persistent_caches(tmp_path / "cache")
+    assert again.loaded_artifacts == (own is not None)
+    assert loaded == ([saved] if own is not None else [])
 
 
 def test_cache_info_and_clear(tmp_path, capsys):
