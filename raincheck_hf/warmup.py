@@ -190,7 +190,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     ``first_turn``: None (every turn), or the prefilled row counts a first turn can have (a collection of ints):
     only what such a turn with a prompt of ``prompt_tokens`` rows needs and its conversation's later turns on the
     same storage, i.e. the storage that prompt and its answer take (`first_turn_capacity`) with its decode / chunk /
-    idle-time steps at every slot bucket, the prefills of those row counts and the follow-ups' on it."""
+    idle-time steps at every slot bucket from the fewest rows such a turn prefills on (a conversation's slots only
+    grow), the prefills of those row counts and the follow-ups' on it."""
     from .fast import graphs
     from .fast.static_cache import round_capacity, slot_bucket
 
@@ -217,9 +218,17 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     caps = capacities(max_tokens)
     if first_turn is not None:
         caps = [first_turn_capacity(prompt_tokens, max_new_tokens, max_tokens)]
+
+    def reached(capacity: int) -> list[int]:
+        # a conversation's slots only grow: after a first turn's prefill of n rows its steps attend over n or more
+        # slots, so the buckets below the fewest rows it can prefill serve no step of its storage's conversation
+        # (another conversation on that storage later, a short text prompt say, gets them from a later warm-up)
+        low = 1 if first_turn is None else slot_bucket(min(first_turn, default=1), capacity)
+        return [bucket for bucket in buckets(capacity) if bucket >= low]
+
     out: dict[int, list[tuple]] = {c: [] for c in caps}
     for capacity in caps:
-        for bucket in buckets(capacity):
+        for bucket in reached(capacity):
             out[capacity] += [(StepKey(rows, w, v, bucket), False) for rows, w, v in steps]
     if not pad_prefill:
         return out
@@ -259,7 +268,7 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
         for kinds in kinds_seen:
             variants += [v for v in prefill_variants(kinds) if v not in variants]
         for capacity in caps:
-            for bucket in buckets(capacity):
+            for bucket in reached(capacity):
                 if bucket < slot_bucket(n_rows - bucket_rows + 2, capacity):
                     continue  # no follow-up of this size (after at least one row) attends over so few slots
                 for variant in variants:

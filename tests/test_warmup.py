@@ -472,7 +472,7 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
 def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model):
     """`step_keys(first_turn=...)`: for a first turn of a 1,344-token image and its question, the storage that prompt
     and its answer take (2,048 slots) with every decode / chunk / idle-time step at every slot bucket the full plan
-    has there, the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to
+    has there from the bucket of the fewest rows such a turn prefills (its slots only grow: none below), the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to
     64) and the follow-ups' (the conversation keeps that storage): a subset of the full plan; ``full`` mode
     prefills every visual token."""
     from raincheck_hf.models import get_adapter
@@ -490,12 +490,21 @@ def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model
     bounds = dict(max_tokens=4096, max_new_tokens=256, prompt_tokens=1600, follow_up_tokens=64, pad_prefill=True)
     plan = step_keys(adapter, cfg, first_turn=rows, **bounds)
     full = step_keys(adapter, cfg, **bounds)
+    from raincheck_hf.fast.static_cache import slot_bucket
+
     assert list(plan) == [2048] and set(plan[2048]) < set(full[2048])
-    assert {k for k in plan[2048] if not k[1]} == {k for k in full[2048] if not k[1]}  # every step, every bucket
+    low = slot_bucket(min(rows), 2048)
+    assert low == 512 and min(k.bucket for k, _ in full[2048]) == 256  # (the 256-slot bucket is never reached)
+    reached = {k for k in full[2048] if k[0].bucket >= low}
+    assert {k for k in plan[2048] if not k[1]} == {k for k in reached if not k[1]}  # every step, every bucket reached
+    assert not any(k.bucket < low for k, _ in plan[2048])
     prefills = {key.rows for key, prefill in plan[2048] if prefill}
     assert prefills == {-(-n // 64) * 64 for n in rows} | {64}  # (and the follow-ups', 64 rows, at every bucket)
-    follow_ups = {k for k in full[2048] if k[1] and k[0].rows == 64}
+    follow_ups = {k for k in reached if k[1] and k[0].rows == 64}
     assert follow_ups and follow_ups <= set(plan[2048])
+    # a first turn without an image can prefill a single row: every bucket, as before
+    text_only = step_keys(adapter, cfg, first_turn=first_turn_rows(cfg, [], 300), **bounds)
+    assert {k for k in text_only[2048] if not k[1]} == {k for k in full[2048] if not k[1]}
     assert sum(map(len, plan.values())) < sum(map(len, full.values())) / 3
 
 
