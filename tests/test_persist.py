@@ -191,13 +191,19 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
         assert cold_start.main(child + ["--warm-up-scope", "all"]) == 0
     everything = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert everything["warm_up_scope"] == "all" and everything["rest"] is None and "rest_done_s" not in everything
-    launched = []
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert cold_start.main(child + ["--no-rest"]) == 0
+    answered = json.loads(buffer.getvalue().strip().splitlines()[-1])
+    assert answered["warm_up_scope"] == "first" and answered["rest"] is None and "rest_done_s" not in answered
+    launched, kept = [], []
 
     def fake_run(command, env, timeout):
         assert command[:3] == [sys.executable, "-m", "raincheck_hf.bench.cold_start"] and "--child" in command
         assert command[command.index("--warm-up-scope") + 1] == "first"
         assert not any(name in env for name in ENV)  # each child finds only the cache folder
         launched.append(command[command.index("--cache-dir") + 1])
+        kept.append(command)
         return subprocess.CompletedProcess(command, 0, stdout="noise\n" + json.dumps(result) + "\n", stderr="")
 
     monkeypatch.setattr(cold_start, "_launch", fake_run)
@@ -209,7 +215,9 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert saved["benchmark"] == "cold_start" and saved["hardware"]["device"] == "cpu"
     assert saved["settings"]["answer_tokens"] == 2 and len(saved["later"]) == 2
     assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
-    assert saved["settings"]["warm_up_scope"] == "first"
+    assert saved["settings"]["warm_up_scope"] == "first" and saved["settings"]["rest_after_answer"]
+    cold_start.run("tiny_qwen3_vl", processes=2, device="cpu", max_tokens=512, max_new_tokens=2, rest=False)
+    assert all("--no-rest" in command for command in kept[-2:])
     with pytest.raises(ValueError, match="--processes must be >= 2"):
         cold_start.run("tiny_qwen3_vl", processes=1)
     with pytest.raises(ValueError, match="--warm-up-scope"):

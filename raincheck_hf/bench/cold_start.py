@@ -9,7 +9,7 @@ when its first token and its whole answer came, counted from the moment the pare
 imports included), with the captures the answer made (its trace's ``captures``: none after a warm-up that covers it).
 ``--warm-up-scope first`` (the default, what the CLI's chat does) warms only what the first turn needs before it
 (``warm_up(..., first_turn=True)``) and, after the answer, the rest as idle time would (`IdleWarmUp.finish`, timed:
-``rest``); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first ever:
+``rest``; ``--no-rest``: the process ends after its answer, the rest neither captured nor timed); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first ever:
 every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON with the
 hardware.
 """
@@ -83,7 +83,7 @@ def _child(args) -> dict:
     answer_tokens = int(out.sequences.shape[1] - inputs["input_ids"].shape[1])
     captures = [list(c) for c in out.raincheck.captures]
     rest = None
-    if args.warm_up and first_turn:  # what idle time captures after the answer (the chat: while it waits)
+    if args.warm_up and first_turn and args.rest:  # what idle time captures after the answer (the chat: while it waits)
         del out
         started = time.time()
         more = raincheck_hf.IdleWarmUp(model, processor, config, **bounds).finish(progress=False)
@@ -141,7 +141,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
-        out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first") -> dict:
+        out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True) -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -172,6 +172,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command += ["--chunk-size", str(chunk_size)]
         if not warm_up:
             command.append("--no-warm-up")
+        if not rest:
+            command.append("--no-rest")
         done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -190,6 +192,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         "settings": {"model": model, "processes": processes, "device": device, "max_tokens": max_tokens,
                      "answer_tokens": max_new_tokens, "chunk_size": chunk_size or "default", "warm_up": warm_up,
                      "warm_up_scope": warm_up_scope if warm_up else None,
+                     "rest_after_answer": rest and warm_up and warm_up_scope == "first",
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -224,6 +227,9 @@ def main(argv=None):
     parser.add_argument("--warm-up-scope", choices=("first", "all"), default="first",
                         help="first: what the first turn needs before it, the rest after the answer (timed apart; "
                              "what the chat does); all: everything before the first answer")
+    parser.add_argument("--rest", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --warm-up-scope first: after the answer, capture the rest as idle time would and "
+                             "time it (--no-rest: each process ends after its answer)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -235,7 +241,7 @@ def main(argv=None):
         print(json.dumps(_child(args), default=str), flush=True)
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
-               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope)
+               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest)
 
 
 if __name__ == "__main__":
