@@ -1366,10 +1366,11 @@ class BatchLoop:
 
     def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
         """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
-        their last tokens are streamed: ``{seq: its cache}`` (`BatchEngine.remove`, for `_finish`), and the next
+        their last tokens are streamed: ``{seq: its cache}`` (`BatchEngine.remove_many`, for `_finish`), and the next
         step prepared again without them (their removal dropped the one prepared with their tokens fed), unless no
         answer is left in it."""
-        removed = {seq: engine.remove(seq) for seq, _, _, going in order if not going}
+        ended = [seq for seq, _, _, going in order if not going]
+        removed = dict(zip(ended, engine.remove_many(ended)))
         if engine.idle:  # (no answer left to step: nothing to launch ahead)
             return removed
         try:

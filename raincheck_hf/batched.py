@@ -380,10 +380,11 @@ class SequenceState:
         kind = int(rest[0]) if rest.numel() else None
         return PackedRowLayout(n_deferred, int(rest.numel()), kind, kind == GENERATED and self.num_pending > 0)
 
-    def to_cache(self, pool, text_config, device, adapter=None, recurrent=None) -> DeferredDynamicCache:
-        """This sequence's slot of ``pool`` (a `kv_pool.SlotKVPool`; ``recurrent``: the engine's per-slot recurrent
-        states) as the `DeferredDynamicCache` its own batch-1 call would have returned: its rows in storage order,
-        with their order keys, the pending rows, the source ids fed and the next position."""
+    def to_cache(self, pool, text_config, device) -> DeferredDynamicCache:
+        """This sequence's slot of ``pool`` (a `kv_pool.SlotKVPool`) as the `DeferredDynamicCache` its own batch-1 call
+        would have returned: its rows in storage order, with their order keys, the pending rows, the source ids fed and
+        the next position. Its recurrent layers' states (a Gated DeltaNet family's) are the engine's to write, for
+        every leaving sequence at once (`BatchEngine.remove_many`, `ModelAdapter.export_packed_states`)."""
         cache = DeferredDynamicCache(config=text_config, device=device)
         n = pool.lengths[self.slot]
         cache.register_rows(pool.slot_keys[self.slot, :n], self.row_sources, self.row_kinds)
@@ -393,8 +394,6 @@ class SequenceState:
             rows = pool.rows_of(self.slot, layer_idx)
             if rows is not None:
                 cache.update(rows[0].clone(), rows[1].clone(), layer_idx)
-        if recurrent is not None:
-            adapter.export_packed_state(recurrent, self.slot, cache)
         if self.pending is not None:
             cache.add_pending(self.pending)
         cache.drop(self.dropped)

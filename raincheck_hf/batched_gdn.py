@@ -674,6 +674,32 @@ class PackedGDNState:
             tail=(self.leading_qkv[i:i + 1, :t] if t < self.width else self.conv[i:i + 1]))
         layer.suffix_map = smap
 
+    def export_rows(self, rows: list[int], layers: list, params: GDNLayerParams,
+                    index: torch.Tensor | None = None) -> None:
+        """`export` for the sequences ``rows`` at once, sequence ``rows[j]`` into ``layers[j]``: the same states and
+        record, from one gathered copy of each state tensor (a launch per tensor for all of them, where `export` makes
+        a dozen copies a sequence). Each cache's tensors are its own row of those copies (views), which nothing else
+        holds: a later in-place update of one cache writes only its row. ``index``: ``rows`` already on the device
+        (`PackedGDNStates.row_index`, once for every layer)."""
+        if len(rows) != len(layers):
+            raise ValueError(f"export_rows got {len(rows)} rows for {len(layers)} layers.")
+        if not rows:
+            return
+        k = params.kernel_size
+        index = _row_index(rows, self.state.device) if index is None else index
+        got = {name: getattr(self, name).index_select(0, index) for name in self._NAMES}
+        conv = history_to_hf_conv_state(got["conv"], k)
+        for j, (r, layer) in enumerate(zip(rows, layers)):
+            one = {name: t[j:j + 1] for name, t in got.items()}
+            layer.update_conv_state(conv[j:j + 1])  # first update: stored as given
+            layer.update_recurrent_state(one["state"])
+            t = self.suffix_length[r]
+            lead = min(t, self.width)
+            layer.suffix_map = SuffixStateMap.restored(
+                params, one["boundary_state"], one["boundary_conv"],
+                LeadingSegment(one["leading_qkv"][:, :lead], one["leading_a"][:, :lead], one["leading_b"][:, :lead]),
+                one["leading_state"], one["rest_map"], t, one["leading_qkv"][:, :t] if t < self.width else one["conv"])
+
 
 class PackedGDNStates:
     """Every GDN layer's `PackedGDNState` of a packed batch of ``batch`` sequences (created at the layer's first
@@ -723,6 +749,26 @@ class PackedGDNStates:
     def reset(self, row: int) -> None:
         for state in self.layers.values():
             state.reset(row)
+
+    def row_index(self, rows: list[int]) -> torch.Tensor | None:
+        """``rows`` on the states' device (None while no layer exists), for the calls that take an ``index``."""
+        if not self.layers:
+            return None
+        return _row_index(rows, next(iter(self.layers.values())).state.device)
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """`reset` of every row of ``rows`` at once (a launch per tensor for all of them)."""
+        if not rows or not self.layers:
+            return
+        index = self.row_index(rows)
+        for state in self.layers.values():
+            for name in PackedGDNState._NAMES:
+                if name != "rest_map":
+                    getattr(state, name).index_fill_(0, index, 0)
+            eye = torch.eye(state.rest_map.shape[-1], dtype=state.rest_map.dtype, device=state.rest_map.device)
+            state.rest_map.index_copy_(0, index, eye.expand(len(rows), *state.rest_map.shape[1:]))
+            for r in rows:
+                state.suffix_length[r] = 0
 
     def grow(self, batch: int) -> None:
         if batch <= self.batch:

@@ -1039,24 +1039,24 @@ def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_
 
 
 def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(model, processor, monkeypatch, caplog):
-    """An error the loop does not expect (here the engine's `remove` raising once, as a bug or a device error would)
-    used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
+    """An error the loop does not expect (here the engine's `remove_many` raising once, as a bug or a device error
+    would) used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
     loop's engines end with the error (their conversations as they were before the turn), and the loop goes on with
     new engines: the same conversation's next ask, and a held conversation's follow-up, equal their dialogues alone."""
     from raincheck_hf.batch_engine import BatchEngine
 
-    remove, broken = BatchEngine.remove, []
+    remove, broken = BatchEngine.remove_many, []
 
-    def failing_once(self, seq):
+    def failing_once(self, seqs):
         if not broken:
-            broken.append(seq)
+            broken.append(seqs)
             raise RuntimeError("remove broke")
-        return remove(self, seq)
+        return remove(self, seqs)
 
     with BatchLoop(model, max_batch_tokens=None) as loop:
         held = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(held, QUESTIONS[0], [IMAGES[2]])
-        monkeypatch.setattr(BatchEngine, "remove", failing_once)
+        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
         hit = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         outcome = {}
 

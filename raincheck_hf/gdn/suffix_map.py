@@ -92,6 +92,36 @@ class SuffixStateMap:
         self._tail = tail.to(self._tail.dtype).clone()
         self.suffix_length = int(suffix_length)
 
+    @classmethod
+    def restored(cls, params: GDNLayerParams, boundary_state: torch.Tensor, boundary_conv: torch.Tensor,
+                 leading: LeadingSegment, leading_state: torch.Tensor, rest_map: torch.Tensor, suffix_length: int,
+                 tail: torch.Tensor) -> "SuffixStateMap":
+        """`reset_boundary` then `restore_suffix` with the same arguments, the tensors taken as they are instead of
+        copied: the caller gives ones nothing else holds or writes (`batched_gdn.PackedGDNState.export_rows`' own
+        gathered copies, one row of each per map; the updates here replace them or write their own rows in place).
+        States fp32 (``_work_dtype`` of fp32 states), as `reset_boundary` makes them."""
+        p = params
+        bsz = boundary_state.shape[0]
+        _check_state(boundary_state, bsz, p.num_v_heads, p.head_k_dim, p.head_v_dim, "boundary_state")
+        _check_seq("boundary_conv", boundary_conv, (bsz, p.kernel_size - 1, p.conv_dim))
+        for name, t in (("boundary_state", boundary_state), ("leading_state", leading_state), ("rest_map", rest_map)):
+            if t.dtype != torch.float32:
+                raise ValueError(f"SuffixStateMap.restored takes fp32 states, got {name} in {t.dtype}.")
+        width = p.kernel_size - 1
+        if leading.length != min(suffix_length, width) or tail.shape[1] != min(suffix_length, width):
+            raise ValueError(f"restored: a suffix of {suffix_length} tokens keeps {min(suffix_length, width)} "
+                             f"leading and tail rows, got {leading.length} and {tail.shape[1]}.")
+        out = cls(params)
+        out.boundary_state = boundary_state
+        out.boundary_conv_history = boundary_conv
+        out.leading = leading
+        out.leading_state = leading_state
+        out.rest_map = rest_map
+        out._tail = tail if tail.dtype == boundary_conv.dtype else tail.to(boundary_conv.dtype)
+        out.suffix_length = int(suffix_length)
+        out._ready = True
+        return out
+
     def _require_ready(self) -> None:
         if not self._ready:
             raise RuntimeError("SuffixStateMap: call reset_boundary(state, conv_history) first.")

@@ -506,6 +506,12 @@ class ModelAdapter:
     def export_packed_state(self, states, index: int, cache) -> None:
         """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
 
+    def export_packed_states(self, states, indices: list[int], caches: list) -> None:
+        """`export_packed_state` for several sequences at once (``indices[j]`` into ``caches[j]``): the same caches;
+        a family may gather them in fewer launches."""
+        for index, cache in zip(indices, caches):
+            self.export_packed_state(states, index, cache)
+
     def load_packed_state(self, states, index: int, cache) -> None:
         """Fill sequence ``index``'s part of ``states`` from its own `DeferredDynamicCache` ``cache`` (a held
         conversation joining a `batch_engine.BatchEngine`; `export_packed_state`'s inverse)."""

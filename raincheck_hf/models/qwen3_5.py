@@ -131,6 +131,13 @@ class GatedDeltaNetMixin:
             layer = deferred_linear_layer(cache, module.layer_idx)
             states.layers[module.layer_idx].export(index, layer, layer_params(module))
 
+    def export_packed_states(self, states, indices: list[int], caches: list) -> None:
+        index = states.row_index(list(indices))  # (once for every layer)
+        for module in self._gdn_modules:  # (a gathered copy per state tensor and layer for all of them)
+            states.layers[module.layer_idx].export_rows(
+                list(indices), [deferred_linear_layer(cache, module.layer_idx) for cache in caches],
+                layer_params(module), index)
+
     def load_packed_state(self, states, index: int, cache) -> None:
         for module in self._gdn_modules:
             params = layer_params(module)
