@@ -193,7 +193,7 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert everything["warm_up_scope"] == "all" and everything["rest"] is None and "rest_done_s" not in everything
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        assert cold_start.main(child + ["--no-rest"]) == 0
+        assert cold_start.main(child + ["--no-rest", "--compile-steps", "off"]) == 0
     answered = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert answered["warm_up_scope"] == "first" and answered["rest"] is None and "rest_done_s" not in answered
     launched, kept = [], []
@@ -216,8 +216,12 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert saved["settings"]["answer_tokens"] == 2 and len(saved["later"]) == 2
     assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
     assert saved["settings"]["warm_up_scope"] == "first" and saved["settings"]["rest_after_answer"]
-    cold_start.run("tiny_qwen3_vl", processes=2, device="cpu", max_tokens=512, max_new_tokens=2, rest=False)
-    assert all("--no-rest" in command for command in kept[-2:])
+    cold_start.run("tiny_qwen3_vl", processes=2, device="cpu", max_tokens=512, max_new_tokens=2, rest=False,
+                   compile_steps="off")
+    assert all("--no-rest" in c and c[c.index("--compile-steps") + 1] == "off" for c in kept[-2:])
+    assert all("--compile-steps" not in c for c in kept[:3])  # (the default settings' unless asked)
+    with pytest.raises(ValueError, match="--compile-steps"):
+        cold_start.run("tiny_qwen3_vl", compile_steps="maybe")
     with pytest.raises(ValueError, match="--processes must be >= 2"):
         cold_start.run("tiny_qwen3_vl", processes=1)
     with pytest.raises(ValueError, match="--warm-up-scope"):

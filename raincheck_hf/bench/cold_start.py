@@ -46,8 +46,11 @@ def _child(args) -> dict:
     processor = shapes.build_processor()
     raincheck_hf.enable(model)
     spec = shapes.MODELS[args.model]
-    # the default settings unless a chunk size is given
-    config = raincheck_hf.RaincheckConfig(**({} if args.chunk_size is None else {"chunk_size": args.chunk_size}))
+    # the default settings unless a chunk size or the compile setting is given
+    given = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    if args.compile_steps != "default":
+        given["compile_steps"] = args.compile_steps == "on"
+    config = raincheck_hf.RaincheckConfig(**given)
     marks["model_s"] = time.time() - launched
     summary = None
     width, height = spec.image_size
@@ -141,7 +144,8 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
-        out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True) -> dict:
+        out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True,
+        compile_steps: str = "default") -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -152,6 +156,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
     if warm_up_scope not in ("first", "all"):
         raise ValueError(f"--warm-up-scope must be 'first' or 'all', got {warm_up_scope!r}")
+    if compile_steps not in ("default", "on", "off"):
+        raise ValueError(f"--compile-steps must be 'default', 'on' or 'off', got {compile_steps!r}")
     if processes < 2:
         raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,6 +180,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command.append("--no-warm-up")
         if not rest:
             command.append("--no-rest")
+        if compile_steps != "default":
+            command += ["--compile-steps", compile_steps]
         done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -193,6 +201,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                      "answer_tokens": max_new_tokens, "chunk_size": chunk_size or "default", "warm_up": warm_up,
                      "warm_up_scope": warm_up_scope if warm_up else None,
                      "rest_after_answer": rest and warm_up and warm_up_scope == "first",
+                     "compile_steps": compile_steps,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -230,6 +239,9 @@ def main(argv=None):
     parser.add_argument("--rest", action=argparse.BooleanOptionalAction, default=True,
                         help="with --warm-up-scope first: after the answer, capture the rest as idle time would and "
                              "time it (--no-rest: each process ends after its answer)")
+    parser.add_argument("--compile-steps", choices=("default", "on", "off"), default="default",
+                        help="RaincheckConfig.compile_steps (default: the default settings', compiled where the steps "
+                             "are captured; off: what a start without the compile's traces costs)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -241,7 +253,8 @@ def main(argv=None):
         print(json.dumps(_child(args), default=str), flush=True)
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
-               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest)
+               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest,
+               compile_steps=args.compile_steps)
 
 
 if __name__ == "__main__":
