@@ -628,6 +628,8 @@ class BatchEngine:
         them (at the end of a batched ``generate``, where every row leaves, nothing moves). At 8-32 sequences on an
         8B/9B model removing them one by one cost ~15 ms of host launches each."""
         seqs = list(seqs)
+        if not seqs:  # (nothing leaves: a prepared step stays prepared)
+            return []
         for seq in seqs:
             if seq not in self._members:
                 raise ValueError("BatchEngine.remove got a sequence that is not in this engine.")

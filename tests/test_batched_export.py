@@ -137,5 +137,9 @@ def test_remove_many_equals_removing_one_by_one():
         assert a.suffix_length == b.suffix_length
         for name in PackedGDNState._NAMES:
             assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+    many.prepare()  # (its token was fed after the last step)
+    prepared = many._ahead
+    assert prepared is not None and many.remove_many([]) == [] and many._ahead is prepared  # nothing leaves: kept
+    many.abandon()
     a, b = one.step(), many.step()
     assert torch.equal(a[seqs1[2]], b[seqs2[2]])
