@@ -632,7 +632,7 @@ class BatchEngine:
             return []
         for seq in seqs:
             if seq not in self._members:
-                raise ValueError("BatchEngine.remove got a sequence that is not in this engine.")
+                raise ValueError("BatchEngine.remove / remove_many got a sequence that is not in this engine.")
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("BatchEngine.remove_many got a sequence more than once.")
         self.abandon()  # (before their states are read: a prepared step took their tokens and chunks)

@@ -5,6 +5,7 @@ caches, slots and remaining sequences after `remove_many` equal those after `rem
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raincheck_hf.batched_gdn import PackedGDNState, PackedGDNStates
@@ -137,6 +138,11 @@ def test_remove_many_equals_removing_one_by_one():
         assert a.suffix_length == b.suffix_length
         for name in PackedGDNState._NAMES:
             assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+    with pytest.raises(ValueError, match="not in this engine"):
+        one.remove_many([seqs1[2], seqs1[0]])  # (one of them left already)
+    with pytest.raises(ValueError, match="more than once"):
+        many.remove_many([seqs2[2], seqs2[2]])
+    assert seqs1[2].slot == seqs2[2].slot == 0  # (refused before anything was done)
     many.prepare()  # (its token was fed after the last step)
     prepared = many._ahead
     assert prepared is not None and many.remove_many([]) == [] and many._ahead is prepared  # nothing leaves: kept

@@ -472,8 +472,9 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
 def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model):
     """`step_keys(first_turn=...)`: for a first turn of a 1,344-token image and its question, the storage that prompt
     and its answer take (2,048 slots) with every decode / chunk / idle-time step at every slot bucket the full plan
-    has there from the bucket of the fewest rows such a turn prefills (its slots only grow: none below), the prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to
-    64) and the follow-ups' (the conversation keeps that storage): a subset of the full plan; ``full`` mode
+    has there from the bucket of the fewest rows such a turn prefills (its slots only grow: none below), the
+    prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to 64) and the
+    follow-ups' (the conversation keeps that storage): a subset of the full plan; ``full`` mode
     prefills every visual token."""
     from raincheck_hf.models import get_adapter
     from raincheck_hf.selection.base import keep_count

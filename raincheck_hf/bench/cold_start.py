@@ -9,9 +9,10 @@ when its first token and its whole answer came, counted from the moment the pare
 imports included), with the captures the answer made (its trace's ``captures``: none after a warm-up that covers it).
 ``--warm-up-scope first`` (the default, what the CLI's chat does) warms only what the first turn needs before it
 (``warm_up(..., first_turn=True)``) and, after the answer, the rest as idle time would (`IdleWarmUp.finish`, timed:
-``rest``; ``--no-rest``: the process ends after its answer, the rest neither captured nor timed); ``all`` warms everything before the answer. The first process starts on an empty cache folder (first ever:
-every kernel compiled and autotuned); the later ones find what it left. Prints a table and writes JSON with the
-hardware.
+``rest``; ``--no-rest``: the process ends after its answer, the rest neither captured nor timed); ``all`` warms
+everything before the answer. ``--compile-steps on / off`` sets `RaincheckConfig.compile_steps` instead of the default.
+The first process starts on an empty cache folder (first ever: every kernel compiled and autotuned); the later ones
+find what it left. Prints a table and writes JSON with the hardware.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _child(args) -> dict:
     answer_tokens = int(out.sequences.shape[1] - inputs["input_ids"].shape[1])
     captures = [list(c) for c in out.raincheck.captures]
     rest = None
-    if args.warm_up and first_turn and args.rest:  # what idle time captures after the answer (the chat: while it waits)
+    if args.warm_up and first_turn and args.rest:  # what idle time captures after the answer (the chat: as it waits)
         del out
         started = time.time()
         more = raincheck_hf.IdleWarmUp(model, processor, config, **bounds).finish(progress=False)
