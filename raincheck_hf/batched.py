@@ -17,10 +17,10 @@ engine's rule; padding rows keep the empty key, so nothing of another sequence o
 the first forward, and chooses its tokens with HF's logits processors, sampling and stopping criteria.
 
 A sequence that has finished (its later tokens are forced to the pad token, as in stock batched
-`generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove`: its slot is
-freed), so it costs no compute and its chunks stop; its scores in the output are zeros from then on (its
-token is the pad token whatever they are). Without an EOS criterion a finished row keeps decoding, as stock
-`generate` does.
+`generate`: an EOS stopping criterion and a pad token) leaves the engine (`BatchEngine.remove_many`, with the
+others that finish in the same step, as every row still going does at the end: its slot is freed), so it costs no
+compute and its chunks stop; its scores in the output are zeros from then on (its token is the pad token whatever
+they are). Without an EOS criterion a finished row keeps decoding, as stock `generate` does.
 
 What the call returns for B > 1: ``out.raincheck`` is a list of B `RaincheckTrace`s, ``out.cache`` a list of
 B `DeferredDynamicCache`s (each row's KV rows, order keys, pending deferred rows and source accounting,
