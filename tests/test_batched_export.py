@@ -149,3 +149,25 @@ def test_remove_many_equals_removing_one_by_one():
     many.abandon()
     a, b = one.step(), many.step()
     assert torch.equal(a[seqs1[2]], b[seqs2[2]])
+
+
+def test_restored_refuses_what_restore_suffix_refuses():
+    """`SuffixStateMap.restored` checks what `reset_boundary` / `restore_suffix` check (shapes, the suffix's leading
+    and tail rows) and takes fp32 states only (it does not convert them)."""
+    from raincheck_hf.gdn.algebra import LeadingSegment
+    from raincheck_hf.gdn.suffix_map import SuffixStateMap
+
+    gen = torch.Generator().manual_seed(3)
+    params = _params(gen)
+    state = _random_state(params, gen)
+    got = {name: getattr(state, name)[:1].clone() for name in PackedGDNState._NAMES}
+    lead = LeadingSegment(got["leading_qkv"][:, :2], got["leading_a"][:, :2], got["leading_b"][:, :2])
+    args = (got["boundary_state"], got["boundary_conv"], lead, got["leading_state"], got["rest_map"])
+    smap = SuffixStateMap.restored(params, *args, 2, got["leading_qkv"][:, :2])
+    assert smap.suffix_length == 2 and smap.rest_map is got["rest_map"]  # (taken, not copied)
+    with pytest.raises(ValueError, match="keeps 2 leading and tail rows, got 2 and 1"):
+        SuffixStateMap.restored(params, *args, 2, got["leading_qkv"][:, :1])
+    with pytest.raises(ValueError, match="fp32 states, got rest_map in torch.float64"):
+        SuffixStateMap.restored(params, *args[:4], got["rest_map"].double(), 2, got["leading_qkv"][:, :2])
+    with pytest.raises(ValueError, match="boundary_conv"):
+        SuffixStateMap.restored(params, args[0], got["boundary_conv"][:, :1], *args[2:], 2, got["leading_qkv"][:, :2])
