@@ -625,8 +625,8 @@ class BatchEngine:
         """`remove` of each of ``seqs`` (the same caches, in their order), at once: the recurrent states of all of
         them exported from one gathered copy per state tensor and layer (`ModelAdapter.export_packed_states`), their
         slots freed together, the highest first, and the sequences that stay moved down once into the holes below
-        them (at the end of a batched ``generate``, where every row leaves, nothing moves). At 8-32 sequences on an
-        8B/9B model removing them one by one cost ~15 ms of host launches each."""
+        them (at the end of a batched ``generate``, where every row leaves, nothing moves). One by one, the end of a
+        batch-8 ``generate`` on Qwen3.5-9B took ~130 ms after its last token (an H100), ~32 ms this way."""
         seqs = list(seqs)
         if not seqs:  # (nothing leaves: a prepared step stays prepared)
             return []

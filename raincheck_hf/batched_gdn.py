@@ -730,7 +730,7 @@ class PackedGDNStates:
         forward; layers not created yet are created fresh in it (and in this one by `put`)."""
         sub = PackedGDNStates(len(rows))
         if self.layers:
-            index = _row_index(rows, next(iter(self.layers.values())).state.device)  # once for every layer
+            index = self.row_index(rows)  # once for every layer
             sub.layers = {i: state.take(rows, index) for i, state in self.layers.items()}
         return sub
 

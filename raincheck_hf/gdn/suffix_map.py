@@ -27,6 +27,15 @@ from .kernels import join_, suffix_map_update_
 __all__ = ["SuffixStateMap"]
 
 
+def _check_suffix(what: str, params: GDNLayerParams, leading: LeadingSegment, tail: torch.Tensor,
+                  suffix_length: int) -> None:
+    """A recorded suffix of ``suffix_length`` tokens keeps ``min(t, Kc - 1)`` leading and tail rows."""
+    keep = min(suffix_length, params.kernel_size - 1)
+    if leading.length != keep or tail.shape[1] != keep:
+        raise ValueError(f"{what}: a suffix of {suffix_length} tokens keeps {keep} leading and tail rows, got "
+                         f"{leading.length} and {tail.shape[1]}.")
+
+
 class SuffixStateMap:
     """Per-layer bookkeeping for the join of docs/method.md section 4 (see `gdn.algebra`'s module docstring).
 
@@ -82,10 +91,7 @@ class SuffixStateMap:
         ``leading_state`` S_L ``[B, HV, K, V]``; ``rest_map`` M_R ``[B, HV, K, K]``; ``tail [B, <= Kc - 1, C]``
         its last pre-conv inputs; ``suffix_length`` t. Copied."""
         self._require_ready()
-        width = self.params.kernel_size - 1
-        if leading.length != min(suffix_length, width) or tail.shape[1] != min(suffix_length, width):
-            raise ValueError(f"restore_suffix: a suffix of {suffix_length} tokens keeps {min(suffix_length, width)} "
-                             f"leading and tail rows, got {leading.length} and {tail.shape[1]}.")
+        _check_suffix("restore_suffix", self.params, leading, tail, suffix_length)
         self.leading = leading
         self.leading_state = leading_state.to(self.leading_state.dtype).clone()
         self.rest_map = rest_map.to(self.rest_map.dtype).clone()
@@ -107,10 +113,7 @@ class SuffixStateMap:
         for name, t in (("boundary_state", boundary_state), ("leading_state", leading_state), ("rest_map", rest_map)):
             if t.dtype != torch.float32:
                 raise ValueError(f"SuffixStateMap.restored takes fp32 states, got {name} in {t.dtype}.")
-        width = p.kernel_size - 1
-        if leading.length != min(suffix_length, width) or tail.shape[1] != min(suffix_length, width):
-            raise ValueError(f"restored: a suffix of {suffix_length} tokens keeps {min(suffix_length, width)} "
-                             f"leading and tail rows, got {leading.length} and {tail.shape[1]}.")
+        _check_suffix("restored", p, leading, tail, suffix_length)
         out = cls(params)
         out.boundary_state = boundary_state
         out.boundary_conv_history = boundary_conv

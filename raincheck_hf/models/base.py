@@ -503,18 +503,14 @@ class ModelAdapter:
         ``dense``: batch row ``b`` is slot ``b``)."""
         return contextlib.nullcontext()
 
-    def export_packed_state(self, states, index: int, cache) -> None:
-        """Write sequence ``index``'s part of ``states`` into its own `DeferredDynamicCache` ``cache``."""
-
     def export_packed_states(self, states, indices: list[int], caches: list) -> None:
-        """`export_packed_state` for several sequences at once (``indices[j]`` into ``caches[j]``): the same caches;
-        a family may gather them in fewer launches."""
-        for index, cache in zip(indices, caches):
-            self.export_packed_state(states, index, cache)
+        """Write sequence ``indices[j]``'s part of ``states`` into its own `DeferredDynamicCache` ``caches[j]``, for
+        every sequence leaving the engine at once (`BatchEngine.remove_many`). Attention-only families keep no packed
+        states: nothing to write."""
 
     def load_packed_state(self, states, index: int, cache) -> None:
         """Fill sequence ``index``'s part of ``states`` from its own `DeferredDynamicCache` ``cache`` (a held
-        conversation joining a `batch_engine.BatchEngine`; `export_packed_state`'s inverse)."""
+        conversation joining a `batch_engine.BatchEngine`; `export_packed_states`' inverse for one sequence)."""
 
     def use_vision_graphs(self, config) -> bool:
         """Whether this call's pixels go through `fast.vision_graphs` (the tower replayed per grid).

@@ -126,11 +126,6 @@ class GatedDeltaNetMixin:
         self._check_state_layout()
         return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record, prefill, dense)
 
-    def export_packed_state(self, states, index: int, cache) -> None:
-        for module in self._gdn_modules:
-            layer = deferred_linear_layer(cache, module.layer_idx)
-            states.layers[module.layer_idx].export(index, layer, layer_params(module))
-
     def export_packed_states(self, states, indices: list[int], caches: list) -> None:
         index = states.row_index(list(indices))  # (once for every layer)
         for module in self._gdn_modules:  # (a gathered copy per state tensor and layer for all of them)
