@@ -168,8 +168,8 @@ def count_compiled_calls(monkeypatch) -> list:
     calls = []
     real = compiled_module.compiled
 
-    def counting(fn):
-        out = real(fn)
+    def counting(fn, rows=None):
+        out = real(fn, rows)
 
         def call(*args, **kwargs):
             calls.append(fn)

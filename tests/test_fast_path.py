@@ -799,8 +799,10 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     layers fused around their cache write and attention (``fused_layers``), or the default of other families,
     the compiled norms and MLPs (``modules``), with the few-query attention's core; they compute what the eager
     engine computes, and the compiled forms act only inside those steps."""
-    from raincheck_hf.models import get_adapter
+    from raincheck_hf.fast import compiled as compiled_module
+    from raincheck_hf.fast.attention import _few_query
     from raincheck_hf.fast.compiled import RowWise
+    from raincheck_hf.models import get_adapter
     from raincheck_hf.models.base import ModelAdapter
     from raincheck_hf.models.qwen3_vl import Qwen3VLAdapter, fused_decoder_layer
 
@@ -819,9 +821,18 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     if targets == "modules":
         assert len(pairs) == 5 * layers and all(isinstance(impl, RowWise) for _, impl in pairs)  # 4 RMSNorms, MLP
         assert len(set(calls)) >= 3 and len(calls) > 5 * layers  # norms, MLPs and the attention, every step
+        compiled_fns = set(calls) | {fn for _, impl in pairs for fn in impl.copies.values()}
     else:
         assert [impl for _, impl in pairs] == [fused_decoder_layer] * layers
         assert len(set(calls)) == 3 and len(calls) > 2 * layers  # the two regions per layer, and the attention
+        compiled_fns = set(calls)
+    # every compiled form compiled (none fell back to its plain function), and one Dynamo graph per region and per
+    # row-wise copy for the prompt's rows, the chunk steps' and the one-row decode steps alike
+    # (`fast.compiled.mark_rows`: a row count of 1 would otherwise take a graph, and a trace, of its own)
+    assert all(compiled_module._COMPILED[fn].error is None for fn in compiled_fns)
+    graphs = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    marked = {fn.__qualname__: len(graphs(fn.__code__)) for fn in compiled_fns if fn is not _few_query}
+    assert marked and set(marked.values()) == {1}, marked
     assert all("forward" not in vars(m) for m, _ in pairs)  # the dispatchers are gone after the steps
     stock = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)  # graphs recaptured
     _assert_same(slow, stock)
@@ -892,7 +903,7 @@ def test_compiled_forms_act_only_inside_the_scoped_thread(model, monkeypatch):
 
     calls = []
 
-    def fake_compiled(fn):  # stands in for torch.compile: records who ran the "compiled" form
+    def fake_compiled(fn, rows=None):  # stands in for torch.compile: records who ran the "compiled" form
         def run(*args, **kwargs):
             calls.append(threading.get_ident())
             return fn(*args, **kwargs)

@@ -65,6 +65,8 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
     if scope is not None and scope.compiled_attention:  # compile_steps: the same function, fused by Inductor
         from .compiled import compiled
 
+        # (its row count not marked unbacked, `fast.compiled.mark_rows`: Inductor's lowering then fails to decide
+        # whether a query head's rows are one; it takes a graph for one row and one for several)
         return compiled(_few_query)(query, key, value, attention_mask, scale), None
     if triton_usable(query, key, value, attention_mask):
         return _few_query_triton(query, key, value, attention_mask, scale, _per_sequence(scope, "key_extent", query),

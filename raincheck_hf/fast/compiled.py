@@ -8,14 +8,15 @@ module class's own ``forward`` compiled; Qwen3-VL's adapter names whole decoder 
 compiled regions around the cache write and the attention (`models.qwen3_vl.fused_decoder_layer`); and
 the few-query attention's softmax part. Inductor fuses each region into a few kernels (the matrix
 products stay the library's). One compiled function per region, shared by all layers (the weights are
-inputs: the 36 layers of an 8B model compile once, not 36 times), with dynamic row and slot counts (one
-graph for every row count, another for a single row); the step graph is then captured around those
-kernels as usual.
+inputs: the 36 layers of an 8B model compile once, not 36 times), with dynamic row and slot counts: each
+function's row dimensions are marked unbacked (`torch._dynamo.decorators.mark_unbacked`), so that one graph
+serves a single row and many alike (a size Dynamo sees as 1 would otherwise be specialised, and the first
+several-row call would trace the function a second time: two traces, seconds each, in every fresh
+process's warm-up); the step graph is then captured around those kernels as usual.
 
 Like the few-query attention (`fast.scoping`), the compiled forms act only inside a fast-path step of the
 calling thread whose scope asks for them; every other caller of the same modules gets their stock
-``forward``. The compile happens in the first capture's warm-up (and again, once, when a second shape
-makes Dynamo compile a size-generic version); a captured graph replays without any Python.
+``forward``. The compile happens in the first capture's warm-up; a captured graph replays without any Python.
 
 The setting's default (None) compiles exactly when the steps are captured as CUDA graphs
 (`resolve_compile_steps`): there the compile, paid once per process and model class, took `full`'s time per
@@ -40,13 +41,19 @@ class _CompiledOrPlain:
     an op Inductor cannot lower, ...): a warning, then the stock computation for the rest of the process, so
     ``compile_steps=True`` never breaks an answer that the uncompiled step would give."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, rows: dict | None = None):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True)  # one graph for every row count (1 apart)
+        self.rows = dict(rows or {})  # positional argument -> its row dimensions (`mark_rows`)
+        self.compiled = torch.compile(fn, dynamic=True)
         self.error: BaseException | None = None
 
     def __call__(self, *args, **kwargs):
         if self.error is None:
+            if self.rows:
+                args = list(args)
+                for at, dims in self.rows.items():
+                    args[at] = dense(args[at])
+                    mark_rows(args[at], dims)
             try:
                 return self.compiled(*args, **kwargs)
             except _compile_errors() as error:
@@ -77,13 +84,49 @@ def _compile_errors() -> tuple:
     return tuple(errors)
 
 
-def compiled(fn):
+def mark_rows(tensor, dims) -> None:
+    """Mark ``tensor``'s dimensions ``dims`` (its row counts: a step's one row, a chunk's 32, a prompt's
+    hundreds) unbacked for the compile: Dynamo then traces them as sizes it knows nothing about, neither 1 nor
+    any other, and one graph serves every row count. A marked size that is 1 stays generic too (a backed one
+    would be specialised, and the first call with several rows would trace the function again). Where this
+    torch has no such mark (or ``tensor`` is not a tensor), nothing is marked: the function then takes a graph
+    for one row and one for several, as before."""
+    mark = getattr(torch._dynamo.decorators, "mark_unbacked", None)
+    if mark is None or not isinstance(tensor, torch.Tensor):
+        return
+    for dim in dims:
+        mark(tensor, dim)
+
+
+def dense(tensor):
+    """``tensor``'s elements as a tensor that is no view, with a contiguous tensor's strides where it is contiguous
+    (a dimension of size 1 may carry any stride: a decode step's one query row, transposed out of ``[B, heads, 1,
+    head_dim]``, has the head dimension's, which addresses nothing, yet Dynamo guards on it; with row counts
+    unbacked, `mark_rows`, such a stride would take a graph of its own). Anything not a tensor is returned as it
+    is."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    if tensor.is_contiguous():
+        strides, step = [], 1
+        for size in reversed(tensor.shape):
+            strides.append(step)
+            step *= max(int(size), 1)
+        strides = tuple(reversed(strides))
+        if tensor.stride() != strides:
+            tensor = tensor.as_strided(tensor.shape, strides)
+    # not a view for Dynamo (which guards on a view's base: the buffer or the projection it was cut from, whose
+    # row count would take a graph per size 1 / several again); the compiled forms never write their inputs
+    return tensor.detach()
+
+
+def compiled(fn, rows: dict | None = None):
     """The `torch.compile`d form of ``fn`` (a module class's ``forward``, or a function), made once; ``fn``
-    itself after a failed compile (`_CompiledOrPlain`)."""
+    itself after a failed compile (`_CompiledOrPlain`). ``rows``: positional argument -> the dimensions of that
+    tensor that count rows (`mark_rows`, each call), the same at every call of ``fn``."""
     with _LOCK:
         out = _COMPILED.get(fn)
         if out is None:
-            out = _COMPILED[fn] = _CompiledOrPlain(fn)
+            out = _COMPILED[fn] = _CompiledOrPlain(fn, rows)
         return out
 
 
@@ -108,14 +151,17 @@ class RowWise:
         if kwargs or len(args) != 1:  # (not the one-input call this form is for: the function as it is, compiled)
             return compiled(self.fn)(module, *args, **kwargs)
         (x,) = args
-        rows = x.reshape(-1, x.shape[-1])
+        rows = dense(x.reshape(-1, x.shape[-1]))  # (a single row then shares the contiguous rows' copy)
         key = (rows.shape[-1], rows.stride(0))
         fn = self.copies.get(key)
         if fn is None:
             with _LOCK:
                 fn = self.copies.setdefault(key, _copy(self.fn))
-        y = compiled(fn)(module, rows)
+        y = compiled(fn, ROWS_FIRST)(module, rows)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+ROWS_FIRST = {1: (0,)}  # `RowWise`'s copies: the rows ``[N, D]`` (argument 1) count rows in their first dimension
 
 
 def _copy(fn):

@@ -39,6 +39,12 @@ def _layer_output(layer, residual, attn_output):
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+# the regions' row dimensions (`fast.compiled.mark_rows`): the hidden states, cos and sin ``[B, L, ...]`` and the
+# attention output ``[B, L, heads, head_dim]`` count rows in their second dimension
+_INPUT_ROWS = {1: (0, 1), 2: (0, 1), 3: (0, 1)}
+_OUTPUT_ROWS = {1: (0, 1), 2: (0, 1)}
+
+
 def fused_decoder_layer(layer, hidden_states, position_embeddings, attention_mask=None, position_ids=None,
                         cache=None, use_cache=False, **kwargs):
     """A Qwen3-VL text decoder layer (the stock forward's arguments and result) as two compiled regions around
@@ -50,8 +56,8 @@ def fused_decoder_layer(layer, hidden_states, position_embeddings, attention_mas
 
     attn = layer.self_attn
     cos, sin = position_embeddings
-    q, k, v = compiled(_attention_inputs)(layer, hidden_states, cos, sin,
-                                          module_function(attn, "apply_rotary_pos_emb"))
+    q, k, v = compiled(_attention_inputs, _INPUT_ROWS)(layer, hidden_states, cos, sin,
+                                                       module_function(attn, "apply_rotary_pos_emb"))
     attention_kwargs = dict(position_ids=position_ids, use_cache=use_cache, **kwargs)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx, kwargs=attention_kwargs)
@@ -59,7 +65,7 @@ def fused_decoder_layer(layer, hidden_states, position_embeddings, attention_mas
                                                       module_function(attn, "eager_attention_forward"))
     out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                        scaling=attn.scaling, **attention_kwargs)
-    return compiled(_layer_output)(layer, hidden_states, out)
+    return compiled(_layer_output, _OUTPUT_ROWS)(layer, hidden_states, out)
 
 
 class Qwen3VLAdapter(DeepStackMixin, Qwen3VisionTowerMixin, QwenVisionLanguageMixin, ModelAdapter):
