@@ -7,6 +7,9 @@ that is ~4,000 launches, and the first answer waited on the host for them. Here 
 kernel over a batch of equal-sized segments (a video's temporal slices go together), and the ``k``
 launches of one shape are captured once as a CUDA graph and replayed.
 
+(`mmtok`'s step is one kernel too, `mmtok_step`; its earlier form of two, the partial gains over tiles of rows
+and columns and then their sum and vote, stays as ``"mmtok_split"``, which `bench selectors` times beside it.)
+
 One step, for every segment ``b`` of the batch and a block of candidate columns per program:
 
 1. read the previous step's winner ``j`` from ``slots[s - 1, b]`` and apply it to the method's
@@ -44,6 +47,11 @@ LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
+# `mmtok`'s one launch per pick (`_triton_steps.mmtok_step`): narrower column blocks, so that a 1,344-token image
+# still spreads over 84 programs, each summing its candidates' gains over every row in 128-row tiles
+MMTOK_BLOCK_N = 16
+MMTOK_BLOCK_R = 128
+METHODS = ("mmtok", "mmtok_split", "divprune", "cdpruner")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,6 +85,9 @@ class GreedyRun:
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
         if method == "mmtok":
             R = int(inputs["P"].shape[1])
+            self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device)}
+        elif method == "mmtok_split":
+            R = int(inputs["P"].shape[1])
             self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
                           "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
         elif method == "divprune":
@@ -94,6 +105,12 @@ class GreedyRun:
         self.taken.zero_()
         grid = (B, -(-n // BLOCK_N))
         if self.method == "mmtok":
+            cov, P, W = self.state["cov"], self.inputs["P"], self.inputs["W"]
+            cov.zero_()
+            for s in range(k):
+                kernel[(B, -(-n // MMTOK_BLOCK_N))](P, W, cov, self.taken, self.slots, s, B, int(P.shape[1]), n,
+                                                    INT64_MIN, BLOCK_R=MMTOK_BLOCK_R, BLOCK_N=MMTOK_BLOCK_N)
+        elif self.method == "mmtok_split":
             gain, vote = kernel
             cov, part, P, W = self.state["cov"], self.state["part"], self.inputs["P"], self.inputs["W"]
             R, row_blocks = int(P.shape[1]), int(part.shape[0])
