@@ -383,6 +383,15 @@ wave)
         --json "$OUT/latency_qwen3_vl_30b_a3b_image_h200.json" > "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log"
     ;;
+mmtok_kernels)
+    # issue 31 (selection time): the greedy selectors' GPU tests, then their selection time with mmtok's one-launch
+    # step beside its two-launch form (bench selectors' variant split), both inputs, 9 repetitions
+    python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
+    tail -2 "$OUT/test_gpu_selectors_h200.log"
+    timeout "${SEL_S:-150}" python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video --reps 9 \
+        --selectors mmtok,divprune,cdpruner --out "$OUT/selectors_mmtok_step_h200.json" > "$OUT/selectors_mmtok_step_h200.log" 2>&1
+    tail -12 "$OUT/selectors_mmtok_step_h200.log"
+    ;;
 selectors)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
     tail -3 "$OUT/test_gpu_selectors_h200.log"

@@ -80,8 +80,8 @@ wherever the steps are captured, i.e. on CUDA: `resolve_compile_steps`), the fam
 as two compiled regions around the cache write and the attention, the other families' norms and dense MLPs. Unlike
 there, the attention's core is not compiled (``compile_attention=False``): at a batch the kernel beats the compiled
 matmul form. Whether a step is compiled is part of its key (`BatchStepKey.compiled`), so engines of one model with
-either setting share its kept pool. Inductor compiles a region once per process for a single row, once for several rows
-and once for a batch (shapes are dynamic), inside the first captures.
+either setting share its kept pool. Inductor compiles a region once per process, inside the first capture: its row
+dimensions are unbacked (`fast.compiled.mark_rows`), so one graph serves a single row, several rows and a batch.
 
 Without CUDA (``graphs=True`` on a CPU model) the same step runs eagerly on the same static buffers (no capture:
 there is nothing to replay), which is what the CPU tests exercise.
