@@ -392,6 +392,10 @@ mmtok_kernels)
         --selectors mmtok,divprune,cdpruner --out "$OUT/selectors_mmtok_step_h200.json" > "$OUT/selectors_mmtok_step_h200.log" 2>&1
     tail -12 "$OUT/selectors_mmtok_step_h200.log"
     ;;
+mmtok_blocks)
+    # mmtok's step forms and block sizes side by side (benchmarks/mmtok_blocks.py)
+    timeout "${SEL_S:-150}" python3 benchmarks/mmtok_blocks.py --out "$OUT/mmtok_blocks_h200.json" 2>&1 | tail -16
+    ;;
 selectors)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
     tail -3 "$OUT/test_gpu_selectors_h200.log"

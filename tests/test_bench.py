@@ -323,7 +323,7 @@ def test_bench_selectors_json(tmp_path):
     assert saved["benchmark"] == "selectors" and saved["date"] and saved["hardware"]["device"] == "cpu"
     rows = {(r["selector"], r["variant"]): r for r in saved["rows"]}
     assert set(rows) == ({(s, "default") for s in selectors.SELECTORS} | {(s, "reference") for s in selectors.GREEDY}
-                         | {("mmtok", "split")})
+                         | {("mmtok", "one_launch")})
     for r in saved["rows"]:
         assert r["tokens"] == 100 and r["device"] == "cpu" and r["median_ms"] > 0 and r["kept"] == 30
     t1 = {r["variant"]: r for r in result["t1_rows"]}

@@ -41,10 +41,10 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
         "cdpruner": torch.stack([dpp_greedy_map(L, k, fallback_score=q)
                                  for L, q in (conditional_kernel(x, text, 0.5) for x in f)]),
     }
-    refs["mmtok_split"] = refs["mmtok"]  # (mmtok's two-kernel form)
+    refs["mmtok_one"] = refs["mmtok"]  # (mmtok's one-launch step)
     inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": divprune_inputs(f),
               "cdpruner": cdpruner_inputs(f, text, 0.5)}
-    inputs["mmtok_split"] = inputs["mmtok"]
+    inputs["mmtok_one"] = inputs["mmtok"]
     for method, want in refs.items():
         got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
         results.append({"method": method, "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})

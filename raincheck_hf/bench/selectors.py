@@ -7,7 +7,8 @@ reads); then, per selector, ``plan.select_visual_rows`` (what `generate` calls: 
 and VisionZip's attention recompute included) is timed with the device synchronised before and
 after, warm-up calls first (CUDA graphs of the greedy selectors are captured there), median of
 ``--reps``. The greedy selectors also run their reference loops (``fast_path=False``) as rows of
-variant ``reference``, and ``mmtok`` its earlier two-kernel step as variant ``split``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
+variant ``reference``, and ``mmtok`` its one-launch step (`selection.kernels`' ``"mmtok_one"``) as variant
+``one_launch``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
 max_new_tokens=1)``, synchronised wall time, for every selector, ``full`` and stock ``generate``, every
 variant warmed up first, then the repetitions in round robin over the variants.
 
@@ -97,14 +98,14 @@ def encode(model, inputs: dict):
     return turn, kept
 
 
-def _split_mmtok():
-    """An `MMTokSelector` whose greedy loop runs the two-kernel step (`selection.kernels`' ``"mmtok_split"``)."""
+def _one_launch_mmtok():
+    """An `MMTokSelector` whose greedy loop runs one launch per pick (`selection.kernels`' ``"mmtok_one"``)."""
     from ..selection.mmtok import MMTokSelector
 
-    class SplitMMTok(MMTokSelector):
-        kernel = "mmtok_split"
+    class OneLaunchMMTok(MMTokSelector):
+        kernel = "mmtok_one"
 
-    return SplitMMTok()
+    return OneLaunchMMTok()
 
 
 def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmup: int) -> list[dict]:
@@ -114,10 +115,10 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
     device = turn.embeds.device
     rows = []
     variants = [(s, None) for s in selectors] + [(s, False) for s in selectors if s in GREEDY]
-    variants += [("mmtok", "split")] if "mmtok" in selectors else []
+    variants += [("mmtok", "one_launch")] if "mmtok" in selectors else []
     for name, fast in variants:
-        if fast == "split":  # mmtok's earlier kernels: two launches per pick (`selection.kernels`' "mmtok_split")
-            config = RaincheckConfig(selector=_split_mmtok())
+        if fast == "one_launch":  # mmtok's step in one launch per pick (`selection.kernels`' "mmtok_one")
+            config = RaincheckConfig(selector=_one_launch_mmtok())
         else:
             config = RaincheckConfig(selector=name, fast_path=fast)
         selector = config.build_selector()
@@ -128,7 +129,7 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 
         keep = run()
         times = _timed(run, device, warmup, reps)
-        variant = {False: "reference", "split": "split"}.get(fast, "default")
+        variant = {False: "reference", "one_launch": "one_launch"}.get(fast, "default")
         rows.append({"selector": name, "variant": variant, "input": kind,
                      "tokens": int(turn.num_visual), "segments": len(turn.segments), "kept": int(keep.sum()),
                      "device": device.type, "median_ms": statistics.median(times), "reps_ms": times})
