@@ -839,6 +839,27 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
     assert not stock.cache.graphs.compiled
 
 
+def test_compiled_inputs_are_dense_non_views_of_the_same_elements():
+    """`fast.compiled.dense`: a contiguous tensor whose size-1 dimension carries another stride (one query row
+    transposed out of ``[B, heads, 1, head_dim]``) gets a contiguous tensor's strides; a non-contiguous one keeps
+    its strides; neither is a view afterwards, and both hold the same elements. `mark_rows` marks only tensors."""
+    from raincheck_hf.fast.compiled import dense, mark_rows
+
+    g = torch.Generator().manual_seed(0)
+    one_row = torch.randn(2, 4, 1, 8, generator=g).transpose(1, 2)  # [2, 1, 4, 8], its row dimension's stride 8
+    assert one_row.is_contiguous() and one_row.stride() != (32, 32, 8, 1)
+    got = dense(one_row)
+    assert got.stride() == (32, 32, 8, 1) and got._base is None and torch.equal(got, one_row)
+    assert got.data_ptr() == one_row.data_ptr()  # (no copy)
+    half = torch.randn(5, 16, generator=g)[:, :8]  # the query half of a projection: rows 16 apart
+    got = dense(half)
+    assert got.stride() == half.stride() and got._base is None and torch.equal(got, half)
+    mark_rows(got, (0,))
+    assert 0 in got._dynamo_unbacked_indices  # (torch's own record of the mark)
+    assert dense(None) is None and dense(3) == 3
+    mark_rows(None, (0,))  # (nothing to mark)
+
+
 @pytest.mark.parametrize("setting", [None, True, False])
 @pytest.mark.parametrize("graphs_in_use", [True, False])
 def test_compile_steps_resolve_to_the_setting_or_to_whether_graphs_are_captured(setting, graphs_in_use):

@@ -137,9 +137,9 @@ class RowWise:
     ``recompile_limit`` (8) of them: the class's ``forward`` compiled as called took one graph per rank, per
     leading dimension of size 1 or more, per width (Qwen3.5's layer norms and its query / key norms share a class)
     and per stride (the query half of a projection), past the limit in a batched benchmark, and every shape after
-    that ran uncompiled. Viewed as rows, each copy sees one width and stride and takes a graph for one row and one
-    for several (per dtype, and per view base: a row per sequence, one sequence of several rows, several of several
-    rows), a few in all, far below the limit. The view is free where the rows' strides
+    that ran uncompiled. Viewed as rows, each copy sees one width and stride and takes one graph per dtype (its row
+    count unbacked and its rows passed as no view, `mark_rows` / `dense`; a single row, whose stride is any, shares
+    the contiguous rows' copy), far below the limit. The view is free where the rows' strides
     allow it (a contiguous tensor, the query half of a projection); otherwise ``reshape`` copies, as the stock
     ``forward`` would not."""
 
