@@ -384,17 +384,12 @@ wave)
     tail -8 "$OUT/latency_qwen3_vl_30b_a3b_image_h200.log"
     ;;
 mmtok_kernels)
-    # issue 31 (selection time): the greedy selectors' GPU tests, then their selection time with mmtok's one-launch
-    # step beside its two-launch form (bench selectors' variant split), both inputs, 9 repetitions
+    # issue 31 (selection time): the greedy selectors' GPU tests, then their selection time, both inputs, 9 repetitions
     python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1
     tail -2 "$OUT/test_gpu_selectors_h200.log"
     timeout "${SEL_S:-150}" python3 -m raincheck_hf.bench selectors --model qwen3_vl_8b --inputs image,video --reps 9 \
         --selectors mmtok,divprune,cdpruner --out "$OUT/selectors_mmtok_step_h200.json" > "$OUT/selectors_mmtok_step_h200.log" 2>&1
     tail -12 "$OUT/selectors_mmtok_step_h200.log"
-    ;;
-mmtok_blocks)
-    # mmtok's step forms and block sizes side by side (benchmarks/mmtok_blocks.py)
-    timeout "${SEL_S:-150}" python3 benchmarks/mmtok_blocks.py --out "$OUT/mmtok_blocks_h200.json" 2>&1 | tail -16
     ;;
 selectors)
     python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider -k "greedy or selectors" > "$OUT/test_gpu_selectors_h200.log" 2>&1

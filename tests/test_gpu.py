@@ -356,7 +356,7 @@ def _reference_greedy(method, features, text, k):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("method", ["mmtok", "mmtok_one", "divprune", "cdpruner"])
+@pytest.mark.parametrize("method", ["mmtok", "divprune", "cdpruner"])
 @pytest.mark.parametrize("B,n,D,k,m", GREEDY_SIZES)
 def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
     from raincheck_hf.selection import kernels
@@ -368,10 +368,9 @@ def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
     features = torch.randn(B, n, D, generator=g).cuda()
     text = torch.randn(m, D, generator=g).cuda() if m else None
     inputs = {"mmtok": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2),
-              "mmtok_one": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2),
               "divprune": lambda: divprune_inputs(features),
               "cdpruner": lambda: cdpruner_inputs(features, text, 0.5)}[method]()
-    want = _reference_greedy(method.removesuffix("_one"), features, text, k)
+    want = _reference_greedy(method, features, text, k)
     eager = kernels.greedy_select(method, inputs, k, use_graphs=False)
     first = kernels.greedy_select(method, inputs, k)  # captures
     again = kernels.greedy_select(method, inputs, k)  # replays

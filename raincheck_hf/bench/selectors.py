@@ -7,8 +7,7 @@ reads); then, per selector, ``plan.select_visual_rows`` (what `generate` calls: 
 and VisionZip's attention recompute included) is timed with the device synchronised before and
 after, warm-up calls first (CUDA graphs of the greedy selectors are captured there), median of
 ``--reps``. The greedy selectors also run their reference loops (``fast_path=False``) as rows of
-variant ``reference``, and ``mmtok`` its one-launch step (`selection.kernels`' ``"mmtok_one"``) as variant
-``one_launch``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
+variant ``reference``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
 max_new_tokens=1)``, synchronised wall time, for every selector, ``full`` and stock ``generate``, every
 variant warmed up first, then the repetitions in round robin over the variants.
 
@@ -98,16 +97,6 @@ def encode(model, inputs: dict):
     return turn, kept
 
 
-def _one_launch_mmtok():
-    """An `MMTokSelector` whose greedy loop runs one launch per pick (`selection.kernels`' ``"mmtok_one"``)."""
-    from ..selection.mmtok import MMTokSelector
-
-    class OneLaunchMMTok(MMTokSelector):
-        kernel = "mmtok_one"
-
-    return OneLaunchMMTok()
-
-
 def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmup: int) -> list[dict]:
     from ..configuration import RaincheckConfig
     from ..plan import select_visual_rows
@@ -115,12 +104,8 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
     device = turn.embeds.device
     rows = []
     variants = [(s, None) for s in selectors] + [(s, False) for s in selectors if s in GREEDY]
-    variants += [("mmtok", "one_launch")] if "mmtok" in selectors else []
     for name, fast in variants:
-        if fast == "one_launch":  # mmtok's step in one launch per pick (`selection.kernels`' "mmtok_one")
-            config = RaincheckConfig(selector=_one_launch_mmtok())
-        else:
-            config = RaincheckConfig(selector=name, fast_path=fast)
+        config = RaincheckConfig(selector=name, fast_path=fast)
         selector = config.build_selector()
 
         def run():
@@ -129,8 +114,7 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 
         keep = run()
         times = _timed(run, device, warmup, reps)
-        variant = {False: "reference", "one_launch": "one_launch"}.get(fast, "default")
-        rows.append({"selector": name, "variant": variant, "input": kind,
+        rows.append({"selector": name, "variant": "reference" if fast is False else "default", "input": kind,
                      "tokens": int(turn.num_visual), "segments": len(turn.segments), "kept": int(keep.sum()),
                      "device": device.type, "median_ms": statistics.median(times), "reps_ms": times})
     return rows

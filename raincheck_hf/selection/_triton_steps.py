@@ -79,34 +79,6 @@ def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_RB: tl.constexpr, BLO
 
 
 @triton.jit(do_not_specialize=["s"])
-def mmtok_step(P, W, cov, taken, slots, s, B, R, n, neg, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    # `mmtok_gain` and `mmtok_vote` in one launch: one program per block of candidates sums their gains over
-    # every row block in turn (in float64, a fixed order), with the coverage maxima brought up to date on the
-    # way (the previous pick applied; written to the other buffer by the programs of the first column block),
-    # then votes. One launch per pick instead of two, and no partial sums written and read back.
-    b = tl.program_id(0)
-    cb = tl.program_id(1)
-    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < n
-    j = _winner(slots, s, b, B)
-    p_base = P + b.to(tl.int64) * R * n
-    cov_in = cov + (s % 2) * B * R + b * R
-    cov_out = cov + ((s + 1) % 2) * B * R + b * R
-    acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-    for r0 in range(0, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        c = tl.load(cov_in + rows, mask=rmask, other=0.0)
-        c = tl.maximum(c, tl.load(p_base + rows * n + j, mask=rmask & (j >= 0), other=0.0))
-        tl.store(cov_out + rows, c, mask=rmask & (cb == 0))
-        p = tl.load(p_base + rows[:, None] * n + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        w = tl.load(W + rows, mask=rmask, other=0.0)
-        acc += tl.sum(w[:, None] * tl.maximum(p - c[:, None], 0.0).to(tl.float64), axis=0)
-    t = _taken_after(taken, b, n, cols, cmask, j)
-    _vote(slots, s, b, B, acc.to(tl.float32), cols, cmask & (t == 0), neg)
-
-
-@triton.jit(do_not_specialize=["s"])
 def divprune_step(D, first, mind, taken, slots, s, B, n, neg, BLOCK_N: tl.constexpr):
     # D [B, n, n] cosine distances; first [B, n]: step 0's scores (distance to the nearest other token);
     # mind [B, n]: minimum distance to the kept set (starts at +inf)
@@ -154,5 +126,4 @@ def cdpruner_step(L, C, d2, fallback, tol, taken, slots, s, B, n, k, neg,
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, score, cols, cmask & (t == 0), neg)
 
-KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "mmtok_one": mmtok_step, "divprune": divprune_step,
-           "cdpruner": cdpruner_step}
+KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "divprune": divprune_step, "cdpruner": cdpruner_step}

@@ -7,9 +7,11 @@ that is ~4,000 launches, and the first answer waited on the host for them. Here 
 kernel over a batch of equal-sized segments (a video's temporal slices go together), and the ``k``
 launches of one shape are captured once as a CUDA graph and replayed.
 
-(`mmtok`'s step is two kernels: the partial gains over tiles of rows and candidates, then their sum and the vote. A
-one-launch form, ``"mmtok_one"`` (`_triton_steps.mmtok_step`), gives the same picks; `bench selectors` and
-`benchmarks/mmtok_blocks.py` time it beside: on an H100 it was slower at the image's shape, 5.64 against 3.94 ms.)
+(mmtok's step is two launches: the partial gains over tiles of rows and candidates, then their fixed-order sum and
+the vote. Two one-launch forms gave the same picks and no gain on an H100, the launches not being what bounds a pick:
+the last row tile of each column block summing and voting, 3.15 against 3.00 ms for the greedy alone, and one program
+per block of candidates summing over every row, 5.64 against 3.94 ms for the whole selection; see
+``benchmarks/results/README.md``.)
 
 One step, for every segment ``b`` of the batch and a block of candidate columns per program:
 
@@ -48,10 +50,6 @@ LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
-# "mmtok_one", mmtok's step in one launch per pick (`_triton_steps.mmtok_step`): narrower column blocks, so that a
-# 1,344-token image still spreads over 84 programs, each summing its candidates' gains over every row in 128-row tiles
-MMTOK_BLOCK_N = 16
-MMTOK_BLOCK_R = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,10 +81,7 @@ class GreedyRun:
         self.slots = torch.empty(self.k, B, dtype=torch.int64, device=device)
         self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
-        if method == "mmtok_one":
-            R = int(inputs["P"].shape[1])
-            self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device)}
-        elif method == "mmtok":
+        if method == "mmtok":
             R = int(inputs["P"].shape[1])
             self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
                           "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
@@ -104,13 +99,7 @@ class GreedyRun:
         self.slots.fill_(INT64_MIN)
         self.taken.zero_()
         grid = (B, -(-n // BLOCK_N))
-        if self.method == "mmtok_one":
-            cov, P, W = self.state["cov"], self.inputs["P"], self.inputs["W"]
-            cov.zero_()
-            for s in range(k):
-                kernel[(B, -(-n // MMTOK_BLOCK_N))](P, W, cov, self.taken, self.slots, s, B, int(P.shape[1]), n,
-                                                    INT64_MIN, BLOCK_R=MMTOK_BLOCK_R, BLOCK_N=MMTOK_BLOCK_N)
-        elif self.method == "mmtok":
+        if self.method == "mmtok":
             gain, vote = kernel
             cov, part, P, W = self.state["cov"], self.state["part"], self.inputs["P"], self.inputs["W"]
             R, row_blocks = int(P.shape[1]), int(part.shape[0])
