@@ -127,11 +127,11 @@ class GatedDeltaNetMixin:
         return dispatch.static_packed_step(self._gdn_modules, states, step, chunks, record, prefill, dense)
 
     def export_packed_states(self, states, indices: list[int], caches: list) -> None:
-        index = states.row_index(list(indices))  # (once for every layer)
+        rows = list(indices)
+        index = states.row_index(rows)  # (once for every layer)
         for module in self._gdn_modules:  # (a gathered copy per state tensor and layer for all of them)
             states.layers[module.layer_idx].export_rows(
-                list(indices), [deferred_linear_layer(cache, module.layer_idx) for cache in caches],
-                layer_params(module), index)
+                rows, [deferred_linear_layer(cache, module.layer_idx) for cache in caches], layer_params(module), index)
 
     def load_packed_state(self, states, index: int, cache) -> None:
         for module in self._gdn_modules:

@@ -40,7 +40,7 @@ def _layer_output(layer, residual, attn_output):
 
 
 # the regions' row dimensions (`fast.compiled.mark_rows`): the hidden states, cos and sin ``[B, L, ...]`` and the
-# attention output ``[B, L, heads, head_dim]`` count rows in their second dimension
+# attention output ``[B, L, heads, head_dim]`` count rows in their first two (sequences and rows per sequence)
 _INPUT_ROWS = {1: (0, 1), 2: (0, 1), 3: (0, 1)}
 _OUTPUT_ROWS = {1: (0, 1), 2: (0, 1)}
 
