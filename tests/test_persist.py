@@ -193,9 +193,13 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert everything["warm_up_scope"] == "all" and everything["rest"] is None and "rest_done_s" not in everything
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        assert cold_start.main(child + ["--no-rest", "--compile-steps", "off"]) == 0
+        assert cold_start.main(child + ["--no-rest", "--compile-steps", "off", "--profile-warm-up"]) == 0
     answered = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert answered["warm_up_scope"] == "first" and answered["rest"] is None and "rest_done_s" not in answered
+    assert result["warm_up_profile"] is None  # (where the warm-up's time went: only when asked)
+    profile = answered["warm_up_profile"]
+    assert any("warm_up" in row[0] for row in profile["by_cumulative"]) and isinstance(profile["compile_times"], str)
+    assert all(len(row) == 4 and row[3] >= row[2] >= 0 for row in profile["by_own"])
     launched, kept = [], []
 
     def fake_run(command, env, timeout):
@@ -217,8 +221,9 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert [p["cache"] for p in report["processes"]] == ["empty (first ever)"] + ["left by the processes before"] * 2
     assert saved["settings"]["warm_up_scope"] == "first" and saved["settings"]["rest_after_answer"]
     cold_start.run("tiny_qwen3_vl", processes=2, device="cpu", max_tokens=512, max_new_tokens=2, rest=False,
-                   compile_steps="off")
+                   compile_steps="off", profile_warm_up=True)
     assert all("--no-rest" in c and c[c.index("--compile-steps") + 1] == "off" for c in kept[-2:])
+    assert all("--profile-warm-up" in c for c in kept[-2:]) and not any("--profile-warm-up" in c for c in kept[:3])
     assert all("--compile-steps" not in c for c in kept[:3])  # (the default settings' unless asked)
     with pytest.raises(ValueError, match="--compile-steps"):
         cold_start.run("tiny_qwen3_vl", compile_steps="maybe")

@@ -11,6 +11,9 @@ imports included), with the captures the answer made (its trace's ``captures``: 
 (``warm_up(..., first_turn=True)``) and, after the answer, the rest as idle time would (`IdleWarmUp.finish`, timed:
 ``rest``; ``--no-rest``: the process ends after its answer, the rest neither captured nor timed); ``all`` warms
 everything before the answer. ``--compile-steps on / off`` sets `RaincheckConfig.compile_steps` instead of the default.
+``--profile-warm-up`` runs each process's warm-up under cProfile and keeps, per process, where its time went: the
+functions with the most cumulative and own time, and torch's own compile-time table (Dynamo's, AOTAutograd's and
+Inductor's phases), so that a start's seconds can be split into traces, cache loads, captures and the rest.
 The first process starts on an empty cache folder (first ever: every kernel compiled and autotuned); the later ones
 find what it left. Prints a table and writes JSON with the hardware.
 """
@@ -58,8 +61,17 @@ def _child(args) -> dict:
     bounds = dict(max_tokens=args.max_tokens, max_new_tokens=args.max_new_tokens, image_sizes=[(height, width)],
                   cache_dir=args.cache_dir)
     first_turn = args.warm_up_scope == "first"
+    profile = None
     if args.warm_up:
-        summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
+        if args.profile_warm_up:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            summary = profiler.runcall(raincheck_hf.warm_up, model, processor, config, progress=False,
+                                       first_turn=first_turn, **bounds)
+            profile = profile_figures(profiler)
+        else:
+            summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
     inputs, prompt = shapes.build_prompt(processor, spec, "image")
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
@@ -108,9 +120,29 @@ def _child(args) -> dict:
             "captures": capture_figures(summary.captured, config.max_chunk_size + 1)},
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
+        "warm_up_profile": profile,
         "prompt": prompt,
         "model": info,
     }
+
+
+def profile_figures(profiler, top: int = 60) -> dict:
+    """Where a profiled warm-up's time went: the ``top`` functions by cumulative and by own time (``[where, calls,
+    own s, cumulative s]`` each) and torch's compile-time table (`torch._dynamo.utils.compile_times`), if any."""
+    import pstats
+
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        rows.append([f"{os.path.basename(path)}:{line}({name})", int(calls), round(own, 4), round(cumulative, 4)])
+    try:
+        import torch._dynamo.utils
+
+        compile_times = torch._dynamo.utils.compile_times(repr="str")
+    except Exception as error:  # (an older torch's table: not essential to the figures)
+        compile_times = f"unavailable: {type(error).__name__}: {error}"
+    return {"by_cumulative": sorted(rows, key=lambda r: -r[3])[:top], "by_own": sorted(rows, key=lambda r: -r[2])[:top],
+            "compile_times": compile_times}
 
 
 def capture_figures(captured, step_rows: int) -> dict:
@@ -146,7 +178,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True,
-        compile_steps: str = "default") -> dict:
+        compile_steps: str = "default", profile_warm_up: bool = False) -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -183,6 +215,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command.append("--no-rest")
         if compile_steps != "default":
             command += ["--compile-steps", compile_steps]
+        if profile_warm_up:
+            command.append("--profile-warm-up")
         done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -202,7 +236,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                      "answer_tokens": max_new_tokens, "chunk_size": chunk_size or "default", "warm_up": warm_up,
                      "warm_up_scope": warm_up_scope if warm_up else None,
                      "rest_after_answer": rest and warm_up and warm_up_scope == "first",
-                     "compile_steps": compile_steps,
+                     "compile_steps": compile_steps, "profile_warm_up": profile_warm_up,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -243,6 +277,9 @@ def main(argv=None):
     parser.add_argument("--compile-steps", choices=("default", "on", "off"), default="default",
                         help="RaincheckConfig.compile_steps (default: the default settings', compiled where the steps "
                              "are captured; off: what a start without the compile's traces costs)")
+    parser.add_argument("--profile-warm-up", action="store_true",
+                        help="run each warm-up under cProfile and keep where its time went (the JSON's warm_up_profile; "
+                             "the profiler slows the warm-up itself)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -255,7 +292,7 @@ def main(argv=None):
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
                args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest,
-               compile_steps=args.compile_steps)
+               compile_steps=args.compile_steps, profile_warm_up=args.profile_warm_up)
 
 
 if __name__ == "__main__":
