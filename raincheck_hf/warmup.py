@@ -726,7 +726,8 @@ def _warm_steps(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, max
                             summary.stopped = True
                             break
                         else:
-                            seconds = graphs.warm(adapter, cache, key, prefill)
+                            # (timed replays after each capture only for chunk_size="auto", which weighs them)
+                            seconds = graphs.warm(adapter, cache, key, prefill, timed=config.auto_chunk)
                             if seconds is None:
                                 summary.not_captured += 1
                             else:

@@ -430,7 +430,7 @@ def _fake_graphs_class(capture_s: float, step_ms):
         def clock(self):
             return FakeGraphs.wall
 
-        def _capture(self, adapter, cache, rows, want_logits, start, bucket=None, variant=None):
+        def _capture(self, adapter, cache, rows, want_logits, start, bucket=None, variant=None, timed=True):
             bucket = cache.capacity if bucket is None else bucket
             if cache.total_slots - rows < start:
                 return None
@@ -439,7 +439,7 @@ def _fake_graphs_class(capture_s: float, step_ms):
                                         step_info=adapter.has_linear_attention)
             graph = _ReplayedStep(self, adapter, buffers, want_logits, bucket, variant, step_ms(rows))
             FakeGraphs.wall += capture_s
-            if rows <= cache.scratch:
+            if timed and rows <= cache.scratch:
                 self.timings.time_replays(key, _FakeGraph(step_ms(rows)))
             self._captured[key] = (graph, buffers)
             return graph, buffers
@@ -535,3 +535,33 @@ def test_fixed_chunk_size_is_unchanged_by_capture_costs(model, processor, fake_g
     assert {rows for _, rows, _ in fast.raincheck.captures} == {1, 5} and not eager.raincheck.captures
     assert len(_chunk_captures(fast)) >= 2, fast.raincheck.captures  # the fused shape at several slot buckets
     assert_matches_reference(model, [record(inputs, fast)])
+
+
+def test_warm_up_times_its_captures_only_for_auto(model, processor, fake_graphs, monkeypatch):
+    """A capture's timed replays (first cost figures, a few steps of device time each) are what ``chunk_size="auto"``
+    weighs: `warm_up` takes them for an ``auto`` config and leaves them out for a fixed chunk size, whose steps
+    nothing weighs (its first figures then come from its first replays); a capture inside an answer times them."""
+    import raincheck_hf
+    from raincheck_hf.fast import release_storage
+    from raincheck_hf.fast.timing import StepTimings
+
+    fake_graphs()
+    timed = []
+    real = StepTimings.time_replays
+    monkeypatch.setattr(StepTimings, "time_replays", lambda self, key, graph, *a: timed.append(key) or
+                        real(self, key, graph, *a))
+    bounds = dict(max_tokens=256, max_new_tokens=8, cache_dir=False, progress=False)
+    fixed = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True, chunk_size=4, compile_steps=False),
+                                 **bounds)
+    assert fixed.captured and timed == []
+    release_storage(model)
+    auto = raincheck_hf.warm_up(model, processor, RaincheckConfig(fast_path=True, chunk_size="auto",
+                                                                  compile_steps=False), **bounds)
+    steps = [entry for entry in auto.captured if entry[1] <= max(CHUNK_LADDER) + 1]
+    assert steps and len(timed) == len(steps)
+    release_storage(model)
+    timed.clear()
+    inputs = make_inputs(processor, images=[draw_test_image(64, 64, seed=1)], text="Describe it.")
+    out = greedy(model, inputs, n=4, raincheck=RaincheckConfig(fast_path=True, chunk_size=4, compile_steps=False),
+                 return_dict_in_generate=True)
+    assert out.raincheck.captures and timed  # (captured in the answer: timed as before)

@@ -342,7 +342,7 @@ def cpu_graphs(monkeypatch):
 
     current = {}  # the cache a replay works on: a real graph holds the storage's tensors, not the cache object
 
-    def capture(self, adapter, cache, rows, want_logits, start, bucket=None, variant=None):
+    def capture(self, adapter, cache, rows, want_logits, start, bucket=None, variant=None, timed=True):
         bucket = cache.capacity if bucket is None else bucket
         first = cache.total_slots - rows
         if first < start:

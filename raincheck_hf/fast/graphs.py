@@ -266,7 +266,7 @@ class StepGraphs:
         return buffers.logits
 
     def _capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
-                 bucket: int | None = None, variant=None):
+                 bucket: int | None = None, variant=None, timed: bool = True):
         bucket = cache.capacity if bucket is None else bucket
         key = StepKey(rows, want_logits, variant, bucket)
         # warm-up runs execute: they write the last `rows` slots with the maximum key, which no query sees; those
@@ -300,7 +300,7 @@ class StepGraphs:
                 self._pool = graph.pool()
                 torch.cuda.synchronize()
                 self._pool_bytes = None
-                if rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs), not a prefill
+                if timed and rows <= cache.scratch:  # a decode or chunk step (what chunk_size="auto" weighs)
                     # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
                     self.timings.time_replays(key, graph)
             finally:
@@ -310,14 +310,14 @@ class StepGraphs:
         return graph, buffers
 
     def _try_capture(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool, start: int,
-                     bucket: int | None, variant, prefill: bool = False):
+                     bucket: int | None, variant, prefill: bool = False, timed: bool = True):
         """`_capture`, or None: no room, or a capture that raised (e.g. an op that cannot be captured), which
         warns and runs eagerly from then on: every prefill after a prefill's failure (the steps stay captured),
         everything after a step's. A capture's wall time (the pause it costs whoever waits on the step) goes to
         `capture_log` and `StepTimings.add_capture`."""
         started = self.clock()
         try:
-            captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant)
+            captured = self._capture(adapter, cache, rows, want_logits, start, bucket, variant, timed)
         except RuntimeError as error:
             what = "prefill" if prefill else "step"
             warnings.warn(f"raincheck fast path: CUDA-graph capture of a {rows}-row {what} failed ({error}); "
@@ -407,20 +407,22 @@ class StepGraphs:
                 setting, ({}, StepTimings(enabled=self.use_graphs)))
             self.attn_implementation, self.compiled = setting
 
-    def warm(self, adapter, cache: StaticDeferredCache, key: StepKey, prefill: bool) -> float | None:
+    def warm(self, adapter, cache: StaticDeferredCache, key: StepKey, prefill: bool, timed: bool = True) -> float | None:
         """Capture the step ``key`` before any forward runs it (`raincheck_hf.warm_up`), on ``cache``'s storage;
         ``prefill``: a padded prefill's shape. Returns the capture's wall seconds, or None: already captured, or
         a shape this storage runs eagerly (no graphs, prefills not captured, not capturable, no room).
 
         A capture runs on static buffers of its own whatever the forward's rows (`_capture`), so capturing a key
-        here is what the first forward of that key would do, minus the pause."""
+        here is what the first forward of that key would do, minus the pause; ``timed=False`` leaves out the timed
+        replays after it (first cost figures for ``chunk_size="auto"``, ~3 steps' device time a capture; without
+        them its first figures come from the key's first replays)."""
         self._use_setting(adapter, cache)
         if (not self.use_graphs or key in self._captured or (prefill and not self.pad_prefill)
                 or not adapter.capturable(key.variant, key.rows)):
             return None
         made = len(self.capture_log)
         self._try_capture(adapter, cache, key.rows, key.want_logits, cache.num_rows, key.bucket, key.variant,
-                          prefill)
+                          prefill, timed)
         return self.capture_log[made][1] if len(self.capture_log) > made else None
 
     def _shape(self, adapter, cache: StaticDeferredCache, batch, kinds, want_logits: bool, pad_to: int | None,
