@@ -168,8 +168,8 @@ def count_compiled_calls(monkeypatch) -> list:
     calls = []
     real = compiled_module.compiled
 
-    def counting(fn, rows=None):
-        out = real(fn, rows)
+    def counting(fn, rows=None, sizes=None):
+        out = real(fn, rows, sizes)
 
         def call(*args, **kwargs):
             calls.append(fn)

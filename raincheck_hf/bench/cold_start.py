@@ -11,9 +11,10 @@ imports included), with the captures the answer made (its trace's ``captures``: 
 (``warm_up(..., first_turn=True)``) and, after the answer, the rest as idle time would (`IdleWarmUp.finish`, timed:
 ``rest``; ``--no-rest``: the process ends after its answer, the rest neither captured nor timed); ``all`` warms
 everything before the answer. ``--compile-steps on / off`` sets `RaincheckConfig.compile_steps` instead of the default.
-``--profile-warm-up`` runs each process's warm-up under cProfile and keeps, per process, where its time went: the
-functions with the most cumulative and own time, and torch's own compile-time table (Dynamo's, AOTAutograd's and
-Inductor's phases), so that a start's seconds can be split into traces, cache loads, captures and the rest.
+Each process's figures include torch's compile-time table (Dynamo's trace and guards, AOTAutograd's and Inductor's
+phases, the caches' loads: seconds per compile); ``--profile-warm-up`` also runs its warm-up under cProfile and keeps
+the functions with the most cumulative and own time, so that a start's seconds can be split into traces, cache loads,
+captures and the rest (the profiler slows the warm-up itself).
 The first process starts on an empty cache folder (first ever: every kernel compiled and autotuned); the later ones
 find what it left. Prints a table and writes JSON with the hardware.
 """
@@ -121,6 +122,7 @@ def _child(args) -> dict:
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
         "warm_up_profile": profile,
+        "compile_times": compile_figures(),  # (the warm-up's and the answer's compiles: none in a covered answer)
         "prompt": prompt,
         "model": info,
     }
@@ -135,14 +137,20 @@ def profile_figures(profiler, top: int = 60) -> dict:
     rows = []
     for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
         rows.append([f"{os.path.basename(path)}:{line}({name})", int(calls), round(own, 4), round(cumulative, 4)])
-    try:
-        import torch._dynamo.utils
-
-        compile_times = torch._dynamo.utils.compile_times(repr="str")
-    except Exception as error:  # (an older torch's table: not essential to the figures)
-        compile_times = f"unavailable: {type(error).__name__}: {error}"
     return {"by_cumulative": sorted(rows, key=lambda r: -r[3])[:top], "by_own": sorted(rows, key=lambda r: -r[2])[:top],
-            "compile_times": compile_times}
+            "compile_times": compile_figures()}
+
+
+def compile_figures() -> dict | str:
+    """torch's compile-time table so far in this process (`torch._dynamo.utils.compile_times`): per phase (Dynamo's
+    trace, its guards, AOTAutograd, Inductor, the caches' loads), the seconds of each compile in order."""
+    try:
+        import torch._dynamo.utils as dynamo_utils
+
+        return {name: [round(float(s), 4) for s in seconds]
+                for name, seconds in dynamo_utils.compilation_time_metrics.items()}
+    except Exception as error:  # (another torch's table: not essential to the figures)
+        return f"unavailable: {type(error).__name__}: {error}"
 
 
 def capture_figures(captured, step_rows: int) -> dict:

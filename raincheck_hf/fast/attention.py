@@ -63,11 +63,20 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
 
     scope = active_scope()
     if scope is not None and scope.compiled_attention:  # compile_steps: the same function, fused by Inductor
-        from .compiled import compiled
+        from .compiled import compiled_copy
 
-        # (its row count not marked unbacked, `fast.compiled.mark_rows`: Inductor's lowering then fails to decide
-        # whether a query head's rows are one; it takes a graph for one row and one for several)
-        return compiled(_few_query)(query, key, value, attention_mask, scale), None
+        # the query as the attention modules make it, ``[B, L, Hq, D]`` before their transpose (contiguous, whatever
+        # the row count: one layout, one graph; a copy only where a family made it otherwise)
+        rows_first = query.transpose(1, 2)
+        if not rows_first.is_contiguous():
+            rows_first = rows_first.contiguous()
+        # one compiled copy per head shape: its head counts static (with them dynamic as well as the rows, Inductor's
+        # lowering cannot decide whether a key / value head's query rows, a group's heads times the rows, are one).
+        # Without grouped heads they can be one (a decode step): the row count then stays a size Dynamo specialises
+        # at 1, a graph for one row and one for several
+        rows = _FEW_QUERY_ROWS if hq > hkv else {}
+        core = compiled_copy(_few_query_rows, (hq, hkv, d), rows, _FEW_QUERY_SIZES)
+        return core(rows_first, key, value, attention_mask, scale), None
     if triton_usable(query, key, value, attention_mask):
         return _few_query_triton(query, key, value, attention_mask, scale, _per_sequence(scope, "key_extent", query),
                                  _per_sequence(scope, "query_rows", query)), None
@@ -281,6 +290,22 @@ def _few_query(query, key, value, attention_mask, scale: float, low_precision_re
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, group * L, D]
     return out.reshape(b, hq, rows, d).transpose(1, 2).contiguous()
+
+
+def _few_query_rows(query_rows, key, value, attention_mask, scale: float):
+    """`_few_query` of the query given as ``[B, L, Hq, D]``: the compiled steps' form (`fast.compiled`), one graph
+    for every row count ``L`` (marked unbacked) and slot count (dynamic), the head counts and dims static. The checks
+    tell the compile what it cannot see from the marks: a step has rows, and the mask has the query's."""
+    rows = query_rows.shape[1]
+    torch._check(rows >= 1)
+    torch._check(attention_mask.shape[2] == rows)
+    return _few_query(query_rows.transpose(1, 2), key, value, attention_mask, scale)
+
+
+# `_few_query_rows`'s row dimensions (the query's rows, the mask's) and slot dimensions (the keys', the values', the
+# mask's), for `fast.compiled.compiled`
+_FEW_QUERY_ROWS = {0: (1,), 3: (2,)}
+_FEW_QUERY_SIZES = {1: (2,), 2: (2,), 3: (3,)}
 
 
 def register() -> None:

@@ -12,7 +12,8 @@ inputs: the 36 layers of an 8B model compile once, not 36 times), with dynamic r
 function's row dimensions are marked unbacked (`torch._dynamo.decorators.mark_unbacked`), so that one graph
 serves a single row and many alike (a size Dynamo sees as 1 would otherwise be specialised, and the first
 several-row call would trace the function a second time: two traces, seconds each, in every fresh
-process's warm-up); the step graph is then captured around those kernels as usual.
+process's warm-up), its slot dimensions dynamic, and every other dimension static (a trace over a few
+symbols instead of one per dimension: shorter); the step graph is then captured around those kernels as usual.
 
 Like the few-query attention (`fast.scoping`), the compiled forms act only inside a fast-path step of the
 calling thread whose scope asks for them; every other caller of the same modules gets their stock
@@ -41,19 +42,30 @@ class _CompiledOrPlain:
     an op Inductor cannot lower, ...): a warning, then the stock computation for the rest of the process, so
     ``compile_steps=True`` never breaks an answer that the uncompiled step would give."""
 
-    def __init__(self, fn, rows: dict | None = None):
+    def __init__(self, fn, rows: dict | None = None, sizes: dict | None = None):
         self.fn = fn
         self.rows = dict(rows or {})  # positional argument -> its row dimensions (`mark_rows`)
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.sizes = dict(sizes or {})  # positional argument -> its other varying dimensions (`mark_sizes`)
+        # With the varying dimensions named, they are the only dynamic ones and every other (widths, head counts, a
+        # storage's strides) is traced as the number it is: Dynamo then reasons over and guards a few symbols, not one
+        # per dimension of every input, and traces a region in a fraction of the time (a fresh process pays each trace
+        # again, its compiled kernels loaded from the cache: `raincheck_hf.persist`). A dimension first seen at
+        # another value (another model's widths in the same process) takes one more graph, dynamic in it from then on.
+        # Without a list, every dimension is dynamic, as a function whose callers vary anything needs.
+        self.compiled = torch.compile(fn, dynamic=None if (self.rows or self.sizes) else True)
         self.error: BaseException | None = None
 
     def __call__(self, *args, **kwargs):
         if self.error is None:
-            if self.rows:
+            if self.rows or self.sizes:
                 args = list(args)
                 for at, dims in self.rows.items():
                     args[at] = dense(args[at])
                     mark_rows(args[at], dims)
+                for at, dims in self.sizes.items():
+                    if at not in self.rows:
+                        args[at] = dense(args[at])
+                    mark_sizes(args[at], dims)
             try:
                 return self.compiled(*args, **kwargs)
             except _compile_errors() as error:
@@ -98,6 +110,18 @@ def mark_rows(tensor, dims) -> None:
         mark(tensor, dim)
 
 
+def mark_sizes(tensor, dims) -> None:
+    """Mark ``tensor``'s dimensions ``dims`` dynamic for the compile (sizes that vary but are never 0 or 1: a step's
+    slot bucket), so that the first call traces them as symbols and one graph serves every value. Where this torch
+    has no such mark (or ``tensor`` is not a tensor), nothing is marked: a second value then takes a second graph,
+    dynamic in that dimension."""
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    if mark is None or not isinstance(tensor, torch.Tensor):
+        return
+    for dim in dims:
+        mark(tensor, dim)
+
+
 def dense(tensor):
     """``tensor``'s elements as a tensor that is no view, with a contiguous tensor's strides where it is contiguous
     (a dimension of size 1 may carry any stride: a decode step's one query row, transposed out of ``[B, heads, 1,
@@ -119,15 +143,34 @@ def dense(tensor):
     return tensor.detach()
 
 
-def compiled(fn, rows: dict | None = None):
+def compiled(fn, rows: dict | None = None, sizes: dict | None = None):
     """The `torch.compile`d form of ``fn`` (a module class's ``forward``, or a function), made once; ``fn``
     itself after a failed compile (`_CompiledOrPlain`). ``rows``: positional argument -> the dimensions of that
-    tensor that count rows (`mark_rows`, each call), the same at every call of ``fn``."""
+    tensor that count rows (`mark_rows`, each call); ``sizes``: positional argument -> its other dimensions that vary
+    between calls (`mark_sizes`); both the same at every call of ``fn``. With either given, the dimensions they name
+    are the only dynamic ones; with neither, every dimension is."""
     with _LOCK:
         out = _COMPILED.get(fn)
         if out is None:
-            out = _COMPILED[fn] = _CompiledOrPlain(fn, rows)
+            out = _COMPILED[fn] = _CompiledOrPlain(fn, rows, sizes)
         return out
+
+
+def compiled_copy(fn, key, rows: dict | None = None, sizes: dict | None = None):
+    """`compiled` of a copy of ``fn`` made for ``key`` (its own code object: its own Dynamo graphs, recompile limit
+    and failure), for callers whose static dimensions differ by ``key`` (another model's head counts in the same
+    process). Within a copy those dimensions never change, so none of them turns dynamic on a second value (Dynamo's
+    automatic dynamic shapes), which a function whose compile needs them static (the few-query attention's core) could
+    not take."""
+    with _LOCK:
+        copies = _COPIES.setdefault(fn, {})
+        copy = copies.get(key)
+        if copy is None:
+            copy = copies[key] = _copy(fn, key)
+    return compiled(copy, rows, sizes)
+
+
+_COPIES: dict = {}  # function -> {key: its copy} (`compiled_copy`)
 
 
 class RowWise:
@@ -156,7 +199,7 @@ class RowWise:
         fn = self.copies.get(key)
         if fn is None:
             with _LOCK:
-                fn = self.copies.setdefault(key, _copy(self.fn))
+                fn = self.copies.setdefault(key, _copy(self.fn, key))
         y = compiled(fn, ROWS_FIRST)(module, rows)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -164,9 +207,20 @@ class RowWise:
 ROWS_FIRST = {1: (0,)}  # `RowWise`'s copies: the rows ``[N, D]`` (argument 1) count rows in their first dimension
 
 
-def _copy(fn):
-    """``fn`` with a code object of its own (the same code): Dynamo's graphs and limit are per code object."""
-    out = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _copy(fn, key=()):
+    """``fn`` with a code object of its own (the same code), named for ``key``: Dynamo's graphs and limit are per code
+    object, and what it learns of a function's shapes (which dimensions turned dynamic, also kept on disk for the next
+    process) per file, line and code name, so each copy's code carries a name of its own."""
+    tag = "_".join(str(part) for part in (key if isinstance(key, tuple) else (key,))).replace("-", "m")
+    code = fn.__code__
+    if tag:
+        names = {"co_name": f"{code.co_name}__{tag}"}
+        if hasattr(code, "co_qualname"):
+            names["co_qualname"] = f"{code.co_qualname}__{tag}"
+        code = code.replace(**names)
+    else:
+        code = code.replace()
+    out = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__ = fn.__kwdefaults__
     out.__qualname__ = fn.__qualname__
     out.__dict__.update(fn.__dict__)
