@@ -167,9 +167,9 @@ gpu_tests)
     # every GPU test (issue 28: the schedule fuzz and the server test included); the log is committed as is.
     # GPU_WORKERS > 0 spreads the tests over that many pytest-xdist processes on the one GPU (wheel carried in .whl/);
     # the package's own RuntimeWarnings (a capture that failed and runs eagerly from then on, say) are shown in the
-    # log's warnings summary, the others stay silenced (PYTHONWARNINGS above)
+    # log's warnings summary, the others stay silenced (PYTHONWARNINGS above); GPU_K: only the tests pytest's -k selects
     timeout -s INT -k 30 "${TESTS_S:-530}" python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -rfEs --tb=short --durations=10 \
-        -W "default:raincheck:RuntimeWarning" \
+        -W "default:raincheck:RuntimeWarning" ${GPU_K:+-k "$GPU_K"} \
         $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") > "$OUT/gpu_tests_h200.log" 2>&1
     grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
     ;;
