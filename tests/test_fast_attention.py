@@ -393,19 +393,19 @@ def test_every_tile_choice_computes_the_same_attention_in_the_interpreter():
         assert max(errors.values()) <= 3e-5, (name, errors)  # (fp32 sums over 256 dims: ~1e-5 from SDPA's)
 
 
-def test_the_compiled_core_takes_one_graph_per_head_shape_for_every_row_and_slot_count():
+def test_the_compiled_core_takes_two_graphs_per_head_shape_for_every_row_and_slot_count():
     """Inside a compiled step (`StepScope.compiled_attention`) the attention's core runs compiled: one copy per head
-    shape (`fast.compiled.compiled_copy`), its head counts static, and with grouped heads one Dynamo graph for every row
-    count (a decode step's one row, a chunk step's, a short prompt's) and every slot count (the keys a view of a larger
-    storage, as the static cache gives them), whatever another head shape compiled before it; without grouped heads one
-    graph for a single row and one for several. Each result is the eager form's."""
+    shape (`fast.compiled.compiled_copy`), its head counts static, whatever another head shape compiled before it, with
+    one Dynamo graph for a single row (a decode step's) and one for several (a chunk step's, a short prompt's), each for
+    every slot count (the keys a view of a larger storage, as the static cache gives them). Each result is the eager
+    form's."""
     from raincheck_hf.fast.compiled import _COMPILED, _COPIES
     from raincheck_hf.fast.context import STEP, StepScope
 
     graphs = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
     g = torch.Generator().manual_seed(3)
     calls = {(4, 2): [(1, 256, 600), (5, 512, 600), (1, 512, 1200), (32, 256, 1200)],
-             (8, 2): [(3, 256, 600), (1, 300, 600), (17, 512, 600)],
+             (8, 2): [(3, 256, 600), (17, 300, 600), (2, 512, 600)],
              (4, 4): [(1, 256, 600), (7, 300, 600), (1, 512, 600), (2, 256, 600)]}
     for (heads, kv_heads), shapes in calls.items():
         made = _COPIES.get(attention._few_query_rows, {}).get((heads, kv_heads, 16))
@@ -423,5 +423,5 @@ def test_the_compiled_core_takes_one_graph_per_head_shape_for_every_row_and_slot
             assert got.shape == (1, rows, heads, 16) and (got - want).abs().max().item() <= 1e-5
         copy = _COPIES[attention._few_query_rows][(heads, kv_heads, 16)]
         assert _COMPILED[copy].error is None, _COMPILED[copy].error  # (compiled, not fallen back to the eager form)
-        assert len(graphs(copy.__code__)) - before <= (1 if heads > kv_heads else 2), (heads, kv_heads)
+        assert len(graphs(copy.__code__)) - before <= (2 if any(r == 1 for r, _, _ in shapes) else 1), (heads, kv_heads)
         assert len(graphs(copy.__code__)) >= 1

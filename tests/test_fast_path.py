@@ -834,13 +834,16 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
         assert [impl for _, impl in pairs] == [fused_decoder_layer] * layers
         assert len(set(calls)) == 3 and len(calls) > 2 * layers  # the two regions per layer, and the attention
         compiled_fns = set(calls)
-    # every compiled form compiled (none fell back to its plain function), and one Dynamo graph per region, per
-    # row-wise copy and for the attention's core, for the prompt's rows, the chunk steps' and the one-row decode
-    # steps alike (`fast.compiled.mark_rows`: a row count of 1 would otherwise take a graph, and a trace, of its own)
+    # every compiled form compiled (none fell back to its plain function), and one Dynamo graph per region and per
+    # row-wise copy for the prompt's rows, the chunk steps' and the one-row decode steps alike
+    # (`fast.compiled.mark_rows`: a row count of 1 would otherwise take a graph, and a trace, of its own)
+    # (the attention's core: a graph for one row, the decode step's, and one for several, `_few_query_rows`)
     assert any(fn.__qualname__ == _few_query_rows.__qualname__ for fn in compiled_fns)
     assert all(compiled_module._COMPILED[fn].error is None for fn in compiled_fns)
     made = {fn.__qualname__: len(graphs(fn.__code__)) - before.get(fn.__code__, 0) for fn in compiled_fns}
-    assert made and set(made.values()) <= {0, 1} and all(len(graphs(fn.__code__)) for fn in compiled_fns), made
+    most = {name: 2 if name == _few_query_rows.__qualname__ else 1 for name in made}
+    assert made and all(made[name] <= most[name] for name in made), made
+    assert all(len(graphs(fn.__code__)) for fn in compiled_fns), made
     assert all("forward" not in vars(m) for m, _ in pairs)  # the dispatchers are gone after the steps
     stock = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **KW)  # graphs recaptured
     _assert_same(slow, stock)
