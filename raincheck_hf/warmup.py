@@ -651,6 +651,10 @@ def _warm_batched(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, b
 
     if not batched_graphs.resolve_graphs(adapter, config, None):
         return  # (the eager batched engine: nothing to capture)
+    try:  # (a pool the device cannot hold: said now, not as an out-of-memory error in the captures and every step)
+        batched_graphs.check_pool_fits(adapter, batch, max_tokens)
+    except ValueError as error:
+        raise ValueError(f"warm_up(batch={batch}, max_tokens={max_tokens}): {error}") from None
     # (the wide halves of steps split by width, as the engines' default rule splits them)
     split = split_batches(batch, batched_graphs.split_width(config), SPLIT_ROWS)
     graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, batch, max_tokens)

@@ -993,3 +993,41 @@ def test_warm_outside_no_grad_keeps_no_autograd_record():
     logits = [buffers.logits for _, buffers in graphs._captured.values()]
     assert logits and all(t is not None and t.grad_fn is None and not t.requires_grad for t in logits)
     batched_graphs.release_all()
+
+
+@pytest.mark.parametrize("name", family_params(["qwen3_vl", "qwen3_5"]))
+def test_the_batched_pools_size_is_known_before_it_is_allocated(name, monkeypatch):
+    """`batched_graphs.pool_bytes` is what a pool of that many places and rows allocates in its attention layers (Gated
+    DeltaNet layers hold no keys); `check_pool_fits` refuses, before allocating, a pool larger than the free memory it is
+    given (naming the sequences, the rows and the sizes), and warm_up's caller in the server names its own options."""
+    from raincheck_hf.kv_pool import SlotKVPool
+
+    adapter = get_adapter(family_model(name))
+    config = adapter.text_model.config
+    need = batched_graphs.pool_bytes(adapter, 3, 100)
+    pool = SlotKVPool(config.num_hidden_layers, batched_graphs.batch_bucket(3), 100, scratch_slot=True)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    for layer, kind in zip(pool.layers, kinds):
+        if kind == "full_attention":
+            states = torch.zeros(1, need["kv_heads"], 1, need["head_dim"], dtype=adapter.dtype)
+            layer.lazy_initialization(states, states)
+    allocated = sum(t.numel() * t.element_size() for layer in pool.layers if layer.is_initialized
+                    for t in (layer.keys, layer.values))
+    assert allocated == need["bytes"] > 0 and need["places"] == batched_graphs.batch_bucket(3) + 1
+    assert need["layers"] == sum(1 for kind in kinds if kind == "full_attention") < len(kinds) or name == "qwen3_vl"
+    batched_graphs.check_pool_fits(adapter, 3, 100, free_bytes=need["bytes"])  # (fits exactly: no error)
+    with pytest.raises(ValueError, match=r"3 sequences at once of up to 100 rows each need .* GiB"):
+        batched_graphs.check_pool_fits(adapter, 3, 100, free_bytes=need["bytes"] - 1)
+
+    import argparse
+
+    import raincheck_hf.warmup as warmup
+    from raincheck_hf.startup import run_warm_up
+
+    def refused(*args, batch=None, **kwargs):
+        batched_graphs.check_pool_fits(adapter, batch, kwargs["max_tokens"], free_bytes=0)
+
+    monkeypatch.setattr(warmup, "warm_up", refused)
+    args = argparse.Namespace(warm_up=True, warm_up_tokens=4096, cache_dir=False, max_running=64)
+    with pytest.raises(SystemExit, match=r"--max-running 64 .* --warm-up-tokens 4096: 66 sequences .* Lower"):
+        run_warm_up(args, family_model(name), None, RaincheckConfig(), 256, batch=66)

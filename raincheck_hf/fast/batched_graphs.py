@@ -947,6 +947,50 @@ _POOLED_LOCK = threading.Lock()
 POOLED_PER_MODEL = 2
 
 
+def pool_bytes(adapter, num_sequences: int, max_tokens: int) -> dict:
+    """What the key / value storage of a batched pool for ``num_sequences`` sequences of ``max_tokens`` rows takes on
+    the device (`acquire`'s pool: ``batch_bucket(num_sequences)`` places and the scratch slot, each of ``max_tokens``
+    rows as the pool rounds them, a key and a value tensor in every attention layer; Gated DeltaNet layers hold none):
+    ``{"bytes", "places", "rows", "layers", "kv_heads", "head_dim", "dtype"}``."""
+    from ..kv_pool import MIN_CAPACITY, ROW_ROUNDING, _round_up
+
+    config = adapter.text_model.config
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(1 for kind in kinds if kind == "full_attention")
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    places = batch_bucket(num_sequences) + 1  # (the scratch slot)
+    rows = _round_up(max(int(max_tokens), MIN_CAPACITY), ROW_ROUNDING)
+    itemsize = torch.empty((), dtype=adapter.dtype).element_size()
+    return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * itemsize, "places": places, "rows": rows,
+            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(adapter.dtype).replace("torch.", "")}
+
+
+def check_pool_fits(adapter, num_sequences: int, max_tokens: int, free_bytes: int | None = None) -> None:
+    """ValueError, before anything is allocated, when the batched pool for ``num_sequences`` sequences of ``max_tokens``
+    rows (`pool_bytes`) would not fit the device's free memory (``free_bytes``; None: what CUDA reports free on the
+    model's device, nothing checked elsewhere), less what this model's kept pools hold already (a larger one is grown,
+    not added to). Without it a server started for more sequences than its GPU holds ran out of memory in its warm-up
+    and then in every request's first step."""
+    if free_bytes is None:
+        if adapter.device.type != "cuda" or not torch.cuda.is_available():
+            return
+        free_bytes, _ = torch.cuda.mem_get_info(adapter.device)
+    need = pool_bytes(adapter, num_sequences, max_tokens)
+    with _POOLED_LOCK:
+        kept = [g.pool for g in _POOLED.get(adapter.text_model, ())]
+    held = max((sum(t.numel() * t.element_size() for layer in pool.layers if layer.is_initialized
+                    for t in (layer.keys, layer.values)) for pool in kept), default=0)
+    if need["bytes"] - held > free_bytes:
+        gib = 2 ** 30
+        raise ValueError(
+            f"{num_sequences} sequences at once of up to {max_tokens} rows each need {need['bytes'] / gib:.1f} GiB of "
+            f"key / value storage in the batched engine ({need['places']} places of {need['rows']} rows, "
+            f"{need['layers']} attention layers, {need['kv_heads']} key / value heads of {need['head_dim']} "
+            f"{need['dtype']} values, a key and a value each), more than the {free_bytes / gib:.1f} GiB free on "
+            f"{adapter.device}: run fewer sequences at once or fewer rows each")
+
+
 def acquire(adapter, num_layers: int, num_slots: int, capacity: int) -> BatchedStepGraphs:
     """A free pool of this model (with its captured graphs) grown to ``num_slots`` x ``capacity``, or a new one. Of
     several kept pools, the one with the most captured steps (one `warm_up(batch=...)` sized and filled, say):
