@@ -354,7 +354,9 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
             key such a batch can take with ``config`` (`fast.batched_graphs.BatchedStepGraphs.warm_keys`: batch
             buckets, chunk widths, slot spans, the prompt pieces' prefill widths),
             captured on the model's kept batched pool, sized for them from now
-            on (no later growth drops its graphs). None (default): not warmed; they are captured when they first run.
+            on (no later growth drops its graphs); a ValueError, before any compute, where that pool's keys and values
+            would not fit the device's free memory (`fast.batched_graphs.check_pool_fits`). None (default): not
+            warmed; they are captured when they first run.
         first_turn: only what a first turn needs before its answer (a prompt of ``prompt_tokens`` rows, by default
             an image of ``image_sizes`` and its question, and its answer of ``max_new_tokens``): its slot storage's
             steps at every slot bucket, the prefills such a prompt takes on it, the vision tower's and the
@@ -409,6 +411,14 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     adapter = get_adapter(model)  # a ValueError naming the supported classes
     if not is_enabled(model):
         raise ValueError(f"warm_up: {type(model).__name__} is not enabled: call raincheck_hf.enable(model) first")
+    if batch is not None:  # (a batched pool the device cannot hold: said now, not as out-of-memory errors later)
+        from .fast import batched_graphs
+
+        if batched_graphs.resolve_graphs(adapter, config, None):
+            try:
+                batched_graphs.check_pool_fits(adapter, batch, max_tokens)
+            except ValueError as error:
+                raise ValueError(f"warm_up(batch={batch}, max_tokens={max_tokens}): {error}") from None
 
     summary = WarmUpSummary(path=adapter.execution_path(config), first_turn=first_turn)
     persistent = cache_dir is not False and adapter.device.type == "cuda"  # Triton / Inductor compile on CUDA
@@ -651,10 +661,6 @@ def _warm_batched(adapter, config: RaincheckConfig, summary: WarmUpSummary, *, b
 
     if not batched_graphs.resolve_graphs(adapter, config, None):
         return  # (the eager batched engine: nothing to capture)
-    try:  # (a pool the device cannot hold: said now, not as an out-of-memory error in the captures and every step)
-        batched_graphs.check_pool_fits(adapter, batch, max_tokens)
-    except ValueError as error:
-        raise ValueError(f"warm_up(batch={batch}, max_tokens={max_tokens}): {error}") from None
     # (the wide halves of steps split by width, as the engines' default rule splits them)
     split = split_batches(batch, batched_graphs.split_width(config), SPLIT_ROWS)
     graphs = batched_graphs.acquire(adapter, adapter.text_model.config.num_hidden_layers, batch, max_tokens)

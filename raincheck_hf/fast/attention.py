@@ -295,7 +295,7 @@ def _few_query_rows(query_rows, key, value, attention_mask, scale: float):
 
     Its rows are not marked unbacked, as the decoder regions' are (`fast.compiled.mark_rows`, one graph for every row
     count): that graph (with the mask's rows and Inductor told there are rows, ``torch._check``) compiled, but in a
-    Qwen3-VL-8B decode step on an H100 each token took 9.36 ms against 8.78 with the one-row graph (a cold-start run
+    Qwen3-VL-8B decode step on an H100 each token took 9.32 ms against 8.78 with the one-row graph (a cold-start run
     of the twenty-seventh session): the decode step's core is the one worth specialising."""
     return _few_query(query_rows.transpose(1, 2), key, value, attention_mask, scale)
 

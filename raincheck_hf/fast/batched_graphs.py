@@ -963,7 +963,8 @@ def pool_bytes(adapter, num_sequences: int, max_tokens: int) -> dict:
     rows = _round_up(max(int(max_tokens), MIN_CAPACITY), ROW_ROUNDING)
     itemsize = torch.empty((), dtype=adapter.dtype).element_size()
     return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * itemsize, "places": places, "rows": rows,
-            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(adapter.dtype).replace("torch.", "")}
+            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(adapter.dtype).replace("torch.", "")}
 
 
 def check_pool_fits(adapter, num_sequences: int, max_tokens: int, free_bytes: int | None = None) -> None:

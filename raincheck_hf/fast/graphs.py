@@ -407,7 +407,8 @@ class StepGraphs:
                 setting, ({}, StepTimings(enabled=self.use_graphs)))
             self.attn_implementation, self.compiled = setting
 
-    def warm(self, adapter, cache: StaticDeferredCache, key: StepKey, prefill: bool, timed: bool = True) -> float | None:
+    def warm(self, adapter, cache: StaticDeferredCache, key: StepKey, prefill: bool,
+             timed: bool = True) -> float | None:
         """Capture the step ``key`` before any forward runs it (`raincheck_hf.warm_up`), on ``cache``'s storage;
         ``prefill``: a padded prefill's shape. Returns the capture's wall seconds, or None: already captured, or
         a shape this storage runs eagerly (no graphs, prefills not captured, not capturable, no room).
