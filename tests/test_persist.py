@@ -181,6 +181,7 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
         assert cold_start.main(child) == 0
     result = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert result["answer_tokens"] == 2 and result["captures_during_answer"] == []
+    assert result["tpot_s"] == pytest.approx(result["first_answer_s"] - result["first_token_s"])  # (one token after)
     assert result["warm_up"]["path"] == "eager" and result["warm_up"]["captures"]["each"] == []
     assert result["first_token_s"] <= result["first_answer_s"] <= result["rest_done_s"]
     assert result["imports_s"] <= result["caches_s"] <= result["device_s"] <= result["model_s"]

@@ -98,6 +98,8 @@ def _child(args) -> dict:
     marks["first_answer_s"] = time.time() - launched
     marks["first_token_s"] = (first.at or time.time()) - launched
     answer_tokens = int(out.sequences.shape[1] - inputs["input_ids"].shape[1])
+    # (the answer's time per token after the first: the compiled steps' speed, which a cold start must not trade away)
+    tpot = (marks["first_answer_s"] - marks["first_token_s"]) / (answer_tokens - 1) if answer_tokens > 1 else None
     captures = [list(c) for c in out.raincheck.captures]
     rest = None
     if args.warm_up and first_turn and args.rest:  # what idle time captures after the answer (the chat: as it waits)
@@ -111,6 +113,7 @@ def _child(args) -> dict:
     return {
         **marks,
         "answer_tokens": answer_tokens,
+        "tpot_s": tpot,
         "captures_during_answer": captures,
         "warm_up_scope": args.warm_up_scope if args.warm_up else None,
         "rest": rest,
@@ -252,11 +255,12 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         "processes": results,
     }
     print(f"{'process':>8} {'cache':>22} {'imports':>8} {'device':>8} {'model':>8} {'warm-up':>8} {'1st token':>10} "
-          f"{'answer':>8} {'captures':>9}")
+          f"{'answer':>8} {'captures':>9} {'TPOT ms':>8}")
     for r in results:
+        tpot = "-" if r.get("tpot_s") is None else f"{1e3 * r['tpot_s']:.2f}"
         print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>22} {r['imports_s']:>8.1f} "
               f"{r['device_s']:>8.1f} {r['model_s']:>8.1f} {r['warm_up_done_s']:>8.1f} {r['first_token_s']:>10.1f} "
-              f"{r['first_answer_s']:>8.1f} {len(r['captures_during_answer']):>9}")
+              f"{r['first_answer_s']:>8.1f} {len(r['captures_during_answer']):>9} {tpot:>8}")
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1, default=str)
