@@ -816,7 +816,7 @@ def test_compiled_steps_match_the_eager_engine(model, processor, monkeypatch, ta
 
     def graph_counts() -> dict:  # (code object -> Dynamo graphs) of every compiled form made so far in this process
         forms = [k for k in compiled_module._COMPILED if callable(k)]
-        forms += [fn for k, v in compiled_module._COMPILED.items() if isinstance(v, RowWise) for fn in v.copies.values()]
+        forms += [fn for v in compiled_module._COMPILED.values() if isinstance(v, RowWise) for fn in v.copies.values()]
         return {fn.__code__: len(graphs(fn.__code__)) for fn in forms}
 
     before = graph_counts()  # (other tests' models, of other widths, may have compiled these forms already)

@@ -290,8 +290,8 @@ def main(argv=None):
                         help="RaincheckConfig.compile_steps (default: the default settings', compiled where the steps "
                              "are captured; off: what a start without the compile's traces costs)")
     parser.add_argument("--profile-warm-up", action="store_true",
-                        help="run each warm-up under cProfile and keep where its time went (the JSON's warm_up_profile; "
-                             "the profiler slows the warm-up itself)")
+                        help="run each warm-up under cProfile and keep where its time went (the JSON's "
+                             "warm_up_profile; the profiler slows the warm-up itself)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
