@@ -56,12 +56,12 @@ def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes
     max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
     bounds = dict(max_tokens=max_tokens, max_new_tokens=max_new_tokens, image_sizes=list(image_sizes) or None,
                   cache_dir=args.cache_dir)
+    from .fast.batched_graphs import PoolTooLarge
+
     try:
         summary = warm_up(model, processor, config, progress=True, batch=batch,
                           conversations=1 if batch is None else 0, first_turn=first_turn, **bounds)
-    except ValueError as error:
-        if batch is None or "key / value storage" not in str(error):
-            raise
+    except PoolTooLarge as error:
         # (the server's batched engine: its places are --max-running's and the held conversations restoring beside
         # them, each of --warm-up-tokens rows)
         raise SystemExit(f"[raincheck] --max-running {getattr(args, 'max_running', batch)} (a batch of {batch} with "

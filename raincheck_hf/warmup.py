@@ -417,8 +417,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         if batched_graphs.resolve_graphs(adapter, config, None):
             try:
                 batched_graphs.check_pool_fits(adapter, batch, max_tokens)
-            except ValueError as error:
-                raise ValueError(f"warm_up(batch={batch}, max_tokens={max_tokens}): {error}") from None
+            except batched_graphs.PoolTooLarge as error:
+                raise batched_graphs.PoolTooLarge(f"warm_up(batch={batch}, max_tokens={max_tokens}): {error}") from None
 
     summary = WarmUpSummary(path=adapter.execution_path(config), first_turn=first_turn)
     persistent = cache_dir is not False and adapter.device.type == "cuda"  # Triton / Inductor compile on CUDA

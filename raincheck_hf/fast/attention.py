@@ -67,9 +67,7 @@ def few_query_attention(module, query, key, value, attention_mask, dropout: floa
 
         # the query as the attention modules make it, ``[B, L, Hq, D]`` before their transpose (contiguous, whatever
         # the row count: one layout, one graph; a copy only where a family made it otherwise)
-        rows_first = query.transpose(1, 2)
-        if not rows_first.is_contiguous():
-            rows_first = rows_first.contiguous()
+        rows_first = query.transpose(1, 2).contiguous()
         # one compiled copy per head shape, its head counts static: a graph for one row (the decode step's core,
         # specialised to it) and one for several (its row count dynamic)
         core = compiled_copy(_few_query_rows, (hq, hkv, d), sizes=_FEW_QUERY_SIZES)

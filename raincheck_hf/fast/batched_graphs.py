@@ -961,14 +961,17 @@ def pool_bytes(adapter, num_sequences: int, max_tokens: int) -> dict:
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     places = batch_bucket(num_sequences) + 1  # (the scratch slot)
     rows = _round_up(max(int(max_tokens), MIN_CAPACITY), ROW_ROUNDING)
-    itemsize = torch.empty((), dtype=adapter.dtype).element_size()
-    return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * itemsize, "places": places, "rows": rows,
+    return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * adapter.dtype.itemsize, "places": places, "rows": rows,
             "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
             "dtype": str(adapter.dtype).replace("torch.", "")}
 
 
+class PoolTooLarge(ValueError):
+    """A batched pool larger than the device's free memory (`check_pool_fits`)."""
+
+
 def check_pool_fits(adapter, num_sequences: int, max_tokens: int, free_bytes: int | None = None) -> None:
-    """ValueError, before anything is allocated, when the batched pool for ``num_sequences`` sequences of ``max_tokens``
+    """`PoolTooLarge` (a ValueError), before anything is allocated, when the batched pool for ``num_sequences`` sequences of ``max_tokens``
     rows (`pool_bytes`) would not fit the device's free memory (``free_bytes``; None: what CUDA reports free on the
     model's device, nothing checked elsewhere), less what this model's kept pools hold already (a larger one is grown,
     not added to). Without it a server started for more sequences than its GPU holds ran out of memory in its warm-up
@@ -984,7 +987,7 @@ def check_pool_fits(adapter, num_sequences: int, max_tokens: int, free_bytes: in
                     for t in (layer.keys, layer.values)) for pool in kept), default=0)
     if need["bytes"] - held > free_bytes:
         gib = 2 ** 30
-        raise ValueError(
+        raise PoolTooLarge(
             f"{num_sequences} sequences at once of up to {max_tokens} rows each need {need['bytes'] / gib:.1f} GiB of "
             f"key / value storage in the batched engine ({need['places']} places of {need['rows']} rows, "
             f"{need['layers']} attention layers, {need['kv_heads']} key / value heads of {need['head_dim']} "
