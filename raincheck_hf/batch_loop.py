@@ -400,6 +400,23 @@ def _check_budget(value, what: str) -> None:
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
 
 
+def restoring_places_that_fit(model, max_running: int, max_tokens: int, free_bytes: int | None = None) -> int:
+    """Places for held conversations restoring beside ``max_running`` answers (`BatchLoop.max_sequences`) that a
+    batched pool of ``max_tokens`` rows a place still fits on the model's device: `BatchLoop.MAX_RESTORING` when the
+    pool for ``max_running`` plus them fits its free memory (``free_bytes``; None: what CUDA reports; off CUDA
+    nothing is checked), else 0 (they then restore in places the answers leave free, and in idle time). The pool's
+    places go by batch bucket (`fast.batched_graphs.batch_bucket`): at ``max_running=64`` two more places make a
+    bucket of 128, twice the memory."""
+    from .fast.batched_graphs import PoolTooLarge, check_pool_fits
+
+    adapter = get_adapter(model)
+    try:
+        check_pool_fits(adapter, max_running + BatchLoop.MAX_RESTORING, max_tokens, free_bytes=free_bytes)
+    except PoolTooLarge:
+        return 0
+    return BatchLoop.MAX_RESTORING
+
+
 class BatchLoop:
     """Continuous batching for the `Conversation`s on one model: their turns run in one forward per step.
 
@@ -453,6 +470,10 @@ class BatchLoop:
             every asking thread prepares at once (they share the interpreter's lock and the device with each other
             and with the loop's thread, so all of them finish late together and join in the same steps: more
             tokens/s, later first tokens).
+        max_sequences: the most sequences in one engine's steps that held conversations restoring beside the answers
+            may bring it to (the `max_sequences` attribute; answers themselves are not limited by it): a server
+            warmed for N places (`warm_up(batch=N)`: its pool and captured steps) keeps its steps within them. None
+            (the default): up to `MAX_RESTORING` restore beside any number of answers.
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
@@ -488,8 +509,14 @@ class BatchLoop:
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
                  prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None,
-                 split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = False, follow_ups_ahead: bool = False):
+                 split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = False, follow_ups_ahead: bool = False,
+                 max_sequences: int | None = None):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        if max_sequences is not None and (isinstance(max_sequences, bool) or not isinstance(max_sequences, int)
+                                          or max_sequences < 1):
+            raise ValueError(f"BatchLoop(max_sequences={max_sequences!r}) must be an integer >= 1 (sequences in one "
+                             "step) or None (no limit).")
+        self.max_sequences = max_sequences
         check_prompt_forwards(max_prompt_forwards, "BatchLoop(max_prompt_forwards=...)")
         self._max_prompt_forwards = max_prompt_forwards
         check_ride_rows(ride_max_rows, "BatchLoop(ride_max_rows=...)")
@@ -813,10 +840,12 @@ class BatchLoop:
         ahead on its own thread (`prepare_ahead`: nothing of it is left to run on the loop's thread but the hand-over
         into the engine's pool, whose copies queue behind the step), of ``engine``'s config, and of a conversation that
         neither restores in an engine nor completes its restoration before a follow-up (``early_follow_up=False``):
-        those run model work on the loop's thread first, and join between steps as before."""
+        those run model work on the loop's thread first, and join between steps as before; so does a turn that needs
+        a restoring conversation's place (`_make_room`)."""
         conv = job.conversation
         return (job.ahead is not None and job.config == engine.config and conv not in self._restoring
-                and conv.early_follow_up)
+                and conv.early_follow_up
+                and (self.max_sequences is None or len(engine.sequences) < self.max_sequences))
 
     def _join_in_flight(self, engine: BatchEngine) -> None:
         """The turns waiting to join ``engine`` that may (`_joins_in_flight`) join now, while its step runs on the
@@ -1194,6 +1223,7 @@ class BatchLoop:
                 else:
                     (prepared, state, grids), captures = ahead, None
                 engine = self._engine_for(job.config)
+                self._make_room(engine)
                 job.previous_pending = conv.pending
                 follow_up = conv.cache is not None
                 if state is not None and follow_up:
@@ -1525,8 +1555,8 @@ class BatchLoop:
     # ---- restoring held conversations beside the answers ---------------------------------------------
     def _restore_beside(self, engine: BatchEngine) -> None:
         """Before ``engine``'s step: restoring conversations no longer held leave; held ones with pending rows join
-        it as restoring sequences, up to `MAX_RESTORING` in it, while its answers leave rows of the budget (an
-        estimate; the step itself gives them only the rows its budget has left)."""
+        it as restoring sequences, up to `MAX_RESTORING` in it and `max_sequences` sequences in all, while its answers
+        leave rows of the budget (an estimate; the step itself gives them only the rows its budget has left)."""
         for conv in [c for c in self._restoring if not self._held(c)]:
             self._stop_restoring(conv, keep=False)
         while self._room_beside(engine):
@@ -1543,12 +1573,27 @@ class BatchLoop:
 
     def _room_beside(self, engine: BatchEngine) -> bool:
         """Whether another held conversation may restore beside ``engine``'s answers now: fewer than `MAX_RESTORING`
-        restore in it, and its answers' decode rows do not fill the steps' budget alone."""
+        restore in it, it carries fewer than `max_sequences` sequences, and its answers' decode rows do not fill the
+        steps' budget alone."""
+        if self.max_sequences is not None and len(engine.sequences) >= self.max_sequences:
+            return False
         scheduler = engine.scheduler
         answering = sum(1 for s in engine.sequences if not isinstance(s, RestoringState))
         if scheduler.token_budget is not None and answering >= scheduler.token_budget:
             return False
         return sum(1 for e, _ in self._restoring.values() if e is engine) < self.MAX_RESTORING
+
+    def _make_room(self, engine: BatchEngine) -> None:
+        """Before a turn joins ``engine``: while it carries `max_sequences` sequences or more, a held conversation
+        restoring in it leaves (with the rows restored so far: `_stop_restoring`), so the answers keep the places
+        restoration borrowed."""
+        if self.max_sequences is None:
+            return
+        while len(engine.sequences) >= self.max_sequences:
+            conv = next((c for c, (e, _) in self._restoring.items() if e is engine), None)
+            if conv is None:
+                return
+            self._stop_restoring(conv, keep=True)
 
     def _restores_beside(self, engine: BatchEngine) -> bool:
         """Whether `_restore_beside` would change ``engine``'s restoring conversations now (one no longer held leaves,

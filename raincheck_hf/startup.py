@@ -40,6 +40,12 @@ def start_caches(args, device: str) -> None:
                   f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
 
 
+def warm_up_max_tokens(args, max_new_tokens: int) -> int:
+    """The rows a warm-up sizes its captures for: ``--warm-up-tokens``, at least an answer's ``max_new_tokens``
+    plus one."""
+    return max(args.warm_up_tokens, max_new_tokens + 1)
+
+
 def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes=(), batch: int | None = None,
                 first_turn: bool = False):
     """`raincheck_hf.warm_up` with a progress bar, unless ``--no-warm-up``; one line on stderr. ``batch``: instead
@@ -53,7 +59,7 @@ def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes
     from .warmup import IdleWarmUp, warm_up
 
     enable(model)  # as `Conversation` and the server do (idempotent)
-    max_tokens = max(args.warm_up_tokens, max_new_tokens + 1)
+    max_tokens = warm_up_max_tokens(args, max_new_tokens)
     bounds = dict(max_tokens=max_tokens, max_new_tokens=max_new_tokens, image_sizes=list(image_sizes) or None,
                   cache_dir=args.cache_dir)
     from .fast.batched_graphs import PoolTooLarge
@@ -65,8 +71,8 @@ def run_warm_up(args, model, processor, config, max_new_tokens: int, image_sizes
         # (the server's batched engine: its places are --max-running's and the held conversations restoring beside
         # them, each of --warm-up-tokens rows)
         raise SystemExit(f"[raincheck] --max-running {getattr(args, 'max_running', batch)} (a batch of {batch} with "
-                         f"the held conversations restoring) with --warm-up-tokens {max_tokens}: {error}. Lower "
-                         "--max-running or --warm-up-tokens.") from None
+                         f"the held conversations restoring, --restoring-places) with --warm-up-tokens {max_tokens}: "
+                         f"{error}. Lower --max-running, --restoring-places or --warm-up-tokens.") from None
     if summary.graphs or summary.batched:
         print(f"[raincheck] {summary}", file=sys.stderr)
     if first_turn and summary.graphs:

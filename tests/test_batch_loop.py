@@ -455,6 +455,73 @@ def test_a_held_conversation_restores_beside_another_answer_and_complete_goes_th
             conv.close()
 
 
+def test_restoring_beside_the_answers_keeps_to_max_sequences(model, processor, monkeypatch):
+    """``max_sequences=2`` (the places a server warmed its engine for): A's first turn answers beside B's long answer,
+    then A's leftovers restore beside it (2 sequences; held after two pieces). C's turn then needs A's place: A leaves
+    with the 6 rows restored so far, C answers beside B, and once C's answer ends A restores the rest beside B. No
+    step carries more than 2 sequences; A's and C's follow-ups equal their dialogues alone."""
+    from raincheck_hf.batch_engine import BatchEngine, RowScheduler
+
+    sizes, step = [], BatchEngine.step
+
+    def counted(self, *args, **kwargs):
+        sizes.append(len(self.sequences))
+        return step(self, *args, **kwargs)
+
+    pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
+
+    def gated(self, adapter, sequences, left):  # two pieces, then none until the gate opens again
+        if gate["left"] <= 0:
+            return []
+        taken = pieces(self, adapter, sequences, left)
+        gate["left"] -= bool(taken)
+        return taken
+
+    monkeypatch.setattr(BatchEngine, "step", counted)
+    monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
+    late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # (pieces of 3 rows: the idle chunk)
+    with pytest.raises(ValueError, match="max_sequences=0"):
+        BatchLoop(model, max_sequences=0)
+    with BatchLoop(model, max_batch_tokens=64, max_sequences=2) as loop:
+        a = Conversation(model, processor, late, max_new_tokens=6, loop=loop)
+        b = Conversation(model, processor, late, background=False, max_new_tokens=400, loop=loop)
+        c = Conversation(model, processor, late, background=False, max_new_tokens=6, loop=loop)
+        box = {}
+        with held_loop(loop, 2):
+            long = b.ask("Tell me everything.", stream=True, suppress_tokens=no_placeholder_ids(model),
+                         min_new_tokens=400)
+            asking = threading.Thread(target=lambda: box.setdefault("first", ask(a, QUESTIONS[0], [IMAGES[0]])))
+            asking.start()
+        asking.join()
+        first = box["first"]
+        deferred = first.trace.deferred.numel()
+        assert deferred > 6
+        deadline = time.monotonic() + 60
+        while (gate["left"] > 0 or loop.restored_busy < 6) and time.monotonic() < deadline:  # (counted at launch)
+            time.sleep(0.005)
+        assert a in loop._restoring and loop.restored_busy == 6
+        third = ask(c, QUESTIONS[0], [IMAGES[1]])  # (joins beside B: A's place is taken back)
+        # (A left with its 6 rows; once C's answer ended it may be restoring again, the gate giving it no pieces)
+        assert first.restored_after_answer == 6 and a.pending == deferred - 6
+        assert loop.running == 1  # B still answers
+        gate["left"] = deferred  # A's restoration goes on beside B
+        deadline = time.monotonic() + 60
+        while first.restored_after_answer < deferred and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.pending == 0 and loop.restored_busy == deferred + c.turns[0].restored_after_answer
+        long.close()
+        assert max(sizes) == 2 and sizes.count(2) > 0
+        follows = {conv: ask(conv, QUESTIONS[1]) for conv in (a, c)}
+        for conv, image, turn in ((a, IMAGES[0], first), (c, IMAGES[1], third)):
+            want = alone(model, processor, late, conv.turns, QUESTIONS, [image])
+            assert torch.equal(turn.token_ids, want[0].token_ids)
+            assert torch.equal(follows[conv].token_ids, want[1].token_ids)
+            for x, y in zip(follows[conv].output.logits, want[1].output.logits):
+                assert (x - y).abs().max() <= TOL
+        for conv in (a, b, c):
+            conv.close()
+
+
 @pytest.mark.parametrize("how", ["conversation.cancel", "break", "close"])
 def test_a_cancelled_turn_on_the_loop_is_left_as_conversation_cancel_leaves_it(model, processor, how):
     """Stopped at its 5th token (the gate holds the loop's thread there until the cancel): the history keeps those

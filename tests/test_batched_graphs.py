@@ -1032,3 +1032,25 @@ def test_the_batched_pools_size_is_known_before_it_is_allocated(name, monkeypatc
     args = argparse.Namespace(warm_up=True, warm_up_tokens=4096, cache_dir=False, max_running=64)
     with pytest.raises(SystemExit, match=r"--max-running 64 .* --warm-up-tokens 4096: 66 sequences .* Lower"):
         run_warm_up(args, family_model(name), None, RaincheckConfig(), 256, batch=66)
+
+
+def test_restoring_places_are_those_the_device_holds():
+    """`batch_loop.restoring_places_that_fit`: `BatchLoop.MAX_RESTORING` places beside ``max_running`` answers when
+    the pool for both fits the free memory, else 0 (at 64 answers the 2 places would double the pool: a bucket of
+    128); `ServeSettings.batch_places` adds them to ``max_running`` and refuses a bad value by name."""
+    from raincheck_hf.batch_loop import BatchLoop, restoring_places_that_fit
+    from raincheck_hf.serve import ServeSettings
+
+    model = family_model("qwen3_vl")
+    adapter = get_adapter(model)
+    both = batched_graphs.pool_bytes(adapter, 64 + BatchLoop.MAX_RESTORING, 4096)["bytes"]
+    answers = batched_graphs.pool_bytes(adapter, 64, 4096)["bytes"]
+    assert both > 1.9 * answers
+    assert restoring_places_that_fit(model, 64, 4096, free_bytes=both) == BatchLoop.MAX_RESTORING
+    assert restoring_places_that_fit(model, 64, 4096, free_bytes=both - 1) == 0
+    assert restoring_places_that_fit(model, 62, 4096, free_bytes=answers) == BatchLoop.MAX_RESTORING  # (one bucket)
+    assert ServeSettings(max_running=64).batch_places == 64 + BatchLoop.MAX_RESTORING
+    assert ServeSettings(max_running=64, restoring_places=0).batch_places == 64
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"restoring_places must be an integer >= 0 .*got {bad!r}"):
+            ServeSettings(restoring_places=bad)

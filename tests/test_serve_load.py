@@ -144,7 +144,9 @@ def test_settings_reject_bad_load_values(field, value):
                                            ">= 1, got 0 (unset: as many as the step's token budget gives)"),
                                           (["--max-preparing", "0"], "--max-preparing must be an integer >= 1, got 0 "
                                            "(None, 'all' on the command line: every request's turn prepared at "
-                                           "once)")])
+                                           "once)"),
+                                          (["--restoring-places", "-1"], "--restoring-places must be an integer >= 0 "
+                                           "(or None: the default), got -1")])
 def test_cli_load_options_are_checked_and_named(argv, message):
     with pytest.raises(ValueError) as error:
         serve_settings(argv)
@@ -154,6 +156,7 @@ def test_cli_load_options_are_checked_and_named(argv, message):
     assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards, settings.max_preparing) == (
         2, 0, 2, 3)
     assert serve_settings([]).max_prompt_forwards is None
+    assert serve_settings([]).restoring_places is None and serve_settings(["--restoring-places", "0"]).batch_places == 4
     assert serve_settings([]).max_preparing == 1 and serve_settings(["--max-preparing", "all"]).max_preparing is None
     with pytest.raises(SystemExit):  # argparse's own error for a value that is neither
         serve_settings(["--max-preparing", "some"])
@@ -1016,9 +1019,16 @@ def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     monkeypatch.setattr(startup, "freeze_heap", lambda: 0)  # (nor its garbage collector)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
+    from raincheck_hf import batch_loop
+
+    fits = []  # (the places for restoring conversations: what the GPU holds, faked here)
+    monkeypatch.setattr(batch_loop, "restoring_places_that_fit", lambda *a: fits.append(a) or 0)
     assert cli.serve(parser.parse_args(["--warm-up-image-sizes", "1344x1024, 640X480", "--batching",
                                         "--device", "cpu"])) == 0
-    assert asked[-1]["image_sizes"] == [(1024, 1344), (480, 640)] and asked[-1]["batch"] is not None
+    assert asked[-1]["image_sizes"] == [(1024, 1344), (480, 640)] and asked[-1]["batch"] == 4  # (--max-running)
+    assert fits == [("model", 4, 4096)]
+    assert cli.serve(parser.parse_args(["--batching", "--restoring-places", "3", "--device", "cpu"])) == 0
+    assert asked[-1]["batch"] == 7 and len(fits) == 1  # (set: taken as given)
     assert cli.serve(parser.parse_args(["--device", "cpu"])) == 0
     assert asked[-1]["image_sizes"] == [] and asked[-1]["batch"] is None
     for bad in ("1344", "0x10", "axb"):

@@ -467,16 +467,21 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
         }
+        restoring = None  # (`ServeSettings.restoring_places`)
         if warmup and batching:  # as `serve --batching` does at start (before its port opens): no capture mid-round
-            from ..batch_loop import BatchLoop
+            from ..batch_loop import restoring_places_that_fit
             from ..warmup import DEFAULT_MAX_TOKENS, warm_up
 
+            # (as `serve` leaves --restoring-places unset: the places for held conversations restoring beside the
+            # answers that the GPU holds)
+            restoring = restoring_places_that_fit(model, running_places, DEFAULT_MAX_TOKENS)
+            result["settings"]["restoring_places"] = restoring
             result["batched_warm_up"] = {}
             for mode in modes:
                 # (with the clients' picture size, as `serve --warm-up-image-sizes` does: its tower graph captured
                 # now, not by a preparation in the first round)
                 summary = warm_up(model, processor, configs[mode], max_tokens=DEFAULT_MAX_TOKENS,
-                                  max_new_tokens=answer_tokens, batch=running_places + BatchLoop.MAX_RESTORING,
+                                  max_new_tokens=answer_tokens, batch=running_places + restoring,
                                   conversations=0, image_sizes=[(height, width)],
                                   cache_dir=False, progress=False)
                 result["batched_warm_up"][mode] = dict(captured=summary.batched, seconds=summary.batched_seconds)
@@ -484,7 +489,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     f"{summary.batched_seconds:.1f} s")
         name = "bench"
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
-                                                         max_queue=queue_places, batching=batching))
+                                                         max_queue=queue_places, batching=batching,
+                                                         restoring_places=restoring))
         server = app.state.server
         if freeze_heap:
             from ..startup import freeze_heap as freeze

@@ -73,6 +73,12 @@ class ServeSettings:
         prepare_priority: with ``batching`` on CUDA, the priority of the stream turns are prepared on
             (`BatchLoop.prepare_priority`): ``"normal"`` or ``"high"`` (a new turn's vision tower and selection go
             before the running answers' queued steps).
+        restoring_places: with ``batching``, places in a step beyond ``max_running`` for held conversations
+            restoring their deferred tokens beside the answers (`batch_places`; None: `BatchLoop.MAX_RESTORING`).
+            With 0 they restore only in places the answers leave free (a turn that needs the place takes it back)
+            and in idle time. `serve` warms the batched engine for `batch_places` sequences and, left unset, picks 0
+            where the engine's key / value pool for the 2 would not fit the GPU
+            (`batch_loop.restoring_places_that_fit`).
     """
 
     model_name: str = "qwen3_vl"
@@ -90,6 +96,15 @@ class ServeSettings:
     max_prompt_forwards: int | None = None
     max_preparing: int | None = 1
     prepare_priority: str = "normal"
+    restoring_places: int | None = None
+
+    @property
+    def batch_places(self) -> int:
+        """With ``batching``, the most sequences in one step: ``max_running`` answers and ``restoring_places`` held
+        conversations restoring beside them (the `BatchLoop.max_sequences` of the server's loop)."""
+        from ..batch_loop import BatchLoop
+
+        return self.max_running + (BatchLoop.MAX_RESTORING if self.restoring_places is None else self.restoring_places)
 
     def __post_init__(self):
         if not isinstance(self.batching, bool):
@@ -101,6 +116,11 @@ class ServeSettings:
                                                    "at once")):
             if not is_limit(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r} ({none_means})")
+        if self.restoring_places is not None and (isinstance(self.restoring_places, bool)
+                                                  or not isinstance(self.restoring_places, int)
+                                                  or self.restoring_places < 0):
+            raise ValueError(f"restoring_places must be an integer >= 0 (or None: the default), got "
+                             f"{self.restoring_places!r}")
         for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -300,7 +320,8 @@ class Server:
                                             on_handoff=self.handoff.flush, on_join=self.metrics.joined,
                                             max_prompt_forwards=settings.max_prompt_forwards,
                                             max_preparing=settings.max_preparing,
-                                            prepare_priority=settings.prepare_priority)
+                                            prepare_priority=settings.prepare_priority,
+                                            max_sequences=settings.batch_places)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

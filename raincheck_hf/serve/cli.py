@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="answer the running turns in one continuous-batching loop over the batched engine "
                            "(its decode steps captured on CUDA; --max-running is then the batch's most sequences); "
                            "default: a thread per turn on the batch-1 engine")
+    load.add_argument("--restoring-places", type=int, default=None,
+                      help="with --batching, places in a step beyond --max-running for held conversations restoring "
+                           "their deferred tokens beside the answers; the batched engine is warmed for both (default: "
+                           "2, or 0 where the engine's key / value storage for them would not fit the GPU's free "
+                           "memory; with 0 they restore in places the answers leave free, and in idle time)")
     load.add_argument("--max-batch-tokens", type=int, default=2048,
                       help="with --batching, rows per step: decode rows first, then prompt pieces, so a long prompt "
                            "is prefilled over several steps (default %(default)s)")
@@ -155,6 +160,7 @@ def settings_from(args):
             max_prompt_forwards=args.max_prompt_forwards,
             max_preparing=args.max_preparing,
             prepare_priority=args.prepare_priority,
+            restoring_places=args.restoring_places,
         )
     except ValueError as error:
         message = str(error)
@@ -162,6 +168,27 @@ def settings_from(args):
             if message.startswith(field_name + " "):
                 message = option + message[len(field_name):]
         raise ValueError(message) from None
+
+
+def with_restoring_places(args, model, settings):
+    """``settings`` with ``restoring_places`` set for a batching server whose warm-up sizes its engine
+    (``--batching`` without ``--restoring-places``): `BatchLoop.MAX_RESTORING` when the batched pool for
+    ``--max-running`` answers and them fits the GPU's free memory, else 0, said on stderr."""
+    if not (settings.batching and settings.restoring_places is None and args.warm_up):
+        return settings
+    from dataclasses import replace
+
+    from ..batch_loop import BatchLoop, restoring_places_that_fit
+    from ..startup import warm_up_max_tokens
+
+    max_tokens = warm_up_max_tokens(args, settings.max_tokens)
+    places = restoring_places_that_fit(model, settings.max_running, max_tokens)
+    if places < BatchLoop.MAX_RESTORING:
+        print(f"[raincheck] --max-running {settings.max_running} with {BatchLoop.MAX_RESTORING} places for held "
+              f"conversations restoring beside the answers would not fit the GPU's free memory at "
+              f"--warm-up-tokens {max_tokens}: they restore in places the answers leave free "
+              f"(--restoring-places {places})", file=sys.stderr)
+    return replace(settings, restoring_places=places)
 
 
 def _image_sizes(text: str) -> tuple[tuple[int, int], ...]:
@@ -192,6 +219,7 @@ def _count_or_all(text: str):
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
             "max_batch_tokens": "--max-batch-tokens", "max_prompt_forwards": "--max-prompt-forwards",
             "max_preparing": "--max-preparing", "prepare_priority": "--prepare-priority",
+            "restoring_places": "--restoring-places",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",
@@ -239,12 +267,11 @@ def serve(args) -> int:
     model, processor, _, _ = load_or_exit(args.model, device)
     note_fallbacks(model)
     # before the port opens; with --batching the batched decode steps of up to --max-running answers and the held
-    # conversations restoring beside them (`BatchLoop.MAX_RESTORING`)
-    from ..batch_loop import BatchLoop
-
+    # conversations restoring beside them (--restoring-places, unset: as many as fit)
+    settings = with_restoring_places(args, model, settings)
     run_warm_up(args, model, processor, settings.config, settings.max_tokens,
                 image_sizes=[(height, width) for width, height in args.warm_up_image_sizes],
-                batch=settings.max_running + BatchLoop.MAX_RESTORING if settings.batching else None)
+                batch=settings.batch_places if settings.batching else None)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
