@@ -156,6 +156,13 @@ def test_cli_load_options_are_checked_and_named(argv, message):
     assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards, settings.max_preparing) == (
         2, 0, 2, 3)
     assert serve_settings([]).max_prompt_forwards is None
+    assert serve_settings([]).max_cache_bytes is None and serve_settings(["--max-cache-gb", "none"]).max_cache_bytes is None
+    assert serve_settings(["--max-cache-gb", "1.5"]).max_cache_bytes == 3 << 29
+    for bad in ("-1", "inf"):
+        with pytest.raises(ValueError, match=rf"--max-cache-gb must be >= 0, 'auto' or 'none', got {bad}"):
+            serve_settings(["--max-cache-gb", bad])
+    with pytest.raises(SystemExit):
+        serve_settings(["--max-cache-gb", "lots"])
     assert serve_settings([]).restoring_places is None and serve_settings(["--restoring-places", "0"]).batch_places == 4
     assert serve_settings([]).max_preparing == 1 and serve_settings(["--max-preparing", "all"]).max_preparing is None
     with pytest.raises(SystemExit):  # argparse's own error for a value that is neither
@@ -999,8 +1006,9 @@ def test_serve_load_traces_a_round_of_its_own_with_the_preparations_marked(tmp_p
 
 def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     """``serve --warm-up-image-sizes 1344x1024,640x480``: the warm-up is asked for those sizes as (height, width) (the
-    tower's graph of each captured before the port opens), with the batched steps under ``--batching``; none by
-    default; a malformed size is argparse's error."""
+    tower's graph of each captured before the port opens), with the batched steps under ``--batching`` (for
+    ``--max-running`` and the restoring places that fit, or ``--restoring-places``); none by default; a malformed
+    size is argparse's error. The held caches' budget (``--max-cache-gb auto``) is taken after the warm-up."""
     import argparse
 
     import uvicorn
@@ -1014,7 +1022,8 @@ def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     monkeypatch.setattr(loading, "load_or_exit", lambda name, device: ("model", "processor", None, None))
     monkeypatch.setattr(loading, "note_fallbacks", lambda model: None)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
-    monkeypatch.setattr("raincheck_hf.serve.app.create_app", lambda *a, **k: "app")
+    made = []  # (the settings the app is made with)
+    monkeypatch.setattr("raincheck_hf.serve.app.create_app", lambda model, processor, settings: made.append(settings))
     monkeypatch.setattr(cli, "_log_requests", lambda level: None)  # (nothing of the test process's logging changed)
     monkeypatch.setattr(startup, "freeze_heap", lambda: 0)  # (nor its garbage collector)
     parser = argparse.ArgumentParser()
@@ -1029,8 +1038,35 @@ def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     assert fits == [("model", 4, 4096)]
     assert cli.serve(parser.parse_args(["--batching", "--restoring-places", "3", "--device", "cpu"])) == 0
     assert asked[-1]["batch"] == 7 and len(fits) == 1  # (set: taken as given)
+    assert made[-1].restoring_places == 3 and made[-1].max_cache_bytes is None  # ('auto' off a GPU: unbounded)
+    monkeypatch.setattr(startup, "auto_cache_budget", lambda device: 5 << 30)  # (as on a GPU with 5 GiB left)
+    assert cli.serve(parser.parse_args(["--device", "cpu"])) == 0
+    assert made[-1].max_cache_bytes == 5 << 30
+    assert cli.serve(parser.parse_args(["--device", "cpu", "--max-cache-gb", "2"])) == 0
+    assert made[-1].max_cache_bytes == 2 << 30
     assert cli.serve(parser.parse_args(["--device", "cpu"])) == 0
     assert asked[-1]["image_sizes"] == [] and asked[-1]["batch"] is None
     for bad in ("1344", "0x10", "axb"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--warm-up-image-sizes", bad])
+
+
+def test_the_held_caches_automatic_budget(monkeypatch):
+    """``--max-cache-gb auto``: on CUDA the free memory and what the allocator holds unused, less a reserve of 10% of
+    the device (at least 4 GiB), never below 0; off CUDA unbounded (None)."""
+    import torch
+
+    from raincheck_hf import startup
+
+    assert startup.auto_cache_budget("cpu") is None
+    gib = 1 << 30
+    state = {"free": 20 * gib, "total": 80 * gib}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], state["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    assert startup.auto_cache_budget("cuda") == 20 * gib + 2 * gib - 8 * gib
+    state["total"] = 16 * gib  # (the reserve's floor: 4 GiB)
+    assert startup.auto_cache_budget("cuda:0") == 22 * gib - 4 * gib
+    state["free"] = 0
+    assert startup.auto_cache_budget("cuda") == 0

@@ -488,9 +488,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 log(f"[serve-load] batched warm-up ({mode}): {summary.batched} batched steps captured in "
                     f"{summary.batched_seconds:.1f} s")
         name = "bench"
+        from ..startup import auto_cache_budget
+
+        # the held conversations' budget `serve` takes by default (--max-cache-gb auto), after the warm-up: the
+        # rounds' conversations stay held, and unbounded they filled an 80 GB GPU by 32 clients
+        budget = auto_cache_budget(device)
+        result["settings"]["max_cache_bytes"] = budget
         app = create_app(model, processor, ServeSettings(model_name=name, max_running=running_places,
                                                          max_queue=queue_places, batching=batching,
-                                                         restoring_places=restoring))
+                                                         restoring_places=restoring, max_cache_bytes=budget))
         server = app.state.server
         if freeze_heap:
             from ..startup import freeze_heap as freeze

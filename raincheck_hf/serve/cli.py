@@ -29,9 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network: set --api-key)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
-    parser.add_argument("--max-cache-gb", type=float, default=None,
-                        help="memory budget of the held conversations' caches; least recently used evicted first "
-                             "(default: unbounded)")
+    parser.add_argument("--max-cache-gb", type=_gb_or_auto, default="auto",
+                        help="memory budget of the held conversations' caches, least recently used evicted first; "
+                             "'auto' (the default): on a GPU, its memory left after the warm-up less a reserve of "
+                             "10%% of it (at least 4 GiB) for the answers' own work, said at start; unbounded "
+                             "elsewhere; 'none': unbounded")
     parser.add_argument("--media-root", default=None,
                         help="allow file:// image / video URLs under this folder (default: file URLs refused)")
     parser.add_argument("--max-tokens", type=int, default=256, help="answer length when a request sets none")
@@ -135,8 +137,9 @@ def settings_from(args):
     check_warm_up_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
-    if args.max_cache_gb is not None and args.max_cache_gb < 0:  # in GB here, in bytes for ServeSettings
-        raise ValueError(f"--max-cache-gb must be >= 0, got {args.max_cache_gb}")
+    gb = args.max_cache_gb if isinstance(args.max_cache_gb, (int, float)) else None  # (else 'auto' or None)
+    if gb is not None and not (math.isfinite(gb) and gb >= 0):  # in GB here, in bytes for ServeSettings
+        raise ValueError(f"--max-cache-gb must be >= 0, 'auto' or 'none', got {args.max_cache_gb}")
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):  # in MiB here, in bytes for Limits
         raise ValueError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
     try:  # ServeSettings and Limits check their fields; the message names the option that set one
@@ -148,7 +151,8 @@ def settings_from(args):
         return ServeSettings(
             model_name=args.served_model_name or args.model or "qwen3_vl",
             config=config,
-            max_cache_bytes=None if args.max_cache_gb is None else int(args.max_cache_gb * 2**30),
+            # ('auto': set after the warm-up, `with_cache_budget`)
+            max_cache_bytes=None if gb is None else int(gb * 2**30),
             api_key=args.api_key,
             media_root=media_root_from(args.media_root),
             max_tokens=args.max_tokens,
@@ -189,6 +193,38 @@ def with_restoring_places(args, model, settings):
               f"--warm-up-tokens {max_tokens}: they restore in places the answers leave free "
               f"(--restoring-places {places})", file=sys.stderr)
     return replace(settings, restoring_places=places)
+
+
+def _gb_or_auto(text: str):
+    """``--max-cache-gb``: a number of GiB, ``auto`` or ``none`` (None: unbounded)."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', got {text!r}") from None
+
+
+def with_cache_budget(args, device, settings):
+    """``settings`` with the held caches' budget of ``--max-cache-gb auto`` (`startup.auto_cache_budget`, taken
+    after the warm-up), said on stderr; as they are for a number or ``none``."""
+    if args.max_cache_gb != "auto":
+        return settings
+    from dataclasses import replace
+
+    from ..startup import auto_cache_budget
+
+    budget = auto_cache_budget(device)
+    if budget == 0:
+        print("[raincheck] --max-cache-gb auto: no GPU memory is left after the warm-up for held conversations, and "
+              "a prompt must fit the held caches' budget: every request would be refused. Lower --max-running or "
+              "--warm-up-tokens, or give --max-cache-gb.", file=sys.stderr)
+    elif budget is not None:
+        print(f"[raincheck] held conversations' caches: up to {budget / 2**30:.1f} GiB (--max-cache-gb auto: the "
+              f"GPU's memory left after the warm-up, less a reserve for the answers; least recently used evicted "
+              f"first)", file=sys.stderr)
+    return replace(settings, max_cache_bytes=budget)
 
 
 def _image_sizes(text: str) -> tuple[tuple[int, int], ...]:
@@ -272,6 +308,7 @@ def serve(args) -> int:
     run_warm_up(args, model, processor, settings.config, settings.max_tokens,
                 image_sizes=[(height, width) for width, height in args.warm_up_image_sizes],
                 batch=settings.batch_places if settings.batching else None)
+    settings = with_cache_budget(args, device, settings)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
