@@ -179,3 +179,21 @@ def count_compiled_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(compiled_module, "compiled", counting)
     return calls
+
+
+def gate_restoring_pieces(monkeypatch, steps: int) -> dict:
+    """Restoring sequences get pieces (`batch_engine.RowScheduler.restoring_pieces`) in only ``steps`` more steps;
+    the returned dict's ``"left"`` counts them down, and a test opens the gate again by raising it."""
+    from raincheck_hf.batch_engine import RowScheduler
+
+    pieces, gate = RowScheduler.restoring_pieces, {"left": steps}
+
+    def gated(self, adapter, sequences, left):
+        if gate["left"] <= 0:
+            return []
+        taken = pieces(self, adapter, sequences, left)
+        gate["left"] -= bool(taken)
+        return taken
+
+    monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
+    return gate

@@ -21,7 +21,7 @@ import raincheck_hf
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
 from raincheck_hf.tiny import draw_test_image
 
-from conftest import in_threads, no_placeholder_ids
+from conftest import gate_restoring_pieces, in_threads, no_placeholder_ids
 from test_batched import assert_trace_equal
 from test_conversation import _assert_every_deferred_token_once, _cancel_turn
 
@@ -415,23 +415,30 @@ def test_the_loop_restores_held_conversations_in_idle_time(model, processor):
         _assert_every_deferred_token_once(conv)
 
 
+def _first_turn_beside_a_long_answer(model, processor, config, loop):
+    """Three conversations on ``loop``: A's first turn (6 tokens, on ``IMAGES[0]``) and B's 400-token streamed answer
+    join in one step; C waits. Returns ``((a, b, c), B's stream, A's first turn)`` once A's answer ended (B still
+    answering)."""
+    a = Conversation(model, processor, config, max_new_tokens=6, loop=loop)
+    b = Conversation(model, processor, config, background=False, max_new_tokens=400, loop=loop)
+    c = Conversation(model, processor, config, background=False, max_new_tokens=6, loop=loop)
+    box = {}
+    with held_loop(loop, 2):
+        long = b.ask("Tell me everything.", stream=True, suppress_tokens=no_placeholder_ids(model),
+                     min_new_tokens=400)
+        asking = threading.Thread(target=lambda: box.setdefault("first", ask(a, QUESTIONS[0], [IMAGES[0]])))
+        asking.start()
+    asking.join()
+    return (a, b, c), long, box["first"]
+
+
 def test_a_held_conversation_restores_beside_another_answer_and_complete_goes_through_the_loop(model, processor):
     """A's first turn and B's long answer join together; once A's answer ends, the loop restores A's leftovers in
     the spare budget of B's steps (B still answering, so never in idle time); A's follow-up then equals its dialogue
     alone. `complete` on C runs on the loop's thread and restores all of C's leftovers."""
     late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # answers end before any chunk
     with BatchLoop(model, max_batch_tokens=64) as loop:
-        a = Conversation(model, processor, late, max_new_tokens=6, loop=loop)
-        b = Conversation(model, processor, late, background=False, max_new_tokens=400, loop=loop)
-        c = Conversation(model, processor, late, background=False, max_new_tokens=6, loop=loop)
-        box = {}
-        with held_loop(loop, 2):
-            long = b.ask("Tell me everything.", stream=True, suppress_tokens=no_placeholder_ids(model),
-                         min_new_tokens=400)
-            asking = threading.Thread(target=lambda: box.setdefault("first", ask(a, QUESTIONS[0], [IMAGES[0]])))
-            asking.start()
-        asking.join()
-        first = box["first"]
+        (a, b, c), long, first = _first_turn_beside_a_long_answer(model, processor, late, loop)
         deferred = first.trace.deferred.numel()
         assert deferred > 0 and first.restored_during_answer == 0
         deadline = time.monotonic() + 60
@@ -460,7 +467,7 @@ def test_restoring_beside_the_answers_keeps_to_max_sequences(model, processor, m
     then A's leftovers restore beside it (2 sequences; held after two pieces). C's turn then needs A's place: A leaves
     with the 6 rows restored so far, C answers beside B, and once C's answer ends A restores the rest beside B. No
     step carries more than 2 sequences; A's and C's follow-ups equal their dialogues alone."""
-    from raincheck_hf.batch_engine import BatchEngine, RowScheduler
+    from raincheck_hf.batch_engine import BatchEngine
 
     sizes, step = [], BatchEngine.step
 
@@ -468,32 +475,13 @@ def test_restoring_beside_the_answers_keeps_to_max_sequences(model, processor, m
         sizes.append(len(self.sequences))
         return step(self, *args, **kwargs)
 
-    pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
-
-    def gated(self, adapter, sequences, left):  # two pieces, then none until the gate opens again
-        if gate["left"] <= 0:
-            return []
-        taken = pieces(self, adapter, sequences, left)
-        gate["left"] -= bool(taken)
-        return taken
-
     monkeypatch.setattr(BatchEngine, "step", counted)
-    monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
+    gate = gate_restoring_pieces(monkeypatch, 2)  # two pieces, then none until the gate opens again
     late = RaincheckConfig(retention=0.25, chunk_size=3, decode_guard=16)  # (pieces of 3 rows: the idle chunk)
     with pytest.raises(ValueError, match="max_sequences=0"):
         BatchLoop(model, max_sequences=0)
     with BatchLoop(model, max_batch_tokens=64, max_sequences=2) as loop:
-        a = Conversation(model, processor, late, max_new_tokens=6, loop=loop)
-        b = Conversation(model, processor, late, background=False, max_new_tokens=400, loop=loop)
-        c = Conversation(model, processor, late, background=False, max_new_tokens=6, loop=loop)
-        box = {}
-        with held_loop(loop, 2):
-            long = b.ask("Tell me everything.", stream=True, suppress_tokens=no_placeholder_ids(model),
-                         min_new_tokens=400)
-            asking = threading.Thread(target=lambda: box.setdefault("first", ask(a, QUESTIONS[0], [IMAGES[0]])))
-            asking.start()
-        asking.join()
-        first = box["first"]
+        (a, b, c), long, first = _first_turn_beside_a_long_answer(model, processor, late, loop)
         deferred = first.trace.deferred.numel()
         assert deferred > 6
         deadline = time.monotonic() + 60

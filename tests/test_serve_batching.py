@@ -16,7 +16,7 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import in_threads, serve_settings  # noqa: E402
+from conftest import gate_restoring_pieces, in_threads, serve_settings  # noqa: E402
 from test_serve_load import (LONG, data_url, first_message, dialogues, metric, reference, soak,  # noqa: E402,F401
                              wait_for)
 
@@ -392,18 +392,7 @@ def test_a_follow_up_takes_its_conversation_back_from_restoration(glyph, dialogu
     restoration is held back, and its follow-up arrives: the loop takes its cache back with those 4 rows restored
     before the turn joins, the turn prefills the rest ahead of its question, and answers as its conversation
     alone does."""
-    from raincheck_hf.batch_engine import RowScheduler
-
-    pieces, gate = RowScheduler.restoring_pieces, {"left": 2}
-
-    def gated(self, adapter, sequences, left):  # only the first two steps' pieces
-        if gate["left"] <= 0:
-            return []
-        taken = pieces(self, adapter, sequences, left)
-        gate["left"] -= bool(taken)
-        return taken
-
-    monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
+    gate = gate_restoring_pieces(monkeypatch, 2)  # only the first two steps' pieces
     seen = watch_steps(monkeypatch)
     settings = {**GUARD16, "chunk_size": 2}
     with busy_batching_server(glyph, dialogues[0], max_running=2) as (base, server, a):
