@@ -1400,7 +1400,18 @@ class BatchLoop:
         step prepared again without them (their removal dropped the one prepared with their tokens fed), unless no
         answer is left in it."""
         ended = [seq for seq, _, _, going in order if not going]
-        removed = dict(zip(ended, engine.remove_many(ended)))
+        try:
+            caches = engine.remove_many(ended)
+        except torch.OutOfMemoryError:
+            # (their caches are copied out of the pool first, before anything of the engine changes: once memory is
+            # made, by evicting held conversations, the copies are tried once more; else the error goes on)
+            rows = sum(engine.pool.lengths[seq.slot] for seq in ended if seq.slot is not None)
+            if not self._relieve_memory(rows):
+                raise
+            self._logger.warning("no device memory for the caches of %d answers that ended; held conversations were "
+                                 "evicted to make room", len(ended))
+            caches = engine.remove_many(ended)
+        removed = dict(zip(ended, caches))
         if engine.idle:  # (no answer left to step: nothing to launch ahead)
             return removed
         try:
@@ -1408,6 +1419,12 @@ class BatchLoop:
         except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
         return removed
+
+    def _relieve_memory(self, rows: int) -> bool:
+        """Make device memory for ``rows`` more rows of cache (answers that ended, whose caches are copied out of the
+        pool): whether any was made. The loop holds nothing it may drop (its conversations' caches are theirs); the
+        server's scheduler evicts held conversations (`serve.scheduler.BatchScheduler._relieve_memory`)."""
+        return False
 
     def _launch_ahead(self, engine: BatchEngine, gone=()) -> None:
         """Launch ``engine``'s next step now, before this step's tokens are streamed (the turns that ended in it out of

@@ -554,3 +554,50 @@ def test_stop_strings_are_checked_on_the_host_after_the_read(batching_server, di
     streamed, _, _, finish = ask(openai_client, messages, stream=True, stop=[" " + words[2]])
     assert streamed == cut and finish == "stop"
     assert device_calls == []
+
+
+def test_no_memory_for_an_ended_answers_cache_evicts_held_conversations(batching_server, glyph, dialogues,
+                                                                         monkeypatch):
+    """The device has no memory for the cache of an answer that ended (copied out of the batched pool): the loop
+    asks the store to evict the least recently used idle conversations holding at least its rows' bytes, copies it
+    again, and the answer comes back whole and equal to its conversation alone; the evicted conversation's
+    follow-up then prefills its dialogue again and is still right. With nothing to evict, the error ends the turn
+    as before."""
+    import torch
+
+    from raincheck_hf.batch_engine import BatchEngine
+
+    base, server = batching_server
+    held = [ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (0, 1)]
+    ids = [r.model_extra["raincheck"]["conversation_id"] for r in held]
+    before = server.store.evictions
+    remove_many, failures = BatchEngine.remove_many, {"left": 1}
+
+    def short_of_memory(self, seqs):
+        if failures["left"] > 0 and seqs:
+            failures["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return remove_many(self, seqs)
+
+    monkeypatch.setattr(BatchEngine, "remove_many", short_of_memory)
+    asked = []
+    evict_bytes = server.store.evict_bytes
+    monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))
+    d = dialogues[2]
+    third = ask_turns(base, d, 1, [], GUARD16)
+    assert failures["left"] == 0 and len(asked) == 1 and asked[0] > 0
+    assert server.store.evictions == before + 1 and server.store.get(ids[0]) is None  # (the least recently used)
+    assert server.store.get(ids[1]) is not None
+    assert [third.choices[0].message.content] == reference(glyph, d.image(), [d.turns[0].question], decode_guard=16)
+    d0 = dialogues[0]
+    follow = ask_turns(base, d0, 2, [held[0].choices[0].message.content], GUARD16)
+    assert not follow.model_extra["raincheck"]["reused"]  # (its conversation was evicted: prefilled again)
+    assert [held[0].choices[0].message.content, follow.choices[0].message.content] == reference(
+        glyph, d0.image(), [t.question for t in d0.turns[:2]], decode_guard=16)
+    monkeypatch.setattr(server.store, "evict_bytes", lambda need: 0)  # nothing left to evict: the turn fails
+    failures["left"] = 1
+    with pytest.raises(openai.InternalServerError):
+        ask_turns(base, dialogues[3], 1, [], GUARD16)
+    ok = ask_turns(base, dialogues[3], 1, [], GUARD16)  # (and the next is served)
+    assert [ok.choices[0].message.content] == reference(glyph, dialogues[3].image(), [dialogues[3].turns[0].question],
+                                                        decode_guard=16)

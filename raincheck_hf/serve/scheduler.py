@@ -87,6 +87,13 @@ class BatchScheduler(BatchLoop):
         """The store still holds ``conv`` (it was not evicted or dropped)."""
         return self.store.get(conv.id) is conv
 
+    def _relieve_memory(self, rows: int) -> bool:
+        """The least recently used idle held conversations are evicted (`ConversationStore.evict_bytes`) until
+        their caches' bytes reach ``rows`` rows' keys and values (`app.kv_bytes_per_token`): whether any was."""
+        from .app import kv_bytes_per_token
+
+        return self.store.evict_bytes(max(1, rows * kv_bytes_per_token(self.model))) > 0
+
     def _restore_failed(self, conv, error: BaseException) -> None:
         logger.error("idle-time restoration of %s failed; the conversation is dropped", conv.id, exc_info=error)
         self.store.discard(conv)

@@ -173,22 +173,33 @@ class ConversationStore:
         """Close least recently used idle conversations until the held caches fit ``max_bytes``."""
         if self.max_bytes is None:
             return 0
+        return len(self._evict_until(lambda total, freed: total <= self.max_bytes))
+
+    def evict_bytes(self, need: int) -> int:
+        """Close least recently used idle conversations until their caches held at least ``need`` bytes (or none is
+        left): the device had no memory for an answer's cache (the batching loop, `BatchLoop._relieve_memory`).
+        Returns the bytes their caches held."""
+        return sum(nbytes for _, nbytes in self._evict_until(lambda total, freed: freed >= need))
+
+    def _evict_until(self, enough) -> list:
+        """Close least recently used idle conversations until ``enough(held bytes, bytes evicted)``: ``[(conversation,
+        its bytes)]`` of those closed."""
         evicted = []
         with self._lock:
             for entry in self._entries.values():
                 if not entry.busy:
                     entry.nbytes = entry.conversation.nbytes()  # idle-time restoration moves rows into the KV
-            total = sum(e.nbytes for e in self._entries.values())
+            total, freed = sum(e.nbytes for e in self._entries.values()), 0
             for entry in sorted((e for e in self._entries.values() if not e.busy), key=lambda e: e.last_used):
-                if total <= self.max_bytes:
+                if enough(total, freed):
                     break
-                total -= entry.nbytes
+                total, freed = total - entry.nbytes, freed + entry.nbytes
                 del self._entries[entry.conversation.id]
-                evicted.append(entry.conversation)
+                evicted.append((entry.conversation, entry.nbytes))
             self.evictions += len(evicted)
-        for conv in evicted:
+        for conv, _ in evicted:
             self._close(conv)
-        return len(evicted)
+        return evicted
 
     def _close(self, conv: ServedConversation) -> None:
         conv.close()
