@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..batch_loop import BatchLoop, BatchTurn
 from .errors import APIError
+from .store import kv_bytes_per_token
 
 logger = logging.getLogger("raincheck_hf.serve")
 
@@ -89,9 +90,7 @@ class BatchScheduler(BatchLoop):
 
     def _relieve_memory(self, rows: int) -> bool:
         """The least recently used idle held conversations are evicted (`ConversationStore.evict_bytes`) until
-        their caches' bytes reach ``rows`` rows' keys and values (`app.kv_bytes_per_token`): whether any was."""
-        from .app import kv_bytes_per_token
-
+        their caches' bytes reach ``rows`` rows' keys and values (`store.kv_bytes_per_token`): whether any was."""
         return self.store.evict_bytes(max(1, rows * kv_bytes_per_token(self.model))) > 0
 
     def _restore_failed(self, conv, error: BaseException) -> None:
