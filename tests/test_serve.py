@@ -329,6 +329,8 @@ def test_eviction_under_a_tiny_budget(client, served, glyph, dialogues):
         a2, usage, rc2, _ = ask(client, history, extra_body=full)
         assert usage.prompt_tokens_details.cached_tokens == 0 and not rc2["reused"]  # rebuilt from the messages
         assert store.snapshot()["conversations"] == 0 and store.evictions == after_first + 1
+        budget = httpx.get(served[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        assert "raincheck_cache_budget_bytes 1.0" in budget
     finally:
         store.max_bytes = None
     # in full mode, one prefill of the whole history answers as the continued cache does
@@ -338,6 +340,7 @@ def test_eviction_under_a_tiny_budget(client, served, glyph, dialogues):
                 for i, q in enumerate(questions)] == [a1, a2]
     text = httpx.get(served[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert f"raincheck_evictions_total {store.evictions}" in text
+    assert "raincheck_cache_budget_bytes" not in text  # (unbounded again)
 
 
 def test_cli_rejects_bad_settings_before_loading():

@@ -35,6 +35,10 @@ class _HeldConversations:
         yield held
         yield GaugeMetricFamily("raincheck_cache_bytes", "Bytes of the held conversations' caches.",
                                 value=store["cache_bytes"])
+        if store["max_bytes"] is not None:  # (none: unbounded)
+            yield GaugeMetricFamily("raincheck_cache_budget_bytes", "Budget of the held conversations' caches "
+                                    "(--max-cache-gb; auto: what the GPU had left after the warm-up, less a "
+                                    "reserve).", value=store["max_bytes"])
         yield GaugeMetricFamily("raincheck_pending_tokens", "Deferred tokens not yet restored, all held conversations.",
                                 value=store["pending"])
 

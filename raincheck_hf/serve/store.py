@@ -242,6 +242,7 @@ class ConversationStore:
             "pending": sum(e.conversation.pending for e in entries),
             "restored_after_answer": gone + sum(t.restored_after_answer for e in entries for t in e.conversation.turns),
             "evictions": self.evictions,
+            "max_bytes": self.max_bytes,
         }
 
     def ids(self) -> list[str]:
