@@ -156,7 +156,8 @@ def test_cli_load_options_are_checked_and_named(argv, message):
     assert (settings.max_running, settings.max_queue, settings.max_prompt_forwards, settings.max_preparing) == (
         2, 0, 2, 3)
     assert serve_settings([]).max_prompt_forwards is None
-    assert serve_settings([]).max_cache_bytes is None and serve_settings(["--max-cache-gb", "none"]).max_cache_bytes is None
+    assert serve_settings([]).max_cache_bytes is None
+    assert serve_settings(["--max-cache-gb", "none"]).max_cache_bytes is None
     assert serve_settings(["--max-cache-gb", "1.5"]).max_cache_bytes == 3 << 29
     for bad in ("-1", "inf"):
         with pytest.raises(ValueError, match=rf"--max-cache-gb must be >= 0, 'auto' or 'none', got {bad}"):

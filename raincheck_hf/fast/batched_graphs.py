@@ -952,17 +952,13 @@ def pool_bytes(adapter, num_sequences: int, max_tokens: int) -> dict:
     the device (`acquire`'s pool: ``batch_bucket(num_sequences)`` places and the scratch slot, each of ``max_tokens``
     rows as the pool rounds them, a key and a value tensor in every attention layer; Gated DeltaNet layers hold none):
     ``{"bytes", "places", "rows", "layers", "kv_heads", "head_dim", "dtype"}``."""
-    from ..kv_pool import MIN_CAPACITY, ROW_ROUNDING, _round_up
+    from ..kv_pool import MIN_CAPACITY, ROW_ROUNDING, _round_up, attention_kv_shape
 
-    config = adapter.text_model.config
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    layers = sum(1 for kind in kinds if kind == "full_attention")
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    layers, kv_heads, head_dim = attention_kv_shape(adapter.text_model.config)
     places = batch_bucket(num_sequences) + 1  # (the scratch slot)
     rows = _round_up(max(int(max_tokens), MIN_CAPACITY), ROW_ROUNDING)
-    return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * adapter.dtype.itemsize, "places": places, "rows": rows,
-            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+    return {"bytes": 2 * layers * places * kv_heads * rows * head_dim * adapter.dtype.itemsize, "places": places,
+            "rows": rows, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
             "dtype": str(adapter.dtype).replace("torch.", "")}
 
 
@@ -971,11 +967,11 @@ class PoolTooLarge(ValueError):
 
 
 def check_pool_fits(adapter, num_sequences: int, max_tokens: int, free_bytes: int | None = None) -> None:
-    """`PoolTooLarge` (a ValueError), before anything is allocated, when the batched pool for ``num_sequences`` sequences of ``max_tokens``
-    rows (`pool_bytes`) would not fit the device's free memory (``free_bytes``; None: what CUDA reports free on the
-    model's device, nothing checked elsewhere), less what this model's kept pools hold already (a larger one is grown,
-    not added to). Without it a server started for more sequences than its GPU holds ran out of memory in its warm-up
-    and then in every request's first step."""
+    """`PoolTooLarge` (a ValueError), before anything is allocated, when the batched pool for ``num_sequences``
+    sequences of ``max_tokens`` rows (`pool_bytes`) would not fit the device's free memory (``free_bytes``; None:
+    what CUDA reports free on the model's device, nothing checked elsewhere), less what this model's kept pools hold
+    already (a larger one is grown, not added to). Without it a server started for more sequences than its GPU holds
+    ran out of memory in its warm-up and then in every request's first step."""
     if free_bytes is None:
         if adapter.device.type != "cuda" or not torch.cuda.is_available():
             return

@@ -21,23 +21,18 @@ import torch
 
 from ..configuration import RaincheckConfig
 from ..conversation import Conversation, TurnResult, _CancelRequest
+from ..kv_pool import attention_kv_shape
 
 
 def kv_bytes_per_token(model) -> int:
     """Bytes one token's keys and values take in the attention layers (an estimate of the cache's growth per
     token: Gated DeltaNet layers keep a fixed-size state instead; the deferred rows' bookkeeping is extra)."""
-    text = model.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None)
-    layers = (sum(t == "full_attention" for t in layer_types) if layer_types
-              else int(getattr(text, "num_hidden_layers", 0) or 0))
-    heads = int(getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0)
-    head_dim = getattr(text, "head_dim", None) or (
-        int(text.hidden_size) // int(text.num_attention_heads) if getattr(text, "num_attention_heads", 0) else 0)
+    layers, heads, head_dim = attention_kv_shape(model.config.get_text_config())
     try:
         element = next(model.parameters()).element_size()
     except StopIteration:
         element = 2
-    return 2 * layers * heads * int(head_dim) * element
+    return 2 * layers * heads * head_dim * element
 
 
 class ServedConversation(Conversation):
