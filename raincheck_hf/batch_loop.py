@@ -814,8 +814,11 @@ class BatchLoop:
         """After an unexpected error in an iteration (`_loop`), so that no turn waits for a loop that stopped: every
         turn in the loop's engines and every one it was about to join ends with the error (its conversation stays as
         it was before the turn: the engines ran on copies of the held caches), the conversations restoring in the
-        engines keep their held caches as they were, a step launched ahead is dropped, and the engines are closed
-        (their pools given back; the next turns get new ones). Turns still queued and tasks stay queued."""
+        engines keep their held caches as they were, a step launched ahead is dropped, and the engines are closed.
+        Each engine's sequences are discarded first (their slots reset), so that its pool, with the steps captured
+        for it, goes back to the model for the next engine (`BatchEngine.close`): a warmed server's later answers
+        do not capture steps in their middle. An engine whose sequences cannot be discarded (say, the device is
+        lost) is dropped with its pool. Turns still queued and tasks stay queued."""
         self.failures += 1
         failure = RuntimeError(f"the batching loop failed while this turn was in it ({type(error).__name__}: "
                                f"{error}); its conversation stays as it was before the turn.")
@@ -830,6 +833,12 @@ class BatchLoop:
             self._end(job, error=failure)
         engines, self._engines = self._engines, []
         for engine in engines:
+            try:
+                for seq in list(engine.sequences):
+                    engine.discard(seq)
+            except Exception as failed:  # (close drops a pool that still has sequences in it)
+                self._logger.error("clearing a batch engine after a failure failed; its pool is dropped",
+                                   exc_info=failed)
             try:
                 engine.close()
             except Exception as failed:  # (its pool is dropped with it)

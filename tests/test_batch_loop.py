@@ -1097,10 +1097,19 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
     """An error the loop does not expect (here the engine's `remove_many` raising once, as a bug or a device error
     would) used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
     loop's engines end with the error (their conversations as they were before the turn), and the loop goes on with
-    new engines: the same conversation's next ask, and a held conversation's follow-up, equal their dialogues alone."""
+    new engines: the same conversation's next ask, and a held conversation's follow-up, equal their dialogues alone.
+    The failed engine is closed empty (its sequences discarded), so that its pool and captured steps go back to the
+    model for the next engine rather than being dropped with it."""
     from raincheck_hf.batch_engine import BatchEngine
 
     remove, broken = BatchEngine.remove_many, []
+    close, closed_with = BatchEngine.close, []
+
+    def recording_close(self):
+        closed_with.append(len(self.sequences))
+        close(self)
+
+    monkeypatch.setattr(BatchEngine, "close", recording_close)
 
     def failing_once(self, seqs):
         if not broken:
@@ -1128,6 +1137,7 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
         assert not asker.is_alive(), "the turn never ended: the loop stopped"
         assert "batching loop failed while this turn was in it" in str(outcome.get("error"))
         assert broken and loop.failures == 1 and "remove broke" in caplog.text
+        assert closed_with == [0], closed_with  # the failed engine closed with no sequence in it
         assert hit.turns == [] and hit.cache is None  # as before the turn
         thread = loop._thread
         ask(hit, QUESTIONS[0], [IMAGES[0]])

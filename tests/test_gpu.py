@@ -1707,6 +1707,67 @@ def test_cuda_batching_loop_waits_for_the_device_once_per_step_with_the_servers_
     batched_graphs.release_all()
 
 
+def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(monkeypatch):
+    """An unexpected error in the loop (here the engine's `remove_many` raising once, as when an ended answer's
+    cache finds no memory) ends the turns in its engines; the engine is then closed empty, so its pool and captured
+    steps go back to the model. A later conversation asking the same on the loop captures no step (the same
+    `BatchedStepGraphs`, its capture log unchanged) and answers as the first one did. Before, the pool was dropped
+    with the engine and every later answer of a warmed server captured steps in its middle."""
+    import threading
+
+    from raincheck_hf import BatchLoop, Conversation
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+    from test_batched import IMAGE
+
+    batched_graphs.release_all()
+    model, processor = _cuda_family_model("qwen3_vl"), family_processor("qwen3_vl")
+    cfg = RaincheckConfig(chunk_size=3, fast_path=True)
+    kw = dict(images=list(IMAGE["images"]), max_new_tokens=8, min_new_tokens=8,
+              suppress_tokens=no_placeholder_ids(model))
+    text_model = get_adapter(model).text_model
+
+    def step_graphs(loop):  # the loop's engines' pools and the model's kept ones
+        live = [e.graphs for e in loop._engines if e.graphs is not None]
+        return live + list(batched_graphs._POOLED.get(text_model, []))
+
+    remove, broken = BatchEngine.remove_many, []
+
+    def failing_once(self, seqs):
+        if not broken:
+            broken.append(len(seqs))
+            raise RuntimeError("remove broke")
+        return remove(self, seqs)
+
+    with BatchLoop(model, config=cfg) as loop:
+        with Conversation(model, processor, cfg, background=False, loop=loop) as first:
+            want = first.ask("Describe it.", **kw).token_ids
+        (graphs,) = step_graphs(loop)
+        captured = len(graphs.capture_log)
+        assert captured > 0
+        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+        outcome = {}
+
+        def failing_turn():
+            with Conversation(model, processor, cfg, background=False, loop=loop) as hit:
+                try:
+                    hit.ask("Describe it.", **kw)
+                except RuntimeError as error:
+                    outcome["error"] = error
+
+        asker = threading.Thread(target=failing_turn, daemon=True)
+        asker.start()
+        asker.join(timeout=300)
+        assert not asker.is_alive() and broken and loop.failures == 1
+        assert "batching loop failed" in str(outcome.get("error"))
+        assert step_graphs(loop) == [graphs]  # given back, not dropped
+        with Conversation(model, processor, cfg, background=False, loop=loop) as again:
+            got = again.ask("Describe it.", **kw).token_ids
+        assert step_graphs(loop) == [graphs] and len(graphs.capture_log) == captured
+    assert torch.equal(got, want), (got, want)
+    batched_graphs.release_all()
+
+
 @pytest.mark.parametrize("name,priority", [("qwen3_vl", "normal"), ("qwen3_vl", "high"), ("qwen3_5", "normal"),
                                            ("qwen3_5", "high")])
 def test_cuda_turns_prepared_on_streams_of_their_own_answer_as_alone(name, priority):
