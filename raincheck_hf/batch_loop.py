@@ -829,8 +829,6 @@ class BatchLoop:
         jobs += [job for job in self._arriving if all(job is not j for j in jobs)]  # (one joining may be in both)
         self._jobs.clear()
         self._arriving = []
-        for job in jobs:
-            self._end(job, error=failure)
         engines, self._engines = self._engines, []
         for engine in engines:
             try:
@@ -843,6 +841,8 @@ class BatchLoop:
                 engine.close()
             except Exception as failed:  # (its pool is dropped with it)
                 self._logger.error("closing a batch engine after a failure failed", exc_info=failed)
+        for job in jobs:  # (last: a turn's error comes back once the loop is ready for the next turns)
+            self._end(job, error=failure)
 
     def _joins_in_flight(self, job: BatchTurn, engine: BatchEngine) -> bool:
         """Whether ``job`` may join ``engine`` while a step of it runs on the device (`_join_in_flight`): prepared

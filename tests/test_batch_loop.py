@@ -10,6 +10,7 @@ the batching does not depend on thread timing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -19,6 +20,7 @@ from transformers import LogitsProcessorList
 
 import raincheck_hf
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
+from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image
 
 from conftest import gate_restoring_pieces, in_threads, no_placeholder_ids
@@ -1149,6 +1151,47 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
         want = alone(model, processor, CFG, conv.turns, QUESTIONS, [image])
         for k, turn in enumerate(conv.turns):
             assert_same_turn(turn, want[k], f"turn {k}")
+
+
+def test_after_an_unexpected_error_the_loop_gives_its_pool_back(model, processor, monkeypatch):
+    """With batched steps on their static buffers (``fast_path=True``: the pool and its steps' buffers of
+    `fast.batched_graphs`, run eagerly on a CPU), an unexpected error in the loop ends the turn, and by the time its
+    error comes back the failed engine's pool is back with the model (its sequences discarded first), not dropped:
+    the next conversation's turn runs on the same pool and answers as the first conversation did."""
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+
+    batched_graphs.release_all()
+    cfg = dataclasses.replace(CFG, fast_path=True)
+    text_model = get_adapter(model).text_model
+
+    def step_graphs(loop):  # the loop's engines' pools and the model's kept ones
+        return [e.graphs for e in loop._engines if e.graphs is not None] + list(
+            batched_graphs._POOLED.get(text_model, []))
+
+    remove, broken = BatchEngine.remove_many, []
+
+    def failing_once(self, seqs):
+        if not broken:
+            broken.append(len(seqs))
+            raise RuntimeError("remove broke")
+        return remove(self, seqs)
+
+    with BatchLoop(model, config=cfg) as loop:
+        with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as first:
+            want = ask(first, QUESTIONS[0], [IMAGES[0]]).token_ids
+        (graphs,) = step_graphs(loop)
+        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+        with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as hit:
+            with pytest.raises(RuntimeError, match="batching loop failed while this turn was in it"):
+                ask(hit, QUESTIONS[0], [IMAGES[0]])
+        assert broken and loop.failures == 1
+        assert step_graphs(loop) == [graphs]  # given back (before the fix: dropped with the engine)
+        with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as again:
+            got = ask(again, QUESTIONS[0], [IMAGES[0]]).token_ids
+        assert step_graphs(loop) == [graphs]
+    assert torch.equal(got, want), (got, want)
+    batched_graphs.release_all()
 
 
 def test_an_unexpected_error_while_a_turn_joins_ends_that_turn(model, processor, monkeypatch):
