@@ -201,6 +201,10 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     profile = answered["warm_up_profile"]
     assert any("warm_up" in row[0] for row in profile["by_cumulative"]) and isinstance(profile["compile_times"], dict)
     assert isinstance(result["compile_times"], dict)  # (torch's compile-time table: always)
+    assert result["preload_compiler"] is False and "compiler_preloaded_s" not in result  # (on CUDA only)
+    imports = result["warm_up_imports"]  # (the modules the warm-up imported first: counted per package)
+    assert imports["modules"] == sum(p["imported"] for p in imports["by_package"].values())
+    assert all(0 <= p["without_bytecode"] <= p["imported"] for p in imports["by_package"].values())
     assert all(len(row) == 4 and row[3] >= row[2] >= 0 for row in profile["by_own"])
     launched, kept = [], []
 
@@ -227,12 +231,54 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert all("--no-rest" in c and c[c.index("--compile-steps") + 1] == "off" for c in kept[-2:])
     assert all("--profile-warm-up" in c for c in kept[-2:]) and not any("--profile-warm-up" in c for c in kept[:3])
     assert all("--compile-steps" not in c for c in kept[:3])  # (the default settings' unless asked)
+    assert [c[c.index("--preload-compiler") + 1] for c in kept] == ["on"] * 5  # (as the CLI does, by default)
+    cold_start.run("tiny_qwen3_vl", processes=4, device="cpu", max_tokens=512, max_new_tokens=2,
+                   preload_compiler="both")
+    assert [c[c.index("--preload-compiler") + 1] for c in kept[-4:]] == ["on", "off", "on", "off"]
+    with pytest.raises(ValueError, match="--preload-compiler"):
+        cold_start.run("tiny_qwen3_vl", preload_compiler="later")
     with pytest.raises(ValueError, match="--compile-steps"):
         cold_start.run("tiny_qwen3_vl", compile_steps="maybe")
     with pytest.raises(ValueError, match="--processes must be >= 2"):
         cold_start.run("tiny_qwen3_vl", processes=1)
     with pytest.raises(ValueError, match="--warm-up-scope"):
         cold_start.run("tiny_qwen3_vl", warm_up_scope="some")
+
+
+def test_preload_compiler_imports_torchs_compiler_once_on_a_thread(monkeypatch):
+    """`fast.compiled.preload_compiler` imports `COMPILER_MODULES` on one daemon thread per process (the same thread
+    on a second call), and a compiled function made afterwards waits for that thread before its first compile."""
+    import threading
+    import time
+
+    from raincheck_hf.fast import compiled
+
+    compiled._CompiledOrPlain(lambda x: x + 1)  # (torch.compile's own first call, before the clock matters)
+    monkeypatch.setattr(compiled, "_PRELOAD", {})
+    gate, imported = threading.Event(), []
+
+    def slow_import():  # (the thread's imports, held until the compiled function is being made)
+        gate.wait(timeout=30)
+        imported.extend(compiled.COMPILER_MODULES)
+        imported.append(time.monotonic())
+
+    monkeypatch.setattr(compiled, "_import_compiler", slow_import)
+    thread = compiled.preload_compiler()
+    assert thread.daemon and thread.name == "raincheck-preload-compiler" and compiled.preload_compiler() is thread
+    made = []
+
+    def make():
+        compiled._CompiledOrPlain(lambda x: x + 1)
+        made.append(time.monotonic())
+
+    maker = threading.Thread(target=make)
+    maker.start()
+    maker.join(timeout=0.5)
+    gate.set()
+    maker.join(timeout=30)
+    assert imported[:-1] == list(compiled.COMPILER_MODULES) and not thread.is_alive()
+    assert made and made[0] >= imported[-1]  # (made once the thread's imports had ended)
+    assert "done_at" in compiled._PRELOAD
 
 
 @pytest.mark.parametrize("batching", [False, True])

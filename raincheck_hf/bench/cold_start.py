@@ -43,6 +43,12 @@ def _child(args) -> dict:
     caches = enable_persistent_caches(args.cache_dir)
     marks["caches_s"] = time.time() - launched
     device = torch.device(args.device)
+    preloaded = None
+    if args.preload_compiler == "on" and device.type == "cuda":  # as the CLI / server / demo do (`startup.start_caches`)
+        from raincheck_hf.fast import compiled
+
+        compiled.preload_compiler()
+        preloaded = compiled._PRELOAD
     if device.type == "cuda":  # the CUDA context on its own (the model's build would pay it otherwise)
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
@@ -63,6 +69,8 @@ def _child(args) -> dict:
                   cache_dir=args.cache_dir)
     first_turn = args.warm_up_scope == "first"
     profile = None
+    marks["warm_up_start_s"] = time.time() - launched
+    modules_before = set(sys.modules)
     if args.warm_up:
         if args.profile_warm_up:
             import cProfile
@@ -74,6 +82,9 @@ def _child(args) -> dict:
         else:
             summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
+    if preloaded is not None and "done_at" in preloaded:  # (its imports ended before the warm-up began, or in it)
+        marks["compiler_preloaded_s"] = preloaded["done_at"] - launched
+    warm_up_imports = imported_figures(set(sys.modules) - modules_before)
     inputs, prompt = shapes.build_prompt(processor, spec, "image")
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
 
@@ -125,10 +136,36 @@ def _child(args) -> dict:
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
         "warm_up_profile": profile,
+        "preload_compiler": preloaded is not None,
+        "warm_up_imports": warm_up_imports,
         "compile_times": compile_figures(),  # (the warm-up's and the answer's compiles: none in a covered answer)
         "prompt": prompt,
         "model": info,
     }
+
+
+def imported_figures(names) -> dict:
+    """The modules first imported during the warm-up, per top-level package: how many, and how many of those read
+    from source, without their bytecode cache (``__pycache__``: compiled again in every process; a package installed
+    without it, or an interpreter that writes none, ``sys.flags.dont_write_bytecode``)."""
+    import importlib.util
+
+    packages: dict = {}
+    for name in names:
+        module = sys.modules.get(name)
+        origin = getattr(getattr(module, "__spec__", None), "origin", None)
+        entry = packages.setdefault(name.split(".")[0], [0, 0])
+        entry[0] += 1
+        if isinstance(origin, str) and origin.endswith(".py"):
+            try:
+                cached = importlib.util.cache_from_source(origin)
+            except (NotImplementedError, ValueError):
+                cached = None
+            if cached is None or not os.path.exists(cached):
+                entry[1] += 1
+    return {"modules": sum(n for n, _ in packages.values()), "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
+            "by_package": {k: {"imported": n, "without_bytecode": m}
+                           for k, (n, m) in sorted(packages.items(), key=lambda kv: -kv[1][0])}}
 
 
 def profile_figures(profiler, top: int = 60) -> dict:
@@ -189,7 +226,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True,
-        compile_steps: str = "default", profile_warm_up: bool = False) -> dict:
+        compile_steps: str = "default", profile_warm_up: bool = False, preload_compiler: str = "on") -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -202,6 +239,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         raise ValueError(f"--warm-up-scope must be 'first' or 'all', got {warm_up_scope!r}")
     if compile_steps not in ("default", "on", "off"):
         raise ValueError(f"--compile-steps must be 'default', 'on' or 'off', got {compile_steps!r}")
+    if preload_compiler not in ("on", "off", "both"):
+        raise ValueError(f"--preload-compiler must be 'on', 'off' or 'both', got {preload_compiler!r}")
     if processes < 2:
         raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -228,6 +267,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command += ["--compile-steps", compile_steps]
         if profile_warm_up:
             command.append("--profile-warm-up")
+        preload = preload_compiler if preload_compiler != "both" else ("on" if index % 2 == 0 else "off")
+        command += ["--preload-compiler", preload]
         done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -248,17 +289,19 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                      "warm_up_scope": warm_up_scope if warm_up else None,
                      "rest_after_answer": rest and warm_up and warm_up_scope == "first",
                      "compile_steps": compile_steps, "profile_warm_up": profile_warm_up,
+                     "preload_compiler": preload_compiler,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
         "later": [{k: r[k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")} for r in results[1:]],
         "processes": results,
     }
-    print(f"{'process':>8} {'cache':>22} {'imports':>8} {'device':>8} {'model':>8} {'warm-up':>8} {'1st token':>10} "
-          f"{'answer':>8} {'captures':>9} {'TPOT ms':>8}")
+    print(f"{'process':>8} {'cache':>6} {'preload':>8} {'imports':>8} {'device':>8} {'model':>8} {'warm-up':>8} "
+          f"{'1st token':>10} {'answer':>8} {'captures':>9} {'TPOT ms':>8}")
     for r in results:
         tpot = "-" if r.get("tpot_s") is None else f"{1e3 * r['tpot_s']:.2f}"
-        print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>22} {r['imports_s']:>8.1f} "
+        preload = f"{r['compiler_preloaded_s']:.1f}" if "compiler_preloaded_s" in r else "off"
+        print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>6} {preload:>8} {r['imports_s']:>8.1f} "
               f"{r['device_s']:>8.1f} {r['model_s']:>8.1f} {r['warm_up_done_s']:>8.1f} {r['first_token_s']:>10.1f} "
               f"{r['first_answer_s']:>8.1f} {len(r['captures_during_answer']):>9} {tpot:>8}")
     if out:
@@ -292,6 +335,10 @@ def main(argv=None):
     parser.add_argument("--profile-warm-up", action="store_true",
                         help="run each warm-up under cProfile and keep where its time went (the JSON's "
                              "warm_up_profile; the profiler slows the warm-up itself)")
+    parser.add_argument("--preload-compiler", choices=("on", "off", "both"), default="on",
+                        help="on CUDA, import torch's compiler on a thread while the model is built, as the CLI, the "
+                             "server and the demo do (fast.compiled.preload_compiler); both: the processes after the "
+                             "first alternate off and on (side by side)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -304,7 +351,8 @@ def main(argv=None):
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
                args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest,
-               compile_steps=args.compile_steps, profile_warm_up=args.profile_warm_up)
+               compile_steps=args.compile_steps, profile_warm_up=args.profile_warm_up,
+               preload_compiler=args.preload_compiler)
 
 
 if __name__ == "__main__":

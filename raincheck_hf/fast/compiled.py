@@ -19,6 +19,12 @@ Like the few-query attention (`fast.scoping`), the compiled forms act only insid
 calling thread whose scope asks for them; every other caller of the same modules gets their stock
 ``forward``. The compile happens in the first capture's warm-up; a captured graph replays without any Python.
 
+A fresh process's first compile also imports torch's compiler (Inductor and what it loads: some 700 modules,
+a second or more before the first trace begins). `preload_compiler` imports it on a thread of its own, so that it
+overlaps what a program does before its first compile (loading the model); the CLI, the server and the demo call it
+at start on CUDA. The first compiled function made waits for it (`_CompiledOrPlain`), so the compile never runs
+beside those imports.
+
 The setting's default (None) compiles exactly when the steps are captured as CUDA graphs
 (`resolve_compile_steps`): there the compile, paid once per process and model class, took `full`'s time per
 token for Qwen3-VL-8B on an H200 from 10.16 to 7.01 ms. Without graphs (CPU, the eager engine, a failed
@@ -35,6 +41,49 @@ import torch
 
 _LOCK = threading.Lock()
 _COMPILED: dict = {}  # module class (or function) -> its `_CompiledOrPlain`, made on first use
+# what a first compile imports (the rest comes with these); a failure here is left to that compile to raise
+COMPILER_MODULES = ("torch._inductor.compile_fx", "torch._inductor.codecache", "torch._inductor.async_compile",
+                    "torch._inductor.runtime.triton_heuristics")
+_PRELOAD: dict = {}  # "thread" -> the process's preloading thread, "done_at" -> when it ended (time.time())
+
+
+def preload_compiler() -> threading.Thread:
+    """Import torch's compiler (`COMPILER_MODULES`) on a daemon thread and return it (the same thread on later
+    calls: once per process). Call it before loading the model, after `persist.enable_persistent_caches` (whose
+    environment variables the compiler reads); the first compiled function waits for it. Nothing else changes: the
+    modules are those the first compile would import on the calling thread."""
+    import time
+
+    def load():
+        try:
+            _import_compiler()
+        except Exception:  # (the first compile imports them again and reports what failed)
+            pass
+        finally:
+            _PRELOAD["done_at"] = time.time()
+
+    with _LOCK:
+        thread = _PRELOAD.get("thread")
+        if thread is None:
+            thread = _PRELOAD["thread"] = threading.Thread(target=load, name="raincheck-preload-compiler",
+                                                           daemon=True)
+            thread.start()
+        return thread
+
+
+def _import_compiler() -> None:
+    import importlib
+
+    for name in COMPILER_MODULES:
+        importlib.import_module(name)
+
+
+def _wait_for_preload() -> None:
+    """The preloading thread's end, if one was started (imports of one module from two threads wait for each other
+    anyway; the compile itself should not run beside the rest of them)."""
+    thread = _PRELOAD.get("thread")
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 class _CompiledOrPlain:
@@ -43,6 +92,7 @@ class _CompiledOrPlain:
     ``compile_steps=True`` never breaks an answer that the uncompiled step would give."""
 
     def __init__(self, fn, rows: dict | None = None, sizes: dict | None = None):
+        _wait_for_preload()
         self.fn = fn
         self.rows = dict(rows or {})  # positional argument -> its row dimensions (`mark_rows`)
         self.sizes = dict(sizes or {})  # positional argument -> its other varying dimensions (`mark_sizes`)
