@@ -1095,6 +1095,32 @@ def test_a_follow_up_gets_its_sequence_on_the_askers_thread_and_a_changed_cache_
         assert conv.turns[1].trace.restored_per_forward[0].numel() > 0  # leftovers rode with the follow-up
 
 
+def batched_pools(loop, model) -> list:
+    """The batched pools (`fast.batched_graphs.BatchedStepGraphs`, with their captured steps) of ``loop``'s engines,
+    then those the model keeps for its next engines."""
+    from raincheck_hf.fast import batched_graphs
+
+    live = [e.graphs for e in loop._engines if e.graphs is not None]
+    return live + list(batched_graphs._POOLED.get(get_adapter(model).text_model, []))
+
+
+def fail_remove_once(monkeypatch) -> list:
+    """`BatchEngine.remove_many` raising ``RuntimeError("remove broke")`` on its first call (as a bug or a device
+    error would), then as usual; the list returned records the failed call (its number of sequences)."""
+    from raincheck_hf.batch_engine import BatchEngine
+
+    remove, broken = BatchEngine.remove_many, []
+
+    def failing_once(self, seqs):
+        if not broken:
+            broken.append(len(seqs))
+            raise RuntimeError("remove broke")
+        return remove(self, seqs)
+
+    monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+    return broken
+
+
 def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(model, processor, monkeypatch, caplog):
     """An error the loop does not expect (here the engine's `remove_many` raising once, as a bug or a device error
     would) used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
@@ -1104,7 +1130,6 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
     model for the next engine rather than being dropped with it."""
     from raincheck_hf.batch_engine import BatchEngine
 
-    remove, broken = BatchEngine.remove_many, []
     close, closed_with = BatchEngine.close, []
 
     def recording_close(self):
@@ -1112,17 +1137,10 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
         close(self)
 
     monkeypatch.setattr(BatchEngine, "close", recording_close)
-
-    def failing_once(self, seqs):
-        if not broken:
-            broken.append(seqs)
-            raise RuntimeError("remove broke")
-        return remove(self, seqs)
-
     with BatchLoop(model, max_batch_tokens=None) as loop:
         held = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(held, QUESTIONS[0], [IMAGES[2]])
-        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+        broken = fail_remove_once(monkeypatch)
         hit = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         outcome = {}
 
@@ -1158,38 +1176,23 @@ def test_after_an_unexpected_error_the_loop_gives_its_pool_back(model, processor
     `fast.batched_graphs`, run eagerly on a CPU), an unexpected error in the loop ends the turn, and by the time its
     error comes back the failed engine's pool is back with the model (its sequences discarded first), not dropped:
     the next conversation's turn runs on the same pool and answers as the first conversation did."""
-    from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
 
     batched_graphs.release_all()
     cfg = dataclasses.replace(CFG, fast_path=True)
-    text_model = get_adapter(model).text_model
-
-    def step_graphs(loop):  # the loop's engines' pools and the model's kept ones
-        return [e.graphs for e in loop._engines if e.graphs is not None] + list(
-            batched_graphs._POOLED.get(text_model, []))
-
-    remove, broken = BatchEngine.remove_many, []
-
-    def failing_once(self, seqs):
-        if not broken:
-            broken.append(len(seqs))
-            raise RuntimeError("remove broke")
-        return remove(self, seqs)
-
     with BatchLoop(model, config=cfg) as loop:
         with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as first:
             want = ask(first, QUESTIONS[0], [IMAGES[0]]).token_ids
-        (graphs,) = step_graphs(loop)
-        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+        (graphs,) = batched_pools(loop, model)
+        broken = fail_remove_once(monkeypatch)
         with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as hit:
             with pytest.raises(RuntimeError, match="batching loop failed while this turn was in it"):
                 ask(hit, QUESTIONS[0], [IMAGES[0]])
         assert broken and loop.failures == 1
-        assert step_graphs(loop) == [graphs]  # given back (before the fix: dropped with the engine)
+        assert batched_pools(loop, model) == [graphs]  # given back (before the fix: dropped with the engine)
         with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as again:
             got = ask(again, QUESTIONS[0], [IMAGES[0]]).token_ids
-        assert step_graphs(loop) == [graphs]
+        assert batched_pools(loop, model) == [graphs]
     assert torch.equal(got, want), (got, want)
     batched_graphs.release_all()
 

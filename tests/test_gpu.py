@@ -1716,8 +1716,8 @@ def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(m
     import threading
 
     from raincheck_hf import BatchLoop, Conversation
-    from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
+    from test_batch_loop import batched_pools, fail_remove_once
     from test_batched import IMAGE
 
     batched_graphs.release_all()
@@ -1725,27 +1725,13 @@ def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(m
     cfg = RaincheckConfig(chunk_size=3, fast_path=True)
     kw = dict(images=list(IMAGE["images"]), max_new_tokens=8, min_new_tokens=8,
               suppress_tokens=no_placeholder_ids(model))
-    text_model = get_adapter(model).text_model
-
-    def step_graphs(loop):  # the loop's engines' pools and the model's kept ones
-        live = [e.graphs for e in loop._engines if e.graphs is not None]
-        return live + list(batched_graphs._POOLED.get(text_model, []))
-
-    remove, broken = BatchEngine.remove_many, []
-
-    def failing_once(self, seqs):
-        if not broken:
-            broken.append(len(seqs))
-            raise RuntimeError("remove broke")
-        return remove(self, seqs)
-
     with BatchLoop(model, config=cfg) as loop:
         with Conversation(model, processor, cfg, background=False, loop=loop) as first:
             want = first.ask("Describe it.", **kw).token_ids
-        (graphs,) = step_graphs(loop)
+        (graphs,) = batched_pools(loop, model)
         captured = len(graphs.capture_log)
         assert captured > 0
-        monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
+        broken = fail_remove_once(monkeypatch)
         outcome = {}
 
         def failing_turn():
@@ -1760,10 +1746,10 @@ def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(m
         asker.join(timeout=300)
         assert not asker.is_alive() and broken and loop.failures == 1
         assert "batching loop failed" in str(outcome.get("error"))
-        assert step_graphs(loop) == [graphs]  # given back, not dropped
+        assert batched_pools(loop, model) == [graphs]  # given back, not dropped
         with Conversation(model, processor, cfg, background=False, loop=loop) as again:
             got = again.ask("Describe it.", **kw).token_ids
-        assert step_graphs(loop) == [graphs] and len(graphs.capture_log) == captured
+        assert batched_pools(loop, model) == [graphs] and len(graphs.capture_log) == captured
     assert torch.equal(got, want), (got, want)
     batched_graphs.release_all()
 
