@@ -135,8 +135,8 @@ cold_start)
     # what it left (COLD_MODELS, COLD_PROCESSES; COLD_SCOPE=all: everything warmed before the first answer, not only
     # the first turn's graphs with the rest timed after it; COLD_REST=0: each process ends after its answer;
     # COLD_COMPILE=off / on: RaincheckConfig.compile_steps instead of the default; COLD_PROFILE=1: each warm-up under
-    # cProfile, where its time went kept in the JSON; COLD_PRELOAD=off / both: torch's compiler not imported on a
-    # thread while the model is built, or the later processes alternating off and on, side by side)
+    # cProfile, where its time went kept in the JSON; COLD_PRELOAD=on / both: torch's compiler imported on a thread
+    # while the model is built, fast.compiled.preload_compiler, or the processes alternating off and on, side by side)
     for m in ${COLD_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
         timeout "${COLD_S:-280}" python3 -m raincheck_hf.bench cold-start --model $m --processes "${COLD_PROCESSES:-3}" ${COLD_SCOPE:+--warm-up-scope $COLD_SCOPE} ${COLD_REST:+$( [ "$COLD_REST" = 0 ] && echo --no-rest )} ${COLD_COMPILE:+--compile-steps $COLD_COMPILE} ${COLD_PROFILE:+--profile-warm-up} ${COLD_PRELOAD:+--preload-compiler $COLD_PRELOAD} \
             --out "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}_h200.json" > "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}_h200.log" 2>&1

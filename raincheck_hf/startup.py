@@ -30,18 +30,14 @@ def check_warm_up_args(args) -> None:
 
 
 def start_caches(args, device: str) -> None:
-    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads, and torch's
-    compiler imported meanwhile on a thread of its own (`fast.compiled.preload_compiler`: the warm-up's first compile
-    then finds it loaded)."""
+    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads."""
     if str(device).startswith("cuda"):
-        from .fast.compiled import preload_compiler
         from .persist import enable_persistent_caches
 
         caches = enable_persistent_caches(args.cache_dir)
         if caches.set_aside is not None:
             print(f"[raincheck] cache folder: the entries in {caches.root} were {caches.set_aside[1]}; set aside "
                   f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
-        preload_compiler()
 
 
 CACHE_RESERVE_FRACTION = 0.10  # of the device's memory, kept out of the held caches' automatic budget

@@ -231,10 +231,10 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert all("--no-rest" in c and c[c.index("--compile-steps") + 1] == "off" for c in kept[-2:])
     assert all("--profile-warm-up" in c for c in kept[-2:]) and not any("--profile-warm-up" in c for c in kept[:3])
     assert all("--compile-steps" not in c for c in kept[:3])  # (the default settings' unless asked)
-    assert [c[c.index("--preload-compiler") + 1] for c in kept] == ["on"] * 5  # (as the CLI does, by default)
+    assert [c[c.index("--preload-compiler") + 1] for c in kept] == ["off"] * 5  # (as the CLI does, by default)
     cold_start.run("tiny_qwen3_vl", processes=4, device="cpu", max_tokens=512, max_new_tokens=2,
                    preload_compiler="both")
-    assert [c[c.index("--preload-compiler") + 1] for c in kept[-4:]] == ["on", "off", "on", "off"]
+    assert [c[c.index("--preload-compiler") + 1] for c in kept[-4:]] == ["off", "on", "off", "on"]
     with pytest.raises(ValueError, match="--preload-compiler"):
         cold_start.run("tiny_qwen3_vl", preload_compiler="later")
     with pytest.raises(ValueError, match="--compile-steps"):

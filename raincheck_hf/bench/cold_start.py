@@ -44,7 +44,7 @@ def _child(args) -> dict:
     marks["caches_s"] = time.time() - launched
     device = torch.device(args.device)
     preloaded = None
-    if args.preload_compiler == "on" and device.type == "cuda":  # as the CLI / server / demo do (`startup.start_caches`)
+    if args.preload_compiler == "on" and device.type == "cuda":  # (an experiment: the CLI / server / demo do not)
         from raincheck_hf.fast import compiled
 
         compiled.preload_compiler()
@@ -226,7 +226,7 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True,
-        compile_steps: str = "default", profile_warm_up: bool = False, preload_compiler: str = "on") -> dict:
+        compile_steps: str = "default", profile_warm_up: bool = False, preload_compiler: str = "off") -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -267,7 +267,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command += ["--compile-steps", compile_steps]
         if profile_warm_up:
             command.append("--profile-warm-up")
-        preload = preload_compiler if preload_compiler != "both" else ("on" if index % 2 == 0 else "off")
+        preload = preload_compiler if preload_compiler != "both" else ("off" if index % 2 == 0 else "on")
         command += ["--preload-compiler", preload]
         done = _launch(command, env, timeout)
         if done.returncode != 0:
@@ -335,10 +335,10 @@ def main(argv=None):
     parser.add_argument("--profile-warm-up", action="store_true",
                         help="run each warm-up under cProfile and keep where its time went (the JSON's "
                              "warm_up_profile; the profiler slows the warm-up itself)")
-    parser.add_argument("--preload-compiler", choices=("on", "off", "both"), default="on",
-                        help="on CUDA, import torch's compiler on a thread while the model is built, as the CLI, the "
-                             "server and the demo do (fast.compiled.preload_compiler); both: the processes after the "
-                             "first alternate off and on (side by side)")
+    parser.add_argument("--preload-compiler", choices=("on", "off", "both"), default="off",
+                        help="on CUDA, import torch's compiler on a thread while the model is built "
+                             "(fast.compiled.preload_compiler; not done by the CLI, the server or the demo); both: "
+                             "the processes alternate off and on, the first off (side by side)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)

@@ -21,9 +21,11 @@ calling thread whose scope asks for them; every other caller of the same modules
 
 A fresh process's first compile also imports torch's compiler (Inductor and what it loads: some 700 modules,
 a second or more before the first trace begins). `preload_compiler` imports it on a thread of its own, so that it
-overlaps what a program does before its first compile (loading the model); the CLI, the server and the demo call it
-at start on CUDA. The first compiled function made waits for it (`_CompiledOrPlain`), so the compile never runs
-beside those imports.
+may overlap what a program does before its first compile (loading the model); the first compiled function made
+waits for it (`_CompiledOrPlain`), so the compile never runs beside those imports. Nothing calls it by default:
+on a 2-core CPU, loading a 3 B-parameter checkpoint with ``from_pretrained`` beside it took longer than the
+imports it hid (the interpreter's lock; the first compile 1.11x later, `benchmarks/preload_compiler.py`), and on
+a GPU it is not measured yet (``bench cold-start --preload-compiler both`` runs it side by side).
 
 The setting's default (None) compiles exactly when the steps are captured as CUDA graphs
 (`resolve_compile_steps`): there the compile, paid once per process and model class, took `full`'s time per
@@ -51,7 +53,8 @@ def preload_compiler() -> threading.Thread:
     """Import torch's compiler (`COMPILER_MODULES`) on a daemon thread and return it (the same thread on later
     calls: once per process). Call it before loading the model, after `persist.enable_persistent_caches` (whose
     environment variables the compiler reads); the first compiled function waits for it. Nothing else changes: the
-    modules are those the first compile would import on the calling thread."""
+    modules are those the first compile would import on the calling thread. Opt-in (see the module docstring:
+    not shown to shorten a start yet)."""
     import time
 
     def load():
