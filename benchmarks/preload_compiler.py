@@ -5,7 +5,7 @@
 Fresh processes in turn, preloading off and on alternately (off first), each: imports, then (on) the preloading thread
 started, then ``from_pretrained`` of a saved checkpoint (a Qwen3-VL-8B-shaped model with ``--layers`` decoder and
 vision layers, random bf16 weights, written to ``--checkpoint`` first if that folder holds none), then a compiled
-function made (`fast.compiled._CompiledOrPlain`, which waits for the thread) and called once. Seconds after the
+function made (`fast.compiled.compiled`, which waits for the thread) and called once. Seconds after the
 process's start: model loaded, compiled function made, first compile done (one Inductor cache folder for every
 process, filled by a first process that is not counted). Medians per setting, JSON with the hardware.
 """
@@ -39,12 +39,12 @@ def _child(mode: str, checkpoint: str) -> dict:
         v = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(v + 1e-6)).to(x.dtype) * w
 
-    fn = compiled._CompiledOrPlain(norm, rows={0: (0,)})
+    fn = compiled.compiled(norm, rows={0: (0,)})
     marks["made_s"] = time.time() - started
     fn(torch.randn(4, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16))
     marks["first_compile_s"] = time.time() - started
     if mode == "on":
-        marks["preloaded_s"] = compiled._PRELOAD["done_at"] - started
+        marks["preloaded_s"] = compiled.preload_finished_at() - started
     return marks
 
 

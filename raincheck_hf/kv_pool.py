@@ -55,16 +55,15 @@ MIN_CAPACITY = 64
 DEFAULT_SLOTS = 4  # slots a pool (and a `BatchEngine`) starts with
 
 
-def attention_kv_shape(text_config) -> tuple[int, int, int]:
+def attention_kv_shape(text) -> tuple[int, int, int]:
     """``(attention layers, key / value heads, head dim)`` of a text config: what a token's keys and values take in
     every layer that keeps them (Gated DeltaNet layers keep a fixed-size state instead); 0 where a config lacks one."""
-    text = text_config
     layer_types = getattr(text, "layer_types", None)
     layers = (sum(t == "full_attention" for t in layer_types) if layer_types
               else int(getattr(text, "num_hidden_layers", 0) or 0))
-    heads = int(getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0)
-    head_dim = getattr(text, "head_dim", None) or (
-        int(text.hidden_size) // int(text.num_attention_heads) if getattr(text, "num_attention_heads", 0) else 0)
+    attention_heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    heads = int(getattr(text, "num_key_value_heads", None) or attention_heads)
+    head_dim = getattr(text, "head_dim", None) or (int(text.hidden_size) // attention_heads if attention_heads else 0)
     return layers, heads, int(head_dim)
 
 

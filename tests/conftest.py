@@ -197,3 +197,22 @@ def gate_restoring_pieces(monkeypatch, steps: int) -> dict:
 
     monkeypatch.setattr(RowScheduler, "restoring_pieces", gated)
     return gate
+
+
+def fail_remove_many(monkeypatch, error=lambda: RuntimeError("remove broke")) -> dict:
+    """`BatchEngine.remove_many` raising ``error()`` (as a bug, a device error or a lack of memory would) on its next
+    ``state["left"]`` calls that remove sequences (1; a test sets it again to fail again), otherwise as usual; the
+    returned ``state["failed"]`` lists how many sequences each failed call had."""
+    from raincheck_hf.batch_engine import BatchEngine
+
+    remove, state = BatchEngine.remove_many, {"left": 1, "failed": []}
+
+    def failing(self, seqs):
+        if state["left"] > 0 and seqs:
+            state["left"] -= 1
+            state["failed"].append(len(seqs))
+            raise error()
+        return remove(self, seqs)
+
+    monkeypatch.setattr(BatchEngine, "remove_many", failing)
+    return state

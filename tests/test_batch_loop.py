@@ -23,7 +23,7 @@ from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
 from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image
 
-from conftest import gate_restoring_pieces, in_threads, no_placeholder_ids
+from conftest import fail_remove_many, gate_restoring_pieces, in_threads, no_placeholder_ids
 from test_batched import assert_trace_equal
 from test_conversation import _assert_every_deferred_token_once, _cancel_turn
 
@@ -1104,23 +1104,6 @@ def batched_pools(loop, model) -> list:
     return live + list(batched_graphs._POOLED.get(get_adapter(model).text_model, []))
 
 
-def fail_remove_once(monkeypatch) -> list:
-    """`BatchEngine.remove_many` raising ``RuntimeError("remove broke")`` on its first call (as a bug or a device
-    error would), then as usual; the list returned records the failed call (its number of sequences)."""
-    from raincheck_hf.batch_engine import BatchEngine
-
-    remove, broken = BatchEngine.remove_many, []
-
-    def failing_once(self, seqs):
-        if not broken:
-            broken.append(len(seqs))
-            raise RuntimeError("remove broke")
-        return remove(self, seqs)
-
-    monkeypatch.setattr(BatchEngine, "remove_many", failing_once)
-    return broken
-
-
 def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(model, processor, monkeypatch, caplog):
     """An error the loop does not expect (here the engine's `remove_many` raising once, as a bug or a device error
     would) used to end the loop's thread: the turn in the step and every later one waited forever. Now the turns in the
@@ -1140,7 +1123,7 @@ def test_an_unexpected_error_in_the_loop_ends_its_turns_and_the_loop_goes_on(mod
     with BatchLoop(model, max_batch_tokens=None) as loop:
         held = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         ask(held, QUESTIONS[0], [IMAGES[2]])
-        broken = fail_remove_once(monkeypatch)
+        broken = fail_remove_many(monkeypatch)["failed"]
         hit = Conversation(model, processor, CFG, background=False, max_new_tokens=4, loop=loop)
         outcome = {}
 
@@ -1184,7 +1167,7 @@ def test_after_an_unexpected_error_the_loop_gives_its_pool_back(model, processor
         with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as first:
             want = ask(first, QUESTIONS[0], [IMAGES[0]]).token_ids
         (graphs,) = batched_pools(loop, model)
-        broken = fail_remove_once(monkeypatch)
+        broken = fail_remove_many(monkeypatch)["failed"]
         with Conversation(model, processor, cfg, background=False, max_new_tokens=5, loop=loop) as hit:
             with pytest.raises(RuntimeError, match="batching loop failed while this turn was in it"):
                 ask(hit, QUESTIONS[0], [IMAGES[0]])

@@ -15,7 +15,7 @@ import raincheck_hf
 from raincheck_hf import RaincheckConfig
 from raincheck_hf.models import get_adapter
 
-from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from conftest import INPUT_CASES, fail_remove_many, make_inputs, no_placeholder_ids
 from families import BY_NAME, family_params, family_processor
 from reference import TurnRecord, reference_logits
 
@@ -1717,7 +1717,7 @@ def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(m
 
     from raincheck_hf import BatchLoop, Conversation
     from raincheck_hf.fast import batched_graphs
-    from test_batch_loop import batched_pools, fail_remove_once
+    from test_batch_loop import batched_pools
     from test_batched import IMAGE
 
     batched_graphs.release_all()
@@ -1731,7 +1731,7 @@ def test_cuda_batching_loop_keeps_its_captured_steps_after_an_unexpected_error(m
         (graphs,) = batched_pools(loop, model)
         captured = len(graphs.capture_log)
         assert captured > 0
-        broken = fail_remove_once(monkeypatch)
+        broken = fail_remove_many(monkeypatch)["failed"]
         outcome = {}
 
         def failing_turn():

@@ -16,7 +16,7 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import gate_restoring_pieces, in_threads, serve_settings  # noqa: E402
+from conftest import fail_remove_many, gate_restoring_pieces, in_threads, serve_settings  # noqa: E402
 from test_serve_load import (LONG, data_url, first_message, dialogues, metric, reference, soak,  # noqa: E402,F401
                              wait_for)
 
@@ -565,21 +565,11 @@ def test_no_memory_for_an_ended_answers_cache_evicts_held_conversations(batching
     as before."""
     import torch
 
-    from raincheck_hf.batch_engine import BatchEngine
-
     base, server = batching_server
     held = [ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (0, 1)]
     ids = [r.model_extra["raincheck"]["conversation_id"] for r in held]
     before = server.store.evictions
-    remove_many, failures = BatchEngine.remove_many, {"left": 1}
-
-    def short_of_memory(self, seqs):
-        if failures["left"] > 0 and seqs:
-            failures["left"] -= 1
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return remove_many(self, seqs)
-
-    monkeypatch.setattr(BatchEngine, "remove_many", short_of_memory)
+    failures = fail_remove_many(monkeypatch, lambda: torch.OutOfMemoryError("CUDA out of memory (a test's)"))
     asked = []
     evict_bytes = server.store.evict_bytes
     monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))

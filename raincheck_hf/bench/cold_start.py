@@ -43,12 +43,11 @@ def _child(args) -> dict:
     caches = enable_persistent_caches(args.cache_dir)
     marks["caches_s"] = time.time() - launched
     device = torch.device(args.device)
-    preloaded = None
-    if args.preload_compiler == "on" and device.type == "cuda":  # (an experiment: the CLI / server / demo do not)
-        from raincheck_hf.fast import compiled
+    preloaded = args.preload_compiler == "on" and device.type == "cuda"
+    if preloaded:  # (an experiment: the CLI / server / demo do not)
+        from raincheck_hf.fast.compiled import preload_compiler
 
-        compiled.preload_compiler()
-        preloaded = compiled._PRELOAD
+        preload_compiler()
     if device.type == "cuda":  # the CUDA context on its own (the model's build would pay it otherwise)
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
@@ -82,8 +81,10 @@ def _child(args) -> dict:
         else:
             summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
-    if preloaded is not None and "done_at" in preloaded:  # (its imports ended before the warm-up began, or in it)
-        marks["compiler_preloaded_s"] = preloaded["done_at"] - launched
+    if preloaded:  # (its imports ended before the warm-up began, or in it)
+        from raincheck_hf.fast.compiled import preload_finished_at
+
+        marks["compiler_preloaded_s"] = preload_finished_at() - launched
     warm_up_imports = imported_figures(set(sys.modules) - modules_before)
     inputs, prompt = shapes.build_prompt(processor, spec, "image")
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
@@ -136,7 +137,7 @@ def _child(args) -> dict:
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
         "warm_up_profile": profile,
-        "preload_compiler": preloaded is not None,
+        "preload_compiler": preloaded,
         "warm_up_imports": warm_up_imports,
         "compile_times": compile_figures(),  # (the warm-up's and the answer's compiles: none in a covered answer)
         "prompt": prompt,

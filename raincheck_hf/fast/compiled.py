@@ -22,7 +22,7 @@ calling thread whose scope asks for them; every other caller of the same modules
 A fresh process's first compile also imports torch's compiler (Inductor and what it loads: some 700 modules,
 a second or more before the first trace begins). `preload_compiler` imports it on a thread of its own, so that it
 may overlap what a program does before its first compile (loading the model); the first compiled function made
-waits for it (`_CompiledOrPlain`), so the compile never runs beside those imports. Nothing calls it by default:
+waits for it (`compiled`), so the compile never runs beside those imports. Nothing calls it by default:
 on a 2-core CPU, loading a 3 B-parameter checkpoint with ``from_pretrained`` beside it took longer than the
 imports it hid (the interpreter's lock; the first compile 1.11x later, `benchmarks/preload_compiler.py`), and on
 a GPU it is not measured yet (``bench cold-start --preload-compiler both`` runs it side by side).
@@ -74,6 +74,11 @@ def preload_compiler() -> threading.Thread:
         return thread
 
 
+def preload_finished_at() -> float | None:
+    """When `preload_compiler`'s imports ended (`time.time`), or None (not started, or still running)."""
+    return _PRELOAD.get("done_at")
+
+
 def _import_compiler() -> None:
     import importlib
 
@@ -95,7 +100,6 @@ class _CompiledOrPlain:
     ``compile_steps=True`` never breaks an answer that the uncompiled step would give."""
 
     def __init__(self, fn, rows: dict | None = None, sizes: dict | None = None):
-        _wait_for_preload()
         self.fn = fn
         self.rows = dict(rows or {})  # positional argument -> its row dimensions (`mark_rows`)
         self.sizes = dict(sizes or {})  # positional argument -> its other varying dimensions (`mark_sizes`)
@@ -202,6 +206,7 @@ def compiled(fn, rows: dict | None = None, sizes: dict | None = None):
     tensor that count rows (`mark_rows`, each call); ``sizes``: positional argument -> its other dimensions that vary
     between calls (`mark_sizes`); both the same at every call of ``fn``. With either given, the dimensions they name
     are the only dynamic ones; with neither, every dimension is."""
+    _wait_for_preload()  # (outside the lock: other functions' lookups need not wait for it)
     with _LOCK:
         out = _COMPILED.get(fn)
         if out is None:
