@@ -136,11 +136,30 @@ cold_start)
     # the first turn's graphs with the rest timed after it; COLD_REST=0: each process ends after its answer;
     # COLD_COMPILE=off / on: RaincheckConfig.compile_steps instead of the default; COLD_PROFILE=1: each warm-up under
     # cProfile, where its time went kept in the JSON; COLD_PRELOAD=on / both: torch's compiler imported on a thread
-    # while the model is built, fast.compiled.preload_compiler, or the processes alternating off and on, side by side)
+    # while the model is built, fast.compiled.preload_compiler, or the processes alternating off and on, side by side;
+    # COLD_BYTECODE=1: the installed packages' bytecode compiled first, as pip does when it installs them, into a
+    # cache folder of its own (PYTHONPYCACHEPREFIX), for an interpreter that would otherwise compile them from
+    # source in every process: one whose site-packages it cannot write, or that writes no bytecode)
+    python3 -c '
+import os, sys, torch
+d = os.path.dirname(torch.__file__)
+c = os.path.join(d, "__pycache__")
+print("[bytecode] dont_write_bytecode", sys.flags.dont_write_bytecode, "PYTHONDONTWRITEBYTECODE",
+      os.environ.get("PYTHONDONTWRITEBYTECODE"), "pycache_prefix", sys.pycache_prefix, "| torch at", d,
+      "| its __pycache__", os.path.isdir(c) and len(os.listdir(c)), "files, writable",
+      os.access(c if os.path.isdir(c) else d, os.W_OK))'
+    if [ -n "${COLD_BYTECODE:-}" ]; then
+        export PYTHONPYCACHEPREFIX=/tmp/pycache
+        unset PYTHONDONTWRITEBYTECODE
+        SITE=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+        t0=$SECONDS
+        python3 -m compileall -q -j 0 "$SITE" /tmp/site "$PWD/raincheck_hf" > /dev/null 2>&1
+        echo "[bytecode] $SITE, /tmp/site and raincheck_hf compiled into $PYTHONPYCACHEPREFIX in $((SECONDS - t0)) s"
+    fi
     for m in ${COLD_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
         timeout "${COLD_S:-280}" python3 -m raincheck_hf.bench cold-start --model $m --processes "${COLD_PROCESSES:-3}" ${COLD_SCOPE:+--warm-up-scope $COLD_SCOPE} ${COLD_REST:+$( [ "$COLD_REST" = 0 ] && echo --no-rest )} ${COLD_COMPILE:+--compile-steps $COLD_COMPILE} ${COLD_PROFILE:+--profile-warm-up} ${COLD_PRELOAD:+--preload-compiler $COLD_PRELOAD} \
-            --out "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}_h200.json" > "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}_h200.log" 2>&1
-        tail -6 "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}_h200.log"
+            --out "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}_h200.json" > "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}_h200.log" 2>&1
+        tail -8 "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}_h200.log"
     done
     ;;
 defaults31)
