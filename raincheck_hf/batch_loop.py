@@ -98,6 +98,14 @@ def _media(prepared: dict, adapter) -> dict:
     return media
 
 
+@dataclass(frozen=True)
+class _NoRoom:
+    """In place of an ended answer's cache: no device memory could be made to copy it out of the batched pool
+    (`BatchLoop._take_out`); the turn fails with ``error``."""
+
+    error: BaseException
+
+
 class _CancelRequest(StoppingCriteria):
     """The stopping criterion a conversation adds to each turn: once ``event`` is set, the decoding
     loop stops at its next stopping check (after the token it just sampled)."""
@@ -1401,26 +1409,19 @@ class BatchLoop:
                     self._fail(seq, error)
                 continue
             if finished:
-                self._finish(job, removed.pop(seq) if seq in removed else engine.remove(seq))
+                cache = removed.pop(seq) if seq in removed else self._take_out(engine, [seq])[seq]
+                if isinstance(cache, _NoRoom):
+                    self._jobs.pop(seq, None)
+                    self._end(job, error=cache.error)
+                else:
+                    self._finish(job, cache)
 
     def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
         """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
-        their last tokens are streamed: ``{seq: its cache}`` (`BatchEngine.remove_many`, for `_finish`), and the next
-        step prepared again without them (their removal dropped the one prepared with their tokens fed), unless no
-        answer is left in it."""
-        ended = [seq for seq, _, _, going in order if not going]
-        try:
-            caches = engine.remove_many(ended)
-        except torch.OutOfMemoryError:
-            # (their caches are copied out of the pool first, before anything of the engine changes: once memory is
-            # made, by evicting held conversations, the copies are tried once more; else the error goes on)
-            rows = sum(engine.pool.lengths[seq.slot] for seq in ended if seq.slot is not None)
-            if not self._relieve_memory(rows):
-                raise
-            self._logger.warning("no device memory for the caches of %d answers that ended; held conversations were "
-                                 "evicted to make room", len(ended))
-            caches = engine.remove_many(ended)
-        removed = dict(zip(ended, caches))
+        their last tokens are streamed: ``{seq: its cache}`` (`_take_out`, for `_finish`), and the next step prepared
+        again without them (their removal dropped the one prepared with their tokens fed), unless no answer is left
+        in it."""
+        removed = self._take_out(engine, [seq for seq, _, _, going in order if not going])
         if engine.idle:  # (no answer left to step: nothing to launch ahead)
             return removed
         try:
@@ -1428,6 +1429,31 @@ class BatchLoop:
         except BaseException as error:  # (it put everything back: the next step decides again, and fails there)
             self._logger.debug("preparing the next batched step ahead failed", exc_info=error)
         return removed
+
+    def _take_out(self, engine: BatchEngine, seqs: list) -> dict:
+        """``{seq: its cache}`` for answers that ended, out of ``engine`` (`BatchEngine.remove_many`: their caches are
+        copied out of the pool before anything of the engine changes). Without device memory for the copies, room is
+        made (`_relieve_memory`: the server evicts held conversations) and they are copied once more; still without,
+        they leave without their caches, each mapped to the error (`_NoRoom`): those turns fail and their
+        conversations stay as they were before them, while the engine's other answers go on."""
+        try:
+            return dict(zip(seqs, engine.remove_many(seqs)))
+        except torch.OutOfMemoryError as error:
+            failure = error
+        rows = sum(engine.pool.lengths[seq.slot] for seq in seqs if seq.slot is not None)
+        if self._relieve_memory(rows):
+            self._logger.warning("no device memory for the caches of %d answers that ended; held conversations were "
+                                 "evicted to make room", len(seqs))
+            try:
+                return dict(zip(seqs, engine.remove_many(seqs)))
+            except torch.OutOfMemoryError as error:
+                failure = error
+        self._logger.error("no device memory for the caches of %d answers that ended, and none could be made: those "
+                           "turns fail, their conversations as they were before them; the other answers go on",
+                           len(seqs), exc_info=failure)
+        for seq in seqs:
+            engine.discard(seq)
+        return {seq: _NoRoom(failure) for seq in seqs}
 
     def _relieve_memory(self, rows: int) -> bool:
         """Make device memory for ``rows`` more rows of cache (answers that ended, whose caches are copied out of the

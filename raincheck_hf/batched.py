@@ -58,7 +58,8 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .batched_gdn import PackedRowLayout
-from .cache_utils import DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, order_key_int, to_device
+from .cache_utils import (DEFERRED, GENERATED, INPUT, DeferredDynamicCache, PendingRows, hold_rows, order_key_int,
+                          to_device)
 from .configuration import RaincheckConfig
 from .models import get_adapter
 from .models.base import RowBatch
@@ -388,12 +389,9 @@ class SequenceState:
         cache = DeferredDynamicCache(config=text_config, device=device)
         n = pool.lengths[self.slot]
         cache.register_rows(pool.slot_keys[self.slot, :n], self.row_sources, self.row_kinds)
-        for layer_idx, layer in enumerate(cache.layers):
-            if isinstance(layer, LinearAttentionCacheLayerMixin):  # its state lives in ``recurrent`` (below)
-                continue
-            rows = pool.rows_of(self.slot, layer_idx)
-            if rows is not None:
-                cache.update(rows[0].clone(), rows[1].clone(), layer_idx)
+        kv = {layer_idx: pool.rows_of(self.slot, layer_idx) for layer_idx, layer in enumerate(cache.layers)
+              if not isinstance(layer, LinearAttentionCacheLayerMixin)}  # (those states live in ``recurrent``: below)
+        hold_rows(cache, {layer_idx: rows for layer_idx, rows in kv.items() if rows is not None})
         if self.pending is not None:
             cache.add_pending(self.pending)
         cache.drop(self.dropped)

@@ -50,6 +50,29 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def hold_rows(cache: DynamicCache, kv: dict) -> None:
+    """Each empty layer ``i`` of ``cache`` holds ``kv[i] = (keys, values)``, copied into one new block of memory for
+    all of them (``[2 * layers, ...]``: each layer's keys and values are views of it) when their shapes and dtypes
+    agree, else each pair copied on its own (`DynamicLayer.update`). One allocation per cache, not two per layer: when a
+    held cache is dropped (a server's eviction), its memory comes back in one piece that the next cache of any size can
+    use, where tensors of a few MB each would leave holes among the caches still held (the CUDA caching allocator
+    carves allocations under 10 MB out of shared 20-MB segments)."""
+    pairs = [(i, k, v) for i, (k, v) in kv.items()]
+    if not pairs:
+        return
+    first = pairs[0][1]
+    if any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device
+           for _, k, v in pairs for t in (k, v)):
+        for i, k, v in pairs:
+            cache.update(k, v, i)
+        return
+    block = torch.stack([t for _, k, v in pairs for t in (k, v)])
+    for j, (i, k, v) in enumerate(pairs):
+        layer = cache.layers[i]
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = block[2 * j], block[2 * j + 1]
+
+
 def to_device_all(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` on ``device``, the host ones of a GPU step moved together: one pinned buffer, one non-blocking
     copy (where `to_device` one by one would make a copy each). Those already there pass through. The host tensors

@@ -1180,6 +1180,42 @@ def test_after_an_unexpected_error_the_loop_gives_its_pool_back(model, processor
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("launch_ahead", [True, False])
+def test_no_memory_for_an_ended_answers_cache_fails_that_turn_alone(model, processor, monkeypatch, launch_ahead):
+    """The device has no memory to copy an ended answer's cache out of the pool and none can be made (the library's
+    loop holds nothing it may evict): that turn fails with the error and its conversation stays as it was, while the
+    answer beside it in the same steps goes on and equals its dialogue alone (before: every turn of the engine failed,
+    as for an unexpected error). Where the ended answers leave before their last tokens stream (``launch_ahead``) and
+    where they leave after."""
+    failures = fail_remove_many(monkeypatch, lambda: torch.OutOfMemoryError("CUDA out of memory (a test's)"))
+    with BatchLoop(model, max_batch_tokens=None, launch_ahead=launch_ahead) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(2)]
+        got, errors = {}, {}
+
+        def turn(i):
+            try:
+                got[i] = ask(convs[i], QUESTIONS[0], [IMAGES[i]], max_new_tokens=4 if i == 0 else 9)
+            except BaseException as error:  # noqa: BLE001 - checked below
+                errors[i] = error
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(2)]
+        with held_loop(loop, 2):
+            for t in threads:
+                t.start()
+        for t in threads:
+            t.join()
+        assert failures["failed"] == [1] and loop.failures == 0
+        assert list(errors) == [0] and isinstance(errors[0], torch.OutOfMemoryError)
+        assert convs[0].turns == [] and convs[0].cache is None  # (as it was before the turn)
+        assert got[1].token_ids.numel() == 9
+        want = alone(model, processor, CFG, convs[1].turns, QUESTIONS, [IMAGES[1]])
+        assert_same_turn(convs[1].turns[0], want[0], "the answer beside it")
+        again = ask(convs[0], QUESTIONS[0], [IMAGES[0]], max_new_tokens=4)  # (and the conversation goes on)
+        assert_same_turn(again, alone(model, processor, CFG, [again], QUESTIONS, [IMAGES[0]])[0], "the turn again")
+        for conv in convs:
+            conv.close()
+
+
 def test_an_unexpected_error_while_a_turn_joins_ends_that_turn(model, processor, monkeypatch):
     """An unexpected error in the middle of a turn's join (after its sequence entered the engine, before the loop
     recorded the turn) ends that turn with the error too: it was taken off the queue and in no engine's record, and

@@ -374,6 +374,10 @@ def test_row_cache_continues_at_batch_one(name):
     kw = dict(suppress_tokens=no_placeholder_ids(model))
     out = run(model, batched_inputs(processor, rows), cfg, 5, **kw)
     assert all(c.num_pending > 0 for c in out.cache)
+    for c in out.cache:  # (each row's keys and values in one block of memory: `cache_utils.hold_rows`)
+        held = [t for layer in c.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()
+                for t in (layer.keys, layer.values)]
+        assert held and len({t.untyped_storage().data_ptr() for t in held}) == 1
     for i, row in enumerate(rows):
         first = make_inputs(processor, **row)
         alone = run(model, first, cfg, 5, **kw)
@@ -385,6 +389,41 @@ def test_row_cache_continues_at_batch_one(name):
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.logits, want.logits):
             assert (a - b).abs().max().item() <= TOL
+
+
+def test_hold_rows_keeps_a_cache_in_one_block():
+    """`cache_utils.hold_rows`: each layer holds what it was given, as a copy (changing the given tensors afterwards
+    leaves it as it was), every layer's keys and values in one storage; layers of unlike shapes are copied each on its
+    own (`DynamicCache.update`), as are layers of an unlike dtype."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from raincheck_hf.cache_utils import hold_rows
+
+    def empty(layers: int) -> DynamicCache:
+        cache = DynamicCache()
+        cache.layers.extend(DynamicLayer() for _ in range(layers))
+        return cache
+
+    g = torch.Generator().manual_seed(3)
+    given = {i: (torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)) for i in (0, 2, 3)}
+    want = {i: (k.clone(), v.clone()) for i, (k, v) in given.items()}
+    cache = empty(4)
+    hold_rows(cache, given)
+    for k, v in given.values():
+        k.add_(1.0), v.add_(1.0)
+    for i, (k, v) in want.items():
+        assert torch.equal(cache.layers[i].keys, k) and torch.equal(cache.layers[i].values, v)
+    assert len({t.untyped_storage().data_ptr() for i in want for t in (cache.layers[i].keys, cache.layers[i].values)}) == 1
+    assert not cache.layers[1].is_initialized and cache.get_seq_length(2) == 5
+    longer = (torch.ones(1, 2, 6, 4),) * 2
+    wider = (torch.ones(1, 2, 5, 4, dtype=torch.float64),) * 2
+    for unlike in ({0: (torch.zeros(1, 2, 5, 4),) * 2, 1: longer}, {0: (torch.zeros(1, 2, 5, 4),) * 2, 1: wider}):
+        other = empty(2)
+        hold_rows(other, unlike)
+        for i, (k, v) in unlike.items():
+            assert torch.equal(other.layers[i].keys, k) and other.layers[i].keys.dtype == k.dtype
+        assert other.layers[0].keys.untyped_storage().data_ptr() != other.layers[1].keys.untyped_storage().data_ptr()
 
 
 def test_auto_engine_takes_the_eager_engine_for_a_batch(monkeypatch):

@@ -599,6 +599,11 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
     assert saved["settings"]["freeze_heap"] is True and saved["frozen_objects"] > 0 and gc.get_freeze_count() == 0
     assert set(row["gc"]) == {"collections", "full_pause_ms_max", "full_pause_ms_total", "pause_ms_total"}
     assert len(row["gc"]["collections"]) == 3 and any("garbage collector" in line for line in lines)
+    # the round's memory (`MemoryWatch`): the 2 conversations' caches held at most (no budget: none evicted)
+    memory = row["memory"]
+    assert memory["held_conversations_then"] == 2 and memory["held_cache_bytes_max"] > 0 and memory["evictions"] == 0
+    assert [line for line in lines if " memory: " in line] == [f"[serve-load] raincheck x2 memory: "
+                                                                f"{serve_load.memory_summary(memory)}"]
 
 
 def test_serve_load_compares_launching_ahead_side_by_side(tmp_path):

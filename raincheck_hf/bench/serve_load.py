@@ -48,6 +48,7 @@ import io
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -97,6 +98,72 @@ def percentile(values: list[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(values) - 1)
     return values[low] + (values[high] - values[low]) * (position - low)
+
+
+class MemoryWatch:
+    """Memory during one round, sampled every ``every`` seconds on a thread of its own until `stop`: the held
+    conversations' caches (the server's `ConversationStore`: their bytes at most, and how many were held then) and,
+    on CUDA, the device memory PyTorch's allocator had allocated and reserved at most, the largest free-but-split
+    bytes (reserved memory in blocks too small for a new allocation: fragmentation), its retries after a failed
+    allocation and its failures, and the device's least free memory. `stop` returns a JSON-ready dict."""
+
+    def __init__(self, store, every: float = 0.1):
+        self.store, self.every = store, every
+        self.cuda = torch.cuda.is_available()
+        self._evictions = store.evictions
+        self.most_held, self.conversations_then, self.least_free = 0, 0, None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self._stats = torch.cuda.memory_stats()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="serve-load memory", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self._once()
+        while not self._done.wait(self.every):
+            self._once()
+
+    def _once(self) -> None:
+        held = self.store.snapshot()
+        if held["cache_bytes"] > self.most_held:
+            self.most_held, self.conversations_then = held["cache_bytes"], held["conversations"]
+        if self.cuda:
+            free = torch.cuda.mem_get_info()[0]
+            self.least_free = free if self.least_free is None else min(self.least_free, free)
+
+    def stop(self) -> dict:
+        self._done.set()
+        self._thread.join()
+        self._once()  # (the round's end too, however short it was)
+        out = {"held_cache_bytes_max": self.most_held, "held_conversations_then": self.conversations_then,
+               "evictions": self.store.evictions - self._evictions}
+        if self.cuda:
+            stats = torch.cuda.memory_stats()
+            out.update({
+                "allocated_bytes_max": stats.get("allocated_bytes.all.peak", 0),
+                "reserved_bytes_max": stats.get("reserved_bytes.all.peak", 0),
+                "inactive_split_bytes_max": stats.get("inactive_split_bytes.all.peak", 0),
+                "alloc_retries": stats.get("num_alloc_retries", 0) - self._stats.get("num_alloc_retries", 0),
+                "ooms": stats.get("num_ooms", 0) - self._stats.get("num_ooms", 0),
+                "device_free_bytes_min": self.least_free,
+                "device_total_bytes": torch.cuda.mem_get_info()[1],
+            })
+        return out
+
+
+def memory_summary(memory: dict) -> str:
+    """One line of a round's `MemoryWatch` figures (GiB)."""
+    gib = 2 ** 30
+    line = (f"held caches at most {memory['held_cache_bytes_max'] / gib:.2f} GiB "
+            f"({memory['held_conversations_then']} conversations), {memory['evictions']} evicted")
+    if "allocated_bytes_max" in memory:
+        line += (f"; allocated at most {memory['allocated_bytes_max'] / gib:.2f} GiB, reserved "
+                 f"{memory['reserved_bytes_max'] / gib:.2f}, split free {memory['inactive_split_bytes_max'] / gib:.2f},"
+                 f" device free at least {(memory['device_free_bytes_min'] or 0) / gib:.2f} of "
+                 f"{memory['device_total_bytes'] / gib:.2f}; allocator retries {memory['alloc_retries']}, "
+                 f"out of memory {memory['ooms']}")
+    return line
 
 
 class GcPauses:
@@ -515,16 +582,18 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 if loop is not None:
                     loop.reset_step_stats()
                 pauses.reset()
+                watch = MemoryWatch(server.store)
                 tasks = [dict(base=base, name=name, mode=mode, settings=settings, system=shapes.SYSTEM_PROMPT,
                               image_url=urls[c], questions=questions, lengths=lengths, bias=bias, think_s=think_s)
                          for c in range(n)]
                 out, errors = pool.round(tasks) if pool is not None else thread_round(tasks)
                 steps = None if loop is None else loop.step_stats(recent=LOOP_RECENT_STEPS)
                 collections = pauses.summary()  # (before the collection between rounds below)
+                memory = watch.stop()
                 server.store.close()  # the next round starts with nothing held
                 server.forget_media()  # ... and its images decoded and processed again, as new clients' are
                 gc.collect()
-                return [d for d in out if d is not None], errors, steps, collections
+                return [d for d in out if d is not None], errors, steps, {**collections, "memory": memory}
 
             for mode in modes:
                 if warmup:
@@ -550,6 +619,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     _apply_variant(loop, variant, server)
                     dialogues, errors, steps, collections = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
+                    row["memory"] = collections.pop("memory")
                     row["series"], row["gc"], row["round"] = series, collections, r
                     row["switch_interval_s"] = sys.getswitchinterval()
                     if batching:
@@ -566,6 +636,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
                     if steps is not None:
                         log(f"[serve-load] {series} x{n} loop: {loop_summary(steps)}")
+                    if row["memory"] is not None:
+                        log(f"[serve-load] {series} x{n} memory: {memory_summary(row['memory'])}")
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
