@@ -30,7 +30,8 @@ def check_warm_up_args(args) -> None:
 
 
 def start_caches(args, device: str) -> None:
-    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads."""
+    """The persistent caches (`persist.enable_persistent_caches`) for a CUDA run, before the model loads; a line when
+    Python compiles torch's modules from source in every process (`bytecode_note`)."""
     if str(device).startswith("cuda"):
         from .persist import enable_persistent_caches
 
@@ -38,6 +39,48 @@ def start_caches(args, device: str) -> None:
         if caches.set_aside is not None:
             print(f"[raincheck] cache folder: the entries in {caches.root} were {caches.set_aside[1]}; set aside "
                   f"({caches.set_aside[0]}) and rebuilt", file=sys.stderr)
+        note = bytecode_note()
+        if note is not None:
+            print(f"[raincheck] {note}", file=sys.stderr)
+
+
+def bytecode_note(module_file: str | None = None, dont_write: bool | None = None,
+                  writable: bool | None = None) -> str | None:
+    """What to do, or None, when this interpreter neither finds nor writes the bytecode of torch's modules (of
+    ``module_file``, default torch's ``__init__.py``): it then compiles them from source in every process, torch's,
+    transformers' and their dependencies', about 1,400 modules, which took a second process ~11 s longer to its
+    first answer (Qwen3-VL-8B on an H100, ``bench cold-start``). ``dont_write``: Python writes no bytecode
+    (``sys.flags.dont_write_bytecode``: ``PYTHONDONTWRITEBYTECODE`` or ``-B``); ``writable``: its bytecode's folder
+    can be written (default: asked of the file system)."""
+    import importlib.util
+    import os
+
+    if module_file is None:
+        torch = sys.modules.get("torch")
+        module_file = getattr(torch, "__file__", None)
+        if module_file is None:
+            return None
+    dont_write = bool(sys.flags.dont_write_bytecode) if dont_write is None else dont_write
+    try:
+        cached = importlib.util.cache_from_source(module_file)
+    except (NotImplementedError, ValueError):
+        return None
+    if os.path.exists(cached):
+        return None
+    folder = os.path.dirname(cached)
+    if writable is None:
+        writable = os.access(folder if os.path.isdir(folder) else os.path.dirname(folder), os.W_OK)
+    if dont_write:
+        why = "Python writes no bytecode here (PYTHONDONTWRITEBYTECODE or -B)"
+        fix = "unset PYTHONDONTWRITEBYTECODE" + ("" if writable else " and set PYTHONPYCACHEPREFIX to a folder you "
+                                                 "can write")
+    elif not writable:
+        why = f"Python cannot write bytecode beside torch ({os.path.dirname(module_file)})"
+        fix = "set PYTHONPYCACHEPREFIX to a folder you can write"
+    else:
+        return None  # (this process writes it: the next one finds it)
+    return (f"{why}, so every start compiles torch's and transformers' modules from source again (seconds): {fix} "
+            f"to keep them between runs")
 
 
 CACHE_RESERVE_FRACTION = 0.10  # of the device's memory, kept out of the held caches' automatic budget

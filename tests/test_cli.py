@@ -288,3 +288,27 @@ def test_chat_captures_the_rest_of_its_warm_up_only_while_it_waits_for_a_questio
     assert main(["chat", "--model", "tiny", "--question", "a?", "--question", "b?", "--max-new-tokens", "2",
                  "--idle-wait", "0"]) == 0
     assert events == [("warm", True), "finish", "pause"]
+
+
+def test_bytecode_note_says_when_every_start_compiles_torch_again(tmp_path):
+    """`startup.bytecode_note` (a line the CLI and the server print at start on CUDA): a module without its bytecode
+    where Python writes none names PYTHONDONTWRITEBYTECODE, and PYTHONPYCACHEPREFIX too where the folder cannot be
+    written; one whose bytecode is there, or that this process will write, needs no line."""
+    import importlib.util
+
+    from raincheck_hf.startup import bytecode_note
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    source = package / "__init__.py"
+    source.write_text("x = 1\n")
+    note = bytecode_note(str(source), dont_write=True)
+    assert "PYTHONDONTWRITEBYTECODE" in note and "PYTHONPYCACHEPREFIX" not in note
+    assert bytecode_note(str(source), dont_write=False) is None  # (written by this process: found by the next)
+    unwritable = bytecode_note(str(source), dont_write=True, writable=False)
+    assert "PYTHONDONTWRITEBYTECODE" in unwritable and "PYTHONPYCACHEPREFIX" in unwritable
+    assert "PYTHONPYCACHEPREFIX" in bytecode_note(str(source), dont_write=False, writable=False)
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(b"")
+    assert bytecode_note(str(source), dont_write=True) is None
