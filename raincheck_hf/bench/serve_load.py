@@ -236,7 +236,7 @@ def profiled_round(loop, play, top: int = 30) -> dict:
     profiler = cProfile.Profile()
     loop.call(profiler.enable)
     try:
-        dialogues, errors, _, _ = play()
+        dialogues, errors = play()[:2]
     finally:
         loop.call(profiler.disable)
     stats = pstats.Stats(profiler)
@@ -578,7 +578,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
 
             loop = server.scheduler  # (``batching``: the server's `BatchLoop`, in this process)
 
-            def round_of(mode: str, n: int) -> tuple[list, list, dict | None, dict]:
+            def round_of(mode: str, n: int) -> tuple[list, list, dict | None, dict, dict]:
                 if loop is not None:
                     loop.reset_step_stats()
                 pauses.reset()
@@ -593,7 +593,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                 server.store.close()  # the next round starts with nothing held
                 server.forget_media()  # ... and its images decoded and processed again, as new clients' are
                 gc.collect()
-                return [d for d in out if d is not None], errors, steps, {**collections, "memory": memory}
+                return [d for d in out if d is not None], errors, steps, collections, memory
 
             for mode in modes:
                 if warmup:
@@ -617,9 +617,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     series = ", ".join(parts)
                     # (between rounds: the loop has nothing running)
                     _apply_variant(loop, variant, server)
-                    dialogues, errors, steps, collections = round_of(mode, n)
+                    dialogues, errors, steps, collections, memory = round_of(mode, n)
                     row = load_row(mode, n, dialogues, errors)
-                    row["memory"] = collections.pop("memory")
+                    row["memory"] = memory
                     row["series"], row["gc"], row["round"] = series, collections, r
                     row["switch_interval_s"] = sys.getswitchinterval()
                     if batching:
@@ -636,8 +636,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"{_ms(row['ttft_p50_s'])} ms, TPOT p50 {_ms(row['tpot_p50_s'])} ms, errors {len(errors)}")
                     if steps is not None:
                         log(f"[serve-load] {series} x{n} loop: {loop_summary(steps)}")
-                    if row["memory"] is not None:
-                        log(f"[serve-load] {series} x{n} memory: {memory_summary(row['memory'])}")
+                    log(f"[serve-load] {series} x{n} memory: {memory_summary(memory)}")
                     log(f"[serve-load] {series} x{n} garbage collector: {collections['collections']} collections "
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
