@@ -1410,11 +1410,13 @@ class BatchLoop:
                 continue
             if finished:
                 cache = removed.pop(seq) if seq in removed else self._take_out(engine, [seq])[seq]
-                if isinstance(cache, _NoRoom):
+                if not isinstance(cache, _NoRoom):
+                    self._finish(job, cache)
+                elif self._answer_without_cache(job):
+                    self._finish(job, None)
+                else:
                     self._jobs.pop(seq, None)
                     self._end(job, error=cache.error)
-                else:
-                    self._finish(job, cache)
 
     def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
         """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
@@ -1434,8 +1436,9 @@ class BatchLoop:
         """``{seq: its cache}`` for answers that ended, out of ``engine`` (`BatchEngine.remove_many`: their caches are
         copied out of the pool before anything of the engine changes). Without device memory for the copies, room is
         made (`_relieve_memory`: the server evicts held conversations) and they are copied once more; still without,
-        they leave without their caches, each mapped to the error (`_NoRoom`): those turns fail and their
-        conversations stay as they were before them, while the engine's other answers go on."""
+        they leave without their caches, each mapped to the error (`_NoRoom`): those turns fail, their conversations as
+        they were before them, or get their answers without a cache (`_answer_without_cache`), while the engine's
+        other answers go on."""
         try:
             return dict(zip(seqs, engine.remove_many(seqs)))
         except torch.OutOfMemoryError as error:
@@ -1448,12 +1451,18 @@ class BatchLoop:
                 return dict(zip(seqs, engine.remove_many(seqs)))
             except torch.OutOfMemoryError as error:
                 failure = error
-        self._logger.error("no device memory for the caches of %d answers that ended, and none could be made: those "
-                           "turns fail, their conversations as they were before them; the other answers go on",
-                           len(seqs), exc_info=failure)
+        self._logger.error("no device memory for the caches of %d answers that ended, and none could be made: they "
+                           "leave without them; the other answers go on", len(seqs), exc_info=failure)
         for seq in seqs:
             engine.discard(seq)
         return {seq: _NoRoom(failure) for seq in seqs}
+
+    def _answer_without_cache(self, job: BatchTurn) -> bool:
+        """Whether a turn whose cache could not be copied out of the pool (`_take_out`: no device memory) still gets
+        its answer, recorded without a cache (``None``): then nothing can continue its conversation from one. A
+        library conversation cannot lose its state, so here the turn fails and its conversation stays as it was before
+        it; the server answers and lets the conversation go (`serve.scheduler.BatchScheduler`)."""
+        return False
 
     def _relieve_memory(self, rows: int) -> bool:
         """Make device memory for ``rows`` more rows of cache (answers that ended, whose caches are copied out of the

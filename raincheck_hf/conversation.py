@@ -450,7 +450,7 @@ class Conversation:
             time_to_first_token=(times[0] - started) if times else float("nan"),
             token_times=[b - a for a, b in zip(times, times[1:])],
             restored_during_answer=trace.restored_during_decode,
-            pending=cache.num_pending,
+            pending=0 if cache is None else cache.num_pending,
             wall_time=wall,
             cancelled=cancelled,
             output=output,

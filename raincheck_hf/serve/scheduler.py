@@ -39,6 +39,7 @@ class BatchJob(BatchTurn):
     ``logits_processor``, ``stopping_criteria``, greedy settings)."""
 
     digests: tuple = ()
+    unheld: bool = False  # answered without its cache (no device memory for it): its conversation is let go
 
 
 class BatchScheduler(BatchLoop):
@@ -99,3 +100,12 @@ class BatchScheduler(BatchLoop):
 
     def _recorded(self, job: BatchJob, result) -> None:
         job.conversation.digests = job.digests
+        if job.unheld:
+            self.store.forget(job.conversation)
+
+    def _answer_without_cache(self, job: BatchJob) -> bool:
+        """The answer goes back to its client although its cache could not be kept (no device memory, none to be
+        made by eviction): its conversation is no longer held, as if evicted, and a follow-up prefills the dialogue
+        again."""
+        job.unheld = True
+        return True

@@ -181,6 +181,15 @@ class ConversationStore:
             self._entries.pop(conv.id, None)
         self._close(conv)
 
+    def forget(self, conv: ServedConversation) -> None:
+        """``conv`` is no longer held, without closing it: its last turn was answered without a cache (the batching
+        loop had no device memory for it). Called on the loop's thread while the turn's request thread waits for it,
+        which `Conversation.close` would wait for in turn. It counts among the evictions."""
+        with self._lock:
+            if self._entries.pop(conv.id, None) is not None:
+                self.evictions += 1
+                self.restored_after_gone += sum(t.restored_after_answer for t in conv.turns)
+
     def evict(self) -> int:
         """Close least recently used idle conversations until the held caches fit ``max_bytes``."""
         if self.max_bytes is None:
