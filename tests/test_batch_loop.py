@@ -64,6 +64,26 @@ def ask(conv, question, images=(), **kw):
     return conv.ask(question, images=images, output_logits=True, suppress_tokens=no_placeholder_ids(conv.model), **kw)
 
 
+def ask_together(loop: BatchLoop, convs, kwargs: list[dict]) -> tuple[dict, dict]:
+    """Conversation ``i`` asks the first question about ``IMAGES[i]`` (with ``kwargs[i]``) on a thread of its own, all
+    the turns joining the loop at once (`held_loop`): ``({i: TurnResult}, {i: the error it raised})``."""
+    got, errors = {}, {}
+
+    def turn(i):
+        try:
+            got[i] = ask(convs[i], QUESTIONS[0], [IMAGES[i]], **kwargs[i])
+        except BaseException as error:  # noqa: BLE001 - the caller's to check
+            errors[i] = error
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(convs))]
+    with held_loop(loop, len(convs)):
+        for t in threads:
+            t.start()
+    for t in threads:
+        t.join()
+    return got, errors
+
+
 def alone(model, processor, config, turns, questions, images):
     """The dialogue of ``turns`` (TurnResults got on a loop) run alone, each turn under its chunk schedule."""
     with Conversation(model, processor, config, background=False, max_new_tokens=6) as conv:
@@ -300,21 +320,7 @@ def test_an_answer_cancelled_in_a_step_leaves_before_the_next_step_which_goes_ah
             def end(self):
                 pass
 
-        got, errors = {}, []
-
-        def turn(i):
-            try:
-                kw = dict(streamer=Cancels()) if i == 0 else {}
-                got[i] = ask(convs[i], QUESTIONS[0], [IMAGES[i]], max_new_tokens=12 if i else 10, **kw)
-            except BaseException as error:  # noqa: BLE001 - reported below
-                errors.append(error)
-
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(2)]
-        with held_loop(loop, 2):
-            for t in threads:
-                t.start()
-        for t in threads:
-            t.join()
+        got, errors = ask_together(loop, convs, [dict(streamer=Cancels(), max_new_tokens=10), dict(max_new_tokens=12)])
         assert not errors, errors
         assert got[0].cancelled and got[0].token_ids.numel() < 10 and got[1].token_ids.numel() == 12
         assert launched_after[:1] == [True], launched_after  # (the cancelled answer's end: the next step went ahead)
@@ -1190,20 +1196,7 @@ def test_no_memory_for_an_ended_answers_cache_fails_that_turn_alone(model, proce
     failures = fail_remove_many(monkeypatch, lambda: torch.OutOfMemoryError("CUDA out of memory (a test's)"))
     with BatchLoop(model, max_batch_tokens=None, launch_ahead=launch_ahead) as loop:
         convs = [Conversation(model, processor, CFG, background=False, max_new_tokens=6, loop=loop) for _ in range(2)]
-        got, errors = {}, {}
-
-        def turn(i):
-            try:
-                got[i] = ask(convs[i], QUESTIONS[0], [IMAGES[i]], max_new_tokens=4 if i == 0 else 9)
-            except BaseException as error:  # noqa: BLE001 - checked below
-                errors[i] = error
-
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(2)]
-        with held_loop(loop, 2):
-            for t in threads:
-                t.start()
-        for t in threads:
-            t.join()
+        got, errors = ask_together(loop, convs, [dict(max_new_tokens=4), dict(max_new_tokens=9)])
         assert failures["failed"] == [1] and loop.failures == 0
         assert list(errors) == [0] and isinstance(errors[0], torch.OutOfMemoryError)
         assert convs[0].turns == [] and convs[0].cache is None  # (as it was before the turn)
