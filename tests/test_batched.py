@@ -414,7 +414,8 @@ def test_hold_rows_keeps_a_cache_in_one_block():
         k.add_(1.0), v.add_(1.0)
     for i, (k, v) in want.items():
         assert torch.equal(cache.layers[i].keys, k) and torch.equal(cache.layers[i].values, v)
-    assert len({t.untyped_storage().data_ptr() for i in want for t in (cache.layers[i].keys, cache.layers[i].values)}) == 1
+    held = [t for i in want for t in (cache.layers[i].keys, cache.layers[i].values)]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
     assert not cache.layers[1].is_initialized and cache.get_seq_length(2) == 5
     longer = (torch.ones(1, 2, 6, 4),) * 2
     wider = (torch.ones(1, 2, 5, 4, dtype=torch.float64),) * 2
