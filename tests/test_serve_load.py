@@ -1045,7 +1045,7 @@ def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     assert cli.serve(parser.parse_args(["--batching", "--restoring-places", "3", "--device", "cpu"])) == 0
     assert asked[-1]["batch"] == 7 and len(fits) == 1  # (set: taken as given)
     assert made[-1].restoring_places == 3 and made[-1].max_cache_bytes is None  # ('auto' off a GPU: unbounded)
-    monkeypatch.setattr(startup, "auto_cache_budget", lambda device: 5 << 30)  # (as on a GPU with 5 GiB left)
+    monkeypatch.setattr(startup, "auto_cache_budget", lambda device, later_bytes=0: 5 << 30)  # (a GPU, 5 GiB left)
     assert cli.serve(parser.parse_args(["--device", "cpu"])) == 0
     assert made[-1].max_cache_bytes == 5 << 30
     assert cli.serve(parser.parse_args(["--device", "cpu", "--max-cache-gb", "2"])) == 0
@@ -1055,6 +1055,37 @@ def test_serve_warms_the_vision_tower_for_the_image_sizes_given(monkeypatch):
     for bad in ("1344", "0x10", "axb"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--warm-up-image-sizes", bad])
+
+
+def test_the_automatic_budget_without_a_warm_up_keeps_the_batched_pool_out(monkeypatch):
+    """``serve --batching --no-warm-up``: the batched pool is made by the first answers, not before the budget is
+    taken, so what the warm-up would have made for the running and restoring places is kept out of the held caches'
+    budget (`fast.batched_graphs.pool_bytes`): the same budget as with the warm-up. Without ``--batching``, or with
+    the warm-up, nothing is taken off."""
+    import argparse
+
+    from raincheck_hf import startup
+    from raincheck_hf.fast.batched_graphs import pool_bytes
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.serve import cli
+
+    from families import family_model
+
+    model = family_model("qwen3_vl")
+    monkeypatch.setattr(startup, "auto_cache_budget", lambda device, later_bytes=0: (20 << 30) - later_bytes)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+
+    def budget(*argv):
+        args = parser.parse_args(["--device", "cpu", *argv])
+        settings = cli.settings_from(args)
+        return cli.with_cache_budget(args, "cpu", settings, model).max_cache_bytes, settings
+
+    got, settings = budget("--batching", "--no-warm-up")
+    pool = pool_bytes(get_adapter(model), settings.batch_places, 4096)["bytes"]
+    assert settings.batch_places == 6 and 0 < pool and got == (20 << 30) - pool  # (4 answers + 2 restoring)
+    assert budget("--batching")[0] == 20 << 30 and budget("--no-warm-up")[0] == 20 << 30
+    assert budget("--batching", "--no-warm-up", "--max-cache-gb", "3")[0] == 3 << 30
 
 
 def test_the_held_caches_automatic_budget(monkeypatch):

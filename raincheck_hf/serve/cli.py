@@ -206,16 +206,25 @@ def _gb_or_auto(text: str):
         raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', got {text!r}") from None
 
 
-def with_cache_budget(args, device, settings):
+def with_cache_budget(args, device, settings, model=None):
     """``settings`` with the held caches' budget of ``--max-cache-gb auto`` (`startup.auto_cache_budget`, taken
-    after the warm-up), said on stderr; as they are for a number or ``none``."""
+    after the warm-up), said on stderr; as they are for a number or ``none``. With ``--batching`` and
+    ``--no-warm-up`` the batched pool is not made yet: what the warm-up would have made for ``--max-running``
+    (`fast.batched_graphs.pool_bytes`) is kept out of the budget too, so that the budget is the same either way."""
     if args.max_cache_gb != "auto":
         return settings
     from dataclasses import replace
 
-    from ..startup import auto_cache_budget
+    from ..startup import auto_cache_budget, warm_up_max_tokens
 
-    budget = auto_cache_budget(device)
+    later = 0
+    if settings.batching and not args.warm_up and model is not None:
+        from ..fast.batched_graphs import pool_bytes
+        from ..models import get_adapter
+
+        later = pool_bytes(get_adapter(model), settings.batch_places,
+                           warm_up_max_tokens(args, settings.max_tokens))["bytes"]
+    budget = auto_cache_budget(device, later)
     if budget == 0:
         print("[raincheck] --max-cache-gb auto: no GPU memory is left after the warm-up for held conversations, and "
               "a prompt must fit the held caches' budget: every request would be refused. Lower --max-running or "
@@ -308,7 +317,7 @@ def serve(args) -> int:
     run_warm_up(args, model, processor, settings.config, settings.max_tokens,
                 image_sizes=[(height, width) for width, height in args.warm_up_image_sizes],
                 batch=settings.batch_places if settings.batching else None)
-    settings = with_cache_budget(args, device, settings)
+    settings = with_cache_budget(args, device, settings, model)
     if not _loopback(args.host) and settings.api_key is None:
         print(f"[raincheck] serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
