@@ -101,7 +101,7 @@ def _media(prepared: dict, adapter) -> dict:
 @dataclass(frozen=True)
 class _NoRoom:
     """In place of an ended answer's cache: no device memory could be made to copy it out of the batched pool
-    (`BatchLoop._take_out`); the turn fails with ``error``."""
+    (`BatchLoop._take_out`); ``error`` is what the copy raised (`BatchLoop._settle`)."""
 
     error: BaseException
 
@@ -1409,14 +1409,7 @@ class BatchLoop:
                     self._fail(seq, error)
                 continue
             if finished:
-                cache = removed.pop(seq) if seq in removed else self._take_out(engine, [seq])[seq]
-                if not isinstance(cache, _NoRoom):
-                    self._finish(job, cache)
-                elif self._answer_without_cache(job):
-                    self._finish(job, None)
-                else:
-                    self._jobs.pop(seq, None)
-                    self._end(job, error=cache.error)
+                self._settle(job, removed.pop(seq) if seq in removed else self._take_out(engine, [seq])[seq])
 
     def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
         """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
@@ -1456,6 +1449,17 @@ class BatchLoop:
         for seq in seqs:
             engine.discard(seq)
         return {seq: _NoRoom(failure) for seq in seqs}
+
+    def _settle(self, job: BatchTurn, cache) -> None:
+        """The answer ended and left its engine with ``cache`` (`_take_out`'s): finished, or, where there was no
+        device memory for its cache, answered without it (`_answer_without_cache`) or failed with the error."""
+        if not isinstance(cache, _NoRoom):
+            self._finish(job, cache)
+        elif self._answer_without_cache(job):
+            self._finish(job, None)
+        else:
+            self._jobs.pop(job.seq, None)
+            self._end(job, error=cache.error)
 
     def _answer_without_cache(self, job: BatchTurn) -> bool:
         """Whether a turn whose cache could not be copied out of the pool (`_take_out`: no device memory) still gets
@@ -1587,7 +1591,7 @@ class BatchLoop:
                 continue
             if seq.prefilled:
                 job.request.stopped = True
-                self._finish(job, job.engine.remove(seq))
+                self._settle(job, self._take_out(job.engine, [seq])[seq])
                 continue
             gone = self._gone(job)
             if gone is not None:

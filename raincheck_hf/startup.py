@@ -44,6 +44,19 @@ def start_caches(args, device: str) -> None:
             print(f"[raincheck] {note}", file=sys.stderr)
 
 
+def bytecode_path(source: str) -> str | None:
+    """Where this interpreter keeps the bytecode of the module at ``source`` (``__pycache__`` beside it, or under
+    ``PYTHONPYCACHEPREFIX``), whether or not it is there; None for a module it keeps none of."""
+    import importlib.util
+
+    if not source.endswith(".py"):
+        return None
+    try:
+        return importlib.util.cache_from_source(source)
+    except (NotImplementedError, ValueError):
+        return None
+
+
 def bytecode_note(module_file: str | None = None, dont_write: bool | None = None,
                   writable: bool | None = None) -> str | None:
     """What to do, or None, when this interpreter neither finds nor writes the bytecode of torch's modules (of
@@ -52,7 +65,6 @@ def bytecode_note(module_file: str | None = None, dont_write: bool | None = None
     first answer (Qwen3-VL-8B on an H100, ``bench cold-start``). ``dont_write``: Python writes no bytecode
     (``sys.flags.dont_write_bytecode``: ``PYTHONDONTWRITEBYTECODE`` or ``-B``); ``writable``: its bytecode's folder
     can be written (default: asked of the file system)."""
-    import importlib.util
     import os
 
     if module_file is None:
@@ -61,11 +73,8 @@ def bytecode_note(module_file: str | None = None, dont_write: bool | None = None
         if module_file is None:
             return None
     dont_write = bool(sys.flags.dont_write_bytecode) if dont_write is None else dont_write
-    try:
-        cached = importlib.util.cache_from_source(module_file)
-    except (NotImplementedError, ValueError):
-        return None
-    if os.path.exists(cached):
+    cached = bytecode_path(module_file)
+    if cached is None or os.path.exists(cached):
         return None
     folder = os.path.dirname(cached)
     if writable is None:

@@ -149,7 +149,7 @@ def imported_figures(names) -> dict:
     """The modules first imported during the warm-up, per top-level package: how many, and how many of those read
     from source, without their bytecode cache (``__pycache__``: compiled again in every process; a package installed
     without it, or an interpreter that writes none, ``sys.flags.dont_write_bytecode``)."""
-    import importlib.util
+    from raincheck_hf.startup import bytecode_path
 
     packages: dict = {}
     for name in names:
@@ -158,10 +158,7 @@ def imported_figures(names) -> dict:
         entry = packages.setdefault(name.split(".")[0], [0, 0])
         entry[0] += 1
         if isinstance(origin, str) and origin.endswith(".py"):
-            try:
-                cached = importlib.util.cache_from_source(origin)
-            except (NotImplementedError, ValueError):
-                cached = None
+            cached = bytecode_path(origin)
             if cached is None or not os.path.exists(cached):
                 entry[1] += 1
     return {"modules": sum(n for n, _ in packages.values()), "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),

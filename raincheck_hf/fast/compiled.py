@@ -206,6 +206,9 @@ def compiled(fn, rows: dict | None = None, sizes: dict | None = None):
     tensor that count rows (`mark_rows`, each call); ``sizes``: positional argument -> its other dimensions that vary
     between calls (`mark_sizes`); both the same at every call of ``fn``. With either given, the dimensions they name
     are the only dynamic ones; with neither, every dimension is."""
+    out = _COMPILED.get(fn)  # (made already: the call of every layer of every step needs no lock and no wait)
+    if out is not None:
+        return out
     _wait_for_preload()  # (outside the lock: other functions' lookups need not wait for it)
     with _LOCK:
         out = _COMPILED.get(fn)

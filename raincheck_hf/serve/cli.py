@@ -206,7 +206,7 @@ def _gb_or_auto(text: str):
         raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', got {text!r}") from None
 
 
-def with_cache_budget(args, device, settings, model=None):
+def with_cache_budget(args, device, settings, model):
     """``settings`` with the held caches' budget of ``--max-cache-gb auto`` (`startup.auto_cache_budget`, taken
     after the warm-up), said on stderr; as they are for a number or ``none``. With ``--batching`` and
     ``--no-warm-up`` the batched pool is not made yet: what the warm-up would have made for ``--max-running``
@@ -218,7 +218,7 @@ def with_cache_budget(args, device, settings, model=None):
     from ..startup import auto_cache_budget, warm_up_max_tokens
 
     later = 0
-    if settings.batching and not args.warm_up and model is not None:
+    if settings.batching and not args.warm_up:
         from ..fast.batched_graphs import pool_bytes
         from ..models import get_adapter
 

@@ -186,9 +186,10 @@ class ConversationStore:
         loop had no device memory for it). Called on the loop's thread while the turn's request thread waits for it,
         which `Conversation.close` would wait for in turn. It counts among the evictions."""
         with self._lock:
-            if self._entries.pop(conv.id, None) is not None:
-                self.evictions += 1
-                self.restored_after_gone += sum(t.restored_after_answer for t in conv.turns)
+            if self._entries.pop(conv.id, None) is None:
+                return
+            self.evictions += 1
+        self._gone(conv)
 
     def evict(self) -> int:
         """Close least recently used idle conversations until the held caches fit ``max_bytes``."""
@@ -224,6 +225,11 @@ class ConversationStore:
 
     def _close(self, conv: ServedConversation) -> None:
         conv.close()
+        self._gone(conv)
+
+    def _gone(self, conv: ServedConversation) -> None:
+        """``conv`` is no longer held: what it restored after its answers stays counted (the figures'
+        ``restored_after_answer``)."""
         with self._lock:
             self.restored_after_gone += sum(t.restored_after_answer for t in conv.turns)
 
