@@ -595,3 +595,14 @@ def test_kernel_categories_sum_a_profiles_kernels_by_kind_per_step(tmp_path, cap
     assert [r["batch"] for r in whole] == [8, 2] and whole[0]["per"] == "call"
     assert whole[0]["gemm"] == pytest.approx(12.0) and whole[1]["total"] is None and whole[1]["unlisted"] is None
     assert "ms/call" in capsys.readouterr().out
+
+
+def test_large_results_are_written_compactly_and_read_back_the_same(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency, "COMPACT_ABOVE", 2_000)
+    small, large = {"rows": [{"ttft_s": 0.1}]}, {"rows": [{"ttft_s": k / 7, "client": k} for k in range(200)]}
+    for name, result in (("small", small), ("large", large)):
+        latency._write(result, str(tmp_path / f"{name}.json"))
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == result
+    assert "\n " in (tmp_path / "small.json").read_text()  # indented
+    text = (tmp_path / "large.json").read_text()
+    assert text.count("\n") == 1 and ", " not in text and len(text) < len(json.dumps(large, indent=1)) * 0.8
