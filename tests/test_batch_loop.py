@@ -1209,6 +1209,48 @@ def test_no_memory_for_an_ended_answers_cache_fails_that_turn_alone(model, proce
             conv.close()
 
 
+def test_no_memory_for_a_cancelled_answers_cache_fails_that_turn_alone(model, processor, monkeypatch):
+    """A client cancels while a token of its answer streams, with no step launched ahead, so its answer leaves
+    before the next step (`BatchLoop._leave_cancelled`), and the device has no memory to copy its cache out of the
+    pool: that turn fails with the error and its conversation stays as it was, while the other answer goes on and
+    equals its dialogue alone (before, such a failure there ended every turn of the engine)."""
+    failures = fail_remove_many(monkeypatch, lambda: torch.OutOfMemoryError("CUDA out of memory (a test's)"))
+    left_cancelled, leave = [], BatchLoop._leave_cancelled
+
+    def recorded(self):
+        left_cancelled.extend(k for k, (seq, job) in enumerate(self._jobs.items())
+                              if job.cancel.is_set() and seq.prefilled)
+        leave(self)
+
+    monkeypatch.setattr(BatchLoop, "_leave_cancelled", recorded)
+    with BatchLoop(model, max_batch_tokens=None, launch_ahead=False) as loop:
+        convs = [Conversation(model, processor, CFG, background=False, loop=loop) for _ in range(2)]
+
+        class Cancels:  # cancels while its third token streams
+            puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 4:
+                    convs[0].cancel()
+
+            def end(self):
+                pass
+
+        got, errors = ask_together(loop, convs, [dict(streamer=Cancels(), max_new_tokens=10), dict(max_new_tokens=12)])
+        assert left_cancelled, "the cancelled answer did not leave through _leave_cancelled"
+        assert failures["failed"] == [1] and loop.failures == 0
+        assert list(errors) == [0] and isinstance(errors[0], torch.OutOfMemoryError)
+        assert convs[0].turns == [] and convs[0].cache is None  # (as it was before the turn)
+        assert got[1].token_ids.numel() == 12
+        assert_same_turn(convs[1].turns[0], alone(model, processor, CFG, convs[1].turns, QUESTIONS, [IMAGES[1]])[0],
+                         "the answer beside it")
+        again = ask(convs[0], QUESTIONS[0], [IMAGES[0]], max_new_tokens=4)  # (and the conversation goes on)
+        assert_same_turn(again, alone(model, processor, CFG, [again], QUESTIONS, [IMAGES[0]])[0], "the turn again")
+        for conv in convs:
+            conv.close()
+
+
 def test_an_unexpected_error_while_a_turn_joins_ends_that_turn(model, processor, monkeypatch):
     """An unexpected error in the middle of a turn's join (after its sequence entered the engine, before the loop
     recorded the turn) ends that turn with the error too: it was taken off the queue and in no engine's record, and
