@@ -510,6 +510,9 @@ def test_server_overhead_takes_medians_of_the_first_turns_and_splits_the_differe
     assert got["ttft_s"] == pytest.approx(0.028) and got["ttft_ratio"] == pytest.approx(0.110 / 0.082)
     assert got["client_http_s"] == pytest.approx(0.110 - 0.100) and got["in_server_s"] == pytest.approx(0.100 - 0.082)
     assert got["client_http_s"] + got["in_server_s"] == pytest.approx(got["ttft_s"])
+    assert "client_floor_s" not in got
+    split = overhead(served, runs, {"client_s": 0.004})  # (what the client's part costs against a server at once)
+    assert split["client_floor_s"] == 0.004 and split["server_http_s"] == pytest.approx(0.110 - 0.100 - 0.004)
 
 
 def test_serve_load_benchmark_smoke(tmp_path):
@@ -537,6 +540,10 @@ def test_serve_load_benchmark_smoke(tmp_path):
         assert lib["ttft_s"] > 0 and lib["tpot_s"] > 0 and saved["overhead"][mode]["ttft_s"] is not None
         assert len(lib["rounds"]) == 1 and saved["overhead"][mode]["rounds"] == {"server": 1, "library": 1}
         assert saved["overhead"][mode]["client_http_s"] > 0
+        assert saved["overhead"][mode]["client_floor_s"] == saved["client_floor"]["client_s"]
+    floor = saved["client_floor"]  # (the same first request to a server that answers it at once)
+    assert floor["requests"] == serve_load.FLOOR_REPEATS - 1 and floor["ttft_s"] > floor["client_s"] > 0
+    assert floor["ttft_s"] == pytest.approx(floor["in_app_s"] + floor["client_s"], rel=0.5)
     assert saved["jpeg_decode_s"] > 0
     assert (tmp_path / "load.png").stat().st_size > 0
     with pytest.raises(ValueError, match="clients"):

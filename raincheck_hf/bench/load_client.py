@@ -68,6 +68,35 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str
     return records
 
 
+def client_floor(base: str, name: str, system: str, image_url: str, question: str, repeats: int,
+                 start=None) -> list[dict]:
+    """The first turn's request, ``repeats`` times, to a server that answers it at once (`serve_load.at_once_app`):
+    what the client's request and the first piece of the response cost with no model behind them (the official
+    client building and sending the request, HTTP on the loopback, the piece parsed). A record per request:
+    ``ttft_s`` from just before the request to the first piece with text, ``server_t1_s`` the server's own clock."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "system", "content": system}, user_turn(question, image_url)]
+    if start is not None:
+        start()
+    records = []
+    for _ in range(repeats):
+        first, rc = None, None
+        begin = time.perf_counter()
+        stream = client.chat.completions.create(model=name, messages=messages, stream=True, temperature=0,
+                                                max_tokens=1)
+        for chunk in stream:
+            if first is None and any(choice.delta.content for choice in chunk.choices):
+                first = time.perf_counter()
+            rc = (chunk.model_extra or {}).get("raincheck") or rc
+        records.append({"ttft_s": first - begin, "server_t1_s": rc["t1_ms"] / 1e3})
+    return records
+
+
+_KINDS = {"dialogue": client_dialogue, "floor": client_floor}
+
+
 def _worker(tasks, results, ready, go) -> None:
     """A client process: runs the dialogues it is given (None ends it), each starting when ``go`` is set.
 
@@ -77,7 +106,7 @@ def _worker(tasks, results, ready, go) -> None:
         task = tasks.get()
         if task is None:
             return
-        index, kwargs = task
+        index, kind, kwargs = task
 
         def start():
             with ready.get_lock():
@@ -85,7 +114,7 @@ def _worker(tasks, results, ready, go) -> None:
             go.wait()
 
         try:
-            results.put((index, client_dialogue(**kwargs, start=start), None))
+            results.put((index, _KINDS[kind](**kwargs, start=start), None))
         except BaseException as error:  # counted in the row, the first few kept
             results.put((index, None, f"{type(error).__name__}: {str(error)[:300]}"))
 
@@ -106,16 +135,17 @@ class ClientPool:
         for process in self._processes:
             process.start()
 
-    def round(self, tasks: list[dict], timeout: float = 3600.0) -> tuple[list, list[str]]:
-        """Run ``client_dialogue(**task)`` for each task, one per process, all starting together once every client
-        is built; returns ``(records per client in order, None for a failed one; error messages)``."""
+    def round(self, tasks: list[dict], timeout: float = 3600.0, kind: str = "dialogue") -> tuple[list, list[str]]:
+        """Run ``client_dialogue(**task)`` (``kind="floor"``: `client_floor`) for each task, one per process, all
+        starting together once every client is built; returns ``(records per client in order, None for a failed one;
+        error messages)``."""
         if len(tasks) > len(self._processes):
             raise ValueError(f"{len(tasks)} clients in a round, but the pool has {len(self._processes)} processes")
         self._go.clear()
         with self._ready.get_lock():
             self._ready.value = 0
         for i, task in enumerate(tasks):
-            self._tasks[i].put((i, task))
+            self._tasks[i].put((i, kind, task))
         out, errors, answered = [None] * len(tasks), [], 0
         deadline = time.monotonic() + timeout
         while answered < len(tasks):  # start them together once all are built (or some failed before that)
@@ -149,13 +179,13 @@ class ClientPool:
         self.close()
 
 
-def thread_round(tasks: list[dict]) -> tuple[list, list[str]]:
+def thread_round(tasks: list[dict], kind: str = "dialogue") -> tuple[list, list[str]]:
     """The same round with each client in a thread of the calling process (``--in-process-clients``)."""
     barrier, out, errors = threading.Barrier(len(tasks)), [None] * len(tasks), []
 
     def one(c):
         try:
-            out[c] = client_dialogue(**tasks[c], start=barrier.wait)
+            out[c] = _KINDS[kind](**tasks[c], start=barrier.wait)
         except BaseException as error:  # counted in the row, the first few kept
             errors.append(f"{type(error).__name__}: {str(error)[:300]}")
             barrier.abort()

@@ -340,9 +340,11 @@ def print_table(result: dict, log=print) -> None:
         where = ""
         if o.get("client_http_s") is not None and o.get("in_server_s") is not None:
             decode = result.get("jpeg_decode_s")
-            where = (f" (of the difference: the client's request and the response {_ms(o['client_http_s'])} ms, in the "
-                     f"server {_ms(o['in_server_s'])} ms" + (f", the JPEG's decoding alone {_ms(decode)} ms"
-                                                            if decode is not None else "") + ")")
+            floor = (f" ({_ms(o['client_floor_s'])} ms of it against a server answering at once)"
+                     if o.get("client_floor_s") is not None else "")
+            where = (f" (of the difference: the client's request and the response {_ms(o['client_http_s'])} ms"
+                     f"{floor}, in the server {_ms(o['in_server_s'])} ms"
+                     + (f", the JPEG's decoding alone {_ms(decode)} ms" if decode is not None else "") + ")")
         rounds = o.get("rounds")
         log(f"one client, {mode}: server T1 {_ms(o['server_ttft_s'])} ms vs library {_ms(o['library_ttft_s'])} ms, "
             f"TPOT {_ms(o['server_tpot_s'])} vs {_ms(o['library_tpot_s'])} ms"
@@ -675,6 +677,14 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     for line in trace_lines(traced):
                         log(f"[serve-load]   {line}")
                     _write(result, json_path)
+            if library and 1 in clients:  # the client's own part of one client's first token: a server answering at once
+                result["client_floor"] = measure_client_floor(
+                    pool, dict(name=name, system=shapes.SYSTEM_PROMPT, image_url=urls[0], question=questions[0],
+                               repeats=FLOOR_REPEATS))
+                floor = result["client_floor"]
+                log(f"[serve-load] a server answering at once: the client's first piece after "
+                    f"{_ms(floor['ttft_s'])} ms, {_ms(floor['client_s'])} ms of it outside that server's own clock "
+                    f"(medians of {floor['requests']} requests)")
         if library:
             from PIL import Image
 
@@ -703,7 +713,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                                                       for run in runs]}
                 served = result.get("server_one_client_rounds", {}).get(mode)
                 if served:
-                    result["overhead"][mode] = overhead(served, runs)
+                    result["overhead"][mode] = overhead(served, runs, result.get("client_floor"))
         if rounds > 1:
             result["medians"] = round_medians(result["rows"])
         result["lengths_ok"] = all(r["completion_tokens"] == r["clients"] * sum(lengths) for r in result["rows"])
@@ -726,13 +736,16 @@ def _first_turns_median(dialogues: list, key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def overhead(served: list, runs: list) -> dict:
+def overhead(served: list, runs: list, floor: dict | None = None) -> dict:
     """The server's one-client overhead over the library from their dialogues (``served``: the server's one-client
     rounds, each a list of turns with ``ttft_s``, ``tpot_s``, ``server_t1_s``; ``runs``: the library's, each a list
     of turns): medians over the rounds of the first turn's TTFT and TPOT each side, their differences and ratios, and
     where the server's part of the first token goes: ``client_http_s`` (the client's request and the server's
     response, outside the server's own clock: the TTFT the client saw less the server's ``server_t1_s``) and
-    ``in_server_s`` (the server's own clock less the library's TTFT); ``rounds`` how many of each."""
+    ``in_server_s`` (the server's own clock less the library's TTFT); ``rounds`` how many of each. With ``floor``
+    (`measure_client_floor`): ``client_floor_s``, what of ``client_http_s`` the same request costs against a server
+    that answers at once (the client itself and HTTP on the loopback), and ``server_http_s``, the rest (the server's
+    HTTP handling outside its clock, the first piece's way from the loop to the socket)."""
     server_ttft, server_tpot = _first_turns_median(served, "ttft_s"), _first_turns_median(served, "tpot_s")
     server_t1 = _first_turns_median(served, "server_t1_s")
     lib_ttft, lib_tpot = _first_turns_median(runs, "ttft_s"), _first_turns_median(runs, "tpot_s")
@@ -744,7 +757,61 @@ def overhead(served: list, runs: list) -> dict:
             "tpot_ratio": server_tpot / lib_tpot if server_tpot and lib_tpot else None,
             "client_http_s": None if server_ttft is None or server_t1 is None else server_ttft - server_t1,
             "in_server_s": None if server_t1 is None or lib_ttft is None else server_t1 - lib_ttft,
-            "rounds": {"server": len(served), "library": len(runs)}}
+            "rounds": {"server": len(served), "library": len(runs)},
+            **({} if not floor else {
+                "client_floor_s": floor["client_s"],
+                "server_http_s": None if server_ttft is None or server_t1 is None
+                else server_ttft - server_t1 - floor["client_s"]})}
+
+
+FLOOR_REPEATS = 21  # requests to the server that answers at once (`measure_client_floor`), the first not counted
+
+
+def at_once_app():
+    """An app that answers a chat completion request at once, streamed: the request's body read and parsed as JSON,
+    then one piece of text with the app's own clock (``raincheck.t1_ms``, from the request's arrival, as the server
+    reports it), then the end. What the client's part of a first token costs with no model behind it."""
+    import json
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat_completions(request):
+        arrived = time.perf_counter()
+        body = json.loads(await request.body())
+
+        async def events():
+            piece = {"id": "chatcmpl-at-once", "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": body.get("model", ""), "raincheck": {"t1_ms": 1e3 * (time.perf_counter() - arrived)},
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "."}, "finish_reason": None,
+                                  "logprobs": None}]}
+            yield f"data: {json.dumps(piece)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+
+
+def measure_client_floor(pool, task: dict) -> dict:
+    """One client's first-turn request (``task``: `load_client.client_floor`'s arguments but ``base``) sent to
+    `at_once_app` on the loopback, from a client process of ``pool`` (None: a thread of this process): medians over
+    the requests but the first of the client's TTFT (``ttft_s``), of the app's own clock (``in_app_s``) and of the
+    difference (``client_s``: what of a first token is the client's request and the response outside a server's
+    clock), and how many requests (``requests``)."""
+    from ..serve import running
+
+    with running(at_once_app()) as base:
+        tasks = [dict(task, base=base)]
+        out, errors = pool.round(tasks, kind="floor") if pool is not None else thread_round(tasks, kind="floor")
+    if errors or not out[0]:
+        raise RuntimeError(f"the requests to a server answering at once failed: {errors}")
+    records = out[0][1:] or out[0]
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in records),
+            "in_app_s": statistics.median(r["server_t1_s"] for r in records),
+            "client_s": statistics.median(r["ttft_s"] - r["server_t1_s"] for r in records),
+            "requests": len(records)}
 
 
 def _version(package: str) -> str:
