@@ -84,6 +84,21 @@ def ask_together(loop: BatchLoop, convs, kwargs: list[dict]) -> tuple[dict, dict
     return got, errors
 
 
+class CancelsWhileStreaming:
+    """A streamer that cancels ``conv``'s turn while its third token streams (the prompt is put first)."""
+
+    def __init__(self, conv, at: int = 4):
+        self.conv, self.at, self.puts = conv, at, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == self.at:
+            self.conv.cancel()
+
+    def end(self):
+        pass
+
+
 def alone(model, processor, config, turns, questions, images):
     """The dialogue of ``turns`` (TurnResults got on a loop) run alone, each turn under its chunk schedule."""
     with Conversation(model, processor, config, background=False, max_new_tokens=6) as conv:
@@ -308,19 +323,8 @@ def test_an_answer_cancelled_in_a_step_leaves_before_the_next_step_which_goes_ah
     with BatchLoop(model, max_batch_tokens=None) as loop:
         convs = [Conversation(model, processor, cfg, background=False, loop=loop) for _ in range(2)]
 
-        class Cancels:  # cancels while its third token streams
-            def __init__(self):
-                self.puts = 0
-
-            def put(self, value):
-                self.puts += 1
-                if self.puts == 4:
-                    convs[0].cancel()
-
-            def end(self):
-                pass
-
-        got, errors = ask_together(loop, convs, [dict(streamer=Cancels(), max_new_tokens=10), dict(max_new_tokens=12)])
+        got, errors = ask_together(loop, convs, [dict(streamer=CancelsWhileStreaming(convs[0]), max_new_tokens=10),
+                                                 dict(max_new_tokens=12)])
         assert not errors, errors
         assert got[0].cancelled and got[0].token_ids.numel() < 10 and got[1].token_ids.numel() == 12
         assert launched_after[:1] == [True], launched_after  # (the cancelled answer's end: the next step went ahead)
@@ -376,19 +380,8 @@ def test_a_turn_that_fails_or_is_cancelled_while_a_step_runs_ahead_leaves_a_cons
 
     with BatchLoop(model, max_batch_tokens=48) as loop, \
             Conversation(model, processor, cfg, background=False, max_new_tokens=8, loop=loop) as conv:
-        class Cancels:  # cancels while the third token streams, the step after it running ahead
-            def __init__(self):
-                self.puts = 0
-
-            def put(self, value):
-                self.puts += 1
-                if self.puts == 4:
-                    conv.cancel()
-
-            def end(self):
-                pass
-
-        stopped = conv.ask(QUESTIONS[0], images=[IMAGES[0]], streamer=Cancels())
+        # (cancels while the third token streams, the step after it running ahead)
+        stopped = conv.ask(QUESTIONS[0], images=[IMAGES[0]], streamer=CancelsWhileStreaming(conv))
         assert stopped.cancelled and stopped.token_ids.numel() == 4 and loop.steps_ahead > 0
         assert conv.cache.source_length == conv.sequences.shape[1] - 1  # the last token is not fed yet
         _assert_every_deferred_token_once(conv)
@@ -1226,18 +1219,8 @@ def test_no_memory_for_a_cancelled_answers_cache_fails_that_turn_alone(model, pr
     with BatchLoop(model, max_batch_tokens=None, launch_ahead=False) as loop:
         convs = [Conversation(model, processor, CFG, background=False, loop=loop) for _ in range(2)]
 
-        class Cancels:  # cancels while its third token streams
-            puts = 0
-
-            def put(self, value):
-                self.puts += 1
-                if self.puts == 4:
-                    convs[0].cancel()
-
-            def end(self):
-                pass
-
-        got, errors = ask_together(loop, convs, [dict(streamer=Cancels(), max_new_tokens=10), dict(max_new_tokens=12)])
+        got, errors = ask_together(loop, convs, [dict(streamer=CancelsWhileStreaming(convs[0]), max_new_tokens=10),
+                                                 dict(max_new_tokens=12)])
         assert left_cancelled, "the cancelled answer did not leave through _leave_cancelled"
         assert failures["failed"] == [1] and loop.failures == 0
         assert list(errors) == [0] and isinstance(errors[0], torch.OutOfMemoryError)
