@@ -677,7 +677,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     for line in trace_lines(traced):
                         log(f"[serve-load]   {line}")
                     _write(result, json_path)
-            if library and 1 in clients:  # the client's own part of one client's first token: a server answering at once
+            if library and 1 in clients:  # the client's own part of a first token: a server answering at once
                 result["client_floor"] = measure_client_floor(
                     pool, dict(name=name, system=shapes.SYSTEM_PROMPT, image_url=urls[0], question=questions[0],
                                repeats=FLOOR_REPEATS))
