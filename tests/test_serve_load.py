@@ -513,6 +513,7 @@ def test_server_overhead_takes_medians_of_the_first_turns_and_splits_the_differe
     assert "client_floor_s" not in got
     split = overhead(served, runs, {"client_s": 0.004})  # (what the client's part costs against a server at once)
     assert split["client_floor_s"] == 0.004 and split["server_http_s"] == pytest.approx(0.110 - 0.100 - 0.004)
+    assert "client_floor_s" not in overhead(served, runs, {"error": "ConnectError: refused"})  # (a failed floor)
 
 
 def test_serve_load_benchmark_smoke(tmp_path):
@@ -551,6 +552,24 @@ def test_serve_load_benchmark_smoke(tmp_path):
     for bad in (0, -1.0, 2.0, True, "0.001", (), (0.001, 0.001), (0.001, 0)):
         with pytest.raises(ValueError, match="switch_interval must be"):
             serve_load.run(clients=(1,), switch_interval=bad)
+
+
+def test_a_failed_client_floor_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    """The requests to the server answering at once are an extra figure: when they fail, the run records the error
+    and still measures the library and the overhead (without the floor's split)."""
+    from raincheck_hf.bench import serve_load
+
+    def refused(pool, task):
+        raise RuntimeError("the requests to a server answering at once failed: ['ConnectError']")
+
+    monkeypatch.setattr(serve_load, "measure_client_floor", refused)
+    path, lines = tmp_path / "load.json", []
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1,), modes=("raincheck",), answer_tokens=3,
+                   follow_up_tokens=2, warmup=False, json_path=str(path), log=lines.append)
+    saved = json.loads(path.read_text())
+    assert "ConnectError" in saved["client_floor"]["error"] and any("answering at once failed" in x for x in lines)
+    assert saved["library"]["raincheck"]["ttft_s"] > 0 and saved["overhead"]["raincheck"]["client_http_s"] > 0
+    assert "client_floor_s" not in saved["overhead"]["raincheck"]
 
 
 def test_serve_load_compares_switch_intervals_side_by_side(tmp_path):

@@ -678,13 +678,17 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         log(f"[serve-load]   {line}")
                     _write(result, json_path)
             if library and 1 in clients:  # the client's own part of a first token: a server answering at once
-                result["client_floor"] = measure_client_floor(
-                    pool, dict(name=name, system=shapes.SYSTEM_PROMPT, image_url=urls[0], question=questions[0],
-                               repeats=FLOOR_REPEATS))
-                floor = result["client_floor"]
-                log(f"[serve-load] a server answering at once: the client's first piece after "
-                    f"{_ms(floor['ttft_s'])} ms, {_ms(floor['client_s'])} ms of it outside that server's own clock "
-                    f"(medians of {floor['requests']} requests)")
+                try:  # (an extra figure: its failure is reported, and the run goes on to the library's)
+                    floor = measure_client_floor(
+                        pool, dict(name=name, system=shapes.SYSTEM_PROMPT, image_url=urls[0], question=questions[0],
+                                   repeats=FLOOR_REPEATS))
+                    log(f"[serve-load] a server answering at once: the client's first piece after "
+                        f"{_ms(floor['ttft_s'])} ms, {_ms(floor['client_s'])} ms of it outside that server's own "
+                        f"clock (medians of {floor['requests']} requests)")
+                except Exception as error:  # noqa: BLE001
+                    floor = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                    log(f"[serve-load] the requests to a server answering at once failed: {floor['error']}")
+                result["client_floor"] = floor
         if library:
             from PIL import Image
 
@@ -758,7 +762,7 @@ def overhead(served: list, runs: list, floor: dict | None = None) -> dict:
             "client_http_s": None if server_ttft is None or server_t1 is None else server_ttft - server_t1,
             "in_server_s": None if server_t1 is None or lib_ttft is None else server_t1 - lib_ttft,
             "rounds": {"server": len(served), "library": len(runs)},
-            **({} if not floor else {
+            **({} if not floor or "client_s" not in floor else {
                 "client_floor_s": floor["client_s"],
                 "server_http_s": None if server_ttft is None or server_t1 is None
                 else server_ttft - server_t1 - floor["client_s"]})}
