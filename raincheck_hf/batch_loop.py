@@ -1413,7 +1413,7 @@ class BatchLoop:
 
     def _remove_ended(self, engine: BatchEngine, order: list) -> dict:
         """The step's turns that ended (``order``'s entries whose ``going`` is False) out of ``engine`` now, before
-        their last tokens are streamed: ``{seq: its cache}`` (`_take_out`, for `_finish`), and the next step prepared
+        their last tokens are streamed: ``{seq: its cache}`` (`_take_out`, for `_settle`), and the next step prepared
         again without them (their removal dropped the one prepared with their tokens fed), unless no answer is left
         in it."""
         removed = self._take_out(engine, [seq for seq, _, _, going in order if not going])
