@@ -75,6 +75,7 @@ from .fast.scoping import device_work
 from .fast.vision_graphs import vision_graphs_for
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
+from .kv_pool import kv_bytes_per_token
 from .models import get_adapter
 from .step_log import StepLog
 
@@ -165,6 +166,7 @@ class BatchTurn:
     ahead_s: float = 0.0  # the time `BatchLoop.prepare_ahead` took
     ahead_wait_s: float = 0.0  # of it, waiting for its place among the preparations (`BatchLoop.max_preparing`)
     ahead_cpu_s: float = 0.0  # of it, the asking thread's CPU time
+    memory_wait_s: float = 0.0  # of it, waiting for device memory (`BatchLoop.memory_headroom`)
     # a turn chosen with others (`_shared_plan`): its group key, its answer's tokens so far (host ints, not yet in
     # ``ids``), its length with them, and what its stopping criteria check
     shared: tuple | None = None
@@ -408,6 +410,23 @@ def _check_budget(value, what: str) -> None:
         raise ValueError(f"{what} must be an integer >= 1 (rows per step) or None (no limit), got {value!r}.")
 
 
+def turn_device_bytes(adapter, rows: int, pixel_bytes: int) -> int:
+    """An estimate of the device memory a turn's preparation (`BatchLoop.prepare_ahead`) takes and holds until its
+    prompt is prefilled: its pixels on the device and, per row of ``rows`` (a first turn's whole prompt), its
+    embeddings and DeepStack features (Qwen3-VL), each twice (the vision tower's outputs and the sequence's copies
+    of them, both alive while the sequence is made)."""
+    text = adapter.text_config()
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    per_row = int(text.hidden_size) * element * (1 + adapter.num_deepstack_layers)
+    return 2 * (int(rows) * per_row + int(pixel_bytes))
+
+
+def _check_headroom(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"BatchLoop(memory_headroom={value!r}) must be a number of bytes >= 0, or None (no "
+                         "admission by device memory).")
+
+
 def restoring_places_that_fit(model, max_running: int, max_tokens: int, free_bytes: int | None = None) -> int:
     """Places for held conversations restoring beside ``max_running`` answers (`BatchLoop.max_sequences`) that a
     batched pool of ``max_tokens`` rows a place still fits on the model's device: `BatchLoop.MAX_RESTORING` when the
@@ -482,6 +501,15 @@ class BatchLoop:
             may bring it to (the `max_sequences` attribute; answers themselves are not limited by it): a server
             warmed for N places (`warm_up(batch=N)`: its pool and captured steps) keeps its steps within them. None
             (the default): up to `MAX_RESTORING` restore beside any number of answers.
+        memory_headroom: on CUDA, the device memory in bytes that a turn's preparation leaves free for the loop's
+            own work (the steps' token choices, prompt pieces run eagerly, the caches of answers that end; the
+            `memory_headroom` attribute). Before a turn's media go to the device (`prepare_ahead`), it waits until
+            the device has the turn's estimated bytes (`turn_device_bytes`) and this much more free: held
+            conversations are evicted first where the loop may evict them (`_relieve_memory`: the server's), then
+            it waits for answers to end. With no answer running or waiting to join, it goes ahead. Default
+            `MEMORY_HEADROOM`; None: no such wait (nor is there one off CUDA). ``memory_waits`` counts the turns
+            that waited. Without it, turns asked together put their media on the device all at once: at 64
+            clients of the server on an 80 GB GPU the device ran out of memory and the answers failed.
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the
@@ -500,8 +528,8 @@ class BatchLoop:
 
     Figures (read from any thread): ``steps`` (launched), ``steps_completed`` (their tokens streamed),
     ``steps_ahead`` (launched ahead), ``joins_in_flight`` (turns that joined while a step ran), ``batch_size``
-    (sequences with rows in the last step),
-    ``max_batch_size`` (the most in one step), ``running`` (sequences answering now), ``restored_busy`` /
+    (sequences with rows in the last step), ``max_batch_size`` (the most in one step), ``memory_waits`` (turns
+    whose preparation waited for device memory), ``running`` (sequences answering now), ``restored_busy`` /
     ``restored_idle`` (held conversations' deferred rows restored beside answers / in idle time), `step_stats`
     (where the steps' time went).
 
@@ -512,14 +540,20 @@ class BatchLoop:
     _logger = logger
     MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
+    MEMORY_HEADROOM = 2 << 30  # device memory a turn's preparation leaves free (the `memory_headroom` default)
+    MEMORY_POLL_S = 0.05  # a preparation waiting for device memory looks again at least this often
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
                  prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None,
                  split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = False, follow_ups_ahead: bool = False,
-                 max_sequences: int | None = None):
+                 max_sequences: int | None = None, memory_headroom: int | None = MEMORY_HEADROOM):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
+        _check_headroom(memory_headroom)
+        self.memory_headroom = memory_headroom
+        self.memory_waits = 0  # turns whose preparation waited for device memory (`_wait_for_memory`)
+        self._freed = threading.Condition()  # notified when a turn ends (its memory may be free)
         if max_sequences is not None and (isinstance(max_sequences, bool) or not isinstance(max_sequences, int)
                                           or max_sequences < 1):
             raise ValueError(f"BatchLoop(max_sequences={max_sequences!r}) must be an integer >= 1 (sequences in one "
@@ -1113,6 +1147,10 @@ class BatchLoop:
             self._logger.debug("a turn's pixels could not be staged; prepared as they are", exc_info=True)
             inputs = job.inputs
         with self._preparing:  # (its place among the preparations, in the order the turns asked)
+            try:  # (the first in line waits for device memory, the others behind it)
+                self._wait_for_memory(job, inputs)
+            except Exception:  # (a look at the device's memory that failed: the preparation goes ahead)
+                self._logger.debug("a turn's wait for device memory failed; prepared at once", exc_info=True)
             entered, cpu = time.perf_counter(), time.thread_time()
             # (device work beside the loop's, its synchronisation and hand-over included: a capture on any thread
             # waits for it to end, `fast.scoping.device_work`)
@@ -1128,6 +1166,7 @@ class BatchLoop:
                             media = _media(prepared, self.adapter)
                             state = new_sequence(self.model, self.adapter, job.config, -1,
                                                  prepared["input_ids"].reshape(-1), **media, **grids)
+                            prepared["pixels"] = {}  # (encoded: their device memory free before the turn joins)
                         elif self.follow_ups_ahead:
                             state = self._follow_up_ahead(job, prepared, grids, stream)
                         if stream is not None or device.type != "cuda":  # (on its own stream: no wait for the loop)
@@ -1177,6 +1216,52 @@ class BatchLoop:
             return None
         finally:
             conv._lock.release()
+
+    def _device_memory(self) -> int | None:
+        """Device bytes a preparation can have now: CUDA's free memory and what PyTorch's allocator holds unused
+        (reserved, not allocated); None off CUDA."""
+        device = self.adapter.device
+        if device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+    def _turn_bytes(self, job: BatchTurn, inputs: dict) -> int:
+        """`turn_device_bytes` of ``job``: a first turn's whole prompt and every turn's new pixels (``inputs``)."""
+        ids = inputs.get("input_ids")
+        rows = int(ids.shape[-1]) if job.conversation.cache is None and isinstance(ids, torch.Tensor) else 0
+        pixels = sum(v.numel() * v.element_size() for v in (inputs.get(k) for k in PIXELS)
+                     if isinstance(v, torch.Tensor))
+        return turn_device_bytes(self.adapter, rows, pixels)
+
+    def _wait_for_memory(self, job: BatchTurn, inputs: dict) -> None:
+        """Before ``job``'s preparation puts its media on the device (`prepare_ahead`): until the device has its
+        bytes (`_turn_bytes`) and `memory_headroom` more, evict held conversations where the loop may
+        (`_relieve_memory`) and wait for answers to end. It goes ahead when the memory is there, when no answer runs
+        or waits to join (nothing would free any: the preparation then fails alone if the device has too little),
+        or when the loop closes. The wait is ``job.memory_wait_s``."""
+        if self.memory_headroom is None:
+            return
+        available = self._device_memory()
+        if available is None:
+            return
+        need = self._turn_bytes(job, inputs) + self.memory_headroom
+        if available >= need:
+            return
+        began = time.perf_counter()
+        with self._freed:
+            self.memory_waits += 1
+        while available < need and not self._closed:
+            relieved = self._relieve_memory(need - available)
+            now, available = available, self._device_memory()
+            if relieved and available > now:  # (evicted, and their memory came back: enough now?)
+                continue
+            if available >= need or not (self._jobs or self._incoming or self._arriving):
+                break
+            with self._freed:
+                self._freed.wait(self.MEMORY_POLL_S)
+            available = self._device_memory()
+        job.memory_wait_s = time.perf_counter() - began
 
     MAX_PREPARATION_STREAMS = 4  # streams per priority at most; more preparations at once share them
 
@@ -1437,7 +1522,7 @@ class BatchLoop:
         except torch.OutOfMemoryError as error:
             failure = error
         rows = sum(engine.pool.lengths[seq.slot] for seq in seqs if seq.slot is not None)
-        if self._relieve_memory(rows):
+        if self._relieve_memory(rows * kv_bytes_per_token(self.model)):
             self._logger.warning("no device memory for the caches of %d answers that ended; held conversations were "
                                  "evicted to make room", len(seqs))
             try:
@@ -1468,10 +1553,11 @@ class BatchLoop:
         it; the server answers and lets the conversation go (`serve.scheduler.BatchScheduler`)."""
         return False
 
-    def _relieve_memory(self, rows: int) -> bool:
-        """Make device memory for ``rows`` more rows of cache (answers that ended, whose caches are copied out of the
-        pool): whether any was made. The loop holds nothing it may drop (its conversations' caches are theirs); the
-        server's scheduler evicts held conversations (`serve.scheduler.BatchScheduler._relieve_memory`)."""
+    def _relieve_memory(self, nbytes: int) -> bool:
+        """Make ``nbytes`` of device memory (for the caches of answers that ended, copied out of the pool:
+        `_take_out`; for a turn's preparation: `_wait_for_memory`), from any thread: whether any was made. The loop
+        holds nothing it may drop (its conversations' caches are theirs); the server's scheduler evicts held
+        conversations (`serve.scheduler.BatchScheduler._relieve_memory`)."""
         return False
 
     def _launch_ahead(self, engine: BatchEngine, gone=()) -> None:
@@ -1719,6 +1805,8 @@ class BatchLoop:
     def _end(self, job: BatchTurn, result=None, error=None) -> None:
         job.result, job.error = result, error
         self.step_log.turn_ended(id(job))
+        with self._freed:  # (a preparation waiting for device memory looks again)
+            self._freed.notify_all()
         try:
             job.done(job)
         except BaseException as failure:  # the caller's bookkeeping; the loop itself goes on

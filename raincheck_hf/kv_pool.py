@@ -67,6 +67,17 @@ def attention_kv_shape(text) -> tuple[int, int, int]:
     return layers, heads, int(head_dim)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take in the attention layers (an estimate of the cache's growth per
+    token: Gated DeltaNet layers keep a fixed-size state instead; the deferred rows' bookkeeping is extra)."""
+    layers, heads, head_dim = attention_kv_shape(model.config.get_text_config())
+    try:
+        element = next(model.parameters()).element_size()
+    except StopIteration:
+        element = 2
+    return 2 * layers * heads * head_dim * element
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-int(n) // step) * step
 

@@ -119,6 +119,17 @@ def assert_same_output(got, want, tol: float, what: str = "forward") -> None:
         assert diff <= tol, f"{what} {i}: max abs logit diff {diff:.2e}"
 
 
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    """Return once ``predicate()`` is true, looking every few milliseconds; fail after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.005)
+
+
 def in_threads(worker, count: int, on_error=None) -> list[BaseException]:
     """Run ``worker(i)`` for each ``i < count`` in a thread of its own and wait for them all; returns what they
     raised. ``on_error()`` runs after each failure (a barrier's ``abort``, so the others do not wait for it)."""

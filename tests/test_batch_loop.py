@@ -17,13 +17,15 @@ import time
 import pytest
 import torch
 from transformers import LogitsProcessorList
+from transformers.generation.streamers import BaseStreamer
 
 import raincheck_hf
 from raincheck_hf import BatchLoop, Conversation, RaincheckConfig
+from raincheck_hf.batch_loop import BatchTurn, turn_device_bytes
 from raincheck_hf.models import get_adapter
 from raincheck_hf.tiny import draw_test_image
 
-from conftest import fail_remove_many, gate_restoring_pieces, in_threads, no_placeholder_ids
+from conftest import fail_remove_many, gate_restoring_pieces, in_threads, no_placeholder_ids, wait_for
 from test_batched import assert_trace_equal
 from test_conversation import _assert_every_deferred_token_once, _cancel_turn
 
@@ -1232,6 +1234,108 @@ def test_no_memory_for_a_cancelled_answers_cache_fails_that_turn_alone(model, pr
         assert_same_turn(again, alone(model, processor, CFG, [again], QUESTIONS, [IMAGES[0]])[0], "the turn again")
         for conv in convs:
             conv.close()
+
+
+def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, processor, monkeypatch):
+    """A device short of memory while an answer runs (`BatchLoop._device_memory` reporting less than the turn's
+    bytes and the headroom while any answer is in the loop): a first turn asked then waits before its media go to
+    the device (`_prepare`) until that answer ended, and equals its dialogue alone; ``memory_waits`` counts it. With
+    no answer running or waiting, a turn short of memory goes ahead at once (nothing would free any), and
+    ``memory_headroom=None`` never waits. Before, every turn asked at once put its media on the device together, and
+    at 64 clients of the server the device ran out of memory."""
+    events, prepare, end = [], BatchLoop._prepare, BatchLoop._end
+
+    def prepared(self, job, stack, inputs=None):
+        events.append(("prepare", job.conversation))
+        return prepare(self, job, stack, inputs)
+
+    def ended(self, job, result=None, error=None):
+        events.append(("end", job.conversation))
+        end(self, job, result=result, error=error)
+
+    monkeypatch.setattr(BatchLoop, "_prepare", prepared)
+    monkeypatch.setattr(BatchLoop, "_end", ended)
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        assert loop.memory_headroom == BatchLoop.MEMORY_HEADROOM
+        plenty = 1 << 50
+        monkeypatch.setattr(loop, "_device_memory", lambda: 0 if loop._jobs else plenty)
+        a = Conversation(model, processor, CFG, background=False, loop=loop)
+        b = Conversation(model, processor, CFG, background=False, loop=loop)
+        release, box = threading.Event(), {}
+
+        class HoldsAtFirstToken(BaseStreamer):  # (b's answer stays in the loop until released)
+            puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 2:  # (the prompt, then its first token)
+                    assert release.wait(timeout=60)
+
+            def end(self):
+                pass
+
+        asking = [threading.Thread(target=lambda: ask(b, QUESTIONS[0], [IMAGES[1]], max_new_tokens=6,
+                                                      streamer=HoldsAtFirstToken()))]
+        asking[0].start()
+        wait_for(lambda: loop.running == 1)  # (b went ahead: no answer ran when it asked)
+        asking.append(threading.Thread(target=lambda: box.setdefault(
+            "first", ask(a, QUESTIONS[0], [IMAGES[0]], max_new_tokens=5))))
+        asking[1].start()
+        wait_for(lambda: loop.memory_waits == 1)
+        time.sleep(0.2)  # (a's preparation would have begun by now without the wait)
+        assert ("prepare", a) not in events
+        release.set()
+        for thread in asking:
+            thread.join()
+        first = box["first"]
+        assert events.index(("end", b)) < events.index(("prepare", a)), events
+        assert loop.memory_waits == 1
+        assert_same_turn(first, alone(model, processor, CFG, [first], QUESTIONS, [IMAGES[0]])[0], "the turn that waited")
+        # nothing runs, and the device stays short: the turn goes ahead
+        monkeypatch.setattr(loop, "_device_memory", lambda: 0)
+        c = Conversation(model, processor, CFG, background=False, loop=loop)
+        third = ask(c, QUESTIONS[0], [IMAGES[2]], max_new_tokens=5)
+        assert_same_turn(third, alone(model, processor, CFG, [third], QUESTIONS, [IMAGES[2]])[0], "the turn alone")
+        loop.memory_headroom = None  # (no admission by memory: not even a look)
+        monkeypatch.setattr(loop, "_device_memory", lambda: pytest.fail("looked at the device's memory"))
+        ask(a, QUESTIONS[1], max_new_tokens=3)
+        for conv in (a, b, c):
+            conv.close()
+    with pytest.raises(ValueError, match=r"memory_headroom=-1"):
+        BatchLoop(model, memory_headroom=-1)
+
+
+def test_a_turns_estimated_device_bytes_cover_what_its_preparation_holds(model, processor, monkeypatch):
+    """What a first turn's preparation holds when it joins (every tensor reachable from its result, the model's own
+    weights and buffers aside) is within its estimate (`batch_loop.turn_device_bytes`, what `_wait_for_memory` waits
+    for; its pixels' part counts their copies on the device while the vision tower runs), its rows' part is not more
+    than three times it, and a follow-up without media is estimated at nothing."""
+    from raincheck_hf.batch_loop import _tensors_in
+
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    measured, join = [], BatchLoop._join
+
+    def joined(self, job):
+        if job.ahead is not None and not isinstance(job.ahead, BaseException):
+            storages = {}
+            for tensor in _tensors_in(job.ahead):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    storages[storage.data_ptr()] = storage.nbytes()
+            rows = job.inputs["input_ids"].shape[-1]
+            measured.append((sum(storages.values()), self._turn_bytes(job, job.inputs), rows))
+        join(self, job)
+
+    monkeypatch.setattr(BatchLoop, "_join", joined)
+    with BatchLoop(model, max_batch_tokens=None) as loop:
+        with Conversation(model, processor, CFG, background=False, max_new_tokens=3, loop=loop) as conv:
+            ask(conv, QUESTIONS[0], [IMAGES[0]])
+            job = dataclasses.replace(BatchTurn(conv, CFG, {}, {}, None, threading.Event(), None),
+                                      inputs={"input_ids": torch.ones(1, 50, dtype=torch.long)})
+            assert loop._turn_bytes(job, job.inputs) == 0  # (a follow-up: its rows are text)
+    (held, estimate, rows), = measured
+    assert held <= estimate, (held, estimate)
+    assert turn_device_bytes(get_adapter(model), rows, 0) <= 3 * held  # (the rows' part; pixels pass through)
 
 
 def test_an_unexpected_error_while_a_turn_joins_ends_that_turn(model, processor, monkeypatch):

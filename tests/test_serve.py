@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 import raincheck_hf  # noqa: E402
 from raincheck_hf.quality.glyphs import benchmark_split  # noqa: E402
 
-from conftest import in_threads, serve_settings  # noqa: E402
+from conftest import in_threads, serve_settings, wait_for  # noqa: E402
 
 KEY = "test-key"
 MAX_TOKENS = 64
@@ -172,14 +171,6 @@ def test_two_clients_in_parallel(served, glyph, dialogues):
         assert [a[0] for a in answers[i]] == reference(glyph, d.image(), questions)
         assert answers[i][1][2]["reused"]
     assert answers[0][0][2]["conversation_id"] != answers[1][0][2]["conversation_id"]
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.01)
 
 
 def test_disconnect_mid_stream_cancels_and_the_conversation_continues(client, served, glyph, dialogues):

@@ -556,6 +556,34 @@ def test_stop_strings_are_checked_on_the_host_after_the_read(batching_server, di
     assert device_calls == []
 
 
+def test_a_first_turn_short_of_device_memory_evicts_the_least_recently_used_conversation(batching_server, glyph,
+                                                                                         dialogues, monkeypatch):
+    """The device has too little memory for a new conversation's media (the loop's `_device_memory` one byte short
+    of the turn's bytes and the headroom until something is evicted): before its media go to the device the loop
+    asks the store to evict the least recently used idle conversation (`BatchScheduler._relieve_memory`), not the
+    other one, and the answer equals the dialogue alone. Before, nothing was evicted: the preparation ran out of
+    memory and the request failed."""
+    base, server = batching_server
+    loop = server.scheduler
+    held = [ask_turns(base, dialogues[i], 1, [], GUARD16) for i in (0, 1)]
+    ids = [r.model_extra["raincheck"]["conversation_id"] for r in held]
+    before, asked = server.store.evictions, []
+    evict_bytes = server.store.evict_bytes
+    monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))
+    monkeypatch.setattr(loop, "_turn_bytes", lambda job, inputs: 1)
+    monkeypatch.setattr(loop, "_device_memory", lambda: loop.memory_headroom + (
+        (1 << 40) if server.store.evictions > before else 0))
+    d = dialogues[2]
+    third = ask_turns(base, d, 1, [], GUARD16)
+    assert asked == [1] and loop.memory_waits == 1
+    assert server.store.evictions == before + 1 and server.store.get(ids[0]) is None  # (the least recently used)
+    assert server.store.get(ids[1]) is not None
+    assert [third.choices[0].message.content] == reference(glyph, d.image(), [d.turns[0].question], decode_guard=16)
+    waits = [line for line in httpx.get(base + "/metrics").text.splitlines()
+             if line.startswith("raincheck_memory_wait_seconds_count ")]
+    assert waits == ["raincheck_memory_wait_seconds_count 1.0"]
+
+
 def test_no_memory_for_an_ended_answers_cache_evicts_held_conversations(batching_server, glyph, dialogues,
                                                                          monkeypatch):
     """The device has no memory for the cache of an answer that ended (copied out of the batched pool): the loop

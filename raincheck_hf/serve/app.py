@@ -33,12 +33,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..cache_utils import to_device
 from ..configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
+from ..kv_pool import kv_bytes_per_token
 from .admission import Admission, ClientGone, Ticket
 from .detok import IncrementalDetokenizer
 from .metrics import Metrics
 from .protocol import (APIError, ChatRequest, DecodedImages, Limits, ProcessedImages, bad, parse_chat_request,
                        with_processed_images)
-from .store import ConversationStore, ServedConversation, kv_bytes_per_token
+from .store import ConversationStore, ServedConversation
 
 logger = logging.getLogger("raincheck_hf.serve")
 
@@ -493,6 +494,8 @@ class Server:
 
         def done(job):  # from the loop's thread, once
             turn.started = job.started
+            if job.memory_wait_s:  # (its preparation found the device short of memory)
+                self.metrics.memory_waited(job.memory_wait_s)
             if job.error is None:
                 turn.result = job.result
             # after an error the held conversation was not changed; a new one holds nothing

@@ -26,7 +26,8 @@ class _HeldConversations:
         yield CounterMetricFamily("raincheck_restored_after_answer",
                                   "Deferred tokens prefilled in idle time after answers.",
                                   value=store["restored_after_answer"])
-        yield CounterMetricFamily("raincheck_evictions", "Conversations evicted to fit --max-cache-gb.",
+        yield CounterMetricFamily("raincheck_evictions", "Conversations evicted to fit --max-cache-gb or to free "
+                                  "device memory for answers.",
                                   value=store["evictions"])
         held = GaugeMetricFamily("raincheck_conversations", "Conversations held (busy: answering now).",
                                  labels=["state"])
@@ -80,7 +81,7 @@ class Metrics:
         ``admission``: one returning the admission control's (`Admission.snapshot`), or None; ``batching``: the
         batching loop's figures too (`raincheck_batch_size`, `raincheck_steps_total`,
         `raincheck_step_kinds_total` by ``kind``, `raincheck_join_seconds`, `raincheck_restored_held_total` by
-        ``step``)."""
+        ``step``, `raincheck_memory_wait_seconds`)."""
         from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
                                        ProcessCollector)
 
@@ -100,6 +101,7 @@ class Metrics:
                                      buckets=QUEUE_BUCKETS, registry=self.registry)
         self._completion = self._counters["completion_tokens"]
         self._batch_size = self._steps = self._restored_held = self._step_kinds = self._join = None
+        self._memory_wait = None
         if batching:
             self._batch_size = Gauge("raincheck_batch_size", "Sequences in the batching loop's last step.",
                                      registry=self.registry)
@@ -122,6 +124,10 @@ class Metrics:
                 registry=self.registry)
             for step in ("busy", "idle"):  # both series from the start (a rate of a missing series is no rate)
                 self._restored_held.labels(step=step)
+            self._memory_wait = Histogram(
+                "raincheck_memory_wait_seconds", "Time a request's preparation waited for device memory before its "
+                "media went to the GPU (held conversations evicted, answers ending; only requests that found the "
+                "device short).", buckets=QUEUE_BUCKETS, registry=self.registry)
         if snapshot is not None:
             self.registry.register(_HeldConversations(snapshot))
         if admission is not None:
@@ -155,6 +161,10 @@ class Metrics:
         """The batching loop restored ``rows`` deferred tokens of held conversations, in a step beside answers
         (``busy``) or in idle time."""
         self._restored_held.labels(step="busy" if busy else "idle").inc(rows)
+
+    def memory_waited(self, seconds: float) -> None:
+        """A request's preparation found the device short of memory and waited ``seconds`` for it."""
+        self._memory_wait.observe(seconds)
 
     def queued(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)

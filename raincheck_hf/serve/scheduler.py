@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from ..batch_loop import BatchLoop, BatchTurn
 from .errors import APIError
-from .store import kv_bytes_per_token
 
 logger = logging.getLogger("raincheck_hf.serve")
 
@@ -89,10 +88,10 @@ class BatchScheduler(BatchLoop):
         """The store still holds ``conv`` (it was not evicted or dropped)."""
         return self.store.get(conv.id) is conv
 
-    def _relieve_memory(self, rows: int) -> bool:
+    def _relieve_memory(self, nbytes: int) -> bool:
         """The least recently used idle held conversations are evicted (`ConversationStore.evict_bytes`) until
-        their caches' bytes reach ``rows`` rows' keys and values (`store.kv_bytes_per_token`): whether any was."""
-        return self.store.evict_bytes(max(1, rows * kv_bytes_per_token(self.model))) > 0
+        their caches held at least ``nbytes``: whether any was."""
+        return self.store.evict_bytes(max(1, int(nbytes))) > 0
 
     def _restore_failed(self, conv, error: BaseException) -> None:
         logger.error("idle-time restoration of %s failed; the conversation is dropped", conv.id, exc_info=error)

@@ -21,18 +21,6 @@ import torch
 
 from ..configuration import RaincheckConfig
 from ..conversation import Conversation, TurnResult, _CancelRequest
-from ..kv_pool import attention_kv_shape
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes one token's keys and values take in the attention layers (an estimate of the cache's growth per
-    token: Gated DeltaNet layers keep a fixed-size state instead; the deferred rows' bookkeeping is extra)."""
-    layers, heads, head_dim = attention_kv_shape(model.config.get_text_config())
-    try:
-        element = next(model.parameters()).element_size()
-    except StopIteration:
-        element = 2
-    return 2 * layers * heads * head_dim * element
 
 
 class ServedConversation(Conversation):
