@@ -71,6 +71,7 @@ from .batch_engine import SPLIT_ROWS, BatchEngine, check_prompt_forwards, check_
 from .cache_utils import to_device, to_device_all
 from .batched import RestoringState, SequenceState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
+from .fast.graphs import private_pools_free_bytes, usable_device_memory
 from .fast.scoping import device_work
 from .fast.vision_graphs import vision_graphs_for
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
@@ -542,6 +543,7 @@ class BatchLoop:
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
     MEMORY_HEADROOM = 2 << 30  # device memory a turn's preparation leaves free (the `memory_headroom` default)
     MEMORY_POLL_S = 0.05  # a preparation waiting for device memory looks again at least this often
+    POOL_REFRESH_S = 5.0  # the CUDA graphs' pools' free bytes are read again after this long (`_device_memory`)
 
     def __init__(self, model, max_batch_tokens: int | None = 2048, *, config: RaincheckConfig | None = None,
                  on_step=None, on_restore=None, on_handoff=None, on_join=None, launch_ahead: bool = True,
@@ -554,6 +556,7 @@ class BatchLoop:
         self.memory_headroom = memory_headroom
         self.memory_waits = 0  # turns whose preparation waited for device memory (`_wait_for_memory`)
         self._freed = threading.Condition()  # notified when a turn ends (its memory may be free)
+        self._pools_free: tuple[int, float] | None = None  # (the graphs' pools' free bytes, when read)
         if max_sequences is not None and (isinstance(max_sequences, bool) or not isinstance(max_sequences, int)
                                           or max_sequences < 1):
             raise ValueError(f"BatchLoop(max_sequences={max_sequences!r}) must be an integer >= 1 (sequences in one "
@@ -1218,13 +1221,16 @@ class BatchLoop:
             conv._lock.release()
 
     def _device_memory(self) -> int | None:
-        """Device bytes a preparation can have now: CUDA's free memory and what PyTorch's allocator holds unused
-        (reserved, not allocated); None off CUDA."""
+        """Device bytes a preparation can have now (`fast.graphs.usable_device_memory`: free, and held unused by
+        PyTorch's allocator outside the CUDA graphs' pools, whose free part is read from the allocator's snapshot at
+        most every `POOL_REFRESH_S`); None off CUDA."""
         device = self.adapter.device
         if device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        now = time.monotonic()
+        if self._pools_free is None or now - self._pools_free[1] > self.POOL_REFRESH_S:
+            self._pools_free = (private_pools_free_bytes(device), now)
+        return usable_device_memory(device, self._pools_free[0])
 
     def _turn_bytes(self, job: BatchTurn, inputs: dict) -> int:
         """`turn_device_bytes` of ``job``: a first turn's whole prompt and every turn's new pixels (``inputs``)."""

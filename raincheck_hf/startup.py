@@ -98,7 +98,8 @@ CACHE_RESERVE_MIN = 4 << 30
 
 def auto_cache_budget(device, later_bytes: int = 0) -> int | None:
     """The held conversations' budget of ``serve --max-cache-gb auto`` (the default), taken after the warm-up: on
-    CUDA, the device's free memory and what PyTorch's allocator holds unused, less a reserve of
+    CUDA, the device's free memory and what PyTorch's allocator holds unused outside the CUDA graphs' pools
+    (`fast.graphs.usable_device_memory`), less a reserve of
     `CACHE_RESERVE_FRACTION` of the device's memory (at least `CACHE_RESERVE_MIN`) for what the answers themselves
     allocate: prompt pieces run outside the captured steps, the vision tower of a new image size, and the caches of
     answers that just ended, copied out of the batched pool before the least recently used conversations are evicted.
@@ -106,13 +107,14 @@ def auto_cache_budget(device, later_bytes: int = 0) -> int | None:
     this and that is not free for the caches either (a batched pool no warm-up made). Elsewhere None: unbounded."""
     import torch
 
+    from .fast.graphs import usable_device_memory
+
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    total = torch.cuda.mem_get_info(device)[1]
     reserve = max(int(total * CACHE_RESERVE_FRACTION), CACHE_RESERVE_MIN)
-    return max(0, free + unused - reserve - int(later_bytes))
+    return max(0, usable_device_memory(device) - reserve - int(later_bytes))
 
 
 def warm_up_max_tokens(args, max_new_tokens: int) -> int:

@@ -1305,6 +1305,32 @@ def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, proces
         BatchLoop(model, memory_headroom=-1)
 
 
+def test_the_device_memory_a_preparation_can_have_leaves_out_the_graphs_pools(model, monkeypatch):
+    """`BatchLoop._device_memory` on CUDA: the free memory and what the allocator holds unused, less what it holds
+    free in the CUDA graphs' pools (read from its snapshot, again only after `POOL_REFRESH_S`); None off CUDA.
+    CUDA's figures stand in here."""
+    import types
+
+    mib = 1 << 20
+    reads, state = [], {"pools_free": 300 * mib}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: reads.append(1) or [
+        dict(device=0, segment_pool_id=(3, 1), total_size=state["pools_free"], allocated_size=0)])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000 * mib, 80_000 * mib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 900 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 400 * mib)
+    loop = BatchLoop(model)
+    assert loop._device_memory() is None  # (a CPU model)
+    loop.adapter = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert loop._device_memory() == 1000 * mib + 500 * mib - 300 * mib and len(reads) == 1
+    state["pools_free"] = 100 * mib
+    assert loop._device_memory() == 1200 * mib and len(reads) == 1  # (within POOL_REFRESH_S: not read again)
+    monkeypatch.setattr(BatchLoop, "POOL_REFRESH_S", 0.0)
+    time.sleep(0.01)
+    assert loop._device_memory() == 1400 * mib and len(reads) == 2
+    loop.close()
+
+
 def test_a_turns_estimated_device_bytes_cover_what_its_preparation_holds(model, processor, monkeypatch):
     """What a first turn's preparation holds when it joins (every tensor reachable from its result, the model's own
     weights and buffers aside) is within its estimate (`batch_loop.turn_device_bytes`, what `_wait_for_memory` waits

@@ -1115,21 +1115,32 @@ def test_the_automatic_budget_without_a_warm_up_keeps_the_batched_pool_out(monke
 
 
 def test_the_held_caches_automatic_budget(monkeypatch):
-    """``--max-cache-gb auto``: on CUDA the free memory and what the allocator holds unused, less a reserve of 10% of
-    the device (at least 4 GiB), never below 0; off CUDA unbounded (None)."""
+    """``--max-cache-gb auto``: on CUDA the free memory and what the allocator holds unused outside the CUDA graphs'
+    pools (their free blocks read from its snapshot, this device's only), less a reserve of 10% of the device (at
+    least 4 GiB), never below 0; off CUDA unbounded (None). Before, the graphs' pools' free blocks counted as
+    unused: on an 80 GB H100 6.6 GiB that no held cache could have."""
     import torch
 
     from raincheck_hf import startup
+    from raincheck_hf.fast.graphs import private_pools_free_bytes
 
     assert startup.auto_cache_budget("cpu") is None
     gib = 1 << 30
     state = {"free": 20 * gib, "total": 80 * gib}
+    segments = [dict(device=0, segment_pool_id=(0, 0), total_size=2 * gib, allocated_size=gib // 2),
+                dict(device=0, segment_pool_id=(7, 1), total_size=gib, allocated_size=gib // 4),
+                dict(device=1, segment_pool_id=(7, 2), total_size=gib, allocated_size=0)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], state["total"]))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
-    assert startup.auto_cache_budget("cuda") == 20 * gib + 2 * gib - 8 * gib
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 3 * gib // 4)
+    assert private_pools_free_bytes("cuda:0") == private_pools_free_bytes() == 3 * gib // 4
+    assert private_pools_free_bytes("cuda:1") == gib
+    unused = 3 * gib - 3 * gib // 4 - 3 * gib // 4  # (1.5 GiB: what the default pool holds free)
+    assert startup.auto_cache_budget("cuda") == 20 * gib + unused - 8 * gib
     state["total"] = 16 * gib  # (the reserve's floor: 4 GiB)
-    assert startup.auto_cache_budget("cuda:0") == 22 * gib - 4 * gib
+    assert startup.auto_cache_budget("cuda:0") == 20 * gib + unused - 4 * gib
     state["free"] = 0
     assert startup.auto_cache_budget("cuda") == 0
