@@ -423,8 +423,8 @@ def turn_device_bytes(adapter, rows: int, pixel_bytes: int) -> int:
 
 
 def _check_headroom(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"BatchLoop(memory_headroom={value!r}) must be a number of bytes >= 0, or None (no "
+    if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"BatchLoop(memory_headroom={value!r}) must be a number of bytes >= 0, 'auto', or None (no "
                          "admission by device memory).")
 
 
@@ -507,9 +507,10 @@ class BatchLoop:
             `memory_headroom` attribute). Before a turn's media go to the device (`prepare_ahead`), it waits until
             the device has the turn's estimated bytes (`turn_device_bytes`) and this much more free: held
             conversations are evicted first where the loop may evict them (`_relieve_memory`: the server's), then
-            it waits for answers to end. With no answer running or waiting to join, it goes ahead. Default
-            `MEMORY_HEADROOM`; None: no such wait (nor is there one off CUDA). ``memory_waits`` counts the turns
-            that waited. Without it, turns asked together put their media on the device all at once: at 64
+            it waits for answers to end. With no answer running or waiting to join, it goes ahead. ``"auto"`` (the
+            default): `MEMORY_HEADROOM` (2 GiB), or 1/32 of a smaller device's memory (a 24 GB GPU: 0.75 GB), so
+            that on a small GPU turns are not kept waiting for memory it never has; None: no such wait (nor is there
+            one off CUDA). ``memory_waits`` counts the turns that waited. Without it, turns asked together put their media on the device all at once: at 64
             clients of the server on an 80 GB GPU the device ran out of memory and the answers failed.
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
@@ -541,7 +542,8 @@ class BatchLoop:
     _logger = logger
     MAX_RESTORING = 2  # held conversations restoring in an engine's spare budget at once (a slot and a copy each)
     RECENT_STEPS = 256  # steps kept in `step_log` (its totals cover every step since its last reset)
-    MEMORY_HEADROOM = 2 << 30  # device memory a turn's preparation leaves free (the `memory_headroom` default)
+    MEMORY_HEADROOM = 2 << 30  # device memory a turn's preparation leaves free (``memory_headroom="auto"``) ...
+    MEMORY_HEADROOM_FRACTION = 1 / 32  # ... at most this much of the device's memory
     MEMORY_POLL_S = 0.05  # a preparation waiting for device memory looks again at least this often
     POOL_REFRESH_S = 5.0  # the CUDA graphs' pools' free bytes are read again after this long (`_device_memory`)
 
@@ -550,7 +552,7 @@ class BatchLoop:
                  max_prompt_forwards: int | None = None, max_preparing: int | None = 1,
                  prepare_stream: bool = True, prepare_priority: str = "normal", ride_max_rows: int | None = None,
                  split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = False, follow_ups_ahead: bool = False,
-                 max_sequences: int | None = None, memory_headroom: int | None = MEMORY_HEADROOM):
+                 max_sequences: int | None = None, memory_headroom: int | str | None = "auto"):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
         _check_headroom(memory_headroom)
         self.memory_headroom = memory_headroom
@@ -1232,6 +1234,13 @@ class BatchLoop:
             self._pools_free = (private_pools_free_bytes(device), now)
         return usable_device_memory(device, self._pools_free[0])
 
+    def _headroom(self) -> int:
+        """`memory_headroom` in bytes on the CUDA device (``"auto"`` resolved against its memory)."""
+        if self.memory_headroom != "auto":
+            return int(self.memory_headroom)
+        total = torch.cuda.get_device_properties(self.adapter.device).total_memory
+        return min(self.MEMORY_HEADROOM, int(total * self.MEMORY_HEADROOM_FRACTION))
+
     def _turn_bytes(self, job: BatchTurn, inputs: dict) -> int:
         """`turn_device_bytes` of ``job``: a first turn's whole prompt and every turn's new pixels (``inputs``)."""
         ids = inputs.get("input_ids")
@@ -1251,7 +1260,7 @@ class BatchLoop:
         available = self._device_memory()
         if available is None:
             return
-        need = self._turn_bytes(job, inputs) + self.memory_headroom
+        need = self._turn_bytes(job, inputs) + self._headroom()
         if available >= need:
             return
         began = time.perf_counter()

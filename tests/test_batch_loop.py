@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -1256,7 +1257,13 @@ def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, proces
     monkeypatch.setattr(BatchLoop, "_prepare", prepared)
     monkeypatch.setattr(BatchLoop, "_end", ended)
     with BatchLoop(model, max_batch_tokens=None) as loop:
-        assert loop.memory_headroom == BatchLoop.MEMORY_HEADROOM
+        assert loop.memory_headroom == "auto"
+        totals = {}  # (a device of 80 GB and one of 24: 2 GiB, and 1/32 of the smaller one)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=totals[0]))
+        totals[0] = 80 << 30
+        assert loop._headroom() == 2 << 30
+        totals[0] = 24 << 30
+        assert loop._headroom() == (24 << 30) // 32
         plenty = 1 << 50
         monkeypatch.setattr(loop, "_device_memory", lambda: 0 if loop._jobs else plenty)
         a = Conversation(model, processor, CFG, background=False, loop=loop)
@@ -1301,16 +1308,15 @@ def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, proces
         ask(a, QUESTIONS[1], max_new_tokens=3)
         for conv in (a, b, c):
             conv.close()
-    with pytest.raises(ValueError, match=r"memory_headroom=-1"):
-        BatchLoop(model, memory_headroom=-1)
+    for bad in (-1, "some", 1.5):
+        with pytest.raises(ValueError, match=rf"memory_headroom={bad!r}"):
+            BatchLoop(model, memory_headroom=bad)
 
 
 def test_the_device_memory_a_preparation_can_have_leaves_out_the_graphs_pools(model, monkeypatch):
     """`BatchLoop._device_memory` on CUDA: the free memory and what the allocator holds unused, less what it holds
     free in the CUDA graphs' pools (read from its snapshot, again only after `POOL_REFRESH_S`); None off CUDA.
     CUDA's figures stand in here."""
-    import types
-
     mib = 1 << 20
     reads, state = [], {"pools_free": 300 * mib}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

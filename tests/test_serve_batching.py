@@ -571,6 +571,7 @@ def test_a_first_turn_short_of_device_memory_evicts_the_least_recently_used_conv
     evict_bytes = server.store.evict_bytes
     monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))
     monkeypatch.setattr(loop, "_turn_bytes", lambda job, inputs: 1)
+    loop.memory_headroom = 1 << 30
     monkeypatch.setattr(loop, "_device_memory", lambda: loop.memory_headroom + (
         (1 << 40) if server.store.evictions > before else 0))
     d = dialogues[2]
