@@ -2012,3 +2012,44 @@ def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():
         assert freed() is None
     finally:
         gc.set_threshold(*threshold)
+
+
+def test_cuda_device_memory_for_new_turns_leaves_out_the_graphs_pools(cuda_model):
+    """On CUDA: a buffer freed inside a graph's capture stays in that graph's private pool, where
+    `fast.graphs.private_pools_free_bytes` finds it; `usable_device_memory` is CUDA's free memory and the allocator's
+    unused bytes less those; a `BatchLoop` reads the same (`_device_memory`) and resolves its ``"auto"`` headroom
+    against the device (2 GiB, or 1/32 of a smaller one)."""
+    from raincheck_hf import BatchLoop
+    from raincheck_hf.fast.graphs import private_pools_free_bytes, usable_device_memory
+    from raincheck_hf.fast.scoping import graph_capture
+
+    x = torch.ones(1 << 20, device="cuda")  # (4 MiB)
+    before = private_pools_free_bytes("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (x * 2 + 1).sum()  # (warm-up off the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        doubled = x * 2
+        y = doubled + 1
+        del doubled  # (its 4 MiB go back to the graph's pool: free there, nobody else's)
+    torch.cuda.synchronize()
+    pools = private_pools_free_bytes("cuda")
+    assert pools - before >= 4 << 20
+    free, total = torch.cuda.mem_get_info()
+    unused = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    usable = usable_device_memory("cuda", pools)
+    slack = 64 << 20  # (CUDA's free memory read twice)
+    assert free - slack <= usable <= free + unused - (4 << 20) + slack
+    loop = BatchLoop(cuda_model)
+    try:
+        got = loop._device_memory()
+        assert abs(got - usable) <= 256 << 20  # (the free memory moves a little between the two reads)
+        assert loop._headroom() == min(BatchLoop.MEMORY_HEADROOM, total // 32)
+    finally:
+        loop.close()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 3.0))
