@@ -510,8 +510,9 @@ class BatchLoop:
             it waits for answers to end. With no answer running or waiting to join, it goes ahead. ``"auto"`` (the
             default): `MEMORY_HEADROOM` (2 GiB), or 1/32 of a smaller device's memory (a 24 GB GPU: 0.75 GB), so
             that on a small GPU turns are not kept waiting for memory it never has; None: no such wait (nor is there
-            one off CUDA). ``memory_waits`` counts the turns that waited. Without it, turns asked together put their media on the device all at once: at 64
-            clients of the server on an 80 GB GPU the device ran out of memory and the answers failed.
+            one off CUDA). ``memory_waits`` counts the turns that waited. Without it, turns asked together put their
+            media on the device all at once: at 64 clients of the server on an 80 GB GPU the device ran out of memory
+            and the answers failed.
         on_step, on_restore, on_join: called on the loop's thread with ``(sequences, kind)`` after each step (its
             sequences answering, `batch_engine.StepRecord.kind`), ``(rows, busy)`` when held conversations' rows
             were restored (beside answers, or in idle time), and the seconds each new turn took to join (the

@@ -1259,7 +1259,8 @@ def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, proces
     with BatchLoop(model, max_batch_tokens=None) as loop:
         assert loop.memory_headroom == "auto"
         totals = {}  # (a device of 80 GB and one of 24: 2 GiB, and 1/32 of the smaller one)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=totals[0]))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(total_memory=totals[0]))
         totals[0] = 80 << 30
         assert loop._headroom() == 2 << 30
         totals[0] = 24 << 30
@@ -1297,7 +1298,8 @@ def test_a_first_turn_waits_for_device_memory_until_an_answer_ends(model, proces
         first = box["first"]
         assert events.index(("end", b)) < events.index(("prepare", a)), events
         assert loop.memory_waits == 1
-        assert_same_turn(first, alone(model, processor, CFG, [first], QUESTIONS, [IMAGES[0]])[0], "the turn that waited")
+        want = alone(model, processor, CFG, [first], QUESTIONS, [IMAGES[0]])[0]
+        assert_same_turn(first, want, "the turn that waited")
         # nothing runs, and the device stays short: the turn goes ahead
         monkeypatch.setattr(loop, "_device_memory", lambda: 0)
         c = Conversation(model, processor, CFG, background=False, loop=loop)
