@@ -81,6 +81,7 @@ serve_load)
     # SPLIT=default,never: the loop's split_rows (decode steps split by width, or never) side by side;
     # JOIN=both: turns joining while a step runs and only between steps (the default), side by side;
     # FOLLOW=both: follow-ups' sequences made on their request threads and by the loop when they join (the default);
+    # WARM_TOKENS=2048: rows of each of the batched engine's places (serve's --warm-up-tokens, default 4096);
     # SPY=1: the run under py-spy, below)
     M="${LOAD_MODEL:-qwen3_vl_8b}"
     # SPY=1: the whole run under py-spy (every thread of the server's process sampled, raw stacks kept;
@@ -93,7 +94,7 @@ serve_load)
                                   ${SPY_NATIVE:+--native} ${SPY_GIL:+--gil}
                                   -o "$OUT/serve_load_${M}_spy${SPY_GIL:+_gil}_h200.txt" --)
     timeout "${LOAD_S:-400}" "${SPY_CMD[@]}" python3 -m raincheck_hf.bench serve-load --model "$M" --clients "${CLIENTS:-1,8,32}" \
-        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${CAPS:+--chunk-rows $CAPS} ${SPLIT:+--split-rows $SPLIT} ${JOIN:+--join-in-flight $JOIN} ${FOLLOW:+--follow-ups-ahead $FOLLOW} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
+        --modes "${MODES:-raincheck,full}" --answer-tokens 128 --follow-up-tokens 64 --batching ${SWITCH:+--switch-interval $SWITCH} ${AHEAD:+--launch-ahead $AHEAD} ${FORWARDS:+--prompt-forwards $FORWARDS} ${PREPARING:+--preparing $PREPARING} ${PROFILE:+--profile-loop} ${STREAMS:+--prepare-stream $STREAMS} ${RIDE:+--ride-rows $RIDE} ${CAPS:+--chunk-rows $CAPS} ${SPLIT:+--split-rows $SPLIT} ${JOIN:+--join-in-flight $JOIN} ${FOLLOW:+--follow-ups-ahead $FOLLOW} ${WARM_TOKENS:+--warm-up-tokens $WARM_TOKENS} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace-round --trace-file "$OUT/serve_load_${M}_trace_h200.json.gz"} \
         --json "$OUT/serve_load_${M}_h200.json" --plot "$OUT/serve_load_${M}_h200.png" \
         > "$OUT/serve_load_${M}_h200.log" 2>&1
     tail -14 "$OUT/serve_load_${M}_h200.log"

@@ -632,6 +632,30 @@ def test_serve_load_benchmark_drives_the_batching_loop(tmp_path):
                                                                 f"{serve_load.memory_summary(memory)}"]
 
 
+def test_serve_load_sizes_the_batched_places_by_warm_up_tokens(tmp_path, monkeypatch):
+    """``--warm-up-tokens`` (with ``--batching`` and the warm-up): the batched engine's places are warmed at that many
+    rows, the restoring places are fitted at them, and the setting is recorded; a value not above the answer's tokens
+    is refused before any compute, naming the option."""
+    from raincheck_hf import batch_loop, warmup
+    from raincheck_hf.bench import serve_load
+
+    warmed, fitted, real = [], [], warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: warmed.append(k["max_tokens"]) or real(*a, **k))
+    monkeypatch.setattr(batch_loop, "restoring_places_that_fit", lambda model, places, rows: fitted.append(rows) or 0)
+    path = tmp_path / "load.json"
+    serve_load.run(model_name="tiny_qwen3_vl", clients=(1,), modes=("raincheck",), answer_tokens=4, follow_up_tokens=3,
+                   library=False, json_path=str(path), log=lambda *a: None, batching=True, warm_up_tokens=256)
+    saved = json.loads(path.read_text())
+    assert warmed == [256] and fitted == [256] and saved["settings"]["warm_up_tokens"] == 256
+    assert saved["rows"][0]["errors"] == 0
+    for bad in (4, 0, "many", True):
+        with pytest.raises(ValueError, match=r"warm_up_tokens \(--warm-up-tokens\) must be an integer above"):
+            serve_load.run(model_name="tiny_qwen3_vl", clients=(1,), answer_tokens=4, batching=True,
+                           warm_up_tokens=bad)
+    assert serve_load.main(["--model", "tiny_qwen3_vl", "--batching", "--answer-tokens", "8",
+                            "--warm-up-tokens", "8"]) == 2
+
+
 def test_serve_load_compares_launching_ahead_side_by_side(tmp_path):
     """``--launch-ahead both``: each client count's round once with the loop launching steps ahead and once without,
     one after the other, each row named by its series and setting; without the loop, or with another value, a clear

@@ -410,7 +410,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
         chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "off",
-        follow_ups_ahead: str = "off") -> dict:
+        follow_ups_ahead: str = "off", warm_up_tokens: int | None = None) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -428,7 +428,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     carrying chunks), set between rounds; ``split_rows``: with batching, the loop's ``split_rows`` (a tuple:
     ``"default"``, `batch_engine.SPLIT_ROWS`; None, never split a step by width; an int); ``join_in_flight``: with
     batching, the loop's `BatchLoop.join_in_flight` ("on", "off" or "both"); ``follow_ups_ahead``: with batching, the
-    loop's `BatchLoop.follow_ups_ahead` (the same);
+    loop's `BatchLoop.follow_ups_ahead` (the same); ``warm_up_tokens``: with batching and the warm-up, the rows of
+    each of the batched engine's places (``serve --warm-up-tokens``; None: its default, `warmup.DEFAULT_MAX_TOKENS`):
+    the places' key / value memory is what the held caches' automatic budget cannot have;
     every combination gets its rounds, a client count's side by side. ``rounds``: each client count's variants that many
     times, in turn and in reverse order every other time (A B, B A, ...: a round's place in the order, its caches'
     warmth say, falls on each variant alike), each round a row (``round``), and with more than one the medians over
@@ -462,6 +464,10 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
             for v in intervals):
         raise ValueError(f"switch_interval must be a number of seconds in (0, 1], None, or a tuple of distinct such "
                          f"values, got {switch_interval!r}.")
+    if warm_up_tokens is not None and (isinstance(warm_up_tokens, bool) or not isinstance(warm_up_tokens, int)
+                                       or warm_up_tokens <= answer_tokens):
+        raise ValueError(f"warm_up_tokens (--warm-up-tokens) must be an integer above --answer-tokens "
+                         f"({answer_tokens}): rows of each of the batched engine's places; got {warm_up_tokens!r}")
     settings, configs = raincheck_settings(retention, chunk_size, decode_guard, selector, modes)
     running_places = max_running if max_running is not None else max(clients)
     queue_places = max_queue if max_queue is not None else max(clients)
@@ -543,13 +549,15 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
 
             # (as `serve` leaves --restoring-places unset: the places for held conversations restoring beside the
             # answers that the GPU holds)
-            restoring = restoring_places_that_fit(model, running_places, DEFAULT_MAX_TOKENS)
+            place_rows = DEFAULT_MAX_TOKENS if warm_up_tokens is None else warm_up_tokens
+            restoring = restoring_places_that_fit(model, running_places, place_rows)
             result["settings"]["restoring_places"] = restoring
+            result["settings"]["warm_up_tokens"] = place_rows
             result["batched_warm_up"] = {}
             for mode in modes:
                 # (with the clients' picture size, as `serve --warm-up-image-sizes` does: its tower graph captured
                 # now, not by a preparation in the first round)
-                summary = warm_up(model, processor, configs[mode], max_tokens=DEFAULT_MAX_TOKENS,
+                summary = warm_up(model, processor, configs[mode], max_tokens=place_rows,
                                   max_new_tokens=answer_tokens, batch=running_places + restoring,
                                   conversations=0, image_sizes=[(height, width)],
                                   cache_dir=False, progress=False)
@@ -943,6 +951,9 @@ def main(argv=None):
     parser.add_argument("--follow-up-tokens", type=int, default=None, help="default: half of --answer-tokens")
     parser.add_argument("--think-s", type=float, default=0.0, help="seconds between an answer and the next question")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--warm-up-tokens", type=int, default=None,
+                        help="with --batching: rows of each of the batched engine's places, as serve's option "
+                             "(default: serve's, 4096)")
     parser.add_argument("--no-library", action="store_true", help="skip the library reference at one client")
     parser.add_argument("--max-running", type=int, default=None, help="the server's (default: the most clients)")
     parser.add_argument("--max-queue", type=int, default=None, help="the server's (default: the most clients)")
@@ -1020,7 +1031,7 @@ def main(argv=None):
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
                    chunk_rows=args.chunk_rows, split_rows=args.split_rows,
-                   trace_round=args.trace_round, trace_path=args.trace_file,
+                   trace_round=args.trace_round, trace_path=args.trace_file, warm_up_tokens=args.warm_up_tokens,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
     except ValueError as error:
         print(f"[serve-load] {error}", file=sys.stderr)
