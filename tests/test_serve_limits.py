@@ -382,6 +382,7 @@ def test_metrics_registry_is_the_apps_own(glyph, served):
     from raincheck_hf.serve import ServeSettings, create_app, running
 
     base, server, _ = served
+    httpx.get(base + "/health")  # (counted whatever ran before on this server)
     text = httpx.get(base + "/metrics", headers=HEADERS).text
     assert "process_resident_memory_bytes" in text and "python_gc_objects_collected_total" in text
     assert 'raincheck_requests_total{endpoint="/health",status="200"}' in text
