@@ -30,6 +30,24 @@ def timings(start: float, times: list[float], end: float) -> dict:
             "e2e_s": end - start}
 
 
+def streamed(client, **request) -> dict:
+    """One streamed chat completion through the official client (``request``: its ``create`` arguments, ``stream``
+    set here): ``begin`` / ``end`` (`time.perf_counter` just before the request and after its last chunk),
+    ``times`` and ``pieces`` (each piece with text and when it came), ``usage`` (the last chunk's that had one) and
+    ``raincheck`` (the last ``raincheck`` extension seen)."""
+    times, pieces, usage, rc = [], [], None, None
+    begin = time.perf_counter()
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                times.append(time.perf_counter())
+                pieces.append(choice.delta.content)
+        usage = chunk.usage or usage
+        rc = (chunk.model_extra or {}).get("raincheck") or rc
+    return {"begin": begin, "end": time.perf_counter(), "times": times, "pieces": pieces, "usage": usage,
+            "raincheck": rc}
+
+
 def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str, image_url: str, questions,
                     lengths, bias, think_s: float, start=None) -> list[dict]:
     """One client's streamed three-turn dialogue through the official client; a record per turn. ``start()``
@@ -45,22 +63,12 @@ def client_dialogue(base: str, name: str, mode: str, settings: dict, system: str
         if k and think_s:
             time.sleep(think_s)
         messages.append(user_turn(question, image_url if k == 0 else None))
-        times, pieces, usage, rc = [], [], None, None
-        begin = time.perf_counter()
-        stream = client.chat.completions.create(
-            model=name, messages=messages, stream=True, stream_options={"include_usage": True}, temperature=0,
-            max_tokens=n, extra_body={"min_tokens": n, "raincheck": {"mode": mode, **settings}},
-            **({"logit_bias": {str(i): 100 for i in bias}} if bias else {}))
-        for chunk in stream:
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    times.append(time.perf_counter())
-                    pieces.append(choice.delta.content)
-            usage = chunk.usage or usage
-            rc = (chunk.model_extra or {}).get("raincheck") or rc
-        end = time.perf_counter()
-        messages.append({"role": "assistant", "content": "".join(pieces)})
-        records.append({"start": begin, "end": end, **timings(begin, times, end),
+        got = streamed(client, model=name, messages=messages, stream_options={"include_usage": True}, temperature=0,
+                       max_tokens=n, extra_body={"min_tokens": n, "raincheck": {"mode": mode, **settings}},
+                       **({"logit_bias": {str(i): 100 for i in bias}} if bias else {}))
+        begin, end, usage, rc = got["begin"], got["end"], got["usage"], got["raincheck"]
+        messages.append({"role": "assistant", "content": "".join(got["pieces"])})
+        records.append({"start": begin, "end": end, **timings(begin, got["times"], end),
                         "completion_tokens": usage.completion_tokens,
                         "prompt_tokens": usage.prompt_tokens,
                         "cached_tokens": usage.prompt_tokens_details.cached_tokens, "reused": rc["reused"],
@@ -82,15 +90,8 @@ def client_floor(base: str, name: str, system: str, image_url: str, question: st
         start()
     records = []
     for _ in range(repeats):
-        first, rc = None, None
-        begin = time.perf_counter()
-        stream = client.chat.completions.create(model=name, messages=messages, stream=True, temperature=0,
-                                                max_tokens=1)
-        for chunk in stream:
-            if first is None and any(choice.delta.content for choice in chunk.choices):
-                first = time.perf_counter()
-            rc = (chunk.model_extra or {}).get("raincheck") or rc
-        records.append({"ttft_s": first - begin, "server_t1_s": rc["t1_ms"] / 1e3})
+        got = streamed(client, model=name, messages=messages, temperature=0, max_tokens=1)
+        records.append({"ttft_s": got["times"][0] - got["begin"], "server_t1_s": got["raincheck"]["t1_ms"] / 1e3})
     return records
 
 

@@ -761,19 +761,19 @@ def overhead(served: list, runs: list, floor: dict | None = None) -> dict:
     server_ttft, server_tpot = _first_turns_median(served, "ttft_s"), _first_turns_median(served, "tpot_s")
     server_t1 = _first_turns_median(served, "server_t1_s")
     lib_ttft, lib_tpot = _first_turns_median(runs, "ttft_s"), _first_turns_median(runs, "tpot_s")
+    client_http = None if server_ttft is None or server_t1 is None else server_ttft - server_t1
     return {"server_ttft_s": server_ttft, "library_ttft_s": lib_ttft,
             "server_tpot_s": server_tpot, "library_tpot_s": lib_tpot,
             "ttft_s": None if server_ttft is None or lib_ttft is None else server_ttft - lib_ttft,
             "tpot_s": None if server_tpot is None or lib_tpot is None else server_tpot - lib_tpot,
             "ttft_ratio": server_ttft / lib_ttft if server_ttft and lib_ttft else None,
             "tpot_ratio": server_tpot / lib_tpot if server_tpot and lib_tpot else None,
-            "client_http_s": None if server_ttft is None or server_t1 is None else server_ttft - server_t1,
+            "client_http_s": client_http,
             "in_server_s": None if server_t1 is None or lib_ttft is None else server_t1 - lib_ttft,
             "rounds": {"server": len(served), "library": len(runs)},
             **({} if not floor or "client_s" not in floor else {
                 "client_floor_s": floor["client_s"],
-                "server_http_s": None if server_ttft is None or server_t1 is None
-                else server_ttft - server_t1 - floor["client_s"]})}
+                "server_http_s": None if client_http is None else client_http - floor["client_s"]})}
 
 
 FLOOR_REPEATS = 21  # requests to the server that answers at once (`measure_client_floor`), the first not counted
