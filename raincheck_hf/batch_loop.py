@@ -422,10 +422,16 @@ def turn_device_bytes(adapter, rows: int, pixel_bytes: int) -> int:
     return 2 * (int(rows) * per_row + int(pixel_bytes))
 
 
-def _check_headroom(value) -> None:
-    if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"BatchLoop(memory_headroom={value!r}) must be a number of bytes >= 0, 'auto', or None (no "
-                         "admission by device memory).")
+def check_memory_headroom(value, setting: str | None = None) -> None:
+    """``memory_headroom`` (`BatchLoop`'s, the server's ``ServeSettings.memory_headroom``): an int of bytes >= 0 (a
+    bool is not taken for one), ``"auto"`` or None. The error names ``setting`` (default: ``BatchLoop(...)``)."""
+    if value is None or (isinstance(value, str) and value == "auto") or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    rule = "must be a number of bytes >= 0, 'auto', or None (no admission by device memory)"
+    if setting is None:
+        raise ValueError(f"BatchLoop(memory_headroom={value!r}) {rule}.")
+    raise ValueError(f"{setting} {rule}, got {value!r}")
 
 
 def restoring_places_that_fit(model, max_running: int, max_tokens: int, free_bytes: int | None = None) -> int:
@@ -555,7 +561,7 @@ class BatchLoop:
                  split_rows: int | None = SPLIT_ROWS, join_in_flight: bool = False, follow_ups_ahead: bool = False,
                  max_sequences: int | None = None, memory_headroom: int | str | None = "auto"):
         _check_budget(max_batch_tokens, "BatchLoop(max_batch_tokens=...)")
-        _check_headroom(memory_headroom)
+        check_memory_headroom(memory_headroom)
         self.memory_headroom = memory_headroom
         self.memory_waits = 0  # turns whose preparation waited for device memory (`_wait_for_memory`)
         self._freed = threading.Condition()  # notified when a turn ends (its memory may be free)

@@ -102,6 +102,70 @@ def test_cli_batching_options():
     assert serve_settings([]).batching is False  # the per-turn path stays the default
 
 
+def test_cli_memory_headroom_gb_is_parsed_and_checked(capsys):
+    """``--memory-headroom-gb``: GiB on the command line, bytes in `ServeSettings.memory_headroom` (the loop's);
+    ``auto`` (the default) and ``off`` (None: no wait for memory) as they are; a negative or non-finite number is
+    refused naming the option and the value, a word that is none of them by argparse, before anything is loaded."""
+    assert serve_settings([]).memory_headroom == "auto"
+    assert serve_settings(["--batching", "--memory-headroom-gb", "auto"]).memory_headroom == "auto"
+    assert serve_settings(["--batching", "--memory-headroom-gb", "off"]).memory_headroom is None
+    assert serve_settings(["--batching", "--memory-headroom-gb", "1.5"]).memory_headroom == 1610612736  # 1.5 GiB
+    assert serve_settings(["--batching", "--memory-headroom-gb", "4"]).memory_headroom == 4 << 30
+    assert serve_settings(["--batching", "--memory-headroom-gb", "0"]).memory_headroom == 0
+    for bad, shown in (("-1", "-1"), ("-0.5", "-0.5"), ("inf", "inf"), ("nan", "nan")):
+        with pytest.raises(ValueError) as error:
+            serve_settings(["--batching", "--memory-headroom-gb", bad])
+        assert str(error.value) == f"--memory-headroom-gb must be a number of GiB >= 0, 'auto' or 'off', got {shown}"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        serve_settings(["--batching", "--memory-headroom-gb", "abc"])
+    assert "argument --memory-headroom-gb: takes a number of GiB, 'auto' or 'off', got 'abc'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "lots", "Auto"])
+def test_settings_check_memory_headroom_with_the_loops_rule(bad, glyph):
+    """`ServeSettings.memory_headroom` is checked by the loop's own rule (`batch_loop.check_memory_headroom`), with
+    or without ``batching``; the error names the setting (and, from the command line, its option)."""
+    from raincheck_hf.batch_loop import BatchLoop
+    from raincheck_hf.serve import ServeSettings
+    from raincheck_hf.serve.cli import _OPTIONS
+
+    rule = "must be a number of bytes >= 0, 'auto', or None (no admission by device memory)"
+    for batching in (True, False):
+        with pytest.raises(ValueError) as error:
+            ServeSettings(batching=batching, memory_headroom=bad)
+        assert str(error.value) == f"memory_headroom {rule}, got {bad!r}"
+    with pytest.raises(ValueError) as error:
+        BatchLoop(glyph[0], memory_headroom=bad)
+    assert str(error.value) == f"BatchLoop(memory_headroom={bad!r}) {rule}."
+    assert _OPTIONS["memory_headroom"] == "--memory-headroom-gb"
+
+
+@pytest.mark.parametrize("argv,want", [([], "auto"), (["--memory-headroom-gb", "off"], None),
+                                       (["--memory-headroom-gb", "0.25"], 1 << 28)])
+def test_memory_headroom_reaches_the_servers_loop(glyph, argv, want):
+    """The command line's headroom is the server's `BatchScheduler`'s (`BatchLoop.memory_headroom`, what its
+    preparations wait for); without ``--batching`` there is no loop and it does nothing, as the loop's other
+    options."""
+    from dataclasses import replace
+
+    from raincheck_hf.serve import create_app
+
+    model, processor = glyph
+    settings = replace(serve_settings(["--batching", *argv]), model_name="glyph")
+    assert settings.memory_headroom == want
+    server = create_app(model, processor, settings).state.server
+    try:
+        assert server.scheduler.memory_headroom == want and type(server.scheduler.memory_headroom) is type(want)
+    finally:
+        server.close()
+    off = create_app(model, processor, replace(serve_settings(argv), model_name="glyph")).state.server
+    try:
+        assert off.scheduler is None and off.settings.memory_headroom == want
+    finally:
+        off.close()
+
+
 # ---- through HTTP ------------------------------------------------------------------------------------------
 
 def test_a_turn_joins_a_running_answer_and_they_share_steps(batching_server, glyph, dialogues):

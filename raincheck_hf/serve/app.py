@@ -80,6 +80,10 @@ class ServeSettings:
             and in idle time. `serve` warms the batched engine for `batch_places` sequences and, left unset, picks 0
             where the engine's key / value pool for the 2 would not fit the GPU
             (`batch_loop.restoring_places_that_fit`).
+        memory_headroom: with ``batching`` on CUDA, the device memory in bytes a new turn's preparation leaves free
+            for the loop's own work (`BatchLoop.memory_headroom`: before a turn's media go to the device it waits,
+            evicting idle held conversations first, until the turn's estimated bytes and this much more are free);
+            ``"auto"`` (the default): 2 GiB, or 1/32 of a smaller GPU's memory; None: no such wait.
     """
 
     model_name: str = "qwen3_vl"
@@ -98,6 +102,7 @@ class ServeSettings:
     max_preparing: int | None = 1
     prepare_priority: str = "normal"
     restoring_places: int | None = None
+    memory_headroom: int | str | None = "auto"
 
     @property
     def batch_places(self) -> int:
@@ -122,6 +127,9 @@ class ServeSettings:
                                                   or self.restoring_places < 0):
             raise ValueError(f"restoring_places must be an integer >= 0 (or None: the default), got "
                              f"{self.restoring_places!r}")
+        from ..batch_loop import check_memory_headroom
+
+        check_memory_headroom(self.memory_headroom, "memory_headroom")
         for name, low in (("max_running", 1), ("max_queue", 0), ("max_batch_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -322,7 +330,8 @@ class Server:
                                             max_prompt_forwards=settings.max_prompt_forwards,
                                             max_preparing=settings.max_preparing,
                                             prepare_priority=settings.prepare_priority,
-                                            max_sequences=settings.batch_places)
+                                            max_sequences=settings.batch_places,
+                                            memory_headroom=settings.memory_headroom)
         self.images = DecodedImages()  # a follow-up resends the conversation's images: decoded once
         self.created = int(time.time())
         text = model.config.get_text_config()

@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --batching on CUDA, the priority of the stream new turns are prepared on: 'high' "
                            "puts a new conversation's vision encoding and selection before the running answers' "
                            "queued steps (its first token sooner, theirs a step later; default %(default)s)")
+    load.add_argument("--memory-headroom-gb", type=_gb_auto_or_off, default="auto",
+                      help="with --batching on CUDA, GPU memory in GiB a new turn's preparation leaves free for the "
+                           "loop's own work: before its image or video goes to the GPU it waits (idle held "
+                           "conversations evicted first) until the turn's estimated bytes and this much more are "
+                           "free; 'auto' (the default): 2 GiB, or 1/32 of a smaller GPU's memory; 'off': no such wait")
     limits = parser.add_argument_group("limits per request (each refused with a 4xx naming the limit, before any "
                                        "compute; GET /v1/models lists them)")
     limits.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -140,6 +145,12 @@ def settings_from(args):
     gb = args.max_cache_gb if isinstance(args.max_cache_gb, (int, float)) else None  # (else 'auto' or None)
     if gb is not None and not (math.isfinite(gb) and gb >= 0):  # in GB here, in bytes for ServeSettings
         raise ValueError(f"--max-cache-gb must be >= 0, 'auto' or 'none', got {args.max_cache_gb}")
+    headroom = args.memory_headroom_gb  # in GiB here, in bytes for ServeSettings ('auto' and None as they are)
+    if isinstance(headroom, float):
+        if not (math.isfinite(headroom) and headroom >= 0):
+            raise ValueError(f"--memory-headroom-gb must be a number of GiB >= 0, 'auto' or 'off', got "
+                             f"{headroom:g}")
+        headroom = int(headroom * 2**30)
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):  # in MiB here, in bytes for Limits
         raise ValueError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
     try:  # ServeSettings and Limits check their fields; the message names the option that set one
@@ -165,6 +176,7 @@ def settings_from(args):
             max_preparing=args.max_preparing,
             prepare_priority=args.prepare_priority,
             restoring_places=args.restoring_places,
+            memory_headroom=headroom,
         )
     except ValueError as error:
         message = str(error)
@@ -204,6 +216,18 @@ def _gb_or_auto(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', got {text!r}") from None
+
+
+def _gb_auto_or_off(text: str):
+    """``--memory-headroom-gb``: a number of GiB (a float; `settings_from` checks its range), ``auto`` or ``off``
+    (None: no wait for memory; ``none`` is taken too, as ``--max-cache-gb`` takes it)."""
+    word = text.strip().lower()
+    if word in ("auto", "off", "none"):
+        return "auto" if word == "auto" else None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'off', got {text!r}") from None
 
 
 def with_cache_budget(args, device, settings, model):
@@ -264,7 +288,7 @@ def _count_or_all(text: str):
 _OPTIONS = {"max_tokens": "--max-tokens", "max_running": "--max-running", "max_queue": "--max-queue",
             "max_batch_tokens": "--max-batch-tokens", "max_prompt_forwards": "--max-prompt-forwards",
             "max_preparing": "--max-preparing", "prepare_priority": "--prepare-priority",
-            "restoring_places": "--restoring-places",
+            "restoring_places": "--restoring-places", "memory_headroom": "--memory-headroom-gb",
             "api_key": "--api-key", "media_root": "--media-root",
             "max_body_bytes": "--max-body-mb", "max_prompt_tokens": "--max-prompt-tokens",
             "max_images": "--max-images", "max_video_frames": "--max-video-frames",

@@ -62,16 +62,20 @@ class BatchScheduler(BatchLoop):
         prepare_priority: the priority of the stream turns are prepared on (`BatchLoop.prepare_priority`).
         max_sequences: the most sequences in one step that held conversations restoring beside the answers may bring
             it to (`BatchLoop.max_sequences`: the places the server's engine was warmed for).
+        memory_headroom: the device memory in bytes a turn's preparation leaves free for the loop's own work,
+            ``"auto"`` or None (no wait for memory; `BatchLoop.memory_headroom`).
     """
 
     _logger = logger
 
     def __init__(self, model, store, token_budget: int | None, default_config, on_step=None, on_restore=None,
                  on_handoff=None, on_join=None, max_prompt_forwards: int | None = None,
-                 max_preparing: int | None = 1, prepare_priority: str = "normal", max_sequences: int | None = None):
+                 max_preparing: int | None = 1, prepare_priority: str = "normal", max_sequences: int | None = None,
+                 memory_headroom: int | str | None = "auto"):
         super().__init__(model, token_budget, config=default_config, on_step=on_step, on_restore=on_restore,
                          on_handoff=on_handoff, on_join=on_join, max_prompt_forwards=max_prompt_forwards,
-                         max_preparing=max_preparing, prepare_priority=prepare_priority, max_sequences=max_sequences)
+                         max_preparing=max_preparing, prepare_priority=prepare_priority, max_sequences=max_sequences,
+                         memory_headroom=memory_headroom)
         self.store = store
 
     def _closed_error(self, running: bool) -> BaseException:
