@@ -273,13 +273,15 @@ class PackedGDNState:
         return new
 
     def grow(self, batch: int) -> None:
-        """Room for ``batch`` sequences; the new rows are fresh."""
+        """Room for ``batch`` sequences; the new rows are fresh. All of the layer's tensors or none (an allocation
+        that fails leaves them as they were)."""
         old = self.batch
         if batch <= old:
             return
-        for name in self._NAMES:
-            t = getattr(self, name)
-            setattr(self, name, torch.cat([t, t.new_zeros(batch - old, *t.shape[1:])]))
+        grown = {name: torch.cat([t, t.new_zeros(batch - old, *t.shape[1:])])
+                 for name, t in ((name, getattr(self, name)) for name in self._NAMES)}
+        for name, t in grown.items():
+            setattr(self, name, t)
         self.suffix_length += [0] * (batch - old)
         for row in range(old, batch):
             self.reset(row)
@@ -771,12 +773,16 @@ class PackedGDNStates:
                 state.suffix_length[r] = 0
 
     def grow(self, batch: int) -> None:
+        """Every layer's rows to ``batch``. An allocation that fails part of the way leaves the layers before it grown
+        (a retry skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors' addresses."""
         if batch <= self.batch:
             return
-        for state in self.layers.values():
-            state.grow(batch)
+        try:
+            for state in self.layers.values():
+                state.grow(batch)
+        finally:
+            self.version += 1
         self.batch = int(batch)
-        self.version += 1
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src``'s states into row ``dst`` (in place); ``src`` is reset (`kv_pool.SlotKVPool.move`'s twin)."""

@@ -121,11 +121,14 @@ class SlotKVLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def resize(self, num_slots: int, capacity: int) -> None:
-        """Reallocate to ``[num_slots, H, capacity, D]`` (zeros), keeping what the old tensors held."""
+        """Reallocate to ``[num_slots, H, capacity, D]`` (zeros), keeping what the old tensors held. A tensor already
+        of that shape is kept (a retry after an allocation failed part of the way)."""
         if not self.is_initialized:
             return
         for name in ("keys", "values"):
             old = getattr(self, name)
+            if old.shape[0] == num_slots and old.shape[2] == capacity:
+                continue
             new = old.new_zeros(num_slots, old.shape[1], capacity, old.shape[-1])
             new[:old.shape[0], :, :old.shape[2]] = old
             setattr(self, name, new)
@@ -244,16 +247,22 @@ class SlotKVPool(Cache):
             self._resize(self.num_slots, capacity)
 
     def _resize(self, num_slots: int, capacity: int) -> None:
+        """The layers one at a time (each old tensor freed once its copy is made: the pool is never held twice),
+        then the keys and the sizes. An allocation that fails part of the way leaves the pool at its old sizes, every
+        layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same:
+        captured steps hold the replaced tensors' addresses, freed now, and must not replay on them."""
         total = num_slots + int(self.has_scratch)
         keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        try:
+            for layer in self.layers:
+                layer.resize(total, capacity)
+        finally:
+            self.version += 1
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)
         self.slot_keys = keys
-        for layer in self.layers:
-            layer.resize(total, capacity)
         self._free += list(range(self.num_slots, num_slots))
         self.lengths += [0] * (num_slots - self.num_slots)
         self.num_slots, self.capacity = num_slots, capacity
-        self.version += 1
 
     # ---- one forward ------------------------------------------------------------------------
     def begin_step(self, slots: list[int], query_keys: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -483,6 +483,47 @@ def test_engine_runs_attention_rows_of_each_slot_only():
         pool.release(5)
 
 
+def test_a_pool_growth_that_runs_out_of_memory_leaves_the_pool_usable_and_its_graphs_stale(monkeypatch):
+    """`SlotKVPool._resize` one layer at a time: an allocation that fails part of the way (out of device memory, as
+    in a 64-client run) leaves the pool at its old sizes with every layer holding at least those and its contents,
+    and bumps ``version`` all the same (captured steps held the replaced layers' tensors, freed now; replaying them
+    read freed memory and ended in an illegal memory access). A retry resizes the rest and keeps every row."""
+    pool = SlotKVPool(num_layers=3, num_slots=2, capacity=64)
+    a = pool.allocate()
+    pool.begin_step([a], [torch.arange(3)], 3)
+    for i, layer in enumerate(pool.layers):
+        layer.update(torch.full((1, 1, 3, 2), float(i + 1)), torch.full((1, 1, 3, 2), float(-i - 1)))
+    pool.end_step()
+    version, real = pool.version, torch.Tensor.new_zeros
+    calls = []
+
+    def failing(t, *size, **kwargs):
+        calls.append(size)
+        if len(calls) == 3:  # the second layer's keys
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return real(t, *size, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.reserve(100)
+    monkeypatch.setattr(torch.Tensor, "new_zeros", real)
+    assert pool.version > version and pool.capacity == 64 and pool.slot_keys.shape == (2, 64)
+    assert [tuple(layer.keys.shape)[2] for layer in pool.layers] == [128, 64, 64]
+    for i, layer in enumerate(pool.layers):
+        assert layer.keys[a, 0, :3].eq(i + 1).all() and layer.values[a, 0, :3].eq(-i - 1).all()
+    visible = pool.begin_step([a], [torch.tensor([3])], 1)  # the old sizes still serve a step
+    for layer in pool.layers:
+        layer.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    pool.end_step()
+    assert visible[0, 0, :4].tolist() == [True] * 4
+    version = pool.version
+    pool.reserve(100)  # the retry: the first layer kept, the others resized
+    assert pool.version > version and pool.capacity == 128
+    assert all(tuple(layer.keys.shape) == tuple(layer.values.shape) == (2, 1, 128, 2) for layer in pool.layers)
+    for i, layer in enumerate(pool.layers):
+        assert layer.keys[a, 0, :3].eq(i + 1).all() and layer.keys[a, 0, 3].eq(0).all()
+
+
 def test_bad_input():
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     for budget in (0, -3, 2.5, True):

@@ -95,6 +95,47 @@ def test_reset_rows_equals_reset_of_each_row():
             assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
 
 
+def test_a_growth_that_runs_out_of_memory_leaves_the_states_whole_and_their_graphs_stale(monkeypatch):
+    """`PackedGDNStates.grow` one layer at a time, each layer all or nothing: an allocation that fails in the second
+    layer leaves the first grown, the second as it was (every tensor at its old rows, its records too), the batch at
+    its old size and ``version`` bumped (captured steps held the first layer's old tensors). A retry grows the rest;
+    every old row is kept and the new rows are fresh."""
+    gen = torch.Generator().manual_seed(5)
+    params = _params(gen)
+    states = PackedGDNStates(SLOTS)
+    states.layers = {0: _random_state(params, gen), 2: _random_state(params, gen, torch.float32)}
+    before = {i: {name: getattr(s, name).clone() for name in PackedGDNState._NAMES} for i, s in states.layers.items()}
+    before_lengths = {i: list(s.suffix_length) for i, s in states.layers.items()}
+    version, real, calls = states.version, torch.cat, []
+
+    def failing(tensors, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == len(PackedGDNState._NAMES) + 2:  # in the second layer
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        states.grow(SLOTS + 3)
+    monkeypatch.setattr(torch, "cat", real)
+    assert states.version > version and states.batch == SLOTS
+    assert states.layers[0].batch == SLOTS + 3 and states.layers[2].batch == SLOTS
+    assert all(getattr(states.layers[2], name).shape[0] == SLOTS for name in PackedGDNState._NAMES)
+    version = states.version
+    states.grow(SLOTS + 3)
+    assert states.version > version and states.batch == SLOTS + 3
+    fresh = PackedGDNStates(3)
+    fresh.layers = {0: _random_state(params, gen), 2: _random_state(params, gen, torch.float32)}
+    for i, s in states.layers.items():
+        assert s.batch == SLOTS + 3
+        for r in range(SLOTS, SLOTS + 3):
+            fresh.layers[i].reset(r - SLOTS)
+        for name in PackedGDNState._NAMES:
+            assert torch.equal(getattr(s, name)[:SLOTS], before[i][name]), (i, name)
+            assert torch.equal(getattr(s, name)[SLOTS:], getattr(fresh.layers[i], name)[:3]), (i, name)
+        assert s.suffix_length == before_lengths[i] + [0, 0, 0]
+
+
 def test_remove_many_equals_removing_one_by_one():
     """Two engines with the same three sequences stepped the same way (the batched engine's captured-step layout:
     `fast_path=True`, so sequences stay in the lowest slots): `remove_many` of the first two (not the last slot, so
