@@ -195,5 +195,4 @@ def cdpruner_step(L, C, d2, fallback, tol, taken, slots, s, B, n, k, neg,
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, score, cols, cmask & (t == 0), neg)
 
-KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "mmtok_lazy": mmtok_lazy, "divprune": divprune_step,
-           "cdpruner": cdpruner_step}
+KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "mmtok_lazy": mmtok_lazy, "divprune": divprune_step, "cdpruner": cdpruner_step}
