@@ -337,7 +337,6 @@ GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)
     pytest.param(1, 1344, 256, 403, 14, id="image"),
     pytest.param(32, 192, 256, 58, 9, id="video_slices"),
     pytest.param(3, 100, 32, 37, 0, id="no_text"),
-    pytest.param(1, 4096, 64, 1229, 20, id="lazy_largest"),  # mmtok's lazy kernel at `LAZY_MAX_N`
 ]
 
 
@@ -346,7 +345,7 @@ def _reference_greedy(method, features, text, k):
     from raincheck_hf.selection.divprune import divprune_greedy
     from raincheck_hf.selection.mmtok import mmtok_greedy
 
-    if method.startswith("mmtok"):
+    if method == "mmtok":
         return torch.stack([mmtok_greedy(f, text, k) for f in features])
     if method == "divprune":
         return torch.stack([divprune_greedy(f, k) for f in features])
@@ -357,11 +356,9 @@ def _reference_greedy(method, features, text, k):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("method", ["mmtok", "mmtok_split", "divprune", "cdpruner"])
+@pytest.mark.parametrize("method", ["mmtok", "divprune", "cdpruner"])
 @pytest.mark.parametrize("B,n,D,k,m", GREEDY_SIZES)
 def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
-    """Each greedy kernel (mmtok's lazy one, its default, and its split one) picks what the reference loop picks,
-    launched directly, captured, and replayed."""
     from raincheck_hf.selection import kernels
     from raincheck_hf.selection.cdpruner import cdpruner_inputs
     from raincheck_hf.selection.divprune import divprune_inputs
@@ -370,15 +367,13 @@ def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
     g = torch.Generator().manual_seed(42)
     features = torch.randn(B, n, D, generator=g).cuda()
     text = torch.randn(m, D, generator=g).cuda() if m else None
-    inputs = {"mmtok": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2, form="lazy"),
-              "mmtok_split": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2, form="split"),
+    inputs = {"mmtok": lambda: mmtok_inputs(features, text, 0.5, 0.02, 0.2),
               "divprune": lambda: divprune_inputs(features),
               "cdpruner": lambda: cdpruner_inputs(features, text, 0.5)}[method]()
     want = _reference_greedy(method, features, text, k)
-    kernel = method.split("_")[0]
-    eager = kernels.greedy_select(kernel, inputs, k, use_graphs=False)
-    first = kernels.greedy_select(kernel, inputs, k)  # captures
-    again = kernels.greedy_select(kernel, inputs, k)  # replays
+    eager = kernels.greedy_select(method, inputs, k, use_graphs=False)
+    first = kernels.greedy_select(method, inputs, k)  # captures
+    again = kernels.greedy_select(method, inputs, k)  # replays
     assert torch.equal(eager, want) and torch.equal(first, want) and torch.equal(again, want)
 
 

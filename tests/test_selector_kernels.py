@@ -35,19 +35,16 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
     if n > 3:
         f[:, 3] = f[:, 1]  # a duplicate token: tied scores, broken towards the lower index
     text = torch.randn(m, D, generator=g) if m else None
-    mmtok = torch.stack([mmtok_greedy(x, text, k) for x in f])
     refs = {
-        "mmtok": mmtok,
-        "mmtok_split": mmtok,
+        "mmtok": torch.stack([mmtok_greedy(x, text, k) for x in f]),
         "divprune": torch.stack([divprune_greedy(x, k) for x in f]),
         "cdpruner": torch.stack([dpp_greedy_map(L, k, fallback_score=q)
                                  for L, q in (conditional_kernel(x, text, 0.5) for x in f)]),
     }
-    inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2, form="lazy"),
-              "mmtok_split": mmtok_inputs(f, text, 0.5, 0.02, 0.2, form="split"), "divprune": divprune_inputs(f),
+    inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": divprune_inputs(f),
               "cdpruner": cdpruner_inputs(f, text, 0.5)}
     for method, want in refs.items():
-        got = kernels.greedy_select(method.split("_")[0], inputs[method], k, use_graphs=False)
+        got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
         results.append({"method": method, "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})
 print(json.dumps(results))
 """
@@ -60,59 +57,9 @@ def test_step_kernels_match_reference_in_interpreter():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 4 * len(SIZES)
+    assert len(results) == 3 * len(SIZES)
     for r in results:
         assert r["got"] == r["want"], (r["method"], r["size"])
-
-
-TIES_SCRIPT = r"""
-import json, torch
-from raincheck_hf.selection import kernels
-from raincheck_hf.selection.mmtok import mmtok_greedy, mmtok_inputs
-
-results = []
-for seed in range(4):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(5, 16, generator=g)
-    f = base[torch.randint(0, 5, (2, 60), generator=g)]  # 60 tokens of 5 distinct ones: most gains tie exactly
-    text = torch.randn(4, 16, generator=g) if seed % 2 else None
-    for k in (7, 30, 60):
-        want = torch.stack([mmtok_greedy(x, text, k) for x in f])
-        got = kernels.greedy_select("mmtok", mmtok_inputs(f, text, 0.5, 0.02, 0.2, form="lazy"), k, use_graphs=False)
-        results.append([seed, k, got.tolist() == want.tolist()])
-# by hand, exact in binary: candidate 1 first (gain 0.5); then candidate 2's fresh gain (0.375 -> 0.25) equals
-# candidate 0's stale one (0.25, now 0.125): candidate 0 must be evaluated again, not taken for its stale gain
-PT = torch.tensor([[[0.5, 0.0, 0.5, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.0, 1.0]]])
-got = kernels.greedy_select("mmtok", {"PT": PT, "W": torch.full((4,), 0.25, dtype=torch.float64)}, 3, use_graphs=False)
-results.append(["by hand", 3, got.tolist() == [[1, 2, 0]]])
-print(json.dumps(results))
-"""
-
-
-@pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter runs the kernels on CPU)")
-def test_mmtok_lazy_kernel_breaks_ties_as_the_reference():
-    """mmtok's lazy kernel re-evaluates only the candidates whose last gain could still win; with most tokens
-    duplicated, most gains tie, and the kernel must still take the lowest index of the best, as the reference."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", TIES_SCRIPT], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 13 and all(same for _seed, _k, same in results), results
-
-
-def test_mmtok_kernel_form_is_checked():
-    from raincheck_hf.selection.mmtok import MMTokSelector, mmtok_inputs
-
-    with pytest.raises(ValueError, match=r"MMTokSelector.kernel_form='fast' must be 'lazy', 'split' or None"):
-        MMTokSelector(kernel_form="fast")
-    with pytest.raises(ValueError, match=r"mmtok_inputs\(form='x'\)"):
-        mmtok_inputs(torch.randn(1, 4, 8), None, 0.5, 0.02, 0.2, form="x")
-    f, text = torch.randn(2, 5, 8), torch.randn(3, 8)
-    lazy, split = (mmtok_inputs(f, text, 0.5, 0.02, 0.2, form=form) for form in ("lazy", "split"))
-    assert set(lazy) == {"PT", "W"} and set(split) == {"P", "W"}
-    assert torch.equal(lazy["PT"], split["P"].transpose(1, 2)) and torch.equal(lazy["W"], split["W"])
-    assert set(mmtok_inputs(f, text, 0.5, 0.02, 0.2)) == {"PT", "W"}  # the default up to LAZY_MAX_N tokens
 
 
 def test_cdpruner_fallback_is_the_reference_mapping():

@@ -103,13 +103,9 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 
     device = turn.embeds.device
     rows = []
-    variants = [(s, None, "default", {}) for s in selectors]
-    kept = {}  # selector -> the default variant's mask
-    if "mmtok" in selectors:  # mmtok's other greedy kernel on CUDA (the default is the lazy one)
-        variants.append(("mmtok", None, "split", {"kernel_form": "split"}))
-    variants += [(s, False, "reference", {}) for s in selectors if s in GREEDY]
-    for name, fast, variant, kwargs in variants:
-        config = RaincheckConfig(selector=name, fast_path=fast, selector_kwargs=kwargs)
+    variants = [(s, None) for s in selectors] + [(s, False) for s in selectors if s in GREEDY]
+    for name, fast in variants:
+        config = RaincheckConfig(selector=name, fast_path=fast)
         selector = config.build_selector()
 
         def run():
@@ -118,11 +114,9 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 
         keep = run()
         times = _timed(run, device, warmup, reps)
-        rows.append({"selector": name, "variant": variant, "input": kind,
+        rows.append({"selector": name, "variant": "reference" if fast is False else "default", "input": kind,
                      "tokens": int(turn.num_visual), "segments": len(turn.segments), "kept": int(keep.sum()),
                      "device": device.type, "median_ms": statistics.median(times), "reps_ms": times})
-        kept.setdefault(name, keep)
-        rows[-1]["same_as_default"] = bool(torch.equal(keep.cpu(), kept[name].cpu()))  # the same tokens kept
     return rows
 
 

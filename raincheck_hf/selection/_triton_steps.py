@@ -78,75 +78,6 @@ def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_RB: tl.constexpr, BLO
     _vote(slots, s, b, B, acc.to(tl.float32), cols, cmask & (t == 0), neg)
 
 
-@triton.jit
-def _mmtok_tile_gains(PT, W, cov, cands, cmask, R, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    # the gains (float64 [BLOCK_C]) of candidates `cands` (one segment's PT rows: [n, R], a candidate's coverage
-    # values contiguous) against the coverage maxima `cov` [R]: the same tiles and sums for a candidate wherever it
-    # sits in the tile, so evaluating it again after `cov` grew can only give a gain <= the last (every term
-    # relu(p - c) is monotone in c, and so are the float64 products, sums and the final rounding)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float64)
-    for r0 in range(0, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        c = tl.load(cov + rows, mask=rmask, other=0.0)
-        w = tl.load(W + rows, mask=rmask, other=0.0)
-        p = tl.load(PT + cands[:, None].to(tl.int64) * R + rows[None, :], mask=cmask[:, None] & rmask[None, :],
-                    other=0.0)
-        acc += tl.sum(w[None, :] * tl.maximum(p - c[None, :], 0.0).to(tl.float64), axis=1)
-    return acc
-
-
-@triton.jit
-def mmtok_lazy(PT, W, cov, bound, order, indices, n, R, k, neg,
-               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    # every pick of one segment in one program (grid (B,)): lazy greedy over stale gains. PT [B, n, R] the coverage
-    # matrix candidate-major; W [R] float64; cov [B, R] coverage maxima (zero at the start); bound [B, n] float32
-    # each candidate's gain when last evaluated (+inf: never; -inf: taken), an upper bound of its gain now, the
-    # function being submodular; order [B, n] int32 scratch; indices [B, k] int64 the picks.
-    # A pick: evaluate the best stale candidate u (gain g); every other candidate whose bound could still beat u
-    # (bound > g, or = g at a lower column) is evaluated too; the best of the bounds is then a fresh gain and the
-    # exact argmax (first maximum) of the full evaluation: what the others can reach is at most their bounds.
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    valid = cols < n
-    lanes = tl.arange(0, BLOCK_C)
-    PT_b = PT + b.to(tl.int64) * n * R
-    cov_b = cov + b.to(tl.int64) * R
-    bound_b = bound + b.to(tl.int64) * n
-    order_b = order + b.to(tl.int64) * n
-    for s in range(k):
-        bnd = tl.load(bound_b + cols, mask=valid, other=float("-inf"))
-        live = valid & (bnd != float("-inf"))
-        top = tl.max(tl.where(live, _pack(bnd, cols), neg), axis=0)
-        u = (4294967295 - (top & 4294967295)).to(tl.int32)
-        first = lanes == 0
-        g_u = tl.sum(tl.where(first, _mmtok_tile_gains(PT_b, W, cov_b, tl.where(first, u, 0), first, R,
-                                                       BLOCK_C, BLOCK_R).to(tl.float32), 0.0), axis=0)
-        rival = live & (cols != u) & ((bnd > g_u) | ((bnd == g_u) & (cols < u)))
-        count = tl.sum(rival.to(tl.int32), axis=0)
-        tl.store(order_b + tl.cumsum(rival.to(tl.int32), axis=0) - 1, cols, mask=rival)
-        tl.store(bound_b + u, g_u)
-        tl.debug_barrier()
-        for t0 in range(0, count, BLOCK_C):
-            slot = t0 + lanes
-            smask = slot < count
-            cands = tl.load(order_b + slot, mask=smask, other=0)
-            gains = _mmtok_tile_gains(PT_b, W, cov_b, cands, smask, R, BLOCK_C, BLOCK_R)
-            tl.store(bound_b + cands, gains.to(tl.float32), mask=smask)
-        tl.debug_barrier()
-        bnd = tl.load(bound_b + cols, mask=valid, other=float("-inf"))
-        best = tl.max(tl.where(live, _pack(bnd, cols), neg), axis=0)
-        j = 4294967295 - (best & 4294967295)
-        tl.store(indices + b.to(tl.int64) * k + s, j)
-        tl.store(bound_b + j, float("-inf"))
-        for r0 in range(0, R, BLOCK_R):  # the pick's coverage values raise the maxima
-            rows = r0 + tl.arange(0, BLOCK_R)
-            rmask = rows < R
-            c = tl.load(cov_b + rows, mask=rmask, other=0.0)
-            tl.store(cov_b + rows, tl.maximum(c, tl.load(PT_b + j * R + rows, mask=rmask, other=0.0)), mask=rmask)
-        tl.debug_barrier()
-
-
 @triton.jit(do_not_specialize=["s"])
 def divprune_step(D, first, mind, taken, slots, s, B, n, neg, BLOCK_N: tl.constexpr):
     # D [B, n, n] cosine distances; first [B, n]: step 0's scores (distance to the nearest other token);
@@ -195,4 +126,4 @@ def cdpruner_step(L, C, d2, fallback, tol, taken, slots, s, B, n, k, neg,
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, score, cols, cmask & (t == 0), neg)
 
-KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "mmtok_lazy": mmtok_lazy, "divprune": divprune_step, "cdpruner": cdpruner_step}
+KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "divprune": divprune_step, "cdpruner": cdpruner_step}

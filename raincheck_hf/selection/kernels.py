@@ -50,8 +50,6 @@ LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
-LAZY_BLOCK_C = 16  # mmtok's lazy form: candidates evaluated together
-LAZY_BLOCK_R = 512  # and coverage rows per tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,18 +75,13 @@ class GreedyRun:
         self.method, self.k = method, int(k)
         self.inputs = inputs
         first = next(iter(inputs.values()))
-        lazy = method == "mmtok" and "PT" in inputs  # mmtok's lazy form (candidate-major): one launch for every pick
-        self.B, self.n = int(first.shape[0]), int(inputs["PT"].shape[1] if lazy else first.shape[-1])
+        self.B, self.n = int(first.shape[0]), int(first.shape[-1])
         device = first.device
         B, n = self.B, self.n
         self.slots = torch.empty(self.k, B, dtype=torch.int64, device=device)
         self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
-        if lazy:
-            self.state = {"cov": torch.empty(B, int(inputs["PT"].shape[2]), dtype=torch.float32, device=device),
-                          "bound": torch.empty(B, n, dtype=torch.float32, device=device),
-                          "order": torch.empty(B, n, dtype=torch.int32, device=device)}
-        elif method == "mmtok":
+        if method == "mmtok":
             R = int(inputs["P"].shape[1])
             self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
                           "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
@@ -101,18 +94,8 @@ class GreedyRun:
             raise ValueError(f"no greedy kernel for selector {method!r}")
 
     def launch(self) -> torch.Tensor:
-        B, n, k = self.B, self.n, self.k
-        if "bound" in self.state:
-            cov, bound = self.state["cov"], self.state["bound"]
-            cov.zero_()
-            bound.fill_(float("inf"))
-            big = n > 1024
-            _kernels()["mmtok_lazy"][(B,)](
-                self.inputs["PT"], self.inputs["W"], cov, bound, self.state["order"], self.indices, n,
-                int(cov.shape[1]), k, INT64_MIN, BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_C=LAZY_BLOCK_C,
-                BLOCK_R=LAZY_BLOCK_R, num_warps=8 if big else 4)
-            return self.indices
         kernel = _kernels()[self.method]
+        B, n, k = self.B, self.n, self.k
         self.slots.fill_(INT64_MIN)
         self.taken.zero_()
         grid = (B, -(-n // BLOCK_N))

@@ -159,10 +159,6 @@ class MMTokSelector(GreedySelector):
         alpha: weight of the text coverage term, in ``[0, 1]`` (``1 - alpha`` weighs the vision term).
         text_temperature: ``tau_t`` of the text-to-visual softmax, ``> 0``.
         vision_temperature: ``tau_v`` of the visual-to-visual softmax, ``> 0``.
-        kernel_form: the greedy kernel on CUDA (`selection.kernels`): ``"lazy"``, one launch for every pick, each
-            pick re-evaluating only the candidates whose last gain could still win (the gains only shrink);
-            ``"split"``, two launches a pick over every candidate; None (default): ``"lazy"`` for segments of up to
-            `LAZY_MAX_N` tokens. Both pick what the reference loop picks.
     """
 
     name: str = "mmtok"
@@ -170,11 +166,8 @@ class MMTokSelector(GreedySelector):
     alpha: float = 0.5
     text_temperature: float = 0.02
     vision_temperature: float = 0.2
-    kernel_form: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kernel_form not in (None, "lazy", "split"):
-            raise ValueError(f"MMTokSelector.kernel_form={self.kernel_form!r} must be 'lazy', 'split' or None")
         _check_unit("MMTokSelector", "alpha", self.alpha)
         _check_positive("MMTokSelector", "text_temperature", self.text_temperature)
         _check_positive("MMTokSelector", "vision_temperature", self.vision_temperature)
@@ -189,44 +182,29 @@ class MMTokSelector(GreedySelector):
                             self.vision_temperature).cpu()
 
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
-        return mmtok_inputs(features, context.text_embeds, self.alpha, self.text_temperature, self.vision_temperature,
-                            self.kernel_form)
+        return mmtok_inputs(features, context.text_embeds, self.alpha, self.text_temperature, self.vision_temperature)
 
 
 TEXT_BUCKET = 32  # text rows of the kernels' inputs are padded to a multiple of this, so a graph serves many question lengths
-LAZY_MAX_N = 4096  # segments of up to this many tokens take the lazy greedy kernel (its program holds a row of n)
 
 
 def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
-                 tau_v: float, form: str | None = None) -> dict:
-    """The greedy kernels' inputs for ``features [B, n, D]``: each segment's coverage matrices
+                 tau_v: float) -> dict:
+    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
     (`mmtok.coverage_matrices`, the reference's own, so the values are the same to the bit), vision rows then
-    text rows padded with zeros to a multiple of `TEXT_BUCKET`, and ``"W"`` ``[R]`` float64, each row's weight in
-    the gain (the term's weight over its row count; 0 for padding, which then adds exactly 0).
-
-    ``form``: ``"lazy"`` gives ``{"PT": [B, n, R], "W"}`` (candidate-major: the one-launch lazy greedy of
-    `selection.kernels`), ``"split"`` ``{"P": [B, R, n], "W"}`` (two launches a pick over every candidate); None:
-    ``"lazy"`` up to `LAZY_MAX_N` tokens a segment."""
-    n = int(features.shape[-2])
-    form = form or ("lazy" if n <= LAZY_MAX_N else "split")
-    if form not in ("lazy", "split"):
-        raise ValueError(f"mmtok_inputs(form={form!r}) must be 'lazy', 'split' or None")
+    text rows padded with zeros to a multiple of `TEXT_BUCKET`, and each row's weight in the gain (the term's
+    weight over its row count; 0 for padding, which then adds exactly 0)."""
     p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
+    p_vv = torch.stack(p_vv)
+    n = p_vv.shape[-1]
     w_t, w_v = gain_weights(p_tv[0] is not None, alpha)
-    m = 0 if p_tv[0] is None else p_tv[0].shape[0]
+    if p_tv[0] is None:
+        return {"P": p_vv, "W": torch.full((n,), w_v / n, dtype=torch.float64, device=p_vv.device)}
+    m = p_tv[0].shape[0]
     R = n + -(-m // TEXT_BUCKET) * TEXT_BUCKET
-    W = torch.zeros(R, dtype=torch.float64, device=p_vv[0].device)
-    W[:n] = w_v / n
-    if m:
-        W[n:n + m] = w_t / m
-    if form == "lazy":  # written candidate-major at once (the same values, transposed)
-        PT = p_vv[0].new_zeros(len(p_vv), n, R)
-        PT[:, :, :n] = torch.stack(p_vv).transpose(1, 2)
-        if m:
-            PT[:, :, n:n + m] = torch.stack(p_tv).transpose(1, 2)
-        return {"PT": PT, "W": W}
-    P = p_vv[0].new_zeros(len(p_vv), R, n)
-    P[:, :n] = torch.stack(p_vv)
-    if m:
-        P[:, n:n + m] = torch.stack(p_tv)
+    P = p_vv.new_zeros(p_vv.shape[0], R, n)
+    P[:, :n] = p_vv
+    P[:, n:n + m] = torch.stack(p_tv)
+    W = torch.zeros(R, dtype=torch.float64, device=p_vv.device)
+    W[:n], W[n:n + m] = w_v / n, w_t / m
     return {"P": P, "W": W}
