@@ -10,8 +10,10 @@ launches of one shape are captured once as a CUDA graph and replayed.
 (mmtok's step is two launches: the partial gains over tiles of rows and candidates, then their fixed-order sum and
 the vote. Two one-launch forms gave the same picks and no gain on an H100, the launches not being what bounds a pick:
 the last row tile of each column block summing and voting, 3.15 against 3.00 ms for the greedy alone, and one program
-per block of candidates summing over every row, 5.64 against 3.94 ms for the whole selection; see
-``benchmarks/results/README.md``.)
+per block of candidates summing over every row, 5.64 against 3.94 ms for the whole selection. A lazy greedy in one
+program per segment, every pick in one launch, re-evaluating only the candidates whose last gain could still win,
+picked the same tokens and was slower again: 13.94 against 4.59 ms for the image, most candidates' gains staying too
+close to be skipped; see ``benchmarks/results/README.md``.)
 
 One step, for every segment ``b`` of the batch and a block of candidate columns per program:
 
