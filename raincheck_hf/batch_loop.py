@@ -989,6 +989,9 @@ class BatchLoop:
         engine = BatchEngine(self.model, config, token_budget=self.token_budget,
                              max_prompt_forwards=self._max_prompt_forwards, ride_max_rows=self._ride_max_rows,
                              split_rows=self._split_rows)
+        # a growth of its pool without device memory makes room as ended answers' caches do (weak: a kept pool may
+        # outlive this loop)
+        engine.pool.on_short = weakref.WeakMethod(self._relieve_memory)
         self._engines.append(engine)
         return engine
 
@@ -1577,7 +1580,8 @@ class BatchLoop:
 
     def _relieve_memory(self, nbytes: int) -> bool:
         """Make ``nbytes`` of device memory (for the caches of answers that ended, copied out of the pool:
-        `_take_out`; for a turn's preparation: `_wait_for_memory`), from any thread: whether any was made. The loop
+        `_take_out`; for a turn's preparation: `_wait_for_memory`; for an engine's pool growing in a step:
+        `kv_pool.SlotKVPool.on_short`), from any thread: whether any was made. The loop
         holds nothing it may drop (its conversations' caches are theirs); the server's scheduler evicts held
         conversations (`serve.scheduler.BatchScheduler._relieve_memory`)."""
         return False

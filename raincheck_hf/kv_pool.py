@@ -120,6 +120,13 @@ class SlotKVLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(shape(value_states))
         self.is_initialized = True
 
+    def resize_bytes(self, num_slots: int, capacity: int) -> int:
+        """The bytes `resize` to that shape allocates (0: nothing allocated yet, or already of that shape)."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.new_empty(0).element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
+                   for t in (self.keys, self.values) if not (t.shape[0] == num_slots and t.shape[2] == capacity))
+
     def resize(self, num_slots: int, capacity: int) -> None:
         """Reallocate to ``[num_slots, H, capacity, D]`` (zeros), keeping what the old tensors held. A tensor already
         of that shape is kept (a retry after an allocation failed part of the way)."""
@@ -190,6 +197,10 @@ class SlotKVPool(Cache):
         self._free = list(range(self.num_slots))
         self.step: SlotStep | None = None
         self.version = 0  # bumped whenever the tensors are reallocated (captured graphs hold their addresses)
+        # called with the bytes a growth still needs when its allocation ran out of device memory: whether room was
+        # made (the growth then tries once more); a weak reference to a bound method (`BatchLoop._relieve_memory`:
+        # the server evicts held conversations) or None
+        self.on_short: "weakref.WeakMethod | None" = None
 
     @property
     def total_slots(self) -> int:
@@ -250,12 +261,20 @@ class SlotKVPool(Cache):
         """The layers one at a time (each old tensor freed once its copy is made: the pool is never held twice),
         then the keys and the sizes. An allocation that fails part of the way leaves the pool at its old sizes, every
         layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same:
-        captured steps hold the replaced tensors' addresses, freed now, and must not replay on them."""
+        captured steps hold the replaced tensors' addresses, freed now, and must not replay on them. Before that, a
+        layer whose allocation failed asks `on_short` for the bytes still needed and, if room was made, tries again."""
         total = num_slots + int(self.has_scratch)
         keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
         try:
-            for layer in self.layers:
-                layer.resize(total, capacity)
+            for at, layer in enumerate(self.layers):
+                try:
+                    layer.resize(total, capacity)
+                except torch.OutOfMemoryError:
+                    relieve = None if self.on_short is None else self.on_short()
+                    if relieve is None or not relieve(sum(rest.resize_bytes(total, capacity)
+                                                          for rest in self.layers[at:])):
+                        raise
+                    layer.resize(total, capacity)  # (room was made: once more)
         finally:
             self.version += 1
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)

@@ -524,6 +524,65 @@ def test_a_pool_growth_that_runs_out_of_memory_leaves_the_pool_usable_and_its_gr
         assert layer.keys[a, 0, :3].eq(i + 1).all() and layer.keys[a, 0, 3].eq(0).all()
 
 
+def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
+    """`SlotKVPool.on_short` (the batching loop's `_relieve_memory`: the server evicts held conversations): a layer's
+    allocation that runs out of memory asks it for the bytes the growth still needs (that layer and the ones after
+    it), then tries once more; every row is kept. Without room made, or with nobody to ask (no hook, or its owner
+    gone), the error is raised as before."""
+    import weakref
+
+    class Room:
+        def __init__(self, made):
+            self.made, self.asked = made, []
+
+        def relieve(self, nbytes):
+            self.asked.append(nbytes)
+            return self.made
+
+    real = torch.Tensor.new_zeros
+
+    def pool_with_a_failure():
+        pool = SlotKVPool(num_layers=3, num_slots=2, capacity=64)
+        a = pool.allocate()
+        pool.begin_step([a], [torch.arange(3)], 3)
+        for i, layer in enumerate(pool.layers):
+            layer.update(torch.full((1, 1, 3, 2), float(i + 1)), torch.full((1, 1, 3, 2), 0.5))
+        pool.end_step()
+        calls = []
+
+        def failing(t, *size, **kwargs):
+            calls.append(size)
+            if len(calls) == 3:  # the second layer's keys, once
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+            return real(t, *size, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "new_zeros", failing)
+        return pool, a
+
+    room = Room(True)
+    pool, a = pool_with_a_failure()
+    pool.on_short = weakref.WeakMethod(room.relieve)
+    pool.reserve(100)
+    monkeypatch.setattr(torch.Tensor, "new_zeros", real)
+    assert room.asked == [2 * 2 * (2 * 1 * 128 * 2 * 4)]  # two layers' keys and values, [2, 1, 128, 2] float32
+    assert pool.capacity == 128 and all(layer.keys.shape[2] == 128 for layer in pool.layers)
+    assert all(layer.keys[a, 0, :3].eq(i + 1).all() for i, layer in enumerate(pool.layers))
+    for room in (Room(False), None, "gone"):
+        pool, _ = pool_with_a_failure()
+        if room == "gone":
+            gone = Room(True)
+            pool.on_short = weakref.WeakMethod(gone.relieve)
+            del gone
+        elif room is not None:
+            pool.on_short = weakref.WeakMethod(room.relieve)
+        with pytest.raises(torch.OutOfMemoryError):
+            pool.reserve(100)
+        monkeypatch.setattr(torch.Tensor, "new_zeros", real)
+        assert pool.capacity == 64
+        if isinstance(room, Room):
+            assert len(room.asked) == 1
+
+
 def test_bad_input():
     model, processor = family_model("qwen3_vl"), family_processor("qwen3_vl")
     for budget in (0, -3, 2.5, True):

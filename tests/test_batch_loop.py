@@ -577,6 +577,44 @@ def test_closing_the_loop_ends_it_cleanly(model, processor):
         conv.close()
 
 
+def test_a_pool_growth_short_of_memory_makes_room_and_the_turn_equals_its_dialogue_alone(model, processor,
+                                                                                         monkeypatch):
+    """A step whose engine's pool grows (a prompt longer than its slots) and finds no device memory for a layer asks
+    the loop to make room (`_relieve_memory`, through `kv_pool.SlotKVPool.on_short`: the server evicts held
+    conversations), tries again, and the turn goes on: it equals its dialogue alone. Before, the step failed and so
+    did every answer in it."""
+    from raincheck_hf.kv_pool import SlotKVLayer
+
+    asked, picture = [], draw_test_image(448, 448, seed=1)
+
+    class Relieving(BatchLoop):
+        def _relieve_memory(self, nbytes):
+            asked.append(nbytes)
+            return True
+
+    resize, armed = SlotKVLayer.resize, {"left": 1}
+
+    def failing(self, num_slots, capacity):
+        if self.layer_idx == 1 and armed["left"] and self.is_initialized:
+            armed["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return resize(self, num_slots, capacity)
+
+    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    from raincheck_hf.batch_engine import BatchEngine
+
+    init = BatchEngine.__init__
+    monkeypatch.setattr(BatchEngine, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "capacity": 64}))
+    with Relieving(model) as loop, Conversation(model, processor, CFG, loop=loop, background=False,
+                                                max_new_tokens=12) as conv:
+        got = ask(conv, QUESTIONS[0], [picture])  # (its rows outgrow the 64 slots in the answer)
+        engines = list(loop._engines)
+    assert armed["left"] == 0 and len(asked) == 1 and asked[0] > 0, (armed, asked)
+    assert engines and all(e.pool.on_short() is not None for e in engines)
+    (want,) = alone(model, processor, CFG, [got], QUESTIONS[:1], [picture])
+    assert_same_turn(got, want, "the turn whose step's pool grew after room was made")
+
+
 def test_the_completion_barrier_on_the_loop(model, processor):
     """``early_follow_up=False``: the loop restores every leftover before the follow-up joins (on its own thread),
     and the follow-up equals the same dialogue alone with the barrier."""
