@@ -774,7 +774,8 @@ class PackedGDNStates:
 
     def grow(self, batch: int) -> None:
         """Every layer's rows to ``batch``. An allocation that fails part of the way leaves the layers before it grown
-        (a retry skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors' addresses."""
+        (a retry skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors'
+        addresses."""
         if batch <= self.batch:
             return
         try:
