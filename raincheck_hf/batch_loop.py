@@ -992,6 +992,8 @@ class BatchLoop:
         # a growth of its pool without device memory makes room as ended answers' caches do (weak: a kept pool may
         # outlive this loop)
         engine.pool.on_short = weakref.WeakMethod(self._relieve_memory)
+        if engine.recurrent is not None:  # (the Gated DeltaNet families' per-slot states, grown with the pool's slots)
+            engine.recurrent.on_short = weakref.WeakMethod(self._relieve_memory)
         self._engines.append(engine)
         return engine
 

@@ -272,6 +272,12 @@ class PackedGDNState:
         new.grow(batch)
         return new
 
+    def grow_bytes(self, batch: int) -> int:
+        """The bytes `grow` to ``batch`` allocates (0: room for them already)."""
+        if batch <= self.batch:
+            return 0
+        return sum(t[:1].numel() * t.element_size() * batch for t in (getattr(self, name) for name in self._NAMES))
+
     def grow(self, batch: int) -> None:
         """Room for ``batch`` sequences; the new rows are fresh. All of the layer's tensors or none (an allocation
         that fails leaves them as they were)."""
@@ -711,6 +717,7 @@ class PackedGDNStates:
         self.batch = int(batch)
         self.layers: dict[int, PackedGDNState] = {}
         self.version = 0  # bumped whenever a layer's tensors are (re)allocated: captured steps hold their addresses
+        self.on_short = None  # `kv_pool.SlotKVPool.on_short`'s twin, for a growth of these states
 
     def layer(self, layer_idx: int, params: GDNLayerParams, dtype: torch.dtype, device) -> PackedGDNState:
         state = self.layers.get(layer_idx)
@@ -773,14 +780,21 @@ class PackedGDNStates:
                 state.suffix_length[r] = 0
 
     def grow(self, batch: int) -> None:
-        """Every layer's rows to ``batch``. An allocation that fails part of the way leaves the layers before it grown
-        (a retry skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors'
-        addresses."""
+        """Every layer's rows to ``batch``. A layer whose allocation fails asks `on_short` for the bytes still needed
+        and, if room was made, tries again. An allocation that fails still leaves the layers before it grown (a retry
+        skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors' addresses."""
         if batch <= self.batch:
             return
         try:
-            for state in self.layers.values():
-                state.grow(batch)
+            layers = list(self.layers.values())
+            for at, state in enumerate(layers):
+                try:
+                    state.grow(batch)
+                except torch.OutOfMemoryError:  # room made (held conversations evicted): once more
+                    relieve = None if self.on_short is None else self.on_short()
+                    if relieve is None or not relieve(sum(rest.grow_bytes(batch) for rest in layers[at:])):
+                        raise
+                    state.grow(batch)
         finally:
             self.version += 1
         self.batch = int(batch)

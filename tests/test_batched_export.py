@@ -136,6 +136,52 @@ def test_a_growth_that_runs_out_of_memory_leaves_the_states_whole_and_their_grap
         assert s.suffix_length == before_lengths[i] + [0, 0, 0]
 
 
+def test_a_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
+    """`PackedGDNStates.on_short` (the batching loop's `_relieve_memory`, as `kv_pool.SlotKVPool.on_short`): a layer
+    that finds no memory asks for the bytes the growth still needs (that layer's and the next's), then grows; every
+    old row is kept. With no room made the error is raised, the batch as it was."""
+    import weakref
+
+    gen = torch.Generator().manual_seed(6)
+    params = _params(gen)
+    asked, real = [], torch.cat
+
+    class Room:
+        made = True
+
+        def relieve(self, nbytes):
+            asked.append(nbytes)
+            return self.made
+
+    for made in (True, False):
+        states = PackedGDNStates(SLOTS)
+        states.layers = {0: _random_state(params, gen), 2: _random_state(params, gen, torch.float32)}
+        before = {i: s.state.clone() for i, s in states.layers.items()}
+        room, calls = Room(), []
+        room.made = made
+        states.on_short = weakref.WeakMethod(room.relieve)
+        want = sum(s.grow_bytes(SLOTS + 2) for s in states.layers.values())
+
+        def failing(tensors, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:  # the first layer's first tensor, once
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+            return real(tensors, *args, **kwargs)
+
+        asked.clear()
+        monkeypatch.setattr(torch, "cat", failing)
+        if made:
+            states.grow(SLOTS + 2)
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                states.grow(SLOTS + 2)
+        monkeypatch.setattr(torch, "cat", real)
+        assert asked == [want] and want > 0
+        assert states.batch == (SLOTS + 2 if made else SLOTS)
+        for i, s in states.layers.items():
+            assert s.batch == states.batch and torch.equal(s.state[:SLOTS], before[i])
+
+
 def test_remove_many_equals_removing_one_by_one():
     """Two engines with the same three sequences stepped the same way (the batched engine's captured-step layout:
     `fast_path=True`, so sequences stay in the lowest slots): `remove_many` of the first two (not the last slot, so
