@@ -618,16 +618,17 @@ def test_a_pool_growth_short_of_memory_makes_room_and_the_turn_equals_its_dialog
 def test_a_loops_engines_ask_it_for_room_for_their_pool_and_states():
     """Every engine a loop makes points its pool's and (Gated DeltaNet families) its per-slot states' `on_short` at the
     loop's `_relieve_memory`, weakly (a kept pool may outlive the loop)."""
+    import functools
+    import gc
+
     from families import family_model
 
     model = family_model("qwen3_5")
     with BatchLoop(model) as loop:
-        engine = loop.call(lambda: loop._engine_for(RaincheckConfig()))
+        engine = loop.call(functools.partial(loop._engine_for, RaincheckConfig()))
         assert engine.recurrent is not None
         assert engine.pool.on_short() == loop._relieve_memory and engine.recurrent.on_short() == loop._relieve_memory
     del loop
-    import gc
-
     gc.collect()
     assert engine.pool.on_short() is None and engine.recurrent.on_short() is None
 
