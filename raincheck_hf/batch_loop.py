@@ -1280,8 +1280,8 @@ class BatchLoop:
             self.memory_waits += 1
         while available < need and not self._closed:
             relieved = self._relieve_memory(need - available)
-            now, available = available, self._device_memory()
-            if relieved and available > now:  # (evicted, and their memory came back: enough now?)
+            before, available = available, self._device_memory()
+            if relieved and available > before:  # (evicted, and their memory came back: enough now?)
                 continue
             if available >= need or not (self._jobs or self._incoming or self._arriving):
                 break

@@ -69,6 +69,7 @@ from .gdn.algebra import (
 )
 from .gdn.dispatch import RECURRENT_CHUNK_MAX
 from .gdn.suffix_map import SuffixStateMap
+from .kv_pool import grow_each
 
 __all__ = ["PackedGDNState", "PackedGDNStates", "PackedRowLayout"]
 
@@ -786,15 +787,8 @@ class PackedGDNStates:
         if batch <= self.batch:
             return
         try:
-            layers = list(self.layers.values())
-            for at, state in enumerate(layers):
-                try:
-                    state.grow(batch)
-                except torch.OutOfMemoryError:  # room made (held conversations evicted): once more
-                    relieve = None if self.on_short is None else self.on_short()
-                    if relieve is None or not relieve(sum(rest.grow_bytes(batch) for rest in layers[at:])):
-                        raise
-                    state.grow(batch)
+            grow_each(self.layers.values(), lambda state: state.grow(batch), lambda state: state.grow_bytes(batch),
+                      self.on_short)
         finally:
             self.version += 1
         self.batch = int(batch)

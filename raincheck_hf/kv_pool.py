@@ -101,6 +101,22 @@ class SlotStep:
         return got
 
 
+def grow_each(layers, grow, grow_bytes, on_short) -> None:
+    """``grow(layer)`` for each of ``layers`` in turn (a batched pool's layers, or its Gated DeltaNet states'). One
+    that runs out of device memory asks ``on_short`` (a weak reference to a callable taking bytes and saying whether
+    room was made, or None) for ``grow_bytes`` of it and of the layers after it, and if room was made grows once
+    more; otherwise the error is raised, the layers before it grown."""
+    layers = list(layers)
+    for at, layer in enumerate(layers):
+        try:
+            grow(layer)
+        except torch.OutOfMemoryError:
+            relieve = None if on_short is None else on_short()
+            if relieve is None or not relieve(sum(grow_bytes(rest) for rest in layers[at:])):
+                raise
+            grow(layer)
+
+
 class SlotKVLayer(CacheLayerMixin):
     """One attention layer's slot storage (``keys / values [S, H, cap, D]``, allocated at its first write on the
     layer's device); writes and reads follow the pool's running `SlotStep`."""
@@ -124,7 +140,7 @@ class SlotKVLayer(CacheLayerMixin):
         """The bytes `resize` to that shape allocates (0: nothing allocated yet, or already of that shape)."""
         if not self.is_initialized:
             return 0
-        return sum(t.new_empty(0).element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
+        return sum(t.element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
                    for t in (self.keys, self.values) if not (t.shape[0] == num_slots and t.shape[2] == capacity))
 
     def resize(self, num_slots: int, capacity: int) -> None:
@@ -266,15 +282,8 @@ class SlotKVPool(Cache):
         total = num_slots + int(self.has_scratch)
         keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
         try:
-            for at, layer in enumerate(self.layers):
-                try:
-                    layer.resize(total, capacity)
-                except torch.OutOfMemoryError:
-                    relieve = None if self.on_short is None else self.on_short()
-                    if relieve is None or not relieve(sum(rest.resize_bytes(total, capacity)
-                                                          for rest in self.layers[at:])):
-                        raise
-                    layer.resize(total, capacity)  # (room was made: once more)
+            grow_each(self.layers, lambda layer: layer.resize(total, capacity),
+                      lambda layer: layer.resize_bytes(total, capacity), self.on_short)
         finally:
             self.version += 1
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)

@@ -207,27 +207,26 @@ def with_restoring_places(args, model, settings):
     return replace(settings, restoring_places=places)
 
 
-def _gb_or_auto(text: str):
-    """``--max-cache-gb``: a number of GiB, ``auto`` or ``none`` (None: unbounded)."""
-    word = text.strip().lower()
-    if word in ("auto", "none"):
-        return None if word == "none" else "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'none', got {text!r}") from None
+def _gb_or(*none_words: str):
+    """An option's parser of a number of GiB (a float; `settings_from` checks its range), ``auto``, or one of
+    ``none_words`` (None); the first of them is the one its error names."""
+    def parse(text: str):
+        word = text.strip().lower()
+        if word == "auto":
+            return "auto"
+        if word in none_words:
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or '{none_words[0]}', got {text!r}") \
+                from None
+
+    return parse
 
 
-def _gb_auto_or_off(text: str):
-    """``--memory-headroom-gb``: a number of GiB (a float; `settings_from` checks its range), ``auto`` or ``off``
-    (None: no wait for memory; ``none`` is taken too, as ``--max-cache-gb`` takes it)."""
-    word = text.strip().lower()
-    if word in ("auto", "off", "none"):
-        return "auto" if word == "auto" else None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number of GiB, 'auto' or 'off', got {text!r}") from None
+_gb_or_auto = _gb_or("none")  # --max-cache-gb: None is unbounded
+_gb_auto_or_off = _gb_or("off", "none")  # --memory-headroom-gb: None is no wait for memory ("none" as --max-cache-gb)
 
 
 def with_cache_budget(args, device, settings, model):
