@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_run.sh final_tpot  # Qwen3-VL-8B TPOT, compiled and uncompiled twins, c=31 and auto
 #   bash benchmarks/h200_run.sh moe35      # Qwen3.5-35B-A3B latency, short (MOE_S, MOE_BUDGET_S)
 #   bash benchmarks/h200_run.sh profile35  # Qwen3.5-9B's stages, replayed steps and kernels on its fast path
+#   bash benchmarks/h200_run.sh profile_vl  # Qwen3-VL-8B's stages, replayed steps and kernels on its fast path
 #   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
 #   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep
@@ -252,6 +253,13 @@ profile35)
         --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_5_9b_image_h200_fast.json" \
         > "$OUT/profile_qwen3_5_9b_image_h200_fast.log" 2>&1
     grep "\[profile\]" "$OUT/profile_qwen3_5_9b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_5_9b_image_h200_fast.log"
+    ;;
+profile_vl)
+    # where Qwen3-VL-8B's first token goes on its fast path (stages, captured steps replayed alone, torch.profiler)
+    timeout "${PROFILE_S:-170}" python3 -u -m raincheck_hf.bench profile --model qwen3_vl_8b --input image \
+        --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_vl_8b_image_h200_fast.json" \
+        > "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" 2>&1
+    grep "\[profile\]" "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_vl_8b_image_h200_fast.log"
     ;;
 prefill35)
     # issue 16's T1: Qwen3.5's prefills of input rows only padded and captured; its GPU tests, then Qwen3.5-9B with
