@@ -273,11 +273,17 @@ class PackedGDNState:
         new.grow(batch)
         return new
 
-    def grow_bytes(self, batch: int) -> int:
-        """The bytes `grow` to ``batch`` allocates (0: room for them already)."""
+    def grow_growth(self, batch: int) -> tuple[int, int]:
+        """``(net, peak)`` of `grow` to ``batch`` (as `kv_pool.SlotKVLayer.resize_growth`): every new tensor is made
+        (from a block of fresh rows) before any old one is let go; ``(0, 0)``: room for them already."""
+        net = peak = made = 0
         if batch <= self.batch:
-            return 0
-        return sum(t[:1].numel() * t.element_size() * batch for t in (getattr(self, name) for name in self._NAMES))
+            return net, peak
+        for t in (getattr(self, name) for name in self._NAMES):
+            row = t[:1].numel() * t.element_size()
+            peak = max(peak, made + row * (batch - self.batch) + row * batch)  # (the fresh rows beside the new tensor)
+            made, net = made + row * batch, net + row * (batch - self.batch)
+        return net, peak
 
     def grow(self, batch: int) -> None:
         """Room for ``batch`` sequences; the new rows are fresh. All of the layer's tensors or none (an allocation
@@ -787,7 +793,7 @@ class PackedGDNStates:
         if batch <= self.batch:
             return
         try:
-            grow_each(self.layers.values(), lambda state: state.grow(batch), lambda state: state.grow_bytes(batch),
+            grow_each(self.layers.values(), lambda state: state.grow(batch), lambda state: state.grow_growth(batch),
                       self.on_short)
         finally:
             self.version += 1

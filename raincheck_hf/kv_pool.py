@@ -101,20 +101,35 @@ class SlotStep:
         return got
 
 
-def grow_each(layers, grow, grow_bytes, on_short) -> None:
+def grow_each(layers, grow, growth, on_short) -> None:
     """``grow(layer)`` for each of ``layers`` in turn (a batched pool's layers, or its Gated DeltaNet states'). One
     that runs out of device memory asks ``on_short`` (a weak reference to a callable taking bytes and saying whether
-    room was made, or None) for ``grow_bytes`` of it and of the layers after it, and if room was made grows once
-    more; otherwise the error is raised, the layers before it grown."""
+    room was made, or None) for what the growth of it and of the layers after it still needs (`growth_need`), and if
+    room was made grows once more; otherwise the error is raised, the layers before it grown. ``growth(layer)``:
+    ``(net, peak)``, the bytes the layer's growth leaves allocated beyond what it holds now and the most beyond that
+    on the way (a new tensor is made while the one it replaces is still held)."""
     layers = list(layers)
     for at, layer in enumerate(layers):
         try:
             grow(layer)
         except torch.OutOfMemoryError:
             relieve = None if on_short is None else on_short()
-            if relieve is None or not relieve(sum(grow_bytes(rest) for rest in layers[at:])):
+            if relieve is None or not relieve(growth_need(growth(rest) for rest in layers[at:])):
                 raise
             grow(layer)
+
+
+def growth_need(steps) -> int:
+    """The device bytes a growth made of ``steps`` one after the other needs beyond what is held now: the most, over
+    the steps, of the earlier steps' net growth and the step's own peak (each step ``(net, peak)``, as
+    `SlotKVLayer.resize_growth`). Asking for every new tensor's bytes instead (what a growth allocates) counted the
+    replaced tensors, freed on the way, as still held: about twice the need when slots double, and twice the held
+    conversations evicted for it."""
+    need = held = 0
+    for net, peak in steps:
+        need = max(need, held + peak)
+        held += net
+    return need
 
 
 class SlotKVLayer(CacheLayerMixin):
@@ -136,12 +151,19 @@ class SlotKVLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(shape(value_states))
         self.is_initialized = True
 
-    def resize_bytes(self, num_slots: int, capacity: int) -> int:
-        """The bytes `resize` to that shape allocates (0: nothing allocated yet, or already of that shape)."""
+    def resize_growth(self, num_slots: int, capacity: int) -> tuple[int, int]:
+        """``(net, peak)``: the bytes `resize` to that shape leaves allocated beyond what the layer holds now, and the
+        most beyond that on the way (each tensor's copy is made while the one it replaces is held; ``(0, 0)``: nothing
+        allocated yet, or already of that shape)."""
+        net = peak = 0
         if not self.is_initialized:
-            return 0
-        return sum(t.element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
-                   for t in (self.keys, self.values) if not (t.shape[0] == num_slots and t.shape[2] == capacity))
+            return net, peak
+        for t in (self.keys, self.values):
+            if t.shape[0] == num_slots and t.shape[2] == capacity:
+                continue
+            new = t.element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
+            peak, net = max(peak, net + new), net + new - t.numel() * t.element_size()
+        return net, peak
 
     def resize(self, num_slots: int, capacity: int) -> None:
         """Reallocate to ``[num_slots, H, capacity, D]`` (zeros), keeping what the old tensors held. A tensor already
@@ -278,12 +300,13 @@ class SlotKVPool(Cache):
         then the keys and the sizes. An allocation that fails part of the way leaves the pool at its old sizes, every
         layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same:
         captured steps hold the replaced tensors' addresses, freed now, and must not replay on them. Before that, a
-        layer whose allocation failed asks `on_short` for the bytes still needed and, if room was made, tries again."""
+        layer whose allocation failed asks `on_short` for the bytes still needed (`growth_need`) and, if room was made,
+        tries again."""
         total = num_slots + int(self.has_scratch)
         keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
         try:
             grow_each(self.layers, lambda layer: layer.resize(total, capacity),
-                      lambda layer: layer.resize_bytes(total, capacity), self.on_short)
+                      lambda layer: layer.resize_growth(total, capacity), self.on_short)
         finally:
             self.version += 1
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)

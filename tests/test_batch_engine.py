@@ -527,7 +527,7 @@ def test_a_pool_growth_that_runs_out_of_memory_leaves_the_pool_usable_and_its_gr
 def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
     """`SlotKVPool.on_short` (the batching loop's `_relieve_memory`: the server evicts held conversations): a layer's
     allocation that runs out of memory asks it for the bytes the growth still needs (that layer and the ones after
-    it), then tries once more; every row is kept. Without room made, or with nobody to ask (no hook, or its owner
+    it, the tensors they replace let go on the way), then tries once more; every row is kept. Without room made, or with nobody to ask (no hook, or its owner
     gone), the error is raised as before."""
     import weakref
 
@@ -564,7 +564,10 @@ def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch
     pool.on_short = weakref.WeakMethod(room.relieve)
     pool.reserve(100)
     monkeypatch.setattr(torch.Tensor, "new_zeros", real)
-    assert room.asked == [2 * 2 * (2 * 1 * 128 * 2 * 4)]  # two layers' keys and values, [2, 1, 128, 2] float32
+    # the second and third layers' growth: each key / value tensor, [2, 1, 64, 2] float32 (1,024 bytes), made again at
+    # [2, 1, 128, 2] (2,048) while it is held, then let go: the most held beyond now is the second layer's net 2,048
+    # and then the third's keys grown (1,024 more) beside its new values (2,048); not every new tensor's bytes (8,192)
+    assert room.asked == [2048 + 1024 + 2048]
     assert pool.capacity == 128 and all(layer.keys.shape[2] == 128 for layer in pool.layers)
     assert all(layer.keys[a, 0, :3].eq(i + 1).all() for i, layer in enumerate(pool.layers))
     for room in (Room(False), None, "gone"):
@@ -581,6 +584,17 @@ def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch
         assert pool.capacity == 64
         if isinstance(room, Room):
             assert len(room.asked) == 1
+
+
+def test_growth_need_is_the_most_held_beyond_now_on_the_way():
+    """`kv_pool.growth_need`: steps of ``(net, peak)`` one after the other need the most, over the steps, of the earlier
+    steps' net growth and the step's own peak."""
+    from raincheck_hf.kv_pool import growth_need
+
+    assert growth_need([]) == 0
+    assert growth_need([(2, 3), (2, 3)]) == 5  # (the second step's peak on top of the first's net)
+    assert growth_need(iter([(0, 7), (1, 1)])) == 7  # (a step that peaks high and lets it all go)
+    assert growth_need([(-4, 0), (2, 3)]) == 0  # (a step that frees more than the next one needs)
 
 
 def test_bad_input():

@@ -142,6 +142,8 @@ def test_a_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
     old row is kept. With no room made the error is raised, the batch as it was."""
     import weakref
 
+    from raincheck_hf.kv_pool import growth_need
+
     gen = torch.Generator().manual_seed(6)
     params = _params(gen)
     asked, real = [], torch.cat
@@ -160,7 +162,7 @@ def test_a_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
         room, calls = Room(), []
         room.made = made
         states.on_short = weakref.WeakMethod(room.relieve)
-        want = sum(s.grow_bytes(SLOTS + 2) for s in states.layers.values())
+        want = growth_need(s.grow_growth(SLOTS + 2) for s in states.layers.values())
 
         def failing(tensors, *args, **kwargs):
             calls.append(1)

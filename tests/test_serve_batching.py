@@ -649,6 +649,60 @@ def test_a_first_turn_short_of_device_memory_evicts_the_least_recently_used_conv
     assert waits == ["raincheck_memory_wait_seconds_count 1.0"]
 
 
+def test_a_pool_growth_short_of_memory_in_a_step_evicts_a_held_conversation(batching_server, glyph, dialogues,
+                                                                           monkeypatch):
+    """The server end to end: a step whose batched pool grows (a three-picture prompt longer than its slots) finds no
+    device memory for a layer; the pool asks the loop (`kv_pool.SlotKVPool.on_short`), whose server evicts the least
+    recently used idle conversations (`BatchScheduler._relieve_memory`, from inside the step on the loop's thread)
+    until they held what the growth needs, and grows again: the answer equals its dialogue alone, and an evicted
+    conversation's follow-up prefills its dialogue again and is still right."""
+    import torch
+
+    from raincheck_hf import Conversation, RaincheckConfig
+    from raincheck_hf.kv_pool import SlotKVLayer
+
+    base, server = batching_server
+    held = [ask_turns(base, dialogues[i], 1, [], {}) for i in (0, 1)]  # (the default config: its engine stays)
+    ids = [r.model_extra["raincheck"]["conversation_id"] for r in held]
+    (engine,) = server.scheduler._engines
+    assert engine.pool.capacity < 3 * held[0].usage.prompt_tokens  # (the three pictures' prompt outgrows its slots)
+    capacity, before = engine.pool.capacity, server.store.evictions
+    held_bytes = {i: server.store.get(i).nbytes() for i in ids}
+    resize, armed, asked = SlotKVLayer.resize, {"left": 1}, []
+
+    def failing(self, num_slots, size):
+        if self.layer_idx == 1 and armed["left"] and self.is_initialized:
+            armed["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return resize(self, num_slots, size)
+
+    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    evict_bytes = server.store.evict_bytes
+    monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))
+    d, pictures = dialogues[2], [dialogues[i].image() for i in (2, 3, 1)]
+    content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in pictures]
+    reply = client(base).chat.completions.create(
+        model="glyph", temperature=0,
+        messages=[{"role": "user", "content": content + [{"type": "text", "text": d.turns[0].question}]}])
+    assert armed["left"] == 0 and len(asked) == 1 and asked[0] > 0, (armed, asked)
+    assert engine.pool.capacity > capacity  # (the step's growth went through after the eviction)
+    # the least recently used first, until what they held reaches what the growth needs (here both: the pool's
+    # slots double for every place at once)
+    gone = next((n for n in (1, 2) if sum(held_bytes[i] for i in ids[:n]) >= asked[0]), 2)
+    assert server.store.evictions == before + gone
+    assert [server.store.get(i) is None for i in ids] == [True] * gone + [False] * (2 - gone)
+    model, processor = glyph
+    with Conversation(model, processor, RaincheckConfig(),
+                                   background=False) as chat:
+        want = chat.ask(d.turns[0].question, images=pictures, max_new_tokens=16).text
+    assert reply.choices[0].message.content == want
+    d0 = dialogues[0]
+    follow = ask_turns(base, d0, 2, [held[0].choices[0].message.content], {})
+    assert not follow.model_extra["raincheck"]["reused"]  # (evicted: its dialogue prefilled again)
+    assert [held[0].choices[0].message.content, follow.choices[0].message.content] == reference(
+        glyph, d0.image(), [t.question for t in d0.turns[:2]])
+
+
 def test_no_memory_for_an_ended_answers_cache_evicts_held_conversations(batching_server, glyph, dialogues,
                                                                          monkeypatch):
     """The device has no memory for the cache of an answer that ended (copied out of the batched pool): the loop
