@@ -69,7 +69,7 @@ from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_se
 from .configuration import RaincheckConfig, is_limit
 from .fast import batched_graphs
 from .fast.static_cache import StaticDeferredCache
-from .kv_pool import DEFAULT_SLOTS, SlotKVPool
+from .kv_pool import DEFAULT_SLOTS, PoolOutOfMemory, SlotKVPool
 from .masking import batched_visibility_to_attention_mask, check_attention_implementation
 from .models import get_adapter
 
@@ -439,6 +439,7 @@ class _Ahead(NamedTuple):
     ready: list  # per forward, its prepared captured step (`BatchedStepGraphs.prepare`) or None
     snapshot: _Snapshot
     rows: StepRows  # its rows by kind
+    narrowed: list  # per forward, whether it runs as `BatchEngine._narrowed` forwards (`BatchEngine._padding_short`)
 
 
 class BatchEngine:
@@ -751,7 +752,8 @@ class BatchEngine:
             # step split by width is two forwards over other sequences, both filled now: the narrow one's padding in
             # the wide one's slots sits where the wide one writes after it)
             split = len(forwards) == 2 and isinstance(forwards[1], WideForward)
-            if self.graphs is not None and (len(forwards) == 1 or split) and all(
+            narrowed = [self._padding_short(f) for f in forwards]
+            if self.graphs is not None and (len(forwards) == 1 or split) and not any(narrowed) and all(
                     self.graphs.accepts(f, self.config) for f in forwards):
                 ready = [self.graphs.prepare(f, self.config, gather=isinstance(f, WideForward)) for f in forwards]
                 if split and ready[0].setting != ready[1].setting:  # (the wide one grew the pool: fill the first again)
@@ -759,7 +761,48 @@ class BatchEngine:
         except BaseException:
             snapshot.restore()
             raise
-        return _Ahead(forwards, ready, snapshot, rows)
+        return _Ahead(forwards, ready, snapshot, rows, narrowed)
+
+    def _extent(self, entries) -> int:
+        """The rows of its slots that the forward ``entries`` writes up to (each entry padded to the forward's width
+        from its slot's length on): `batched_graphs.step_width` where the captured steps take it, else the widest
+        entry (`ForwardRunner`)."""
+        graphs = self.graphs is not None and self.graphs.accepts(entries, self.config)
+        width = (batched_graphs.step_width(entries, self.config, isinstance(entries, WideForward)) if graphs
+                 else max(len(g) for _, g in entries))
+        return max(self.pool.lengths[seq.slot] for seq, _ in entries) + width
+
+    def _padding_short(self, entries) -> bool:
+        """Whether the forward ``entries`` must run narrower (`_narrowed`): its padding would outgrow the pool's slots
+        (`_extent`) while every entry's own rows fit them, and that growth found no device memory. The growth is
+        tried without asking for room (`kv_pool.SlotKVPool.reserve`'s ``relieve``): padding is no reason to evict a
+        held conversation. A growth the entries' own rows need is left to the forward (which may ask for room)."""
+        pool = self.pool
+        extent = self._extent(entries)
+        if extent <= pool.capacity or any(pool.lengths[seq.slot] + len(g) > pool.capacity for seq, g in entries):
+            return False
+        try:
+            pool.reserve(extent, relieve=False)
+        except PoolOutOfMemory:
+            return True
+        return False
+
+    def _narrowed(self, entries) -> list[list]:
+        """The forward ``entries`` as eager forwards (`ForwardRunner`, each at its widest entry's rows) that the pool's
+        slots hold: the entries on the fullest slots in forwards of their own, as narrow as their rows. Each entry's
+        rows and what it sees are the same in any forward (a sequence reads only its own slot), so its results are
+        too."""
+        pool = self.pool
+        left, parts = sorted(entries, key=lambda e: pool.lengths[e[0].slot]), []
+        while left:
+            part = []
+            for entry in left:  # (the first always fits alone: its own rows fit its slot)
+                width = max(len(g) for _, g in part + [entry])
+                if all(pool.lengths[seq.slot] + width <= pool.capacity for seq, _ in part + [entry]):
+                    part.append(entry)
+            parts.append(part)
+            left = [e for e in left if not any(e is p for p in part)]
+        return parts
 
     def abandon(self) -> None:
         """Drop the `prepare`d step, if any: the sequences get back the chunks, pieces and tokens it took."""
@@ -785,8 +828,13 @@ class BatchEngine:
             for seq, group in entries:
                 self.carried[seq] = self.carried.get(seq, 0) + len(group)
         logits, how = {}, []
-        for entries, prepared in zip(forwards, ready):
+        for entries, prepared, narrowed in zip(forwards, ready, ahead.narrowed):
             captures = None if self.graphs is None else len(self.graphs.capture_log)  # (a capture is logged there)
+            if narrowed:  # (its padding found no memory to grow the slots: narrower forwards, eagerly)
+                for part in self._narrowed(entries):
+                    logits.update(self.runner.run(part))
+                how.append("eager")
+                continue
             if prepared is not None:
                 logits.update(self.graphs.launch(prepared))
             elif self.graphs is not None and self.graphs.accepts(entries, self.config):

@@ -789,14 +789,19 @@ class PackedGDNStates:
     def grow(self, batch: int) -> None:
         """Every layer's rows to ``batch``. A layer whose allocation fails asks `on_short` for the bytes still needed
         and, if room was made, tries again. An allocation that fails still leaves the layers before it grown (a retry
-        skips them) and ``version`` bumped all the same: captured steps hold the replaced tensors' addresses."""
+        skips them) and ``version`` bumped all the same where one grew: captured steps hold the replaced tensors'
+        addresses."""
         if batch <= self.batch:
             return
+        before = [state.batch for state in self.layers.values()]
+        grown = False
         try:
             grow_each(self.layers.values(), lambda state: state.grow(batch), lambda state: state.grow_growth(batch),
                       self.on_short)
+            grown = True
         finally:
-            self.version += 1
+            if grown or [state.batch for state in self.layers.values()] != before:  # (a failure that grew no layer
+                self.version += 1  # leaves the captured steps theirs)
         self.batch = int(batch)
 
     def move(self, src: int, dst: int) -> None:

@@ -101,6 +101,11 @@ class SlotStep:
         return got
 
 
+class PoolOutOfMemory(torch.OutOfMemoryError):
+    """A slot pool's growth that found no device memory (after asking for room where it may: `SlotKVPool.on_short`).
+    The pool is as it was before the growth, its ``version`` bumped (`SlotKVPool._resize`)."""
+
+
 def grow_each(layers, grow, growth, on_short) -> None:
     """``grow(layer)`` for each of ``layers`` in turn (a batched pool's layers, or its Gated DeltaNet states'). One
     that runs out of device memory asks ``on_short`` (a weak reference to a callable taking bytes and saying whether
@@ -139,6 +144,7 @@ class SlotKVLayer(CacheLayerMixin):
     def __init__(self, pool: "SlotKVPool", layer_idx: int):
         super().__init__()
         self._pool, self.layer_idx = weakref.ref(pool), layer_idx  # weak: no pool <-> layer cycle
+        self.replaced = 0  # tensors `resize` replaced (their addresses freed: what captured steps held)
 
     @property
     def pool(self) -> "SlotKVPool":
@@ -177,6 +183,7 @@ class SlotKVLayer(CacheLayerMixin):
             new = old.new_zeros(num_slots, old.shape[1], capacity, old.shape[-1])
             new[:old.shape[0], :, :old.shape[2]] = old
             setattr(self, name, new)
+            self.replaced += 1
 
     def update(self, key_states, value_states, *args, **kwargs):
         """``key_states / value_states [B, H, W, D]`` of the running step -> ``[B, H, T, D]`` of its slots."""
@@ -287,28 +294,36 @@ class SlotKVPool(Cache):
         if num_slots > self.num_slots:
             self._resize(int(num_slots), self.capacity)
 
-    def reserve(self, rows_after: int) -> None:
-        """Make every slot hold at least ``rows_after`` rows (capacity doubling)."""
+    def reserve(self, rows_after: int, relieve: bool = True) -> None:
+        """Make every slot hold at least ``rows_after`` rows (capacity doubling). ``relieve``: a growth short of device
+        memory may ask for room (`on_short`; False: it raises `PoolOutOfMemory` at once, nobody's memory taken)."""
         capacity = self.capacity
         while capacity < rows_after:
             capacity *= 2
         if capacity != self.capacity:
-            self._resize(self.num_slots, capacity)
+            self._resize(self.num_slots, capacity, relieve)
 
-    def _resize(self, num_slots: int, capacity: int) -> None:
+    def _resize(self, num_slots: int, capacity: int, relieve: bool = True) -> None:
         """The layers one at a time (each old tensor freed once its copy is made: the pool is never held twice),
         then the keys and the sizes. An allocation that fails part of the way leaves the pool at its old sizes, every
-        layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same:
-        captured steps hold the replaced tensors' addresses, freed now, and must not replay on them. Before that, a
+        layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same
+        where a tensor was replaced: captured steps hold the replaced tensors' addresses, freed now, and must not
+        replay on them. Before that, a
         layer whose allocation failed asks `on_short` for the bytes still needed (`growth_need`) and, if room was made,
-        tries again."""
+        tries again (with ``relieve``). A failure raises `PoolOutOfMemory`."""
         total = num_slots + int(self.has_scratch)
-        keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
+        replaced = sum(layer.replaced for layer in self.layers)
+        grown = False
         try:
+            keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
             grow_each(self.layers, lambda layer: layer.resize(total, capacity),
-                      lambda layer: layer.resize_growth(total, capacity), self.on_short)
+                      lambda layer: layer.resize_growth(total, capacity), self.on_short if relieve else None)
+            grown = True
+        except torch.OutOfMemoryError as error:
+            raise PoolOutOfMemory(str(error)) from error
         finally:
-            self.version += 1
+            if grown or sum(layer.replaced for layer in self.layers) != replaced:  # (a failure that replaced nothing
+                self.version += 1  # leaves the captured steps theirs)
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)
         self.slot_keys = keys
         self._free += list(range(self.num_slots, num_slots))

@@ -1054,3 +1054,52 @@ def test_restoring_places_are_those_the_device_holds():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=rf"restoring_places must be an integer >= 0 .*got {bad!r}"):
             ServeSettings(restoring_places=bad)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["prepared-at-the-step", "prepared-ahead"])
+@pytest.mark.parametrize("name,riding", [("qwen3_vl", False), ("qwen3_vl", True), ("qwen3_5", False)],
+                         ids=["piece-alone", "beside-a-full-slot", "qwen3_5-piece-alone"])
+def test_padding_short_of_memory_runs_narrower_and_evicts_nobody(name, riding, ahead, replay_log, monkeypatch):
+    """A forward whose padding would outgrow the pool's slots while every entry's own rows fit them (a prompt's last
+    piece at its prefill width; or an answer on a nearly full slot beside a prompt piece riding at its width) grows
+    the slots without asking for room: padding is no reason to evict a held conversation. Where that growth finds no
+    device memory, the forward runs as narrower eager forwards the slots hold, the pool keeps its size and nobody is
+    asked for room; each answer equals its own batch-1 call. (Before, the step failed and so did every answer in it:
+    an 80 GB H100 at 64 clients, `full` mode, 61 failed requests.)"""
+    import weakref
+
+    from conftest import draw_test_image
+    from raincheck_hf.kv_pool import SlotKVLayer
+
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(mode="full", decode_guard=1)
+    picture = dict(images=(draw_test_image(256, 256, seed=1),), text="Describe it.")  # (87 prompt rows)
+    requests = [Request(model, processor, cfg, picture, n=8, arrive=0)]
+    if riding:  # (the picture's answer fills its slot to 95 of 96 rows; a short prompt rides beside its last token)
+        requests.append(Request(model, processor, cfg, dict(text="Hi"), n=2, arrive=7))
+    capacity = 96 if riding else 128
+    engine = BatchEngine(model, _with(cfg, None), token_budget=40, num_slots=2, capacity=capacity, graphs=True)
+    asked, narrowed = [], []
+
+    class Room:
+        def relieve(self, nbytes):
+            asked.append(nbytes)
+            return True
+
+    room = Room()
+    engine.pool.on_short = weakref.WeakMethod(room.relieve)
+    resize, narrow = SlotKVLayer.resize, engine._narrowed
+
+    def failing(self, num_slots, size):
+        if self.is_initialized and size > capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return resize(self, num_slots, size)
+
+    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    monkeypatch.setattr(engine, "_narrowed", lambda entries: narrowed.append(len(entries)) or narrow(entries))
+    drive(model, engine, requests, ahead=ahead)
+    for i, r in enumerate(requests):
+        r.check(f"sequence {i}")
+    assert narrowed and engine.pool.capacity == capacity and asked == []
+    if riding:
+        assert 2 in narrowed  # (the answer and the riding piece, each in a forward the slots hold)

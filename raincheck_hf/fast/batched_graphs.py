@@ -140,6 +140,23 @@ def split_width(config: RaincheckConfig) -> int:
     return width_bucket(config.max_chunk_size + 1, config)
 
 
+def _alone(entries) -> bool:
+    """A prompt piece alone in its step: it takes a prefill width and gathers its slot (views would pad every lower
+    slot to its width)."""
+    return len(entries) == 1 and _piece(*entries[0])
+
+
+def step_width(entries, config: RaincheckConfig, gather: bool = False) -> int:
+    """The rows per sequence `BatchedStepGraphs.prepare` runs the forward ``entries`` at (each entry padded to them,
+    written in its slot from its length on): a prompt piece alone its `prefill_width`, else the `width_bucket` of the
+    widest entry, and the wide half of a step split by width (``gather``) at least `split_width`."""
+    widest = max(len(g) for _, g in entries)
+    if _alone(entries):
+        return prefill_width(widest)
+    width = width_bucket(widest, config)
+    return max(width, split_width(config)) if gather else width
+
+
 def prefill_width(rows: int) -> int:
     """The width of a step that runs a prompt piece of ``rows`` rows alone: the smallest of `PREFILL_WIDTHS` that holds
     it (``rows`` beyond them: such a piece runs eagerly)."""
@@ -668,22 +685,17 @@ class BatchedStepGraphs:
         step would pad every lower slot's sequence to its width, what the split avoids) at the width of the largest
         chunk + 1 (the one width `warm_keys` captures such steps at: whatever its entries are, a chunk, a restoring
         piece or a riding prompt, none is wider)."""
-        pool, adapter = self.pool, self.adapter
+        pool = self.pool
         entries = sorted(entries, key=lambda e: e[0].slot)  # (batch rows rise with the slots)
         n = len(entries)
-        widest = max(len(g) for _, g in entries)
-        # a prompt piece alone takes a prefill width and gathers its slot: views would pad every lower slot to its
-        # width
-        alone = n == 1 and _piece(*entries[0])
+        alone = _alone(entries)
         layout = None  # (a Gated DeltaNet prompt piece's leftover deferred rows and input rows)
         if alone and self.recurrent is not None:
             layout = _piece_layout(entries[0][1])
             if layout is None:
                 raise ValueError("a prompt piece of the Gated DeltaNet families must be leftover deferred rows, then "
                                  "input rows (BatchedStepGraphs.accepts says False for any other).")
-        key_batch, width = batch_bucket(n), prefill_width(widest) if alone else width_bucket(widest, config)
-        if gather and not alone:
-            width = max(width, split_width(config))
+        key_batch, width = batch_bucket(n), step_width(entries, config, gather)
         slots = [seq.slot for seq, _ in entries]
         dense_layout = None if alone or gather else self._dense_layout(slots, key_batch, width)
         dense = dense_layout is not None
