@@ -56,6 +56,7 @@ the held cache with the rows it restored stored, as idle-time restoration (`gene
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import NamedTuple
 
@@ -503,6 +504,7 @@ class BatchEngine:
         self.recurrent = (self.graphs.recurrent if self.graphs is not None
                           else self.adapter.packed_states(self.pool.num_slots))
         self.runner = ForwardRunner(self.adapter, self.pool, self.recurrent)
+        self._narrow_until = 0.0  # (`_padding_short`: no growth for padding tried again before this monotonic time)
         self.scheduler = RowScheduler(self.config, token_budget, separate_prefill=use_graphs, ride=ride,
                                       piece_forwards=use_graphs, max_prompt_forwards=max_prompt_forwards,
                                       split_rows=split_rows)
@@ -776,16 +778,23 @@ class BatchEngine:
         """Whether the forward ``entries`` must run narrower (`_narrowed`): its padding would outgrow the pool's slots
         (`_extent`) while every entry's own rows fit them, and that growth found no device memory. The growth is
         tried without asking for room (`kv_pool.SlotKVPool.reserve`'s ``relieve``): padding is no reason to evict a
-        held conversation. A growth the entries' own rows need is left to the forward (which may ask for room)."""
+        held conversation. After one that failed, none is tried for `NARROW_S` (a failed allocation has the caching
+        allocator give back every cached block, each later one a new device allocation): the forwards run narrower
+        meanwhile. A growth the entries' own rows need is left to the forward (which may ask for room)."""
         pool = self.pool
         extent = self._extent(entries)
         if extent <= pool.capacity or any(pool.lengths[seq.slot] + len(g) > pool.capacity for seq, g in entries):
             return False
+        if time.monotonic() < self._narrow_until:
+            return True
         try:
             pool.reserve(extent, relieve=False)
         except PoolOutOfMemory:
+            self._narrow_until = time.monotonic() + self.NARROW_S
             return True
         return False
+
+    NARROW_S = 1.0  # after a growth for padding found no memory, the seconds before one is tried again
 
     def _narrowed(self, entries) -> list[list]:
         """The forward ``entries`` as eager forwards (`ForwardRunner`, each at its widest entry's rows) that the pool's

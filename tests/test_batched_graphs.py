@@ -1090,16 +1090,21 @@ def test_padding_short_of_memory_runs_narrower_and_evicts_nobody(name, riding, a
     engine.pool.on_short = weakref.WeakMethod(room.relieve)
     resize, narrow = SlotKVLayer.resize, engine._narrowed
 
+    failed = []
+
     def failing(self, num_slots, size):
         if self.is_initialized and size > capacity:
+            failed.append(self.layer_idx)
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return resize(self, num_slots, size)
 
     monkeypatch.setattr(SlotKVLayer, "resize", failing)
     monkeypatch.setattr(engine, "_narrowed", lambda entries: narrowed.append(len(entries)) or narrow(entries))
+    monkeypatch.setattr(engine, "NARROW_S", 1e9)  # (no second try within the test, however slow the machine)
     drive(model, engine, requests, ahead=ahead)
     for i, r in enumerate(requests):
         r.check(f"sequence {i}")
     assert narrowed and engine.pool.capacity == capacity and asked == []
+    assert len(failed) == 1  # (one growth tried; the forwards after it ran narrower without trying again)
     if riding:
         assert 2 in narrowed  # (the answer and the riding piece, each in a forward the slots hold)
