@@ -1118,6 +1118,61 @@ def test_cuda_batched_graphs_sequences_equal_themselves_alone(seed, monkeypatch)
     batched_graphs.release_all()
 
 
+@pytest.mark.parametrize("name,riding", [("qwen3_vl", False), ("qwen3_vl", True), ("qwen3_5", False)],
+                         ids=["piece-alone", "beside-a-full-slot", "qwen3_5-piece-alone"])
+def test_cuda_padding_short_of_memory_runs_narrower_beside_captured_steps(name, riding, monkeypatch):
+    """tests/test_batched_graphs.py's padding test on CUDA with real captures (fp32): a forward whose padding alone
+    would pass the slots' end, its growth failing for lack of memory (an injected out-of-memory error), runs as
+    narrower eager forwards beside the replayed steps; the pool keeps its size, nobody is asked for room, and each
+    sequence's tokens equal its own eager batch-1 call's (logits within 1e-3 + 1e-3 of the step's largest, caches
+    equal)."""
+    import weakref
+
+    import test_batch_engine as tbe
+    from conftest import draw_test_image
+    from raincheck_hf.batch_engine import BatchEngine
+    from raincheck_hf.fast import batched_graphs
+    from raincheck_hf.kv_pool import SlotKVLayer
+
+    monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
+    model, processor = _cuda_family_model(name), family_processor(name)
+    cfg = raincheck_hf.RaincheckConfig(mode="full", decode_guard=1, fast_path=True)
+    picture = dict(images=(draw_test_image(256, 256, seed=1),), text="Describe it.")
+    requests = [tbe.Request(model, processor, cfg, picture, n=8, arrive=0)]
+    if riding:
+        requests.append(tbe.Request(model, processor, cfg, dict(text="Hi"), n=2, arrive=7))
+    capacity = 96 if riding else 128
+    batched_graphs.release_all()
+    engine = BatchEngine(model, cfg, token_budget=40, num_slots=2, capacity=capacity)
+    assert engine.graphs is not None and engine.graphs.use_cuda
+    asked, narrowed, failed = [], [], []
+
+    class Room:
+        def relieve(self, nbytes):
+            asked.append(nbytes)
+            return True
+
+    room = Room()
+    engine.pool.on_short = weakref.WeakMethod(room.relieve)
+    resize, narrow = SlotKVLayer.resize, engine._narrowed
+
+    def failing(self, num_slots, size):
+        if self.is_initialized and size > capacity:
+            failed.append(self.layer_idx)
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return resize(self, num_slots, size)
+
+    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    monkeypatch.setattr(engine, "_narrowed", lambda entries: narrowed.append(len(entries)) or narrow(entries))
+    monkeypatch.setattr(engine, "NARROW_S", 1e9)
+    tbe.drive(model, engine, requests)
+    assert narrowed and len(failed) == 1 and engine.pool.capacity == capacity and asked == []
+    assert engine.graphs.replays > 0 and engine.graphs.failure is None, engine.graphs.failure
+    _assert_cuda_sequences_equal_alone(f"{name} riding={riding}", requests)
+    engine.close()
+    batched_graphs.release_all()
+
+
 @pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
 def test_cuda_prompts_ride_and_run_alone_in_captured_steps(name, monkeypatch):
     """On CUDA with real captures (fp32): an image prompt alone at step 0 replays a captured prefill step (batch 1,
