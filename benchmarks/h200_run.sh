@@ -24,6 +24,7 @@
 #   bash benchmarks/h200_run.sh moe35      # Qwen3.5-35B-A3B latency, short (MOE_S, MOE_BUDGET_S)
 #   bash benchmarks/h200_run.sh profile35  # Qwen3.5-9B's stages, replayed steps and kernels on its fast path
 #   bash benchmarks/h200_run.sh profile_vl  # Qwen3-VL-8B's stages, replayed steps and kernels on its fast path
+#   bash benchmarks/h200_run.sh fuzz_stress  # the schedule fuzz's threaded conversations in a loop, processes side by side
 #   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
 #   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep
@@ -260,6 +261,16 @@ profile_vl)
         --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_vl_8b_image_h200_fast.json" \
         > "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" 2>&1
     grep "\[profile\]" "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_vl_8b_image_h200_fast.log"
+    ;;
+fuzz_stress)
+    # the schedule fuzz's threaded conversations in a loop (benchmarks/fuzz_stress.py): FUZZ_PROCS processes side by
+    # side for each restoration order in FUZZ_ORDERS ("own": each case's own), FUZZ_S seconds each, FUZZ_FAMILY's cases
+    for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
+        (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py --family "${FUZZ_FAMILY:-qwen2_5_vl}" \
+            --seconds "${FUZZ_S:-170}" $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" \
+            > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
+    done; done; wait
+    tail -qn 1 "$OUT"/fuzz_stress_*.txt; grep -h "iteration \|alone" "$OUT"/fuzz_stress_*.txt | cut -c1-260 | head -40
     ;;
 prefill35)
     # issue 16's T1: Qwen3.5's prefills of input rows only padded and captured; its GPU tests, then Qwen3.5-9B with

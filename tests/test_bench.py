@@ -496,6 +496,28 @@ def test_prepare_syncs_reports_each_first_turns_preparation(tmp_path, capsys):
         script.main(["--image-size", "12x9"])
 
 
+def test_fuzz_stress_runs_the_threaded_cases_and_reports_each_difference(capsys, monkeypatch):
+    """`benchmarks/fuzz_stress.py` on a CPU: the family's fuzz cases alone, then all at once in threads until its
+    time is up, each run compared with its eager twin; a run that differs is printed with its seed and counted."""
+    import schedule_fuzz
+
+    script = _load_script("fuzz_stress")
+    assert script.main(["--family", "qwen2_5_vl", "--seconds", "0.2", "--cases", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert last[:2] == ["own", "iterations"] and int(last[2]) >= 1 and last[3:] == ["failed", "cases", "0"]
+    compare, calls = schedule_fuzz.compare, []
+
+    def differing(case, got, want, atol=1e-3, rtol=0.0):
+        calls.append(case.seed)
+        return compare(case, got, want, atol, rtol) + (["turn 1: a difference (a test's)"] if len(calls) > 2 else [])
+
+    monkeypatch.setattr(schedule_fuzz, "compare", differing)
+    assert script.main(["--seconds", "0.2", "--cases", "2", "--restore-order", "source"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("source iteration 1 seed 2000") and "a test's" in line for line in out), out
+    assert out[-1].startswith("source iterations") and int(out[-1].split()[-1]) == 2 * int(out[-1].split()[2])
+
+
 def test_token_clock_waits_for_the_device_only_for_a_token_still_on_it(monkeypatch):
     """The benchmarks' `TokenClock` times a token when ``put`` is handed it. Host tensors (what every generate loop
     here hands over, read after their step) are not waited for: the batched engine launches its next step before it

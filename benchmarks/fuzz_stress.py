@@ -1,0 +1,103 @@
+"""The schedule fuzz's threaded conversations in a loop: how often a conversation run beside others on one model
+differs from the same dialogue alone on the eager engine.
+
+    python benchmarks/fuzz_stress.py --family qwen2_5_vl --seconds 170 [--restore-order source]
+
+`tests/schedule_fuzz.py`'s cases of one family (``--cases`` of them from seed ``1000 x`` the family's place in
+`FUZZ_FAMILIES`, as `tests/test_gpu.py`'s fuzz draws them) are each run once alone (the fast path where the device
+has one, then the eager engine's twin: the references), then again and again all at once, one thread each on the
+one model, until ``--seconds`` have passed; every run is compared with its reference (equal tokens, logits within
+1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager twin of that run's own chunk sizes).
+It prints each run that differs (the loop's iteration, the seed, the first differences) and at the end
+``<tag> iterations N failed cases M``. ``--restore-order``: that restoration order for every case instead of its own
+(to tell whether a failure depends on it). Several processes side by side on one GPU (`h200_run.sh fuzz_stress`)
+add the contention the GPU suite's parallel workers give. Storages are small (``SLOT_ROUNDING`` 64, as in the GPU
+fuzz), so conversations grow into pooled storages often. Nothing is asserted; a CPU run checks the tool itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen2_5_vl")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--cases", type=int, default=8)
+    parser.add_argument("--restore-order", default=None, help="every case's restoration order (default: its own)")
+    parser.add_argument("--tag", default=None, help="the name the lines start with (default: the order)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import raincheck_hf
+    import raincheck_hf.fast.static_cache as static_cache
+    from conftest import no_placeholder_ids
+    from families import BY_NAME, family_processor
+    from schedule_fuzz import compare, eager_twin, make_case, replayed_chunk_sizes, run_case
+    from test_gpu import FUZZ_FAMILIES
+
+    static_cache.SLOT_ROUNDING = 64  # (as the GPU fuzz: conversations grow into pooled storages)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
+    processor = family_processor(args.family)
+    base = 1000 * FUZZ_FAMILIES.index(args.family) if args.family in FUZZ_FAMILIES else 0
+    cases = [make_case(base + i, args.family) for i in range(args.cases)]
+    if args.restore_order is not None:
+        for case in cases:
+            case.config["restore_order"] = args.restore_order
+    tag = args.tag or args.restore_order or "own"
+    suppress = no_placeholder_ids(model)
+
+    def report(what, case, problems):
+        print(tag, what, "seed", case.seed, [p[-160:] for p in problems], flush=True)
+
+    with replayed_chunk_sizes():
+        references = {}
+        for case in cases:
+            run = run_case(model, processor, case, None, suppress=suppress)
+            references[case.seed] = eager_twin(model, processor, case, run, suppress)
+            problems = compare(case, run, references[case.seed], 1e-3, 1e-3)
+            if problems:
+                report("alone", case, problems)
+        iterations = failed = 0
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            runs, errors = {}, {}
+
+            def work(case):
+                try:
+                    runs[case.seed] = run_case(model, processor, case, None, suppress=suppress)
+                except Exception as error:  # noqa: BLE001 (reported)
+                    errors[case.seed] = f"{type(error).__name__}: {error}"
+
+            threads = [threading.Thread(target=work, args=(case,)) for case in cases]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            iterations += 1
+            for case in cases:
+                if case.seed in errors:
+                    failed += 1
+                    report(f"iteration {iterations}", case, [errors[case.seed]])
+                    continue
+                want = (eager_twin(model, processor, case, runs[case.seed], suppress)
+                        if case.config["chunk_size"] == "auto" else references[case.seed])
+                problems = compare(case, runs[case.seed], want, 1e-3, 1e-3)
+                if problems:
+                    failed += 1
+                    report(f"iteration {iterations}", case, problems)
+    print(tag, "iterations", iterations, "failed cases", failed, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
