@@ -210,6 +210,35 @@ def gate_restoring_pieces(monkeypatch, steps: int) -> dict:
     return gate
 
 
+def failing_slot_resize(monkeypatch, fails) -> list:
+    """`kv_pool.SlotKVLayer.resize` raising a CUDA out-of-memory error for an allocated layer where ``fails(layer,
+    num_slots, capacity)`` says so, otherwise as usual; the returned list gets each failed layer's index."""
+    from raincheck_hf.kv_pool import SlotKVLayer
+
+    resize, failed = SlotKVLayer.resize, []
+
+    def failing(self, num_slots, capacity):
+        if self.is_initialized and fails(self, num_slots, capacity):
+            failed.append(self.layer_idx)
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return resize(self, num_slots, capacity)
+
+    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    return failed
+
+
+class Room:
+    """What a pool's ``on_short`` asks (a growth short of memory): ``asked``, the bytes of each ask; ``made``, whether
+    room is said to be made."""
+
+    def __init__(self, made: bool = True):
+        self.made, self.asked = made, []
+
+    def relieve(self, nbytes: int) -> bool:
+        self.asked.append(nbytes)
+        return self.made
+
+
 def fail_remove_many(monkeypatch, error=lambda: RuntimeError("remove broke")) -> dict:
     """`BatchEngine.remove_many` raising ``error()`` (as a bug, a device error or a lack of memory would) on its next
     ``state["left"]`` calls that remove sequences (1; a test sets it again to fail again), otherwise as usual; the

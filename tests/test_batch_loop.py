@@ -583,7 +583,7 @@ def test_a_pool_growth_short_of_memory_makes_room_and_the_turn_equals_its_dialog
     the loop to make room (`_relieve_memory`, through `kv_pool.SlotKVPool.on_short`: the server evicts held
     conversations), tries again, and the turn goes on: it equals its dialogue alone. Before, the step failed and so
     did every answer in it."""
-    from raincheck_hf.kv_pool import SlotKVLayer
+    from conftest import failing_slot_resize
 
     asked, picture = [], draw_test_image(448, 448, seed=1)
 
@@ -592,15 +592,7 @@ def test_a_pool_growth_short_of_memory_makes_room_and_the_turn_equals_its_dialog
             asked.append(nbytes)
             return True
 
-    resize, armed = SlotKVLayer.resize, {"left": 1}
-
-    def failing(self, num_slots, capacity):
-        if self.layer_idx == 1 and armed["left"] and self.is_initialized:
-            armed["left"] -= 1
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return resize(self, num_slots, capacity)
-
-    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    failed = failing_slot_resize(monkeypatch, lambda layer, slots, size: layer.layer_idx == 1 and not failed)
     from raincheck_hf.batch_engine import BatchEngine
 
     init = BatchEngine.__init__
@@ -609,7 +601,7 @@ def test_a_pool_growth_short_of_memory_makes_room_and_the_turn_equals_its_dialog
                                                 max_new_tokens=12) as conv:
         got = ask(conv, QUESTIONS[0], [picture])  # (its rows outgrow the 64 slots in the answer)
         engines = list(loop._engines)
-    assert armed["left"] == 0 and len(asked) == 1 and asked[0] > 0, (armed, asked)
+    assert failed == [1] and len(asked) == 1 and asked[0] > 0, (failed, asked)
     assert engines and all(e.pool.on_short() is not None for e in engines)
     (want,) = alone(model, processor, CFG, [got], QUESTIONS[:1], [picture])
     assert_same_turn(got, want, "the turn whose step's pool grew after room was made")

@@ -656,10 +656,8 @@ def test_a_pool_growth_short_of_memory_in_a_step_evicts_a_held_conversation(batc
     recently used idle conversations (`BatchScheduler._relieve_memory`, from inside the step on the loop's thread)
     until they held what the growth needs, and grows again: the answer equals its dialogue alone, and an evicted
     conversation's follow-up prefills its dialogue again and is still right."""
-    import torch
-
+    from conftest import failing_slot_resize
     from raincheck_hf import Conversation, RaincheckConfig
-    from raincheck_hf.kv_pool import SlotKVLayer
 
     base, server = batching_server
     held = [ask_turns(base, dialogues[i], 1, [], {}) for i in (0, 1)]  # (the default config: its engine stays)
@@ -668,15 +666,8 @@ def test_a_pool_growth_short_of_memory_in_a_step_evicts_a_held_conversation(batc
     assert engine.pool.capacity < 3 * held[0].usage.prompt_tokens  # (the three pictures' prompt outgrows its slots)
     capacity, before = engine.pool.capacity, server.store.evictions
     held_bytes = {i: server.store.get(i).nbytes() for i in ids}
-    resize, armed, asked = SlotKVLayer.resize, {"left": 1}, []
-
-    def failing(self, num_slots, size):
-        if self.layer_idx == 1 and armed["left"] and self.is_initialized:
-            armed["left"] -= 1
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return resize(self, num_slots, size)
-
-    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    asked = []
+    failed = failing_slot_resize(monkeypatch, lambda layer, slots, size: layer.layer_idx == 1 and not failed)
     evict_bytes = server.store.evict_bytes
     monkeypatch.setattr(server.store, "evict_bytes", lambda need: asked.append(need) or evict_bytes(need))
     d, pictures = dialogues[2], [dialogues[i].image() for i in (2, 3, 1)]
@@ -684,7 +675,7 @@ def test_a_pool_growth_short_of_memory_in_a_step_evicts_a_held_conversation(batc
     reply = client(base).chat.completions.create(
         model="glyph", temperature=0,
         messages=[{"role": "user", "content": content + [{"type": "text", "text": d.turns[0].question}]}])
-    assert armed["left"] == 0 and len(asked) == 1 and asked[0] > 0, (armed, asked)
+    assert failed == [1] and len(asked) == 1 and asked[0] > 0, (failed, asked)
     assert engine.pool.capacity > capacity  # (the step's growth went through after the eviction)
     # the least recently used first, until what they held reaches what the growth needs (here both: the pool's
     # slots double for every place at once)
