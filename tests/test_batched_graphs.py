@@ -1068,8 +1068,7 @@ def test_padding_short_of_memory_runs_narrower_and_evicts_nobody(name, riding, a
     an 80 GB H100 at 64 clients, `full` mode, 61 failed requests.)"""
     import weakref
 
-    from conftest import draw_test_image
-    from raincheck_hf.kv_pool import SlotKVLayer
+    from conftest import Room, draw_test_image, failing_slot_resize
 
     model, processor = family_model(name), family_processor(name)
     cfg = RaincheckConfig(mode="full", decode_guard=1)
@@ -1079,32 +1078,15 @@ def test_padding_short_of_memory_runs_narrower_and_evicts_nobody(name, riding, a
         requests.append(Request(model, processor, cfg, dict(text="Hi"), n=2, arrive=7))
     capacity = 96 if riding else 128
     engine = BatchEngine(model, _with(cfg, None), token_budget=40, num_slots=2, capacity=capacity, graphs=True)
-    asked, narrowed = [], []
-
-    class Room:
-        def relieve(self, nbytes):
-            asked.append(nbytes)
-            return True
-
-    room = Room()
+    room, narrowed, narrow = Room(), [], engine._narrowed
     engine.pool.on_short = weakref.WeakMethod(room.relieve)
-    resize, narrow = SlotKVLayer.resize, engine._narrowed
-
-    failed = []
-
-    def failing(self, num_slots, size):
-        if self.is_initialized and size > capacity:
-            failed.append(self.layer_idx)
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return resize(self, num_slots, size)
-
-    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    failed = failing_slot_resize(monkeypatch, lambda layer, slots, size: size > capacity)
     monkeypatch.setattr(engine, "_narrowed", lambda entries: narrowed.append(len(entries)) or narrow(entries))
     monkeypatch.setattr(engine, "NARROW_S", 1e9)  # (no second try within the test, however slow the machine)
     drive(model, engine, requests, ahead=ahead)
     for i, r in enumerate(requests):
         r.check(f"sequence {i}")
-    assert narrowed and engine.pool.capacity == capacity and asked == []
+    assert narrowed and engine.pool.capacity == capacity and room.asked == []
     assert len(failed) == 1  # (one growth tried; the forwards after it ran narrower without trying again)
     if riding:
         assert 2 in narrowed  # (the answer and the riding piece, each in a forward the slots hold)

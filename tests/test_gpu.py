@@ -1129,10 +1129,9 @@ def test_cuda_padding_short_of_memory_runs_narrower_beside_captured_steps(name, 
     import weakref
 
     import test_batch_engine as tbe
-    from conftest import draw_test_image
+    from conftest import Room, draw_test_image, failing_slot_resize
     from raincheck_hf.batch_engine import BatchEngine
     from raincheck_hf.fast import batched_graphs
-    from raincheck_hf.kv_pool import SlotKVLayer
 
     monkeypatch.setattr(tbe, "make_inputs", lambda processor, **row: _cuda(make_inputs(processor, **row)))
     model, processor = _cuda_family_model(name), family_processor(name)
@@ -1145,28 +1144,13 @@ def test_cuda_padding_short_of_memory_runs_narrower_beside_captured_steps(name, 
     batched_graphs.release_all()
     engine = BatchEngine(model, cfg, token_budget=40, num_slots=2, capacity=capacity)
     assert engine.graphs is not None and engine.graphs.use_cuda
-    asked, narrowed, failed = [], [], []
-
-    class Room:
-        def relieve(self, nbytes):
-            asked.append(nbytes)
-            return True
-
-    room = Room()
+    room, narrowed, narrow = Room(), [], engine._narrowed
     engine.pool.on_short = weakref.WeakMethod(room.relieve)
-    resize, narrow = SlotKVLayer.resize, engine._narrowed
-
-    def failing(self, num_slots, size):
-        if self.is_initialized and size > capacity:
-            failed.append(self.layer_idx)
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return resize(self, num_slots, size)
-
-    monkeypatch.setattr(SlotKVLayer, "resize", failing)
+    failed = failing_slot_resize(monkeypatch, lambda layer, slots, size: size > capacity)
     monkeypatch.setattr(engine, "_narrowed", lambda entries: narrowed.append(len(entries)) or narrow(entries))
     monkeypatch.setattr(engine, "NARROW_S", 1e9)
     tbe.drive(model, engine, requests)
-    assert narrowed and len(failed) == 1 and engine.pool.capacity == capacity and asked == []
+    assert narrowed and len(failed) == 1 and engine.pool.capacity == capacity and room.asked == []
     assert engine.graphs.replays > 0 and engine.graphs.failure is None, engine.graphs.failure
     _assert_cuda_sequences_equal_alone(f"{name} riding={riding}", requests)
     engine.close()
