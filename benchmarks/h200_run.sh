@@ -24,7 +24,7 @@
 #   bash benchmarks/h200_run.sh moe35      # Qwen3.5-35B-A3B latency, short (MOE_S, MOE_BUDGET_S)
 #   bash benchmarks/h200_run.sh profile35  # Qwen3.5-9B's stages, replayed steps and kernels on its fast path
 #   bash benchmarks/h200_run.sh profile_vl  # Qwen3-VL-8B's stages, replayed steps and kernels on its fast path
-#   bash benchmarks/h200_run.sh fuzz_stress  # the schedule fuzz's threaded conversations in a loop, processes side by side
+#   bash benchmarks/h200_run.sh fuzz_stress  # the schedule fuzz's threaded conversations in a loop, side by side
 #   bash benchmarks/h200_run.sh prefill35  # captured Qwen3.5 prefills: their GPU tests, Qwen3.5-9B side by side
 #   bash benchmarks/h200_run.sh wave3      # the GPU tests of compiled-by-default steps and captured prefills, moe35
 #   bash benchmarks/h200_run.sh mapsweep   # the suffix-map update's tile sweep

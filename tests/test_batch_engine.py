@@ -527,8 +527,8 @@ def test_a_pool_growth_that_runs_out_of_memory_leaves_the_pool_usable_and_its_gr
 def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch):
     """`SlotKVPool.on_short` (the batching loop's `_relieve_memory`: the server evicts held conversations): a layer's
     allocation that runs out of memory asks it for the bytes the growth still needs (that layer and the ones after
-    it, the tensors they replace let go on the way), then tries once more; every row is kept. Without room made, or with nobody to ask (no hook, or its owner
-    gone), the error is raised as before."""
+    it, the tensors they replace let go on the way), then tries once more; every row is kept. Without room made, or
+    with nobody to ask (no hook, or its owner gone), the error is raised as before."""
     import weakref
 
     class Room:
