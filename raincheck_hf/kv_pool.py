@@ -103,7 +103,8 @@ class SlotStep:
 
 class PoolOutOfMemory(torch.OutOfMemoryError):
     """A slot pool's growth that found no device memory (after asking for room where it may: `SlotKVPool.on_short`).
-    The pool is as it was before the growth, its ``version`` bumped (`SlotKVPool._resize`)."""
+    The pool is as it was before the growth; its ``version`` is bumped where a tensor was replaced
+    (`SlotKVPool._resize`)."""
 
 
 def grow_each(layers, grow, growth, on_short) -> None:
@@ -308,9 +309,8 @@ class SlotKVPool(Cache):
         then the keys and the sizes. An allocation that fails part of the way leaves the pool at its old sizes, every
         layer holding at least those (a retry skips the layers already resized), and ``version`` bumped all the same
         where a tensor was replaced: captured steps hold the replaced tensors' addresses, freed now, and must not
-        replay on them. Before that, a
-        layer whose allocation failed asks `on_short` for the bytes still needed (`growth_need`) and, if room was made,
-        tries again (with ``relieve``). A failure raises `PoolOutOfMemory`."""
+        replay on them. Before that, a layer whose allocation failed asks `on_short` for the bytes still needed
+        (`growth_need`) and, if room was made, tries again (with ``relieve``). A failure raises `PoolOutOfMemory`."""
         total = num_slots + int(self.has_scratch)
         replaced = sum(layer.replaced for layer in self.layers)
         grown = False

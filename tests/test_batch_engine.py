@@ -586,6 +586,30 @@ def test_a_pool_growth_short_of_memory_asks_for_room_and_tries_again(monkeypatch
             assert len(room.asked) == 1
 
 
+def test_a_growth_that_replaced_nothing_leaves_the_captured_steps_theirs(monkeypatch):
+    """A growth whose first allocation fails (asked not to ask for room: ``reserve(relieve=False)``) raises
+    `PoolOutOfMemory` (a ``torch.OutOfMemoryError``), asks nobody, and leaves the pool as it was with its ``version``
+    unchanged: no tensor was replaced, so its captured steps may still replay."""
+    import weakref
+
+    from conftest import Room, failing_slot_resize
+    from raincheck_hf.kv_pool import PoolOutOfMemory
+
+    pool = SlotKVPool(num_layers=2, num_slots=2, capacity=64)
+    a = pool.allocate()
+    pool.begin_step([a], [torch.arange(3)], 3)
+    for layer in pool.layers:
+        layer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    pool.end_step()
+    room, version = Room(), pool.version
+    pool.on_short = weakref.WeakMethod(room.relieve)
+    failed = failing_slot_resize(monkeypatch, lambda layer, slots, size: True)
+    with pytest.raises(PoolOutOfMemory):
+        pool.reserve(100, relieve=False)
+    assert failed == [0] and room.asked == [] and pool.version == version and pool.capacity == 64
+    assert isinstance(PoolOutOfMemory("x"), torch.OutOfMemoryError)
+
+
 def test_growth_need_is_the_most_held_beyond_now_on_the_way():
     """`kv_pool.growth_need`: steps of ``(net, peak)`` one after the other need the most, over the steps, of the earlier
     steps' net growth and the step's own peak."""
