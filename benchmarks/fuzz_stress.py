@@ -35,16 +35,24 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default=None, help="the name the lines start with (default: the order)")
     args = parser.parse_args(argv)
 
+    import raincheck_hf.fast.static_cache as static_cache
+
+    rounding, static_cache.SLOT_ROUNDING = static_cache.SLOT_ROUNDING, 64  # (as the GPU fuzz: into pooled storages)
+    try:
+        return _stress(args)
+    finally:  # (the process as it was: a caller's, a test's)
+        static_cache.SLOT_ROUNDING = rounding
+
+
+def _stress(args) -> int:
     import torch
 
     import raincheck_hf
-    import raincheck_hf.fast.static_cache as static_cache
     from conftest import no_placeholder_ids
     from families import BY_NAME, family_processor
     from schedule_fuzz import compare, eager_twin, make_case, replayed_chunk_sizes, run_case
     from test_gpu import FUZZ_FAMILIES
 
-    static_cache.SLOT_ROUNDING = 64  # (as the GPU fuzz: conversations grow into pooled storages)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
     processor = family_processor(args.family)

@@ -501,8 +501,11 @@ def test_fuzz_stress_runs_the_threaded_cases_and_reports_each_difference(capsys,
     time is up, each run compared with its eager twin; a run that differs is printed with its seed and counted."""
     import schedule_fuzz
 
-    script = _load_script("fuzz_stress")
+    import raincheck_hf.fast.static_cache as static_cache
+
+    script, rounding = _load_script("fuzz_stress"), static_cache.SLOT_ROUNDING
     assert script.main(["--family", "qwen2_5_vl", "--seconds", "0.2", "--cases", "2"]) == 0
+    assert static_cache.SLOT_ROUNDING == rounding  # (its small storages for its run only: the process as it was)
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert last[:2] == ["own", "iterations"] and int(last[2]) >= 1 and last[3:] == ["failed", "cases", "0"]
     compare, calls = schedule_fuzz.compare, []
