@@ -10,7 +10,11 @@ one model, until ``--seconds`` have passed; every run is compared with its refer
 1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager twin of that run's own chunk sizes).
 It prints each run that differs (the loop's iteration, the seed, the first differences) and at the end
 ``<tag> iterations N failed cases M``. ``--restore-order``: that restoration order for every case instead of its own
-(to tell whether a failure depends on it). Several processes side by side on one GPU (`h200_run.sh fuzz_stress`)
+(to tell whether a failure depends on it). Switches that each take one suspect away, for the run only:
+``--no-step-graphs`` (the text steps eagerly on the static slots, nothing captured), ``--no-vision-graphs`` (the
+tower eagerly), ``--one-at-a-time`` (one lock around every ``generate`` on the model: the threads' answers never
+overlap), ``--device-work`` (every ``generate`` inside `fast.scoping.device_work`, as a batching loop's steps are:
+a graph capture waits until no other thread's answer is running, and they wait for it). Several processes side by side on one GPU (`h200_run.sh fuzz_stress`)
 add the contention the GPU suite's parallel workers give. Storages are small (``SLOT_ROUNDING`` 64, as in the GPU
 fuzz), so conversations grow into pooled storages often. Nothing is asserted; a CPU run checks the tool itself.
 """
@@ -18,6 +22,7 @@ fuzz), so conversations grow into pooled storages often. Nothing is asserted; a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
@@ -33,15 +38,58 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--restore-order", default=None, help="every case's restoration order (default: its own)")
     parser.add_argument("--tag", default=None, help="the name the lines start with (default: the order)")
+    parser.add_argument("--no-step-graphs", action="store_true", help="the text steps eagerly (no capture)")
+    parser.add_argument("--no-vision-graphs", action="store_true", help="the vision tower eagerly (no capture)")
+    parser.add_argument("--one-at-a-time", action="store_true", help="one lock around every generate on the model")
+    parser.add_argument("--device-work", action="store_true",
+                        help="every generate inside fast.scoping.device_work (captures wait for the others)")
     args = parser.parse_args(argv)
 
+    import raincheck_hf.fast.graphs as graphs
     import raincheck_hf.fast.static_cache as static_cache
+    import raincheck_hf.fast.vision_graphs as vision_graphs
 
     rounding, static_cache.SLOT_ROUNDING = static_cache.SLOT_ROUNDING, 64  # (as the GPU fuzz: into pooled storages)
-    try:
+    with contextlib.ExitStack() as undo:  # (the process as it was afterwards: a caller's, a test's)
+        undo.callback(setattr, static_cache, "SLOT_ROUNDING", rounding)
+        if args.no_step_graphs:
+            undo.enter_context(_after_init(graphs.StepGraphs, use_graphs=False, pad_prefill=False))
+        if args.no_vision_graphs:
+            undo.enter_context(_after_init(vision_graphs.VisionGraphs, use_graphs=False))
         return _stress(args)
-    finally:  # (the process as it was: a caller's, a test's)
-        static_cache.SLOT_ROUNDING = rounding
+
+
+@contextlib.contextmanager
+def _after_init(cls, **values):
+    """``cls``'s new instances get ``values`` as attributes after their own ``__init__``, for the block."""
+    init = cls.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    cls.__init__ = patched
+    try:
+        yield
+    finally:
+        cls.__init__ = init
+
+
+def _wrapped_generate(model, one_at_a_time: bool, device_work: bool) -> None:
+    """``model.generate`` (its Raincheck wrapper) under one lock for the model and / or inside `device_work`."""
+    import threading
+
+    from raincheck_hf.fast.scoping import device_work as shared_device_work
+
+    lock, generate = threading.Lock(), model.generate
+
+    def guarded(*args, **kwargs):
+        with (lock if one_at_a_time else contextlib.nullcontext()), \
+                (shared_device_work() if device_work else contextlib.nullcontext()):
+            return generate(*args, **kwargs)
+
+    model.generate = guarded
 
 
 def _stress(args) -> int:
@@ -55,6 +103,8 @@ def _stress(args) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
+    if args.one_at_a_time or args.device_work:
+        _wrapped_generate(model, args.one_at_a_time, args.device_work)
     processor = family_processor(args.family)
     base = 1000 * FUZZ_FAMILIES.index(args.family) if args.family in FUZZ_FAMILIES else 0
     cases = [make_case(base + i, args.family) for i in range(args.cases)]

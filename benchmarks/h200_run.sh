@@ -264,10 +264,11 @@ profile_vl)
     ;;
 fuzz_stress)
     # the schedule fuzz's threaded conversations in a loop (benchmarks/fuzz_stress.py): FUZZ_PROCS processes side by
-    # side for each restoration order in FUZZ_ORDERS ("own": each case's own), FUZZ_S seconds each, FUZZ_FAMILY's cases
+    # side for each restoration order in FUZZ_ORDERS ("own": each case's own), FUZZ_S seconds each, FUZZ_FAMILY's cases;
+    # FUZZ_ARGS: the tool's switches for every process (e.g. --no-step-graphs, --device-work)
     for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
         (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py --family "${FUZZ_FAMILY:-qwen2_5_vl}" \
-            --seconds "${FUZZ_S:-170}" $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" \
+            --seconds "${FUZZ_S:-170}" $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} \
             > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
     done; done; wait
     tail -qn 1 "$OUT"/fuzz_stress_*.txt; grep -h "iteration \|alone" "$OUT"/fuzz_stress_*.txt | cut -c1-260 | head -40

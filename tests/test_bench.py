@@ -498,7 +498,8 @@ def test_prepare_syncs_reports_each_first_turns_preparation(tmp_path, capsys):
 
 def test_fuzz_stress_runs_the_threaded_cases_and_reports_each_difference(capsys, monkeypatch):
     """`benchmarks/fuzz_stress.py` on a CPU: the family's fuzz cases alone, then all at once in threads until its
-    time is up, each run compared with its eager twin; a run that differs is printed with its seed and counted."""
+    time is up, each run compared with its eager twin; a run that differs is printed with its seed and counted. Its
+    switches (each takes a suspect away) run, and leave the classes they patched as they were."""
     import schedule_fuzz
 
     import raincheck_hf.fast.static_cache as static_cache
@@ -519,6 +520,15 @@ def test_fuzz_stress_runs_the_threaded_cases_and_reports_each_difference(capsys,
     out = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("source iteration 1 seed 2000") and "a test's" in line for line in out), out
     assert out[-1].startswith("source iterations") and int(out[-1].split()[-1]) == 2 * int(out[-1].split()[2])
+    monkeypatch.setattr(schedule_fuzz, "compare", compare)
+    import raincheck_hf.fast.graphs as graphs
+    import raincheck_hf.fast.vision_graphs as vision_graphs
+
+    inits = graphs.StepGraphs.__init__, vision_graphs.VisionGraphs.__init__
+    assert script.main(["--seconds", "0.2", "--cases", "2", "--no-step-graphs", "--no-vision-graphs",
+                        "--one-at-a-time", "--device-work", "--tag", "switches"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("failed cases 0")
+    assert (graphs.StepGraphs.__init__, vision_graphs.VisionGraphs.__init__) == inits  # (put back)
 
 
 def test_token_clock_waits_for_the_device_only_for_a_token_still_on_it(monkeypatch):
