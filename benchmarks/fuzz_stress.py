@@ -14,9 +14,10 @@ It prints each run that differs (the loop's iteration, the seed, the first diffe
 ``--no-step-graphs`` (the text steps eagerly on the static slots, nothing captured), ``--no-vision-graphs`` (the
 tower eagerly), ``--one-at-a-time`` (one lock around every ``generate`` on the model: the threads' answers never
 overlap), ``--device-work`` (every ``generate`` inside `fast.scoping.device_work`, as a batching loop's steps are:
-a graph capture waits until no other thread's answer is running, and they wait for it). Several processes side by side on one GPU (`h200_run.sh fuzz_stress`)
-add the contention the GPU suite's parallel workers give. Storages are small (``SLOT_ROUNDING`` 64, as in the GPU
-fuzz), so conversations grow into pooled storages often. Nothing is asserted; a CPU run checks the tool itself.
+a graph capture waits until no other thread's answer is running, and they wait for it). Several processes side by
+side on one GPU (`h200_run.sh fuzz_stress`) add the contention the GPU suite's parallel workers give. Storages are
+small (``SLOT_ROUNDING`` 64, as in the GPU fuzz), so conversations grow into pooled storages often. Nothing is
+asserted; a CPU run checks the tool itself.
 """
 
 from __future__ import annotations
