@@ -3,10 +3,9 @@ differs from the same dialogue alone on the eager engine.
 
     python benchmarks/fuzz_stress.py --family qwen2_5_vl --seconds 170 [--restore-order source]
 
-`tests/schedule_fuzz.py`'s cases of one family (``--cases`` of them from seed ``1000 x`` the family's place in
-`FUZZ_FAMILIES`, as `tests/test_gpu.py`'s fuzz draws them) are each run once alone (the fast path where the device
-has one, then the eager engine's twin: the references), then again and again all at once, one thread each on the
-one model, until ``--seconds`` have passed; every run is compared with its reference (equal tokens, logits within
+`tests/schedule_fuzz.py`'s cases of one family (its first ``--cases``, as `tests/test_gpu.py`'s fuzz draws them:
+`schedule_fuzz.family_cases`) are each run once alone (the fast path where the device has one, then the eager
+engine's twin: the references), then again and again all at once, one thread each on the one model, until ``--seconds`` have passed; every run is compared with its reference (equal tokens, logits within
 1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager twin of that run's own chunk sizes).
 It prints each run that differs (the loop's iteration, the seed, the first differences) and at the end
 ``<tag> iterations N failed cases M``. ``--restore-order``: that restoration order for every case instead of its own
@@ -99,16 +98,14 @@ def _stress(args) -> int:
     import raincheck_hf
     from conftest import no_placeholder_ids
     from families import BY_NAME, family_processor
-    from schedule_fuzz import compare, eager_twin, make_case, replayed_chunk_sizes, run_case
-    from test_gpu import FUZZ_FAMILIES
+    from schedule_fuzz import compare, eager_twin, family_cases, replayed_chunk_sizes, run_case
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
     if args.one_at_a_time or args.device_work:
         _wrapped_generate(model, args.one_at_a_time, args.device_work)
     processor = family_processor(args.family)
-    base = 1000 * FUZZ_FAMILIES.index(args.family) if args.family in FUZZ_FAMILIES else 0
-    cases = [make_case(base + i, args.family) for i in range(args.cases)]
+    cases = family_cases(args.family, args.cases)
     if args.restore_order is not None:
         for case in cases:
             case.config["restore_order"] = args.restore_order

@@ -248,19 +248,14 @@ moe35|final_moe35)
         --json "$OUT/latency_qwen3_5_35b_a3b_image_h200.json" > "$OUT/latency_qwen3_5_35b_a3b_image_h200.log" 2>&1
     tail -8 "$OUT/latency_qwen3_5_35b_a3b_image_h200.log"
     ;;
-profile35)
-    # where Qwen3.5-9B's first token goes on its fast path (stages, captured steps replayed alone, torch.profiler)
-    timeout "${PROFILE_S:-170}" python3 -u -m raincheck_hf.bench profile --model qwen3_5_9b --input image \
-        --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_5_9b_image_h200_fast.json" \
-        > "$OUT/profile_qwen3_5_9b_image_h200_fast.log" 2>&1
-    grep "\[profile\]" "$OUT/profile_qwen3_5_9b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_5_9b_image_h200_fast.log"
-    ;;
-profile_vl)
-    # where Qwen3-VL-8B's first token goes on its fast path (stages, captured steps replayed alone, torch.profiler)
-    timeout "${PROFILE_S:-170}" python3 -u -m raincheck_hf.bench profile --model qwen3_vl_8b --input image \
-        --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_qwen3_vl_8b_image_h200_fast.json" \
-        > "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" 2>&1
-    grep "\[profile\]" "$OUT/profile_qwen3_vl_8b_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_qwen3_vl_8b_image_h200_fast.log"
+profile35|profile_vl)
+    # where Qwen3.5-9B's (profile35) or Qwen3-VL-8B's (profile_vl) first token goes on its fast path (stages, captured
+    # steps replayed alone, torch.profiler)
+    P=$([ "$1" = profile35 ] && echo qwen3_5_9b || echo qwen3_vl_8b)
+    timeout "${PROFILE_S:-170}" python3 -u -m raincheck_hf.bench profile --model "$P" --input image \
+        --modes "${MODES:-full,raincheck}" --tokens 48 --replays 20 --json "$OUT/profile_${P}_image_h200_fast.json" \
+        > "$OUT/profile_${P}_image_h200_fast.log" 2>&1
+    grep "\[profile\]" "$OUT/profile_${P}_image_h200_fast.log" | cut -c1-900; tail -3 "$OUT/profile_${P}_image_h200_fast.log"
     ;;
 fuzz_stress)
     # the schedule fuzz's threaded conversations in a loop (benchmarks/fuzz_stress.py): FUZZ_PROCS processes side by

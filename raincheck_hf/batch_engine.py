@@ -754,9 +754,9 @@ class BatchEngine:
             # step split by width is two forwards over other sequences, both filled now: the narrow one's padding in
             # the wide one's slots sits where the wide one writes after it)
             split = len(forwards) == 2 and isinstance(forwards[1], WideForward)
-            narrowed = [self._padding_short(f) for f in forwards]
-            if self.graphs is not None and (len(forwards) == 1 or split) and not any(narrowed) and all(
-                    self.graphs.accepts(f, self.config) for f in forwards):
+            accepted = [self.graphs is not None and self.graphs.accepts(f, self.config) for f in forwards]
+            narrowed = [self._padding_short(f, a) for f, a in zip(forwards, accepted)]
+            if (len(forwards) == 1 or split) and not any(narrowed) and all(accepted):
                 ready = [self.graphs.prepare(f, self.config, gather=isinstance(f, WideForward)) for f in forwards]
                 if split and ready[0].setting != ready[1].setting:  # (the wide one grew the pool: fill the first again)
                     ready[0] = self.graphs.prepare(forwards[0], self.config)
@@ -765,24 +765,24 @@ class BatchEngine:
             raise
         return _Ahead(forwards, ready, snapshot, rows, narrowed)
 
-    def _extent(self, entries) -> int:
+    def _extent(self, entries, captured: bool) -> int:
         """The rows of its slots that the forward ``entries`` writes up to (each entry padded to the forward's width
-        from its slot's length on): `batched_graphs.step_width` where the captured steps take it, else the widest
-        entry (`ForwardRunner`)."""
-        graphs = self.graphs is not None and self.graphs.accepts(entries, self.config)
-        width = (batched_graphs.step_width(entries, self.config, isinstance(entries, WideForward)) if graphs
+        from its slot's length on): `batched_graphs.step_width` where the captured steps take it (``captured``: they
+        accept it), else the widest entry (`ForwardRunner`)."""
+        width = (batched_graphs.step_width(entries, self.config, isinstance(entries, WideForward)) if captured
                  else max(len(g) for _, g in entries))
         return max(self.pool.lengths[seq.slot] for seq, _ in entries) + width
 
-    def _padding_short(self, entries) -> bool:
-        """Whether the forward ``entries`` must run narrower (`_narrowed`): its padding would outgrow the pool's slots
-        (`_extent`) while every entry's own rows fit them, and that growth found no device memory. The growth is
-        tried without asking for room (`kv_pool.SlotKVPool.reserve`'s ``relieve``): padding is no reason to evict a
-        held conversation. After one that failed, none is tried for `NARROW_S` (a failed allocation has the caching
-        allocator give back every cached block, each later one a new device allocation): the forwards run narrower
-        meanwhile. A growth the entries' own rows need is left to the forward (which may ask for room)."""
+    def _padding_short(self, entries, captured: bool) -> bool:
+        """Whether the forward ``entries`` (``captured``: the captured steps accept it) must run narrower (`_narrowed`):
+        its padding would outgrow the pool's slots (`_extent`) while every entry's own rows fit them, and that growth
+        found no device memory. The growth is tried without asking for room (`kv_pool.SlotKVPool.reserve`'s
+        ``relieve``): padding is no reason to evict a held conversation. After one that failed, none is tried for
+        `NARROW_S` (a failed allocation has the caching allocator give back every cached block, each later one a new
+        device allocation): the forwards run narrower meanwhile. A growth the entries' own rows need is left to the
+        forward (which may ask for room)."""
         pool = self.pool
-        extent = self._extent(entries)
+        extent = self._extent(entries, captured)
         if extent <= pool.capacity or any(pool.lengths[seq.slot] + len(g) > pool.capacity for seq, g in entries):
             return False
         if time.monotonic() < self._narrow_until:

@@ -138,6 +138,12 @@ def growth_need(steps) -> int:
     return need
 
 
+def _tensor_shapes(layers) -> list:
+    """Each layer's keys' and values' shapes (None: not allocated yet): a resize replaces a tensor exactly where its
+    shape changes."""
+    return [(layer.keys.shape, layer.values.shape) if layer.is_initialized else None for layer in layers]
+
+
 class SlotKVLayer(CacheLayerMixin):
     """One attention layer's slot storage (``keys / values [S, H, cap, D]``, allocated at its first write on the
     layer's device); writes and reads follow the pool's running `SlotStep`."""
@@ -145,7 +151,6 @@ class SlotKVLayer(CacheLayerMixin):
     def __init__(self, pool: "SlotKVPool", layer_idx: int):
         super().__init__()
         self._pool, self.layer_idx = weakref.ref(pool), layer_idx  # weak: no pool <-> layer cycle
-        self.replaced = 0  # tensors `resize` replaced (their addresses freed: what captured steps held)
 
     @property
     def pool(self) -> "SlotKVPool":
@@ -184,7 +189,6 @@ class SlotKVLayer(CacheLayerMixin):
             new = old.new_zeros(num_slots, old.shape[1], capacity, old.shape[-1])
             new[:old.shape[0], :, :old.shape[2]] = old
             setattr(self, name, new)
-            self.replaced += 1
 
     def update(self, key_states, value_states, *args, **kwargs):
         """``key_states / value_states [B, H, W, D]`` of the running step -> ``[B, H, T, D]`` of its slots."""
@@ -312,7 +316,7 @@ class SlotKVPool(Cache):
         replay on them. Before that, a layer whose allocation failed asks `on_short` for the bytes still needed
         (`growth_need`) and, if room was made, tries again (with ``relieve``). A failure raises `PoolOutOfMemory`."""
         total = num_slots + int(self.has_scratch)
-        replaced = sum(layer.replaced for layer in self.layers)
+        shapes = _tensor_shapes(self.layers)
         grown = False
         try:
             keys = torch.full((total, capacity), MAX_KEY, dtype=torch.long, device=self.device)
@@ -322,8 +326,8 @@ class SlotKVPool(Cache):
         except torch.OutOfMemoryError as error:
             raise PoolOutOfMemory(str(error)) from error
         finally:
-            if grown or sum(layer.replaced for layer in self.layers) != replaced:  # (a failure that replaced nothing
-                self.version += 1  # leaves the captured steps theirs)
+            if grown or _tensor_shapes(self.layers) != shapes:  # (a failure that replaced nothing leaves the
+                self.version += 1  # captured steps theirs)
         keys[:self.num_slots, :self.capacity] = self.slot_keys[:self.num_slots]  # (the scratch slot's keys: MAX_KEY)
         self.slot_keys = keys
         self._free += list(range(self.num_slots, num_slots))

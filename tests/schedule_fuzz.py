@@ -89,6 +89,17 @@ def make_case(seed: int, family: str, videos: bool = True) -> Case:
     return Case(seed, family, config, turns)
 
 
+# the GPU fuzz's families (`tests/test_gpu.py`), each drawing its cases from seeds of its own
+FUZZ_FAMILIES = ["bundled_qwen3_vl", "bundled_qwen3_5", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"]
+
+
+def family_cases(family: str, count: int) -> list[Case]:
+    """The GPU fuzz's first ``count`` cases of ``family``: seeds ``1000 x`` its place in `FUZZ_FAMILIES` and up (0 and
+    up for a family outside it)."""
+    base = 1000 * FUZZ_FAMILIES.index(family) if family in FUZZ_FAMILIES else 0
+    return [make_case(base + i, family) for i in range(count)]
+
+
 _SCHEDULE = threading.local()  # chunk sizes the eager engine replays for "auto" (this thread's run only)
 
 

@@ -478,17 +478,15 @@ def test_schedule_fuzz_on_replayed_steps_in_threads(name, cpu_graphs, monkeypatc
     another thread's conversation used before); each conversation equals the eager engine's, and every replay ran
     on a cache of the storage the graph belongs to. (On CUDA such runs occasionally differ: docs/serving.md, known
     issue; this checks the host's side of it.)"""
-    from schedule_fuzz import check_cases, make_case
+    from schedule_fuzz import check_cases, family_cases
 
     from conftest import no_placeholder_ids
-    from test_gpu import FUZZ_FAMILIES
 
     import raincheck_hf.fast.static_cache as static_cache
 
     monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 16)
     model, processor = family_model(name), family_processor(name)
-    base = 1000 * FUZZ_FAMILIES.index(name) if name in FUZZ_FAMILIES else 0
-    cases = [make_case(base + i, name) for i in range(8)]
+    cases = family_cases(name, 8)
     problems = check_cases(model, processor, cases, fast_path=True, threads=True, suppress=no_placeholder_ids(model),
                            atol=1e-4)
     assert not problems, "\n".join(p[-300:] for p in problems)

@@ -701,14 +701,15 @@ def test_cuda_server_parallel_clients_equal_sequential_conversations():
 # interleaved from one thread each on the shared model. Storages, graphs and the tower's and selectors' graph
 # caches carry over from case to case, as in a server (`tests/schedule_fuzz.py` says what a case draws).
 
-FUZZ_FAMILIES = ["bundled_qwen3_vl", "bundled_qwen3_5", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"]
+from schedule_fuzz import FUZZ_FAMILIES  # noqa: E402 (the families, with the cases' helpers)
+
 FUZZ_CASES_PER_FAMILY = 8  # 40 cases in all
 
 
 @pytest.mark.parametrize("family", FUZZ_FAMILIES)
 def test_cuda_schedule_fuzz_conversations_equal_the_eager_engine(family, monkeypatch):
     import raincheck_hf.fast.static_cache as static_cache
-    from schedule_fuzz import check_cases, make_case
+    from schedule_fuzz import check_cases, family_cases
 
     monkeypatch.setattr(static_cache, "SLOT_ROUNDING", 64)  # small storages: conversations grow into pooled ones
 
@@ -719,8 +720,7 @@ def test_cuda_schedule_fuzz_conversations_equal_the_eager_engine(family, monkeyp
         raincheck_hf.enable(model)
     else:
         model, processor = _cuda_family_model(family), family_processor(family)
-    base = 1000 * FUZZ_FAMILIES.index(family)
-    cases = [make_case(base + i, family) for i in range(FUZZ_CASES_PER_FAMILY)]
+    cases = family_cases(family, FUZZ_CASES_PER_FAMILY)
     # 1e-3, and 1e-3 of the forward's largest logit: on CUDA both engines run fla's gated-delta chunk kernels,
     # whose fp32 products are TF32 (Triton's default for tl.dot), over differently aligned chunks (the fast path
     # pads a prefill in front to its bucket): the bundled Qwen3.5's logits (magnitude ~16) then differ by up to
