@@ -8,7 +8,8 @@ differs from the same dialogue alone on the eager engine.
 engine's twin: the references), then again and again all at once, one thread each on the one model, until ``--seconds`` have passed; every run is compared with its reference (equal tokens, logits within
 1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager twin of that run's own chunk sizes).
 It prints each run that differs (the loop's iteration, the seed, the first differences) and at the end
-``<tag> iterations N failed cases M``. ``--restore-order``: that restoration order for every case instead of its own
+``<tag> iterations N failed cases M``; each distinct warning once (``<tag> warning ...``: a graph capture that failed
+and fell back to eager forwards, for one). ``--restore-order``: that restoration order for every case instead of its own
 (to tell whether a failure depends on it). Switches that each take one suspect away, for the run only:
 ``--no-step-graphs`` (the text steps eagerly on the static slots, nothing captured), ``--no-vision-graphs`` (the
 tower eagerly), ``--one-at-a-time`` (one lock around every ``generate`` on the model: the threads' answers never
@@ -26,6 +27,7 @@ import contextlib
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -98,7 +100,7 @@ def _stress(args) -> int:
     import raincheck_hf
     from conftest import no_placeholder_ids
     from families import BY_NAME, family_processor
-    from schedule_fuzz import compare, eager_twin, family_cases, replayed_chunk_sizes, run_case
+    from schedule_fuzz import family_cases
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
@@ -111,6 +113,22 @@ def _stress(args) -> int:
             case.config["restore_order"] = args.restore_order
     tag = args.tag or args.restore_order or "own"
     suppress = no_placeholder_ids(model)
+    with warnings.catch_warnings():  # (each distinct warning printed once: a capture that failed, for one)
+        warnings.simplefilter("always")
+        seen = set()
+
+        def show(message, category, *_, **__):
+            text = f"{category.__name__}: {message}"
+            if text not in seen:
+                seen.add(text)
+                print(tag, "warning", text[:400], flush=True)
+
+        warnings.showwarning = show
+        return _loop(args, model, processor, cases, tag, suppress)
+
+
+def _loop(args, model, processor, cases, tag, suppress) -> int:
+    from schedule_fuzz import compare, eager_twin, replayed_chunk_sizes, run_case
 
     def report(what, case, problems):
         print(tag, what, "seed", case.seed, [p[-160:] for p in problems], flush=True)

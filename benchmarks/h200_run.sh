@@ -260,13 +260,30 @@ profile35|profile_vl)
 fuzz_stress)
     # the schedule fuzz's threaded conversations in a loop (benchmarks/fuzz_stress.py): FUZZ_PROCS processes side by
     # side for each restoration order in FUZZ_ORDERS ("own": each case's own), FUZZ_S seconds each, FUZZ_FAMILY's cases;
-    # FUZZ_ARGS: the tool's switches for every process (e.g. --no-step-graphs, --device-work)
-    for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
-        (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py --family "${FUZZ_FAMILY:-qwen2_5_vl}" \
-            --seconds "${FUZZ_S:-170}" $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} \
-            > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
-    done; done; wait
+    # FUZZ_ARGS: the tool's switches for every process (e.g. --no-step-graphs, --device-work); FUZZ_MATRIX instead of
+    # FUZZ_ORDERS: variants side by side, "|" between them, FUZZ_PROCS processes each, each its switches and NAME=value
+    # environment words (e.g. "base|--device-work|CUDA_LAUNCH_BLOCKING=1"), each process's own restoration orders
+    if [ -n "${FUZZ_MATRIX:-}" ]; then
+        IFS='|' read -ra variants <<< "$FUZZ_MATRIX"
+        for v in "${variants[@]}"; do
+            envs=(); flags=()
+            for w in $v; do case "$w" in base) ;; [A-Z]*=*) envs+=("$w") ;; *) flags+=("$w") ;; esac; done
+            name=$(echo "$v" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/^_*//'); name=${name:-base}
+            for i in $(seq "${FUZZ_PROCS:-2}"); do
+                (env "${envs[@]}" timeout $(( ${FUZZ_S:-170} + 60 )) python3 benchmarks/fuzz_stress.py \
+                    --family "${FUZZ_FAMILY:-qwen2_5_vl}" --seconds "${FUZZ_S:-170}" --tag "$name" "${flags[@]}" \
+                    ${FUZZ_ARGS:-} > "$OUT/fuzz_stress_${name}_$i.txt" 2>&1) &
+            done
+        done; wait
+    else
+        for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
+            (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py --family "${FUZZ_FAMILY:-qwen2_5_vl}" \
+                --seconds "${FUZZ_S:-170}" $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} \
+                > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
+        done; done; wait
+    fi
     tail -qn 1 "$OUT"/fuzz_stress_*.txt; grep -h "iteration \|alone" "$OUT"/fuzz_stress_*.txt | cut -c1-260 | head -40
+    grep -h " warning " "$OUT"/fuzz_stress_*.txt | cut -c1-300 | sort | uniq -c | head -20
     ;;
 prefill35)
     # issue 16's T1: Qwen3.5's prefills of input rows only padded and captured; its GPU tests, then Qwen3.5-9B with

@@ -228,11 +228,13 @@ def test_a_shared_holder_interrupted_while_it_waits_to_capture_keeps_its_hold(mo
         assert gate.holders[1] == threading.get_ident()
 
 
-def test_every_capture_warms_up_on_one_side_stream_per_device(monkeypatch):
-    """`fast.scoping.warm_up_stream`: the one side stream of a device for the whole process (made on first need, per
-    device), and the one every capture's warm-up takes: CUDA libraries keep per-stream state for good (cuBLAS a
-    workspace per handle and stream), so a stream per capture or per storage grew the device memory with each one
-    (`test_gpu.py::test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped` on the GPU)."""
+def test_captures_run_on_one_stream_per_device_and_warm_up_on_the_callers(monkeypatch):
+    """`fast.scoping.capture_stream`: the one stream of a device that captures run on for the whole process (made on
+    first need, per device: CUDA libraries keep per-stream state for good, cuBLAS a workspace per handle and stream,
+    so a stream per capture or per storage grew the device memory with each one). Their warm-ups make no stream and
+    take none: they run on the caller's current stream, so that what a warm-up allocates and keeps (a storage's KV
+    tensors, a step's logits buffer) belongs to the stream that uses it afterwards; on a shared side stream, freed, it
+    went to the next warm-up while the caller's copy out of it was still queued (`fast.scoping`)."""
     import inspect
 
     from raincheck_hf.fast import batched_graphs, graphs, scoping, vision_graphs
@@ -246,19 +248,21 @@ def test_every_capture_warms_up_on_one_side_stream_per_device(monkeypatch):
 
     monkeypatch.setattr(scoping.torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(scoping.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})
-    first = scoping.warm_up_stream("cuda:0")
-    assert scoping.warm_up_stream("cuda") is first and scoping.warm_up_stream(None) is first
-    threads = [threading.Thread(target=scoping.warm_up_stream, args=("cuda:1",)) for _ in range(8)]
+    monkeypatch.setattr(scoping, "_CAPTURE_STREAMS", {})
+    first = scoping.capture_stream("cuda:0")
+    assert scoping.capture_stream("cuda") is first and scoping.capture_stream(None) is first
+    threads = [threading.Thread(target=scoping.capture_stream, args=("cuda:1",)) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert scoping.warm_up_stream("cuda:1") is not first and made == [0, 1]
-    # no capture path makes a stream of its own
+    assert scoping.capture_stream("cuda:1") is not first and made == [0, 1]
+    assert not hasattr(scoping, "warm_up_stream")
+    # no capture path makes a stream of its own or switches to one (only `graph_capture` does, for the capture)
     for module in (graphs, vision_graphs, batched_graphs, kernels):
         source = inspect.getsource(module)
-        assert "cuda.Stream(" not in source and "warm_up_stream(" in source, module.__name__
+        assert "cuda.Stream(" not in source and "cuda.stream(" not in source, module.__name__
+        assert "graph_capture(" in source, module.__name__
 
 
 def test_a_capture_keeps_the_allocators_caches_and_ends_even_when_its_block_raises(monkeypatch):

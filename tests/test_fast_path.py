@@ -704,8 +704,7 @@ def test_graph_captures_never_overlap(model, processor, monkeypatch):
                            CUDAGraph=lambda: SimpleNamespace(pool=lambda: None, capture_begin=capture_begin,
                                                              capture_end=capture_end))
     monkeypatch.setattr(graphs.torch, "cuda", cuda)  # the torch module: restored after the test
-    monkeypatch.setattr(scoping, "_WARM_UP_STREAMS", {})  # (the fake streams are not kept past the test)
-    monkeypatch.setattr(scoping, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(scoping, "_CAPTURE_STREAMS", {})  # (the fake streams are not kept past the test)
     adapter = get_adapter(model)
     caches = [StaticDeferredCache(4, 256, 64, "cpu"), StaticDeferredCache(4, 256, 64, "cpu")]
     steps = [graphs.StepGraphs(adapter, use_graphs=False) for _ in caches]

@@ -911,8 +911,8 @@ def test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped(bac
     dropped the device memory held by tensors is back where it was (within the storages the pool keeps, 4 MB
     each here, and 8 MB), however many there were. Each storage used to warm its captures up on a CUDA stream of
     its own, and cuBLAS keeps a 32 MB workspace per stream for good: 33.5 MB more with each conversation held at
-    once, never given back (`fast.scoping.warm_up_stream`). With ``background`` their leftovers are restored in
-    idle time: each conversation had a worker thread of its own, and each thread a cuBLAS handle with its 32 MB
+    once, never given back (warm-ups now run on the caller's stream, `fast.scoping`). With ``background`` their
+    leftovers are restored in idle time: each conversation had a worker thread of its own, and each thread a cuBLAS handle with its 32 MB
     workspace, kept by torch's handle pool after the thread ends; the model's one restorer thread
     (`restorer.IdleRestorer`) restores them all."""
     import gc
@@ -1993,6 +1993,39 @@ def test_cuda_to_device_all_moves_host_tensors_in_one_copy():
     for got, want in zip([moved[0], moved[2], moved[3]], host):
         assert got.device.type == "cuda" and got.shape == want.shape and torch.equal(got.cpu(), want)
     assert moved[0].untyped_storage().data_ptr() == moved[2].untyped_storage().data_ptr()  # one buffer, one copy
+
+
+@pytest.mark.parametrize("on_side_stream", [False, True], ids=["default_stream", "side_stream"])
+def test_cuda_what_a_capture_warm_up_keeps_belongs_to_the_callers_stream(on_side_stream):
+    """A new storage's first forward is a captured (padded) prefill, whose warm-up makes the storage's KV tensors and
+    the step's logits buffer. In the caching allocator they must belong to the stream the answer runs on (the default
+    one, or a side stream a caller chose), never to another: warmed up on a process-wide side stream, they went back
+    to its free blocks when freed with the answer's work on them still queued (a grown conversation's copy out of its
+    old storage), and another thread's warm-up wrote them first: answers that differed from the same dialogue alone
+    (`fast.scoping`). Checked in the allocator's snapshot: the segment each tensor lies in, and its stream."""
+    from raincheck_hf.fast.static_cache import release_storage
+
+    model = _cuda_family_model("qwen2_5_vl")
+    release_storage(model)  # (a storage of its own: its first forward captures, and its warm-up allocates)
+    inputs = _cuda(make_inputs(family_processor("qwen2_5_vl"), **INPUT_CASES["image_and_video"]))
+    stream = torch.cuda.Stream() if on_side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                             suppress_tokens=no_placeholder_ids(model),
+                             raincheck=RaincheckConfig(fast_path=True, compile_steps=False, chunk_size=4))
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    storage = out.cache.storage
+    assert storage.graphs._captured and any(key.rows > 1 for key in storage.graphs._captured), "no captured prefill"
+    kept = [t for t in storage.keys + storage.values if t is not None]
+    kept += [buffers.logits for _, buffers in storage.graphs._captured.values() if buffers.logits is not None]
+    assert len(kept) > 2
+    segments = torch.cuda.memory_snapshot()
+    for tensor in kept:
+        address = tensor.untyped_storage().data_ptr()
+        segment = next(s for s in segments if s["address"] <= address < s["address"] + s["total_size"])
+        assert segment["stream"] == stream.cuda_stream, (tuple(tensor.shape), segment["stream"], stream.cuda_stream)
 
 
 def test_cuda_a_dead_graph_collected_during_a_capture_does_not_break_it():

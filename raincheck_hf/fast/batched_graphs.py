@@ -104,7 +104,7 @@ from ..masking import batched_visibility_to_attention_mask
 from ..models.base import accelerate_split
 from . import static_cache
 from .compiled import resolve_compile_steps
-from .scoping import CAPTURE_LOCK, graph_capture, step_scope, warm_up_stream
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # then multiples of the largest
 
@@ -540,19 +540,12 @@ class BatchedStepGraphs:
             run()  # (the first run: `BatchStepBuffers.logits` gets its tensor)
             return _EagerStep(run)
         with CAPTURE_LOCK:
-            stream = warm_up_stream(buffers.embeds.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            try:
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        run()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with graph_capture(graph, self._mempool):
-                    run()
-                self._mempool = graph.pool()
-            finally:
-                torch.cuda.current_stream().wait_stream(stream)
+            for _ in range(2):  # the warm-up, on the caller's stream (`fast.scoping`: what it allocates and keeps)
+                run()
+            graph = torch.cuda.CUDAGraph()
+            with graph_capture(graph, self._mempool):
+                run()
+            self._mempool = graph.pool()
         return graph
 
     # ---- captures ahead of the first steps (`raincheck_hf.warm_up(batch=...)`) ----

@@ -41,7 +41,7 @@ import torch
 
 from ..cache_utils import DEFERRED, GENERATED, to_device
 from ..masking import visibility_to_attention_mask
-from .scoping import CAPTURE_LOCK, graph_capture, step_scope, warm_up_stream
+from .scoping import CAPTURE_LOCK, graph_capture, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
 from .timing import StepTimings
 
@@ -306,17 +306,13 @@ class StepGraphs:
         # kernel tuning, compiles): one warm-up run then, two for a new one
         warmups = 1 if any(k.shape == key.shape for k in self._captured) else 2
         with CAPTURE_LOCK:
-            stream = warm_up_stream(adapter.device)
             # the warm-up runs (and the timed replays) change the cache's recurrent (GDN) state too: kept aside
-            # before the side stream starts, put back after, also when the capture fails (the step then runs
-            # eagerly from the state it should see)
+            # before, put back after, also when the capture fails (the step then runs eagerly from the state it
+            # should see)
             saved = _recurrent_snapshot(cache)
-            stream.wait_stream(torch.cuda.current_stream())
             try:
-                with torch.cuda.stream(stream):
-                    for _ in range(warmups):
-                        self._step(adapter, cache, buffers, want_logits, bucket, variant)
-                torch.cuda.current_stream().wait_stream(stream)
+                for _ in range(warmups):  # on the caller's stream (`fast.scoping`: what they allocate and keep)
+                    self._step(adapter, cache, buffers, want_logits, bucket, variant)
                 graph = torch.cuda.CUDAGraph()
                 with graph_capture(graph, self._pool):
                     self._step(adapter, cache, buffers, want_logits, bucket, variant)
@@ -327,7 +323,6 @@ class StepGraphs:
                     # first cost figures, while synchronised anyway (the replays write what the warm-up wrote)
                     self.timings.time_replays(key, graph)
             finally:
-                torch.cuda.current_stream().wait_stream(stream)
                 _recurrent_restore(cache, saved)
         self._captured[key] = (graph, buffers)
         return graph, buffers

@@ -28,6 +28,15 @@ prepare turns for it. A capture waits until none of them is inside, and they wai
 thread with another thread's device calls in flight was seen to fail ("operation not permitted when stream is
 capturing") even with thread-local capture errors (a first use of a kernel loads its module, for one, which a
 capture does not allow anywhere in the process).
+
+A capture's warm-up (lazy initialisation, library handles and workspaces, kernel tuning: outside the capture) runs
+on the caller's current stream, as the forward it stands for would, never on a side stream. What a warm-up allocates
+and keeps (a storage's KV tensors, lazily made by the first forward on it; a step's logits buffer) then belongs, in
+the caching allocator, to the stream that uses it afterwards, so once freed it is reused only after that use. Made
+on a side stream it went back to the side stream's free blocks when freed, with the caller's work on it still
+queued: a conversation that grew into a bigger storage copied its KV out of the old one, the old one was freed, and
+another thread's warm-up, already running on the side stream, took those blocks and wrote them before the copy read
+them (answers that differed from the same dialogue alone, with several threads on one model).
 """
 
 from __future__ import annotations
@@ -148,23 +157,8 @@ def paused_collector():
                 gc.enable()
 
 
-_WARM_UP_STREAMS: dict = {}  # CUDA device index -> the process's one side stream for capture warm-ups there
-_WARM_UP_LOCK = threading.Lock()  # (making the kept streams: warm-up and capture)
-
-
-def warm_up_stream(device=None) -> "torch.cuda.Stream":
-    """The side stream every capture's warm-up runs on (lazy initialisation, library handles and workspaces, kernel
-    tuning: outside the capture), one per CUDA device for the whole process, made on first need.
-
-    One, not one per capture or per storage: CUDA libraries keep state per stream that is never given back while
-    the process lives (cuBLAS and cuBLASLt a workspace per handle and stream, 32 MB on a Hopper GPU), so a stream
-    made for each capture, or each conversation's storage, grew the device memory by that much with every one (a
-    server holding many conversations at once: gigabytes). Sharing it is safe: each user orders it against its own
-    stream (``wait_stream`` both ways), so another thread's warm-up on it only adds a wait."""
-    return _process_stream(_WARM_UP_STREAMS, device)
-
-
 _CAPTURE_STREAMS: dict = {}  # CUDA device index -> the process's one stream that captures run on there
+_STREAMS_LOCK = threading.Lock()  # (making the kept streams)
 
 
 def _process_stream(streams: dict, device) -> "torch.cuda.Stream":
@@ -172,7 +166,7 @@ def _process_stream(streams: dict, device) -> "torch.cuda.Stream":
     index = torch.device("cuda" if device is None else device).index
     if index is None:
         index = torch.cuda.current_device()
-    with _WARM_UP_LOCK:
+    with _STREAMS_LOCK:
         stream = streams.get(index)
         if stream is None:
             stream = streams[index] = torch.cuda.Stream(device=index)

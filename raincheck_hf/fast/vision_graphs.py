@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, warm_up_stream
+from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
@@ -100,11 +100,8 @@ class VisionGraphs:
     def _capture(self, tower, key, pixel_values, grid_thw, kwargs):
         static_pixels = pixel_values.clone()
         with CAPTURE_LOCK:  # one capture at a time in the process (`fast.scoping`)
-            stream = warm_up_stream(pixel_values.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
-                self._forward(tower, static_pixels, grid_thw, kwargs)
-            torch.cuda.current_stream().wait_stream(stream)
+            # warm-up (lazy inits, cuBLAS workspaces) outside the capture, on the caller's stream (`fast.scoping`)
+            self._forward(tower, static_pixels, grid_thw, kwargs)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self._pool):
                 outputs = self._forward(tower, static_pixels, grid_thw, kwargs)

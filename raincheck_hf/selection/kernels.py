@@ -45,7 +45,7 @@ from collections import OrderedDict
 import torch
 
 from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
-from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture, warm_up_stream
+from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture
 
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
@@ -159,11 +159,8 @@ def release_selection_graphs() -> None:
 def _capture(method: str, inputs: dict, k: int) -> _Captured:
     static = {name: t.clone() for name, t in inputs.items()}
     run = GreedyRun(method, static, k)
-    stream = warm_up_stream(run.indices.device)
-    stream.wait_stream(torch.cuda.current_stream(run.indices.device))
-    with torch.cuda.stream(stream):  # compiles the kernel and warms the launcher outside the capture
-        GreedyRun(method, static, min(k, 2)).launch()
-    torch.cuda.current_stream(run.indices.device).wait_stream(stream)
+    # compiles the kernel and warms the launcher outside the capture, on the caller's stream (`fast.scoping`)
+    GreedyRun(method, static, min(k, 2)).launch()
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph):  # other threads' device work goes on
         run.launch()
