@@ -4,20 +4,25 @@ differs from the same dialogue alone on the eager engine.
     python benchmarks/fuzz_stress.py --family qwen2_5_vl --seconds 170 [--restore-order source]
 
 `tests/schedule_fuzz.py`'s cases of one family (its first ``--cases``, as `tests/test_gpu.py`'s fuzz draws them:
-`schedule_fuzz.family_cases`) are each run once alone (the fast path where the device has one, then the eager
-engine's twin: the references), then again and again all at once, one thread each on the one model, until ``--seconds`` have passed; every run is compared with its reference (equal tokens, logits within
-1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager twin of that run's own chunk sizes).
-It prints each run that differs (the loop's iteration, the seed, the first differences) and at the end
-``<tag> iterations N failed cases M``; each distinct warning once (``<tag> warning ...``: a graph capture that failed
-and fell back to eager forwards, for one). ``--restore-order``: that restoration order for every case instead of its own
-(to tell whether a failure depends on it). Switches that each take one suspect away, for the run only:
-``--no-step-graphs`` (the text steps eagerly on the static slots, nothing captured), ``--no-vision-graphs`` (the
-tower eagerly), ``--one-at-a-time`` (one lock around every ``generate`` on the model: the threads' answers never
-overlap), ``--device-work`` (every ``generate`` inside `fast.scoping.device_work`, as a batching loop's steps are:
-a graph capture waits until no other thread's answer is running, and they wait for it). Several processes side by
-side on one GPU (`h200_run.sh fuzz_stress`) add the contention the GPU suite's parallel workers give. Storages are
-small (``SLOT_ROUNDING`` 64, as in the GPU fuzz), so conversations grow into pooled storages often. Nothing is
-asserted; a CPU run checks the tool itself.
+`schedule_fuzz.family_cases`; ``bundled_qwen3_vl`` / ``bundled_qwen3_5``: the trained glyph models) are each run
+once alone (the fast path where the device has one, then the eager engine's twin: the references), then again and
+again all at once, one thread each on the one model, until ``--seconds`` have passed; every run is compared with its
+reference (equal tokens, logits within 1e-3 + 1e-3 of the largest; a case with ``chunk_size="auto"`` against an eager
+twin of that run's own chunk sizes). It prints when the runs alone are done, each run that differs (the loop's
+iteration, the seed, the first differences), each distinct warning once (``<tag> warning ...``: a graph capture that
+failed and fell back to eager forwards, for one) and at the end ``<tag> iterations N failed cases M``.
+``--restore-order``: that restoration order for every case instead of its own (to tell whether a failure depends on
+it). Switches that each take one suspect away, for the run only: ``--no-step-graphs`` (the text steps eagerly on the
+static slots, nothing captured), ``--no-vision-graphs`` (the tower eagerly), ``--one-at-a-time`` (one lock around
+every ``generate`` on the model: the threads' answers never overlap), ``--device-work`` (every ``generate`` inside
+`fast.scoping.device_work`, as a batching loop's steps are: a graph capture waits until no other thread's answer is
+running, and they wait for it). Several processes side by side on one GPU (`h200_run.sh fuzz_stress`) add the
+contention the GPU suite's parallel workers give. Storages are small (``SLOT_ROUNDING`` 64, as in the GPU fuzz), so
+conversations grow into pooled storages often. Nothing is asserted; a CPU run checks the tool itself.
+
+With these switches it found why answers differed under threads on CUDA (``--no-step-graphs`` and ``--device-work``
+took the differences away, ``--no-vision-graphs`` did not): a step capture's warm-up on a side stream
+(`fast.scoping`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="qwen2_5_vl")
+    from families import BY_NAME
+    from schedule_fuzz import FUZZ_FAMILIES
+
+    parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(set(FUZZ_FAMILIES) | set(BY_NAME)),
+                        help="a test family, or a bundled glyph model (bundled_qwen3_vl, bundled_qwen3_5)")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--restore-order", default=None, help="every case's restoration order (default: its own)")
@@ -103,10 +112,16 @@ def _stress(args) -> int:
     from schedule_fuzz import family_cases
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
+    if args.family.startswith("bundled_"):  # (as the GPU fuzz: the trained glyph model and its processor)
+        from raincheck_hf.quality import load_bundled
+
+        model, processor = load_bundled(args.family[len("bundled_"):], device=device)
+        raincheck_hf.enable(model)
+    else:
+        model = raincheck_hf.enable(BY_NAME[args.family].build(seed=0).to(device))
+        processor = family_processor(args.family)
     if args.one_at_a_time or args.device_work:
         _wrapped_generate(model, args.one_at_a_time, args.device_work)
-    processor = family_processor(args.family)
     cases = family_cases(args.family, args.cases)
     if args.restore_order is not None:
         for case in cases:
@@ -134,13 +149,15 @@ def _loop(args, model, processor, cases, tag, suppress) -> int:
         print(tag, what, "seed", case.seed, [p[-160:] for p in problems], flush=True)
 
     with replayed_chunk_sizes():
-        references = {}
+        references, started = {}, time.monotonic()
         for case in cases:
             run = run_case(model, processor, case, None, suppress=suppress)
             references[case.seed] = eager_twin(model, processor, case, run, suppress)
             problems = compare(case, run, references[case.seed], 1e-3, 1e-3)
             if problems:
                 report("alone", case, problems)
+        # (a run cut short by a time limit still says how far it got)
+        print(tag, "alone, each case once", f"{time.monotonic() - started:.1f} s", flush=True)
         iterations = failed = 0
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
