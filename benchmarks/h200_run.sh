@@ -279,7 +279,8 @@ fuzz_stress)
         for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
             (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py \
                 --family "${FUZZ_FAMILY:-qwen2_5_vl}" --seconds "${FUZZ_S:-170}" \
-                $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
+                $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} \
+                > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
         done; done; wait
     fi
     tail -qn 1 "$OUT"/fuzz_stress_*.txt; grep -h "iteration \|alone" "$OUT"/fuzz_stress_*.txt | cut -c1-260 | head -40
