@@ -7,6 +7,7 @@ device), and check that the loop and its preparations hold the shared side while
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -324,3 +325,114 @@ def test_a_capture_keeps_the_allocators_caches_and_ends_even_when_its_block_rais
             raise ValueError("in the block")
     assert calls == [("synchronize",), ("begin", None, "thread_local", stream), ("end", stream)]  # (the same stream)
     assert gc.isenabled() == was_enabled and current == [None]
+
+
+class _FakeCuda:
+    """CPU tensors that say they are on CUDA and log `record_stream` (`fast.scoping.used_on_current_stream`)."""
+
+    def __init__(self):
+        import torch
+
+        log = self.log = []
+
+        class FakeCuda(torch.Tensor):
+            @property
+            def is_cuda(self):
+                return True
+
+            def record_stream(self, stream):
+                log.append((self.data_ptr(), stream))
+
+        self.cls = FakeCuda
+
+    def __call__(self, *shape):
+        import torch
+
+        return torch.zeros(*shape).as_subclass(self.cls)
+
+
+def test_used_on_current_stream_marks_every_cuda_tensor_in_nested_values_on_the_current_stream(monkeypatch):
+    """`fast.scoping.used_on_current_stream`: every CUDA tensor in tensors, lists, tuples and dicts (nested) gets
+    `record_stream` on the calling thread's current stream of the device; CPU tensors and other values are skipped,
+    and with no CUDA tensor the current stream is never asked for (a CPU-only process has none)."""
+    import torch
+
+    from raincheck_hf.fast import scoping
+
+    fake, asked = _FakeCuda(), []
+    monkeypatch.setattr(scoping.torch.cuda, "current_stream", lambda device=None: asked.append(device) or "stream")
+    a, b, c = fake(2), fake(3), fake(4)
+    scoping.used_on_current_stream(a, [b, {"x": (c, torch.zeros(2), 7, None)}], "text", device="cuda:1")
+    assert sorted(fake.log) == sorted((t.data_ptr(), "stream") for t in (a, b, c)) and asked == ["cuda:1"]
+    scoping.used_on_current_stream(torch.zeros(2), [torch.ones(1)], {"k": None})
+    assert len(fake.log) == 3 and asked == ["cuda:1"]
+
+
+def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream(model, processor, monkeypatch):
+    """What a captured graph reads and writes by address outside its pool was made on the capturing thread's stream;
+    a replay or a lease on another stream marks it used there (`fast.scoping.used_on_current_stream`), before the
+    replay's own work: a vision tower replay its static pixels and precomputed grid tensors, a selection replay its
+    run's inputs and buffers, a storage's lease its KV tensors, slot keys and the captured steps' buffers. Freed (an
+    evicted graph, an evicted storage) with a replay still queued, their blocks went to the capturing stream's next
+    allocation at once."""
+    import torch
+
+    from raincheck_hf.fast import graphs as step_graphs
+    from raincheck_hf.fast import static_cache, vision_graphs
+    from raincheck_hf.fast.vision_graphs import CapturedTower, VisionGraphs
+    from raincheck_hf.models import get_adapter
+    from raincheck_hf.selection import kernels
+
+    from conftest import INPUT_CASES, make_inputs
+
+    marked = []
+
+    def used(*objs, device=None):
+        marked.append(objs)
+
+    # the vision tower
+    monkeypatch.setattr(vision_graphs, "used_on_current_stream", used)
+    log = []
+
+    class Graph:
+        def replay(self):
+            log.append(("replay", len(marked)))
+
+    def capture(self, tower, key, pixel_values, grid_thw, kwargs):
+        outputs = self._forward(tower, pixel_values.clone(), grid_thw, kwargs)
+        return self._store(key, CapturedTower(Graph(), pixel_values.clone(), outputs, (kwargs, grid_thw)))
+
+    monkeypatch.setattr(VisionGraphs, "_capture", capture)
+    tower_graphs = VisionGraphs(get_adapter(model), use_graphs=True)
+    x = make_inputs(processor, **INPUT_CASES["one_image"])
+    with torch.no_grad():
+        for _ in range(2):
+            tower_graphs.encode(x["pixel_values"], x["image_grid_thw"])
+    (entry,) = tower_graphs._captured.values()
+    assert log == [("replay", 1)] and marked[0][0] is entry.pixels and marked[0][1] is entry.reads
+
+    # the selection's greedy run
+    marked.clear()
+    monkeypatch.setattr(kernels, "used_on_current_stream", used)
+    inputs = {"P": torch.rand(1, 8, 6), "W": torch.rand(1, 8)}
+    run = kernels.GreedyRun("mmtok", {k: v.clone() for k, v in inputs.items()}, 3)  # (its buffers; never launched)
+    captured = kernels._Captured(Graph(), run)
+    table = collections.OrderedDict({kernels._key("mmtok", inputs, 3): captured})
+    monkeypatch.setitem(kernels._GRAPHS, torch.device("cpu"), table)
+    log.clear()
+    kernels.greedy_select("mmtok", inputs, 3, use_graphs=True)
+    assert log == [("replay", 1)]
+    assert marked[0] == (run.inputs, run.state, run.slots, run.taken, run.indices)
+
+    # a pooled storage's lease
+    monkeypatch.setattr(static_cache, "used_on_current_stream", used)
+    storage = static_cache.SlotStorage(2, 64, 64, "cpu")
+    storage.layer_tensors(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    storage.graphs = step_graphs.StepGraphs(get_adapter(model), use_graphs=False)
+    buffers = step_graphs.StepBuffers.empty(3, 8, 0, torch.float32, "cpu")
+    storage.graphs._captured[step_graphs.StepKey(3, False, None, 64)] = (Graph(), buffers)
+    marked.clear()
+    storage.lease(object.__new__(static_cache.StaticDeferredCache))
+    (objs,) = marked
+    assert objs[0] is storage.keys and objs[1] is storage.values and objs[2] is storage.slot_keys
+    assert objs[4] == [vars(buffers)]

@@ -303,7 +303,10 @@ def test_graphs_are_set_aside_while_the_attention_backend_differs(model, process
     cfg = RaincheckConfig(fast_path=True, chunk_size=4, decode_guard=2)
     out = model.generate(**inputs, raincheck=cfg, **KW)
     graphs, logits = out.cache.graphs, out.logits
-    graphs._captured[(1, True)] = ("stale graph", None)  # stands in for a capture (CPU runs no graphs)
+    from raincheck_hf.fast.graphs import StepBuffers
+
+    stale = ("stale graph", StepBuffers.empty(1, 8, 0, torch.float32, "cpu"))  # (a capture: CPU runs no graphs)
+    graphs._captured[(1, True)] = stale
     del out  # its storage (and these graphs) go to the next conversation
     model.set_attn_implementation("eager")
     try:
@@ -316,7 +319,7 @@ def test_graphs_are_set_aside_while_the_attention_backend_differs(model, process
     del again
     back = model.generate(**inputs, raincheck=cfg, **KW)
     assert back.cache.graphs is graphs and graphs.attn_implementation == "sdpa"
-    assert graphs._captured == {(1, True): ("stale graph", None)}
+    assert graphs._captured == {(1, True): stale}
 
 
 class _EagerReplay:

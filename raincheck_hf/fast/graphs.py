@@ -368,13 +368,17 @@ class StepGraphs:
         """Device memory the captured steps hold beside the storage's own tensors: their pool's segments
         (``pool_bytes``) and their static buffers (every setting's), each tensor's storage once."""
         storages = {}
-        for captured in [self._captured] + [other[0] for other in self._other_settings.values()]:
-            for _, buffers in captured.values():
-                for value in vars(buffers).values():
-                    for t in value if isinstance(value, list) else [value]:
-                        if isinstance(t, torch.Tensor):
-                            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for fields in self.static_tensors():
+            for value in fields.values():
+                for t in value if isinstance(value, list) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return self.pool_bytes + sum(storages.values())
+
+    def static_tensors(self) -> list[dict]:
+        """The captured steps' static buffers (every setting's), each `StepBuffers` as the dict of its fields."""
+        return [vars(buffers) for captured in [self._captured] + [other[0] for other in self._other_settings.values()]
+                for _, buffers in captured.values()]
 
     def step_figures(self, adapter, cache: StaticDeferredCache, rows: int, want_logits: bool,
                      real_rows: int | None = None, pending_after: int = 1) -> "StepFigures | None":

@@ -208,6 +208,30 @@ def _on_cuda(device) -> bool:
     return device is None or torch.device(device).type == "cuda"
 
 
+def used_on_current_stream(*objs, device=None) -> None:
+    """Mark every CUDA tensor in ``objs`` (tensors, and lists, tuples and dicts of them, nested) as used on the calling
+    thread's current stream of ``device`` (`torch.Tensor.record_stream`).
+
+    For what a captured graph reads and writes by address outside its memory pool (its static inputs and buffers),
+    made on the stream of the thread that captured it and used by replays on other streams (the batching loop's on
+    the default stream, the turns' preparations on streams of their own). When such a tensor is freed (its graph
+    evicted from a full table while a replay of it is still queued), the caching allocator hands its block to that
+    first stream's next allocation only once the work queued here is done; unmarked, a preparation on the capturing
+    stream could write it before the replay read it. Tensors made on this stream cost a lookup (the allocator
+    ignores uses on a block's own stream); CPU tensors and other values are skipped."""
+    stack, stream = list(objs), None
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_cuda:
+                stream = torch.cuda.current_stream(device) if stream is None else stream
+                item.record_stream(stream)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
 class StreamOrder:
     """The order of the device work of the users of one set of static buffers (a captured graph's inputs and
     outputs) across CUDA streams. Each user, holding the buffers' lock, calls `wait` before its first kernel on them

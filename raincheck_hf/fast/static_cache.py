@@ -33,6 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
 from ..gdn.static import RecurrentLayout, StaticGDNState
+from .scoping import used_on_current_stream
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
@@ -92,6 +93,11 @@ class SlotStorage:
         return self._user is not None and self._user() is not None
 
     def lease(self, cache) -> "SlotStorage":
+        # an earlier user may have made these tensors (and the captured steps' buffers) on another CUDA stream: marked
+        # as used on this thread's stream too, so that freed (the storage evicted) they go to no allocation of the
+        # other stream before this one's work on them is done (`fast.scoping.used_on_current_stream`)
+        used_on_current_stream(self.keys, self.values, self.slot_keys, [s.tensors() for s in self.gdn.values()],
+                               None if self.graphs is None else self.graphs.static_tensors(), device=self.device)
         # every slot invisible again: what an earlier conversation left in the KV tensors is unreachable
         self.slot_keys.fill_(MAX_KEY)
         for state in self.gdn.values():  # a new conversation starts from zero states, as on a fresh cache
