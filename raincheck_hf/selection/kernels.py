@@ -202,8 +202,8 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
         run = captured.run  # (its buffers, made on the capturing thread's stream: freed, not reused before this replay)
         used_on_current_stream(run.inputs, run.state, run.slots, run.taken, run.indices, device=device)
         for name, t in inputs.items():
-            captured.run.inputs[name].copy_(t)
+            run.inputs[name].copy_(t)
         captured.graph.replay()
-        indices = captured.run.indices.clone()
+        indices = run.indices.clone()
         captured.order.done(device)
         return indices
