@@ -912,9 +912,9 @@ def test_cuda_conversations_held_at_once_leave_no_device_memory_once_dropped(bac
     each here, and 8 MB), however many there were. Each storage used to warm its captures up on a CUDA stream of
     its own, and cuBLAS keeps a 32 MB workspace per stream for good: 33.5 MB more with each conversation held at
     once, never given back (warm-ups now run on the caller's stream, `fast.scoping`). With ``background`` their
-    leftovers are restored in idle time: each conversation had a worker thread of its own, and each thread a cuBLAS handle with its 32 MB
-    workspace, kept by torch's handle pool after the thread ends; the model's one restorer thread
-    (`restorer.IdleRestorer`) restores them all."""
+    leftovers are restored in idle time: each conversation had a worker thread of its own, and each thread a cuBLAS
+    handle with its 32 MB workspace, kept by torch's handle pool after the thread ends; the model's one restorer
+    thread (`restorer.IdleRestorer`) restores them all."""
     import gc
 
     from raincheck_hf.fast.static_cache import POOLED_PER_MODEL
