@@ -539,7 +539,9 @@ def test_serve_load_benchmark_smoke(tmp_path):
     for mode in ("raincheck", "full"):
         lib = saved["library"][mode]
         assert lib["ttft_s"] > 0 and lib["tpot_s"] > 0 and saved["overhead"][mode]["ttft_s"] is not None
-        assert len(lib["rounds"]) == 1 and saved["overhead"][mode]["rounds"] == {"server": 1, "library": 1}
+        # (medians of three dialogues each side: the one-client round's, two more not counted as rows)
+        assert len(lib["rounds"]) == 3 and saved["overhead"][mode]["rounds"] == {"server": 3, "library": 3}
+        assert len(saved["server_one_client_rounds"][mode]) == 3 and saved["settings"]["overhead_dialogues"] == 3
         assert saved["overhead"][mode]["client_http_s"] > 0
         assert saved["overhead"][mode]["client_floor_s"] == saved["client_floor"]["client_s"]
     floor = saved["client_floor"]  # (the same first request to a server that answers it at once)
@@ -552,6 +554,9 @@ def test_serve_load_benchmark_smoke(tmp_path):
     for bad in (0, -1.0, 2.0, True, "0.001", (), (0.001, 0.001), (0.001, 0)):
         with pytest.raises(ValueError, match="switch_interval must be"):
             serve_load.run(clients=(1,), switch_interval=bad)
+    for bad in (0, -2, 1.5, True, None, "3"):
+        with pytest.raises(ValueError, match=f"overhead_dialogues must be an integer >= 1, got {bad!r}"):
+            serve_load.run(clients=(1,), overhead_dialogues=bad)
 
 
 def test_a_failed_client_floor_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -23,7 +23,9 @@ from the first request to the last answer's end), TTFT p50 / p95 (from just befo
 chunk with text), TPOT p50 / p95 (per answer, (last chunk - first chunk) / (chunks - 1)); also the first turns'
 TTFT p50 (the image's prefill) and how many follow-ups reused their conversation. At one client, the library
 (`raincheck_hf.Conversation` in the process, the decoded JPEG, the same settings and bias) runs the same dialogue:
-the server's overhead is its one-client turn-1 TTFT and TPOT over the library's. Unless ``--no-warmup``, the library
+the server's overhead is its one-client turn-1 TTFT and TPOT over the library's, medians over
+``--overhead-dialogues`` dialogues each side (default 3: the one-client rounds count, and more one-client dialogues
+are played after them; one dialogue each was too noisy to tell a 10% overhead). Unless ``--no-warmup``, the library
 runs the dialogue once untimed first, as each mode's server rounds follow a one-client warm-up round.
 
 ``--max-running`` (default: the largest client count, so no client waits in the server's queue) and
@@ -410,7 +412,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         prompt_forwards=(None,), preparing=None, profile_loop: bool = False, prepare_stream: str | None = None,
         ride_rows=(None,), rounds: int = 1, trace_round: bool = False, trace_path: str | None = None,
         chunk_rows=(None,), split_rows=("default",), join_in_flight: str = "off",
-        follow_ups_ahead: str = "off", warm_up_tokens: int | None = None) -> dict:
+        follow_ups_ahead: str = "off", warm_up_tokens: int | None = None, overhead_dialogues: int = 3) -> dict:
     """Run the benchmark (the server in this process; the clients in processes of their own, or with
     ``client_processes=False`` in threads of this one); returns (and writes to ``json_path``) the result dict.
     ``switch_interval``: the interpreter's thread switch interval in seconds (`sys.setswitchinterval`; None: as it
@@ -439,7 +441,9 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
     cumulative time in ``loop_profile``, not among the rows: the profiler slows what it watches). ``trace_round``: with
     batching, one more round per mode at the most clients under `torch.profiler` (`trace_round.traced_round`: per
     CUDA stream how busy it was, and within each turn's preparation; ``trace``, not among the rows), its trace kept
-    gzipped at ``trace_path`` (the mode's name put before the extension) when given."""
+    gzipped at ``trace_path`` (the mode's name put before the extension) when given. ``overhead_dialogues``: with the
+    library reference and one client among ``clients``, the one-client dialogues each side whose first turns' medians
+    give the server's overhead (the one-client rounds count; more are played after a mode's rounds when short)."""
     from ..integration import enable
     from ..serve import ServeSettings, create_app, running
 
@@ -458,6 +462,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         raise ValueError(f"unknown model {model_name!r}; choose from {sorted(shapes.MODELS) + sorted(BUNDLED)}.")
     if rounds is None or not is_limit(rounds):
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    if overhead_dialogues is None or not is_limit(overhead_dialogues):
+        raise ValueError(f"overhead_dialogues must be an integer >= 1, got {overhead_dialogues!r}")
     intervals = tuple(switch_interval) if isinstance(switch_interval, (tuple, list)) else (switch_interval,)
     if not intervals or len(set(intervals)) < len(intervals) or any(
             v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1)
@@ -537,7 +543,8 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                              follow_ups_ahead=follow_ups_ahead,
                              prompt_forwards=list(prompt_forwards), preparing=list(preparing),
                              prepare_stream=prepare_stream, ride_rows=list(ride_rows), rounds=rounds,
-                             batch_chunk_rows=list(chunk_rows), split_rows=list(split_rows),
+                             overhead_dialogues=overhead_dialogues, batch_chunk_rows=list(chunk_rows),
+                             split_rows=list(split_rows),
                              image_size=[width, height], jpeg_bytes_mean=sum(map(len, jpegs)) / len(jpegs),
                              biased_words=len(bias), client="openai " + _version("openai")),
             "model_info": model_info, "rows": [], "library": {}, "overhead": {},
@@ -651,11 +658,20 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                         f"(generations 0 / 1 / 2), full ones' pauses {collections['full_pause_ms_total']} ms in all, "
                         f"{collections['full_pause_ms_max']} ms the longest")
                     if n == 1 and dialogues and variant == variants[0]:
-                        turns = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")} for t in dialogues[0]]
-                        result.setdefault("server_one_client_rounds", {}).setdefault(mode, []).append(turns)
+                        _keep_one_client_dialogue(result, mode, dialogues[0])
                     if rounds > 1:  # (a run cut short by its time limit keeps the medians of what it measured)
                         result["medians"] = round_medians(result["rows"])
                     _write(result, json_path)
+                played = len(result.get("server_one_client_rounds", {}).get(mode, ()))
+                if library and 1 in clients and played < overhead_dialogues:
+                    # (the overhead's medians: one-client dialogues beyond the rounds', not rows of their own)
+                    _apply_variant(loop, variants[0], server)
+                    for _ in range(overhead_dialogues - played):
+                        dialogues = round_of(mode, 1)[0]
+                        if dialogues:
+                            _keep_one_client_dialogue(result, mode, dialogues[0])
+                    log(f"[serve-load] {mode}: {overhead_dialogues - played} more one-client dialogues for the "
+                        "server's overhead")
                 if profile_loop:
                     _apply_variant(loop, variants[0], server)
                     profile = profiled_round(loop, lambda: round_of(mode, max(clients)))
@@ -715,7 +731,7 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
                     library_conversation(model, processor, configs[mode], image, questions, lengths, bias, 0.0)
                     gc.collect()
                 runs = []
-                for _ in range(rounds):  # (as many dialogues as the server's one-client rounds)
+                for _ in range(max(rounds, overhead_dialogues)):  # (as many dialogues as the server's one-client ones)
                     runs.append(library_conversation(model, processor, configs[mode], image, questions, lengths,
                                                      bias, think_s))
                     gc.collect()
@@ -740,6 +756,12 @@ def run(model_name: str = "tiny_qwen3_vl", clients=DEFAULT_CLIENTS, modes=("rain
         sys.setswitchinterval(previous_interval)
         if froze:  # (the process goes on, in a test say: its objects back in reach)
             gc.unfreeze()
+
+
+def _keep_one_client_dialogue(result: dict, mode: str, dialogue: list[dict]) -> None:
+    """Keep a server one-client dialogue's turns (TTFT, TPOT, the server's own clock) for the overhead figure."""
+    turns = [{k: t[k] for k in ("ttft_s", "tpot_s", "server_t1_s")} for t in dialogue]
+    result.setdefault("server_one_client_rounds", {}).setdefault(mode, []).append(turns)
 
 
 def _first_turns_median(dialogues: list, key: str) -> float | None:
@@ -1002,6 +1024,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=1,
                         help="each client count's variants this many times, every other time in reverse order (A B, "
                              "B A, ...), a row each; with more than one, the medians over them too (default 1)")
+    parser.add_argument("--overhead-dialogues", type=int, default=3,
+                        help="one-client dialogues each side (server and library) for the server's overhead, medians "
+                             "of their first turns (default 3; the one-client rounds count)")
     parser.add_argument("--trace-round", action="store_true",
                         help="with --batching: one more round per mode at the most clients under torch.profiler: how "
                              "busy each CUDA stream was over it and within each turn's preparation (log and JSON)")
@@ -1030,6 +1055,7 @@ def main(argv=None):
                    join_in_flight=args.join_in_flight, follow_ups_ahead=args.follow_ups_ahead,
                    prompt_forwards=args.prompt_forwards, preparing=args.preparing, profile_loop=args.profile_loop,
                    prepare_stream=args.prepare_stream, ride_rows=args.ride_rows, rounds=args.rounds,
+                   overhead_dialogues=args.overhead_dialogues,
                    chunk_rows=args.chunk_rows, split_rows=args.split_rows,
                    trace_round=args.trace_round, trace_path=args.trace_file, warm_up_tokens=args.warm_up_tokens,
                    log=lambda *a: print(*a, flush=True), **setting_values(args))
