@@ -479,8 +479,8 @@ def test_schedule_fuzz_on_replayed_steps_in_threads(name, cpu_graphs, monkeypatc
     """The GPU schedule fuzz's threaded part on the fast path's code with the stand-in replays: a family's eight
     cases at once, one thread each on one model, small storages (conversations grow into pooled ones, a storage
     another thread's conversation used before); each conversation equals the eager engine's, and every replay ran
-    on a cache of the storage the graph belongs to. (On CUDA such runs occasionally differ: docs/serving.md, known
-    issue; this checks the host's side of it.)"""
+    on a cache of the storage the graph belongs to. (This checks the host's side; on CUDA such runs once differed
+    for a reason only the device has, a capture's warm-up on a side stream: `fast.scoping`.)"""
     from schedule_fuzz import check_cases, family_cases
 
     from conftest import no_placeholder_ids
