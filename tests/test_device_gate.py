@@ -372,7 +372,8 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
     """What a captured graph reads and writes by address outside its pool was made on the capturing thread's stream;
     a replay or a lease on another stream marks it used there (`fast.scoping.used_on_current_stream`), before the
     replay's own work: a vision tower replay its static pixels and precomputed grid tensors, a selection replay its
-    run's inputs and buffers, a storage's lease its KV tensors, slot keys and the captured steps' buffers. Freed (an
+    run's inputs and buffers, a storage's lease its KV tensors, slot keys and the captured steps' buffers (when the
+    lease's stream is not the last lease's: every turn on one stream marks nothing, nothing on a CPU). Freed (an
     evicted graph, an evicted storage) with a replay still queued, their blocks went to the capturing stream's next
     allocation at once."""
     import torch
@@ -424,7 +425,7 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
     assert log == [("replay", 1)]
     assert marked[0] == (run.inputs, run.state, run.slots, run.taken, run.indices)
 
-    # a pooled storage's lease
+    # a pooled storage's lease: from another stream than the last lease's only (every turn on one stream: never)
     monkeypatch.setattr(static_cache, "used_on_current_stream", used)
     storage = static_cache.SlotStorage(2, 64, 64, "cpu")
     storage.layer_tensors(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
@@ -433,6 +434,15 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
     storage.graphs._captured[step_graphs.StepKey(3, False, None, 64)] = (Graph(), buffers)
     marked.clear()
     storage.lease(object.__new__(static_cache.StaticDeferredCache))
-    (objs,) = marked
+    assert marked == []  # (a CPU storage: no streams)
+    streams = iter(["default", "default", "side", "side", "default"])
+    monkeypatch.setattr(static_cache.torch.cuda, "current_stream", lambda device=None: next(streams))
+    storage.device = torch.device("cuda")  # (stands in for a CUDA storage)
+    leases = []
+    for _ in range(5):
+        storage.lease(object.__new__(static_cache.StaticDeferredCache))
+        leases.append(len(marked))
+    assert leases == [1, 1, 2, 2, 3]  # marked at the first lease and at each change of stream
+    objs = marked[-1]
     assert objs[0] is storage.keys and objs[1] is storage.values and objs[2] is storage.slot_keys
     assert objs[4] == [vars(buffers)]

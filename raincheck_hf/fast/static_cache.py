@@ -79,6 +79,7 @@ class SlotStorage:
         self.graphs = None
         self._user = None
         self.kept = False  # warmed ahead (`raincheck_hf.warm_up`): never evicted from the pool, outside its count
+        self._stream = None  # the CUDA stream of the last lease (`_mark_stream`)
 
     @property
     def total_slots(self) -> int:
@@ -93,11 +94,7 @@ class SlotStorage:
         return self._user is not None and self._user() is not None
 
     def lease(self, cache) -> "SlotStorage":
-        # an earlier user may have made these tensors (and the captured steps' buffers) on another CUDA stream: marked
-        # as used on this thread's stream too, so that freed (the storage evicted) they go to no allocation of the
-        # other stream before this one's work on them is done (`fast.scoping.used_on_current_stream`)
-        used_on_current_stream(self.keys, self.values, self.slot_keys, [s.tensors() for s in self.gdn.values()],
-                               None if self.graphs is None else self.graphs.static_tensors(), device=self.device)
+        self._mark_stream()
         # every slot invisible again: what an earlier conversation left in the KV tensors is unreachable
         self.slot_keys.fill_(MAX_KEY)
         for state in self.gdn.values():  # a new conversation starts from zero states, as on a fresh cache
@@ -107,6 +104,21 @@ class SlotStorage:
 
     def release(self) -> None:
         self._user = None
+
+    def _mark_stream(self) -> None:
+        """A lease from another CUDA stream than the last one: an earlier user may have made these tensors (and the
+        captured steps' buffers) on that stream, so they are marked as used on this one too, and freed (the storage
+        evicted) they go to no allocation of the other stream before this one's work on them is done
+        (`fast.scoping.used_on_current_stream`). Leases from the stream of the last one mark nothing: what was made
+        since was made on that stream (every turn on the default stream: nothing, ever)."""
+        if self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stream == self._stream:
+            return
+        used_on_current_stream(self.keys, self.values, self.slot_keys, [s.tensors() for s in self.gdn.values()],
+                               None if self.graphs is None else self.graphs.static_tensors(), device=self.device)
+        self._stream = stream
 
     def layer_tensors(self, idx: int, key_like: torch.Tensor, value_like: torch.Tensor):
         """Layer ``idx``'s ``(keys, values)``, allocated on first use with the batch/head/dim of the arguments."""
