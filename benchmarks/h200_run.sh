@@ -262,7 +262,9 @@ fuzz_stress)
     # side for each restoration order in FUZZ_ORDERS ("own": each case's own), FUZZ_S seconds each, FUZZ_FAMILY's cases;
     # FUZZ_ARGS: the tool's switches for every process (e.g. --no-step-graphs, --device-work); FUZZ_MATRIX instead of
     # FUZZ_ORDERS: variants side by side, "|" between them, FUZZ_PROCS processes each, each its switches and NAME=value
-    # environment words (e.g. "base|--device-work|CUDA_LAUNCH_BLOCKING=1"), each process's own restoration orders
+    # environment words (e.g. "base|--device-work|CUDA_LAUNCH_BLOCKING=1"), each process's own restoration orders;
+    # FUZZ_START: seconds each process may take beyond FUZZ_S (its runs alone, the first kernel tuning: Qwen3.5's
+    # bundled model in four fresh processes at once took over 250 s)
     if [ -n "${FUZZ_MATRIX:-}" ]; then
         IFS='|' read -ra variants <<< "$FUZZ_MATRIX"
         for v in "${variants[@]}"; do
@@ -270,14 +272,14 @@ fuzz_stress)
             for w in $v; do case "$w" in base) ;; [A-Z]*=*) envs+=("$w") ;; *) flags+=("$w") ;; esac; done
             name=$(echo "$v" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/^_*//'); name=${name:-base}
             for i in $(seq "${FUZZ_PROCS:-2}"); do
-                (env "${envs[@]}" timeout $(( ${FUZZ_S:-170} + 60 )) python3 benchmarks/fuzz_stress.py \
+                (env "${envs[@]}" timeout $(( ${FUZZ_S:-170} + ${FUZZ_START:-60} )) python3 benchmarks/fuzz_stress.py \
                     --family "${FUZZ_FAMILY:-qwen2_5_vl}" --seconds "${FUZZ_S:-170}" --tag "$name" "${flags[@]}" \
                     ${FUZZ_ARGS:-} > "$OUT/fuzz_stress_${name}_$i.txt" 2>&1) &
             done
         done; wait
     else
         for v in ${FUZZ_ORDERS:-own source}; do for i in $(seq "${FUZZ_PROCS:-4}"); do
-            (timeout $(( ${FUZZ_S:-170} + 45 )) python3 benchmarks/fuzz_stress.py \
+            (timeout $(( ${FUZZ_S:-170} + ${FUZZ_START:-45} )) python3 benchmarks/fuzz_stress.py \
                 --family "${FUZZ_FAMILY:-qwen2_5_vl}" --seconds "${FUZZ_S:-170}" \
                 $([ "$v" != own ] && echo "--restore-order $v") --tag "$v" ${FUZZ_ARGS:-} \
                 > "$OUT/fuzz_stress_${v}_$i.txt" 2>&1) &
