@@ -170,16 +170,21 @@ def test_memory_headroom_reaches_the_servers_loop(glyph, argv, want):
 
 def test_a_turn_joins_a_running_answer_and_they_share_steps(batching_server, glyph, dialogues):
     """B's two-turn dialogue (its image prompt prefilled in pieces of the step's budget) runs beside A's long
-    answer: B answers as its conversation alone does, and the steps meanwhile carried both (more tokens came out
-    than steps ran); B's follow-up continued its held conversation."""
+    answer: B answers as its conversation alone does, and the steps meanwhile carried both (the loop's step record:
+    steps of two sequences, B's prompt pieces and its answers' tokens beside A's); B's follow-up continued its held
+    conversation. (Counting tokens against steps instead, more tokens than steps + 2, passed by B's few tokens alone
+    and failed once under load, when two of B's steps ran without A.)"""
     base, server = batching_server
     a = long_stream(base, data_url(dialogues[0].image()), dialogues[0].turns[0].question)
     d = dialogues[1]
-    tokens, steps = metric(base, "raincheck_completion_tokens_total"), server.scheduler.steps
+    server.scheduler.reset_step_stats()
+    steps = server.scheduler.steps
     got = dialogue(base, d, turns=2, stream=True)
-    tokens, steps = metric(base, "raincheck_completion_tokens_total") - tokens, server.scheduler.steps - steps
+    steps = server.scheduler.steps - steps
     assert got == reference(glyph, d.image(), [t.question for t in d.turns[:2]])
-    assert tokens > steps + 2, (tokens, steps)  # at most one token per sequence and step: two sequences per step
+    kinds = server.scheduler.step_stats()["kinds"]
+    both = sum(figures["by_sequences"].get(2, {}).get("steps", 0) for figures in kinds.values())
+    assert both >= 2, kinds  # (six when the test runs alone: B's 48-row prompt pieces and its tokens, beside A's)
     assert metric(base, "raincheck_batch_size") in (1, 2) and metric(base, "raincheck_steps_total") >= steps
     a.close()
     wait_for(lambda: server.admission.snapshot()["running"] == 0 and server.scheduler.running == 0)
