@@ -474,7 +474,7 @@ def test_schedule_fuzz_on_replayed_steps(family, cpu_graphs, monkeypatch):
     assert cpu_graphs  # the steps replayed
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_schedule_fuzz_on_replayed_steps_in_threads(name, cpu_graphs, monkeypatch):
     """The GPU schedule fuzz's threaded part on the fast path's code with the stand-in replays: a family's eight
     cases at once, one thread each on one model, small storages (conversations grow into pooled ones, a storage
