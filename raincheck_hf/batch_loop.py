@@ -62,7 +62,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedTokenizerBase, ProcessorMixin, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                                                     SuppressTokensLogitsProcessor)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria
@@ -72,7 +72,7 @@ from .cache_utils import to_device, to_device_all
 from .batched import RestoringState, SequenceState, new_sequence
 from .configuration import PREPARE_PRIORITIES, RaincheckConfig, is_limit
 from .fast.graphs import private_pools_free_bytes, usable_device_memory
-from .fast.scoping import device_work
+from .fast.scoping import device_work, used_on
 from .fast.vision_graphs import vision_graphs_for
 from .generation import RaincheckGenerateOutput, choose_next_tokens, sampling_setup
 from .integration import _ORIGINAL, VisionAttentionCapture, _needs_vision_attention, enable, validate_request
@@ -362,42 +362,6 @@ class ArrivalGate:
             self._changed.notify_all()
 
 
-def _tensors_in(obj):
-    """Every tensor reachable from ``obj`` through dicts, sequences and objects' attributes (``__dict__`` and
-    ``__slots__``); not through modules, tokenizers and processors (weights and vocabularies, nothing a turn made)."""
-    seen = set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield item
-            continue
-        if item is None or isinstance(item, (str, bytes, int, float, torch.nn.Module, torch.dtype, torch.device,
-                                             type, PreTrainedTokenizerBase, ProcessorMixin)) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
-            stack.extend(item)
-        else:
-            stack.extend(getattr(item, "__dict__", {}).values())
-            for klass in type(item).__mro__:
-                for name in getattr(klass, "__slots__", ()):
-                    if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
-                        stack.append(getattr(item, name, None))
-
-
-def _used_on(obj, stream) -> None:
-    """`torch.Tensor.record_stream` ``stream`` on every CUDA tensor of ``obj`` (`_tensors_in`): made on another
-    stream (a turn prepared on a stream of its own, `BatchLoop.prepare_stream`) and used on ``stream`` from now on,
-    their memory is not given to that other stream's next allocations before ``stream``'s work queued when they are
-    freed is done."""
-    for tensor in _tensors_in(obj):
-        if tensor.is_cuda:
-            tensor.record_stream(stream)
-
-
 def _made_from(prepared: dict, cache) -> bool:
     """Whether a follow-up's sequence made ahead (`BatchLoop._follow_up_ahead`) was made from ``cache`` as it is now:
     the same object with the same pending rows (restoring its leftovers in idle time changes them in place; an
@@ -488,8 +452,8 @@ class BatchLoop:
             stream of their own, one for the loop (the `prepare_stream` attribute): a preparation's reads of the device (its
             selection's, its plan's) then wait for the preparations' work only, not for the steps the loop queued
             meanwhile on the default stream, and the loop's reads do not wait for the preparations' work either. Its
-            tensors are handed to the loop's stream when it is done (`_used_on`). Off: every preparation queues on the
-            default stream.
+            tensors are handed to the loop's stream when it is done (`fast.scoping.used_on`). Off: every preparation
+            queues on the default stream.
         prepare_priority: ``"normal"`` (the default) or ``"high"``: with ``prepare_stream`` on CUDA, the preparations'
             stream at the device's highest priority (the `prepare_priority` attribute): the device schedules their
             kernels (the vision tower's, the selection's) before the steps' kernels queued on the default stream, so a
@@ -1199,7 +1163,7 @@ class BatchLoop:
                     if stream is not None:
                         stream.synchronize()  # (its work done before the loop reads any of it)
                 if stream is not None and not isinstance(job.ahead, BaseException):
-                    _used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
+                    used_on(job.ahead, torch.cuda.default_stream(device))  # the loop's stream uses it from now on
             job.ahead_cpu_s = time.thread_time() - cpu
         job.ahead_s, job.ahead_wait_s = time.perf_counter() - began, entered - began
 

@@ -934,8 +934,8 @@ def test_first_turns_asked_at_once_are_prepared_one_at_a_time_with_max_preparing
 
 def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model, processor, monkeypatch):
     """`BatchLoop.prepare_stream` hands a turn prepared on a stream of its own to the loop's stream by recording
-    that stream on each of its CUDA tensors (`batch_loop._used_on`); a tensor missed would have its memory given to
-    the next preparation while the loop still reads it. `_tensors_in` finds every tensor an exhaustive walk of the
+    that stream on each of its CUDA tensors (`fast.scoping.used_on`); a tensor missed would have its memory given to
+    the next preparation while the loop still reads it. `tensors_in` finds every tensor an exhaustive walk of the
     garbage collector's referents finds in a first turn's and a follow-up's preparation (sequence, HF's preparation,
     processors and criteria included). On the CPU the setting changes nothing (no streams): answers as alone; a bad
     value is refused naming it."""
@@ -944,7 +944,7 @@ def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model,
 
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-    from raincheck_hf import batch_loop
+    from raincheck_hf.fast.scoping import tensors_in
 
     opaque = (torch.nn.Module, PreTrainedTokenizerBase, ProcessorMixin, types.ModuleType, type, types.FunctionType,
               types.MethodType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
@@ -976,7 +976,7 @@ def test_a_preparations_tensors_are_all_found_to_hand_to_the_loops_stream(model,
     assert len(prepared) == 2 and prepared[0][1] is not None  # (a first turn's sequence, a follow-up's none)
     for ahead in prepared:
         want = every_tensor(ahead)
-        found = {id(t) for t in batch_loop._tensors_in(ahead)}
+        found = {id(t) for t in tensors_in(ahead)}
         assert len(want) > 5 and set(want) <= found, [tuple(t.shape) for k, t in want.items() if k not in found]
     want = alone(model, processor, CFG, conv.turns, QUESTIONS, [IMAGES[0]])
     for k, turn in enumerate(conv.turns):
@@ -1392,7 +1392,7 @@ def test_a_turns_estimated_device_bytes_cover_what_its_preparation_holds(model, 
     weights and buffers aside) is within its estimate (`batch_loop.turn_device_bytes`, what `_wait_for_memory` waits
     for; its pixels' part counts their copies on the device while the vision tower runs), its rows' part is not more
     than three times it, and a follow-up without media is estimated at nothing."""
-    from raincheck_hf.batch_loop import _tensors_in
+    from raincheck_hf.fast.scoping import tensors_in
 
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     measured, join = [], BatchLoop._join
@@ -1400,7 +1400,7 @@ def test_a_turns_estimated_device_bytes_cover_what_its_preparation_holds(model, 
     def joined(self, job):
         if job.ahead is not None and not isinstance(job.ahead, BaseException):
             storages = {}
-            for tensor in _tensors_in(job.ahead):
+            for tensor in tensors_in(job.ahead):
                 storage = tensor.untyped_storage()
                 if storage.data_ptr() not in weights:
                     storages[storage.data_ptr()] = storage.nbytes()

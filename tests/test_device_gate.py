@@ -11,6 +11,7 @@ import collections
 import contextlib
 import threading
 import time
+import types
 
 import pytest
 
@@ -328,7 +329,7 @@ def test_a_capture_keeps_the_allocators_caches_and_ends_even_when_its_block_rais
 
 
 class _FakeCuda:
-    """CPU tensors that say they are on CUDA and log `record_stream` (`fast.scoping.used_on_current_stream`)."""
+    """CPU tensors that say they are on CUDA and log `record_stream` (`fast.scoping.used_on`)."""
 
     def __init__(self):
         import torch
@@ -351,10 +352,11 @@ class _FakeCuda:
         return torch.zeros(*shape).as_subclass(self.cls)
 
 
-def test_used_on_current_stream_marks_every_cuda_tensor_in_nested_values_on_the_current_stream(monkeypatch):
-    """`fast.scoping.used_on_current_stream`: every CUDA tensor in tensors, lists, tuples and dicts (nested) gets
-    `record_stream` on the calling thread's current stream of the device; CPU tensors and other values are skipped,
-    and with no CUDA tensor the current stream is never asked for (a CPU-only process has none)."""
+def test_used_on_marks_every_cuda_tensor_in_nested_values_on_the_current_stream(monkeypatch):
+    """`fast.scoping.used_on`: every CUDA tensor in tensors, lists, tuples, dicts and objects' attributes (nested,
+    `tensors_in`) gets `record_stream` on the given stream, or else the calling thread's current stream of the device;
+    CPU tensors and other values are skipped, and with no CUDA tensor the current stream is never asked for (a
+    CPU-only process has none)."""
     import torch
 
     from raincheck_hf.fast import scoping
@@ -362,15 +364,17 @@ def test_used_on_current_stream_marks_every_cuda_tensor_in_nested_values_on_the_
     fake, asked = _FakeCuda(), []
     monkeypatch.setattr(scoping.torch.cuda, "current_stream", lambda device=None: asked.append(device) or "stream")
     a, b, c = fake(2), fake(3), fake(4)
-    scoping.used_on_current_stream(a, [b, {"x": (c, torch.zeros(2), 7, None)}], "text", device="cuda:1")
+    scoping.used_on((a, [b, {"x": (c, torch.zeros(2), 7, None)}], "text"), device="cuda:1")
     assert sorted(fake.log) == sorted((t.data_ptr(), "stream") for t in (a, b, c)) and asked == ["cuda:1"]
-    scoping.used_on_current_stream(torch.zeros(2), [torch.ones(1)], {"k": None})
+    scoping.used_on((torch.zeros(2), [torch.ones(1)], {"k": None}))
     assert len(fake.log) == 3 and asked == ["cuda:1"]
+    scoping.used_on(types.SimpleNamespace(x=[a]), "given")  # (an object's attributes; a stream given: none asked)
+    assert fake.log[-1] == (a.data_ptr(), "given") and len(fake.log) == 4 and asked == ["cuda:1"]
 
 
 def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream(model, processor, monkeypatch):
     """What a captured graph reads and writes by address outside its pool was made on the capturing thread's stream;
-    a replay or a lease on another stream marks it used there (`fast.scoping.used_on_current_stream`), before the
+    a replay or a lease on another stream marks it used there (`fast.scoping.used_on`), before the
     replay's own work: a vision tower replay its static pixels and precomputed grid tensors, a selection replay its
     run's inputs and buffers, a storage's lease its KV tensors, slot keys and the captured steps' buffers (when the
     lease's stream is not the last lease's: every turn on one stream marks nothing, nothing on a CPU). Freed (an
@@ -380,19 +384,23 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
 
     from raincheck_hf.fast import graphs as step_graphs
     from raincheck_hf.fast import static_cache, vision_graphs
+    from raincheck_hf.fast.scoping import tensors_in
     from raincheck_hf.fast.vision_graphs import CapturedTower, VisionGraphs
     from raincheck_hf.models import get_adapter
     from raincheck_hf.selection import kernels
 
     from conftest import INPUT_CASES, make_inputs
 
-    marked = []
+    marked = []  # per call, the ids of the tensors it marks and the stream it names
 
-    def used(*objs, device=None):
-        marked.append(objs)
+    def used(obj, stream=None, device=None):
+        marked.append(({id(t) for t in tensors_in(obj)}, stream))
+
+    def ids(*objs):
+        return {id(t) for t in tensors_in(objs)}
 
     # the vision tower
-    monkeypatch.setattr(vision_graphs, "used_on_current_stream", used)
+    monkeypatch.setattr(vision_graphs, "used_on", used)
     log = []
 
     class Graph:
@@ -410,11 +418,11 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
         for _ in range(2):
             tower_graphs.encode(x["pixel_values"], x["image_grid_thw"])
     (entry,) = tower_graphs._captured.values()
-    assert log == [("replay", 1)] and marked[0][0] is entry.pixels and marked[0][1] is entry.reads
+    assert log == [("replay", 1)] and marked[0] == (ids(entry.pixels, entry.reads), None)
 
     # the selection's greedy run
     marked.clear()
-    monkeypatch.setattr(kernels, "used_on_current_stream", used)
+    monkeypatch.setattr(kernels, "used_on", used)
     inputs = {"P": torch.rand(1, 8, 6), "W": torch.rand(1, 8)}
     run = kernels.GreedyRun("mmtok", {k: v.clone() for k, v in inputs.items()}, 3)  # (its buffers; never launched)
     captured = kernels._Captured(Graph(), run)
@@ -423,10 +431,10 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
     log.clear()
     kernels.greedy_select("mmtok", inputs, 3, use_graphs=True)
     assert log == [("replay", 1)]
-    assert marked[0] == (run.inputs, run.state, run.slots, run.taken, run.indices)
+    assert marked[0] == (ids(run.inputs, run.state, run.slots, run.taken, run.indices), None)
 
     # a pooled storage's lease: from another stream than the last lease's only (every turn on one stream: never)
-    monkeypatch.setattr(static_cache, "used_on_current_stream", used)
+    monkeypatch.setattr(static_cache, "used_on", used)
     storage = static_cache.SlotStorage(2, 64, 64, "cpu")
     storage.layer_tensors(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     storage.graphs = step_graphs.StepGraphs(get_adapter(model), use_graphs=False)
@@ -443,6 +451,4 @@ def test_replays_and_leases_mark_their_static_tensors_used_on_the_callers_stream
         storage.lease(object.__new__(static_cache.StaticDeferredCache))
         leases.append(len(marked))
     assert leases == [1, 1, 2, 2, 3]  # marked at the first lease and at each change of stream
-    objs = marked[-1]
-    assert objs[0] is storage.keys and objs[1] is storage.values and objs[2] is storage.slot_keys
-    assert objs[4] == [vars(buffers)]
+    assert marked[-1] == (ids(storage.keys, storage.values, storage.slot_keys, vars(buffers)), "default")

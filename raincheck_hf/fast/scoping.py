@@ -41,11 +41,13 @@ them (answers that differed from the same dialogue alone, with several threads o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import threading
 
 import torch
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from ..patching import CountedPatches, patched, patched_for_thread
 from .context import STEP, StepScope, active_scope  # noqa: F401 (active_scope: asked here by callers)
@@ -208,28 +210,47 @@ def _on_cuda(device) -> bool:
     return device is None or torch.device(device).type == "cuda"
 
 
-def used_on_current_stream(*objs, device=None) -> None:
-    """Mark every CUDA tensor in ``objs`` (tensors, and lists, tuples and dicts of them, nested) as used on the calling
-    thread's current stream of ``device`` (`torch.Tensor.record_stream`).
-
-    For what a captured graph reads and writes by address outside its memory pool (its static inputs and buffers),
-    made on the stream of the thread that captured it and used by replays on other streams (the batching loop's on
-    the default stream, the turns' preparations on streams of their own). When such a tensor is freed (its graph
-    evicted from a full table while a replay of it is still queued), the caching allocator hands its block to that
-    first stream's next allocation only once the work queued here is done; unmarked, a preparation on the capturing
-    stream could write it before the replay read it. Tensors made on this stream cost a lookup (the allocator
-    ignores uses on a block's own stream); CPU tensors and other values are skipped."""
-    stack, stream = list(objs), None
+def tensors_in(obj):
+    """Every tensor reachable from ``obj`` through dicts, sequences and objects' attributes (``__dict__`` and
+    ``__slots__``); not through modules, tokenizers and processors (weights and vocabularies, nothing a turn made)."""
+    seen = set()
+    stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            if item.is_cuda:
-                stream = torch.cuda.current_stream(device) if stream is None else stream
-                item.record_stream(stream)
-        elif isinstance(item, dict):
+            yield item
+            continue
+        if item is None or isinstance(item, (str, bytes, int, float, torch.nn.Module, torch.dtype, torch.device,
+                                             type, PreTrainedTokenizerBase, ProcessorMixin)) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
             stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
+        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
             stack.extend(item)
+        else:
+            stack.extend(getattr(item, "__dict__", {}).values())
+            for klass in type(item).__mro__:
+                for name in getattr(klass, "__slots__", ()):
+                    if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                        stack.append(getattr(item, name, None))
+
+
+def used_on(obj, stream=None, device=None) -> None:
+    """`torch.Tensor.record_stream` ``stream`` (None: the calling thread's current stream of ``device``, asked at the
+    first CUDA tensor: a CPU-only process never asks) on every CUDA tensor of ``obj`` (`tensors_in`).
+
+    For tensors made on one stream and used on another from now on: freed, their blocks go to no allocation of the
+    stream they were made on before the work queued here is done. A turn prepared on a stream of its own and handed to
+    the batching loop's (`batch_loop.BatchLoop.prepare_stream`); what a captured graph reads and writes by address
+    outside its memory pool (its static inputs and buffers), made on the capturing thread's stream and replayed on
+    others: unmarked, a graph evicted from a full table with a replay still queued gave them to a preparation on the
+    capturing stream, which could write them before the replay read them. Tensors made on ``stream`` cost a lookup
+    (the allocator ignores uses on a block's own stream)."""
+    for tensor in tensors_in(obj):
+        if tensor.is_cuda:
+            stream = torch.cuda.current_stream(device) if stream is None else stream
+            tensor.record_stream(stream)
 
 
 class StreamOrder:

@@ -33,7 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache_utils import INPUT, GENERATED, DeferredDynamicCache
 from ..gdn.static import RecurrentLayout, StaticGDNState
-from .scoping import used_on_current_stream
+from .scoping import used_on
 
 MAX_KEY = torch.iinfo(torch.long).max
 SLOT_ROUNDING = 256  # the smallest capacity; capacities double from there
@@ -109,15 +109,15 @@ class SlotStorage:
         """A lease from another CUDA stream than the last one: an earlier user may have made these tensors (and the
         captured steps' buffers) on that stream, so they are marked as used on this one too, and freed (the storage
         evicted) they go to no allocation of the other stream before this one's work on them is done
-        (`fast.scoping.used_on_current_stream`). Leases from the stream of the last one mark nothing: what was made
-        since was made on that stream (every turn on the default stream: nothing, ever)."""
+        (`fast.scoping.used_on`). Leases from the stream of the last one mark nothing: what was made since was made
+        on that stream (every turn on the default stream: nothing, ever)."""
         if self.device.type != "cuda":
             return
         stream = torch.cuda.current_stream(self.device)
         if stream == self._stream:
             return
-        used_on_current_stream(self.keys, self.values, self.slot_keys, [s.tensors() for s in self.gdn.values()],
-                               None if self.graphs is None else self.graphs.static_tensors(), device=self.device)
+        used_on((self.keys, self.values, self.slot_keys, self.gdn,
+                 None if self.graphs is None else self.graphs.static_tensors()), stream)
         self._stream = stream
 
     def layer_tensors(self, idx: int, key_like: torch.Tensor, value_like: torch.Tensor):

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on_current_stream
+from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
@@ -148,7 +148,7 @@ class VisionGraphs:
             with self._replay_lock:
                 self._order.wait(pixel_values.device)
                 # (its static tensors, made on the capturing thread's stream: freed, not reused before this replay)
-                used_on_current_stream(captured.pixels, captured.reads, device=pixel_values.device)
+                used_on((captured.pixels, captured.reads), device=pixel_values.device)
                 captured.pixels.copy_(pixel_values)
                 captured.graph.replay()
                 pooled, deepstack = pooled.clone(), [d.clone() for d in deepstack]

@@ -45,7 +45,7 @@ from collections import OrderedDict
 import torch
 
 from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
-from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on_current_stream
+from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
 
 INT64_MIN = -(2 ** 63)
 LOW_MASK = 0xFFFFFFFF
@@ -200,7 +200,7 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
     with captured.lock:
         captured.order.wait(device)
         run = captured.run  # (its buffers, made on the capturing thread's stream: freed, not reused before this replay)
-        used_on_current_stream(run.inputs, run.state, run.slots, run.taken, run.indices, device=device)
+        used_on(run, device=device)
         for name, t in inputs.items():
             run.inputs[name].copy_(t)
         captured.graph.replay()
