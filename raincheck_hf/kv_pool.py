@@ -144,6 +144,11 @@ def _tensor_shapes(layers) -> list:
     return [(layer.keys.shape, layer.values.shape) if layer.is_initialized else None for layer in layers]
 
 
+def _sized(t: torch.Tensor, num_slots: int, capacity: int) -> bool:
+    """Whether a layer's ``[S, H, cap, D]`` tensor is already of ``num_slots`` slots of ``capacity`` rows."""
+    return t.shape[0] == num_slots and t.shape[2] == capacity
+
+
 class SlotKVLayer(CacheLayerMixin):
     """One attention layer's slot storage (``keys / values [S, H, cap, D]``, allocated at its first write on the
     layer's device); writes and reads follow the pool's running `SlotStep`."""
@@ -171,7 +176,7 @@ class SlotKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return net, peak
         for t in (self.keys, self.values):
-            if t.shape[0] == num_slots and t.shape[2] == capacity:
+            if _sized(t, num_slots, capacity):
                 continue
             new = t.element_size() * num_slots * t.shape[1] * capacity * t.shape[-1]
             peak, net = max(peak, net + new), net + new - t.numel() * t.element_size()
@@ -184,7 +189,7 @@ class SlotKVLayer(CacheLayerMixin):
             return
         for name in ("keys", "values"):
             old = getattr(self, name)
-            if old.shape[0] == num_slots and old.shape[2] == capacity:
+            if _sized(old, num_slots, capacity):
                 continue
             new = old.new_zeros(num_slots, old.shape[1], capacity, old.shape[-1])
             new[:old.shape[0], :, :old.shape[2]] = old
