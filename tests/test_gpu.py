@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 import types
 import warnings
@@ -375,6 +376,51 @@ def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
     first = kernels.greedy_select(method, inputs, k)  # captures
     again = kernels.greedy_select(method, inputs, k)  # replays
     assert torch.equal(eager, want) and torch.equal(first, want) and torch.equal(again, want)
+    if method == "mmtok":  # the default above runs every pick in one launch where it fits: both forms, named
+        fits = kernels.whole_run_shape(B, n, inputs["P"].shape[1], features.device) is not None
+        sms = torch.cuda.get_device_properties(features.device).multi_processor_count
+        assert fits or sms < 96  # every size here fits an H100's 132 multiprocessors
+        for one_launch in (True, False) if fits else (False,):
+            with kernels.mmtok_one_launch(one_launch):
+                for graphs in (False, True, True):
+                    assert torch.equal(kernels.greedy_select(method, inputs, k, use_graphs=graphs), want), one_launch
+
+
+def test_cuda_one_launch_mmtok_greedy_from_threads_at_once_ends_and_matches_the_reference():
+    """mmtok's one-launch run: its programs wait for each other at every pick, so two runs on the device at once could
+    each hold what the other needs. From eight threads at once (two shapes, each its own stream half the time), every
+    run ends and picks the reference's tokens."""
+    from raincheck_hf.selection import kernels
+    from raincheck_hf.selection.mmtok import mmtok_inputs
+
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for B, n, k, m in ((1, 1344, 403, 14), (32, 192, 58, 9), (1, 700, 210, 40)):
+        features = torch.randn(B, n, 256, generator=g).cuda()
+        text = torch.randn(m, 256, generator=g).cuda()
+        inputs = mmtok_inputs(features, text, 0.5, 0.02, 0.2)
+        assert kernels.whole_run_shape(B, n, inputs["P"].shape[1], features.device) is not None
+        cases.append((inputs, k, _reference_greedy("mmtok", features, text, k)))
+    errors, results = [], []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+            with torch.cuda.stream(stream), kernels.mmtok_one_launch(True):
+                for r in range(6):
+                    inputs, k, want = cases[(i + r) % len(cases)]
+                    got = kernels.greedy_select("mmtok", inputs, k, use_graphs=r % 3 != 0)
+                    results.append(torch.equal(got.cpu(), want.cpu()))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a one-launch run did not end"
+    assert not errors and len(results) == 48 and all(results)
 
 
 def test_cuda_selectors_use_kernels_and_agree():

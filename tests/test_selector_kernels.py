@@ -44,8 +44,11 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
     inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": divprune_inputs(f),
               "cdpruner": cdpruner_inputs(f, text, 0.5)}
     for method, want in refs.items():
-        got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
-        results.append({"method": method, "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})
+        for one_launch in (True, False) if method == "mmtok" else (None,):  # mmtok: one launch, or two a pick
+            with kernels.mmtok_one_launch(one_launch):
+                got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
+            results.append({"method": method, "one_launch": one_launch, "size": [B, n, D, k, m], "got": got.tolist(),
+                            "want": want.tolist()})
 print(json.dumps(results))
 """
 
@@ -57,9 +60,9 @@ def test_step_kernels_match_reference_in_interpreter():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 3 * len(SIZES)
+    assert len(results) == 4 * len(SIZES)
     for r in results:
-        assert r["got"] == r["want"], (r["method"], r["size"])
+        assert r["got"] == r["want"], (r["method"], r["one_launch"], r["size"])
 
 
 def test_cdpruner_fallback_is_the_reference_mapping():

@@ -7,9 +7,13 @@ reads); then, per selector, ``plan.select_visual_rows`` (what `generate` calls: 
 and VisionZip's attention recompute included) is timed with the device synchronised before and
 after, warm-up calls first (CUDA graphs of the greedy selectors are captured there), median of
 ``--reps``. The greedy selectors also run their reference loops (``fast_path=False``) as rows of
-variant ``reference``. ``--t1``: ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...),
-max_new_tokens=1)``, synchronised wall time, for every selector, ``full`` and stock ``generate``, every
-variant warmed up first, then the repetitions in round robin over the variants.
+variant ``reference``. On CUDA, ``mmtok`` also runs with its greedy as two launches a pick (variant
+``two_launches``; the default runs every pick in one launch where it fits), and its parts are timed alone on the
+turn's first group of equal segments: the kernel inputs (variant ``inputs``) and the greedy replayed in each form
+(``greedy_one_launch``, ``greedy_two_launches``). ``--t1``:
+``model.generate(**inputs, raincheck=RaincheckConfig(selector=...), max_new_tokens=1)``, synchronised wall
+time, for every selector, ``full`` and stock ``generate``, every variant warmed up first, then the repetitions
+in round robin over the variants.
 
 Models: the real shapes on a GPU (``qwen3_vl_8b``, ``qwen3_5_9b``: random bf16 weights, the
 1,344-token image and 6,144-token video of `bench.shapes`); on a CPU a tiny model at those input
@@ -103,20 +107,63 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 
     device = turn.embeds.device
     rows = []
-    variants = [(s, None) for s in selectors] + [(s, False) for s in selectors if s in GREEDY]
-    for name, fast in variants:
+    from ..selection.kernels import mmtok_one_launch
+
+    # (selector, fast_path, variant): each greedy selector's reference loop too, and mmtok's greedy as two launches
+    # a pick beside the default (one launch for every pick where it fits)
+    variants = [(s, None, "default") for s in selectors] + [(s, False, "reference") for s in selectors if s in GREEDY]
+    variants += [("mmtok", None, "two_launches")] if "mmtok" in selectors and device.type == "cuda" else []
+    for name, fast, variant in variants:
         config = RaincheckConfig(selector=name, fast_path=fast)
         selector = config.build_selector()
 
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), mmtok_one_launch(False if variant == "two_launches" else None):
                 return select_visual_rows(turn, config, selector, model=model, captures=captures)
 
         keep = run()
         times = _timed(run, device, warmup, reps)
-        rows.append({"selector": name, "variant": "reference" if fast is False else "default", "input": kind,
+        rows.append({"selector": name, "variant": variant, "input": kind,
                      "tokens": int(turn.num_visual), "segments": len(turn.segments), "kept": int(keep.sum()),
                      "device": device.type, "median_ms": statistics.median(times), "reps_ms": times})
+    if "mmtok" in selectors and device.type == "cuda":
+        rows += mmtok_part_rows(turn, kind, reps, warmup)
+    return rows
+
+
+def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
+    """mmtok's parts on the turn's first group of equal segments (the image, or a video's slices): its kernel inputs
+    (the coverage matrices) and its greedy alone, in one launch and in two launches a pick (captured graphs)."""
+    from ..selection import SelectionContext, get_selector
+    from ..selection.base import keep_count
+    from ..selection.kernels import greedy_select, mmtok_one_launch, whole_run_shape
+
+    device = turn.embeds.device
+    first = turn.segments[0].features.shape
+    group = [s for s in turn.segments if s.features.shape == first]
+    features = torch.stack([s.features for s in group])
+    text = turn.embeds[turn.text_rows]
+    selector = get_selector("mmtok")
+    k = keep_count(0.3, int(first[0]))
+    context = SelectionContext(text_embeds=text)
+    inputs = selector.kernel_inputs(features, context)
+    parts = [("inputs", lambda: selector.kernel_inputs(features, context))]
+    for variant, one_launch in (("greedy_one_launch", True), ("greedy_two_launches", False)):
+        if one_launch and whole_run_shape(*features.shape[:2], inputs["P"].shape[1], device) is None:
+            continue
+
+        def greedy(one_launch=one_launch):
+            with mmtok_one_launch(one_launch):
+                return greedy_select("mmtok", inputs, k)
+
+        parts.append((variant, greedy))
+    rows = []
+    for variant, fn in parts:
+        with torch.no_grad():
+            times = _timed(fn, device, warmup, reps)
+        rows.append({"selector": "mmtok", "variant": variant, "input": kind, "tokens": int(features.shape[0] *
+                     features.shape[1]), "segments": len(group), "kept": k * len(group), "device": device.type,
+                     "median_ms": statistics.median(times), "reps_ms": times})
     return rows
 
 

@@ -78,6 +78,39 @@ def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_RB: tl.constexpr, BLO
     _vote(slots, s, b, B, acc.to(tl.float32), cols, cmask & (t == 0), neg)
 
 
+@triton.jit(do_not_specialize=["k", "programs"])
+def mmtok_run(P, W, slots, arrived, B, R, n, k, programs, neg,
+              R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    # every pick of mmtok's greedy in one launch: ``programs`` programs per segment, each holding its block of
+    # candidate columns' coverage values (all R rows) in registers, the coverage maxima kept by each program. A pick:
+    # the block's gains (as mmtok_gain + mmtok_vote sum them: float64, rounded to float32 once), a vote into
+    # slots[s, b], then a barrier among the segment's programs (arrived[b] counts the votes cast) and the winner's
+    # column read from P. The launcher keeps the grid within what the device holds at once, one launch at a time.
+    pid = tl.program_id(0)
+    b = pid // programs
+    cols = (pid % programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < n
+    rows = tl.arange(0, R_PAD)
+    rmask = rows < R
+    p_base = P + b.to(tl.int64) * R * n
+    p = tl.load(p_base + rows[:, None] * n + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    w = tl.load(W + rows, mask=rmask, other=0.0)
+    cov = tl.zeros([R_PAD], dtype=tl.float32)
+    out = cmask == 0  # columns past n, then the ones taken
+    for s in range(k):
+        gain = tl.sum(w[:, None] * tl.maximum(p - cov[:, None], 0.0).to(tl.float64), axis=0)
+        packed = tl.where(out, neg, _pack(gain.to(tl.float32), cols))
+        tl.atomic_max(slots + s * B + b, tl.max(packed, axis=0), sem="relaxed")
+        tl.debug_barrier()
+        seen = tl.atomic_add(arrived + b, 1, sem="acq_rel") + 1
+        while seen < (s + 1) * programs:
+            seen = tl.atomic_add(arrived + b, 0, sem="acquire")
+        won = tl.atomic_max(slots + s * B + b, neg, sem="acquire")  # (a read of the vote's final value)
+        j = (4294967295 - (won & 4294967295)).to(tl.int32)
+        out = out | (cols == j)
+        cov = tl.maximum(cov, tl.load(p_base + rows * n + j, mask=rmask, other=0.0))
+
+
 @triton.jit(do_not_specialize=["s"])
 def divprune_step(D, first, mind, taken, slots, s, B, n, neg, BLOCK_N: tl.constexpr):
     # D [B, n, n] cosine distances; first [B, n]: step 0's scores (distance to the nearest other token);
@@ -126,4 +159,5 @@ def cdpruner_step(L, C, d2, fallback, tol, taken, slots, s, B, n, k, neg,
     t = _taken_after(taken, b, n, cols, cmask, j)
     _vote(slots, s, b, B, score, cols, cmask & (t == 0), neg)
 
-KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "divprune": divprune_step, "cdpruner": cdpruner_step}
+KERNELS = {"mmtok": (mmtok_gain, mmtok_vote), "mmtok_run": mmtok_run, "divprune": divprune_step,
+           "cdpruner": cdpruner_step}

@@ -7,13 +7,17 @@ that is ~4,000 launches, and the first answer waited on the host for them. Here 
 kernel over a batch of equal-sized segments (a video's temporal slices go together), and the ``k``
 launches of one shape are captured once as a CUDA graph and replayed.
 
-(mmtok's step is two launches: the partial gains over tiles of rows and candidates, then their fixed-order sum and
-the vote. Two one-launch forms gave the same picks and no gain on an H100, the launches not being what bounds a pick:
-the last row tile of each column block summing and voting, 3.15 against 3.00 ms for the greedy alone, and one program
-per block of candidates summing over every row, 5.64 against 3.94 ms for the whole selection. A lazy greedy in one
-program per segment, every pick in one launch, re-evaluating only the candidates whose last gain could still win,
-picked the same tokens and was slower again: 13.94 against 4.59 ms for the image, most candidates' gains staying too
-close to be skipped; see ``benchmarks/results/README.md``.)
+mmtok runs every pick in **one launch** where it fits (`whole_run_shape`: a 1,344-token image does, a video's 32
+slices with their text rows do not): a few programs per segment, each holding its block of candidates' coverage
+columns in registers for the whole run and the coverage maxima of its own, vote at every pick and wait for each other
+(a barrier on a counter in device memory), then read the winner. Its programs must all be resident at once, so the
+grid is at most one program per multiprocessor and such runs go one after the other on a device (`_one_at_a_time`:
+two at once could each hold what the other's waiting programs need). On an H100 the greedy alone took 2.03 ms against
+3.07 for two launches a pick. Elsewhere a pick is two launches (the partial gains over tiles of rows and candidates,
+then their fixed-order sum and the vote). Earlier one-launch-a-pick forms (the last row tile of each column block
+summing and voting; one program per block of candidates summing over every row) and a lazy greedy (one program per
+segment, re-evaluating only the candidates whose last gain could still win) gave no gain or were slower: launches
+were not what bounds a pick, the dependent rounds are (see ``benchmarks/results/README.md``).
 
 One step, for every segment ``b`` of the batch and a block of candidate columns per program:
 
@@ -38,6 +42,8 @@ are tested on a GPU (`tests/test_gpu.py`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import threading
 from collections import OrderedDict
@@ -52,6 +58,68 @@ LOW_MASK = 0xFFFFFFFF
 MAX_GRAPHS = 16  # captured shapes kept per device, least recently used evicted
 BLOCK_N = 32  # candidate columns per program
 BLOCK_R = 64  # reduction rows per tile
+
+
+WHOLE_SLAB = 32768  # coverage values one program of mmtok's one-launch run holds in registers (R_PAD x BLOCK_N)
+_ONE_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_one_launch", default=None)
+
+
+@contextlib.contextmanager
+def mmtok_one_launch(enabled: bool | None):
+    """Within the block (this thread or task only), mmtok's greedy runs as one launch (``True``; a `ValueError` where
+    it does not fit), as two launches a pick (``False``), or as fits (``None``, the default). For the benchmark and
+    tests that compare the two."""
+    if enabled not in (True, False, None):
+        raise ValueError(f"mmtok_one_launch: enabled={enabled!r} must be True, False or None")
+    token = _ONE_LAUNCH.set(enabled)
+    try:
+        yield
+    finally:
+        _ONE_LAUNCH.reset(token)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def whole_run_shape(B: int, n: int, R: int, device) -> tuple | None:
+    """``(programs per segment, R_PAD, BLOCK_N, num_warps)`` of mmtok's one-launch run over ``B`` segments of ``n``
+    candidates and ``R`` coverage rows, or None where it does not fit. Its programs wait for each other at every
+    pick, so all of them must be resident at once: one per multiprocessor at most, each holding its block of
+    columns (``R_PAD x BLOCK_N`` values, at most `WHOLE_SLAB`) in registers. Off CUDA (Triton's interpreter, which
+    runs programs one after the other) one program per segment."""
+    device = torch.device(device)
+    r_pad = _pow2(R)
+    if device.type != "cuda":
+        return 1, r_pad, max(2, _pow2(n)), 4
+    per_segment = torch.cuda.get_device_properties(device).multi_processor_count // max(1, B)
+    if per_segment < 1:
+        return None
+    block_n = max(16, _pow2(-(-n // per_segment)))
+    if r_pad * block_n > WHOLE_SLAB:
+        return None
+    return -(-n // block_n), r_pad, block_n, 16 if r_pad * block_n > 16384 else 8
+
+
+_WHOLE: dict = {}  # device -> (lock, StreamOrder) of one-launch runs
+
+
+@contextlib.contextmanager
+def _one_at_a_time(device, whole: bool):
+    """One-launch runs on a device one after the other, on the device too: two at once could each hold
+    multiprocessors that the other's waiting programs need, and neither would end."""
+    device = torch.device(device)
+    if not whole or device.type != "cuda":
+        yield
+        return
+    with _TABLE_LOCK:
+        lock, order = _WHOLE.setdefault(device, (threading.Lock(), StreamOrder()))
+    with lock:
+        order.wait(device)
+        try:
+            yield
+        finally:
+            order.done(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +141,7 @@ class GreedyRun:
     order. All of it is device work only, so it can be captured in a CUDA graph.
     """
 
-    def __init__(self, method: str, inputs: dict, k: int):
+    def __init__(self, method: str, inputs: dict, k: int, one_launch: bool | None = None):
         self.method, self.k = method, int(k)
         self.inputs = inputs
         first = next(iter(inputs.values()))
@@ -83,10 +151,17 @@ class GreedyRun:
         self.slots = torch.empty(self.k, B, dtype=torch.int64, device=device)
         self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
+        self.whole = None  # mmtok's one-launch run: (programs per segment, R_PAD, BLOCK_N, num_warps), when it fits
         if method == "mmtok":
             R = int(inputs["P"].shape[1])
-            self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
-                          "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
+            self.whole = whole_run_shape(B, n, R, device) if one_launch is not False else None
+            if one_launch and self.whole is None:
+                raise ValueError(f"mmtok's one-launch run does not fit {B} segment(s) of {n} tokens, {R} rows")
+            if self.whole is not None:
+                self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+            else:
+                self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
+                              "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
         elif method == "divprune":
             self.state = {"mind": torch.empty(B, n, dtype=torch.float32, device=device)}
         elif method == "cdpruner":
@@ -101,7 +176,13 @@ class GreedyRun:
         self.slots.fill_(INT64_MIN)
         self.taken.zero_()
         grid = (B, -(-n // BLOCK_N))
-        if self.method == "mmtok":
+        if self.whole is not None:
+            programs, r_pad, block_n, warps = self.whole
+            P, arrived = self.inputs["P"], self.state["arrived"]
+            arrived.zero_()
+            _kernels()["mmtok_run"][(B * programs,)](P, self.inputs["W"], self.slots, arrived, B, int(P.shape[1]), n, k,
+                                                     programs, INT64_MIN, R_PAD=r_pad, BLOCK_N=block_n, num_warps=warps)
+        elif self.method == "mmtok":
             gain, vote = kernel
             cov, part, P, W = self.state["cov"], self.state["part"], self.inputs["P"], self.inputs["W"]
             R, row_blocks = int(P.shape[1]), int(part.shape[0])
@@ -140,8 +221,9 @@ _GRAPHS: dict[object, OrderedDict] = {}  # device -> key -> _Captured, least rec
 _TABLE_LOCK = threading.Lock()  # the tables above (captures themselves run under the fast path's CAPTURE_LOCK)
 
 
-def _key(method: str, inputs: dict, k: int) -> tuple:
-    return (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
+def _key(method: str, inputs: dict, k: int, one_launch: bool | None = None) -> tuple:
+    key = (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
+    return key if one_launch is None else key + (("one_launch", one_launch),)
 
 
 def captured_shapes() -> set:
@@ -156,11 +238,13 @@ def release_selection_graphs() -> None:
         _GRAPHS.clear()
 
 
-def _capture(method: str, inputs: dict, k: int) -> _Captured:
+def _capture(method: str, inputs: dict, k: int, one_launch: bool | None) -> _Captured:
     static = {name: t.clone() for name, t in inputs.items()}
-    run = GreedyRun(method, static, k)
+    run = GreedyRun(method, static, k, one_launch)
     # compiles the kernel and warms the launcher outside the capture, on the caller's stream (`fast.scoping`)
-    GreedyRun(method, static, min(k, 2)).launch()
+    warm = GreedyRun(method, static, min(k, 2), one_launch)
+    with _one_at_a_time(static[next(iter(static))].device, warm.whole is not None):
+        warm.launch()
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph):  # other threads' device work goes on
         run.launch()
@@ -177,9 +261,12 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
     device = next(iter(inputs.values())).device
     if use_graphs is None:
         use_graphs = device.type == "cuda"
+    one_launch = _ONE_LAUNCH.get()
     if not use_graphs:
-        return GreedyRun(method, inputs, k).launch().clone()
-    key = _key(method, inputs, k)
+        run = GreedyRun(method, inputs, k, one_launch)
+        with _one_at_a_time(device, run.whole is not None):
+            return run.launch().clone()
+    key = _key(method, inputs, k, one_launch)
     with _TABLE_LOCK:
         graphs = _GRAPHS.setdefault(device, OrderedDict())
         captured = graphs.get(key)
@@ -190,14 +277,14 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
             with _TABLE_LOCK:
                 captured = graphs.get(key)
             if captured is None:
-                captured = _capture(method, inputs, k)
+                captured = _capture(method, inputs, k, one_launch)
                 with _TABLE_LOCK:
                     graphs[key] = captured
                     while len(graphs) > MAX_GRAPHS:
                         graphs.popitem(last=False)
     # copy in, replay and copy out as one unit: two threads selecting at one shape share the buffers (on the device
     # too, when they queue on different streams)
-    with captured.lock:
+    with captured.lock, _one_at_a_time(device, captured.run.whole is not None):
         captured.order.wait(device)
         run = captured.run  # (its buffers, made on the capturing thread's stream: freed, not reused before this replay)
         used_on(run, device=device)
