@@ -10,7 +10,7 @@ after, warm-up calls first (CUDA graphs of the greedy selectors are captured the
 variant ``reference``. On CUDA, ``mmtok`` also runs with its greedy as two launches a pick (variant
 ``two_launches``; the default runs every pick in one launch where it fits), and its parts are timed alone on the
 turn's first group of equal segments: the kernel inputs (variant ``inputs``) and the greedy replayed in each form
-(``greedy_one_launch``, ``greedy_two_launches``). ``--t1``:
+(``greedy_one_launch``, ``greedy_two_launches``; with ``--t1``, ``mmtok_two_launches`` too). ``--t1``:
 ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...), max_new_tokens=1)``, synchronised wall
 time, for every selector, ``full`` and stock ``generate``, every variant warmed up first, then the repetitions
 in round robin over the variants.
@@ -177,16 +177,21 @@ def t1_rows(model, inputs: dict, kind: str, selectors, reps: int, warmup: int) -
     common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     variants = [("stock", None)] + [("full", RaincheckConfig(mode="full"))]
     variants += [(name, RaincheckConfig(selector=name)) for name in selectors]
-    def runner(config):
+    if "mmtok" in selectors and device.type == "cuda":  # its greedy as two launches a pick, beside the default
+        variants.append(("mmtok_two_launches", RaincheckConfig(selector="mmtok")))
+
+    def runner(name, config):
+        from ..selection.kernels import mmtok_one_launch
+
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), mmtok_one_launch(False if name == "mmtok_two_launches" else None):
                 if config is None:
                     return model.generate(**inputs, **common)
                 return model.generate(**inputs, **common, raincheck=config)
 
         return run
 
-    runs = {name: runner(config) for name, config in variants}
+    runs = {name: runner(name, config) for name, config in variants}
     for run in runs.values():  # every variant warm (graphs captured, kernels compiled) before any timing
         _timed(run, device, warmup, 0)
     # repetitions interleaved (round robin over the variants), so that a drift in the machine's state over
