@@ -344,10 +344,10 @@ GREEDY_SIZES = [  # (segments B, tokens n, feature dim D, kept k, text rows m)
 def _reference_greedy(method, features, text, k):
     from raincheck_hf.selection.cdpruner import conditional_kernel, dpp_greedy_map
     from raincheck_hf.selection.divprune import divprune_greedy
-    from raincheck_hf.selection.mmtok import mmtok_greedy
+    from raincheck_hf.selection.mmtok import mmtok_greedy_group
 
     if method == "mmtok":
-        return torch.stack([mmtok_greedy(f, text, k) for f in features])
+        return mmtok_greedy_group(features, text, k)
     if method == "divprune":
         return torch.stack([divprune_greedy(f, k) for f in features])
     out = []

@@ -26,7 +26,7 @@ import json, sys, torch
 from raincheck_hf.selection import kernels
 from raincheck_hf.selection.cdpruner import cdpruner_inputs, conditional_kernel, dpp_greedy_map
 from raincheck_hf.selection.divprune import divprune_greedy, divprune_inputs
-from raincheck_hf.selection.mmtok import mmtok_greedy, mmtok_inputs
+from raincheck_hf.selection.mmtok import mmtok_greedy_group, mmtok_inputs
 
 results = []
 for B, n, D, k, m in json.loads(sys.argv[1]):
@@ -36,7 +36,7 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
         f[:, 3] = f[:, 1]  # a duplicate token: tied scores, broken towards the lower index
     text = torch.randn(m, D, generator=g) if m else None
     refs = {
-        "mmtok": torch.stack([mmtok_greedy(x, text, k) for x in f]),
+        "mmtok": mmtok_greedy_group(f, text, k),  # (a group's coverage matrices in one call, as the kernels read)
         "divprune": torch.stack([divprune_greedy(x, k) for x in f]),
         "cdpruner": torch.stack([dpp_greedy_map(L, k, fallback_score=q)
                                  for L, q in (conditional_kernel(x, text, 0.5) for x in f)]),
@@ -105,10 +105,19 @@ def test_greedy_selectors_on_cpu_use_the_reference():
     segments = [Segment(i, "video", torch.randn(30, 8, generator=g), (1, 5, 6), torch.arange(30) + 30 * i)
                 for i in range(3)]
     text = torch.randn(4, 8, generator=g)
-    from raincheck_hf.selection.mmtok import mmtok_greedy
+    from raincheck_hf.selection.mmtok import group_coverage, mmtok_greedy, mmtok_greedy_group
 
+    # a group of equal segments (a video's slices) is selected on its coverage matrices made in one batched call
     masks = get_selector("mmtok").select(segments, 0.3, SelectionContext(text_embeds=text))
-    for segment, mask in zip(segments, masks):
+    picks = mmtok_greedy_group(torch.stack([segment.features for segment in segments]), text, 9)
+    for mask, pick in zip(masks, picks):
         want = torch.zeros(30, dtype=torch.bool)
-        want[mmtok_greedy(segment.features, text, 9)] = True
+        want[pick] = True
         assert torch.equal(mask, want)
+    # ... whose values are each segment's own (to rounding); a group of one is the segment's own call exactly
+    p_tv, p_vv = group_coverage(torch.stack([segment.features for segment in segments]), text, 0.02, 0.2)
+    for b, segment in enumerate(segments):
+        alone_tv, alone_vv = group_coverage(segment.features[None], text, 0.02, 0.2)
+        torch.testing.assert_close(p_vv[b], alone_vv[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p_tv[b], alone_tv[0], rtol=1e-5, atol=1e-7)
+        assert torch.equal(mmtok_greedy_group(segment.features[None], text, 9)[0], mmtok_greedy(segment.features, text, 9))

@@ -140,11 +140,18 @@ class GreedySelector(Selector):
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
         """The kernel's input tensors for ``features [B, n, D]`` (`selection.kernels`' ``*_inputs``)."""
 
-    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
-        if context.extras.get("fast_path") is not False and segments[0].features.device.type == "cuda":
-            from .kernels import greedy_select, triton_available
+    def uses_kernels(self, segments: list[Segment], context: SelectionContext) -> bool:
+        """Whether `select_group` runs these segments through the step kernels (CUDA, Triton, not the eager engine)."""
+        if context.extras.get("fast_path") is False or segments[0].features.device.type != "cuda":
+            return False
+        from .kernels import triton_available
 
-            if triton_available():
-                features = torch.stack([segment.features for segment in segments])
-                return list(greedy_select(self.kernel, self.kernel_inputs(features, context), k))
+        return triton_available()
+
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if self.uses_kernels(segments, context):
+            from .kernels import greedy_select
+
+            features = torch.stack([segment.features for segment in segments])
+            return list(greedy_select(self.kernel, self.kernel_inputs(features, context), k))
         return super().select_group(segments, k, context)

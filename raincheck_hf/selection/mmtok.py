@@ -39,9 +39,9 @@ def _as_text(features: torch.Tensor, text_embeds: torch.Tensor | None) -> torch.
     text = torch.as_tensor(text_embeds).detach()
     if text.dim() == 1:
         text = text.unsqueeze(0)
-    if text.dim() != 2 or (text.shape[0] > 0 and text.shape[1] != features.shape[1]):
+    if text.dim() != 2 or (text.shape[0] > 0 and text.shape[1] != features.shape[-1]):
         raise ValueError(
-            f"SelectionContext.text_embeds has shape {tuple(text.shape)}; mmtok needs [m, {features.shape[1]}] "
+            f"SelectionContext.text_embeds has shape {tuple(text.shape)}; mmtok needs [m, {features.shape[-1]}] "
             f"(the same embedding space as the segment's features)"
         )
     if text.shape[0] == 0:
@@ -52,15 +52,30 @@ def _as_text(features: torch.Tensor, text_embeds: torch.Tensor | None) -> torch.
 def coverage_matrices(
     features: torch.Tensor, text_embeds: torch.Tensor | None, tau_t: float, tau_v: float
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(P_tv [m, n] or None, P_vv [n, n])`` in float32 on the features' device."""
+    """``(P_tv [m, n] or None, P_vv [n, n])`` in float32 on the features' device, for ``features [n, D]``; for a
+    group of equal segments ``[B, n, D]`` the same in one batched call, ``(P_tv [B, m, n] or None, P_vv [B, n, n])``
+    (a batched product may round differently from the segments' own: `group_coverage` says which a group gets)."""
     v = F.normalize(features.detach().float(), dim=-1, eps=1e-12)
     text = _as_text(features, text_embeds)
-    p_vv = torch.softmax((v @ v.T) / tau_v, dim=1)
+    p_vv = torch.softmax((v @ v.transpose(-1, -2)) / tau_v, dim=-1)
     p_tv = None
     if text is not None:
         t = F.normalize(text, dim=-1, eps=1e-12)
-        p_tv = torch.softmax((t @ v.T) / tau_t, dim=1)
+        p_tv = torch.softmax((t @ v.transpose(-1, -2)) / tau_t, dim=-1)
     return p_tv, p_vv
+
+
+def group_coverage(
+    features: torch.Tensor, text_embeds: torch.Tensor | None, tau_t: float, tau_v: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The coverage matrices of a group of ``B`` equal segments (``features [B, n, D]``; a video's temporal slices),
+    as both the reference loop and the kernels read them: ``(P_tv [B, m, n] or None, P_vv [B, n, n])``. One segment
+    gets `coverage_matrices` of its own ``[n, D]`` (what `mmtok_greedy` computes); several get one batched call,
+    a few launches where a loop over the segments took a dozen each (a 32-slice video: ~13 ms of host time)."""
+    if features.shape[0] == 1:
+        p_tv, p_vv = coverage_matrices(features[0], text_embeds, tau_t, tau_v)
+        return (None if p_tv is None else p_tv.unsqueeze(0)), p_vv.unsqueeze(0)
+    return coverage_matrices(features, text_embeds, tau_t, tau_v)
 
 
 def _objective_from(p_tv: torch.Tensor | None, p_vv: torch.Tensor, selected: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -107,11 +122,38 @@ def mmtok_greedy(
     n = int(features.shape[0])
     if not 0 <= k <= n:
         raise ValueError(f"mmtok_greedy: k={k} must be in [0, {n}]")
-    device = features.device
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=features.device)
+    p_tv, p_vv = coverage_matrices(features, text_embeds, tau_t, tau_v)
+    return greedy_over(p_tv, p_vv, k, alpha)
+
+
+def mmtok_greedy_group(
+    features: torch.Tensor,
+    text_embeds: torch.Tensor | None,
+    k: int,
+    alpha: float = 0.5,
+    tau_t: float = 0.02,
+    tau_v: float = 0.2,
+) -> torch.Tensor:
+    """``[B, k]`` indices of the greedy maximiser of ``f`` for each segment of a group ``features [B, n, D]``, on the
+    group's coverage matrices (`group_coverage`): what `MMTokSelector` picks for a group, and the reference of the
+    kernels' picks. One segment: `mmtok_greedy`'s picks."""
+    n = int(features.shape[1])
+    if not 0 <= k <= n:
+        raise ValueError(f"mmtok_greedy_group: k={k} must be in [0, {n}]")
+    p_tv, p_vv = group_coverage(features, text_embeds, tau_t, tau_v)
+    return torch.stack([greedy_over(None if p_tv is None else p_tv[b], p_vv[b], k, alpha)
+                        for b in range(p_vv.shape[0])])
+
+
+def greedy_over(p_tv: torch.Tensor | None, p_vv: torch.Tensor, k: int, alpha: float) -> torch.Tensor:
+    """The reference greedy loop on one segment's coverage matrices: ``[k]`` indices in selection order."""
+    n = int(p_vv.shape[0])
+    device = p_vv.device
     selected = torch.empty(k, dtype=torch.long, device=device)
     if k == 0:
         return selected
-    p_tv, p_vv = coverage_matrices(features, text_embeds, tau_t, tau_v)
     w_t, w_v = gain_weights(p_tv is not None, alpha)
     cov_v = torch.zeros(n, dtype=torch.float32, device=device)  # max over S of P_vv[j, S]; 0 for S empty
     cov_t = None if p_tv is None else torch.zeros(p_tv.shape[0], dtype=torch.float32, device=device)
@@ -181,6 +223,14 @@ class MMTokSelector(GreedySelector):
         return mmtok_greedy(segment.features, context.text_embeds, k, self.alpha, self.text_temperature,
                             self.vision_temperature).cpu()
 
+    def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
+        if len(segments) == 1 or self.uses_kernels(segments, context):
+            return super().select_group(segments, k, context)
+        # the reference loop on the group's coverage matrices, as the kernels read them (`group_coverage`)
+        features = torch.stack([segment.features for segment in segments])
+        return list(mmtok_greedy_group(features, context.text_embeds, k, self.alpha, self.text_temperature,
+                                       self.vision_temperature).cpu())
+
     def kernel_inputs(self, features: torch.Tensor, context: SelectionContext) -> dict:
         return mmtok_inputs(features, context.text_embeds, self.alpha, self.text_temperature, self.vision_temperature)
 
@@ -190,21 +240,20 @@ TEXT_BUCKET = 32  # text rows of the kernels' inputs are padded to a multiple of
 
 def mmtok_inputs(features: torch.Tensor, text_embeds: torch.Tensor | None, alpha: float, tau_t: float,
                  tau_v: float) -> dict:
-    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: each segment's coverage matrices
-    (`mmtok.coverage_matrices`, the reference's own, so the values are the same to the bit), vision rows then
+    """``{"P": [B, R, n], "W": [R] float64}`` for ``features [B, n, D]``: the group's coverage matrices
+    (`group_coverage`, the reference's own, so the values are the same to the bit), vision rows then
     text rows padded with zeros to a multiple of `TEXT_BUCKET`, and each row's weight in the gain (the term's
     weight over its row count; 0 for padding, which then adds exactly 0)."""
-    p_tv, p_vv = zip(*(coverage_matrices(f, text_embeds, tau_t, tau_v) for f in features))
-    p_vv = torch.stack(p_vv)
+    p_tv, p_vv = group_coverage(features, text_embeds, tau_t, tau_v)
     n = p_vv.shape[-1]
-    w_t, w_v = gain_weights(p_tv[0] is not None, alpha)
-    if p_tv[0] is None:
+    w_t, w_v = gain_weights(p_tv is not None, alpha)
+    if p_tv is None:
         return {"P": p_vv, "W": torch.full((n,), w_v / n, dtype=torch.float64, device=p_vv.device)}
-    m = p_tv[0].shape[0]
+    m = p_tv.shape[1]
     R = n + -(-m // TEXT_BUCKET) * TEXT_BUCKET
     P = p_vv.new_zeros(p_vv.shape[0], R, n)
     P[:, :n] = p_vv
-    P[:, n:n + m] = torch.stack(p_tv)
+    P[:, n:n + m] = p_tv
     W = torch.zeros(R, dtype=torch.float64, device=p_vv.device)
     W[:n], W[n:n + m] = w_v / n, w_t / m
     return {"P": P, "W": W}
