@@ -121,3 +121,50 @@ def test_greedy_selectors_on_cpu_use_the_reference():
         torch.testing.assert_close(p_vv[b], alone_vv[0], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(p_tv[b], alone_tv[0], rtol=1e-5, atol=1e-7)
         assert torch.equal(mmtok_greedy_group(segment.features[None], text, 9)[0], mmtok_greedy(segment.features, text, 9))
+
+
+def test_one_launch_runs_go_one_after_the_other_on_a_cuda_device(monkeypatch):
+    """mmtok's one-launch run has its programs wait for each other: two at once on a device could each hold what the
+    other needs. They go one at a time (a lock, and a device-side wait on the last one's end); other runs do not."""
+    import threading
+    import time
+
+    from raincheck_hf.selection import kernels
+
+    events = []
+
+    class Order:  # stands in for the device-side wait (`fast.scoping.StreamOrder`), which needs CUDA
+        def wait(self, device=None):
+            events.append("wait")
+
+        def done(self, device=None):
+            events.append("done")
+
+    monkeypatch.setattr(kernels, "StreamOrder", Order)
+    monkeypatch.setattr(kernels, "_WHOLE", {})
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with kernels._one_at_a_time("cuda:0", True):
+            order.append("first in")
+            inside.set()
+            release.wait(10)
+            order.append("first out")
+
+    def second():
+        inside.wait(10)
+        with kernels._one_at_a_time("cuda:0", True):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    inside.wait(10)
+    time.sleep(0.2)
+    with kernels._one_at_a_time("cuda:0", False), kernels._one_at_a_time("cpu", True):  # two-launch / CPU: no wait
+        order.append("other")
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["first in", "other", "first out", "second in"]
+    assert events == ["wait", "done", "wait", "done"]

@@ -112,6 +112,8 @@ def _one_at_a_time(device, whole: bool):
     if not whole or device.type != "cuda":
         yield
         return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     with _TABLE_LOCK:
         lock, order = _WHOLE.setdefault(device, (threading.Lock(), StreamOrder()))
     with lock:
