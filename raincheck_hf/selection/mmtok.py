@@ -122,23 +122,14 @@ def mmtok_greedy(
     n = int(features.shape[0])
     if not 0 <= k <= n:
         raise ValueError(f"mmtok_greedy: k={k} must be in [0, {n}]")
-    if k == 0:
-        return torch.empty(0, dtype=torch.long, device=features.device)
-    p_tv, p_vv = coverage_matrices(features, text_embeds, tau_t, tau_v)
-    return greedy_over(p_tv, p_vv, k, alpha)
+    return mmtok_greedy_group(features[None], text_embeds, k, alpha, tau_t, tau_v)[0]
 
 
-def mmtok_greedy_group(
-    features: torch.Tensor,
-    text_embeds: torch.Tensor | None,
-    k: int,
-    alpha: float = 0.5,
-    tau_t: float = 0.02,
-    tau_v: float = 0.2,
-) -> torch.Tensor:
+def mmtok_greedy_group(features: torch.Tensor, text_embeds: torch.Tensor | None, k: int, alpha: float = 0.5,
+                       tau_t: float = 0.02, tau_v: float = 0.2) -> torch.Tensor:
     """``[B, k]`` indices of the greedy maximiser of ``f`` for each segment of a group ``features [B, n, D]``, on the
     group's coverage matrices (`group_coverage`): what `MMTokSelector` picks for a group, and the reference of the
-    kernels' picks. One segment: `mmtok_greedy`'s picks."""
+    kernels' picks. A group of one: `mmtok_greedy`'s picks (its segment's own coverage matrices)."""
     n = int(features.shape[1])
     if not 0 <= k <= n:
         raise ValueError(f"mmtok_greedy_group: k={k} must be in [0, {n}]")
