@@ -168,3 +168,28 @@ def test_one_launch_runs_go_one_after_the_other_on_a_cuda_device(monkeypatch):
         t.join(10)
     assert order == ["first in", "other", "first out", "second in"]
     assert events == ["wait", "done", "wait", "done"]
+
+
+def test_one_launch_grid_fits_the_multiprocessors_it_can_count_on(monkeypatch):
+    """The one-launch run's programs must all be resident at once: at most one per multiprocessor of the device, or
+    of the share CUDA MPS gives this process; a shape that would need more (or more registers) keeps two launches."""
+    import types
+
+    from raincheck_hf.selection import kernels
+
+    monkeypatch.setattr(kernels.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert kernels.resident_programs(cuda) == 132
+    assert kernels.whole_run_shape(1, 1344, 1408, cuda) == (84, 2048, 16, 16)  # the 1,344-token image, 58 text rows
+    assert kernels.whole_run_shape(32, 192, 224, cuda) == (3, 256, 64, 8)  # 32 video slices, few text rows: 96
+    assert kernels.whole_run_shape(32, 192, 608, cuda) is None  # ... with 397 text rows: 1,024 x 64 values a program
+    assert kernels.whole_run_shape(200, 64, 96, cuda) is None  # more segments than multiprocessors
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
+    assert kernels.resident_programs(cuda) == 33
+    assert kernels.whole_run_shape(1, 1344, 1408, cuda) is None  # 41 columns a program: too many values
+    assert kernels.whole_run_shape(1, 500, 532, cuda) == (32, 1024, 16, 8)
+    for shape in ((1, 500, 532), (4, 100, 132), (1, 1, 33)):
+        programs = kernels.whole_run_shape(*shape, cuda)[0]
+        assert shape[0] * programs <= 33

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import threading
 from collections import OrderedDict
 
@@ -85,20 +86,32 @@ def _pow2(x: int) -> int:
 def whole_run_shape(B: int, n: int, R: int, device) -> tuple | None:
     """``(programs per segment, R_PAD, BLOCK_N, num_warps)`` of mmtok's one-launch run over ``B`` segments of ``n``
     candidates and ``R`` coverage rows, or None where it does not fit. Its programs wait for each other at every
-    pick, so all of them must be resident at once: one per multiprocessor at most, each holding its block of
-    columns (``R_PAD x BLOCK_N`` values, at most `WHOLE_SLAB`) in registers. Off CUDA (Triton's interpreter, which
-    runs programs one after the other) one program per segment."""
+    pick, so all of them must be resident at once: one per multiprocessor at most (`resident_programs`), each
+    holding its block of columns (``R_PAD x BLOCK_N`` values, at most `WHOLE_SLAB`) in registers. Off CUDA (Triton's
+    interpreter, which runs programs one after the other) one program per segment."""
     device = torch.device(device)
     r_pad = _pow2(R)
     if device.type != "cuda":
         return 1, r_pad, max(2, _pow2(n)), 4
-    per_segment = torch.cuda.get_device_properties(device).multi_processor_count // max(1, B)
+    per_segment = resident_programs(device) // max(1, B)
     if per_segment < 1:
         return None
     block_n = max(16, _pow2(-(-n // per_segment)))
     if r_pad * block_n > WHOLE_SLAB:
         return None
     return -(-n // block_n), r_pad, block_n, 16 if r_pad * block_n > 16384 else 8
+
+
+def resident_programs(device) -> int:
+    """How many one-program-per-multiprocessor programs this process can count on having resident at once: the
+    device's multiprocessors, or the share that CUDA MPS gives a client (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        percent = float(share) if share else 100.0
+    except ValueError:
+        percent = 100.0
+    return int(sms * min(100.0, max(0.0, percent)) // 100)
 
 
 _WHOLE: dict = {}  # device -> (lock, StreamOrder) of one-launch runs
