@@ -51,7 +51,7 @@ from collections import OrderedDict
 
 import torch
 
-from .._triton import triton_available  # noqa: F401 (asked here by `selection.base` and the tests)
+from .._triton import cdiv, pow2, triton_available  # noqa: F401 (triton_available: asked here by `selection.base`)
 from ..fast.scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
 
 INT64_MIN = -(2 ** 63)
@@ -79,10 +79,6 @@ def mmtok_one_launch(enabled: bool | None):
         _ONE_LAUNCH.reset(token)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def whole_run_shape(B: int, n: int, R: int, device) -> tuple | None:
     """``(programs per segment, R_PAD, BLOCK_N, num_warps)`` of mmtok's one-launch run over ``B`` segments of ``n``
     candidates and ``R`` coverage rows, or None where it does not fit. Its programs wait for each other at every
@@ -90,16 +86,16 @@ def whole_run_shape(B: int, n: int, R: int, device) -> tuple | None:
     holding its block of columns (``R_PAD x BLOCK_N`` values, at most `WHOLE_SLAB`) in registers. Off CUDA (Triton's
     interpreter, which runs programs one after the other) one program per segment."""
     device = torch.device(device)
-    r_pad = _pow2(R)
+    r_pad = pow2(R)
     if device.type != "cuda":
-        return 1, r_pad, max(2, _pow2(n)), 4
+        return 1, r_pad, pow2(n, 2), 4
     per_segment = resident_programs(device) // max(1, B)
     if per_segment < 1:
         return None
-    block_n = max(16, _pow2(-(-n // per_segment)))
+    block_n = pow2(cdiv(n, per_segment), 16)
     if r_pad * block_n > WHOLE_SLAB:
         return None
-    return -(-n // block_n), r_pad, block_n, 16 if r_pad * block_n > 16384 else 8
+    return cdiv(n, block_n), r_pad, block_n, 16 if r_pad * block_n > 16384 else 8
 
 
 def resident_programs(device) -> int:
@@ -172,11 +168,11 @@ class GreedyRun:
             self.whole = whole_run_shape(B, n, R, device) if one_launch is not False else None
             if one_launch and self.whole is None:
                 raise ValueError(f"mmtok's one-launch run does not fit {B} segment(s) of {n} tokens, {R} rows")
-            if self.whole is not None:
-                self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+            if self.whole is not None:  # (its programs keep their taken flags in registers)
+                self.taken, self.state = None, {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
             else:
                 self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
-                              "part": torch.empty(-(-R // BLOCK_R), B, n, dtype=torch.float64, device=device)}
+                              "part": torch.empty(cdiv(R, BLOCK_R), B, n, dtype=torch.float64, device=device)}
         elif method == "divprune":
             self.state = {"mind": torch.empty(B, n, dtype=torch.float32, device=device)}
         elif method == "cdpruner":
@@ -189,15 +185,16 @@ class GreedyRun:
         kernel = _kernels()[self.method]
         B, n, k = self.B, self.n, self.k
         self.slots.fill_(INT64_MIN)
-        self.taken.zero_()
-        grid = (B, -(-n // BLOCK_N))
         if self.whole is not None:
             programs, r_pad, block_n, warps = self.whole
             P, arrived = self.inputs["P"], self.state["arrived"]
             arrived.zero_()
             _kernels()["mmtok_run"][(B * programs,)](P, self.inputs["W"], self.slots, arrived, B, int(P.shape[1]), n, k,
                                                      programs, INT64_MIN, R_PAD=r_pad, BLOCK_N=block_n, num_warps=warps)
-        elif self.method == "mmtok":
+            return self._indices()
+        self.taken.zero_()
+        grid = (B, cdiv(n, BLOCK_N))
+        if self.method == "mmtok":
             gain, vote = kernel
             cov, part, P, W = self.state["cov"], self.state["part"], self.inputs["P"], self.inputs["W"]
             R, row_blocks = int(P.shape[1]), int(part.shape[0])
@@ -205,7 +202,7 @@ class GreedyRun:
             for s in range(k):
                 gain[grid + (row_blocks,)](P, W, cov, part, self.slots, s, B, R, n, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
                 vote[grid](part, self.taken, self.slots, s, B, n, row_blocks, INT64_MIN,
-                           BLOCK_RB=max(2, 1 << (row_blocks - 1).bit_length()), BLOCK_N=BLOCK_N)
+                           BLOCK_RB=pow2(row_blocks, 2), BLOCK_N=BLOCK_N)
         elif self.method == "divprune":
             mind = self.state["mind"]
             mind.fill_(float("inf"))
@@ -219,7 +216,10 @@ class GreedyRun:
             for s in range(k):
                 kernel[grid](self.inputs["L"], C, d2, self.inputs["fallback"], self.inputs["tol"], self.taken,
                              self.slots, s, B, n, k, INT64_MIN, BLOCK_T=32, BLOCK_N=BLOCK_N)
-        torch.sub(LOW_MASK, self.slots.t() & LOW_MASK, out=self.indices)
+        return self._indices()
+
+    def _indices(self) -> torch.Tensor:
+        torch.sub(LOW_MASK, self.slots.t() & LOW_MASK, out=self.indices)  # (the packed votes' columns, pick order)
         return self.indices
 
 
