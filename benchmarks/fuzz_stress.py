@@ -89,8 +89,6 @@ def _after_init(cls, **values):
 
 def _wrapped_generate(model, one_at_a_time: bool, device_work: bool) -> None:
     """``model.generate`` (its Raincheck wrapper) under one lock for the model and / or inside `device_work`."""
-    import threading
-
     from raincheck_hf.fast.scoping import device_work as shared_device_work
 
     lock, generate = threading.Lock(), model.generate
