@@ -201,6 +201,15 @@ def test_profile_tool_stages_add_up_on_cpu(tmp_path):
         assert 0 < parts <= s["first_token_s"] <= s["total_s"]
         assert s["vision_tower_s"] > 0 and s["vision_tower_s"] <= s["encode_turn_s"]
         assert entry["replay_s"] == {} and entry["profiler"] == {}  # CUDA only
+        # the unsynced call: every stage up to the first token, in the host's order, host times only on a CPU
+        line = entry["timeline"]
+        stages = [r["stage"] for r in line["stages"]]
+        assert stages[-1] == "forward" and stages.count("forward") == 1 and "vision_tower" in stages
+        assert stages.index("encode_turn") < stages.index("selection") < stages.index("forward")
+        starts = [r["host_start_ms"] for r in line["stages"]]
+        assert starts == sorted(starts) and all(r["host_end_ms"] >= r["host_start_ms"] for r in line["stages"])
+        assert 0 < line["hf_before_loop_ms"] <= starts[0] and line["stages"][-1]["host_end_ms"] <= line["first_token_ms"]
+        assert not any("device_start_ms" in r for r in line["stages"])
     assert out["modes"]["raincheck"]["stages"]["decode_forward_chunk_median_s"] is not None
     assert out["modes"]["full"]["stages"]["decode_forward_chunk_median_s"] is None
 

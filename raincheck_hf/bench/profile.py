@@ -11,6 +11,11 @@ For each mode, after two warm-up calls (the vision tower captures a grid on its 
 - ``replay``: on the fast path, each captured graph replayed alone ``--replays`` times back to back
   with one sync at the end: the device time of one step without any host work in between. The gap
   between a step's TPOT and its replay time is host work between replays.
+- ``timeline``: one unsynced `generate` call with the same stages marked, each entry and exit by the
+  host's clock and by a device event on the current stream (no waits added): when the host reached a
+  stage and when the device did, relative to the call's start, up to the first token. A stage whose
+  device start is close to its host start found the device idle: the gap before it
+  (``device_idle_before_ms``) is device time the first token spent waiting for the host.
 - ``profiler``: `torch.profiler` over one unsynced `generate` call, the top operators by self CPU
   and by self device time (text tables in the JSON), and the counts of host-device syncs.
 
@@ -33,8 +38,10 @@ from .latency import TokenClock, _sync, _write
 
 
 @contextlib.contextmanager
-def stage_timers(model, device, record: dict):
-    """Wrap the engine's stages (this model's adapter class and the loop's helpers) with synced timers."""
+def stage_timers(model, device, record: dict, marks: list | None = None):
+    """Wrap the engine's stages (this model's adapter class and the loop's helpers) with synced timers; with
+    ``marks`` (a list), with unsynced marks instead: each call appends ``(label, host_enter, host_exit,
+    event_enter, event_exit)`` (events on the current stream of a CUDA device, else None) and waits for nothing."""
     from .. import generation
     from ..fast.runner import StaticRunner
     from ..fast.vision_graphs import VisionGraphs
@@ -49,6 +56,12 @@ def stage_timers(model, device, record: dict):
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if marks is not None:
+                enter = (time.perf_counter(), _event(device))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    marks.append((label, enter[0], time.perf_counter(), enter[1], _event(device)))
             _sync(device)
             t0 = time.perf_counter()
             try:
@@ -73,7 +86,8 @@ def stage_timers(model, device, record: dict):
 
     @functools.wraps(original_sample)  # HF reads the callable's signature for its extra arguments
     def sample(*args, **kwargs):
-        _sync(device)
+        if marks is None:
+            _sync(device)
         entered["t"] = time.perf_counter()
         return original_sample(*args, **kwargs)
 
@@ -92,6 +106,42 @@ def stage_timers(model, device, record: dict):
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+def _event(device):
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def timeline(model, device, kw: dict) -> dict:
+    """One unsynced `generate` call with its stages marked (`stage_timers` with marks): each stage's host and
+    device start and end in ms after the call's start, up to the first token, and the device's idle time on
+    the current stream before each stage (its device start minus the latest device end before it, where the
+    device reached the stage no later than 0.05 ms after the host did; else 0: the device was still busy)."""
+    marks = []
+    clock = TokenClock(device)
+    _sync(device)
+    with stage_timers(model, device, defaultdict(list), marks) as entered:
+        t0, e0 = time.perf_counter(), _event(device)
+        model.generate(**kw, streamer=clock)
+        _sync(device)
+    first = clock.times[0]
+    rows = []
+    device_end = 0.0
+    for label, host_in, host_out, ev_in, ev_out in sorted(marks, key=lambda m: m[1]):
+        if host_in > first:
+            break
+        row = {"stage": label, "host_start_ms": (host_in - t0) * 1e3, "host_end_ms": (host_out - t0) * 1e3}
+        if e0 is not None:
+            start, end = e0.elapsed_time(ev_in), e0.elapsed_time(ev_out)
+            idle = start - device_end if start - row["host_start_ms"] <= 0.05 else 0.0
+            row.update(device_start_ms=start, device_end_ms=end, device_idle_before_ms=max(0.0, idle))
+            device_end = max(device_end, end)
+        rows.append(row)
+    return {"hf_before_loop_ms": (entered["t"] - t0) * 1e3, "first_token_ms": (first - t0) * 1e3, "stages": rows}
 
 
 def _kwargs(mode, tokens, suppress, settings):
@@ -152,6 +202,9 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
         stages["decode_forward_plain_median_s"] = statistics.median(plain_forwards) if plain_forwards else None
         stages["decode_forward_chunk_median_s"] = statistics.median(chunk_forwards) if chunk_forwards else None
 
+        # the same stages unsynced: where the device waits for the host before the first token
+        line = timeline(model, device, kw)
+
         # captured graphs alone
         from ..fast.vision_graphs import vision_graphs_for
         from ..models import get_adapter
@@ -181,11 +234,11 @@ def profile_mode(model, device, inputs, mode, tokens, suppress, settings, replay
                                             "cudaGraphLaunch")):
                     counts[e.key] = e.count
             prof_out["sync_like_calls"] = counts
-    return {"stages": stages, "replay_s": replay, "profiler": prof_out}
+    return {"stages": stages, "timeline": line, "replay_s": replay, "profiler": prof_out}
 
 
 def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"), tokens=64, replays=50, top=40,
-        retention=0.3, chunk_size=31, decode_guard=16, fast_path=None, selector=None, json_path=None, log=print,
+        retention=None, chunk_size=None, decode_guard=None, fast_path=None, selector=None, json_path=None, log=print,
         compile_steps: bool | None = None):
     from .latency import hardware_info
 
@@ -193,7 +246,11 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
     from ..integration import enable
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    selector = selector if selector is not None else RaincheckConfig().selector  # what a user gets by default
+    shipped = RaincheckConfig()  # what a user gets by default, for every setting not given
+    selector = selector if selector is not None else shipped.selector
+    retention = shipped.retention if retention is None else retention
+    chunk_size = shipped.chunk_size if chunk_size is None else chunk_size
+    decode_guard = shipped.decode_guard if decode_guard is None else decode_guard
 
     model, info = shapes.build_model(model_name, device)
     enable(model)
@@ -212,6 +269,11 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
         s = result["modes"][mode]["stages"]
         log(f"[profile] {model_name}/{input_kind} {mode}: " + ", ".join(
             f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in s.items() if isinstance(v, float)))
+        line = result["modes"][mode]["timeline"]
+        log(f"[profile]   unsynced: first token {line['first_token_ms']:.1f} ms; " + "; ".join(
+            f"{r['stage']} host {r['host_start_ms']:.1f}-{r['host_end_ms']:.1f}"
+            + (f" device {r['device_start_ms']:.1f}-{r['device_end_ms']:.1f} idle before "
+               f"{r['device_idle_before_ms']:.2f}" if "device_start_ms" in r else "") for r in line["stages"]))
         log(f"[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result["modes"][mode]["replay_s"].items()))
         _write(result, json_path)
     return result
@@ -226,9 +288,9 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--top", type=int, default=40, help="operators per profiler table")
-    parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
-    parser.add_argument("--decode-guard", type=int, default=16)
+    parser.add_argument("--retention", type=float, default=None, help="default: the library's (RaincheckConfig())")
+    parser.add_argument("--chunk-size", type=int, default=None, help="default: the library's")
+    parser.add_argument("--decode-guard", type=int, default=None, help="default: the library's")
     parser.add_argument("--selector", default=None,
                         help="a registered selector name (default: the library's default, RaincheckConfig().selector)")
     parser.add_argument("--eager", action="store_true", help="fast_path=False (the eager engine)")
