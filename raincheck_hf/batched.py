@@ -152,6 +152,47 @@ def media_of_rows(adapter, rows: list[torch.Tensor], grids: dict) -> list[dict]:
     return owned
 
 
+_MEDIA = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+
+def expand_return_sequences(model, input_ids: torch.Tensor, kwargs: dict, n: int) -> tuple[torch.Tensor, dict]:
+    """``num_return_sequences=n`` as stock `generate` lays it out: each prompt row ``n`` times, one copy after the
+    other (row ``i``'s copies are rows ``i * n ... i * n + n - 1``), every copy with its own row's images and videos
+    (their ``pixel_values`` / ``pixel_values_videos`` patches, ``*_grid_thw`` and ``second_per_grid_ts`` entries, in
+    the order the copies' placeholders hold them). Returns ``(input_ids, kwargs)`` for a call of ``B * n`` prompts
+    and ``num_return_sequences=1``: the batched engine then runs every copy as its own sequence (each with its own
+    selection, plan and trace, sampling its own tokens), as stock `generate` runs the copies as rows of its batch.
+    Row-shaped inputs (``attention_mask``, ``mm_token_type_ids``) are repeated alike. Stock `generate` encodes each
+    picture once and copies its features; here every copy's pictures go through the vision tower, ``n`` times in
+    one call."""
+    adapter = get_adapter(model)
+    batch = input_ids.shape[0]
+    pads = left_padding(kwargs.get("attention_mask"), input_ids)
+    owned = media_of_rows(adapter, [input_ids[i, p:] for i, p in enumerate(pads)],
+                          {k: kwargs.get(k) for k in ("image_grid_thw", "video_grid_thw")})
+    out = dict(kwargs, num_return_sequences=1)
+    for name in ("attention_mask", "mm_token_type_ids"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (batch,):
+            out[name] = value.repeat_interleave(n, dim=0)
+    for modality, pixels_name in _MEDIA.items():
+        grid = kwargs.get(f"{modality}_grid_thw")
+        if grid is None or not len(grid):
+            continue
+        order = [k for i in range(batch) for _ in range(n) for k in owned[i][modality]]
+        out[f"{modality}_grid_thw"] = grid[to_device(torch.tensor(order, dtype=torch.long), grid.device)]
+        pixels = kwargs.get(pixels_name)
+        if pixels is not None:
+            ends = grid.cpu().prod(-1).cumsum(0).tolist()  # each picture's patches, one after the other
+            starts = [0] + ends[:-1]
+            out[pixels_name] = torch.cat([pixels[starts[k]:ends[k]] for k in order])
+        seconds = kwargs.get("second_per_grid_ts") if modality == "video" else None
+        if seconds is not None:
+            out["second_per_grid_ts"] = (seconds[to_device(torch.tensor(order, dtype=torch.long), seconds.device)]
+                                         if isinstance(seconds, torch.Tensor) else [seconds[k] for k in order])
+    return input_ids.repeat_interleave(n, dim=0), out
+
+
 # ---- one sequence ---------------------------------------------------------------------------------
 
 @dataclass

@@ -31,7 +31,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .cache_utils import DeferredDynamicCache
 from .configuration import RaincheckConfig
 from .batch_engine import batched_sample
-from .batched import validate_batch
+from .batched import expand_return_sequences, validate_batch
 from .generation import raincheck_sample
 from .models import get_adapter
 
@@ -73,6 +73,12 @@ def enable(model):
         config = RaincheckConfig.coerce(raincheck)
         if config is None:
             return original(*args, **kwargs)
+        copies = return_sequences(model, config, args, kwargs)
+        if copies > 1:  # each prompt's copies as rows of a batch, as stock generate runs them
+            if args:
+                args, kwargs = args[1:], dict(kwargs, input_ids=args[0])
+            input_ids, kwargs = expand_return_sequences(model, kwargs["input_ids"], kwargs, copies)
+            kwargs["input_ids"] = input_ids
         kwargs = validate_request(model, config, args, kwargs)
         grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
         # HF 5.24 does not forward `streamer` to a custom_generate callable (it keeps only the callable's
@@ -199,10 +205,42 @@ class VisionAttentionCapture(contextlib.AbstractContextManager):
 
 _UNSUPPORTED_GENERATE_KWARGS = {
     "num_beams": 1,
-    "num_return_sequences": 1,
     "output_attentions": False,
     "output_hidden_states": False,
 }
+
+
+def return_sequences(model, config: RaincheckConfig, args, kwargs) -> int:
+    """``num_return_sequences`` of the call (its argument, else its generation config's), checked before any compute:
+    an int >= 1; above 1 only with sampling (stock `generate` refuses copies of a greedy answer, which would all be
+    the same) and only where the copies can run as rows of a batch (new conversations, a selector rather than a
+    keep-mask, the vision tower run on the call's pixels rather than given ``mm_encoder_outputs``)."""
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    n = kwargs.get("num_return_sequences")
+    n = getattr(gen_config, "num_return_sequences", 1) if n is None else n
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"generate(raincheck=...) got num_return_sequences={n!r}; it must be an int >= 1.")
+    if n == 1:
+        return 1
+    sampling = kwargs.get("do_sample", getattr(gen_config, "do_sample", False))
+    why = None
+    if not sampling:
+        why = ("greedy decoding (do_sample != True) would give the same answer n times; pass do_sample=True, as "
+               "stock generate asks")
+    elif kwargs.get("mm_encoder_outputs") is not None:
+        why = "precomputed mm_encoder_outputs are one prompt's each; pass pixel_values (or call once per copy)"
+    elif isinstance(config.selector, torch.Tensor):
+        why = ("a keep-mask tensor as selector pins one prompt's selection and the copies run as rows of a batch; "
+               "use a selector name or instance")
+    else:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, DeferredDynamicCache) or (cache is not None and cache.get_seq_length() > 0):
+            why = ("the copies start new conversations; continue a conversation with num_return_sequences=1, or "
+                   "copy its cache per answer")
+    if why is not None:
+        raise ValueError(f"generate(raincheck=...) got num_return_sequences={n}: {why}.")
+    return n
 
 
 def _check_chunk_schedule(config: RaincheckConfig, schedule, batch: int) -> None:

@@ -9,6 +9,7 @@ must agree. Identical tokens, logits within 1e-4 (fp32, CPU), the same trace and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -450,6 +451,36 @@ def test_auto_engine_takes_the_eager_engine_for_a_batch(monkeypatch):
     assert all(type(c) is DeferredDynamicCache for c in got.cache)
 
 
+@pytest.mark.parametrize("name, rows", [
+    ("qwen3_vl", [TWO_IMAGES, TEXT, IMAGE]),
+    ("qwen2_5_vl", [VIDEO, IMAGE]),  # a video's second_per_grid_ts entries go with its copies
+    ("qwen3_5", [IMAGE]),  # one prompt: its copies are a batch
+], ids=["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
+def test_num_return_sequences_runs_each_copy_as_a_row(name, rows):
+    """``num_return_sequences=n`` with sampling: each prompt's n copies are rows ``i * n ... i * n + n - 1``, as stock
+    `generate` lays them out, each with its own row's media: the same call as the processor's batch of every prompt
+    written n times (same seed), tokens, traces and all; from the generation config too."""
+    model, processor = family_model(name), family_processor(name)
+    cfg = RaincheckConfig(chunk_size=3, decode_guard=1)
+    sample = dict(max_new_tokens=5, do_sample=True, top_k=20, temperature=1.3, raincheck=cfg,
+                  return_dict_in_generate=True)
+    torch.manual_seed(11)
+    got = model.generate(**batched_inputs(processor, rows), num_return_sequences=2, **sample)
+    torch.manual_seed(11)
+    want = model.generate(**batched_inputs(processor, [row for row in rows for _ in range(2)]), **sample)
+    assert got.sequences.shape[0] == 2 * len(rows)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.raincheck) == len(got.cache) == 2 * len(rows)
+    for a, b in zip(got.raincheck, want.raincheck):
+        assert_trace_equal(a, b)
+    config = copy.deepcopy(model.generation_config)
+    config.num_return_sequences, config.do_sample, config.top_k, config.temperature = 2, True, 20, 1.3
+    torch.manual_seed(11)
+    from_config = model.generate(**batched_inputs(processor, rows), generation_config=config, max_new_tokens=5,
+                                 raincheck=cfg)
+    assert torch.equal(from_config, want.sequences)
+
+
 # ---- refusals (before any compute) -------------------------------------------------------------------
 
 def _refused(model, inputs, match, **kw):
@@ -476,6 +507,19 @@ def test_refusals():
     broken = dict(inputs)
     broken["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], inputs["image_grid_thw"]])
     _refused(model, broken, r"image_grid_thw", raincheck=True)
+    _refused(model, broken, r"image_grid_thw", raincheck=True, do_sample=True, num_return_sequences=2)
+    # copies of an answer (num_return_sequences), one prompt or several
+    one = make_inputs(processor, **IMAGE)
+    for given in (inputs, one):
+        _refused(model, given, r"num_return_sequences=2: greedy decoding", raincheck=True, num_return_sequences=2)
+        _refused(model, given, r"num_return_sequences=0.* int >= 1", raincheck=True, do_sample=True,
+                 num_return_sequences=0)
+        _refused(model, given, r"num_return_sequences=3: precomputed mm_encoder_outputs", raincheck=True,
+                 do_sample=True, num_return_sequences=3, mm_encoder_outputs={"image": None})
+    _refused(model, one, r"num_return_sequences=2: a keep-mask tensor", do_sample=True, num_return_sequences=2,
+             raincheck=RaincheckConfig(selector=torch.ones(3, dtype=torch.bool)))
+    _refused(model, one, r"num_return_sequences=2: the copies start new conversations", raincheck=True,
+             do_sample=True, num_return_sequences=2, cache=DeferredDynamicCache(config=model.config.get_text_config()))
 
 
 def test_chunk_schedule_refusals():
