@@ -105,9 +105,8 @@ class RaincheckConfig:
             with the chunk in its own forward before the decode token: only to measure fusion).
         selector_kwargs: keyword arguments for a selector given by name.
         fast_path: execute on preallocated KV slots with CUDA-graph replay of the prefill (in 64-row
-            buckets, 32-row beyond 256 rows), decode, fused and idle-time steps (`raincheck_hf.fast`), and of the
-            vision tower per image / video grid (captured the second time a grid is seen). None (default) = on
-            when the model is on CUDA
+            buckets), decode, fused and idle-time steps (`raincheck_hf.fast`), and of the vision tower per
+            image / video grid (captured the second time a grid is seen). None (default) = on when the model is on CUDA
             and the family supports it (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL; the Qwen3.5 families' text and models
             split by accelerate run the eager engine, the Qwen3.5 families' vision tower is captured too); False = always the eager reference engine; True = the fast path (on CPU
             it runs the fast path's code without graphs, which the tests compare). Graph replay was

@@ -64,8 +64,8 @@ class RaincheckTrace:
         captures: ``(forward, rows, seconds)`` per CUDA-graph capture of a step shape at a new slot bucket
             made during this call (fast path on CUDA; same forward indexing; ``rows``: the step's rows,
             padding included: 1 a plain decode step, ``c + 1`` a fused chunk of ``c``, ``c`` a ``serial``
-            or leftover chunk, a prefill's bucket, `fast.graphs.prefill_rows`): each is a pause of that many wall
-            seconds (warm-up runs, the capture, timing replays). Later calls on the same slot storage replay them.
+            or leftover chunk, a multiple of 64 a prefill): each is a pause of that many wall seconds
+            (warm-up runs, the capture, timing replays). Later calls on the same slot storage replay them.
         pending: deferred positions not yet restored when `generate` returned.
         dropped: positions removed for good (``hard`` mode).
         segments: ``(modality, (t, h, w), source_positions)`` per image / video slice, for drawing.

@@ -21,7 +21,7 @@ conversation can need comes from the code that picks them, not from a list kept 
   family's adapter gives for its rows (`ModelAdapter.static_step_variant` over the suffix lengths and
   pending counts a conversation reaches; Qwen3.5: whether a generated row is recorded in the suffix map),
   kept only where the adapter captures it (`ModelAdapter.capturable`);
-- prefills (padded to their bucket, `fast.graphs.prefill_rows`, where the family captures them): a prefill's rows
+- prefills (padded to a multiple of `PREFILL_BUCKET` rows, where the family captures them): a prefill's rows
   depend on the prompt, so what is covered is bounded by arguments: first turns of 1 to ``prompt_tokens``
   prefilled rows with answers of ``max_new_tokens`` (each such first turn's padded shape at the slot bucket
   and storage it runs at: a storage is sized for the whole prompt, deferred rows included, so with a mode that
@@ -195,7 +195,7 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     from .fast import graphs
     from .fast.static_cache import round_capacity, slot_bucket
 
-    StepKey = graphs.StepKey
+    StepKey, bucket_rows = graphs.StepKey, graphs.PREFILL_BUCKET
     pendings = (0, 1) if config.defers else (0,)
     suffixes = _suffixes(adapter, max_tokens)
     # (rows, logits, kinds, the least suffix length it runs at): decode forward i runs after i - 1 generated rows,
@@ -233,7 +233,8 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     if not pad_prefill:
         return out
 
-    padded = graphs.prefill_rows
+    def padded(n: int) -> int:
+        return n if n == 1 else -(-n // bucket_rows) * bucket_rows
 
     def prefill_variants(kinds: list[int]) -> list:
         return _variants(adapter, kinds, pendings, (0,), rows=padded(len(kinds)))  # a prefill resets the suffix
@@ -258,10 +259,9 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
     # follow-ups of up to follow_up_tokens rows (a first turn's plan too: its conversation holds that storage from
     # then on, so a later warm-up cannot capture on it) (a text question, the last answer's final token, leftover deferred
     # rows in front), after at least one earlier row, at every bucket
-    sizes = sorted({padded(n) for n in range(2, follow_up_tokens + 1)})  # (one row is not padded: a decode-like step)
-    for fewest, n_rows in zip([1] + [size + 1 for size in sizes], sizes):  # the fewest rows padded to n_rows
+    for n_rows in range(bucket_rows, padded(follow_up_tokens) + 1, bucket_rows):
         kinds_seen = []
-        for n in (max(fewest, 2), n_rows):
+        for n in (max(n_rows - bucket_rows + 1, 2), n_rows):  # (one row is not padded: a decode-like step)
             for leftovers in dict.fromkeys((0, 1, n // 2, n - 1)):  # at least one input row follows them
                 kinds_seen.append([DEFERRED] * leftovers + [INPUT] * (n - leftovers))
         variants = []
@@ -269,7 +269,7 @@ def step_keys(adapter, config: RaincheckConfig, *, max_tokens: int, max_new_toke
             variants += [v for v in prefill_variants(kinds) if v not in variants]
         for capacity in caps:
             for bucket in reached(capacity):
-                if bucket < slot_bucket(fewest + 1, capacity):
+                if bucket < slot_bucket(n_rows - bucket_rows + 2, capacity):
                     continue  # no follow-up of this size (after at least one row) attends over so few slots
                 for variant in variants:
                     key = (StepKey(n_rows, True, variant, bucket), True)

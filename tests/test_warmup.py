@@ -9,7 +9,6 @@ import torch
 
 import raincheck_hf
 from raincheck_hf import RaincheckConfig, restore_pending
-from raincheck_hf.fast import graphs
 from raincheck_hf.fast.static_cache import _POOLS, release_storage
 from raincheck_hf.warmup import buckets, capacities, step_keys
 from raincheck_hf.tiny import draw_test_image
@@ -308,7 +307,7 @@ def test_step_keys_put_a_deferring_prefill_on_every_storage_its_prompt_can_size(
     kw = dict(max_tokens=4096, max_new_tokens=64, prompt_tokens=1600, follow_up_tokens=64, pad_prefill=True)
     # 461 rows prefilled of a 1,402-row prompt: the storage is round_capacity(1402 + 64) = 2048 slots
     keys = step_keys(adapter, RaincheckConfig(), **kw)
-    assert any(prefill and key.rows == 480 and key.bucket == slot_bucket(461, 2048) for key, prefill in keys[2048])
+    assert any(prefill and key.rows == 512 and key.bucket == slot_bucket(461, 2048) for key, prefill in keys[2048])
     assert any(prefill and key.rows == 512 for key, prefill in keys[1024])  # a 461-row prompt with nothing deferred
     # no storage beyond what the longest prompt sizes: 1,600 + 64 rows -> 2048
     assert not any(prefill for key, prefill in keys[4096] if key.rows > 64)
@@ -470,27 +469,11 @@ def test_a_first_turn_warm_up_covers_the_first_answer_and_idle_time_the_rest(fam
         raincheck_hf.warm_up(model, processor, config, stop="now")
 
 
-def test_prefills_pad_to_64_rows_up_to_256_and_to_32_beyond(model):
-    """A captured prefill's rows: one row unpadded (a decode-like step), 64-row buckets up to 256 rows, 32-row ones
-    beyond; the follow-ups a warm-up covers take every bucket up to ``follow_up_tokens``, across the change too."""
-    pad = graphs.prefill_rows
-    assert [pad(n) for n in (1, 2, 64, 65, 200, 256, 257, 288, 289, 461, 480)] == [
-        1, 64, 64, 128, 256, 256, 288, 288, 320, 480, 480]
-    assert all(pad(n) >= n and pad(n) - n < graphs.PREFILL_BUCKET for n in range(1, 3000))
-    from raincheck_hf.models import get_adapter
-
-    adapter = get_adapter(model)
-    keys = step_keys(adapter, RaincheckConfig(), max_tokens=1024, max_new_tokens=16, prompt_tokens=8,
-                     follow_up_tokens=300, pad_prefill=True)
-    sizes = {key.rows for capacity in keys for key, prefill in keys[capacity] if prefill and key.rows > 8}
-    assert sizes == {64, 128, 192, 256, 288, 320}
-
-
 def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model):
     """`step_keys(first_turn=...)`: for a first turn of a 1,344-token image and its question, the storage that prompt
     and its answer take (2,048 slots) with every decode / chunk / idle-time step at every slot bucket the full plan
     has there from the bucket of the fewest rows such a turn prefills (its slots only grow: none below), the
-    prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to 32) and the
+    prefills of the rows such a turn prefills (the selected tokens plus 1 to 256 text rows, padded to 64) and the
     follow-ups' (the conversation keeps that storage): a subset of the full plan; ``full`` mode
     prefills every visual token."""
     from raincheck_hf.models import get_adapter
@@ -517,9 +500,7 @@ def test_a_first_turns_plan_is_its_storages_steps_and_its_prompts_prefills(model
     assert {k for k in plan[2048] if not k[1]} == {k for k in reached if not k[1]}  # every step, every bucket reached
     assert not any(k.bucket < low for k, _ in plan[2048])
     prefills = {key.rows for key, prefill in plan[2048] if prefill}
-    # 64-row buckets up to 256 rows, then 32-row ones (`prefill_rows`); and the follow-ups', 64 rows, at every bucket
-    assert prefills == {-(-n // 32) * 32 for n in rows} | {64}
-    assert prefills == {graphs.prefill_rows(n) for n in rows} | {64} and 416 in prefills and 448 in prefills
+    assert prefills == {-(-n // 64) * 64 for n in rows} | {64}  # (and the follow-ups', 64 rows, at every bucket)
     follow_ups = {k for k in reached if k[1] and k[0].rows == 64}
     assert follow_ups and follow_ups <= set(plan[2048])
     # a first turn without an image can prefill a single row: every bucket, as before

@@ -13,9 +13,8 @@
 - `StepGraphs`: CUDA-graph capture of the plain decode step, of the fused ``[chunk, decode]``
   step at a fixed chunk shape (the last chunk is padded, the padding masked; GDN layers gate it off
   by a real-row count on the device), of the idle-time chunk-only step and of prefills padded to
-  64-row buckets, 32-row beyond 256 rows (a prefill carrying leftover deferred rows of a GDN family runs eagerly),
-  each per slot bucket (a step attends over the slots in use rounded up on a geometric ladder,
-  `static_cache.slot_bucket`, not over
+  64-row buckets (a prefill carrying leftover deferred rows of a GDN family runs eagerly), each per slot bucket (a step
+  attends over the slots in use rounded up on a geometric ladder, `static_cache.slot_bucket`, not over
   the whole storage); DeepStack features enter through forward hooks on the first decoder layers
   (a plain add of a static buffer, which a graph can hold) instead of boolean indexing.
 - `StaticRunner` (`runner`): the fast path's side of the engine interface (`raincheck_hf.runner.Runner`): it runs

@@ -45,21 +45,7 @@ from .scoping import CAPTURE_LOCK, graph_capture, step_scope
 from .static_cache import MAX_KEY, StaticDeferredCache, slot_bucket
 from .timing import StepTimings
 
-PREFILL_BUCKET = 64  # CUDA prefills of up to `PREFILL_FINE_FROM` rows are padded to a multiple of this (`prefill_rows`)
-PREFILL_FINE_BUCKET = 32  # and longer ones to a multiple of this
-PREFILL_FINE_FROM = 256
-
-
-def prefill_rows(n: int) -> int:
-    """The rows a captured prefill of ``n`` rows runs with, padded so that one graph serves every prompt of its bucket.
-    Up to `PREFILL_FINE_FROM` rows a step's matrix products read the weights more than they compute, so padding costs
-    little there and 64-row buckets keep the graphs few (a follow-up's question is one bucket); beyond, each row costs
-    its share of the products (~30 us a row at the Qwen3-VL-8B shape on an H100), so a long prompt is padded to 32
-    rows: an image turn's 461 prefilled rows run as 480 instead of 512 (its first token 58.9 -> 57.0 ms there)."""
-    if n <= 1:
-        return n
-    unit = PREFILL_BUCKET if n <= PREFILL_FINE_FROM else PREFILL_FINE_BUCKET
-    return -(-n // unit) * unit
+PREFILL_BUCKET = 64  # CUDA prefills are padded to a multiple of this, so one captured graph serves a bucket
 
 
 def scratch_slots(chunk_size: int) -> int:
@@ -423,11 +409,11 @@ class StepGraphs:
 
     def step_rows(self, n: int, n_deferred: int, pad_to: int | None) -> int:
         """Rows the forward runs with: ``pad_to`` pads the deferred rows to that many (a chunk step's shape);
-        on CUDA a prefill is padded to its bucket (`prefill_rows`)."""
+        on CUDA a prefill is padded to a multiple of `PREFILL_BUCKET`."""
         if pad_to is not None:
             return n + max(pad_to - n_deferred, 0)
         if self.pad_prefill and n > 1:
-            return prefill_rows(n)
+            return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
         return n
 
     def _use_setting(self, adapter, cache: StaticDeferredCache) -> None:

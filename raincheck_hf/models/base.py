@@ -221,9 +221,8 @@ class ModelAdapter:
             this family: every text layer keeps its state in `fast.StaticDeferredCache` (attention layers in
             KV slots; a recurrent family reserves its layers' buffers through `static_recurrent_layout` and
             runs them through `static_step`). Which layer types that covers: ``static_layer_types``.
-        bucketed_prefill: on CUDA the fast path pads prefills to their buckets (`fast.graphs.prefill_rows`) and
-            captures them; False: prefills run eagerly, unpadded, on the static cache (decode and chunk steps are
-            still captured).
+        bucketed_prefill: on CUDA the fast path pads prefills to 64-row buckets and captures them; False:
+            prefills run eagerly, unpadded, on the static cache (decode and chunk steps are still captured).
         supports_vision_graphs: `fast.vision_graphs` can replay this family's vision tower per grid
             (`vision_grid_kwargs` precomputes what the tower derives from ``grid_thw``).
     """
