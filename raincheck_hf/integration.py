@@ -73,7 +73,7 @@ def enable(model):
         config = RaincheckConfig.coerce(raincheck)
         if config is None:
             return original(*args, **kwargs)
-        copies = return_sequences(model, config, args, kwargs)
+        copies = return_sequences(model, config, kwargs)
         if copies > 1:  # each prompt's copies as rows of a batch, as stock generate runs them
             if args:
                 args, kwargs = args[1:], dict(kwargs, input_ids=args[0])
@@ -210,7 +210,7 @@ _UNSUPPORTED_GENERATE_KWARGS = {
 }
 
 
-def return_sequences(model, config: RaincheckConfig, args, kwargs) -> int:
+def return_sequences(model, config: RaincheckConfig, kwargs: dict) -> int:
     """``num_return_sequences`` of the call (its argument, else its generation config's), checked before any compute:
     an int >= 1; above 1 only with sampling (stock `generate` refuses copies of a greedy answer, which would all be
     the same) and only where the copies can run as rows of a batch (new conversations, a selector rather than a
