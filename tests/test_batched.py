@@ -558,6 +558,26 @@ def random_row(rng: random.Random, sizes=(32, 64, 96, 128, 160), video_frames=(2
                 text=rng.choice(["What is in this image?", "Which is red?"]))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_num_return_sequences(seed):
+    """Random rows (text, images, videos), families, modes, chunk sizes, answer lengths and copy counts: sampling with
+    ``num_return_sequences=n`` equals the processor's batch of every prompt written n times under the same seed."""
+    from families import FAMILIES
+
+    rng = random.Random(500 + seed)
+    name = rng.choice([f.name for f in FAMILIES])
+    model, processor = family_model(name), family_processor(name)
+    rows = [random_row(rng) for _ in range(rng.randint(1, 3))]
+    n = rng.randint(2, 3)
+    cfg = RaincheckConfig(chunk_size=rng.choice([2, 3, 7]), mode=rng.choice(["raincheck", "full", "hard"]))
+    sample = dict(max_new_tokens=rng.randint(2, 6), do_sample=True, top_k=20, raincheck=cfg)
+    torch.manual_seed(seed)
+    got = model.generate(**batched_inputs(processor, rows), num_return_sequences=n, **sample)
+    torch.manual_seed(seed)
+    want = model.generate(**batched_inputs(processor, [row for row in rows for _ in range(n)]), **sample)
+    assert got.shape[0] == n * len(rows) and torch.equal(got, want), f"{name} seed {seed}"
+
+
 @pytest.mark.parametrize("seed", range(25))
 def test_fuzz_rows_match_alone(seed):
     """Random rows (text, images of random sizes, videos), modes, retentions, chunk sizes, guards, selectors and
