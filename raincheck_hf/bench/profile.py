@@ -274,7 +274,8 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
             f"{r['stage']} host {r['host_start_ms']:.1f}-{r['host_end_ms']:.1f}"
             + (f" device {r['device_start_ms']:.1f}-{r['device_end_ms']:.1f} idle before "
                f"{r['device_idle_before_ms']:.2f}" if "device_start_ms" in r else "") for r in line["stages"]))
-        log("[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result["modes"][mode]["replay_s"].items()))
+        replays = result["modes"][mode]["replay_s"]
+        log("[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in replays.items()))
         _write(result, json_path)
     return result
 
