@@ -134,6 +134,7 @@ def selection_rows(model, turn, captures, kind: str, selectors, reps: int, warmu
 def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     """mmtok's parts on the turn's first group of equal segments (the image, or a video's slices): its kernel inputs
     (the coverage matrices) and its greedy alone, in one launch and in two launches a pick (captured graphs)."""
+    from ..configuration import RaincheckConfig
     from ..selection import SelectionContext, get_selector
     from ..selection.base import keep_count
     from ..selection.kernels import greedy_select, mmtok_one_launch, whole_run_shape
@@ -144,7 +145,7 @@ def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     features = torch.stack([s.features for s in group])
     text = turn.embeds[turn.text_rows]
     selector = get_selector("mmtok")
-    k = keep_count(0.3, int(first[0]))
+    k = keep_count(RaincheckConfig().retention, int(first[0]))  # (what `select_visual_rows` keeps by default)
     context = SelectionContext(text_embeds=text)
     inputs = selector.kernel_inputs(features, context)
     parts = [("inputs", lambda: selector.kernel_inputs(features, context))]

@@ -160,7 +160,6 @@ class GreedyRun:
         device = first.device
         B, n = self.B, self.n
         self.slots = torch.empty(self.k, B, dtype=torch.int64, device=device)
-        self.taken = torch.empty(B, n, dtype=torch.int8, device=device)
         self.indices = torch.empty(B, self.k, dtype=torch.int64, device=device)
         self.whole = None  # mmtok's one-launch run: (programs per segment, R_PAD, BLOCK_N, num_warps), when it fits
         if method == "mmtok":
@@ -168,8 +167,8 @@ class GreedyRun:
             self.whole = whole_run_shape(B, n, R, device) if one_launch is not False else None
             if one_launch and self.whole is None:
                 raise ValueError(f"mmtok's one-launch run does not fit {B} segment(s) of {n} tokens, {R} rows")
-            if self.whole is not None:  # (its programs keep their taken flags in registers)
-                self.taken, self.state = None, {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+            if self.whole is not None:
+                self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
             else:
                 self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
                               "part": torch.empty(cdiv(R, BLOCK_R), B, n, dtype=torch.float64, device=device)}
@@ -180,6 +179,8 @@ class GreedyRun:
                           "d2": torch.empty(2, B, n, dtype=torch.float32, device=device)}
         else:
             raise ValueError(f"no greedy kernel for selector {method!r}")
+        # taken flags per candidate (the one-launch run's programs keep theirs in registers)
+        self.taken = None if self.whole is not None else torch.empty(B, n, dtype=torch.int8, device=device)
 
     def launch(self) -> torch.Tensor:
         kernel = _kernels()[self.method]

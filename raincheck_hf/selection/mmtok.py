@@ -119,9 +119,6 @@ def mmtok_greedy(
     tau_v: float = 0.2,
 ) -> torch.Tensor:
     """Indices (``[k]``, in selection order, on the features' device) of the greedy maximiser of ``f``."""
-    n = int(features.shape[0])
-    if not 0 <= k <= n:
-        raise ValueError(f"mmtok_greedy: k={k} must be in [0, {n}]")
     return mmtok_greedy_group(features[None], text_embeds, k, alpha, tau_t, tau_v)[0]
 
 
