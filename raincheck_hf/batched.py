@@ -180,7 +180,8 @@ def expand_return_sequences(model, input_ids: torch.Tensor, kwargs: dict, n: int
         if grid is None or not len(grid):
             continue
         order = [k for i in range(batch) for _ in range(n) for k in owned[i][modality]]
-        out[f"{modality}_grid_thw"] = grid[to_device(torch.tensor(order, dtype=torch.long), grid.device)]
+        index = torch.tensor(order, dtype=torch.long)
+        out[f"{modality}_grid_thw"] = grid[to_device(index, grid.device)]
         pixels = kwargs.get(pixels_name)
         if pixels is not None:
             ends = grid.cpu().prod(-1).cumsum(0).tolist()  # each picture's patches, one after the other
@@ -188,8 +189,8 @@ def expand_return_sequences(model, input_ids: torch.Tensor, kwargs: dict, n: int
             out[pixels_name] = torch.cat([pixels[starts[k]:ends[k]] for k in order])
         seconds = kwargs.get("second_per_grid_ts") if modality == "video" else None
         if seconds is not None:
-            out["second_per_grid_ts"] = (seconds[to_device(torch.tensor(order, dtype=torch.long), seconds.device)]
-                                         if isinstance(seconds, torch.Tensor) else [seconds[k] for k in order])
+            out["second_per_grid_ts"] = (seconds[to_device(index, seconds.device)] if isinstance(seconds, torch.Tensor)
+                                         else [seconds[k] for k in order])
     return input_ids.repeat_interleave(n, dim=0), out
 
 
