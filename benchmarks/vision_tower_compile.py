@@ -1,6 +1,7 @@
-"""Qwen3-VL-8B's vision tower on the 1,344x1024 image (5,376 patches): eager time and its kernel table, then the
-same with each vision block compiled (`nn.Module.compile`), their outputs' largest difference. A probe of what
-compiling the tower would give; the library does not compile it.
+"""Qwen3-VL-8B's vision tower on the 1,344x1024 image (5,376 patches): eager time and its kernel table; the same
+with the fast path's one-kernel rotation (`raincheck_hf.fast.vision_attention`, what the library's tower forwards use),
+its outputs compared with stock's bit for bit; then each vision block compiled (`nn.Module.compile`), their outputs'
+largest difference. The last is a probe of what compiling the tower would give; the library does not compile it.
 
     python benchmarks/vision_tower_compile.py OUT.json
 
@@ -16,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from raincheck_hf.bench import shapes
 from raincheck_hf.bench.latency import hardware_info
+from raincheck_hf.fast.vision_attention import vision_attention_scope
 
 device = torch.device(os.environ.get("DEV", "cuda"))
 NAME = os.environ.get("MODEL", "qwen3_vl_8b")
@@ -37,8 +39,8 @@ def main(out: str):
     tower = model.model.visual
     result = {"benchmark": "vision_tower_compile", "hardware": hardware_info(device), "prompt": prompt}
 
-    def timed(reps=10):
-        with torch.no_grad():
+    def timed(reps=10, fused=False):
+        with torch.no_grad(), vision_attention_scope(tower, enabled=fused):
             for _ in range(3):
                 output = tower(pixels, grid_thw=grid, return_dict=True)
             sync()
@@ -50,16 +52,24 @@ def main(out: str):
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times), output
 
-    def kernels(rows):
-        with torch.no_grad(), profile(activities=[ACTIVITY]) as prof:
+    def kernels(rows, fused=False):
+        with torch.no_grad(), vision_attention_scope(tower, enabled=fused), profile(activities=[ACTIVITY]) as prof:
             tower(pixels, grid_thw=grid, return_dict=True)
             sync()
-        return prof.key_averages().table(sort_by=SORT, row_limit=rows)
+        table = prof.key_averages()
+        return table.table(sort_by=SORT, row_limit=rows), sum(getattr(e, "self_device_time_total", 0) for e in table)
 
     result["eager_ms"], reference = timed()
     print("[tower] eager", result["eager_ms"], flush=True)
-    result["eager_kernels"] = kernels(30)
+    result["eager_kernels"], result["eager_kernel_us"] = kernels(30)
     print(result["eager_kernels"], flush=True)
+    result["fused_rotary_ms"], fused = timed(fused=True)
+    result["fused_rotary_equal"] = bool(torch.equal(fused.pooler_output, reference.pooler_output)) and all(
+        torch.equal(a, b) for a, b in zip(fused.deepstack_features or [], reference.deepstack_features or []))
+    result["fused_rotary_kernels"], result["fused_rotary_kernel_us"] = kernels(30, fused=True)
+    print("[tower] fused rotary", result["fused_rotary_ms"], "equal to eager:", result["fused_rotary_equal"],
+          flush=True)
+    print(result["fused_rotary_kernels"], flush=True)
     t0 = time.perf_counter()
     for block in tower.blocks:
         block.compile()
@@ -70,7 +80,7 @@ def main(out: str):
         result["ref_abs_max"] = reference.pooler_output.float().abs().max().item()
         print("[tower] compiled blocks", result["compiled_ms"], "compile s", result["compile_s"], "diff",
               result["max_abs_diff"], result["ref_abs_max"], flush=True)
-        result["compiled_kernels"] = kernels(20)
+        result["compiled_kernels"], result["compiled_kernel_us"] = kernels(20)
         print(result["compiled_kernels"], flush=True)
     except Exception as error:  # (a probe: the failure is its result)
         result["compile_error"] = repr(error)[:2000]

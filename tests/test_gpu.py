@@ -608,6 +608,69 @@ def test_cuda_family_vision_graphs_replay_the_tower(family, case):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows,heads,dim,dtype", [(5376, 16, 72, torch.bfloat16), (1, 16, 72, torch.bfloat16),
+                                                   (333, 12, 80, torch.float16), (100, 4, 64, torch.float32)])
+def test_cuda_vision_rotary_kernel_is_stock_bit_for_bit(rows, heads, dim, dtype):
+    """`fast.vision_attention.rotary_qkv` on the GPU (Qwen3-VL-8B's 16 heads of 72 at 5,376 patches among the shapes):
+    the rotated queries and keys equal the modeling file's ``apply_rotary_pos_emb_vision`` bit for bit."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    from raincheck_hf.fast import vision_attention
+
+    g = torch.Generator(device="cuda").manual_seed(rows + dim)
+    qkv = (torch.randn(rows, 3 * heads * dim, device="cuda", generator=g) * 3).to(dtype).view(rows, 3, heads, dim)
+    angles = torch.randn(rows, dim // 2, device="cuda", generator=g) * 40
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos(), emb.sin()
+    assert vision_attention.kernel_usable(qkv, cos, sin)
+    module = modeling_qwen3_vl.Qwen3VLVisionAttention.__new__(modeling_qwen3_vl.Qwen3VLVisionAttention)
+    want = vision_attention.rotary_qkv_reference(module, qkv, cos, sin)
+    got = vision_attention.rotary_qkv(qkv, cos, sin)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous()
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_vision_attention_gives_stock_features_bit_for_bit(family, dtype):
+    """The fast path's tower forward (its blocks' rotation in one kernel, `fast.vision_attention`) on every family,
+    eagerly and replayed: the stock ``get_image_features`` / ``get_video_features`` bit for bit, and the kernel ran."""
+    from raincheck_hf.fast import vision_attention
+    from raincheck_hf.fast.vision_graphs import VisionGraphs
+
+    model = raincheck_hf.enable(BY_NAME[family].build(seed=0).to("cuda", dtype))
+    adapter = get_adapter(model)
+    calls = []
+    kernel = vision_attention.rotary_qkv
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    for case in ("two_images", "video"):
+        inputs = _cuda(make_inputs(family_processor(family), **INPUT_CASES[case]))
+        values, grid = (("pixel_values", "image_grid_thw") if case == "two_images"
+                        else ("pixel_values_videos", "video_grid_thw"))
+        encode = model.model.get_image_features if case == "two_images" else model.model.get_video_features
+        captured = VisionGraphs(adapter)
+        with torch.no_grad():
+            stock = encode(inputs[values].to(dtype), inputs[grid], return_dict=True)
+            calls.clear()
+            vision_attention.rotary_qkv = counted
+            try:
+                runs = [captured.encode(inputs[values], inputs[grid]) for _ in range(3)]  # eager, capture, replay
+            finally:
+                vision_attention.rotary_qkv = kernel
+        assert len(calls) >= len(adapter.vision_tower.blocks), (family, case, len(calls))
+        for got in runs:
+            for a, b in zip(stock.pooler_output, got.pooler_output):
+                assert torch.equal(a, b), (family, case, dtype, (a.float() - b.float()).abs().max().item())
+            for layer_a, layer_b in zip(getattr(stock, "deepstack_features", None) or [], got.deepstack_features or []):
+                for a, b in zip(layer_a, layer_b):
+                    assert torch.equal(a, b), (family, case, dtype)
+
+
 def test_cuda_two_chats_and_a_stock_generate_share_one_model(cuda_model, processor):
     """Two fast-path conversations in two threads (captures, replays and eager steps interleaved as they
     come, plus forced lockstep tokens) and a stock generate in a third: each answers as it does alone."""
