@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
+from . import vision_attention
 from .vision_attention import vision_attention_scope
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
@@ -91,7 +92,9 @@ class VisionGraphs:
         self._order = StreamOrder()  # (replays from several CUDA streams: one after the other on the device too)
 
     def _key(self, tower, pixel_values: torch.Tensor, grid: tuple) -> tuple:
-        return (grid, tuple(pixel_values.shape), tower.dtype, str(tower.config._attn_implementation))
+        # (with the one-kernel rotation on or off: `fast.vision_attention.ENABLED`, which a benchmark switches)
+        return (grid, tuple(pixel_values.shape), tower.dtype, str(tower.config._attn_implementation),
+                vision_attention.ENABLED)
 
     def _forward(self, tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict):
         # the tower pops the precomputed entries from the dict it is given: pass a copy; its attention rotates

@@ -1,0 +1,89 @@
+"""The first token (T1) of an image turn with the vision tower's rotation in one kernel (`fast.vision_attention`, the
+library's default) and with the stock rotation, side by side in one process, for `full` and the default `mmtok`;
+`uniform` and stock `generate` beside them; and an unsynced timeline of the default variants' first token
+(`bench.profile.timeline`).
+
+    python benchmarks/vision_rotary_t1.py OUT.json [REPS] [MODEL]
+
+Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_new_tokens=1``, the library's default
+settings; each variant warmed up three times (the tower's graph of the image's grid is captured on its second
+sighting, one graph per rotation form), then the repetitions round robin. The stock rotation is the module's switch
+`fast.vision_attention.ENABLED` set to False for those calls (a benchmark's patch: the library has no setting for it)."""
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import raincheck_hf
+from raincheck_hf.bench import profile, shapes
+from raincheck_hf.bench.latency import TokenClock, _sync, hardware_info
+from raincheck_hf.configuration import RaincheckConfig
+from raincheck_hf.fast import vision_attention
+
+
+def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, info = shapes.build_model(model_name, device)
+    raincheck_hf.enable(model)
+    processor = shapes.build_processor()
+    first, prompt = shapes.build_prompt(processor, shapes.MODELS[model_name], "image")
+    first.pop("mm_token_type_ids", None)
+    inputs = {k: v.to(device) for k, v in first.items()}
+    common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    variants = {"full": (RaincheckConfig(mode="full"), True), "mmtok": (RaincheckConfig(), True),
+                "uniform": (RaincheckConfig(selector="uniform"), True), "stock": (None, True),
+                "full_stock_rotary": (RaincheckConfig(mode="full"), False),
+                "mmtok_stock_rotary": (RaincheckConfig(), False)}
+
+    def kwargs(name):
+        config = variants[name][0]
+        return dict(inputs, **common, **({} if config is None else {"raincheck": config}))
+
+    def t1(name):
+        vision_attention.ENABLED = variants[name][1]
+        clock = TokenClock(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(**kwargs(name), streamer=clock)
+        _sync(device)
+        return (clock.times[0] - t0) * 1e3
+
+    try:
+        for name in variants:
+            for _ in range(3):
+                t1(name)
+        times = {name: [] for name in variants}
+        for _ in range(reps):
+            for name in variants:
+                times[name].append(t1(name))
+        result = {"benchmark": "vision_rotary_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
+                  "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
+                  "timelines": {}}
+        for name, t in times.items():
+            median = statistics.median(t)
+            result["t1_ms"][name] = {"median": median, "reps": t,
+                                     "x_full": median / statistics.median(times["full"]),
+                                     "x_stock": median / statistics.median(times["stock"])}
+            row = result["t1_ms"][name]
+            print(f"[t1] {name}: {median:.2f} ms, x full {row['x_full']:.3f}, x stock {row['x_stock']:.3f}",
+                  flush=True)
+        for name in ("full", "mmtok", "full_stock_rotary"):
+            vision_attention.ENABLED = variants[name][1]
+            with torch.no_grad():
+                line = profile.timeline(model, device, kwargs(name))
+            result["timelines"][name] = line
+            print(f"[timeline] {name}: first token {line['first_token_ms']:.1f} ms; " + "; ".join(
+                f"{r['stage']} device {r.get('device_start_ms', 0):.1f}-{r.get('device_end_ms', 0):.1f}"
+                for r in line["stages"]), flush=True)
+    finally:
+        vision_attention.ENABLED = True
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 9, sys.argv[3] if len(sys.argv) > 3 else "qwen3_vl_8b")
