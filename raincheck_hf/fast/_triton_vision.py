@@ -24,12 +24,13 @@ def _cast(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def vision_rotary(QKV, COS, SIN, OUT, S, s_qkv, s_cos, s_sin,
+def vision_rotary(QKV, COS, SIN, OUT, S, s_qkv, s_cos, s_sin, s_out,
                   H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
                   BLOCK_HALF: tl.constexpr):
     # Grid (cdiv(S, BLOCK_S), H). QKV [S, 3 * H * D] (its rows ``s_qkv`` apart, the last axis contiguous): query,
     # key and value, each head's D values in turn. COS / SIN [S, D] (rows ``s_cos`` / ``s_sin`` apart, the last axis
-    # contiguous). OUT [2, S, H, D] contiguous, the dtype of QKV.
+    # contiguous). OUT [2, S, H, D] contiguous (``s_out`` = S * H * D apart: passed, not computed here, since Triton
+    # makes an integer argument of 1 a constant, which has no ``.to``), the dtype of QKV.
     h = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
@@ -47,6 +48,6 @@ def vision_rotary(QKV, COS, SIN, OUT, S, s_qkv, s_cos, s_sin,
         # rotate_half(x) = cat(-x[HALF:], x[:HALF])
         out_lo = lo * cos_lo + (-hi) * sin_lo
         out_hi = hi * cos_hi + lo * sin_hi
-        to = OUT + part * S.to(tl.int64) * (H * D) + rows[:, None] * (H * D) + h * D + cols[None, :]
+        to = OUT + part * s_out + rows[:, None] * (H * D) + h * D + cols[None, :]
         tl.store(to, _cast(out_lo, OUT.dtype.element_ty), mask=mask)
         tl.store(to + HALF, _cast(out_hi, OUT.dtype.element_ty), mask=mask)

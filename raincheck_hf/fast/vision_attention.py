@@ -77,7 +77,7 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     out = torch.empty((2, s, h, d), dtype=qkv.dtype, device=qkv.device)
     if s:
         vision_rotary[(cdiv(s, BLOCK_S), h)](
-            qkv, cos, sin, out, s, qkv.stride(0), cos.stride(0), sin.stride(0),
+            qkv, cos, sin, out, s, qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0),
             H=h, D=d, HALF=d // 2, BLOCK_S=BLOCK_S, BLOCK_HALF=pow2(d // 2), enable_fp_fusion=False)
     return out[0], out[1]
 
