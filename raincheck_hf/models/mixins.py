@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_utils import to_device_all
+from ..cache_utils import to_device, to_device_all
 from ..patching import module_function
 from ..selection import Segment
 from .base import TurnInputs
@@ -80,6 +80,10 @@ class QwenVisionLanguageMixin:
         # assignment over device tensors waits for the device (and gives the interpreter up to a server's other
         # threads meanwhile); the device gets index tensors in one copy.
         host_ids = input_ids.reshape(-1).cpu()
+        # the grids too, now, while the device's queue is short: the rope index and the segments read them after the
+        # tower is launched, where a read of a device tensor would wait for the tower to end
+        host_image_grid, host_video_grid, host_seconds = (
+            None if t is None else t.cpu() for t in (image_grid_thw, video_grid_thw, second_per_grid_ts))
         if host_ids.numel() > text_prefix and int(host_ids[-1]) in (self.image_token_id, self.video_token_id):
             # The first token's logits are the last row's, and what follows continues from it: a placeholder there
             # could be deferred, and stock `generate` would continue each M-RoPE axis of it on its own.
@@ -102,9 +106,9 @@ class QwenVisionLanguageMixin:
         question = ~torch.isin(host_ids, self._non_question_ids)
         question[:text_prefix] = False
         where = {"image": image_pos.nonzero().flatten(), "video": (~image_pos).nonzero().flatten()}
-        rows_on, where_image, where_video, visual_index_on, mm_types, text_rows = to_device_all(
-            [visual_rows, where["image"], where["video"], visual_index, is_image.long() + 2 * is_video.long(),
-             question.nonzero().flatten()], device)
+        host_mm_types = is_image.long() + 2 * is_video.long()
+        rows_on, where_image, where_video, visual_index_on, text_rows = to_device_all(
+            [visual_rows, where["image"], where["video"], visual_index, question.nonzero().flatten()], device)
         where_on = {"image": where_image, "video": where_video}
 
         # visual features in source order (images and videos may interleave)
@@ -138,17 +142,20 @@ class QwenVisionLanguageMixin:
         embeds = embeds.clone()
         embeds.index_copy_(0, rows_on, feats)
 
-        # absolute 3-D positions: the model's own rope index on this turn, shifted to continue
-        positions = self._rope_index(ids, mm_types, image_grid_thw, video_grid_thw, second_per_grid_ts)
-        positions = positions.to(device) + position_offset
+        # absolute 3-D positions: the model's own rope index on this turn, shifted to continue; computed on the host
+        # from the host copies (the same function: on device tensors it ran a few dozen small kernels after waiting for
+        # the tower, ~1 ms of a first token on an H100) and sent in one copy that does not wait for the device
+        positions = self._rope_index(host_ids, host_mm_types, host_image_grid, host_video_grid, host_seconds)
+        positions = positions + position_offset
         # what follows the turn continues from its LAST row, as stock `generate` advances the position ids column by
         # column (and as the rope index over the whole dialogue places the answer): not from the largest position,
         # which a video's temporal ids can exceed (Qwen2.5-VL spaces them by tokens_per_second / fps: at 0.5-1 fps
         # they run past the text after the video). A turn ends with text (checked above), whose three axes agree, so
         # one number places every generated token (`text_row`) and the next turn.
         next_position = int(positions[:, -1].max()) + 1 if positions.numel() else position_offset
+        positions = to_device(positions, device)
 
-        segments = self._segments(ids, is_visual, is_image, feats, deepstack, image_grid_thw, video_grid_thw)
+        segments = self._segments(ids, is_visual, is_image, feats, deepstack, host_image_grid, host_video_grid)
         return TurnInputs(ids, embeds, positions, visual_index_on, deepstack, segments, text_rows, next_position,
                           visual_rows=visual_rows, host_ids=host_ids)
 
