@@ -35,7 +35,8 @@
   masked kernel was ~2 ms of a 10 ms decode step on the H200); prefills keep stock SDPA.
 - `VisionGraphs` (`vision_graphs`): the vision tower captured per image / video grid, its grid
   bookkeeping precomputed by the family's adapter (a grid is captured on its second sighting; every family
-  with ``supports_vision_graphs``).
+  with ``supports_vision_graphs``); its forwards there rotate each block's queries and keys in one Triton kernel
+  (`vision_attention`: bit for bit the stock rotation, ~7 ms less of Qwen3-VL-8B's tower on an H100).
 
 The eager engine stays the reference: tests compare the two step by step.
 """
