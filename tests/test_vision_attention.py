@@ -14,13 +14,13 @@ import threading
 import pytest
 import torch
 
+from raincheck_hf._triton import triton_available
 from raincheck_hf.fast import vision_attention
 from raincheck_hf.fast.vision_graphs import VisionGraphs
 from raincheck_hf.models import get_adapter
 
 from conftest import INPUT_CASES, make_inputs
 from families import family_model, family_params, family_processor
-from raincheck_hf._triton import triton_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,9 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
 from . import vision_attention
-from .vision_attention import vision_attention_scope
+from .scoping import CAPTURE_LOCK, StreamOrder, graph_capture, used_on
 
 MAX_GRAPHS = 4  # captured grids kept per tower (each holds its output buffers; intermediates share one pool)
 CAPTURE_ON_SIGHTING = 2  # capture a grid the second time it is encoded
@@ -99,7 +98,7 @@ class VisionGraphs:
     def _forward(self, tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict):
         # the tower pops the precomputed entries from the dict it is given: pass a copy; its attention rotates
         # queries and keys in one kernel (`fast.vision_attention`)
-        with vision_attention_scope(tower):
+        with vision_attention.vision_attention_scope(tower):
             out = tower(pixel_values, grid_thw=grid_thw, return_dict=True, **dict(kwargs))
         return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
