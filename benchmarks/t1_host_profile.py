@@ -11,18 +11,11 @@ import sys
 
 import torch
 
-import raincheck_hf
 from raincheck_hf.bench import shapes
 from raincheck_hf.configuration import RaincheckConfig
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-name = sys.argv[2] if len(sys.argv) > 2 else "qwen3_vl_8b"
-model, info = shapes.build_model(name, device)
-raincheck_hf.enable(model)
-processor = shapes.build_processor()
-first, prompt = shapes.build_prompt(processor, shapes.MODELS[name], "image")
-first.pop("mm_token_type_ids", None)
-inputs = {k: v.to(device) for k, v in first.items()}
+model, info, inputs, prompt = shapes.image_turn(sys.argv[2] if len(sys.argv) > 2 else "qwen3_vl_8b", device)
 out = {}
 for mode in ("raincheck", "full"):
     kw = dict(inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, raincheck=RaincheckConfig(mode=mode))

@@ -12,53 +12,35 @@ sighting, one graph per rotation form), then the repetitions round robin. The st
 import json
 import statistics
 import sys
-import time
 
 import torch
 
-import raincheck_hf
 from raincheck_hf.bench import profile, shapes
-from raincheck_hf.bench.latency import TokenClock, _sync, hardware_info
+from raincheck_hf.bench.latency import hardware_info
 from raincheck_hf.configuration import RaincheckConfig
 from raincheck_hf.fast import vision_attention
 
 
 def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, info = shapes.build_model(model_name, device)
-    raincheck_hf.enable(model)
-    processor = shapes.build_processor()
-    first, prompt = shapes.build_prompt(processor, shapes.MODELS[model_name], "image")
-    first.pop("mm_token_type_ids", None)
-    inputs = {k: v.to(device) for k, v in first.items()}
+    model, info, inputs, prompt = shapes.image_turn(model_name, device)
     common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
-    variants = {"full": (RaincheckConfig(mode="full"), True), "mmtok": (RaincheckConfig(), True),
-                "uniform": (RaincheckConfig(selector="uniform"), True), "stock": (None, True),
-                "full_stock_rotary": (RaincheckConfig(mode="full"), False),
-                "mmtok_stock_rotary": (RaincheckConfig(), False)}
+    forms = {"full": (RaincheckConfig(mode="full"), True), "mmtok": (RaincheckConfig(), True),
+             "uniform": (RaincheckConfig(selector="uniform"), True), "stock": (None, True),
+             "full_stock_rotary": (RaincheckConfig(mode="full"), False),
+             "mmtok_stock_rotary": (RaincheckConfig(), False)}
 
     def kwargs(name):
-        config = variants[name][0]
+        config = forms[name][0]
         return dict(inputs, **common, **({} if config is None else {"raincheck": config}))
 
-    def t1(name):
-        vision_attention.ENABLED = variants[name][1]
-        clock = TokenClock(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(**kwargs(name), streamer=clock)
-        _sync(device)
-        return (clock.times[0] - t0) * 1e3
+    def switch(name):
+        def setup():
+            vision_attention.ENABLED = forms[name][1]
+        return setup
 
     try:
-        for name in variants:
-            for _ in range(3):
-                t1(name)
-        times = {name: [] for name in variants}
-        for _ in range(reps):
-            for name in variants:
-                times[name].append(t1(name))
+        times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), switch(n)) for n in forms}, reps)
         result = {"benchmark": "vision_rotary_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
                   "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
                   "timelines": {}}
@@ -71,13 +53,11 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
             print(f"[t1] {name}: {median:.2f} ms, x full {row['x_full']:.3f}, x stock {row['x_stock']:.3f}",
                   flush=True)
         for name in ("full", "mmtok", "full_stock_rotary"):
-            vision_attention.ENABLED = variants[name][1]
+            switch(name)()
             with torch.no_grad():
                 line = profile.timeline(model, device, kwargs(name))
             result["timelines"][name] = line
-            print(f"[timeline] {name}: first token {line['first_token_ms']:.1f} ms; " + "; ".join(
-                f"{r['stage']} device {r.get('device_start_ms', 0):.1f}-{r.get('device_end_ms', 0):.1f}"
-                for r in line["stages"]), flush=True)
+            print(profile.timeline_summary(name, line, host=False), flush=True)
     finally:
         vision_attention.ENABLED = True
     with open(out, "w") as f:

@@ -97,6 +97,29 @@ def patched_for_thread(patches: CountedPatches, modules, apply: Callable[[object
         yield value
 
 
+def install_forward(module, acts: Callable[[], bool], fast: Callable) -> Callable[[], None]:
+    """Make ``module`` run ``fast(module, *args, **kwargs)`` on the calls for which ``acts()`` holds (asked at each call:
+    the calling thread's scope) and its own ``forward`` on every other; returns the undo callable (for
+    `CountedPatches.acquire`). A module whose ``forward`` is already an attribute of its own (patched by someone
+    else) is left alone, and the undo does nothing."""
+    if "forward" in vars(module):
+        return lambda: None
+    stock = module.forward
+
+    def forward(*args, **kwargs):
+        if acts():
+            return fast(module, *args, **kwargs)
+        return stock(*args, **kwargs)
+
+    module.forward = forward
+
+    def undo():
+        if vars(module).get("forward") is forward:
+            del module.forward
+
+    return undo
+
+
 def module_function(module, name: str):
     """The function ``name`` of the modeling file that defines ``module``'s class (its own rotary, kernels): what
     a patched forward calls to run the module's own code."""

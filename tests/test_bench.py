@@ -215,6 +215,28 @@ def test_profile_tool_stages_add_up_on_cpu(tmp_path):
     assert out["modes"]["full"]["stages"]["decode_forward_chunk_median_s"] is None
 
 
+def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
+    """`profile.first_tokens_side_by_side` (the first-token scripts of benchmarks/): warm-up calls, then rounds in
+    which every variant runs once, its setup called before each of its calls; `timeline_summary` prints every stage."""
+    from raincheck_hf import RaincheckConfig
+    from raincheck_hf.bench import profile
+
+    model, info, inputs, prompt = shapes.image_turn("tiny_qwen3_vl", "cpu")
+    assert prompt["kind"] == "image" and inputs["input_ids"].shape[1] == prompt["prompt_tokens"]
+    order = []
+    common = dict(inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    variants = {"full": (dict(common, raincheck=RaincheckConfig(mode="full")), lambda: order.append("full")),
+                "stock": (common, None)}
+    times = profile.first_tokens_side_by_side(model, torch.device("cpu"), variants, reps=2, warm_up=1)
+    assert set(times) == {"full", "stock"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert order == ["full"] * 3  # one warm-up and two rounds
+    with torch.no_grad():
+        line = profile.timeline(model, torch.device("cpu"), variants["full"][0])
+    text = profile.timeline_summary("full", line)
+    assert text.startswith("[timeline] full: first token") and all(r["stage"] in text for r in line["stages"])
+    assert " host " not in profile.timeline_summary("full", line, host=False)
+
+
 def test_compile_twins_force_the_setting_and_run_only_when_named():
     """The plain variants take the library's default (or --compile-steps / --no-compile-steps); the twins force
     compile_steps whatever that says, and run only when named (by name or family)."""

@@ -144,6 +144,50 @@ def timeline(model, device, kw: dict) -> dict:
     return {"hf_before_loop_ms": (entered["t"] - t0) * 1e3, "first_token_ms": (first - t0) * 1e3, "stages": rows}
 
 
+def timeline_summary(name: str, line: dict, host: bool = True) -> str:
+    """One printed line of a `timeline`: each stage's host span (with ``host``), device span and the device's idle
+    time before it."""
+    parts = []
+    for r in line["stages"]:
+        text = f"{r['stage']}"
+        if host:
+            text += f" host {r['host_start_ms']:.1f}-{r['host_end_ms']:.1f}"
+        text += f" device {r.get('device_start_ms', 0):.1f}-{r.get('device_end_ms', 0):.1f}"
+        if host:
+            text += f" idle before {r.get('device_idle_before_ms', 0):.2f}"
+        parts.append(text)
+    return f"[timeline] {name}: first token {line['first_token_ms']:.1f} ms; " + "; ".join(parts)
+
+
+def first_tokens_side_by_side(model, device, variants: dict, reps: int, warm_up: int = 3) -> dict:
+    """``{name: [ms, ...]}``: the first token's time (call start to the first token on the host, `TokenClock`) of each
+    variant's `generate` call, ``warm_up`` calls each first, then ``reps`` rounds, the variants in turn in each (round
+    robin, so that a drift of the machine spreads over all of them). ``variants``: name -> ``(kwargs, setup)``, where
+    ``setup`` (or None) is called before each of that variant's calls (a benchmark's switch: its form of something the
+    library has no setting for)."""
+
+    def first_token(name):
+        kwargs, setup = variants[name]
+        if setup is not None:
+            setup()
+        clock = TokenClock(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(**kwargs, streamer=clock)
+        _sync(device)
+        return (clock.times[0] - t0) * 1e3
+
+    for name in variants:
+        for _ in range(warm_up):
+            first_token(name)
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name in variants:
+            times[name].append(first_token(name))
+    return times
+
+
 def _kwargs(mode, tokens, suppress, settings):
     from ..configuration import RaincheckConfig
 

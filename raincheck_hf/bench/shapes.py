@@ -291,6 +291,19 @@ def build_processor(max_pixels: int = 2048 * 2048, video_max_pixels: int = 64 * 
                             video_processor=video_processor, chat_template=CHAT_TEMPLATE)
 
 
+def image_turn(name: str, device, image_size=None) -> tuple:
+    """``(model, info, inputs, prompt)``: the model ``name`` (`build_model`, enabled for Raincheck) and the first
+    turn of an image prompt (`build_prompt`) on ``device``, as the first-token scripts of ``benchmarks/`` time it."""
+    import raincheck_hf
+
+    device = torch.device(device)
+    model, info = build_model(name, device)
+    raincheck_hf.enable(model)
+    first, prompt = build_prompt(build_processor(), MODELS[name], "image", image_size=image_size)
+    first.pop("mm_token_type_ids", None)
+    return model, info, {k: v.to(device) for k, v in first.items()}, prompt
+
+
 def build_prompt(processor, spec: ModelSpec, kind: str, image_size=None, video_frames=None, video_size=None):
     """``(inputs, info)``: the first turn's processor outputs (CPU tensors) for ``kind`` in {image, video}.
 

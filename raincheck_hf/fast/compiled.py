@@ -41,6 +41,8 @@ import warnings
 
 import torch
 
+from ..patching import install_forward
+
 _LOCK = threading.Lock()
 _COMPILED: dict = {}  # module class (or function) -> its `_CompiledOrPlain`, made on first use
 # what a first compile imports (the rest comes with these); a failure here is left to that compile to raise
@@ -309,21 +311,8 @@ def install_dispatch(module, impl=None):
     """See `dispatcher`; returns the undo callable."""
     from .context import active_scope
 
-    if "forward" in vars(module):  # already patched by someone else: leave it alone
-        return lambda: None
-    stock = module.forward
-    fast = compiled(type(module).forward) if impl is None else impl
-
-    def forward(*args, **kwargs):
+    def acts() -> bool:
         scope = active_scope()
-        if scope is not None and scope.compiled:
-            return fast(module, *args, **kwargs)
-        return stock(*args, **kwargs)
+        return scope is not None and scope.compiled
 
-    module.forward = forward
-
-    def undo():
-        if vars(module).get("forward") is forward:
-            del module.forward
-
-    return undo
+    return install_forward(module, acts, compiled(type(module).forward) if impl is None else impl)

@@ -33,7 +33,7 @@ import sys
 import torch
 
 from .._triton import cdiv, pow2, triton_available
-from ..patching import CountedPatches, ThreadScoped, module_function, patched_for_thread
+from ..patching import CountedPatches, ThreadScoped, install_forward, module_function, patched_for_thread
 
 BLOCK_S = 32  # rows per program
 ENABLED = True  # the fast path's tower forwards use it (False: the stock forward there as well)
@@ -136,22 +136,7 @@ def _stock_class(cls) -> bool:
 def _install(module):
     """Make ``module`` run `fused_forward` for the thread inside `vision_attention_scope` (its stock ``forward``
     for every other); returns the undo callable."""
-    if "forward" in vars(module):  # already patched by someone else: leave it alone
-        return lambda: None
-    stock = module.forward
-
-    def forward(*args, **kwargs):
-        if _SCOPE.get():
-            return fused_forward(module, *args, **kwargs)
-        return stock(*args, **kwargs)
-
-    module.forward = forward
-
-    def undo():
-        if vars(module).get("forward") is forward:
-            del module.forward
-
-    return undo
+    return install_forward(module, lambda: bool(_SCOPE.get()), fused_forward)
 
 
 def attention_modules(tower) -> list:
