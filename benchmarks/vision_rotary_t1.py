@@ -8,7 +8,8 @@ library's default) and with the stock rotation, side by side in one process, for
 Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_new_tokens=1``, the library's default
 settings; each variant warmed up three times (the tower's graph of the image's grid is captured on its second
 sighting, one graph per rotation form), then the repetitions round robin. The stock rotation is the module's switch
-`fast.vision_attention.ENABLED` set to False for those calls (a benchmark's patch: the library has no setting for it)."""
+`fast.vision_attention.ENABLED` set to False for those calls (a benchmark's patch: the library has no setting for
+it)."""
 import json
 import statistics
 import sys

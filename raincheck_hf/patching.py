@@ -98,8 +98,8 @@ def patched_for_thread(patches: CountedPatches, modules, apply: Callable[[object
 
 
 def install_forward(module, acts: Callable[[], bool], fast: Callable) -> Callable[[], None]:
-    """Make ``module`` run ``fast(module, *args, **kwargs)`` on the calls for which ``acts()`` holds (asked at each call:
-    the calling thread's scope) and its own ``forward`` on every other; returns the undo callable (for
+    """Make ``module`` run ``fast(module, *args, **kwargs)`` on the calls for which ``acts()`` holds (asked at each
+    call: the calling thread's scope) and its own ``forward`` on every other; returns the undo callable (for
     `CountedPatches.acquire`). A module whose ``forward`` is already an attribute of its own (patched by someone
     else) is left alone, and the undo does nothing."""
     if "forward" in vars(module):
