@@ -2,7 +2,7 @@
 
 Stock transformers rotates a vision block's queries and keys (``apply_rotary_pos_emb_vision``) in separate eager
 kernels: both cast to float32 from strided views of the ``qkv`` projection, ``rotate_half`` as a negation and a
-concatenation, two products and a sum each, two casts back; some fourteen launches per block. On the H100 at
+concatenation, two products and a sum each, two casts back: fourteen launches per block by its code. On the H100 at
 Qwen3-VL-8B's shape (a 1,344 x 1,024 image, 5,376 patches, 27 blocks) such element-wise work was ~9 ms of the tower's
 30 ms of kernels (`benchmarks/vision_tower_compile.py`). `rotary_qkv` does it in one launch that reads the projection
 once and writes the rotated queries and keys with the layout the stock code gives them (``[S, heads, head_dim]``, each
