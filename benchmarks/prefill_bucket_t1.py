@@ -23,15 +23,13 @@ from raincheck_hf.fast import graphs
 def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on a CPU nothing is padded)
     model, info, inputs, prompt = shapes.image_turn(model_name, device)
-    common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     bucket = graphs.PREFILL_BUCKET
     forms = {"full": (RaincheckConfig(mode="full"), bucket), "mmtok": (RaincheckConfig(), bucket),
              "mmtok_pad32": (RaincheckConfig(), 32), "uniform": (RaincheckConfig(selector="uniform"), bucket),
              "stock": (None, bucket)}
 
     def kwargs(name):
-        config = forms[name][0]
-        return dict(inputs, **common, **({} if config is None else {"raincheck": config}))
+        return profile.first_token_kwargs(inputs, forms[name][0])
 
     def switch(name):
         def setup():

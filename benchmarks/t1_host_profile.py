@@ -11,14 +11,14 @@ import sys
 
 import torch
 
-from raincheck_hf.bench import shapes
+from raincheck_hf.bench import profile, shapes
 from raincheck_hf.configuration import RaincheckConfig
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model, info, inputs, prompt = shapes.image_turn(sys.argv[2] if len(sys.argv) > 2 else "qwen3_vl_8b", device)
 out = {}
 for mode in ("raincheck", "full"):
-    kw = dict(inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, raincheck=RaincheckConfig(mode=mode))
+    kw = profile.first_token_kwargs(inputs, RaincheckConfig(mode=mode))
     with torch.no_grad():
         for _ in range(4):
             model.generate(**kw)

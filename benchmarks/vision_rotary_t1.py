@@ -25,15 +25,13 @@ from raincheck_hf.fast import vision_attention
 def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, info, inputs, prompt = shapes.image_turn(model_name, device)
-    common = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     forms = {"full": (RaincheckConfig(mode="full"), True), "mmtok": (RaincheckConfig(), True),
              "uniform": (RaincheckConfig(selector="uniform"), True), "stock": (None, True),
              "full_stock_rotary": (RaincheckConfig(mode="full"), False),
              "mmtok_stock_rotary": (RaincheckConfig(), False)}
 
     def kwargs(name):
-        config = forms[name][0]
-        return dict(inputs, **common, **({} if config is None else {"raincheck": config}))
+        return profile.first_token_kwargs(inputs, forms[name][0])
 
     def switch(name):
         def setup():

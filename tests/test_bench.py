@@ -224,9 +224,8 @@ def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
     model, info, inputs, prompt = shapes.image_turn("tiny_qwen3_vl", "cpu")
     assert prompt["kind"] == "image" and inputs["input_ids"].shape[1] == prompt["prompt_tokens"]
     order = []
-    common = dict(inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-    variants = {"full": (dict(common, raincheck=RaincheckConfig(mode="full")), lambda: order.append("full")),
-                "stock": (common, None)}
+    full = profile.first_token_kwargs(inputs, RaincheckConfig(mode="full"))
+    variants = {"full": (full, lambda: order.append("full")), "stock": (profile.first_token_kwargs(inputs), None)}
     times = profile.first_tokens_side_by_side(model, torch.device("cpu"), variants, reps=2, warm_up=1)
     assert set(times) == {"full", "stock"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert order == ["full"] * 3  # one warm-up and two rounds

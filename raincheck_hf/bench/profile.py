@@ -144,19 +144,27 @@ def timeline(model, device, kw: dict) -> dict:
     return {"hf_before_loop_ms": (entered["t"] - t0) * 1e3, "first_token_ms": (first - t0) * 1e3, "stages": rows}
 
 
-def timeline_summary(name: str, line: dict, host: bool = True) -> str:
-    """One printed line of a `timeline`: each stage's host span (with ``host``), device span and the device's idle
-    time before it."""
+def timeline_summary(name: str, line: dict, host: bool = True, prefix: str = "[timeline]") -> str:
+    """One printed line of a `timeline`: each stage's host span (with ``host``), and where the device was timed (CUDA)
+    its device span and, with ``host``, the device's idle time before it."""
     parts = []
     for r in line["stages"]:
         text = f"{r['stage']}"
         if host:
             text += f" host {r['host_start_ms']:.1f}-{r['host_end_ms']:.1f}"
-        text += f" device {r.get('device_start_ms', 0):.1f}-{r.get('device_end_ms', 0):.1f}"
-        if host:
-            text += f" idle before {r.get('device_idle_before_ms', 0):.2f}"
+        if "device_start_ms" in r:
+            text += f" device {r['device_start_ms']:.1f}-{r['device_end_ms']:.1f}"
+            if host:
+                text += f" idle before {r['device_idle_before_ms']:.2f}"
         parts.append(text)
-    return f"[timeline] {name}: first token {line['first_token_ms']:.1f} ms; " + "; ".join(parts)
+    return f"{prefix} {name}: first token {line['first_token_ms']:.1f} ms; " + "; ".join(parts)
+
+
+def first_token_kwargs(inputs: dict, config=None) -> dict:
+    """The `generate` arguments of a first-token timing: ``inputs``, one greedy token, and ``raincheck=config`` unless
+    ``config`` is None (stock `generate`)."""
+    return dict(inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                **({} if config is None else {"raincheck": config}))
 
 
 def first_tokens_side_by_side(model, device, variants: dict, reps: int, warm_up: int = 3) -> dict:
@@ -313,11 +321,7 @@ def run(model_name="qwen3_vl_8b", input_kind="image", modes=("full", "raincheck"
         s = result["modes"][mode]["stages"]
         log(f"[profile] {model_name}/{input_kind} {mode}: " + ", ".join(
             f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in s.items() if isinstance(v, float)))
-        line = result["modes"][mode]["timeline"]
-        log(f"[profile]   unsynced: first token {line['first_token_ms']:.1f} ms; " + "; ".join(
-            f"{r['stage']} host {r['host_start_ms']:.1f}-{r['host_end_ms']:.1f}"
-            + (f" device {r['device_start_ms']:.1f}-{r['device_end_ms']:.1f} idle before "
-               f"{r['device_idle_before_ms']:.2f}" if "device_start_ms" in r else "") for r in line["stages"]))
+        log(timeline_summary(mode, result["modes"][mode]["timeline"], prefix="[profile]   unsynced"))
         replays = result["modes"][mode]["replay_s"]
         log("[profile]   replay: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in replays.items()))
         _write(result, json_path)

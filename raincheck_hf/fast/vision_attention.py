@@ -31,6 +31,7 @@ import os
 import sys
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .._triton import cdiv, pow2, triton_available
 from ..patching import CountedPatches, ThreadScoped, install_forward, module_function, patched_for_thread
@@ -85,8 +86,6 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 def fused_forward(module, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
     """The stock vision attention forward (transformers' ``Qwen3VLVisionAttention`` and its copies in Qwen3.5 and
     Qwen2.5-VL, non-flash backends) with its rotation from `rotary_qkv`; the stock forward where that cannot run."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if (position_embeddings is None or "flash" in str(module.config._attn_implementation or "")
             or not _device_usable(hidden_states)):
         return type(module).forward(module, hidden_states, cu_seqlens, position_embeddings=position_embeddings,
