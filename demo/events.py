@@ -74,12 +74,6 @@ class Page:
                 self.model_note, self.state, self.scrub, self.strip, self.scrub_text]
 
 
-def sends_live_caption(session, live: str, tick: bool) -> bool:
-    """Whether a render outside an answer's stream sends the live cache's caption ``live``: not on a timer's tick that
-    changes nothing, and not while the caption shows a timeline step the user scrubbed to (`Session.showing_step`)."""
-    return not (tick and live == session.live_caption) and not session.showing_step
-
-
 class Events:
     """The page's event handlers, over the browser sessions they create (one `Session` per browser session)."""
 
@@ -107,8 +101,7 @@ class Events:
     # -- the updates --
     def render(self, session: Session, step: Step, tick: bool = False) -> dict:
         """The updates for one `Step` (the picture only when it changed; on a timer ``tick``, the caption
-        only when it changed too; outside an answer's stream, not while the caption shows a timeline step the user
-        scrubbed to, `Session.showing_step`: an answer's last render arriving after the scrubbing once undid it)."""
+        only when it changed too, so that a tick does not undo the timeline's caption while scrubbing)."""
         p = self.page
         image, counts, changed = panels.picture_and_counts(session, draw=bool(step.picture),
                                                            force=step.picture == "force")
@@ -123,7 +116,7 @@ class Events:
         else:
             session.sent_streaming = {}
             live = panels.caption(session, counts)
-            if sends_live_caption(session, live, tick):
+            if not (tick and live == session.live_caption):
                 out[p.caption] = live
             session.live_caption = live
             out.update({p.figures: panels.figures(session), p.status: panels.status(session)})
@@ -244,7 +237,6 @@ class Events:
             return {p.scrub_text: TIMELINE_WAITING}
         # the live picture is left as drawn (``session.drawn``): a timer tick redraws it only when
         # the cache changes, so that it does not undo the scrubbing; the caption says which step it shows
-        session.showing_step = True
         return {p.picture: image, p.strip: strip_image, p.scrub_text: text,
                 p.caption: panels.timeline_caption(session, upto)}
 

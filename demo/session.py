@@ -72,9 +72,6 @@ class Session:
         self.timeline_shown = None  # signature of the timeline last sent
         self.sent_streaming: dict = {}  # what the page was last sent while an answer streams (component id -> value)
         self.live_caption = None  # the caption of the cache last sent (the timeline's may be shown instead)
-        # the caption shows a step of the timeline the user scrubbed to: later renders of the live cache (an answer's
-        # last one arriving late, a timer's tick) leave it, until the next question or conversation
-        self.showing_step = False
         self.busy = None  # what holds the lock: "answering", or "loading model X"
         self.requested: Settings | None = None  # settings asked for while an answer runs (applied after it)
         self.grid_cells = None  # the cells of the conversation's latest glyph grid (for reference answers)
@@ -98,7 +95,6 @@ class Session:
     def restart(self, settings: Settings | None = None) -> None:
         """Close the conversation; the next question starts a new one (with ``settings``)."""
         self.close()
-        self.showing_step = False
         self.visual_turns = []
         self.live = None
         self.drawn = None
@@ -155,7 +151,6 @@ class Session:
 
         Bad input gets a message in the chat and leaves the conversation as it was.
         """
-        self.showing_step = False  # (the caption follows this answer)
         loading = self.loading_step(wanted)
         if loading is not None:
             yield loading

@@ -472,23 +472,6 @@ def test_demo_compare_runs_the_four_modes_on_one_selection(client, files):
     assert "Type a question" in final[COMPARE_NOTE]
 
 
-def test_a_scrubbed_timeline_caption_stays_until_the_next_question_or_conversation():
-    """Renders of the live cache outside an answer's stream (an answer's last render arriving after the user scrubbed,
-    a timer's tick) leave a timeline step's caption the user scrubbed to; a new conversation shows the live one again
-    (a browser test once saw the answer's late last render undo the scrubbed caption)."""
-    from demo.events import sends_live_caption
-    from demo.session import Session, Settings
-
-    session = Session(Settings())
-    session.live_caption = "live"
-    assert sends_live_caption(session, "live", tick=False) and sends_live_caption(session, "changed", tick=True)
-    assert not sends_live_caption(session, "live", tick=True)  # a tick that changes nothing
-    session.showing_step = True  # (what `Events.scrub_to` sets)
-    assert not any(sends_live_caption(session, live, tick) for live in ("live", "changed") for tick in (False, True))
-    session.restart()
-    assert not session.showing_step and sends_live_caption(session, "changed", tick=True)
-
-
 def test_demo_timeline_says_which_patch_came_back_at_which_token(client, files):
     first, second = LIST_FIRST.turns[:2]
     ask(client, first.question, files["list"])
