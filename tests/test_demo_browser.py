@@ -238,10 +238,13 @@ def test_timeline_scrubs_and_replays_settings_wait_and_a_text_file_is_explained(
     grid.image().save(again)
     ask(page, grid.turns[0].question, str(again))
     # this answer's figures, not the first answer's still on the page (its timeline also ended at 70 of 70): the
-    # third conversation's caption once its answer is done
+    # third conversation's caption once its answer is done ("ready": not "answering…", whose counts also read
+    # "restored during the answer"; while the answer streams, each render moves the timeline's slider to its live end
+    # and the caption back to the live cache, so a scrub then could lose its caption: seen under a full CI run)
     page.wait_for_function(
         "() => { const caption = document.querySelector('#rc-caption')?.innerText || '';"
         " return caption.includes('Conversation 3') && caption.includes('restored during the answer')"
+        " && caption.includes('ready ·')"
         " && (document.querySelector('#rc-scrub-text')?.innerText || '').includes('70 of 70'); }", timeout=120_000)
     slider = page.locator("#rc-scrub input[type='range']")
     assert slider.is_enabled()
