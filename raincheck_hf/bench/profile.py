@@ -172,16 +172,15 @@ def first_tokens_side_by_side(model, device, variants: dict, reps: int, warm_up:
     variant's `generate` call, ``warm_up`` calls each first, then ``reps`` rounds, the variants in turn in each (round
     robin, so that a drift of the machine spreads over all of them). ``variants``: name -> ``(kwargs, setup)``, where
     ``setup`` (or None) is called before each of that variant's calls (a benchmark's switch: its form of something the
-    library has no setting for)."""
+    library has no setting for); a context manager it returns is entered around the call."""
 
     def first_token(name):
         kwargs, setup = variants[name]
-        if setup is not None:
-            setup()
+        scope = setup() if setup is not None else None
         clock = TokenClock(device)
         _sync(device)
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), (scope if scope is not None else contextlib.nullcontext()):
             model.generate(**kwargs, streamer=clock)
         _sync(device)
         return (clock.times[0] - t0) * 1e3

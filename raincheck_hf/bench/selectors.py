@@ -10,7 +10,9 @@ after, warm-up calls first (CUDA graphs of the greedy selectors are captured the
 variant ``reference``. On CUDA, ``mmtok`` also runs with its greedy as two launches a pick (variant
 ``two_launches``; the default runs every pick in one launch where it fits), and its parts are timed alone on the
 turn's first group of equal segments: the kernel inputs (variant ``inputs``) and the greedy replayed in each form
-(``greedy_one_launch``, ``greedy_two_launches``; with ``--t1``, ``mmtok_two_launches`` too). ``--t1``:
+(``greedy_one_launch``, the default; ``greedy_one_launch_counter_strided``, ``..._polled_strided``,
+``..._counter_transposed``: `selection.kernels.mmtok_run_form`'s other forms; ``greedy_two_launches``; with ``--t1``,
+``mmtok_two_launches`` too). ``--t1``:
 ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...), max_new_tokens=1)``, synchronised wall
 time, for every selector, ``full`` and stock ``generate``, every variant warmed up first, then the repetitions
 in round robin over the variants.
@@ -137,7 +139,7 @@ def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     from ..configuration import RaincheckConfig
     from ..selection import SelectionContext, get_selector
     from ..selection.base import keep_count
-    from ..selection.kernels import greedy_select, mmtok_one_launch, whole_run_shape
+    from ..selection.kernels import greedy_select, mmtok_one_launch, mmtok_run_form, whole_run_shape
 
     device = turn.embeds.device
     first = turn.segments[0].features.shape
@@ -149,12 +151,18 @@ def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     context = SelectionContext(text_embeds=text)
     inputs = selector.kernel_inputs(features, context)
     parts = [("inputs", lambda: selector.kernel_inputs(features, context))]
-    for variant, one_launch in (("greedy_one_launch", True), ("greedy_two_launches", False)):
+    # the one-launch run in its default form (votes polled, the winner's column from a transposed copy) and in the
+    # other three (`kernels.mmtok_run_form`), then two launches a pick
+    forms = (("greedy_one_launch", True, (True, True)), ("greedy_one_launch_counter_strided", True, (False, False)),
+             ("greedy_one_launch_polled_strided", True, (True, False)),
+             ("greedy_one_launch_counter_transposed", True, (False, True)),
+             ("greedy_two_launches", False, (True, True)))
+    for variant, one_launch, form in forms:
         if one_launch and whole_run_shape(*features.shape[:2], inputs["P"].shape[1], device) is None:
             continue
 
-        def greedy(one_launch=one_launch):
-            with mmtok_one_launch(one_launch):
+        def greedy(one_launch=one_launch, form=form):
+            with mmtok_one_launch(one_launch), mmtok_run_form(*form):
                 return greedy_select("mmtok", inputs, k)
 
         parts.append((variant, greedy))

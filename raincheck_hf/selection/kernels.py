@@ -65,6 +65,26 @@ WHOLE_SLAB = 32768  # coverage values one program of mmtok's one-launch run hold
 _ONE_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_one_launch", default=None)
 
 
+_RUN_FORM: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_run_form", default=(True, True))
+
+
+@contextlib.contextmanager
+def mmtok_run_form(poll: bool = True, transposed: bool = True):
+    """Within the block (this thread or task only), how mmtok's one-launch run waits and reads: ``poll`` (default)
+    each program stores its vote in a slot of its own and polls the segment's slots (else: an ``atomic_max`` into one
+    word, a counter as the barrier, the vote read back: every program's atomics on the same two words);
+    ``transposed`` (default) the winner's coverage column read as a contiguous row of a transposed copy (else: P's
+    strided column, one memory sector per row). The same picks in every form; for the benchmark and tests."""
+    for setting, value in (("poll", poll), ("transposed", transposed)):
+        if not isinstance(value, bool):
+            raise ValueError(f"mmtok_run_form: {setting}={value!r} must be True or False")
+    token = _RUN_FORM.set((poll, transposed))
+    try:
+        yield
+    finally:
+        _RUN_FORM.reset(token)
+
+
 @contextlib.contextmanager
 def mmtok_one_launch(enabled: bool | None):
     """Within the block (this thread or task only), mmtok's greedy runs as one launch (``True``; a `ValueError` where
@@ -152,7 +172,8 @@ class GreedyRun:
     order. All of it is device work only, so it can be captured in a CUDA graph.
     """
 
-    def __init__(self, method: str, inputs: dict, k: int, one_launch: bool | None = None):
+    def __init__(self, method: str, inputs: dict, k: int, one_launch: bool | None = None,
+                 form: tuple[bool, bool] = (True, True)):
         self.method, self.k = method, int(k)
         self.inputs = inputs
         first = next(iter(inputs.values()))
@@ -168,7 +189,13 @@ class GreedyRun:
             if one_launch and self.whole is None:
                 raise ValueError(f"mmtok's one-launch run does not fit {B} segment(s) of {n} tokens, {R} rows")
             if self.whole is not None:
-                self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+                self.poll, self.transposed = form
+                if self.poll:  # the votes of every pick, a slot per program
+                    self.state = {"votes": torch.empty(self.k, B, self.whole[0], dtype=torch.int64, device=device)}
+                else:  # the barrier's counter
+                    self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+                if self.transposed:  # P's transposed copy
+                    self.state["PT"] = torch.empty(B, n, R, dtype=torch.float32, device=device)
             else:
                 self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
                               "part": torch.empty(cdiv(R, BLOCK_R), B, n, dtype=torch.float64, device=device)}
@@ -188,10 +215,20 @@ class GreedyRun:
         self.slots.fill_(INT64_MIN)
         if self.whole is not None:
             programs, r_pad, block_n, warps = self.whole
-            P, arrived = self.inputs["P"], self.state["arrived"]
-            arrived.zero_()
-            _kernels()["mmtok_run"][(B * programs,)](P, self.inputs["W"], self.slots, arrived, B, int(P.shape[1]), n, k,
-                                                     programs, INT64_MIN, R_PAD=r_pad, BLOCK_N=block_n, num_warps=warps)
+            P = self.inputs["P"]
+            # (the kernel reads only what its form uses; the others get a stand-in)
+            votes, arrived = self.state.get("votes", self.slots), self.state.get("arrived", self.indices)
+            PT = self.state.get("PT", P)
+            if self.poll:
+                votes.zero_()  # (0: not cast yet; no vote packs to 0)
+            else:
+                arrived.zero_()
+            if self.transposed:
+                PT.copy_(P.transpose(1, 2))
+            _kernels()["mmtok_run"][(B * programs,)](
+                P, PT, self.inputs["W"], self.slots, votes, arrived, B, int(P.shape[1]), n, k, programs, INT64_MIN,
+                R_PAD=r_pad, BLOCK_N=block_n, PROGRAMS_PAD=pow2(programs, 2), POLL=self.poll,
+                TRANSPOSED=self.transposed, num_warps=warps)
             return self._indices()
         self.taken.zero_()
         grid = (B, cdiv(n, BLOCK_N))
@@ -237,9 +274,10 @@ _GRAPHS: dict[object, OrderedDict] = {}  # device -> key -> _Captured, least rec
 _TABLE_LOCK = threading.Lock()  # the tables above (captures themselves run under the fast path's CAPTURE_LOCK)
 
 
-def _key(method: str, inputs: dict, k: int, one_launch: bool | None = None) -> tuple:
+def _key(method: str, inputs: dict, k: int, one_launch: bool | None = None, form=(True, True)) -> tuple:
     key = (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
-    return key if one_launch is None else key + (("one_launch", one_launch),)
+    key = key if one_launch is None else key + (("one_launch", one_launch),)
+    return key if form == (True, True) or method != "mmtok" else key + (("form", form),)
 
 
 def captured_shapes() -> set:
@@ -254,11 +292,11 @@ def release_selection_graphs() -> None:
         _GRAPHS.clear()
 
 
-def _capture(method: str, inputs: dict, k: int, one_launch: bool | None) -> _Captured:
+def _capture(method: str, inputs: dict, k: int, one_launch: bool | None, form) -> _Captured:
     static = {name: t.clone() for name, t in inputs.items()}
-    run = GreedyRun(method, static, k, one_launch)
+    run = GreedyRun(method, static, k, one_launch, form)
     # compiles the kernel and warms the launcher outside the capture, on the caller's stream (`fast.scoping`)
-    warm = GreedyRun(method, static, min(k, 2), one_launch)
+    warm = GreedyRun(method, static, min(k, 2), one_launch, form)
     with _one_at_a_time(static[next(iter(static))].device, warm.whole is not None):
         warm.launch()
     graph = torch.cuda.CUDAGraph()
@@ -277,12 +315,12 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
     device = next(iter(inputs.values())).device
     if use_graphs is None:
         use_graphs = device.type == "cuda"
-    one_launch = _ONE_LAUNCH.get()
+    one_launch, form = _ONE_LAUNCH.get(), _RUN_FORM.get()
     if not use_graphs:
-        run = GreedyRun(method, inputs, k, one_launch)
+        run = GreedyRun(method, inputs, k, one_launch, form)
         with _one_at_a_time(device, run.whole is not None):
             return run.launch().clone()
-    key = _key(method, inputs, k, one_launch)
+    key = _key(method, inputs, k, one_launch, form)
     with _TABLE_LOCK:
         graphs = _GRAPHS.setdefault(device, OrderedDict())
         captured = graphs.get(key)
@@ -293,7 +331,7 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
             with _TABLE_LOCK:
                 captured = graphs.get(key)
             if captured is None:
-                captured = _capture(method, inputs, k, one_launch)
+                captured = _capture(method, inputs, k, one_launch, form)
                 with _TABLE_LOCK:
                     graphs[key] = captured
                     while len(graphs) > MAX_GRAPHS:

@@ -1,0 +1,67 @@
+"""mmtok's one-launch greedy in each of its forms (`selection.kernels.mmtok_run_form`: votes polled from a slot per
+program or an atomic vote with a counter barrier; the winner's coverage column from a transposed copy or P's strided
+column), alone and in an image turn's first token (T1), side by side in one process; `full`, `uniform` and stock
+`generate` beside them, and an unsynced timeline of the default `mmtok`'s first token (`bench.profile.timeline`).
+
+    python benchmarks/mmtok_barrier_t1.py OUT.json [REPS] [MODEL]
+
+Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_new_tokens=1``, the library's default
+settings. The greedy alone: `bench.selectors.mmtok_part_rows` (captured graphs replayed, medians of REPS x 4). T1:
+each variant warmed up three times, then REPS rounds round robin (`bench.profile.first_tokens_side_by_side`); the
+form is the benchmark's switch, a context variable around the call (the library has no setting for it)."""
+import json
+import statistics
+import sys
+
+import torch
+
+from raincheck_hf.bench import profile, shapes
+from raincheck_hf.bench.latency import hardware_info
+from raincheck_hf.bench.selectors import encode, mmtok_part_rows
+from raincheck_hf.configuration import RaincheckConfig
+from raincheck_hf.selection.kernels import mmtok_run_form
+
+
+def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, info, inputs, prompt = shapes.image_turn(model_name, device)
+    default = (True, True)
+    forms = {"full": (RaincheckConfig(mode="full"), default), "mmtok": (RaincheckConfig(), default),
+             "uniform": (RaincheckConfig(selector="uniform"), default), "stock": (None, default),
+             "mmtok_counter_strided": (RaincheckConfig(), (False, False)),
+             "mmtok_polled_strided": (RaincheckConfig(), (True, False)),
+             "mmtok_counter_transposed": (RaincheckConfig(), (False, True))}
+
+    def kwargs(name):
+        return profile.first_token_kwargs(inputs, forms[name][0])
+
+    def scope(name):
+        return lambda: mmtok_run_form(*forms[name][1])
+
+    result = {"benchmark": "mmtok_barrier_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
+              "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
+              "greedy_ms": {}, "timelines": {}}
+    times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), scope(n)) for n in forms}, reps)
+    for name, t in times.items():
+        median = statistics.median(t)
+        result["t1_ms"][name] = {"median": median, "reps": t, "x_full": median / statistics.median(times["full"]),
+                                 "x_stock": median / statistics.median(times["stock"])}
+        row = result["t1_ms"][name]
+        print(f"[t1] {name}: {median:.2f} ms, x full {row['x_full']:.3f}, x stock {row['x_stock']:.3f}", flush=True)
+    # the selection's parts alone, on the turn the library encodes (`bench.selectors`' turn)
+    turn, _ = encode(model, inputs)
+    for row in mmtok_part_rows(turn, "image", reps * 4, warmup=3) if device.type == "cuda" else []:
+        result["greedy_ms"][row["variant"]] = {"median": row["median_ms"], "reps": row["reps_ms"]}
+        print(f"[part] {row['variant']}: {row['median_ms']:.3f} ms", flush=True)
+    for name in ("full", "mmtok", "mmtok_counter_strided"):
+        with mmtok_run_form(*forms[name][1]), torch.no_grad():
+            line = profile.timeline(model, device, kwargs(name))
+        result["timelines"][name] = line
+        print(profile.timeline_summary(name, line, host=False), flush=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 9, sys.argv[3] if len(sys.argv) > 3 else "qwen3_vl_8b")
