@@ -57,7 +57,7 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
         with mmtok_run_form(*forms[name][1]), torch.no_grad():
             line = profile.timeline(model, device, kwargs(name))
         result["timelines"][name] = line
-        print(profile.timeline_summary(name, line, host=False), flush=True)
+        print(profile.timeline_summary(name, line), flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     return result

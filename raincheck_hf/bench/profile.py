@@ -81,6 +81,18 @@ def stage_timers(model, device, record: dict, marks: list | None = None):
     wrap(generation, "select_visual_rows", "selection")
     wrap(EagerRunner, "run", "forward")  # one forward of the loop's, on either engine (`runner.Runner.run`)
     wrap(StaticRunner, "run", "forward")
+    if marks is not None:  # the timeline's finer marks: the host's work between the selection and the prefill
+        from ..fast import graphs
+        from ..fast.static_cache import StaticDeferredCache
+        from ..selection import kernels, mmtok
+
+        wrap(mmtok.MMTokSelector, "kernel_inputs", "selection_inputs")
+        wrap(kernels, "greedy_select", "greedy")
+        wrap(generation, "build_plan", "plan")
+        wrap(generation, "_pending_rows", "pending_rows")
+        wrap(adapter_cls, "rows", "rows")
+        wrap(StaticDeferredCache, "assign_slots", "assign_slots")
+        wrap(graphs, "fill", "fill")
     entered = {}
     original_sample = generation.raincheck_sample
 
