@@ -306,6 +306,33 @@ def test_conversation_on_split_model(placed, reference_conversation, processor, 
 
 # ---- what cannot work is refused before any compute ---------------------------------------------
 
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_accelerate_split_reads_every_module_as_modules_does(placed, single, placement):
+    """`models.base.accelerate_split` walks the ``_modules`` dicts itself (it runs twice per call): the phrase that
+    reading the hooks of `model.modules()` gives, a module held twice counted once, a submodule set to None skipped."""
+    from raincheck_hf.models.base import _hook_devices, accelerate_split
+
+    def by_modules(model):
+        devices, offloaded = set(), 0
+        for module in model.modules():
+            for device, offloads in _hook_devices(module):
+                if device is not None:
+                    devices.add(str(device))
+                offloaded += offloads
+        parts = [f"over the devices {sorted(devices)}"] if len(devices) > 1 else []
+        parts += [f"with the weights of {offloaded} modules offloaded (cpu / disk)"] if offloaded else []
+        return " and ".join(parts) or None, bool(devices or offloaded)
+
+    model = placed(placement, "qwen3_vl")
+    want, hooked = by_modules(model)
+    assert hooked and accelerate_split(model) == want
+    merger = model.model.visual.merger
+    shared = torch.nn.Sequential(merger, merger, torch.nn.Identity())
+    shared.register_module("nothing", None)
+    assert accelerate_split(shared) == by_modules(shared)[0]
+    assert accelerate_split(single["qwen3_vl"]) is None  # no hooks: not split
+
+
 @pytest.mark.parametrize("placement", ["cpu_offload-meta", "cpu+disk"])
 def test_fast_path_refused_on_split_model(placed, inputs, placement):
     model = placed(placement, "qwen3_vl")
