@@ -9,8 +9,11 @@ launches of one shape are captured once as a CUDA graph and replayed.
 
 mmtok runs every pick in **one launch** where it fits (`whole_run_shape`: a 1,344-token image does, a video's 32
 slices with their text rows do not): a few programs per segment, each holding its block of candidates' coverage
-columns in registers for the whole run and the coverage maxima of its own, vote at every pick and wait for each other
-(a barrier on a counter in device memory), then read the winner. Its programs must all be resident at once, so the
+columns in registers for the whole run and the coverage maxima of its own. At every pick each program stores its best
+candidate in a vote slot of its own and polls the segment's slots until every vote is cast (plain stores and loads:
+no atomics on a word they all share), takes the maximum itself, and reads the winner's coverage column as one
+contiguous row of a transposed copy of P (`mmtok_run_form` keeps the earlier forms, an atomic vote with a counter
+barrier and P's strided column, for the benchmark and tests). Its programs must all be resident at once, so the
 grid is at most one program per multiprocessor and such runs go one after the other on a device (`_one_at_a_time`:
 two at once could each hold what the other's waiting programs need). On an H100 the greedy alone took 2.03 ms against
 3.07 for two launches a pick. Elsewhere a pick is two launches (the partial gains over tiles of rows and candidates,
