@@ -380,12 +380,12 @@ def test_cuda_greedy_kernels_match_reference(method, B, n, D, k, m):
         fits = kernels.whole_run_shape(B, n, inputs["P"].shape[1], features.device) is not None
         sms = torch.cuda.get_device_properties(features.device).multi_processor_count
         assert fits or sms < 96  # every size here fits an H100's 132 multiprocessors
-        forms = [(True, f) for f in ((True, True), (True, False), (False, True), (False, False))] if fits else []
-        for one_launch, form in forms + [(False, (True, True))]:  # one launch in each form, or two launches a pick
-            with kernels.mmtok_one_launch(one_launch), kernels.mmtok_run_form(*form):
+        forms = [(True, True), (True, False)] if fits else []  # one launch, the winner's column transposed or not
+        for one_launch, transposed in forms + [(False, True)]:  # ... or two launches a pick
+            with kernels.mmtok_one_launch(one_launch), kernels.mmtok_transposed_column(transposed):
                 for graphs in (False, True, True):
                     got = kernels.greedy_select(method, inputs, k, use_graphs=graphs)
-                    assert torch.equal(got, want), (one_launch, form)
+                    assert torch.equal(got, want), (one_launch, transposed)
 
 
 def test_cuda_one_launch_mmtok_greedy_from_threads_at_once_ends_and_matches_the_reference():
@@ -408,8 +408,8 @@ def test_cuda_one_launch_mmtok_greedy_from_threads_at_once_ends_and_matches_the_
     def worker(i):
         try:
             stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
-            with torch.cuda.stream(stream), kernels.mmtok_one_launch(True), kernels.mmtok_run_form(i % 4 != 3):
-                for r in range(6):  # (polled votes in three threads of four, the counter in the fourth)
+            with torch.cuda.stream(stream), kernels.mmtok_one_launch(True), kernels.mmtok_transposed_column(i % 4 != 3):
+                for r in range(6):  # (the strided column in one thread of four)
                     inputs, k, want = cases[(i + r) % len(cases)]
                     got = kernels.greedy_select("mmtok", inputs, k, use_graphs=r % 3 != 0)
                     results.append(torch.equal(got.cpu(), want.cpu()))

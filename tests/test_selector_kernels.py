@@ -44,14 +44,13 @@ for B, n, D, k, m in json.loads(sys.argv[1]):
     inputs = {"mmtok": mmtok_inputs(f, text, 0.5, 0.02, 0.2), "divprune": divprune_inputs(f),
               "cdpruner": cdpruner_inputs(f, text, 0.5)}
     for method, want in refs.items():
-        # mmtok: one launch in each of its forms (polled votes or a counter; the winner's column transposed or
-        # strided), or two launches a pick
-        forms = [(True, f) for f in ((True, True), (True, False), (False, True), (False, False))] + [(False, None)]
-        for one_launch, form in forms if method == "mmtok" else [(None, None)]:
-            with kernels.mmtok_one_launch(one_launch), kernels.mmtok_run_form(*(form or (True, True))):
+        # mmtok: one launch (the winner's column read transposed or strided), or two launches a pick
+        forms = [(True, True), (True, False), (False, True)]
+        for one_launch, transposed in forms if method == "mmtok" else [(None, True)]:
+            with kernels.mmtok_one_launch(one_launch), kernels.mmtok_transposed_column(transposed):
                 got = kernels.greedy_select(method, inputs[method], k, use_graphs=False)
-            results.append({"method": method, "one_launch": one_launch, "form": form, "size": [B, n, D, k, m],
-                            "got": got.tolist(), "want": want.tolist()})
+            results.append({"method": method, "one_launch": one_launch, "transposed": transposed,
+                            "size": [B, n, D, k, m], "got": got.tolist(), "want": want.tolist()})
 print(json.dumps(results))
 """
 
@@ -63,9 +62,9 @@ def test_step_kernels_match_reference_in_interpreter():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 7 * len(SIZES)
+    assert len(results) == 5 * len(SIZES)
     for r in results:
-        assert r["got"] == r["want"], (r["method"], r["one_launch"], r["form"], r["size"])
+        assert r["got"] == r["want"], (r["method"], r["one_launch"], r["transposed"], r["size"])
 
 
 def test_cdpruner_fallback_is_the_reference_mapping():
@@ -174,28 +173,25 @@ def test_one_launch_runs_go_one_after_the_other_on_a_cuda_device(monkeypatch):
     assert events == ["wait", "done", "wait", "done"]
 
 
-def test_mmtok_run_form_names_a_bad_setting_and_is_scoped_to_its_block():
+def test_mmtok_transposed_column_names_a_bad_setting_and_is_scoped_to_its_block():
     import threading
 
     from raincheck_hf.selection import kernels
 
-    with pytest.raises(ValueError, match="poll=1 must be True or False"):
-        with kernels.mmtok_run_form(poll=1):
-            pass
-    with pytest.raises(ValueError, match="transposed='yes'"):
-        with kernels.mmtok_run_form(transposed="yes"):
+    with pytest.raises(ValueError, match="enabled=1 must be True or False"):
+        with kernels.mmtok_transposed_column(1):
             pass
     seen = []
-    with kernels.mmtok_run_form(False, False):
-        seen.append(kernels._RUN_FORM.get())
-        thread = threading.Thread(target=lambda: seen.append(kernels._RUN_FORM.get()))
+    with kernels.mmtok_transposed_column(False):
+        seen.append(kernels._TRANSPOSED.get())
+        thread = threading.Thread(target=lambda: seen.append(kernels._TRANSPOSED.get()))
         thread.start()
         thread.join()
-    seen.append(kernels._RUN_FORM.get())
-    assert seen == [(False, False), (True, True), (True, True)]
+    seen.append(kernels._TRANSPOSED.get())
+    assert seen == [False, True, True]
     inputs = {"P": torch.zeros(1, 8, 4), "W": torch.zeros(8, dtype=torch.float64)}
-    assert kernels._key("mmtok", inputs, 2) == kernels._key("mmtok", inputs, 2, None, (True, True))
-    assert kernels._key("mmtok", inputs, 2, None, (False, True)) != kernels._key("mmtok", inputs, 2)
+    assert kernels._key("mmtok", inputs, 2) == kernels._key("mmtok", inputs, 2, None, True)
+    assert kernels._key("mmtok", inputs, 2, None, False) != kernels._key("mmtok", inputs, 2)  # its own graph
 
 
 def test_one_launch_grid_fits_the_multiprocessors_it_can_count_on(monkeypatch):

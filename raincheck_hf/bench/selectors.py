@@ -10,9 +10,8 @@ after, warm-up calls first (CUDA graphs of the greedy selectors are captured the
 variant ``reference``. On CUDA, ``mmtok`` also runs with its greedy as two launches a pick (variant
 ``two_launches``; the default runs every pick in one launch where it fits), and its parts are timed alone on the
 turn's first group of equal segments: the kernel inputs (variant ``inputs``) and the greedy replayed in each form
-(``greedy_one_launch``, the default; ``greedy_one_launch_counter_strided``, ``..._polled_strided``,
-``..._counter_transposed``: `selection.kernels.mmtok_run_form`'s other forms; ``greedy_two_launches``; with ``--t1``,
-``mmtok_two_launches`` too). ``--t1``:
+(``greedy_one_launch``, the default; ``greedy_one_launch_strided``, the winner's column read from P's strided column,
+`selection.kernels.mmtok_transposed_column`; ``greedy_two_launches``; with ``--t1``, ``mmtok_two_launches`` too). ``--t1``:
 ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...), max_new_tokens=1)``, synchronised wall
 time, for every selector, ``full`` and stock ``generate``, every variant warmed up first, then the repetitions
 in round robin over the variants.
@@ -139,7 +138,7 @@ def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     from ..configuration import RaincheckConfig
     from ..selection import SelectionContext, get_selector
     from ..selection.base import keep_count
-    from ..selection.kernels import greedy_select, mmtok_one_launch, mmtok_run_form, whole_run_shape
+    from ..selection.kernels import greedy_select, mmtok_one_launch, mmtok_transposed_column, whole_run_shape
 
     device = turn.embeds.device
     first = turn.segments[0].features.shape
@@ -151,18 +150,16 @@ def mmtok_part_rows(turn, kind: str, reps: int, warmup: int) -> list[dict]:
     context = SelectionContext(text_embeds=text)
     inputs = selector.kernel_inputs(features, context)
     parts = [("inputs", lambda: selector.kernel_inputs(features, context))]
-    # the one-launch run in its default form (votes polled, the winner's column from a transposed copy) and in the
-    # other three (`kernels.mmtok_run_form`), then two launches a pick
-    forms = (("greedy_one_launch", True, (True, True)), ("greedy_one_launch_counter_strided", True, (False, False)),
-             ("greedy_one_launch_polled_strided", True, (True, False)),
-             ("greedy_one_launch_counter_transposed", True, (False, True)),
-             ("greedy_two_launches", False, (True, True)))
-    for variant, one_launch, form in forms:
+    # the one-launch run (the winner's column from a transposed copy of P, the default, or P's strided column:
+    # `kernels.mmtok_transposed_column`), then two launches a pick
+    forms = (("greedy_one_launch", True, True), ("greedy_one_launch_strided", True, False),
+             ("greedy_two_launches", False, True))
+    for variant, one_launch, transposed in forms:
         if one_launch and whole_run_shape(*features.shape[:2], inputs["P"].shape[1], device) is None:
             continue
 
-        def greedy(one_launch=one_launch, form=form):
-            with mmtok_one_launch(one_launch), mmtok_run_form(*form):
+        def greedy(one_launch=one_launch, transposed=transposed):
+            with mmtok_one_launch(one_launch), mmtok_transposed_column(transposed):
                 return greedy_select("mmtok", inputs, k)
 
         parts.append((variant, greedy))

@@ -79,22 +79,18 @@ def mmtok_vote(part, taken, slots, s, B, n, RB, neg, BLOCK_RB: tl.constexpr, BLO
 
 
 @triton.jit(do_not_specialize=["k", "programs"])
-def mmtok_run(P, PT, W, slots, votes, arrived, B, R, n, k, programs, neg,
-              R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PAD: tl.constexpr,
-              POLL: tl.constexpr, TRANSPOSED: tl.constexpr):
+def mmtok_run(P, PT, W, slots, arrived, B, R, n, k, programs, neg,
+              R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
     # every pick of mmtok's greedy in one launch: ``programs`` programs per segment, each holding its block of
     # candidate columns' coverage values (all R rows) in registers, the coverage maxima kept by each program. A pick:
-    # the block's gains (as mmtok_gain + mmtok_vote sum them: float64, rounded to float32 once), a vote, a wait for
-    # the segment's other programs, and the winner's column of P applied to the maxima. The launcher keeps the grid
-    # within what the device holds at once, one launch at a time.
-    # POLL: each program stores its vote in its own slot of votes[s, b, :] (zeroed by the launcher; no vote packs to
-    # 0) and polls the segment's slots until all are cast, then takes their maximum itself: no atomics on a shared
-    # word. Otherwise: an atomic_max into slots[s, b], a counter arrived[b] as the barrier, the vote read back.
-    # TRANSPOSED: the winner's column read from PT [B, n, R] (one contiguous row) instead of P's strided column.
+    # the block's gains (as mmtok_gain + mmtok_vote sum them: float64, rounded to float32 once), a vote into
+    # slots[s, b], then a barrier among the segment's programs (arrived[b] counts the votes cast) and the winner's
+    # column of P applied to the maxima: with TRANSPOSED, one contiguous row of PT [B, n, R] (P's transposed copy),
+    # else P's strided column (a memory sector per row). The launcher keeps the grid within what the device holds at
+    # once, one launch at a time.
     pid = tl.program_id(0)
     b = pid // programs
-    me = pid % programs
-    cols = me * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (pid % programs) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     rows = tl.arange(0, R_PAD)
     rmask = rows < R
@@ -104,27 +100,15 @@ def mmtok_run(P, PT, W, slots, votes, arrived, B, R, n, k, programs, neg,
     w = tl.load(W + rows, mask=rmask, other=0.0)
     cov = tl.zeros([R_PAD], dtype=tl.float32)
     out = cmask == 0  # columns past n, then the ones taken
-    others = tl.arange(0, PROGRAMS_PAD)
-    omask = others < programs
     for s in range(k):
         gain = tl.sum(w[:, None] * tl.maximum(p - cov[:, None], 0.0).to(tl.float64), axis=0)
         packed = tl.where(out, neg, _pack(gain.to(tl.float32), cols))
-        if POLL:
-            v_base = votes + (s * B + b).to(tl.int64) * programs
-            tl.store(v_base + me, tl.max(packed, axis=0))
-            tl.debug_barrier()
-            cast = tl.load(v_base + others, mask=omask, other=neg, volatile=True)
-            while tl.min(tl.where(omask & (cast == 0), 0, 1), axis=0) == 0:
-                cast = tl.load(v_base + others, mask=omask, other=neg, volatile=True)
-            won = tl.max(cast, axis=0)
-            tl.store(slots + s * B + b, won, mask=me == 0)  # the record `GreedyRun` reads the picks from
-        else:
-            tl.atomic_max(slots + s * B + b, tl.max(packed, axis=0), sem="relaxed")
-            tl.debug_barrier()
-            seen = tl.atomic_add(arrived + b, 1, sem="acq_rel") + 1
-            while seen < (s + 1) * programs:
-                seen = tl.atomic_add(arrived + b, 0, sem="acquire")
-            won = tl.atomic_max(slots + s * B + b, neg, sem="acquire")  # (a read of the vote's final value)
+        tl.atomic_max(slots + s * B + b, tl.max(packed, axis=0), sem="relaxed")
+        tl.debug_barrier()
+        seen = tl.atomic_add(arrived + b, 1, sem="acq_rel") + 1
+        while seen < (s + 1) * programs:
+            seen = tl.atomic_add(arrived + b, 0, sem="acquire")
+        won = tl.atomic_max(slots + s * B + b, neg, sem="acquire")  # (a read of the vote's final value)
         j = (4294967295 - (won & 4294967295)).to(tl.int32)
         out = out | (cols == j)
         if TRANSPOSED:

@@ -9,11 +9,10 @@ launches of one shape are captured once as a CUDA graph and replayed.
 
 mmtok runs every pick in **one launch** where it fits (`whole_run_shape`: a 1,344-token image does, a video's 32
 slices with their text rows do not): a few programs per segment, each holding its block of candidates' coverage
-columns in registers for the whole run and the coverage maxima of its own. At every pick each program stores its best
-candidate in a vote slot of its own and polls the segment's slots until every vote is cast (plain stores and loads:
-no atomics on a word they all share), takes the maximum itself, and reads the winner's coverage column as one
-contiguous row of a transposed copy of P (`mmtok_run_form` keeps the earlier forms, an atomic vote with a counter
-barrier and P's strided column, for the benchmark and tests). Its programs must all be resident at once, so the
+columns in registers for the whole run and the coverage maxima of its own, vote at every pick and wait for each other
+(a barrier on a counter in device memory), then read the winner's coverage column as one contiguous row of a
+transposed copy of P (P's own column is strided: a memory sector per row; `mmtok_transposed_column(False)` reads it
+there, for the benchmark and tests). Its programs must all be resident at once, so the
 grid is at most one program per multiprocessor and such runs go one after the other on a device (`_one_at_a_time`:
 two at once could each hold what the other's waiting programs need). On an H100 the greedy alone took 2.03 ms against
 3.07 for two launches a pick. Elsewhere a pick is two launches (the partial gains over tiles of rows and candidates,
@@ -68,24 +67,21 @@ WHOLE_SLAB = 32768  # coverage values one program of mmtok's one-launch run hold
 _ONE_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_one_launch", default=None)
 
 
-_RUN_FORM: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_run_form", default=(True, True))
+_TRANSPOSED: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_transposed", default=True)
 
 
 @contextlib.contextmanager
-def mmtok_run_form(poll: bool = True, transposed: bool = True):
-    """Within the block (this thread or task only), how mmtok's one-launch run waits and reads: ``poll`` (default)
-    each program stores its vote in a slot of its own and polls the segment's slots (else: an ``atomic_max`` into one
-    word, a counter as the barrier, the vote read back: every program's atomics on the same two words);
-    ``transposed`` (default) the winner's coverage column read as a contiguous row of a transposed copy (else: P's
-    strided column, one memory sector per row). The same picks in every form; for the benchmark and tests."""
-    for setting, value in (("poll", poll), ("transposed", transposed)):
-        if not isinstance(value, bool):
-            raise ValueError(f"mmtok_run_form: {setting}={value!r} must be True or False")
-    token = _RUN_FORM.set((poll, transposed))
+def mmtok_transposed_column(enabled: bool):
+    """Within the block (this thread or task only), whether mmtok's one-launch run reads each pick's winning coverage
+    column as one contiguous row of a transposed copy of P (``True``, the default) or as P's strided column
+    (``False``: one memory sector per row). The same picks either way; for the benchmark and tests."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"mmtok_transposed_column: enabled={enabled!r} must be True or False")
+    token = _TRANSPOSED.set(enabled)
     try:
         yield
     finally:
-        _RUN_FORM.reset(token)
+        _TRANSPOSED.reset(token)
 
 
 @contextlib.contextmanager
@@ -175,8 +171,7 @@ class GreedyRun:
     order. All of it is device work only, so it can be captured in a CUDA graph.
     """
 
-    def __init__(self, method: str, inputs: dict, k: int, one_launch: bool | None = None,
-                 form: tuple[bool, bool] = (True, True)):
+    def __init__(self, method: str, inputs: dict, k: int, one_launch: bool | None = None, transposed: bool = True):
         self.method, self.k = method, int(k)
         self.inputs = inputs
         first = next(iter(inputs.values()))
@@ -192,12 +187,9 @@ class GreedyRun:
             if one_launch and self.whole is None:
                 raise ValueError(f"mmtok's one-launch run does not fit {B} segment(s) of {n} tokens, {R} rows")
             if self.whole is not None:
-                self.poll, self.transposed = form
-                if self.poll:  # the votes of every pick, a slot per program
-                    self.state = {"votes": torch.empty(self.k, B, self.whole[0], dtype=torch.int64, device=device)}
-                else:  # the barrier's counter
-                    self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
-                if self.transposed:  # P's transposed copy
+                self.transposed = transposed
+                self.state = {"arrived": torch.empty(B, dtype=torch.int32, device=device)}
+                if transposed:  # P's transposed copy: each winner's column is one contiguous row of it
                     self.state["PT"] = torch.empty(B, n, R, dtype=torch.float32, device=device)
             else:
                 self.state = {"cov": torch.empty(2, B, R, dtype=torch.float32, device=device),
@@ -218,20 +210,14 @@ class GreedyRun:
         self.slots.fill_(INT64_MIN)
         if self.whole is not None:
             programs, r_pad, block_n, warps = self.whole
-            P = self.inputs["P"]
-            # (the kernel reads only what its form uses; the others get a stand-in)
-            votes, arrived = self.state.get("votes", self.slots), self.state.get("arrived", self.indices)
-            PT = self.state.get("PT", P)
-            if self.poll:
-                votes.zero_()  # (0: not cast yet; no vote packs to 0)
-            else:
-                arrived.zero_()
+            P, arrived = self.inputs["P"], self.state["arrived"]
+            PT = self.state.get("PT", P)  # (P itself stands in where the kernel does not read it)
+            arrived.zero_()
             if self.transposed:
                 PT.copy_(P.transpose(1, 2))
-            _kernels()["mmtok_run"][(B * programs,)](
-                P, PT, self.inputs["W"], self.slots, votes, arrived, B, int(P.shape[1]), n, k, programs, INT64_MIN,
-                R_PAD=r_pad, BLOCK_N=block_n, PROGRAMS_PAD=pow2(programs, 2), POLL=self.poll,
-                TRANSPOSED=self.transposed, num_warps=warps)
+            _kernels()["mmtok_run"][(B * programs,)](P, PT, self.inputs["W"], self.slots, arrived, B, int(P.shape[1]),
+                                                     n, k, programs, INT64_MIN, R_PAD=r_pad, BLOCK_N=block_n,
+                                                     TRANSPOSED=self.transposed, num_warps=warps)
             return self._indices()
         self.taken.zero_()
         grid = (B, cdiv(n, BLOCK_N))
@@ -277,10 +263,10 @@ _GRAPHS: dict[object, OrderedDict] = {}  # device -> key -> _Captured, least rec
 _TABLE_LOCK = threading.Lock()  # the tables above (captures themselves run under the fast path's CAPTURE_LOCK)
 
 
-def _key(method: str, inputs: dict, k: int, one_launch: bool | None = None, form=(True, True)) -> tuple:
+def _key(method: str, inputs: dict, k: int, one_launch: bool | None = None, transposed: bool = True) -> tuple:
     key = (method, int(k)) + tuple((name, tuple(t.shape)) for name, t in inputs.items())
     key = key if one_launch is None else key + (("one_launch", one_launch),)
-    return key if form == (True, True) or method != "mmtok" else key + (("form", form),)
+    return key if transposed or method != "mmtok" else key + (("strided_column", True),)
 
 
 def captured_shapes() -> set:
@@ -295,11 +281,11 @@ def release_selection_graphs() -> None:
         _GRAPHS.clear()
 
 
-def _capture(method: str, inputs: dict, k: int, one_launch: bool | None, form) -> _Captured:
+def _capture(method: str, inputs: dict, k: int, one_launch: bool | None, transposed: bool) -> _Captured:
     static = {name: t.clone() for name, t in inputs.items()}
-    run = GreedyRun(method, static, k, one_launch, form)
+    run = GreedyRun(method, static, k, one_launch, transposed)
     # compiles the kernel and warms the launcher outside the capture, on the caller's stream (`fast.scoping`)
-    warm = GreedyRun(method, static, min(k, 2), one_launch, form)
+    warm = GreedyRun(method, static, min(k, 2), one_launch, transposed)
     with _one_at_a_time(static[next(iter(static))].device, warm.whole is not None):
         warm.launch()
     graph = torch.cuda.CUDAGraph()
@@ -318,12 +304,12 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
     device = next(iter(inputs.values())).device
     if use_graphs is None:
         use_graphs = device.type == "cuda"
-    one_launch, form = _ONE_LAUNCH.get(), _RUN_FORM.get()
+    one_launch, transposed = _ONE_LAUNCH.get(), _TRANSPOSED.get()
     if not use_graphs:
-        run = GreedyRun(method, inputs, k, one_launch, form)
+        run = GreedyRun(method, inputs, k, one_launch, transposed)
         with _one_at_a_time(device, run.whole is not None):
             return run.launch().clone()
-    key = _key(method, inputs, k, one_launch, form)
+    key = _key(method, inputs, k, one_launch, transposed)
     with _TABLE_LOCK:
         graphs = _GRAPHS.setdefault(device, OrderedDict())
         captured = graphs.get(key)
@@ -334,7 +320,7 @@ def greedy_select(method: str, inputs: dict, k: int, use_graphs: bool | None = N
             with _TABLE_LOCK:
                 captured = graphs.get(key)
             if captured is None:
-                captured = _capture(method, inputs, k, one_launch, form)
+                captured = _capture(method, inputs, k, one_launch, transposed)
                 with _TABLE_LOCK:
                     graphs[key] = captured
                     while len(graphs) > MAX_GRAPHS:

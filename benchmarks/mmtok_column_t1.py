@@ -1,9 +1,9 @@
-"""mmtok's one-launch greedy in each of its forms (`selection.kernels.mmtok_run_form`: votes polled from a slot per
-program or an atomic vote with a counter barrier; the winner's coverage column from a transposed copy or P's strided
-column), alone and in an image turn's first token (T1), side by side in one process; `full`, `uniform` and stock
-`generate` beside them, and an unsynced timeline of the default `mmtok`'s first token (`bench.profile.timeline`).
+"""mmtok's one-launch greedy with each pick's winning coverage column read from a transposed copy of P (the default)
+and from P's strided column (`selection.kernels.mmtok_transposed_column`), alone and in an image turn's first token
+(T1), side by side in one process; `full`, `uniform` and stock `generate` beside them, and an unsynced timeline of
+the first token with finer marks between the selection and the prefill (`bench.profile.timeline`).
 
-    python benchmarks/mmtok_barrier_t1.py OUT.json [REPS] [MODEL]
+    python benchmarks/mmtok_column_t1.py OUT.json [REPS] [MODEL]
 
 Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_new_tokens=1``, the library's default
 settings. The greedy alone: `bench.selectors.mmtok_part_rows` (captured graphs replayed, medians of REPS x 4). T1:
@@ -19,26 +19,23 @@ from raincheck_hf.bench import profile, shapes
 from raincheck_hf.bench.latency import hardware_info
 from raincheck_hf.bench.selectors import encode, mmtok_part_rows
 from raincheck_hf.configuration import RaincheckConfig
-from raincheck_hf.selection.kernels import mmtok_run_form
+from raincheck_hf.selection.kernels import mmtok_transposed_column
 
 
 def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, info, inputs, prompt = shapes.image_turn(model_name, device)
-    default = (True, True)
-    forms = {"full": (RaincheckConfig(mode="full"), default), "mmtok": (RaincheckConfig(), default),
-             "uniform": (RaincheckConfig(selector="uniform"), default), "stock": (None, default),
-             "mmtok_counter_strided": (RaincheckConfig(), (False, False)),
-             "mmtok_polled_strided": (RaincheckConfig(), (True, False)),
-             "mmtok_counter_transposed": (RaincheckConfig(), (False, True))}
+    forms = {"full": (RaincheckConfig(mode="full"), True), "mmtok": (RaincheckConfig(), True),
+             "uniform": (RaincheckConfig(selector="uniform"), True), "stock": (None, True),
+             "mmtok_strided": (RaincheckConfig(), False)}
 
     def kwargs(name):
         return profile.first_token_kwargs(inputs, forms[name][0])
 
     def scope(name):
-        return lambda: mmtok_run_form(*forms[name][1])
+        return lambda: mmtok_transposed_column(forms[name][1])
 
-    result = {"benchmark": "mmtok_barrier_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
+    result = {"benchmark": "mmtok_column_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
               "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
               "greedy_ms": {}, "timelines": {}}
     times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), scope(n)) for n in forms}, reps)
@@ -53,8 +50,8 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     for row in mmtok_part_rows(turn, "image", reps * 4, warmup=3) if device.type == "cuda" else []:
         result["greedy_ms"][row["variant"]] = {"median": row["median_ms"], "reps": row["reps_ms"]}
         print(f"[part] {row['variant']}: {row['median_ms']:.3f} ms", flush=True)
-    for name in ("full", "mmtok", "mmtok_counter_strided"):
-        with mmtok_run_form(*forms[name][1]), torch.no_grad():
+    for name in ("full", "mmtok", "mmtok_strided"):
+        with mmtok_transposed_column(forms[name][1]), torch.no_grad():
             line = profile.timeline(model, device, kwargs(name))
         result["timelines"][name] = line
         print(profile.timeline_summary(name, line), flush=True)
