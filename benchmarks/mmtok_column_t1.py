@@ -35,7 +35,8 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     def scope(name):
         return lambda: mmtok_transposed_column(forms[name][1])
 
-    result = {"benchmark": "mmtok_column_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
+    result = {"benchmark": "mmtok_column_t1", "command": " ".join(["python", *sys.argv]),
+              "hardware": hardware_info(device), "model": info, "prompt": prompt,
               "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
               "greedy_ms": {}, "timelines": {}}
     times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), scope(n)) for n in forms}, reps)
