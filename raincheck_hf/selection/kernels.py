@@ -65,37 +65,34 @@ BLOCK_R = 64  # reduction rows per tile
 
 WHOLE_SLAB = 32768  # coverage values one program of mmtok's one-launch run holds in registers (R_PAD x BLOCK_N)
 _ONE_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_one_launch", default=None)
-
-
 _TRANSPOSED: contextvars.ContextVar = contextvars.ContextVar("raincheck_mmtok_transposed", default=True)
 
 
 @contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def mmtok_transposed_column(enabled: bool):
     """Within the block (this thread or task only), whether mmtok's one-launch run reads each pick's winning coverage
     column as one contiguous row of a transposed copy of P (``True``, the default) or as P's strided column
     (``False``: one memory sector per row). The same picks either way; for the benchmark and tests."""
     if not isinstance(enabled, bool):
         raise ValueError(f"mmtok_transposed_column: enabled={enabled!r} must be True or False")
-    token = _TRANSPOSED.set(enabled)
-    try:
-        yield
-    finally:
-        _TRANSPOSED.reset(token)
+    return _scoped(_TRANSPOSED, enabled)
 
 
-@contextlib.contextmanager
 def mmtok_one_launch(enabled: bool | None):
     """Within the block (this thread or task only), mmtok's greedy runs as one launch (``True``; a `ValueError` where
     it does not fit), as two launches a pick (``False``), or as fits (``None``, the default). For the benchmark and
     tests that compare the two."""
     if enabled not in (True, False, None):
         raise ValueError(f"mmtok_one_launch: enabled={enabled!r} must be True, False or None")
-    token = _ONE_LAUNCH.set(enabled)
-    try:
-        yield
-    finally:
-        _ONE_LAUNCH.reset(token)
+    return _scoped(_ONE_LAUNCH, enabled)
 
 
 def whole_run_shape(B: int, n: int, R: int, device) -> tuple | None:
