@@ -10,8 +10,9 @@ after, warm-up calls first (CUDA graphs of the greedy selectors are captured the
 variant ``reference``. On CUDA, ``mmtok`` also runs with its greedy as two launches a pick (variant
 ``two_launches``; the default runs every pick in one launch where it fits), and its parts are timed alone on the
 turn's first group of equal segments: the kernel inputs (variant ``inputs``) and the greedy replayed in each form
-(``greedy_one_launch``, the default; ``greedy_one_launch_strided``, the winner's column read from P's strided column,
-`selection.kernels.mmtok_transposed_column`; ``greedy_two_launches``; with ``--t1``, ``mmtok_two_launches`` too). ``--t1``:
+(``greedy_one_launch``, the default; ``greedy_one_launch_strided``, the winner's column read from P's strided
+column, `selection.kernels.mmtok_transposed_column`; ``greedy_two_launches``; with ``--t1``, ``mmtok_two_launches``
+too). ``--t1``:
 ``model.generate(**inputs, raincheck=RaincheckConfig(selector=...), max_new_tokens=1)``, synchronised wall
 time, for every selector, ``full`` and stock ``generate``, every variant warmed up first, then the repetitions
 in round robin over the variants.
