@@ -11,11 +11,11 @@ mmtok runs every pick in **one launch** where it fits (`whole_run_shape`: a 1,34
 slices with their text rows do not): a few programs per segment, each holding its block of candidates' coverage
 columns in registers for the whole run and the coverage maxima of its own, vote at every pick and wait for each other
 (a barrier on a counter in device memory), then read the winner's coverage column as one contiguous row of a
-transposed copy of P (P's own column is strided: a memory sector per row; `mmtok_transposed_column(False)` reads it
-there, for the benchmark and tests). Its programs must all be resident at once, so the
-grid is at most one program per multiprocessor and such runs go one after the other on a device (`_one_at_a_time`:
-two at once could each hold what the other's waiting programs need). On an H100 the greedy alone took 2.03 ms against
-3.07 for two launches a pick. Elsewhere a pick is two launches (the partial gains over tiles of rows and candidates,
+transposed copy of P, made at the launch's start (P's own column is strided: a memory sector per row;
+`mmtok_transposed_column(False)` reads it there, for the benchmark and tests). Its programs must all be resident at
+once, so the grid is at most one program per multiprocessor and such runs go one after the other on a device
+(`_one_at_a_time`: two at once could each hold what the other's waiting programs need). On an H100, for a 1,344-token
+image, the greedy alone took 1.68 ms (2.07 reading P's strided column) against 3.16 for two launches a pick. Elsewhere a pick is two launches (the partial gains over tiles of rows and candidates,
 then their fixed-order sum and the vote). Earlier one-launch-a-pick forms (the last row tile of each column block
 summing and voting; one program per block of candidates summing over every row) and a lazy greedy (one program per
 segment, re-evaluating only the candidates whose last gain could still win) gave no gain or were slower: launches
