@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -224,16 +225,31 @@ def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
     model, info, inputs, prompt = shapes.image_turn("tiny_qwen3_vl", "cpu")
     assert prompt["kind"] == "image" and inputs["input_ids"].shape[1] == prompt["prompt_tokens"]
     order = []
+
+    @contextlib.contextmanager
+    def around():  # a setup's context manager: entered around that variant's call
+        order.append("in")
+        yield
+        order.append("out")
+
     full = profile.first_token_kwargs(inputs, RaincheckConfig(mode="full"))
-    variants = {"full": (full, lambda: order.append("full")), "stock": (profile.first_token_kwargs(inputs), None)}
+    variants = {"full": (full, lambda: order.append("full")), "stock": (profile.first_token_kwargs(inputs), None),
+                "static": (profile.first_token_kwargs(inputs, RaincheckConfig(fast_path=True)), around)}
     times = profile.first_tokens_side_by_side(model, torch.device("cpu"), variants, reps=2, warm_up=1)
-    assert set(times) == {"full", "stock"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
-    assert order == ["full"] * 3  # one warm-up and two rounds
+    assert set(times) == set(variants) and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert order == ["full", "in", "out"] * 3  # one warm-up and two rounds
     with torch.no_grad():
         line = profile.timeline(model, torch.device("cpu"), variants["full"][0])
+        static = profile.timeline(model, torch.device("cpu"), variants["static"][0])
     text = profile.timeline_summary("full", line)
     assert text.startswith("[timeline] full: first token") and all(r["stage"] in text for r in line["stages"])
     assert " host " not in profile.timeline_summary("full", line, host=False)
+    # the finer marks between the selection and the prefill: the plan, the rows, the deferred ones; on the static
+    # cache the slots and the graph buffers' fill inside the forward
+    stages = [r["stage"] for r in static["stages"]]
+    assert stages.index("selection") < stages.index("plan") < stages.index("rows") < stages.index("forward")
+    assert "pending_rows" in stages and "pending_rows" not in [r["stage"] for r in line["stages"]]
+    assert stages.index("forward") < stages.index("assign_slots") < stages.index("fill")
 
 
 def test_compile_twins_force_the_setting_and_run_only_when_named():
