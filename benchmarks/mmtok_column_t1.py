@@ -10,7 +10,6 @@ settings. The greedy alone: `bench.selectors.mmtok_part_rows` (captured graphs r
 each variant warmed up three times, then REPS rounds round robin (`bench.profile.first_tokens_side_by_side`); the
 form is the benchmark's switch, a context variable around the call (the library has no setting for it)."""
 import json
-import statistics
 import sys
 
 import torch
@@ -37,15 +36,10 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
 
     result = {"benchmark": "mmtok_column_t1", "command": " ".join(["python", *sys.argv]),
               "hardware": hardware_info(device), "model": info, "prompt": prompt,
-              "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
-              "greedy_ms": {}, "timelines": {}}
+              "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "greedy_ms": {},
+              "timelines": {}}
     times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), scope(n)) for n in forms}, reps)
-    for name, t in times.items():
-        median = statistics.median(t)
-        result["t1_ms"][name] = {"median": median, "reps": t, "x_full": median / statistics.median(times["full"]),
-                                 "x_stock": median / statistics.median(times["stock"])}
-        row = result["t1_ms"][name]
-        print(f"[t1] {name}: {median:.2f} ms, x full {row['x_full']:.3f}, x stock {row['x_stock']:.3f}", flush=True)
+    result["t1_ms"] = profile.t1_rows(times)
     # the selection's parts alone, on the turn the library encodes (`bench.selectors`' turn)
     turn, _ = encode(model, inputs)
     for row in mmtok_part_rows(turn, "image", reps * 4, warmup=3) if device.type == "cuda" else []:

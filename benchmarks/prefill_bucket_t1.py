@@ -9,7 +9,6 @@ Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_n
 settings; each variant warmed up three times, then the repetitions round robin. The 32-row form is the module's
 constant `PREFILL_BUCKET` set to 32 for its calls (a benchmark's patch: the library has no setting for it)."""
 import json
-import statistics
 import sys
 
 import torch
@@ -39,13 +38,8 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     try:
         times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), switch(n)) for n in forms}, reps)
         result = {"benchmark": "prefill_bucket_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
-                  "settings": {"reps": reps, "bucket": bucket, "defaults": "RaincheckConfig()"}, "t1_ms": {},
-                  "timelines": {}}
-        for name, t in times.items():
-            result["t1_ms"][name] = {"median": statistics.median(t), "reps": t,
-                                     "x_full": statistics.median(t) / statistics.median(times["full"])}
-            row = result["t1_ms"][name]
-            print(f"[t1] {name}: {row['median']:.2f} ms, x full {row['x_full']:.3f}", flush=True)
+                  "settings": {"reps": reps, "bucket": bucket, "defaults": "RaincheckConfig()"},
+                  "t1_ms": profile.t1_rows(times), "timelines": {}}
         for name in ("full", "mmtok", "mmtok_pad32", "uniform"):
             switch(name)()
             with torch.no_grad():

@@ -11,7 +11,6 @@ sighting, one graph per rotation form), then the repetitions round robin. The st
 `fast.vision_attention.ENABLED` set to False for those calls (a benchmark's patch: the library has no setting for
 it)."""
 import json
-import statistics
 import sys
 
 import torch
@@ -41,16 +40,8 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
     try:
         times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), switch(n)) for n in forms}, reps)
         result = {"benchmark": "vision_rotary_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
-                  "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1}, "t1_ms": {},
-                  "timelines": {}}
-        for name, t in times.items():
-            median = statistics.median(t)
-            result["t1_ms"][name] = {"median": median, "reps": t,
-                                     "x_full": median / statistics.median(times["full"]),
-                                     "x_stock": median / statistics.median(times["stock"])}
-            row = result["t1_ms"][name]
-            print(f"[t1] {name}: {median:.2f} ms, x full {row['x_full']:.3f}, x stock {row['x_stock']:.3f}",
-                  flush=True)
+                  "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1},
+                  "t1_ms": profile.t1_rows(times), "timelines": {}}
         for name in ("full", "mmtok", "full_stock_rotary"):
             switch(name)()
             with torch.no_grad():

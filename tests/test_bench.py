@@ -238,6 +238,12 @@ def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
     times = profile.first_tokens_side_by_side(model, torch.device("cpu"), variants, reps=2, warm_up=1)
     assert set(times) == set(variants) and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert order == ["full", "in", "out"] * 3  # one warm-up and two rounds
+    lines = []
+    rows = profile.t1_rows({"full": [2.0, 4.0, 3.0], "stock": [6.0], "mmtok": [1.5]},
+                           log=lambda text, **kw: lines.append(text))
+    assert rows["mmtok"] == {"median": 1.5, "reps": [1.5], "x_full": 0.5, "x_stock": 0.25}
+    assert rows["full"]["x_full"] == 1.0 and lines[2] == "[t1] mmtok: 1.50 ms, x full 0.500, x stock 0.250"
+    assert "x_stock" not in profile.t1_rows({"full": [1.0]}, log=lambda *a, **k: None)["full"]
     with torch.no_grad():
         line = profile.timeline(model, torch.device("cpu"), variants["full"][0])
         static = profile.timeline(model, torch.device("cpu"), variants["static"][0])

@@ -207,6 +207,19 @@ def first_tokens_side_by_side(model, device, variants: dict, reps: int, warm_up:
     return times
 
 
+def t1_rows(times: dict, log=print) -> dict:
+    """``{name: {"median", "reps", "x_full", "x_stock"}}`` of `first_tokens_side_by_side`'s ``times`` (ratios to the
+    ``full`` and ``stock`` variants' medians, where they ran), each logged as a ``[t1]`` line."""
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    rows = {}
+    for name, t in times.items():
+        row = rows[name] = {"median": medians[name], "reps": t}
+        row.update({f"x_{base}": medians[name] / medians[base] for base in ("full", "stock") if base in medians})
+        log(f"[t1] {name}: {row['median']:.2f} ms" + "".join(
+            f", x {base} {row[f'x_{base}']:.3f}" for base in ("full", "stock") if f"x_{base}" in row), flush=True)
+    return rows
+
+
 def _kwargs(mode, tokens, suppress, settings):
     from ..configuration import RaincheckConfig
 
