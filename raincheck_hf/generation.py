@@ -557,16 +557,10 @@ def raincheck_sample(
     turn_index = cache.turn
     cache.turn += 1
     plan = build_plan(turn, keep, turn_index, start)
-    if config.defers:
-        plan.restore_order = restoration_order(turn, plan, config.restore_order, model=model, selector=selector)
-    trace = RaincheckTrace(
-        mode=config.mode,
-        selected=plan.sources(plan.selected_rows),
-        deferred=plan.sources(plan.deferred_rows),
-        segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments],
-    )
 
-    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S
+    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S. Launched first: what only later forwards
+    # need (this turn's deferred rows in restoration order, the trace) is made while the device runs it (on a GPU
+    # the host's work between the selection and this launch is time the device idles before the first token)
     watch = runner.capture_watch()
     earlier = cache.take_pending()
     parts, keys, sources, kinds = [], [], [], []
@@ -580,14 +574,23 @@ def raincheck_sample(
     keys.append(plan.input_keys)
     sources.append(plan.sources(plan.input_rows))
     kinds.append(torch.full((plan.input_rows.numel(),), INPUT, dtype=torch.int8))
+    logits = runner.run(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.cat(sources), torch.cat(kinds),
+                                    want_logits=True))
+    # this turn's deferred rows wait after the forward (only a generated row's step reads the pending ones:
+    # a prefill's rows and state do not depend on them, `gdn.dispatch`)
+    trace = RaincheckTrace(
+        mode=config.mode,
+        selected=plan.sources(plan.selected_rows),
+        deferred=plan.sources(plan.deferred_rows),
+        segments=[(s.modality, s.grid, s.source_positions + start) for s in turn.segments],
+    )
     if plan.deferred_rows.numel():
         if config.defers:
+            plan.restore_order = restoration_order(turn, plan, config.restore_order, model=model, selector=selector)
             cache.add_pending(_pending_rows(adapter, turn, plan))
         else:  # hard: gone for good
             cache.drop(plan.sources(plan.deferred_rows))
             trace.dropped = plan.sources(plan.deferred_rows)
-    logits = runner.run(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.cat(sources), torch.cat(kinds),
-                                    want_logits=True))
     cache.extend_source(new_ids, turn.next_position)
     trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
     trace.chunk_size_per_forward.append(0)

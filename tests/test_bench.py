@@ -256,6 +256,8 @@ def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
     assert stages.index("selection") < stages.index("plan") < stages.index("rows") < stages.index("forward")
     assert "pending_rows" in stages and "pending_rows" not in [r["stage"] for r in line["stages"]]
     assert stages.index("forward") < stages.index("assign_slots") < stages.index("fill")
+    # and after the forward's launch, up to the first token: the sampling, the next step's rows and its fill
+    assert stages.index("fill") < stages.index("sample") < stages.index("decode_step") < stages.index("prepare")
 
 
 def test_compile_twins_force_the_setting_and_run_only_when_named():

@@ -316,6 +316,8 @@ def test_a_turns_rows_worked_out_on_the_host_equal_the_reference(family, case):
         got, want = adapter.rows(turn, rows), adapter.rows_reference(turn, rows)
         assert torch.equal(got.embeds, want.embeds) and torch.equal(got.positions, want.positions)
         assert torch.equal(got.visual, want.visual) and got.visual.dtype == torch.bool
+        # the visual rows' indices, moved with the rows' index (the fast path's DeepStack fill reads nothing back)
+        assert torch.equal(got.visual_rows, want.visual.nonzero().flatten()) and want.visual_rows is None
         assert (got.deepstack is None) == (want.deepstack is None) == (turn.deepstack is None), fam.name
         for a, b in zip(got.deepstack or [], want.deepstack or []):
             assert torch.equal(a, b)

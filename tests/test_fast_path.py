@@ -6,6 +6,7 @@ Qwen3-VL (attention only) and Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet states in st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import shutil
 import threading
@@ -1076,6 +1077,31 @@ def test_reused_step_buffers_hold_only_this_forwards_deepstack_features(first):
     real[3:6] = False  # padding rows may hold anything: nobody sees them
     for used, want in zip(buffers.deepstack, fresh.deepstack):
         assert torch.equal(used[0, real], want[0, real])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deepstack_fill_from_host_known_visual_rows_equals_the_mask_read(seed):
+    """A prefill's rows made by `ModelAdapter.rows` carry their visual rows' indices (``RowBatch.visual_rows``, known
+    on the host), so the fill scatters DeepStack features without reading the visual mask back; against the fill
+    that reads the mask (``visual_rows`` None), on random scattered visual rows, with and without padding."""
+    from raincheck_hf.fast import graphs
+    from raincheck_hf.models.base import RowBatch
+
+    g = torch.Generator().manual_seed(seed)
+    n, hidden, padding = 20, 4, seed % 3
+    visual = torch.rand(n, generator=g) < 0.5
+    visual[int(torch.randint(n, (1,), generator=g))] = True
+    features = [torch.randn(int(visual.sum()), hidden, generator=g) for _ in range(2)]
+    batch = RowBatch(torch.randn(n, hidden, generator=g), torch.zeros(3, n, dtype=torch.long), visual, features)
+    known = dataclasses.replace(batch, visual_rows=visual.nonzero().flatten())
+    filled = []
+    for b in (batch, known):
+        buffers = graphs.StepBuffers.empty(n + padding, hidden, 2, torch.float32, torch.device("cpu"), step_info=False)
+        graphs.fill(buffers, b, torch.arange(n), 0, 100, 0, padding)
+        filled.append(buffers.deepstack)
+    for a, b in zip(*filled):
+        assert torch.equal(a, b)
+    assert all(bool(a[0, padding:][visual].abs().sum(-1).gt(0).all()) for a in filled[1])
 
 
 def test_captures_pause_the_collector_and_give_it_back_as_it_was():

@@ -93,6 +93,10 @@ def stage_timers(model, device, record: dict, marks: list | None = None):
         wrap(adapter_cls, "rows", "rows")
         wrap(StaticDeferredCache, "assign_slots", "assign_slots")
         wrap(graphs, "fill", "fill")
+        # after the first forward's launch, up to the first token: the sampling, the next step's rows and its fill
+        wrap(generation, "choose_next_tokens", "sample")
+        wrap(generation.ChunkScheduler, "decode_step", "decode_step")
+        wrap(StaticRunner, "prepare", "prepare")
     entered = {}
     original_sample = generation.raincheck_sample
 

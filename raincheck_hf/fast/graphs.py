@@ -142,8 +142,9 @@ def _fill_deepstack(buffers: StepBuffers, batch, lo: int, hi: int) -> None:
                 addend[0, :lo].copy_(layer)
             buffers.deepstack_rows = lo
         return
-    # visual rows among the rest (a prefill): scatter by the visual mask (one device read, once per prefill)
-    rows = batch.visual.nonzero().flatten()
+    # visual rows among the rest (a prefill): scatter them to their rows, known from the host where the batch's rows
+    # were chosen there (`ModelAdapter.rows`), else read from the visual mask (a device read, once per prefill)
+    rows = batch.visual_rows if batch.visual_rows is not None else batch.visual.nonzero().flatten()
     dest = torch.where(rows < lo, rows, rows + (hi - lo))
     for addend, layer in zip(buffers.deepstack, features):
         addend.zero_()

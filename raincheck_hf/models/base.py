@@ -75,12 +75,15 @@ class TurnInputs:
 @dataclass
 class RowBatch:
     """The rows of one forward, in storage order: ``embeds [L, D]``, ``positions [3, L]``,
-    ``visual [L]`` (bool), ``deepstack`` (one ``[n_visual_in_batch, D]`` per layer, or None)."""
+    ``visual [L]`` (bool), ``deepstack`` (one ``[n_visual_in_batch, D]`` per layer, or None); ``visual_rows``:
+    ``visual.nonzero().flatten()`` on ``visual``'s device where it was known on the host (`ModelAdapter.rows`),
+    else None (a reader that needs the indices takes them from ``visual``, which waits for the device)."""
 
     embeds: torch.Tensor
     positions: torch.Tensor
     visual: torch.Tensor
     deepstack: list[torch.Tensor] | None
+    visual_rows: torch.Tensor | None = None
 
     @staticmethod
     def concat(parts: list["RowBatch"]) -> "RowBatch":
@@ -354,10 +357,11 @@ class ModelAdapter:
             return self.rows_reference(turn, row_index)
         vis = turn.visual_index_on_host()[row_index]
         visual = vis >= 0
-        index, picked, flags = to_device_all([row_index.long(), vis[visual], visual.long()], self.device)
+        index, picked, flags, visual_rows = to_device_all(
+            [row_index.long(), vis[visual], visual.long(), visual.nonzero().flatten()], self.device)
         deepstack = None if turn.deepstack is None else [d.index_select(0, picked) for d in turn.deepstack]
         return RowBatch(turn.embeds.index_select(0, index), turn.positions.index_select(1, index), flags.bool(),
-                        deepstack)
+                        deepstack, visual_rows)
 
     def rows_reference(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
         """`rows` read from the device's ``visual_index`` (the reference it is tested against)."""
