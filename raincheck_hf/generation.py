@@ -42,7 +42,7 @@ from .configuration import CHUNK_LADDER, RaincheckConfig
 from .fast.vision_graphs import vision_graphs_for
 from .models import get_adapter
 from .models.base import RowBatch
-from .plan import DeferredPlan, build_plan, restoration_order, select_visual_rows
+from .plan import DeferredPlan, build_plan, input_rows_on_device, restoration_order, start_visual_selection
 from .runner import ForwardRows, Runner, open_runner, runner_for
 
 
@@ -551,31 +551,41 @@ def raincheck_sample(
         second_per_grid_ts=grids.get("second_per_grid_ts"),
     )
 
-    # 2. selection and plan
+    # 2. selection: made (on a GPU, queued) without waiting for it; the plan comes from its keep-mask on the host
     selector = config.build_selector()
-    keep = select_visual_rows(turn, config, selector, model=model, captures=raincheck_captures)
+    started = start_visual_selection(turn, config, selector, model=model, captures=raincheck_captures)
     turn_index = cache.turn
     cache.turn += 1
-    plan = build_plan(turn, keep, turn_index, start)
 
-    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S. Launched first: what only later forwards
-    # need (this turn's deferred rows in restoration order, the trace) is made while the device runs it (on a GPU
-    # the host's work between the selection and this launch is time the device idles before the first token)
+    # 3. forward 0: leftover deferred rows of earlier turns, then T ∪ S, its rows chosen on the device from the
+    # selection's keep-mask there (`plan.input_rows_on_device`, the row count known on the host). The runner launches
+    # it before the selection is read where it can (`Runner.run_ahead`: a captured step's replay); the plan, and then
+    # what only later forwards need (this turn's deferred rows, the trace), are made while the device runs it. On a
+    # GPU the host's work between the selection and the launch is time the device idles before the first token.
     watch = runner.capture_watch()
     earlier = cache.take_pending()
     parts, keys, sources, kinds = [], [], [], []
     if earlier is not None:
         parts.append(adapter.pending_batch(earlier))
-        # pending keys live on the model's device (PendingRows), the plan's on the host: one device for the cat
-        keys.append(earlier.keys.to(plan.input_keys.device))
+        keys.append(earlier.keys)
         sources.append(earlier.sources.cpu())
         kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
-    parts.append(adapter.rows(turn, plan.input_rows))
-    keys.append(plan.input_keys)
-    sources.append(plan.sources(plan.input_rows))
-    kinds.append(torch.full((plan.input_rows.numel(),), INPUT, dtype=torch.int8))
-    logits = runner.run(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.cat(sources), torch.cat(kinds),
-                                    want_logits=True))
+    input_rows = input_rows_on_device(turn, started.keep_on(turn.embeds.device), started.count)
+    parts.append(adapter.rows(turn, input_rows, num_visual=started.count))
+    keys.append(order_key(turn_index, INPUT, input_rows).to(adapter.device))
+    kinds.append(torch.full((input_rows.numel(),), INPUT, dtype=torch.int8))
+    made = {}
+
+    def plan_sources():
+        plan = made["plan"] = build_plan(turn, started.keep(), turn_index, start)  # checks the selector's picks
+        if plan.input_rows.numel() != input_rows.numel():  # (the keep-mask's count is the selection's contract)
+            raise RuntimeError(f"the turn's first forward ran {input_rows.numel()} input rows, its plan has "
+                               f"{plan.input_rows.numel()}")
+        return torch.cat(sources + [plan.sources(plan.input_rows)])
+
+    logits = runner.run_ahead(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.empty(0, dtype=torch.long),
+                                          torch.cat(kinds), want_logits=True), plan_sources)
+    plan = made["plan"]
     # this turn's deferred rows wait after the forward (only a generated row's step reads the pending ones:
     # a prefill's rows and state do not depend on them, `gdn.dispatch`)
     trace = RaincheckTrace(

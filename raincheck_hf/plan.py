@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_utils import DEFERRED, INPUT, order_key
-from .selection import SelectionContext, Selector
+from .cache_utils import DEFERRED, INPUT, order_key, to_device
+from .selection import SelectionContext, Selector, StartedSelection
 
 
 
@@ -65,21 +65,43 @@ def select_visual_rows(turn, config, selector: Selector | torch.Tensor, model=No
     such as FastV) and ``"vision_captures"`` (the vision tower's last-block inputs recorded by the
     generate wrapper for selectors with ``needs_vision_attention``, else None).
     """
+    return start_visual_selection(turn, config, selector, model=model, captures=captures).keep()
+
+
+def start_visual_selection(turn, config, selector: Selector | torch.Tensor, model=None,
+                           captures=None) -> StartedSelection:
+    """`select_visual_rows` without waiting for the device (`Selector.start`): its keep-mask on the host from
+    ``.keep()``, on a device from ``.keep_on(device)`` before the picks are read, and ``.count`` kept rows."""
     n = turn.num_visual
     if config.mode == "full" or config.retention >= 1.0:
-        return torch.ones(n, dtype=torch.bool)
+        return StartedSelection.fixed(torch.ones(n, dtype=torch.bool))
     if isinstance(selector, torch.Tensor):
         if selector.numel() != n:  # also checked before any compute by the generate wrapper
             raise ValueError(
                 f"RaincheckConfig.selector is a keep-mask of {selector.numel()} entries but the prompt's new "
                 f"tokens hold {n} multimodal tokens."
             )
-        return selector.cpu().clone()
+        return StartedSelection.fixed(selector.cpu().clone())
     context = SelectionContext(text_embeds=turn.embeds[turn.text_rows], model=model,
                                extras={"turn": turn, "vision_captures": captures,
                                        "fast_path": config.fast_path})
-    masks = selector.select(turn.segments, config.retention, context)
-    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+    if type(selector).select is not Selector.select:  # a selector of its own that chose its masks its own way
+        masks = selector.select(turn.segments, config.retention, context)
+        return StartedSelection.fixed(torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool))
+    return selector.start(turn.segments, config.retention, context)
+
+
+def input_rows_on_device(turn, keep: torch.Tensor, kept: int) -> torch.Tensor:
+    """``[L - n + kept]`` the turn's input rows (its text rows and the visual rows ``keep`` marks, ``[n]`` bool on
+    the turn's device), ascending, on the turn's device, made there without reading anything back (``kept``: how
+    many ``keep`` marks, known on the host): `build_plan`'s ``input_rows`` before the keep-mask reaches the host."""
+    device = turn.embeds.device
+    length = int(turn.visual_index.shape[0])
+    visual_rows = turn.visual_rows if turn.visual_rows is not None else (turn.visual_index >= 0).nonzero().flatten()
+    is_input = torch.ones(length, dtype=torch.bool, device=device)
+    is_input.index_put_((to_device(visual_rows, device),), keep)
+    size = length - int(visual_rows.numel()) + kept
+    return torch.nonzero_static(is_input, size=size).flatten()
 
 
 def build_plan(turn, keep: torch.Tensor, turn_index: int, source_offset: int) -> DeferredPlan:

@@ -94,6 +94,11 @@ class Runner(Protocol):
         """One forward over ``rows`` (``prepared``: from `prepare`); the logits ``[1, V]`` of its last real row
         when ``rows.want_logits``, else None."""
 
+    def run_ahead(self, rows: ForwardRows, sources) -> torch.Tensor | None:
+        """`run` for rows whose sources the host learns later: ``sources()`` returns them (``rows.sources`` is not
+        read), called once, before the forward or after it was launched (the runner decides: after, where launching
+        needs nothing from the host, as a captured step's replay)."""
+
     def step_figures(self, rows: int, want_logits: bool, real_rows: int | None = None, pending_after: int = 1):
         """What ``chunk_size="auto"`` may weigh about a ``rows``-row step run now (`fast.graphs.StepFigures`:
         its measured cost, whether it is captured where it would run, what its capture cost), measuring and
@@ -134,8 +139,14 @@ class EagerRunner:
         return None
 
     def run(self, rows: ForwardRows, prepared: object | None = None) -> torch.Tensor | None:
+        return self._forward(rows, rows.sources)
+
+    def run_ahead(self, rows: ForwardRows, sources) -> torch.Tensor | None:
+        return self._forward(rows, sources())  # the visibility comes from the rows' registration: sources first
+
+    def _forward(self, rows: ForwardRows, sources: torch.Tensor) -> torch.Tensor | None:
         cache = self.cache
-        visible = cache.add_rows(rows.keys, rows.sources, rows.kinds)
+        visible = cache.add_rows(rows.keys, sources, rows.kinds)
         single_newest = rows.num_rows == 1 and bool(visible.all())
         return self.adapter.forward(cache, rows.batch, None if single_newest else visible, rows.want_logits,
                                     kinds=rows.kinds)

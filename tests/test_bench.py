@@ -205,7 +205,12 @@ def test_profile_tool_stages_add_up_on_cpu(tmp_path):
         # the unsynced call: every stage up to the first token, in the host's order, host times only on a CPU
         line = entry["timeline"]
         stages = [r["stage"] for r in line["stages"]]
-        assert stages[-1] == "forward" and stages.count("forward") == 1 and "vision_tower" in stages
+        assert stages.count("forward") == 1 and "vision_tower" in stages
+        # after the forward's start, up to the first token: the plan (the selection read, inside the forward on the
+        # eager engine: its visibility needs the rows' sources), the sampling and the next step's rows
+        after = stages[stages.index("forward") + 1:]
+        assert after[0] == "plan" and after[-2:] == ["sample", "decode_step"]
+        assert ("pending_rows" in after) == (mode == "raincheck")  # this turn's deferred rows, after the launch
         assert stages.index("encode_turn") < stages.index("selection") < stages.index("forward")
         starts = [r["host_start_ms"] for r in line["stages"]]
         assert starts == sorted(starts) and all(r["host_end_ms"] >= r["host_start_ms"] for r in line["stages"])
@@ -250,12 +255,13 @@ def test_first_tokens_side_by_side_run_each_variant_in_turn_with_its_setup():
     text = profile.timeline_summary("full", line)
     assert text.startswith("[timeline] full: first token") and all(r["stage"] in text for r in line["stages"])
     assert " host " not in profile.timeline_summary("full", line, host=False)
-    # the finer marks between the selection and the prefill: the plan, the rows, the deferred ones; on the static
-    # cache the slots and the graph buffers' fill inside the forward
+    # the finer marks between the selection and the prefill: the rows, the plan, the deferred ones; on the static
+    # cache the plan (a step run eagerly, as on a CPU: its sources first), the slots and the graph buffers' fill
+    # inside the forward, the deferred rows after it
     stages = [r["stage"] for r in static["stages"]]
-    assert stages.index("selection") < stages.index("plan") < stages.index("rows") < stages.index("forward")
-    assert "pending_rows" in stages and "pending_rows" not in [r["stage"] for r in line["stages"]]
-    assert stages.index("forward") < stages.index("assign_slots") < stages.index("fill")
+    assert stages.index("selection") < stages.index("rows") < stages.index("forward") < stages.index("plan")
+    assert stages.index("plan") < stages.index("assign_slots") < stages.index("fill") < stages.index("pending_rows")
+    assert "pending_rows" not in [r["stage"] for r in line["stages"]]
     # and after the forward's launch, up to the first token: the sampling, the next step's rows and its fill
     assert stages.index("fill") < stages.index("sample") < stages.index("decode_step") < stages.index("prepare")
 

@@ -16,6 +16,7 @@ import torch
 
 from raincheck_hf import Conversation, RaincheckConfig
 from raincheck_hf.models import get_adapter
+from raincheck_hf.plan import build_plan, input_rows_on_device
 from raincheck_hf.tiny import draw_test_image, draw_test_video
 
 from conftest import INPUT_CASES, assert_same_output, make_inputs, no_placeholder_ids, video_metadata
@@ -326,4 +327,18 @@ def test_a_turns_rows_worked_out_on_the_host_equal_the_reference(family, case):
         assert torch.equal(turn.visual_flags_on_host(rows), want.visual.cpu())
         assert torch.equal(unknown.visual_flags_on_host(rows), want.visual.cpu())
     assert torch.equal(turn.ids_on_host(), inputs["input_ids"][0]) and turn.host_ids is not None
+    # a turn's first forward on the fast path: its input rows chosen from a keep-mask where the selection made it
+    # (`plan.input_rows_on_device`) and gathered there (`rows_from_device_index`, the visual count known), without
+    # reading anything back: the plan's rows and `rows_reference`'s batch, on random keep-masks
+    for kept in (0, 1, turn.num_visual // 3, turn.num_visual):
+        keep = torch.zeros(turn.num_visual, dtype=torch.bool)
+        keep[torch.randperm(turn.num_visual, generator=generator)[:kept]] = True
+        plan = build_plan(turn, keep, 2, 7)
+        rows = input_rows_on_device(turn, keep, kept)
+        assert torch.equal(rows, plan.input_rows)
+        got, want = adapter.rows_from_device_index(turn, rows, kept), adapter.rows_reference(turn, plan.input_rows)
+        assert torch.equal(got.embeds, want.embeds) and torch.equal(got.positions, want.positions)
+        assert torch.equal(got.visual, want.visual) and torch.equal(got.visual_rows, want.visual.nonzero().flatten())
+        for a, b in zip(got.deepstack or [], want.deepstack or []):
+            assert torch.equal(a, b)
     assert torch.equal(dataclasses.replace(turn, host_ids=None).ids_on_host(), inputs["input_ids"][0])

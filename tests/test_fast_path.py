@@ -330,6 +330,19 @@ class _EagerReplay:
         self.replay = run
 
 
+class _ReplayLog(list):
+    """`cpu_graphs`' log; ``ahead``: per replay launched by `StepGraphs.run_ahead`, whether the cache had not
+    registered its rows yet (a turn's first forward, launched before the selection is read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ahead = []
+
+    def clear(self):
+        super().clear()
+        self.ahead.clear()
+
+
 @pytest.fixture
 def cpu_graphs(monkeypatch):
     """StepGraphs on CPU with graph capture replaced by `_EagerReplay`: the decode loop's prepare-ahead /
@@ -339,7 +352,7 @@ def cpu_graphs(monkeypatch):
 
     monkeypatch.setattr(graphs, "PREFILL_BUCKET", 16)
     init = graphs.StepGraphs.__init__
-    log = []
+    log = _ReplayLog()
 
     def with_graphs(self, adapter, *args, **kwargs):
         init(self, adapter, *args, **kwargs)
@@ -367,6 +380,8 @@ def cpu_graphs(monkeypatch):
             # lazily pointed at the storage's tensors, which the graph reads and writes by address)
             log.append((rows, want_logits, current.prepared))
             cache = current.cache()
+            if getattr(current, "ahead", None) is not None:  # launched before its rows were registered
+                log.ahead.append(cache.num_rows == current.ahead)
             assert cache.storage is storage, "a graph replayed on another storage's cache"
             layers = [(layer.keys, layer.values, layer.is_initialized) for layer in cache.layers]
             self._step(current.adapter, cache, buffers, want_logits, bucket, variant)
@@ -377,11 +392,20 @@ def cpu_graphs(monkeypatch):
         self._captured[key] = (_EagerReplay(replay), buffers)
         return self._captured[key]
 
-    run, launch = graphs.StepGraphs.run, graphs.StepGraphs.launch
+    run, run_ahead, launch = graphs.StepGraphs.run, graphs.StepGraphs.run_ahead, graphs.StepGraphs.launch
 
     def logged_run(self, adapter, cache, *args, **kwargs):
         current.adapter, current.cache, current.prepared = adapter, weakref.ref(cache), False  # (weak: it may die)
         return run(self, adapter, cache, *args, **kwargs)
+
+    def logged_run_ahead(self, adapter, cache, *args, **kwargs):  # a turn's first forward, rows registered after
+        current.adapter, current.cache, current.prepared = adapter, weakref.ref(cache), False
+        before = cache.num_rows
+        current.ahead = before
+        try:
+            return run_ahead(self, adapter, cache, *args, **kwargs)
+        finally:
+            current.ahead = None
 
     def prepare_then_launch(self, cache, step):
         current.cache, current.prepared = weakref.ref(cache), True
@@ -390,6 +414,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(graphs.StepGraphs, "__init__", with_graphs)
     monkeypatch.setattr(graphs.StepGraphs, "_capture", capture)
     monkeypatch.setattr(graphs.StepGraphs, "run", logged_run)
+    monkeypatch.setattr(graphs.StepGraphs, "run_ahead", logged_run_ahead)
     monkeypatch.setattr(graphs.StepGraphs, "launch", prepare_then_launch)
     from raincheck_hf.fast.static_cache import _POOLS
 
@@ -450,6 +475,7 @@ def test_a_pooled_storage_carries_nothing_of_the_conversation_before(family, cpu
     slow, fast = dialogue(5, False), dialogue(5, True)
     assert {id(fast[0].cache.storage), id(fast[1].cache.storage)} == storages  # the pooled ones, in turn
     assert cpu_graphs and not cpu_graphs[0][2]  # the first forward (the prefill) replayed a graph captured before
+    assert cpu_graphs.ahead and all(cpu_graphs.ahead)  # ... launched before its rows were registered
     for a, b in zip(slow, fast):
         _assert_same(a, b)
     _assert_same_state(slow[1].cache, fast[1].cache)

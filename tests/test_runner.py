@@ -47,6 +47,9 @@ class RecordingRunner:
     def run(self, rows, prepared=None):
         return self._record("run", rows, prepared)
 
+    def run_ahead(self, rows, sources):
+        return self._record("run_ahead", rows, sources)
+
     def step_figures(self, rows, want_logits, real_rows=None, pending_after=1):
         return self._record("step_figures", rows, want_logits, real_rows, pending_after)
 
@@ -106,10 +109,14 @@ def test_the_loop_drives_a_runner_double_through_the_protocol(model, processor, 
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
 
     trace = got.raincheck
-    runs = runner.named("run")
-    assert len(runs) == len(trace.restored_per_forward) == N  # the last token is generated, never fed back
-    prefill = runs[0][0]
+    # the prefill first, by `run_ahead` (its sources asked for by the runner: the plan is made after the launch)
+    (ahead,), runs = runner.named("run_ahead"), runner.named("run")
+    assert [name for name, _ in runner.calls if name in ("run", "run_ahead")][0] == "run_ahead"
+    assert 1 + len(runs) == len(trace.restored_per_forward) == N  # the last token is generated, never fed back
+    prefill, sources = ahead
     assert bool((prefill.kinds == INPUT).any()) and prefill.want_logits and prefill.pad_to is None
+    assert callable(sources)
+    runs = [ahead] + runs
     assert len(runner.named("prepare")) == N  # every decode step made ready before the stopping check
     for i, (rows, _) in enumerate(runs[1:], start=1):
         assert torch.equal(rows.sources[rows.kinds == DEFERRED], trace.restored_per_forward[i])

@@ -339,3 +339,48 @@ def test_a_selector_s_hooks_are_invisible_to_another_thread(model, processor, se
         assert torch.equal(got[key].sequences, want.sequences), key
         for x, y in zip(got[key].logits, want.logits):
             assert (x - y).abs().max() <= 1e-5, key
+
+
+class _Picker(get_selector("uniform").__class__):
+    """A selector whose picks are given (``picks``: one index list a segment), checked later when ``later``."""
+
+    def __init__(self, picks, later):
+        self.picks, self.later = picks, later
+
+    def select_segment(self, segment, k, context):
+        return torch.tensor(self.picks[segment.index])
+
+    def picks_checked_later(self, segments, context):
+        return self.later
+
+
+def test_a_started_selection_gives_the_masks_select_gives_on_the_host_and_on_a_device():
+    """`Selector.start` (what a turn's first forward runs on): its host masks are `select`'s, its device keep-mask
+    (`keep_on`, made where the picks are) their concatenation, ``count`` the kept rows; segments kept whole or not
+    at all, and groups of equal segments, included."""
+    segments = [random_segment(12, index=0, seed=1), random_segment(12, index=1, seed=2),
+                random_segment(7, index=2, seed=3), random_segment(1, index=3, seed=4)]
+    for name in ("uniform", "mmtok", "divprune", "random"):
+        for retention in (0.0, 0.3, 1.0):
+            context = text_context()
+            want = get_selector(name).select(segments, retention, context)
+            started = get_selector(name).start(segments, retention, context)
+            assert all(torch.equal(a, b) for a, b in zip(started.masks(), want))
+            assert torch.equal(started.keep(), torch.cat(want)) and started.count == int(torch.cat(want).sum())
+            assert torch.equal(started.keep_on("cpu"), torch.cat(want))
+
+
+def test_picks_checked_later_break_the_contract_when_read_not_when_placed():
+    """Picks the selector may have checked later (the library's kernels on a device) are placed on the device
+    unchecked, out-of-range ones clamped (no device-side error), and the contract's error comes when they are
+    read (`StartedSelection.keep`, before the turn's plan); other selectors' picks are checked at once."""
+    segments = [random_segment(10, index=0), random_segment(10, index=1)]
+    bad = [[0, 3, 3], [1, 2, 99]]  # a repeat, an index out of range
+    with pytest.raises(RuntimeError, match="must return 3 distinct indices"):
+        _Picker(bad, later=False).start(segments, 0.3, SelectionContext())
+    started = _Picker(bad, later=True).start(segments, 0.3, SelectionContext())
+    assert started.count == 6 and started.keep_on("cpu").shape == (20,)
+    with pytest.raises(RuntimeError, match=r"returned \[0, 3, 3\] for a segment of 10 tokens"):
+        started.keep()
+    good = _Picker([[0, 3, 4], [1, 2, 9]], later=True).start(segments, 0.3, SelectionContext())
+    assert torch.cat(good.masks()).nonzero().flatten().tolist() == [0, 3, 4, 11, 12, 19]

@@ -78,9 +78,11 @@ def stage_timers(model, device, record: dict, marks: list | None = None):
     wrap(inner, "get_video_features", "vision_tower", by_instance=True)
     wrap(VisionGraphs, "encode", "vision_tower")  # the fast path's tower (replayed per grid)
     wrap(inner, "get_rope_index", "rope_index", by_instance=True)
-    wrap(generation, "select_visual_rows", "selection")
-    wrap(EagerRunner, "run", "forward")  # one forward of the loop's, on either engine (`runner.Runner.run`)
-    wrap(StaticRunner, "run", "forward")
+    wrap(generation, "start_visual_selection", "selection")
+    # one forward of the loop's, on either engine (`runner.Runner.run`; a turn's first, `Runner.run_ahead`)
+    for runner_cls in (EagerRunner, StaticRunner):
+        wrap(runner_cls, "run", "forward")
+        wrap(runner_cls, "run_ahead", "forward")
     if marks is not None:  # the timeline's finer marks: the host's work between the selection and the prefill
         from ..fast import graphs
         from ..fast.static_cache import StaticDeferredCache

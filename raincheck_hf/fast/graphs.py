@@ -510,6 +510,34 @@ class StepGraphs:
         self._replay(cache, step.key, step.graph)
         return step.buffers.logits.clone() if step.want_logits else None
 
+    def run_ahead(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
+                  pad_to: int | None = None):
+        """`run` for rows whose sources the host learns only later: ``sources()`` gives them (a turn's first forward,
+        its rows chosen on the device from picks not read back yet: `generation.raincheck_sample`).
+
+        Where the step replays a graph already captured, its buffers are filled and the replay launched first, and
+        the rows registered after (`StaticDeferredCache.assign_slots`: bookkeeping; the replay writes the rows'
+        keys into their slots itself), so the host waits for nothing before the launch. Otherwise (a capture, an
+        eager step, no room) ``sources()`` comes first and `run` does it all, as for any forward."""
+        n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
+                                                        taken=True)
+        prefill = pad_to is None and n > 1
+        captured = None
+        if self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(key.variant, rows):
+            captured = self._captured.get(key)
+        start = cache.num_rows
+        if captured is None or start + n > cache.capacity:
+            return self.run(adapter, cache, batch, keys, sources(), kinds, want_logits, pad_to)
+        graph, buffers = captured
+        keys = to_device(keys, cache.slot_keys.device)
+        fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, cache.suffix_length)
+        self._replay(cache, key, graph)
+        logits = buffers.logits.clone() if want_logits else None
+        if cache.assign_slots(keys, sources(), kinds) != start:
+            raise RuntimeError(f"a forward launched at slot {start} was registered elsewhere: rows were added to the "
+                               "cache in between")
+        return logits
+
     def run(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
             pad_to: int | None = None):
         """One forward; logits of its last real row (``[1, V]``) or None."""

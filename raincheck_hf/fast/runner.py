@@ -78,6 +78,12 @@ class StaticRunner:
         return self.step_graphs.run(self.adapter, self.cache, rows.batch, rows.keys, rows.sources, rows.kinds,
                                     rows.want_logits, pad_to=rows.pad_to)
 
+    def run_ahead(self, rows, sources):
+        """`run` for rows whose sources are known later (``sources()``; ``rows.sources`` unread): a replay is
+        launched before they are asked for (`StepGraphs.run_ahead`)."""
+        return self.step_graphs.run_ahead(self.adapter, self.cache, rows.batch, rows.keys, sources, rows.kinds,
+                                          rows.want_logits, pad_to=rows.pad_to)
+
     def step_figures(self, rows: int, want_logits: bool, real_rows: int | None = None,
                      pending_after: int = 1) -> graphs.StepFigures | None:
         step_graphs = self.cache.graphs

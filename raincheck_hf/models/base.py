@@ -139,6 +139,17 @@ class JoinedRows(RowBatch):
         with_ds = [p.deepstack for p in self._parts if p.deepstack is not None]
         return [torch.cat(layer) for layer in zip(*with_ds)] if with_ds else None
 
+    @functools.cached_property
+    def visual_rows(self) -> torch.Tensor | None:
+        """The parts' ``visual_rows`` shifted by the rows before each, where every part knows its own; else None."""
+        if any(p.visual_rows is None for p in self._parts):
+            return None
+        shifted, offset = [], 0
+        for p in self._parts:
+            shifted.append(p.visual_rows + offset)
+            offset += int(p.embeds.shape[0])
+        return torch.cat(shifted)
+
     def __repr__(self) -> str:
         return f"JoinedRows({list(self._parts)!r})"
 
@@ -153,6 +164,10 @@ class PendingRowBatch(RowBatch):
     @functools.cached_property
     def visual(self) -> torch.Tensor:
         return torch.ones(self.embeds.shape[0], dtype=torch.bool, device=self.embeds.device)
+
+    @functools.cached_property
+    def visual_rows(self) -> torch.Tensor:
+        return torch.arange(self.embeds.shape[0], device=self.embeds.device)
 
     def __repr__(self) -> str:
         return f"PendingRowBatch(rows={self.embeds.shape[0]})"
@@ -346,13 +361,18 @@ class ModelAdapter:
         return ([] if int(last_token) == end else [end]) + list(newline)
 
     # ---- one forward over arbitrary rows ------------------------------------------------------
-    def rows(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:
+    def rows(self, turn: TurnInputs, row_index: torch.Tensor, num_visual: int | None = None) -> RowBatch:
         """The given rows of a turn as a batch (``row_index`` indexes the turn's rows).
+
+        A ``row_index`` on the turn's (non-CPU) device with ``num_visual`` (how many of its rows are visual, known on
+        the host): `rows_from_device_index`, which reads nothing back.
 
         Host ``row_index`` of a turn whose visual rows are known on the host (`TurnInputs.visual_rows`): which rows
         are visual, and which DeepStack rows they take, are worked out on the host and moved in one non-blocking
         copy, so nothing waits for the device (a plan's rows are host tensors; a boolean index on the device waits
         for its count, and a plain copy of pageable memory for the device's queue). Otherwise `rows_reference`."""
+        if row_index.device.type != "cpu" and num_visual is not None and row_index.dtype != torch.bool:
+            return self.rows_from_device_index(turn, row_index, num_visual)
         if turn.visual_rows is None or row_index.device.type != "cpu" or row_index.dtype == torch.bool:
             return self.rows_reference(turn, row_index)
         vis = turn.visual_index_on_host()[row_index]
@@ -361,6 +381,20 @@ class ModelAdapter:
             [row_index.long(), vis[visual], visual.long(), visual.nonzero().flatten()], self.device)
         deepstack = None if turn.deepstack is None else [d.index_select(0, picked) for d in turn.deepstack]
         return RowBatch(turn.embeds.index_select(0, index), turn.positions.index_select(1, index), flags.bool(),
+                        deepstack, visual_rows)
+
+    def rows_from_device_index(self, turn: TurnInputs, row_index: torch.Tensor, num_visual: int) -> RowBatch:
+        """`rows` of a ``row_index`` on the turn's device, of which ``num_visual`` rows are visual, gathered there
+        without reading anything back (the visual rows found with a known count: `torch.nonzero_static`); the
+        indices are chosen on the device (a turn's first forward, `generation.raincheck_sample`)."""
+        vis = turn.visual_index.index_select(0, row_index)
+        visual = vis >= 0
+        visual_rows = torch.nonzero_static(visual, size=num_visual).flatten()
+        deepstack = None
+        if turn.deepstack is not None:
+            picked = vis.index_select(0, visual_rows)
+            deepstack = [d.index_select(0, picked) for d in turn.deepstack]
+        return RowBatch(turn.embeds.index_select(0, row_index), turn.positions.index_select(1, row_index), visual,
                         deepstack, visual_rows)
 
     def rows_reference(self, turn: TurnInputs, row_index: torch.Tensor) -> RowBatch:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Segment, SelectionContext, Selector, keep_count
+from .base import Segment, SelectionContext, Selector, StartedSelection, keep_count
 
 # name -> "module:Class" (imported on first use, so importing the package stays cheap)
 _BUILTIN = {
@@ -62,5 +62,5 @@ def get_selector(name: str, **kwargs) -> Selector:
     )
 
 
-__all__ = ["Segment", "SelectionContext", "Selector", "keep_count", "register_selector", "get_selector",
-           "available_selectors"]
+__all__ = ["Segment", "SelectionContext", "Selector", "StartedSelection", "keep_count", "register_selector",
+           "get_selector", "available_selectors"]

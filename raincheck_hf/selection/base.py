@@ -95,6 +95,12 @@ class Selector(abc.ABC):
 
     def select(self, segments: list[Segment], retention: float, context: SelectionContext) -> list[torch.Tensor]:
         """Boolean keep-masks, one per segment, obeying the shared contract."""
+        return self.start(segments, retention, context).masks()
+
+    def start(self, segments: list[Segment], retention: float, context: SelectionContext) -> "StartedSelection":
+        """:meth:`select` without waiting for the device: the picks of each run of segments of one size are made
+        (on a GPU: queued, with their copy to the host), and the keep-masks come from `StartedSelection.masks`,
+        checked against the contract there. `StartedSelection.keep_on` gives them on a device before that."""
         groups: list[tuple[int, list[Segment]]] = []  # runs of consecutive segments with the same n and k
         for segment in segments:
             n = segment.num_tokens
@@ -103,28 +109,152 @@ class Selector(abc.ABC):
                 groups[-1][1].append(segment)
             else:
                 groups.append((k, [segment]))
-        masks = []
+        parts = []
         for k, group in groups:
             n = group[0].num_tokens
             if k == n or k == 0:
-                masks += [torch.full((n,), k == n, dtype=torch.bool) for _ in group]
+                parts.append(_TrivialPart(n, k, len(group)))
                 continue
             picked = [torch.as_tensor(i, dtype=torch.long).flatten() for i in self.select_group(group, k, context)]
             if len(picked) != len(group):
                 raise RuntimeError(f"selector {self.name!r} returned {len(picked)} index sets for {len(group)} segments")
-            if len({i.device for i in picked}) == 1 and len({i.numel() for i in picked}) == 1:
-                picked = list(torch.stack(picked).cpu())  # one copy to the host for the whole group
-            for idx in picked:
-                idx = idx.cpu()
-                if idx.numel() != k or idx.unique().numel() != k or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
-                    raise RuntimeError(
-                        f"selector {self.name!r} returned {idx.tolist()} for a segment of {n} tokens; "
-                        f"it must return {k} distinct indices in [0, {n})."
-                    )
-                keep = torch.zeros(n, dtype=torch.bool)
-                keep[idx] = True
-                masks.append(keep)
+            part = _PickedPart(self.name, n, k, picked)
+            if not self.picks_checked_later(group, context):
+                part.check_now()
+            parts.append(part)
+        return StartedSelection(parts)
+
+    def picks_checked_later(self, segments: list[Segment], context: SelectionContext) -> bool:
+        """Whether :meth:`start` may leave the contract's check of these segments' picks until they are read
+        (picks the library's own kernels make on a device, tested against the contract); otherwise they are
+        checked at once, before anything runs on them."""
+        return False
+
+
+class _TrivialPart:
+    """Segments that keep all of their ``n`` rows or none (``k`` is ``n`` or 0)."""
+
+    def __init__(self, n: int, k: int, count: int):
+        self.n, self.k, self.count = n, k, count
+        self.kept = k * count
+
+    def masks(self) -> list[torch.Tensor]:
+        return [torch.full((self.n,), self.k == self.n, dtype=torch.bool) for _ in range(self.count)]
+
+    def keep_on(self, device) -> torch.Tensor:
+        return torch.full((self.n * self.count,), self.k == self.n, dtype=torch.bool, device=device)
+
+
+class _PickedPart:
+    """Segments of ``n`` rows, ``k`` picked in each by the selector (``picked``: one index tensor a segment).
+
+    Picks made on a CUDA device (the step kernels') are stacked and copied to pinned host memory without waiting,
+    an event recorded behind the copy: the host reads them after waiting for that event only, not for whatever was
+    queued after it (the turn's first forward, `generation.raincheck_sample`). Others are read as they are."""
+
+    def __init__(self, name: str, n: int, k: int, picked: list[torch.Tensor]):
+        self.name, self.n, self.k, self.picked = name, n, k, picked
+        self.kept = k * len(picked)
+        self._host, self._event, self._checked = None, None, None
+        devices = {i.device for i in picked}
+        if len(devices) == 1 and len({i.numel() for i in picked}) == 1:
+            stacked = torch.stack(picked)
+            if stacked.device.type == "cuda":
+                self._host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                self._host.copy_(stacked, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = stacked
+            self.picked = list(stacked.unbind(0))
+
+    def check_now(self) -> None:
+        """Read and check the picks now (`masks` then returns what it made here)."""
+        self.masks()
+
+    def host_picks(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()  # the copy's own wait (the pinned buffer is read only after it)
+            self._event = None
+        if self._host is not None:
+            return list(self._host.unbind(0))
+        return [i.cpu() for i in self.picked]
+
+    def masks(self) -> list[torch.Tensor]:
+        if self._checked is None:
+            self._checked = self._check(self.host_picks())
+        return self._checked
+
+    def _check(self, host_picks: list[torch.Tensor]) -> list[torch.Tensor]:
+        masks = []
+        n, k = self.n, self.k
+        for idx in host_picks:
+            if idx.numel() != k or idx.unique().numel() != k or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
+                raise RuntimeError(
+                    f"selector {self.name!r} returned {idx.tolist()} for a segment of {n} tokens; "
+                    f"it must return {k} distinct indices in [0, {n})."
+                )
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[idx] = True
+            masks.append(keep)
         return masks
+
+    def keep_on(self, device) -> torch.Tensor:
+        if any(i.device != torch.device(device) for i in self.picked) or any(i.numel() != self.k for i in self.picked):
+            return torch.cat(self.masks()).to(device)  # picks elsewhere (checked first), or of a wrong size
+        # scattered where they are: indices out of range are clamped (no device-side error), and `masks` then
+        # raises the contract's error
+        index = torch.stack(self.picked).clamp(0, self.n - 1)
+        keep = torch.zeros(index.shape[0], self.n, dtype=torch.bool, device=index.device)
+        return keep.scatter_(1, index, True).flatten()
+
+
+class _FixedPart:
+    """A keep-mask already on the host (every segment's, in source order)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.kept = int(mask.sum())
+
+    def masks(self) -> list[torch.Tensor]:
+        return [self.mask]
+
+    def keep_on(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type == "cuda":  # pinned: a pageable copy would wait for the device's queue
+            return self.mask.pin_memory().to(device, non_blocking=True)
+        return self.mask.to(device)
+
+
+class StartedSelection:
+    """A selection made and not yet read (`Selector.start`): the keep-masks on the host once the picks are there
+    (`masks`, checked against the contract), or on a device without waiting for them (`keep_on`); ``count``: the
+    rows kept, known without reading the picks (from the segments' sizes)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.count = sum(p.kept for p in parts)
+
+    @classmethod
+    def fixed(cls, mask: torch.Tensor) -> "StartedSelection":
+        """The selection of a keep-mask known on the host (``[n]`` bool, every segment's rows)."""
+        return cls([_FixedPart(mask)])
+
+    def masks(self) -> list[torch.Tensor]:
+        """One host keep-mask per segment, in source order; raises where a selector broke the contract."""
+        return [mask for part in self.parts for mask in part.masks()]
+
+    def keep(self) -> torch.Tensor:
+        """``[n]`` bool on the host: every segment's keep-mask in source order (`masks` concatenated)."""
+        masks = self.masks()
+        return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+
+    def keep_on(self, device) -> torch.Tensor:
+        """``[n]`` bool on ``device``, every segment's keep-mask in source order, made where the picks are without
+        reading them (unchecked: `masks` checks them)."""
+        if not self.parts:
+            return torch.zeros(0, dtype=torch.bool, device=device)
+        return torch.cat([part.keep_on(device) for part in self.parts])
 
 
 class GreedySelector(Selector):
@@ -147,6 +277,9 @@ class GreedySelector(Selector):
         from .kernels import triton_available
 
         return triton_available()
+
+    def picks_checked_later(self, segments: list[Segment], context: SelectionContext) -> bool:
+        return self.uses_kernels(segments, context)
 
     def select_group(self, segments: list[Segment], k: int, context: SelectionContext) -> list[torch.Tensor]:
         if self.uses_kernels(segments, context):
