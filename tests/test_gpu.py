@@ -2238,3 +2238,60 @@ def test_cuda_device_memory_for_new_turns_leaves_out_the_graphs_pools(cuda_model
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 3.0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkeypatch):
+    """A turn's first forward on the fast path, its prefill captured by an earlier call: from the selection's start
+    to the prefill's replay the host never waits for the device (torch's sync debug mode counts none: the picks
+    are queued with their copy to the host, the input rows chosen and gathered on the device, the DeepStack rows
+    scattered by host-known indices), the rows are registered after the replay, and the answer equals the eager
+    engine's (same tokens, logits within 1e-3)."""
+    from raincheck_hf import generation
+    from raincheck_hf.fast import graphs
+
+    model, processor = _cuda_family_model(family), family_processor(family)
+    inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              suppress_tokens=no_placeholder_ids(model))
+    cfg = dict(chunk_size=4, decode_guard=2)  # the default selector (mmtok, through its kernels here)
+    slow = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=False, **cfg), **kw)
+    model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **kw)  # captures the prefill
+    from raincheck_hf.fast.static_cache import StaticDeferredCache
+
+    window, registered = [], []
+    start, replay = generation.start_visual_selection, graphs.StepGraphs._replay
+    assign = StaticDeferredCache.assign_slots
+
+    def started(*args, **kwargs):
+        torch.cuda.synchronize()
+        window.append("start")
+        torch.cuda.set_sync_debug_mode("warn")
+        return start(*args, **kwargs)
+
+    def replayed(self, cache, key, graph):
+        replay(self, cache, key, graph)
+        if window == ["start"]:  # the first replay after the selection started: the prefill's
+            torch.cuda.set_sync_debug_mode(0)
+            window.append(("replayed", cache.num_rows))
+
+    def assigned(self, keys, sources, kinds):
+        registered.append((len(window), int(keys.shape[0])))
+        return assign(self, keys, sources, kinds)
+
+    monkeypatch.setattr(generation, "start_visual_selection", started)
+    monkeypatch.setattr(graphs.StepGraphs, "_replay", replayed)
+    monkeypatch.setattr(StaticDeferredCache, "assign_slots", assigned)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fast = model.generate(**inputs, raincheck=RaincheckConfig(fast_path=True, **cfg), **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    assert window == ["start", ("replayed", 0)] and not waits, (window, waits[:3])
+    # the prefill's rows (every prompt row but the deferred ones) registered after its replay
+    assert registered[0] == (2, inputs["input_ids"].shape[1] - fast.raincheck.deferred.numel())
+    assert torch.equal(slow.sequences, fast.sequences)
+    for a, b in zip(slow.logits, fast.logits):
+        assert (a - b).abs().max() <= 1e-3
