@@ -601,7 +601,9 @@ def raincheck_sample(
         else:  # hard: gone for good
             cache.drop(plan.sources(plan.deferred_rows))
             trace.dropped = plan.sources(plan.deferred_rows)
-    cache.extend_source(new_ids, turn.next_position)
+    # the turn's ids from the encoding's host copy: a copy of ``new_ids`` (on the model's device) would wait here for
+    # the prefill just launched, and the first token's sampling and the next step's preparation behind it
+    cache.extend_source(turn.ids_on_host(), turn.next_position)
     trace.restored_per_forward.append(earlier.sources.cpu() if earlier is not None else torch.empty(0, dtype=torch.long))
     trace.chunk_size_per_forward.append(0)
     trace.captures.extend(watch.new(0))

@@ -305,13 +305,13 @@ def validate_request(model, config: RaincheckConfig, args, kwargs) -> dict:
     check_model = getattr(config.build_selector(), "check_model", None)
     if check_model is not None:  # model-dependent settings of a selector (e.g. FastV's layer)
         check_model(model)
-    new_ids = input_ids[0, start:]
-    n_multimodal = int(adapter.multimodal_mask(new_ids, text_prefix=1 if start > 0 else 0).sum())
-    if isinstance(config.selector, torch.Tensor) and config.selector.numel() != n_multimodal:
-        raise ValueError(
-            f"RaincheckConfig.selector is a keep-mask of {config.selector.numel()} entries but the prompt's new tokens "
-            f"hold {n_multimodal} multimodal tokens; give one entry per <|image_pad|>/<|video_pad|> token."
-        )
+    if isinstance(config.selector, torch.Tensor):  # (counted only then: on a GPU the count waits for the device)
+        n_multimodal = int(adapter.multimodal_mask(input_ids[0, start:], text_prefix=1 if start > 0 else 0).sum())
+        if config.selector.numel() != n_multimodal:
+            raise ValueError(
+                f"RaincheckConfig.selector is a keep-mask of {config.selector.numel()} entries but the prompt's new "
+                f"tokens hold {n_multimodal} multimodal tokens; give one entry per <|image_pad|>/<|video_pad|> token."
+            )
     # HF derives M-RoPE from mm_token_type_ids over *all* of input_ids and the grids of the new
     # images only, which disagree on a continued conversation. Raincheck builds every position
     # itself from input_ids, so it checks the given types against input_ids and does not pass them on.

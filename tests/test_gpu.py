@@ -2243,12 +2243,14 @@ def test_cuda_device_memory_for_new_turns_leaves_out_the_graphs_pools(cuda_model
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkeypatch):
     """A turn's first forward on the fast path, its prefill captured by an earlier call: from the selection's start
-    to the prefill's replay the host never waits for the device (torch's sync debug mode counts none: the picks
-    are queued with their copy to the host, the input rows chosen and gathered on the device, the DeepStack rows
-    scattered by host-known indices), the rows are registered after the replay, and the answer equals the eager
-    engine's (same tokens, logits within 1e-3)."""
+    to the prefill's replay, and on until the next step is prepared, the host never waits for the device (torch's
+    sync debug mode counts none: the picks are queued with their copy to the host, the input rows chosen and
+    gathered on the device, the DeepStack rows scattered by host-known indices, the turn's ids kept from the host
+    copy; the wait for the picks' copy, an event's, is the one it does not count), the rows are registered after the
+    replay, and the answer equals the eager engine's (same tokens, logits within 1e-3)."""
     from raincheck_hf import generation
     from raincheck_hf.fast import graphs
+    from raincheck_hf.fast.runner import StaticRunner
 
     model, processor = _cuda_family_model(family), family_processor(family)
     inputs = _cuda(make_inputs(processor, **INPUT_CASES["two_images"]))
@@ -2260,7 +2262,7 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
     from raincheck_hf.fast.static_cache import StaticDeferredCache
 
     window, registered = [], []
-    start, replay = generation.start_visual_selection, graphs.StepGraphs._replay
+    start, replay, prepare = generation.start_visual_selection, graphs.StepGraphs._replay, StaticRunner.prepare
     assign = StaticDeferredCache.assign_slots
 
     def started(*args, **kwargs):
@@ -2272,8 +2274,14 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
     def replayed(self, cache, key, graph):
         replay(self, cache, key, graph)
         if window == ["start"]:  # the first replay after the selection started: the prefill's
-            torch.cuda.set_sync_debug_mode(0)
             window.append(("replayed", cache.num_rows))
+
+    def prepared(self, rows):
+        out = prepare(self, rows)
+        if len(window) == 2:  # the first decode step, made ready behind the prefill: the window ends
+            torch.cuda.set_sync_debug_mode(0)
+            window.append("prepared")
+        return out
 
     def assigned(self, keys, sources, kinds):
         registered.append((len(window), int(keys.shape[0])))
@@ -2282,6 +2290,7 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
     monkeypatch.setattr(generation, "start_visual_selection", started)
     monkeypatch.setattr(graphs.StepGraphs, "_replay", replayed)
     monkeypatch.setattr(StaticDeferredCache, "assign_slots", assigned)
+    monkeypatch.setattr(StaticRunner, "prepare", prepared)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -2289,7 +2298,7 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
         finally:
             torch.cuda.set_sync_debug_mode(0)
     waits = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
-    assert window == ["start", ("replayed", 0)] and not waits, (window, waits[:3])
+    assert window == ["start", ("replayed", 0), "prepared"] and not waits, (window, waits[:3])
     # the prefill's rows (every prompt row but the deferred ones) registered after its replay
     assert registered[0] == (2, inputs["input_ids"].shape[1] - fast.raincheck.deferred.numel())
     assert torch.equal(slow.sequences, fast.sequences)
