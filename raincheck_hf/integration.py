@@ -80,6 +80,8 @@ def enable(model):
             input_ids, kwargs = expand_return_sequences(model, kwargs["input_ids"], kwargs, copies)
             kwargs["input_ids"] = input_ids
         kwargs = validate_request(model, config, args, kwargs)
+        if _hf_cache_unused(model, kwargs):
+            kwargs["use_cache"] = False  # the engine keeps its own cache: HF's preparation would build one for nothing
         grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
         # HF 5.24 does not forward `streamer` to a custom_generate callable (it keeps only the callable's
         # own extra parameters), so it travels under our name and the loop feeds it the prompt itself.
@@ -208,6 +210,21 @@ _UNSUPPORTED_GENERATE_KWARGS = {
     "output_attentions": False,
     "output_hidden_states": False,
 }
+
+
+def _hf_cache_unused(model, kwargs: dict) -> bool:
+    """Whether HF's `generate` would build a `DynamicCache` that no part of the call reads (a raincheck call runs its
+    own cache; building HF's walks every layer's config: ~0.5-1 ms before the first token): the call did not name
+    ``use_cache`` itself, and no setting reads HF's cache or would warn without it (classifier-free guidance runs the
+    model with it; a ``cache_implementation`` / ``cache_config`` is warned about when ``use_cache`` is False)."""
+    if "use_cache" in kwargs:
+        return False
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    guidance = kwargs.get("guidance_scale", getattr(gen_config, "guidance_scale", None))
+    if guidance not in (None, 1, 1.0):
+        return False
+    return all(kwargs.get(name, getattr(gen_config, name, None)) is None
+               for name in ("cache_implementation", "cache_config"))
 
 
 def return_sequences(model, config: RaincheckConfig, kwargs: dict) -> int:

@@ -416,3 +416,34 @@ def test_stop_strings_with_a_tokenizer_stop_as_in_stock(model, processor):
         result = conv.ask("What is in this image?", images=list(image), max_new_tokens=8, do_sample=False,
                           stop_strings=[stop], tokenizer=processor.tokenizer)
         assert processor.tokenizer.decode(result.token_ids).endswith(stop)
+
+
+def test_hf_does_not_build_a_cache_the_call_never_reads(model, processor, monkeypatch):
+    """A raincheck call runs its own cache: HF's preparation builds no `DynamicCache` for it unless the call names
+    ``use_cache`` or a setting reads HF's cache (a ``cache_implementation``, which then gives no warning); the answer
+    is the same either way."""
+    import warnings
+
+    from transformers import cache_utils
+
+    made = []
+    init = cache_utils.DynamicCache.__init__
+
+    def recorded(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", recorded)
+    inputs = make_inputs(processor, **INPUT_CASES["one_image"])
+    kw = dict(max_new_tokens=4, do_sample=False, raincheck=RaincheckConfig(retention=0.3, fast_path=False))
+    runs = {}
+    for name, extra in (("default", {}), ("use_cache", {"use_cache": True}),
+                        ("implementation", {"cache_implementation": "dynamic"})):
+        made.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs[name] = model.generate(**inputs, **kw, **extra)
+        assert not [w for w in caught if "use_cache" in str(w.message)], name
+        assert ("DynamicCache" in made) == (name != "default"), (name, made)
+        assert "DeferredDynamicCache" in made  # the engine's own
+    assert all(torch.equal(runs["default"], out) for out in runs.values())
