@@ -7,9 +7,9 @@ library's default) and with the stock rotation, side by side in one process, for
 
 Qwen3-VL-8B's shape (random bf16 weights) on CUDA, the 1,344x1024 image, ``max_new_tokens=1``, the library's default
 settings; each variant warmed up three times (the tower's graph of the image's grid is captured on its second
-sighting, one graph per rotation form), then the repetitions round robin. The stock rotation is the module's switch
-`fast.vision_attention.ENABLED` set to False for those calls (a benchmark's patch: the library has no setting for
-it)."""
+sighting, one graph per rotation form), then the repetitions round robin. The stock rotation is the scoped switch
+`fast.vision_attention.one_kernel_rotation(False)` around those calls (a context variable: the library has no
+setting for it)."""
 import json
 import sys
 
@@ -33,23 +33,18 @@ def main(out: str, reps: int = 9, model_name: str = "qwen3_vl_8b") -> dict:
         return profile.first_token_kwargs(inputs, forms[name][0])
 
     def switch(name):
-        def setup():
-            vision_attention.ENABLED = forms[name][1]
-        return setup
+        return lambda: vision_attention.one_kernel_rotation(forms[name][1])
 
-    try:
-        times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), switch(n)) for n in forms}, reps)
-        result = {"benchmark": "vision_rotary_t1", "hardware": hardware_info(device), "model": info, "prompt": prompt,
-                  "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1},
-                  "t1_ms": profile.t1_rows(times), "timelines": {}}
-        for name in ("full", "mmtok", "full_stock_rotary"):
-            switch(name)()
-            with torch.no_grad():
-                line = profile.timeline(model, device, kwargs(name))
-            result["timelines"][name] = line
-            print(profile.timeline_summary(name, line, host=False), flush=True)
-    finally:
-        vision_attention.ENABLED = True
+    times = profile.first_tokens_side_by_side(model, device, {n: (kwargs(n), switch(n)) for n in forms}, reps)
+    result = {"benchmark": "vision_rotary_t1", "command": " ".join(["python", *sys.argv]),
+              "hardware": hardware_info(device), "model": info, "prompt": prompt,
+              "settings": {"reps": reps, "defaults": "RaincheckConfig()", "max_new_tokens": 1},
+              "t1_ms": profile.t1_rows(times), "timelines": {}}
+    for name in ("full", "mmtok", "full_stock_rotary"):
+        with switch(name)(), torch.no_grad():
+            line = profile.timeline(model, device, kwargs(name))
+        result["timelines"][name] = line
+        print(profile.timeline_summary(name, line, host=False), flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     return result

@@ -155,6 +155,38 @@ def test_the_patch_acts_only_inside_the_scope_and_only_for_its_thread(monkeypatc
         assert all("forward" not in vars(m) for m in modules)
 
 
+def test_the_benchmarks_switch_of_the_kernel_is_scoped_to_its_block_and_thread():
+    """`one_kernel_rotation(False)` (the rotary benchmark's stock form): inside the block, this thread's scopes patch
+    nothing and the tower graphs' key says so (one graph per form); another thread, and this one after the block,
+    keep the default; a value other than a bool is refused."""
+    model = family_model("qwen3_vl")
+    tower = get_adapter(model).vision_tower
+    modules = vision_attention.attention_modules(tower)
+    graphs = VisionGraphs(get_adapter(model), use_graphs=False)
+    pixels = torch.zeros(16, 8)
+    seen = {}
+
+    def other_thread():
+        seen["other"] = vision_attention.rotation_kernel_enabled()
+
+    with vision_attention.one_kernel_rotation(False):
+        assert not vision_attention.rotation_kernel_enabled()
+        off = graphs._key(tower, pixels, (1, 4, 4))
+        with vision_attention.vision_attention_scope(tower):
+            assert all("forward" not in vars(m) for m in modules)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen["other"] is True and vision_attention.rotation_kernel_enabled()
+    on = graphs._key(tower, pixels, (1, 4, 4))
+    assert on[:-1] == off[:-1] and on[-1] is True and off[-1] is False
+    with vision_attention.vision_attention_scope(tower):
+        assert all("forward" in vars(m) for m in modules)
+    with pytest.raises(ValueError, match="one_kernel_rotation: enabled=1"):
+        with vision_attention.one_kernel_rotation(1):
+            pass
+
+
 def test_kernel_usable_refuses_what_it_does_not_take(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not triton_available():

@@ -25,6 +25,7 @@ with its own arguments; left stock), and on attention modules of the stock struc
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
@@ -37,7 +38,8 @@ from .._triton import cdiv, pow2, triton_available
 from ..patching import CountedPatches, ThreadScoped, install_forward, module_function, patched_for_thread
 
 BLOCK_S = 32  # rows per program
-ENABLED = True  # the fast path's tower forwards use it (False: the stock forward there as well)
+# whether the fast path's tower forwards use it (False: the stock forward there as well; `one_kernel_rotation`)
+_ENABLED = contextvars.ContextVar("raincheck_vision_rotation_kernel", default=True)
 
 _PATCHES = CountedPatches()
 _SCOPE = ThreadScoped("raincheck_vision_attention")
@@ -144,11 +146,32 @@ def attention_modules(tower) -> list:
     return [block.attn for block in blocks if hasattr(block, "attn") and _stock_structure(block.attn)]
 
 
+def rotation_kernel_enabled() -> bool:
+    """Whether the fast path's tower forwards of this thread (or task) rotate in one kernel (`one_kernel_rotation`;
+    True unless a benchmark turned it off)."""
+    return _ENABLED.get()
+
+
+@contextlib.contextmanager
+def one_kernel_rotation(enabled: bool):
+    """Within the block (this thread or task only), whether the fast path's tower forwards rotate queries and keys
+    in one kernel (``True``, the default) or run the stock forward (``False``): the same values either way; for the
+    benchmark that times both (`benchmarks/vision_rotary_t1.py`) and tests. The tower's captured graphs are kept per
+    setting (`fast.vision_graphs`)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"one_kernel_rotation: enabled={enabled!r} must be True or False")
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
 @contextlib.contextmanager
 def vision_attention_scope(tower, enabled: bool | None = None):
     """For the ``with`` block, the calling thread's forwards of ``tower`` run its blocks' attention as
-    `fused_forward` (where it applies: see the module docstring). ``enabled``: None follows `ENABLED`."""
-    if not (ENABLED if enabled is None else enabled):
+    `fused_forward` (where it applies: see the module docstring). ``enabled``: None follows `one_kernel_rotation`."""
+    if not (_ENABLED.get() if enabled is None else enabled):
         yield
         return
     with patched_for_thread(_PATCHES, attention_modules(tower), _install, _SCOPE, True):

@@ -91,9 +91,9 @@ class VisionGraphs:
         self._order = StreamOrder()  # (replays from several CUDA streams: one after the other on the device too)
 
     def _key(self, tower, pixel_values: torch.Tensor, grid: tuple) -> tuple:
-        # (with the one-kernel rotation on or off: `fast.vision_attention.ENABLED`, which a benchmark switches)
+        # (with the one-kernel rotation on or off: `fast.vision_attention.one_kernel_rotation`, a benchmark's switch)
         return (grid, tuple(pixel_values.shape), tower.dtype, str(tower.config._attn_implementation),
-                vision_attention.ENABLED)
+                vision_attention.rotation_kernel_enabled())
 
     def _forward(self, tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict):
         # the tower pops the precomputed entries from the dict it is given: pass a copy; its attention rotates
