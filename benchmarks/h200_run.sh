@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_run.sh batch      # issue 29: batched generate at B = 1, 8, 32 vs stock (Qwen3-VL-8B, Qwen3.5-9B)
 #   bash benchmarks/h200_run.sh loop_tests # the batching loop's, batched generate's and the server's GPU tests only
 #   bash benchmarks/h200_run.sh gpu_tests  # every GPU test, the whole `pytest -v` output (benchmarks/results/gpu_tests_h200.log)
+#   bash benchmarks/h200_run.sh t1_before_after  # issue 31: an image turn's first token here (and at BASE_TREE)
 #   bash benchmarks/h200_run.sh attention_batch  # the few-query attention kernel against SDPA at batches 1 / 8 / 32
 #   bash benchmarks/h200_run.sh serve_load # issue 30: the server's batching loop under 1 / 8 / 32 clients
 #   bash benchmarks/h200_run.sh streams    # the GPU test of turns prepared on side streams, STREAMS_RUNS times
@@ -195,6 +196,18 @@ gpu_tests)
         -W "default:raincheck:RuntimeWarning" ${GPU_K:+-k "$GPU_K"} \
         $([ "${GPU_WORKERS:-0}" -gt 0 ] && echo "-n ${GPU_WORKERS}") > "$OUT/gpu_tests_h200.log" 2>&1
     grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests_h200.log" | cut -c1-220 | tail -20
+    ;;
+t1_before_after)
+    # issue 31: an image turn's first token (`full`, `mmtok`, `uniform`, stock, timelines) side by side at this tree,
+    # then, where BASE_TREE names an earlier tree carried beside it (an untracked copy, e.g. `git archive REV`), the same
+    # script there in a second process on the same machine (each run's ratios are side by side in its own process)
+    python3 benchmarks/mmtok_column_t1.py "$OUT/t1_now.json" "${T1_REPS:-9}" > "$OUT/t1_now.log" 2>&1
+    grep -E "^\[(t1|timeline)\]" "$OUT/t1_now.log" | cut -c1-1200
+    if [ -n "${BASE_TREE:-}" ]; then
+        (cd "$BASE_TREE" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/mmtok_column_t1.py "$OUT/t1_base.json" \
+            "${T1_REPS:-9}" > "$OUT/t1_base.log" 2>&1)
+        grep -E "^\[(t1|timeline)\]" "$OUT/t1_base.log" | cut -c1-1200
+    fi
     ;;
 loop_tests)
     # the GPU tests of the batching loop, batched generate and the server (a subset of gpu_tests for a short call:
