@@ -199,8 +199,8 @@ gpu_tests)
     ;;
 t1_before_after)
     # issue 31: an image turn's first token (`full`, `mmtok`, `uniform`, stock, timelines) side by side at this tree,
-    # then, where BASE_TREE names an earlier tree carried beside it (an untracked copy, e.g. `git archive REV`), the same
-    # script there in a second process on the same machine (each run's ratios are side by side in its own process)
+    # then, where BASE_TREE names an earlier tree carried beside it (an untracked copy, e.g. `git archive REV`), the
+    # same script there in a second process on the same machine (each run's ratios are side by side in its own process)
     python3 benchmarks/mmtok_column_t1.py "$OUT/t1_now.json" "${T1_REPS:-9}" > "$OUT/t1_now.log" 2>&1
     grep -E "^\[(t1|timeline)\]" "$OUT/t1_now.log" | cut -c1-1200
     if [ -n "${BASE_TREE:-}" ]; then
