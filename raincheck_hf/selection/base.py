@@ -161,9 +161,9 @@ class _PickedPart:
             stacked = torch.stack(picked)
             if stacked.device.type == "cuda":
                 self._host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-                self._host.copy_(stacked, non_blocking=True)
+                self._host.copy_(stacked, non_blocking=True)  # (queued on the picks' device's current stream)
                 self._event = torch.cuda.Event()
-                self._event.record()
+                self._event.record(torch.cuda.current_stream(stacked.device))
             else:
                 self._host = stacked
             self.picked = list(stacked.unbind(0))
