@@ -164,8 +164,8 @@ class _PickedPart:
                 self._host.copy_(stacked, non_blocking=True)  # (queued on the picks' device's current stream)
                 self._event = torch.cuda.Event()
                 self._event.record(torch.cuda.current_stream(stacked.device))
-            else:
-                self._host = stacked
+            else:  # on the host already (a no-op), or read now from another device
+                self._host = stacked.cpu()
             self.picked = list(stacked.unbind(0))
 
     def check_now(self) -> None:
