@@ -150,7 +150,7 @@ class _PickedPart:
 
     Picks made on a CUDA device (the step kernels') are stacked and copied to pinned host memory without waiting,
     an event recorded behind the copy: the host reads them after waiting for that event only, not for whatever was
-    queued after it (the turn's first forward, `generation.raincheck_sample`). Others are read as they are."""
+    queued after it (the turn's first forward, `generation.raincheck_sample`). Others are read at once."""
 
     def __init__(self, name: str, n: int, k: int, picked: list[torch.Tensor]):
         self.name, self.n, self.k, self.picked = name, n, k, picked
