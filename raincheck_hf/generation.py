@@ -564,20 +564,21 @@ def raincheck_sample(
     # GPU the host's work between the selection and the launch is time the device idles before the first token.
     watch = runner.capture_watch()
     earlier = cache.take_pending()
+    input_rows = input_rows_on_device(turn, started.keep_on(turn.embeds.device), started.count)
     parts, keys, sources, kinds = [], [], [], []
     if earlier is not None:
         parts.append(adapter.pending_batch(earlier))
-        keys.append(earlier.keys)
+        keys.append(earlier.keys.to(input_rows.device))  # (the same device but under an accelerate split)
         sources.append(earlier.sources.cpu())
         kinds.append(torch.full((len(earlier),), DEFERRED, dtype=torch.int8))
-    input_rows = input_rows_on_device(turn, started.keep_on(turn.embeds.device), started.count)
     parts.append(adapter.rows(turn, input_rows, num_visual=started.count))
-    keys.append(order_key(turn_index, INPUT, input_rows).to(adapter.device))
+    keys.append(order_key(turn_index, INPUT, input_rows))
     kinds.append(torch.full((input_rows.numel(),), INPUT, dtype=torch.int8))
-    made = {}
+    plan = None
 
     def plan_sources():
-        plan = made["plan"] = build_plan(turn, started.keep(), turn_index, start)  # checks the selector's picks
+        nonlocal plan
+        plan = build_plan(turn, started.keep(), turn_index, start)  # checks the selector's picks
         if plan.input_rows.numel() != input_rows.numel():  # (the keep-mask's count is the selection's contract)
             raise RuntimeError(f"the turn's first forward ran {input_rows.numel()} input rows, its plan has "
                                f"{plan.input_rows.numel()}")
@@ -585,7 +586,6 @@ def raincheck_sample(
 
     logits = runner.run_ahead(ForwardRows(RowBatch.concat(parts), torch.cat(keys), torch.empty(0, dtype=torch.long),
                                           torch.cat(kinds), want_logits=True), plan_sources)
-    plan = made["plan"]
     # this turn's deferred rows wait after the forward (only a generated row's step reads the pending ones:
     # a prefill's rows and state do not depend on them, `gdn.dispatch`)
     trace = RaincheckTrace(

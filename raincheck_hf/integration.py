@@ -221,7 +221,7 @@ def _hf_cache_unused(model, kwargs: dict) -> bool:
         return False
     gen_config = kwargs.get("generation_config") or model.generation_config
     guidance = kwargs.get("guidance_scale", getattr(gen_config, "guidance_scale", None))
-    if guidance not in (None, 1, 1.0):
+    if guidance not in (None, 1):
         return False
     return all(kwargs.get(name, getattr(gen_config, name, None)) is None
                for name in ("cache_implementation", "cache_config"))

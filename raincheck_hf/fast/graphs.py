@@ -510,6 +510,12 @@ class StepGraphs:
         self._replay(cache, step.key, step.graph)
         return step.buffers.logits.clone() if step.want_logits else None
 
+    def _graphed(self, adapter, key: StepKey, n: int, pad_to: int | None) -> bool:
+        """Whether a forward of ``n`` real rows and ``key`` runs as a captured graph (captured first if need be).
+        A prefill (any unpadded multi-row forward: `step_rows` pads it to a bucket) is captured only when padded."""
+        prefill = pad_to is None and n > 1
+        return self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(key.variant, key.rows)
+
     def run_ahead(self, adapter, cache: StaticDeferredCache, batch, keys, sources, kinds, want_logits: bool,
                   pad_to: int | None = None):
         """`run` for rows whose sources the host learns only later: ``sources()`` gives them (a turn's first forward,
@@ -521,10 +527,7 @@ class StepGraphs:
         eager step, no room) ``sources()`` comes first and `run` does it all, as for any forward."""
         n, n_deferred, rows, padding, key = self._shape(adapter, cache, batch, kinds, want_logits, pad_to,
                                                         taken=True)
-        prefill = pad_to is None and n > 1
-        captured = None
-        if self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(key.variant, rows):
-            captured = self._captured.get(key)
+        captured = self._captured.get(key) if self._graphed(adapter, key, n, pad_to) else None
         start = cache.num_rows
         if captured is None or start + n > cache.capacity:
             return self.run(adapter, cache, batch, keys, sources(), kinds, want_logits, pad_to)
@@ -547,12 +550,11 @@ class StepGraphs:
         keys = to_device(keys, cache.slot_keys.device)
         suffix_length = cache.suffix_length  # before this forward's rows count
         start = cache.assign_slots(keys, sources, kinds)
-        # a prefill (any unpadded multi-row forward: `step_rows` pads it to a bucket) is captured only when padded
-        prefill = pad_to is None and n > 1
-        if self.use_graphs and (self.pad_prefill or not prefill) and adapter.capturable(variant, rows):
+        if self._graphed(adapter, key, n, pad_to):
             captured = self._captured.get(key)
             if captured is None:
-                captured = self._try_capture(adapter, cache, rows, want_logits, start, bucket, variant, prefill)
+                captured = self._try_capture(adapter, cache, rows, want_logits, start, bucket, variant,
+                                             prefill=pad_to is None and n > 1)
             if captured is not None:
                 graph, buffers = captured
                 fill(buffers, batch, keys, start, cache.capacity, n_deferred, padding, suffix_length)

@@ -20,6 +20,8 @@ from typing import ClassVar
 
 import torch
 
+from ..cache_utils import to_device
+
 
 @dataclass
 class Segment:
@@ -120,7 +122,7 @@ class Selector(abc.ABC):
                 raise RuntimeError(f"selector {self.name!r} returned {len(picked)} index sets for {len(group)} segments")
             part = _PickedPart(self.name, n, k, picked)
             if not self.picks_checked_later(group, context):
-                part.check_now()
+                part.masks()  # read and checked now (kept: `masks` returns them again)
             parts.append(part)
         return StartedSelection(parts)
 
@@ -155,10 +157,9 @@ class _PickedPart:
     def __init__(self, name: str, n: int, k: int, picked: list[torch.Tensor]):
         self.name, self.n, self.k, self.picked = name, n, k, picked
         self.kept = k * len(picked)
-        self._host, self._event, self._checked = None, None, None
-        devices = {i.device for i in picked}
-        if len(devices) == 1 and len({i.numel() for i in picked}) == 1:
-            stacked = torch.stack(picked)
+        self._host, self._event, self._checked, self._stacked = None, None, None, None
+        if len({i.device for i in picked}) == 1 and len({i.numel() for i in picked}) == 1:
+            stacked = self._stacked = torch.stack(picked)  # ``[segments, k]``, where the picks are
             if stacked.device.type == "cuda":
                 self._host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
                 self._host.copy_(stacked, non_blocking=True)  # (queued on the picks' device's current stream)
@@ -166,11 +167,6 @@ class _PickedPart:
                 self._event.record(torch.cuda.current_stream(stacked.device))
             else:  # on the host already (a no-op), or read now from another device
                 self._host = stacked.cpu()
-            self.picked = list(stacked.unbind(0))
-
-    def check_now(self) -> None:
-        """Read and check the picks now (`masks` then returns what it made here)."""
-        self.masks()
 
     def host_picks(self) -> list[torch.Tensor]:
         if self._event is not None:
@@ -200,11 +196,12 @@ class _PickedPart:
         return masks
 
     def keep_on(self, device) -> torch.Tensor:
-        if any(i.device != torch.device(device) for i in self.picked) or any(i.numel() != self.k for i in self.picked):
-            return torch.cat(self.masks()).to(device)  # picks elsewhere (checked first), or of a wrong size
+        stacked = self._stacked
+        if stacked is None or stacked.device != torch.device(device) or stacked.shape[1] != self.k:
+            return to_device(torch.cat(self.masks()), device)  # picks elsewhere (checked first), or of a wrong size
         # scattered where they are: indices out of range are clamped (no device-side error), and `masks` then
         # raises the contract's error
-        index = torch.stack(self.picked).clamp(0, self.n - 1)
+        index = stacked.clamp(0, self.n - 1)
         keep = torch.zeros(index.shape[0], self.n, dtype=torch.bool, device=index.device)
         return keep.scatter_(1, index, True).flatten()
 
@@ -220,10 +217,7 @@ class _FixedPart:
         return [self.mask]
 
     def keep_on(self, device) -> torch.Tensor:
-        device = torch.device(device)
-        if device.type == "cuda":  # pinned: a pageable copy would wait for the device's queue
-            return self.mask.pin_memory().to(device, non_blocking=True)
-        return self.mask.to(device)
+        return to_device(self.mask, device)
 
 
 class StartedSelection:
