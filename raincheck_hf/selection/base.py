@@ -20,8 +20,6 @@ from typing import ClassVar
 
 import torch
 
-from ..cache_utils import to_device
-
 
 @dataclass
 class Segment:
@@ -198,6 +196,8 @@ class _PickedPart:
     def keep_on(self, device) -> torch.Tensor:
         stacked = self._stacked
         if stacked is None or stacked.device != torch.device(device) or stacked.shape[1] != self.k:
+            from ..cache_utils import to_device  # (here: importing the selectors stays free of transformers)
+
             return to_device(torch.cat(self.masks()), device)  # picks elsewhere (checked first), or of a wrong size
         # scattered where they are: indices out of range are clamped (no device-side error), and `masks` then
         # raises the contract's error
@@ -217,6 +217,8 @@ class _FixedPart:
         return [self.mask]
 
     def keep_on(self, device) -> torch.Tensor:
+        from ..cache_utils import to_device  # (here: importing the selectors stays free of transformers)
+
         return to_device(self.mask, device)
 
 
