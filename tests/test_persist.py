@@ -312,3 +312,44 @@ def test_cold_start_splits_the_warm_up_captures_by_kind_and_first_sighting():
     assert groups["step_again"] == {"count": 2, "total_s": pytest.approx(0.3), "median_s": pytest.approx(0.15)}
     assert groups["prefill_first"]["count"] == 1 and groups["prefill_again"]["count"] == 1
     assert figures["total_s"] == pytest.approx(1.7) and figures["each"][2] == [2048, 512, 512, 0.3]
+
+
+def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch):
+    """`TritonRecord`: each kernel's compiles and cache hits through Triton's compilation listener (a kernel compiled
+    for a CUDA target on this CPU, then found in the cache), the listener before it kept and put back, and an
+    autotuned kernel's last tuning read from its module."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.autotuner import Autotuner
+    import types
+    import sys
+
+    from raincheck_hf.bench.cold_start import TritonRecord
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    import triton.language as tl
+
+    @triton.jit
+    def _double(x, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i, mask=i < n) * 2, mask=i < n)
+
+    seen = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: seen.append(kw["cache_hit"]))
+    tuned = Autotuner(_double, _double.arg_names, [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
+                      ["n"], None, None)
+    tuned.bench_time, tuned.configs_timings = 1.25, {c: [1.0] for c in tuned.configs}
+    module = types.ModuleType("raincheck_hf._recorded_kernels")
+    module.tuned = tuned
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    record = TritonRecord.start()
+    src = ASTSource(_double, {"x": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16})
+    for _ in range(2):
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    figures = record.figures()
+    assert seen == [False, True]  # (the listener before it still heard both)
+    assert triton.knobs.compilation.listener is not record
+    assert figures["compiled"] == 1 and figures["cached"] == 1 and figures["compile_s"] > 0
+    assert list(figures["kernels"]) == ["_double"] and figures["kernels"]["_double"]["compiled"] == 1
+    assert figures["autotuned"] == {"raincheck_hf._recorded_kernels._double": {"configs": 2, "seconds": 1.25}}

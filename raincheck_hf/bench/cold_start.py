@@ -70,6 +70,7 @@ def _child(args) -> dict:
     profile = None
     marks["warm_up_start_s"] = time.time() - launched
     modules_before = set(sys.modules)
+    triton_record = TritonRecord.start() if device.type == "cuda" else None
     if args.warm_up:
         if args.profile_warm_up:
             import cProfile
@@ -81,6 +82,7 @@ def _child(args) -> dict:
         else:
             summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
+    warm_up_triton = None if triton_record is None else triton_record.figures()
     if preloaded:  # (its imports ended before the warm-up began, or in it)
         from raincheck_hf.fast.compiled import preload_finished_at
 
@@ -140,6 +142,7 @@ def _child(args) -> dict:
         "preload_compiler": preloaded,
         "warm_up_imports": warm_up_imports,
         "compile_times": compile_figures(),  # (the warm-up's and the answer's compiles: none in a covered answer)
+        "warm_up_triton": warm_up_triton,
         "prompt": prompt,
         "model": info,
     }
@@ -177,6 +180,60 @@ def profile_figures(profiler, top: int = 60) -> dict:
         rows.append([f"{os.path.basename(path)}:{line}({name})", int(calls), round(own, 4), round(cumulative, 4)])
     return {"by_cumulative": sorted(rows, key=lambda r: -r[3])[:top], "by_own": sorted(rows, key=lambda r: -r[2])[:top],
             "compile_times": compile_figures()}
+
+
+class TritonRecord:
+    """Triton's compiles and autotuning during a warm-up: each kernel's compiles (Triton's compilation listener: how
+    many compiled, how many found in its cache, the seconds of each stage) and, from the autotuned kernels in the
+    loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs)."""
+
+    def __init__(self, knobs):
+        self.knobs, self.previous, self.kernels = knobs, knobs.compilation.listener, {}
+        self.started = time.perf_counter()
+
+    @classmethod
+    def start(cls):
+        try:
+            from triton import knobs
+        except ImportError:  # (a Triton without knobs: no record)
+            return None
+        record = cls(knobs)
+        knobs.compilation.listener = record
+        return record
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit):
+        if self.previous is not None:
+            self.previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        entry = self.kernels.setdefault(getattr(src, "name", "?"), {"compiled": 0, "cached": 0, "seconds": 0.0})
+        entry["cached" if cache_hit else "compiled"] += 1
+        entry["seconds"] += getattr(times, "total", 0) / 1e6  # (microseconds)
+
+    def figures(self) -> dict:
+        self.knobs.compilation.listener = self.previous
+        tuned = {}
+        try:
+            from triton.runtime.autotuner import Autotuner
+        except ImportError:
+            Autotuner = None
+        for name, module in list(sys.modules.items()):
+            if Autotuner is None or not name.startswith(("fla", "raincheck_hf", "transformers")):
+                continue
+            for value in list(vars(module).values()):
+                if isinstance(value, Autotuner) and getattr(value, "bench_time", None) is not None:
+                    fn = getattr(value, "base_fn", None)
+                    tuned[f"{name}.{getattr(fn, '__name__', '?')}"] = {
+                        "configs": len(getattr(value, "configs_timings", None) or value.configs),
+                        "seconds": round(float(value.bench_time), 3)}
+        kernels = dict(sorted(self.kernels.items(), key=lambda kv: -kv[1]["seconds"]))
+        for entry in kernels.values():
+            entry["seconds"] = round(entry["seconds"], 3)
+        return {"seconds": round(time.perf_counter() - self.started, 3),
+                "compiled": sum(e["compiled"] for e in kernels.values()),
+                "cached": sum(e["cached"] for e in kernels.values()),
+                "compile_s": round(sum(e["seconds"] for e in kernels.values()), 3),
+                "autotuned": dict(sorted(tuned.items(), key=lambda kv: -kv[1]["seconds"])),
+                "autotune_s": round(sum(e["seconds"] for e in tuned.values()), 3),
+                "kernels": kernels}
 
 
 def compile_figures() -> dict | str:
@@ -279,6 +336,15 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
               f"first answer {result['first_answer_s']:.1f} s after launch (warm-up done at "
               f"{result['warm_up_done_s']:.1f} s; {len(result['captures_during_answer'])} captures in the answer)",
               file=sys.stderr)
+        tri = result.get("warm_up_triton")
+        if tri:
+            top = ", ".join(f"{k} {v['compiled']}+{v['cached']} {v['seconds']:.1f} s" for k, v in
+                            list(tri["kernels"].items())[:8])
+            tuned = ", ".join(f"{k.rsplit('.', 1)[-1]} {v['configs']} {v['seconds']:.1f} s" for k, v in
+                              list(tri["autotuned"].items())[:8])
+            print(f"[cold-start] process {index} warm-up Triton: {tri['compiled']} compiled, {tri['cached']} from the "
+                  f"cache, {tri['compile_s']:.1f} s compiling; autotuned {tri['autotune_s']:.1f} s; by kernel "
+                  f"(compiled+cached): {top}; autotuned (configs): {tuned}", file=sys.stderr)
     report = {
         "benchmark": "cold_start",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
