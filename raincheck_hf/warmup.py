@@ -82,6 +82,8 @@ class WarmUpSummary:
         seconds: wall seconds of the whole call.
         persistent_cache: the cache folder in use (`persist.enable_persistent_caches`), or None.
         coverage: what is and is not covered, in words.
+        compiled_ahead: autotuned Triton kernels' configurations compiled on threads beside the autotuner
+            (`fast.autotune_ahead`; on a cache that already holds them, none).
     """
 
     path: str
@@ -101,6 +103,7 @@ class WarmUpSummary:
     first_turn: bool = False  # only what a first turn within the bounds needs (``first_turn=True``)
     stopped: bool = False  # ``stop`` was set before every capture was made (a later call goes on from there)
     vision_failure: str | None = None  # why the vision tower's capture failed (it runs eagerly from then on), or None
+    compiled_ahead: int = 0
 
     @property
     def capture_seconds(self) -> float:
@@ -372,6 +375,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
     Raises:
         ValueError: a bad argument, naming it and its value, before any compute.
     """
+    from .fast.autotune_ahead import compiling_configs_ahead
     from .integration import is_enabled
     from .models import get_adapter
 
@@ -432,7 +436,8 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
         prompt_tokens = (max(tokens for _, tokens in grids) + TEXT_ALLOWANCE) if grids else TEXT_ALLOWANCE
     prompt_tokens = min(prompt_tokens, max_tokens - max_new_tokens)
 
-    with torch.no_grad():
+    # (an autotuned kernel's configurations compiled side by side the first time it is tuned: what a first start pays)
+    with torch.no_grad(), compiling_configs_ahead(enabled=adapter.device.type == "cuda") as ahead:
         if grids and adapter.use_vision_graphs(config):
             _warm_vision(adapter, grids, summary)
         if grids and summary.path == "fast" and adapter.device.type == "cuda":
@@ -444,6 +449,7 @@ def warm_up(model, processor=None, config: RaincheckConfig | dict | None = None,
                         progress=progress, first_turn=rows, stop=stop)
         if batch is not None:
             _warm_batched(adapter, config, summary, batch=batch, max_tokens=max_tokens, progress=progress)
+    summary.compiled_ahead = 0 if ahead is None else ahead.submitted
     parts = []  # (conversations=0: the single-sequence steps were not asked for)
     if conversations and summary.graphs and first_turn:
         parts.append(f"a first turn of up to {prompt_tokens} prompt rows with an answer of up to {max_new_tokens} "

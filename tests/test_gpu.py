@@ -2304,3 +2304,43 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
     assert torch.equal(slow.sequences, fast.sequences)
     for a, b in zip(slow.logits, fast.logits):
         assert (a - b).abs().max() <= 1e-3
+
+
+def test_cuda_autotuned_kernel_compiled_ahead_tunes_and_runs_as_without(tmp_path, monkeypatch):
+    """`fast.autotune_ahead` on a GPU: a kernel autotuned inside `compiling_configs_ahead` has its other
+    configurations compiled on threads, the autotuner finds each in Triton's cache, and the result is the kernel's
+    without it (a fresh kernel object each way, each on an empty cache)."""
+    triton = pytest.importorskip("triton")
+    import sys
+
+    from triton import knobs
+    from triton.runtime.autotuner import Autotuner
+
+    import test_autotune_ahead as kernels
+    from raincheck_hf.fast import autotune_ahead
+
+    heard = []
+    monkeypatch.setattr(knobs.compilation, "listener",
+                        lambda *, src, cache_hit, **_: heard.append((src.name, cache_hit)))
+    module = sys.modules[kernels._scaled.fn.fn.__module__]
+    x = torch.randn(1000, device="cuda")
+
+    def tuned_run(name, ahead: bool):
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / name))
+        jit = triton.jit(kernels._scaled.fn.fn)
+        tuner = Autotuner(jit, jit.arg_names, kernels.CONFIGS, ["n"], None, None)
+        monkeypatch.setattr(module, f"_fresh_{name}", tuner, raising=False)  # (where the hook finds its autotuner)
+        y = torch.empty_like(x)
+        heard.clear()
+        with autotune_ahead.compiling_configs_ahead(enabled=ahead, workers=2) as record:
+            tuner[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000, 3.0)
+        torch.cuda.synchronize()
+        return y, record, [hit for kernel, hit in heard if kernel == "_scaled"]
+
+    with_ahead, record, hits = tuned_run("ahead", True)
+    without, off, plain = tuned_run("plain", False)
+    n = len(kernels.CONFIGS)
+    assert record.submitted == n - 1 and record.errors == 0 and off is None
+    assert hits.count(True) == n - 1 and hits.count(False) == n  # (each other one: on a thread, then found)
+    assert plain == [False] * n
+    assert torch.equal(with_ahead, without) and torch.equal(without, x * 3.0)

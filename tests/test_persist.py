@@ -194,9 +194,12 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert everything["warm_up_scope"] == "all" and everything["rest"] is None and "rest_done_s" not in everything
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        assert cold_start.main(child + ["--no-rest", "--compile-steps", "off", "--profile-warm-up"]) == 0
+        assert cold_start.main(child + ["--no-rest", "--compile-steps", "off", "--profile-warm-up",
+                                        "--compile-ahead", "off"]) == 0
     answered = json.loads(buffer.getvalue().strip().splitlines()[-1])
     assert answered["warm_up_scope"] == "first" and answered["rest"] is None and "rest_done_s" not in answered
+    assert answered["compile_ahead"] == "off" and result["compile_ahead"] == "on"
+    assert result["warm_up"]["compiled_ahead"] == 0 and result["warm_up_triton"] is None  # (CPU: no Triton compile)
     assert result["warm_up_profile"] is None  # (where the warm-up's time went: only when asked)
     profile = answered["warm_up_profile"]
     assert any("warm_up" in row[0] for row in profile["by_cumulative"]) and isinstance(profile["compile_times"], dict)
@@ -232,6 +235,11 @@ def test_cold_start_harness_on_cpu(tmp_path, monkeypatch):
     assert all("--profile-warm-up" in c for c in kept[-2:]) and not any("--profile-warm-up" in c for c in kept[:3])
     assert all("--compile-steps" not in c for c in kept[:3])  # (the default settings' unless asked)
     assert [c[c.index("--preload-compiler") + 1] for c in kept] == ["off"] * 5  # (as the CLI does, by default)
+    assert [c[c.index("--compile-ahead") + 1] for c in kept] == ["on"] * 5  # (as warm_up does, by default)
+    cold_start.run("tiny_qwen3_vl", processes=2, device="cpu", max_tokens=512, max_new_tokens=2, compile_ahead="off")
+    assert [c[c.index("--compile-ahead") + 1] for c in kept[-2:]] == ["off"] * 2
+    with pytest.raises(ValueError, match="--compile-ahead"):
+        cold_start.run("tiny_qwen3_vl", compile_ahead="maybe")
     cold_start.run("tiny_qwen3_vl", processes=4, device="cpu", max_tokens=512, max_new_tokens=2,
                    preload_compiler="both")
     assert [c[c.index("--preload-compiler") + 1] for c in kept[-4:]] == ["off", "on", "off", "on"]

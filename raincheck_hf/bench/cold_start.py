@@ -71,15 +71,20 @@ def _child(args) -> dict:
     marks["warm_up_start_s"] = time.time() - launched
     modules_before = set(sys.modules)
     triton_record = TritonRecord.start() if device.type == "cuda" else None
-    if args.warm_up:
-        if args.profile_warm_up:
+    from contextlib import nullcontext
+
+    from raincheck_hf.fast.autotune_ahead import switched_off
+
+    # (--compile-ahead off: the autotuner compiles each configuration itself, as before fast.autotune_ahead)
+    with nullcontext() if args.compile_ahead == "on" else switched_off():
+        if args.warm_up and args.profile_warm_up:
             import cProfile
 
             profiler = cProfile.Profile()
             summary = profiler.runcall(raincheck_hf.warm_up, model, processor, config, progress=False,
                                        first_turn=first_turn, **bounds)
             profile = profile_figures(profiler)
-        else:
+        elif args.warm_up:
             summary = raincheck_hf.warm_up(model, processor, config, progress=False, first_turn=first_turn, **bounds)
     marks["warm_up_done_s"] = time.time() - launched
     warm_up_triton = None if triton_record is None else triton_record.figures()
@@ -135,11 +140,13 @@ def _child(args) -> dict:
             "seconds": summary.seconds, "path": summary.path, "graphs_captured": len(summary.captured),
             "already_captured": summary.already_captured, "vision_grids": len(summary.vision),
             "capacities": summary.capacities, "coverage": summary.coverage,
+            "compiled_ahead": summary.compiled_ahead,
             "captures": capture_figures(summary.captured, config.max_chunk_size + 1)},
         "cache_folder_set_aside": None if caches.set_aside is None else caches.set_aside[1],
         "loaded_compile_artifacts": caches.loaded_artifacts,
         "warm_up_profile": profile,
         "preload_compiler": preloaded,
+        "compile_ahead": args.compile_ahead,
         "warm_up_imports": warm_up_imports,
         "compile_times": compile_figures(),  # (the warm-up's and the answer's compiles: none in a covered answer)
         "warm_up_triton": warm_up_triton,
@@ -281,7 +288,8 @@ def _launch(command: list[str], env: dict, timeout: float) -> subprocess.Complet
 def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = None, cache_dir: str | None = None,
         max_tokens: int = 4096, max_new_tokens: int = 64, chunk_size=None, warm_up: bool = True,
         out: str | None = None, timeout: float = 1800.0, warm_up_scope: str = "first", rest: bool = True,
-        compile_steps: str = "default", profile_warm_up: bool = False, preload_compiler: str = "off") -> dict:
+        compile_steps: str = "default", profile_warm_up: bool = False, preload_compiler: str = "off",
+        compile_ahead: str = "on") -> dict:
     """Launch ``processes`` fresh processes in turn and collect their figures (see the module docstring)."""
     import torch
 
@@ -296,6 +304,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         raise ValueError(f"--compile-steps must be 'default', 'on' or 'off', got {compile_steps!r}")
     if preload_compiler not in ("on", "off", "both"):
         raise ValueError(f"--preload-compiler must be 'on', 'off' or 'both', got {preload_compiler!r}")
+    if compile_ahead not in ("on", "off"):
+        raise ValueError(f"--compile-ahead must be 'on' or 'off', got {compile_ahead!r}")
     if processes < 2:
         raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -323,7 +333,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         if profile_warm_up:
             command.append("--profile-warm-up")
         preload = preload_compiler if preload_compiler != "both" else ("off" if index % 2 == 0 else "on")
-        command += ["--preload-compiler", preload]
+        command += ["--preload-compiler", preload, "--compile-ahead", compile_ahead]
         done = _launch(command, env, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -353,7 +363,7 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                      "warm_up_scope": warm_up_scope if warm_up else None,
                      "rest_after_answer": rest and warm_up and warm_up_scope == "first",
                      "compile_steps": compile_steps, "profile_warm_up": profile_warm_up,
-                     "preload_compiler": preload_compiler,
+                     "preload_compiler": preload_compiler, "compile_ahead": compile_ahead,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
         "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
@@ -403,6 +413,10 @@ def main(argv=None):
                         help="on CUDA, import torch's compiler on a thread while the model is built "
                              "(fast.compiled.preload_compiler; not done by the CLI, the server or the demo); both: "
                              "the processes alternate off and on, the first off (side by side)")
+    parser.add_argument("--compile-ahead", choices=("on", "off"), default="on",
+                        help="on (the default, warm_up's): an autotuned Triton kernel's configurations compiled on "
+                             "threads beside its autotuner (fast.autotune_ahead); off: each compiled by the autotuner "
+                             "itself, one after the other")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -416,7 +430,7 @@ def main(argv=None):
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
                args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest,
                compile_steps=args.compile_steps, profile_warm_up=args.profile_warm_up,
-               preload_compiler=args.preload_compiler)
+               preload_compiler=args.preload_compiler, compile_ahead=args.compile_ahead)
 
 
 if __name__ == "__main__":
