@@ -195,8 +195,10 @@ class TritonRecord:
     loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs)."""
 
     def __init__(self, knobs):
+        import threading
+
         self.knobs, self.previous, self.kernels = knobs, knobs.compilation.listener, {}
-        self.started = time.perf_counter()
+        self.started, self.lock = time.perf_counter(), threading.Lock()  # (compiles ahead report from their threads)
 
     @classmethod
     def start(cls):
@@ -211,9 +213,10 @@ class TritonRecord:
     def __call__(self, *, src, metadata, metadata_group, times, cache_hit):
         if self.previous is not None:
             self.previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
-        entry = self.kernels.setdefault(getattr(src, "name", "?"), {"compiled": 0, "cached": 0, "seconds": 0.0})
-        entry["cached" if cache_hit else "compiled"] += 1
-        entry["seconds"] += getattr(times, "total", 0) / 1e6  # (microseconds)
+        with self.lock:
+            entry = self.kernels.setdefault(getattr(src, "name", "?"), {"compiled": 0, "cached": 0, "seconds": 0.0})
+            entry["cached" if cache_hit else "compiled"] += 1
+            entry["seconds"] += getattr(times, "total", 0) / 1e6  # (microseconds)
 
     def figures(self) -> dict:
         self.knobs.compilation.listener = self.previous
