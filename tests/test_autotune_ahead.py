@@ -24,6 +24,14 @@ def _scaled(x, y, n, scale, BLOCK: tl.constexpr):
     tl.store(y + i, tl.load(x + i, mask=i < n) * scale, mask=i < n)
 
 
+@triton.heuristics({"EVEN": lambda args: args["n"] % 2 == 0})  # (as fla's kernels: heuristics over the autotuner)
+@triton.autotune(configs=CONFIGS, key=["n"])
+@triton.jit
+def _wrapped(x, n, EVEN: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x + i, tl.load(x + i, mask=i < n) * (2 if EVEN else 3), mask=i < n)
+
+
 @triton.jit
 def _plain(x, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
@@ -109,6 +117,16 @@ def test_the_other_configurations_are_compiled_ahead_and_found_in_the_cache(hear
         assert again.submitted == before
         _tune(kernel, n=63)
         assert again.submitted == before + len(CONFIGS) - 1 and again.errors == 0
+
+
+def test_an_autotuner_inside_heuristics_is_found(heard):
+    """fla's kernels are `triton.heuristics` over `triton.autotune` over the kernel: the module holds the heuristics."""
+    kernel = _Kernel(_wrapped.fn.fn)
+    with autotune_ahead.compiling_configs_ahead(workers=2) as ahead:
+        for config in CONFIGS:
+            kernel.compile("tensor", 64, EVEN=True, **config.all_kwargs())
+    assert ahead.submitted == len(CONFIGS) - 1 and ahead.errors == 0
+    assert [hit for name, hit in heard if name == "_wrapped"].count(True) == len(CONFIGS) - 1
 
 
 def test_nothing_happens_outside_the_context_or_for_kernels_without_an_autotuner(heard):

@@ -68,11 +68,14 @@ class _Ahead:
             found = {}
             module = sys.modules.get(module_name)
             for value in list(vars(module).values()) if module is not None else ():
-                if isinstance(value, Autotuner):
-                    inner = value.fn
-                    while not isinstance(inner, JITFunction) and hasattr(inner, "fn"):
-                        inner = inner.fn
-                    found[id(inner)] = value
+                # (an autotuner may sit inside other wrappers, e.g. `triton.heuristics` over `triton.autotune`)
+                tuner, inner, depth = None, value, 0
+                while not isinstance(inner, JITFunction) and hasattr(inner, "fn") and depth < 8:
+                    if isinstance(inner, Autotuner) and tuner is None:
+                        tuner = inner
+                    inner, depth = inner.fn, depth + 1
+                if tuner is not None and isinstance(inner, JITFunction):
+                    found[id(inner)] = tuner
             self.tuners[module_name] = found
         return found.get(id(jit))
 
@@ -194,7 +197,7 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
     skip = previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                     already_compiled=already_compiled) if previous is not None else None
     ahead = _active.get()
-    if ahead is not None and ahead is not _OFF and not skip and not is_manual_warmup:
+    if ahead is not None and ahead is not _OFF and not skip:
         try:
             ahead.on_compile(fn.jit_function, fn.module if isinstance(fn.module, str) else fn.module.__name__,
                              compile["device"], json.loads(compile["specialization_data"]))
