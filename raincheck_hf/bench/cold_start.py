@@ -191,7 +191,8 @@ def profile_figures(profiler, top: int = 60) -> dict:
 
 class TritonRecord:
     """Triton's compiles and autotuning during a warm-up: each kernel's compiles (Triton's compilation listener: how
-    many compiled, how many found in its cache, the seconds of each stage) and, from the autotuned kernels in the
+    many compiled, how many found in its cache, their seconds summed over the threads that compiled them: more than
+    the wall time where `fast.autotune_ahead` compiles on threads) and, from the autotuned kernels in the
     loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs)."""
 
     def __init__(self, knobs):
