@@ -105,7 +105,8 @@ def main(argv=None) -> int:
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append({"run": run, **row})
             print(f"[autotune-ahead] run {run} {mode}: {row['seconds']:.2f} s, {row['compiled']} compiled, "
-                  f"{row['from_cache']} found in the cache ({row['compiled_ahead']} handed to threads)", file=sys.stderr)
+                  f"{row['from_cache']} found in the cache ({row['compiled_ahead']} handed to threads)",
+                  file=sys.stderr)
     import torch
     import triton
     from importlib.metadata import version
