@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -108,9 +107,8 @@ def main(argv=None) -> int:
                   f"{row['from_cache']} found in the cache ({row['compiled_ahead']} handed to threads)",
                   file=sys.stderr)
     import torch
-    import triton
-    from importlib.metadata import version
 
+    from raincheck_hf.bench.latency import hardware_info
     from raincheck_hf.fast.autotune_ahead import default_workers
 
     medians = {m: statistics.median(r["seconds"] for r in rows if r["mode"] == m) for m in ("off", "on")}
@@ -119,9 +117,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {"runs": args.runs, "workers": args.workers or default_workers(), "target": "cuda sm_90",
                      "shape": "Qwen3.5-9B Gated DeltaNet, a 448-row prefill", "played": "compiles only"},
-        "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                     "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-                     "fla": version("fla-core")},
+        "hardware": hardware_info(torch.device("cpu")),  # (versions of Triton and fla among its packages)
         "median_s": medians, "on_over_off": medians["on"] / medians["off"], "rows": rows,
     }
     print(f"[autotune-ahead] medians: off {medians['off']:.2f} s, on {medians['on']:.2f} s "
