@@ -221,20 +221,17 @@ class TritonRecord:
 
     def figures(self) -> dict:
         self.knobs.compilation.listener = self.previous
+        from raincheck_hf.fast.autotune_ahead import autotuners_in
+
         tuned = {}
-        try:
-            from triton.runtime.autotuner import Autotuner
-        except ImportError:
-            Autotuner = None
         for name, module in list(sys.modules.items()):
-            if Autotuner is None or not name.startswith(("fla", "raincheck_hf", "transformers")):
+            if not name.startswith(("fla", "raincheck_hf", "transformers")):
                 continue
-            for value in list(vars(module).values()):
-                if isinstance(value, Autotuner) and getattr(value, "bench_time", None) is not None:
-                    fn = getattr(value, "base_fn", None)
-                    tuned[f"{name}.{getattr(fn, '__name__', '?')}"] = {
-                        "configs": len(getattr(value, "configs_timings", None) or value.configs),
-                        "seconds": round(float(value.bench_time), 3)}
+            for tuner, jit in autotuners_in(module):
+                if getattr(tuner, "bench_time", None) is not None:
+                    tuned[f"{name}.{getattr(jit.fn, '__name__', '?')}"] = {
+                        "configs": len(getattr(tuner, "configs_timings", None) or tuner.configs),
+                        "seconds": round(float(tuner.bench_time), 3)}
         kernels = dict(sorted(self.kernels.items(), key=lambda kv: -kv[1]["seconds"]))
         for entry in kernels.values():
             entry["seconds"] = round(entry["seconds"], 3)

@@ -60,22 +60,9 @@ class _Ahead:
     def tuner_of(self, jit, module_name: str):
         import sys
 
-        from triton.runtime.autotuner import Autotuner
-        from triton.runtime.jit import JITFunction
-
         found = self.tuners.get(module_name)
         if found is None:
-            found = {}
-            module = sys.modules.get(module_name)
-            for value in list(vars(module).values()) if module is not None else ():
-                # (an autotuner may sit inside other wrappers, e.g. `triton.heuristics` over `triton.autotune`)
-                tuner, inner, depth = None, value, 0
-                while not isinstance(inner, JITFunction) and hasattr(inner, "fn") and depth < 8:
-                    if isinstance(inner, Autotuner) and tuner is None:
-                        tuner = inner
-                    inner, depth = inner.fn, depth + 1
-                if tuner is not None and isinstance(inner, JITFunction):
-                    found[id(inner)] = tuner
+            found = {id(jit_fn): tuner for tuner, jit_fn in autotuners_in(sys.modules.get(module_name))}
             self.tuners[module_name] = found
         return found.get(id(jit))
 
@@ -138,6 +125,26 @@ class _Ahead:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def autotuners_in(module) -> list:
+    """``(autotuner, its kernel)`` for each autotuned Triton kernel a module names, also under other wrappers
+    (fla's kernels are `triton.heuristics` over `triton.autotune` over `triton.jit`)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    found = []
+    for value in list(vars(module).values()) if module is not None else ():
+        if not isinstance(value, KernelInterface):  # (only Triton's own objects: a lazy module's names import)
+            continue
+        tuner, inner, depth = None, value, 0
+        while isinstance(inner, KernelInterface) and not isinstance(inner, JITFunction) and depth < 8:
+            if isinstance(inner, Autotuner) and tuner is None:
+                tuner = inner
+            inner, depth = inner.fn, depth + 1
+        if tuner is not None and isinstance(inner, JITFunction):
+            found.append((tuner, inner))
+    return found
 
 
 def config_fields(config, paths: dict) -> dict | None:
