@@ -119,6 +119,20 @@ def test_the_other_configurations_are_compiled_ahead_and_found_in_the_cache(hear
         assert again.submitted == before + len(CONFIGS) - 1 and again.errors == 0
 
 
+def test_a_configuration_already_chosen_compiles_nothing_ahead(heard, monkeypatch):
+    """A process whose tuning came from Triton's cache (an earlier process's): the autotuner holds an equal
+    configuration as its choice and compiles only that one; nothing is handed to the threads."""
+    kernel = _Kernel(_scaled.fn)
+    chosen = CONFIGS[2]
+    monkeypatch.setattr(_scaled, "best_config", triton.Config(dict(chosen.kwargs), num_warps=chosen.num_warps),
+                        raising=False)
+    with autotune_ahead.compiling_configs_ahead(workers=2) as ahead:
+        kernel.compile("tensor", "tensor", 48, 2.0, **chosen.all_kwargs())
+        assert ahead.submitted == 0
+        kernel.compile("tensor", "tensor", 48, 2.0, **CONFIGS[0].all_kwargs())  # (another: a tuning's)
+        assert ahead.submitted == len(CONFIGS) - 1
+
+
 def test_an_autotuner_inside_heuristics_is_found(heard):
     """fla's kernels are `triton.heuristics` over `triton.autotune` over the kernel: the module holds the heuristics."""
     kernel = _Kernel(_wrapped.fn.fn)

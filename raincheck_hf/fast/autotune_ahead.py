@@ -85,7 +85,11 @@ class _Ahead:
         with self.lock:
             waiting = self.futures.get((group, current))
             fresh = group not in self.groups
-            if fresh and getattr(tuner, "best_config", None) is not tuner.configs[current]:
+            # (a configuration the autotuner has chosen already, here or from the tuning an earlier process kept in
+            # Triton's cache (an equal `triton.Config`, not the same object): its run, not a tuning)
+            chosen = getattr(tuner, "best_config", None)
+            if fresh and not (chosen is not None and type(chosen) is type(tuner.configs[current])
+                              and chosen == tuner.configs[current]):
                 self.groups.add(group)
                 for i, f in enumerate(fields):
                     if i != current and f is not None and (group, i) not in self.futures:
