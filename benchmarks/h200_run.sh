@@ -144,7 +144,8 @@ cold_start)
     # COLD_BYTECODE=1: the installed packages' bytecode compiled first, as pip does when it installs them, into a
     # cache folder of its own (PYTHONPYCACHEPREFIX), for an interpreter that would otherwise compile them from
     # source in every process: one whose site-packages it cannot write, or that writes no bytecode; COLD_AHEAD=off:
-    # autotuned kernels' configurations compiled by the autotuner itself, not ahead on threads, fast.autotune_ahead)
+    # autotuned kernels' configurations compiled by the autotuner itself, not ahead on threads, fast.autotune_ahead;
+    # COLD_PROC_S: a process's own limit, below COLD_S, so that one cut still leaves its marks in the JSON)
     python3 -c '
 import os, sys, torch
 d = os.path.dirname(torch.__file__)
@@ -162,7 +163,7 @@ print("[bytecode] dont_write_bytecode", sys.flags.dont_write_bytecode, "PYTHONDO
         echo "[bytecode] $SITE, /tmp/site and raincheck_hf compiled into $PYTHONPYCACHEPREFIX in $((SECONDS - t0)) s"
     fi
     for m in ${COLD_MODELS:-qwen3_vl_8b qwen3_5_9b}; do
-        timeout "${COLD_S:-280}" python3 -m raincheck_hf.bench cold-start --model $m --processes "${COLD_PROCESSES:-3}" ${COLD_SCOPE:+--warm-up-scope $COLD_SCOPE} ${COLD_REST:+$( [ "$COLD_REST" = 0 ] && echo --no-rest )} ${COLD_COMPILE:+--compile-steps $COLD_COMPILE} ${COLD_PROFILE:+--profile-warm-up} ${COLD_PRELOAD:+--preload-compiler $COLD_PRELOAD} ${COLD_AHEAD:+--compile-ahead $COLD_AHEAD} \
+        timeout "${COLD_S:-280}" python3 -m raincheck_hf.bench cold-start --model $m --processes "${COLD_PROCESSES:-3}" ${COLD_SCOPE:+--warm-up-scope $COLD_SCOPE} ${COLD_REST:+$( [ "$COLD_REST" = 0 ] && echo --no-rest )} ${COLD_COMPILE:+--compile-steps $COLD_COMPILE} ${COLD_PROFILE:+--profile-warm-up} ${COLD_PRELOAD:+--preload-compiler $COLD_PRELOAD} ${COLD_AHEAD:+--compile-ahead $COLD_AHEAD} ${COLD_PROC_S:+--timeout $COLD_PROC_S} \
             --out "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}${COLD_AHEAD:+_ahead_$COLD_AHEAD}_h200.json" > "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}${COLD_AHEAD:+_ahead_$COLD_AHEAD}_h200.log" 2>&1
         tail -8 "$OUT/cold_start_${m}${COLD_COMPILE:+_compile_$COLD_COMPILE}${COLD_BYTECODE:+_bytecode}${COLD_AHEAD:+_ahead_$COLD_AHEAD}_h200.log"
     done

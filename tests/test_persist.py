@@ -361,3 +361,35 @@ def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch
     assert figures["compiled"] == 1 and figures["cached"] == 1 and figures["compile_s"] > 0
     assert list(figures["kernels"]) == ["_double"] and figures["kernels"]["_double"]["compiled"] == 1
     assert figures["autotuned"] == {"raincheck_hf._recorded_kernels._double": {"configs": 2, "seconds": 1.25}}
+
+
+def test_cold_start_records_how_far_a_process_past_its_limit_got(tmp_path, monkeypatch, capsys):
+    """A process that passes ``--timeout``: its marks as it wrote them (each mark goes to stderr as it is set), no
+    later process, and the JSON written with what there is."""
+    import subprocess
+
+    from raincheck_hf.bench import cold_start
+
+    marks = cold_start._Marks()
+    marks["imports_s"] = 1.25
+    marks["model_s"] = 6.5
+    written = capsys.readouterr().err
+    assert "[cold-start-mark] imports_s 1.250" in written and "[cold-start-mark] model_s 6.500" in written
+    assert cold_start.marks_from(written.encode() + b"noise\n[cold-start-mark] broken x\n") == {
+        "imports_s": 1.25, "model_s": 6.5}
+    launched = []
+
+    def slow(command, env, timeout):
+        launched.append(command)
+        raise subprocess.TimeoutExpired(command, timeout, output=b"", stderr=written.encode())
+
+    monkeypatch.setattr(cold_start, "_launch", slow)
+    out = tmp_path / "cold.json"
+    report = cold_start.run("tiny_qwen3_vl", processes=3, device="cpu", max_tokens=512, max_new_tokens=2,
+                            out=str(out), timeout=12.0)
+    assert len(launched) == 1  # (its cache is partial: no later process)
+    saved = json.loads(out.read_text())
+    assert saved["processes"] == report["processes"] == [
+        {"imports_s": 1.25, "model_s": 6.5, "process": 0, "timed_out_after_s": 12.0, "cache": "empty (first ever)"}]
+    assert saved["first_ever"] == {"first_token_s": None, "first_answer_s": None, "warm_up_done_s": None}
+    assert "passed its 12-s limit; its last mark: model_s at 6.5 s" in capsys.readouterr().err

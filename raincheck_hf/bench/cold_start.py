@@ -16,7 +16,8 @@ phases, the caches' loads: seconds per compile); ``--profile-warm-up`` also runs
 the functions with the most cumulative and own time, so that a start's seconds can be split into traces, cache loads,
 captures and the rest (the profiler slows the warm-up itself).
 The first process starts on an empty cache folder (first ever: every kernel compiled and autotuned); the later ones
-find what it left. Prints a table and writes JSON with the hardware.
+find what it left. Prints a table and writes JSON with the hardware. A process that passes ``--timeout`` is recorded
+with the marks it reached (each child writes its marks to stderr as it goes) and ends the run.
 """
 
 from __future__ import annotations
@@ -30,9 +31,37 @@ import tempfile
 import time
 
 
+class _Marks(dict):
+    """A process's marks, each also written to stderr as it is set (``[cold-start-mark] name seconds``): a parent
+    whose child passes its time limit still learns how far it got."""
+
+    def __setitem__(self, name, seconds):
+        super().__setitem__(name, seconds)
+        print(f"{MARK} {name} {seconds:.3f}", file=sys.stderr, flush=True)
+
+
+MARK = "[cold-start-mark]"
+
+
+def marks_from(stderr) -> dict:
+    """The marks a child wrote before it was stopped (`_Marks`), from its captured stderr (text, bytes or None)."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    found = {}
+    for line in (stderr or "").splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == MARK:
+            try:
+                found[parts[1]] = float(parts[2])
+            except ValueError:
+                pass
+    return found
+
+
 def _child(args) -> dict:
     launched = args.launched_at
-    marks = {"interpreter_s": time.time() - launched}
+    marks = _Marks()
+    marks["interpreter_s"] = time.time() - launched
     import torch
 
     import raincheck_hf
@@ -335,7 +364,16 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
             command.append("--profile-warm-up")
         preload = preload_compiler if preload_compiler != "both" else ("off" if index % 2 == 0 else "on")
         command += ["--preload-compiler", preload, "--compile-ahead", compile_ahead]
-        done = _launch(command, env, timeout)
+        try:
+            done = _launch(command, env, timeout)
+        except subprocess.TimeoutExpired as expired:  # (what it reached, then no later process: its cache is partial)
+            reached = marks_from(expired.stderr)
+            results.append({**reached, "process": index, "timed_out_after_s": timeout,
+                            "cache": "empty (first ever)" if index == 0 else "left by the processes before"})
+            last = max(reached, key=reached.get) if reached else "nothing"
+            print(f"[cold-start] process {index} passed its {timeout:.0f}-s limit; its last mark: {last}"
+                  + (f" at {reached[last]:.1f} s" if reached else ""), file=sys.stderr)
+            break
         if done.returncode != 0:
             raise RuntimeError(f"cold-start process {index} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -367,13 +405,19 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
                      "preload_compiler": preload_compiler, "compile_ahead": compile_ahead,
                      "cache_dir": "a fresh temporary folder" if fresh else folder},
         "hardware": hardware_info(torch.device(device)),
-        "first_ever": {k: results[0][k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
-        "later": [{k: r[k] for k in ("first_token_s", "first_answer_s", "warm_up_done_s")} for r in results[1:]],
+        "first_ever": {k: results[0].get(k) for k in ("first_token_s", "first_answer_s", "warm_up_done_s")},
+        "later": [{k: r.get(k) for k in ("first_token_s", "first_answer_s", "warm_up_done_s")} for r in results[1:]],
         "processes": results,
     }
     print(f"{'process':>8} {'cache':>6} {'preload':>8} {'imports':>8} {'device':>8} {'model':>8} {'warm-up':>8} "
           f"{'1st token':>10} {'answer':>8} {'captures':>9} {'TPOT ms':>8}")
     for r in results:
+        if "timed_out_after_s" in r:
+            print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>6}  passed its "
+                  f"{r['timed_out_after_s']:.0f}-s limit (marks reached: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_s") and k != "timed_out_after_s")
+                  + ")")
+            continue
         tpot = "-" if r.get("tpot_s") is None else f"{1e3 * r['tpot_s']:.2f}"
         preload = f"{r['compiler_preloaded_s']:.1f}" if "compiler_preloaded_s" in r else "off"
         print(f"{r['process']:>8} {('empty' if r['process'] == 0 else 'warm'):>6} {preload:>8} {r['imports_s']:>8.1f} "
@@ -418,6 +462,9 @@ def main(argv=None):
                         help="on (the default, warm_up's): an autotuned Triton kernel's configurations compiled on "
                              "threads beside its autotuner (fast.autotune_ahead); off: each compiled by the autotuner "
                              "itself, one after the other")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds a process may take; one that passes it is recorded with the marks it reached "
+                             "(imports, model, warm-up...) and no later process runs")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -429,7 +476,8 @@ def main(argv=None):
         print(json.dumps(_child(args), default=str), flush=True)
         return 0
     return run(args.model, args.processes, args.device, args.cache_dir, args.max_tokens, args.max_new_tokens,
-               args.chunk_size, args.warm_up, args.out, warm_up_scope=args.warm_up_scope, rest=args.rest,
+               args.chunk_size, args.warm_up, args.out, timeout=args.timeout, warm_up_scope=args.warm_up_scope,
+               rest=args.rest,
                compile_steps=args.compile_steps, profile_warm_up=args.profile_warm_up,
                preload_compiler=args.preload_compiler, compile_ahead=args.compile_ahead)
 
