@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 import os
 import subprocess
 import sys
@@ -100,8 +101,6 @@ def _child(args) -> dict:
     marks["warm_up_start_s"] = time.time() - launched
     modules_before = set(sys.modules)
     triton_record = TritonRecord.start() if device.type == "cuda" else None
-    from contextlib import nullcontext
-
     from raincheck_hf.fast.autotune_ahead import switched_off
 
     # (--compile-ahead off: the autotuner compiles each configuration itself, as before fast.autotune_ahead)

@@ -1,9 +1,10 @@
 """An autotuned Triton kernel's configurations compiled side by side, the first time it is tuned.
 
 Triton's autotuner (`triton.autotune`; fla's Gated DeltaNet kernels, which transformers' Qwen3.5 and the fast path's
-prefills run, are autotuned over 10-30 configurations each) tries a kernel's configurations one after the other the
-first time it meets a key: it compiles one, times it, then compiles the next. On an empty Triton cache (a first start)
-the compiles are most of that time. Within `compiling_configs_ahead()`, when such a kernel compiles one of its
+prefills run, are autotuned over up to about 30 configurations each) tries a kernel's configurations one after the
+other the first time it meets a key: it compiles one, times it, then compiles the next. On an empty Triton cache (a
+first start) each compile takes a fraction of a second to seconds, its timed runs about a tenth of a second
+(Triton's benchmark). Within `compiling_configs_ahead()`, when such a kernel compiles one of its
 configurations, its other configurations are handed at once to a pool of threads, which compile them into Triton's
 cache (Triton's compiler leaves Python's interpreter lock for most of its work); when the autotuner reaches each one it
 finds it compiled there, or waits for the thread still compiling it. What runs is unchanged: the same kernels, each
@@ -74,14 +75,14 @@ class _Ahead:
                 or getattr(tuner, "perf_model", None):
             return
         paths = {name: [i] for i, name in enumerate(jit.arg_names)}
-        constants = {json.dumps(k): v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+        constants = _constants(data)
         options = data["options"]
         fields = [config_fields(config, paths) for config in tuner.configs]
         now = [i for i, f in enumerate(fields) if f is not None and _matches(f, constants, options)]
         if not now:
             return  # (not one of its configurations: a direct call, or fields this module cannot read)
         current = now[0]
-        group = _group_key(data, fields[current])
+        group = _group_key(data, constants, fields[current])
         with self.lock:
             waiting = self.futures.get((group, current))
             fresh = group not in self.groups
@@ -174,12 +175,15 @@ def _matches(fields: dict, constants: dict, options: dict) -> bool:
             and all(name in options and options[name] == value for name, value in fields["options"].items()))
 
 
-def _group_key(data: dict, fields: dict) -> str:
+def _constants(data: dict) -> dict:
+    """A serialised specialisation's constants keyed by their parameter path as JSON text (``"[3]"``)."""
+    return {json.dumps(k): v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+
+
+def _group_key(data: dict, constants: dict, fields: dict) -> str:
     """The compile's specialisation without the configuration's own fields: the same for each configuration tried
     under one tuning."""
-    constants = {json.dumps(k): v for k, v in zip(data["constant_keys"], data["constant_vals"])}
-    for path in fields["constants"]:
-        constants.pop(path, None)
+    constants = {path: v for path, v in constants.items() if path not in fields["constants"]}
     options = {k: v for k, v in data["options"].items() if k not in fields["options"]}
     return json.dumps([data.get("name"), data["signature"], constants, data["attrs_keys"], data["attrs_vals"], options],
                       sort_keys=True, default=str)
@@ -188,16 +192,14 @@ def _group_key(data: dict, fields: dict) -> str:
 def _with_fields(data: dict, fields: dict) -> dict:
     """``data`` (a specialisation, as Triton serialises it) with another configuration's fields."""
     sibling = dict(data)
-    keys = [json.dumps(k) for k in data["constant_keys"]]
-    values = list(data["constant_vals"])
-    for path, value in fields["constants"].items():
-        values[keys.index(path)] = value
-    sibling["constant_vals"] = values
+    sibling["constant_vals"] = [fields["constants"].get(path, value) for path, value in _constants(data).items()]
     sibling["options"] = {**data["options"], **fields["options"]}
     return sibling
 
 
 def _tuples(value):
+    """Lists (JSON's tuples) as tuples, nested too: Triton's ``convert_to_tuple_if_list`` without its writes into the
+    list it is given (the signature is shared by the configurations' threads)."""
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
