@@ -325,7 +325,7 @@ def test_cold_start_splits_the_warm_up_captures_by_kind_and_first_sighting():
 def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch):
     """`TritonRecord`: each kernel's compiles and cache hits through Triton's compilation listener (a kernel compiled
     for a CUDA target on this CPU, then found in the cache), the listener before it kept and put back, and an
-    autotuned kernel's last tuning read from its module."""
+    autotuned kernel's last tuning and its keys read from its module (once, though two modules hold it)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -348,9 +348,13 @@ def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch
     tuned = Autotuner(_double, _double.arg_names, [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
                       ["n"], None, None)
     tuned.bench_time, tuned.configs_timings = 1.25, {c: [1.0] for c in tuned.configs}
+    tuned.cache = {(64, "torch.float32"): tuned.configs[0], (128, "torch.bfloat16"): tuned.configs[1]}
     module = types.ModuleType("raincheck_hf._recorded_kernels")
     module.tuned = triton.heuristics({"UNUSED": lambda args: 0})(tuned)  # (found under another wrapper, as fla's)
+    again = types.ModuleType("raincheck_hf._recorded_kernels_again")  # (the same tuner imported by another module)
+    again.tuned = module.tuned
     monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(sys.modules, again.__name__, again)
     record = TritonRecord.start()
     src = ASTSource(_double, {"x": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16})
     for _ in range(2):
@@ -360,7 +364,8 @@ def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch
     assert triton.knobs.compilation.listener is not record
     assert figures["compiled"] == 1 and figures["cached"] == 1 and figures["compile_s"] > 0
     assert list(figures["kernels"]) == ["_double"] and figures["kernels"]["_double"]["compiled"] == 1
-    assert figures["autotuned"] == {"raincheck_hf._recorded_kernels._double": {"configs": 2, "seconds": 1.25}}
+    assert figures["autotuned"] == {"raincheck_hf._recorded_kernels._double": {
+        "configs": 2, "seconds": 1.25, "keys": ["(64, 'torch.float32')", "(128, 'torch.bfloat16')"]}}
 
 
 def test_cold_start_records_how_far_a_process_past_its_limit_got(tmp_path, monkeypatch, capsys):

@@ -25,6 +25,7 @@ from raincheck_hf.models import get_adapter
 from raincheck_hf.models.qwen3_5 import Qwen3_5Adapter
 
 from conftest import INPUT_CASES, make_inputs, no_placeholder_ids
+from families import family_processor
 from reference_gdn import full_rerun_logits, gdn_reference_logits
 from test_generation import (assert_completed_cache_holds_every_prompt_token_once, assert_modes_share_one_selection,
                              assert_post_answer_restores_nothing_during_decode, assert_serial_agrees_with_fused,
@@ -346,3 +347,44 @@ def test_state_layout_guard(monkeypatch):
     monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", v_first)
     with pytest.raises(ValueError, match="transposed"):
         _check_gdn_state_layout.__wrapped__("cpu")
+
+
+def test_state_layout_probe_calls_the_chunked_rule_as_the_models_prefill_does(monkeypatch):
+    """The layout check runs transformers' chunked rule with the model's own heads, head dims and dtypes (q, k, v
+    from one projection; fp32 gates and state; beta in the model's dtype), so that on CUDA fla tunes and compiles
+    its kernels once, for the key the model's prefills use, not first for a probe of its own (a full autotuning of
+    every kernel on a first start); and it refuses a transposed state at that layout."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from raincheck_hf.gdn.dispatch import ProbeLayout, check_state_layout
+    from raincheck_hf.tiny import build_tiny_qwen3_5
+
+    model = raincheck_hf.enable(build_tiny_qwen3_5(dtype=torch.bfloat16))
+    module = get_adapter(model)._gdn_modules[0]
+    layout = ProbeLayout.of(module)
+    assert (layout.num_k_heads, layout.num_v_heads, layout.head_k_dim, layout.head_v_dim, layout.dtype) == (
+        module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, torch.bfloat16)
+    real, calls = hf.torch_chunk_gated_delta_rule, []
+
+    def recorded(q, k, v, **kwargs):
+        tensors = {"q": q, "k": k, "v": v, **{n: t for n, t in kwargs.items() if isinstance(t, torch.Tensor)}}
+        calls.append(({n: (t.dtype, tuple(t.shape[2:])) for n, t in tensors.items()},
+                      {n: x for n, x in kwargs.items() if not isinstance(x, torch.Tensor)}))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", recorded)
+    check_state_layout.cache_clear()  # (the adapter's check, as its first forward makes it)
+    get_adapter(model)._check_state_layout()
+    probe = calls.pop()
+    assert probe[0]["q"] == (torch.bfloat16, (layout.num_k_heads, layout.head_k_dim))
+    inputs = make_inputs(family_processor("qwen3_5"), **INPUT_CASES["one_image"])
+    greedy(model, inputs, n=2, raincheck=RaincheckConfig(fast_path=True))  # its prefill: the chunked rule
+    assert calls and all(call == probe for call in calls), (probe, calls)
+
+    def v_first(*args, **kwargs):  # what a state_v_first kernel would hand back
+        out, state = real(*args, **kwargs)
+        return out, state.transpose(-1, -2)
+
+    monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", v_first)
+    with pytest.raises(ValueError, match="transposed"):
+        check_state_layout.__wrapped__("cpu", hf.__name__, layout)

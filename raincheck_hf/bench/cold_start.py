@@ -221,7 +221,8 @@ class TritonRecord:
     """Triton's compiles and autotuning during a warm-up: each kernel's compiles (Triton's compilation listener: how
     many compiled, how many found in its cache, their seconds summed over the threads that compiled them: more than
     the wall time where `fast.autotune_ahead` compiles on threads) and, from the autotuned kernels in the
-    loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs)."""
+    loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs) and the
+    keys it has tuned."""
 
     def __init__(self, knobs):
         import threading
@@ -251,15 +252,18 @@ class TritonRecord:
         self.knobs.compilation.listener = self.previous
         from raincheck_hf.fast.autotune_ahead import autotuners_in
 
-        tuned = {}
+        tuned, seen = {}, set()
         for name, module in list(sys.modules.items()):
             if not name.startswith(("fla", "raincheck_hf", "transformers")):
                 continue
             for tuner, jit in autotuners_in(module):
-                if getattr(tuner, "bench_time", None) is not None:
+                if getattr(tuner, "bench_time", None) is not None and id(tuner) not in seen:
+                    seen.add(id(tuner))  # (a kernel a second module imports is one tuner)
                     tuned[f"{name}.{getattr(jit.fn, '__name__', '?')}"] = {
                         "configs": len(getattr(tuner, "configs_timings", None) or tuner.configs),
-                        "seconds": round(float(tuner.bench_time), 3)}
+                        "seconds": round(float(tuner.bench_time), 3),
+                        # every tuning key it holds (its tuned heads, dims and dtypes): one a kernel per shape
+                        "keys": [str(key) for key in getattr(tuner, "cache", {})]}
         kernels = dict(sorted(self.kernels.items(), key=lambda kv: -kv[1]["seconds"]))
         for entry in kernels.values():
             entry["seconds"] = round(entry["seconds"], 3)
@@ -388,11 +392,11 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         if tri:
             top = ", ".join(f"{k} {v['compiled']}+{v['cached']} {v['seconds']:.1f} s" for k, v in
                             list(tri["kernels"].items())[:8])
-            tuned = ", ".join(f"{k.rsplit('.', 1)[-1]} {v['configs']} {v['seconds']:.1f} s" for k, v in
-                              list(tri["autotuned"].items())[:8])
+            tuned = ", ".join(f"{k.rsplit('.', 1)[-1]} {v['configs']} {v['seconds']:.1f} s {len(v['keys'])} keys"
+                              for k, v in list(tri["autotuned"].items())[:8])
             print(f"[cold-start] process {index} warm-up Triton: {tri['compiled']} compiled, {tri['cached']} from the "
                   f"cache, {tri['compile_s']:.1f} s compiling; autotuned {tri['autotune_s']:.1f} s; by kernel "
-                  f"(compiled+cached): {top}; autotuned (configs): {tuned}", file=sys.stderr)
+                  f"(compiled+cached): {top}; autotuned (configs, last tuning, keys held): {tuned}", file=sys.stderr)
     report = {
         "benchmark": "cold_start",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

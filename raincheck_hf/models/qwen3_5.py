@@ -28,7 +28,8 @@ import torch
 from ..batched_gdn import PackedGDNStates
 from ..cache_utils import GENERATED, INPUT
 from ..gdn import dispatch
-from ..gdn.dispatch import RECURRENT_CHUNK_MAX, RowSplit, StaticSplit, check_state_layout, layer_params
+from ..gdn.dispatch import (RECURRENT_CHUNK_MAX, ProbeLayout, RowSplit, StaticSplit, check_state_layout,
+                            layer_params)
 from ..gdn.eager import deferred_linear_layer
 from ..gdn.static import RecurrentLayout
 from ..masking import visibility_to_attention_mask
@@ -61,7 +62,8 @@ class GatedDeltaNetMixin:
 
     def _check_state_layout(self) -> None:
         if self._gdn_modules:  # the kernels of the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
-            check_state_layout(self.device.type, type(self._gdn_modules[0]).__module__)
+            module = self._gdn_modules[0]
+            check_state_layout(self.device.type, type(module).__module__, ProbeLayout.of(module))
 
     # ---- one forward over arbitrary rows --------------------------------------------------
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
