@@ -2344,3 +2344,25 @@ def test_cuda_autotuned_kernel_compiled_ahead_tunes_and_runs_as_without(tmp_path
     assert hits.count(True) == n - 1 and hits.count(False) == n  # (each other one: on a thread, then found)
     assert plain == [False] * n
     assert torch.equal(with_ahead, without) and torch.equal(without, x * 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_state_layout_probe_at_a_real_layout_passes_and_refuses_a_transposed_state(dtype, monkeypatch):
+    """The layout check at Qwen3.5-9B's head split (16 key, 32 value heads of 128) with the kernels the model runs on
+    CUDA (fla's where installed): within its tolerance in bf16 and fp32 over a prefill's rows, and a kernel handing
+    back the transposed state refused."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from raincheck_hf.gdn.dispatch import ProbeLayout, check_state_layout
+
+    layout = ProbeLayout(16, 32, 128, 128, dtype)
+    check_state_layout.__wrapped__("cuda", hf.__name__, layout)
+    real = hf.torch_chunk_gated_delta_rule
+
+    def v_first(*args, **kwargs):
+        out, state = real(*args, **kwargs)
+        return out, state.transpose(-1, -2)
+
+    monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", v_first)
+    with pytest.raises(ValueError, match="transposed"):
+        check_state_layout.__wrapped__("cuda", hf.__name__, layout)

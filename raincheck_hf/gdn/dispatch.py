@@ -473,7 +473,11 @@ class ProbeLayout:
                    module.in_proj_qkv.weight.dtype)
 
 
-PROBE_ROWS = 64  # one of fla's chunks, and a multiple of 16 rows as every padded prefill's (`fast.graphs.PREFILL_BUCKET`)
+# the probe's rows on CUDA: fla's tuning keys leave the sequence length out, so the length of the first call decides
+# what every later length runs with; this is a prefill's size (a multiple of `fast.graphs.PREFILL_BUCKET` as the
+# padded prefills are), not a few rows. Elsewhere nothing is tuned and a few rows check the layout as well.
+PROBE_ROWS = {"cuda": 512}
+PROBE_ROWS_ELSEWHERE = 64
 
 
 @functools.lru_cache(maxsize=8)
@@ -487,31 +491,30 @@ def check_state_layout(device_type: str, modeling: str = "transformers.models.qw
     dtype; q, k and v split from one projection, fp32 gates and state, ``beta`` in the model's dtype, as
     `StaticGDNState.run_input` passes them), against the naive reference in fp32. A transposed state passes every
     shape check when ``dk == dv`` (real Qwen3.5), so the values decide: the state must be near the reference and
-    nearer than its transpose. Milliseconds once the kernels are compiled; on a first start fla's autotuning of the
-    model's own key happens here rather than at its first prefill (the probe's key is that prefill's).
+    nearer than its transpose. On CUDA the probe has a prefill's rows (`PROBE_ROWS`) and its reference runs there too:
+    tens of milliseconds once the kernels are compiled; on a first start fla's autotuning of the model's own key
+    happens here rather than at its first prefill (the probe's key is that prefill's).
     """
     hf = importlib.import_module(modeling)  # the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
     gen = torch.Generator().manual_seed(0)
     hk, hv, dk, dv, dtype = (layout.num_k_heads, layout.num_v_heads, layout.head_k_dim, layout.head_v_dim,
                              layout.dtype)
-    bsz, seq = 1, PROBE_ROWS
-    qkv = torch.randn(bsz, seq, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    bsz, seq, dev = 1, PROBE_ROWS.get(device_type, PROBE_ROWS_ELSEWHERE), torch.device(device_type)
+    qkv = torch.randn(bsz, seq, 2 * hk * dk + hv * dv, generator=gen).to(device=dev, dtype=dtype)
     q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(bsz, seq, hk, dk), k.reshape(bsz, seq, hk, dk), v.reshape(bsz, seq, hv, dv)
-    g = -0.1 * torch.rand(bsz, seq, hv, generator=gen)
-    beta = torch.rand(bsz, seq, hv, generator=gen).to(dtype)
-    s0 = torch.randn(bsz, hv, dk, dv, generator=gen)
-    repeat = hv // hk  # (the reference's queries and keys are per value head)
+    g = (-0.1 * torch.rand(bsz, seq, hv, generator=gen)).to(dev)
+    beta = torch.rand(bsz, seq, hv, generator=gen).to(device=dev, dtype=dtype)
+    s0 = torch.randn(bsz, hv, dk, dv, generator=gen).to(dev)
+    repeat = hv // hk  # (the reference's queries and keys are per value head; it runs on the device too)
     wide = [x.float().repeat_interleave(repeat, dim=2) for x in (q, k)]
     _, want = naive_recurrent_gated_delta(l2norm(wide[0]), l2norm(wide[1]), v.float(), g, beta.float(), s0)
     # fla's Triton kernels run their dots in TF32 or in the inputs' half precision (relative error ~1e-3 per step
     # in fp32, larger in bf16), so relative errors, against both layouts; a transposed state is off by ~1
     tolerance = 2e-2 if dtype in (torch.float32, torch.float64) else 1.5e-1
-    dev = torch.device(device_type)
     for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        _, got = fn(q.to(dev), k.to(dev), v.to(dev), g=g.to(dev), beta=beta.to(dev), initial_state=s0.to(dev),
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-        got = got.float().cpu()
+        _, got = fn(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        got = got.float()
         scale = want.abs().max()
         err = ((got - want).abs().max() / scale).item() if got.shape == want.shape else float("inf")
         flipped = got.transpose(-1, -2)
