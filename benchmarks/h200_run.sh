@@ -144,7 +144,8 @@ cold_start)
     # COLD_BYTECODE=1: the installed packages' bytecode compiled first, as pip does when it installs them, into a
     # cache folder of its own (PYTHONPYCACHEPREFIX), for an interpreter that would otherwise compile them from
     # source in every process: one whose site-packages it cannot write, or that writes no bytecode; COLD_AHEAD=off:
-    # autotuned kernels' configurations compiled by the autotuner itself, not ahead on threads, fast.autotune_ahead;
+    # autotuned kernels' configurations compiled by the autotuner itself, not ahead on threads, fast.autotune_ahead,
+    # and timed as Triton does; COLD_AHEAD=full-timing: compiled ahead, timed as Triton does, not briefly;
     # COLD_PROC_S: a process's own limit, below COLD_S, so that one cut still leaves its marks in the JSON)
     python3 -c '
 import os, sys, torch

@@ -191,3 +191,71 @@ def test_configuration_fields_it_cannot_place_are_left_to_the_autotuner():
     assert autotune_ahead.config_fields(triton.Config({"OTHER": 16}), paths) is None  # (no such parameter)
     assert autotune_ahead.config_fields(triton.Config({"BLOCK": 16}, pre_hook=lambda a: None), paths) is None
     assert 1 <= autotune_ahead.default_workers() <= 16
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Triton's `do_bench` and the driver's default benchmark replaced by recorders: ``("brief" | "own", warmup,
+    rep)`` per timing (no GPU is touched)."""
+    import triton.testing
+    from triton.runtime import driver
+
+    calls = []
+
+    def brief(fn, warmup=25, rep=100, quantiles=None, **_):
+        calls.append(("brief", warmup, rep))
+        return [1.0, 1.0, 1.0]
+
+    class StandIn:
+        def get_benchmarker(self):
+            return lambda fn, quantiles=None, **_: calls.append(("own", None, None)) or [2.0, 2.0, 2.0]
+
+    monkeypatch.setattr(triton.testing, "do_bench", brief)
+    monkeypatch.setattr(driver, "_active", StandIn())  # (`set_active`, put back as it was after the test)
+    return calls
+
+
+def _time(tuner):
+    return tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
+
+
+def test_autotuners_time_briefly_inside_the_context_only(timed):
+    """Inside `compiling_configs_ahead` a tuning's timed runs are Triton's `do_bench` over `BRIEF_WARMUP_MS` /
+    `BRIEF_REP_MS` (autotuners under heuristics too); with `timing_in_full`, in another thread, and after the block,
+    the autotuner's own benchmark; a kernel's own ``do_bench`` is always kept; the attribute is put back."""
+    import threading
+
+    own_bench = []
+    custom = triton.autotune(configs=CONFIGS, key=["n"], do_bench=lambda fn, quantiles: own_bench.append(1) or [3.0])(
+        _plain)
+    with autotune_ahead.compiling_configs_ahead(workers=1):
+        _time(_scaled)
+        _time(_wrapped.fn)
+        assert _time(custom) == [3.0] and own_bench == [1]
+        with autotune_ahead.timing_in_full():
+            _time(_scaled)
+        elsewhere = threading.Thread(target=_time, args=(_scaled,))
+        elsewhere.start()
+        elsewhere.join()
+    brief = ("brief", autotune_ahead.BRIEF_WARMUP_MS, autotune_ahead.BRIEF_REP_MS)
+    assert timed == [brief, brief, ("own", None, None), ("own", None, None)]
+    assert not isinstance(vars(_scaled).get("do_bench"), autotune_ahead._BriefBench)
+    _time(_scaled)
+    assert timed[-1] == ("own", None, None)
+
+
+def test_a_module_loaded_inside_the_context_times_briefly_from_its_first_compile(timed, monkeypatch):
+    """An autotuner whose module is imported after the block began gets the brief timing when one of its kernels first
+    compiles there (`_Ahead.tuner_of`), and loses it after the block."""
+    import sys
+    import types
+
+    later = types.ModuleType("raincheck_hf._kernels_loaded_later")
+    later.triton = triton
+    later.tuned = triton.autotune(configs=CONFIGS, key=["n"])(_plain)
+    with autotune_ahead.compiling_configs_ahead(workers=1) as ahead:
+        monkeypatch.setitem(sys.modules, later.__name__, later)
+        assert ahead.tuner_of(_plain, later.__name__) is later.tuned
+        _time(later.tuned)
+    assert timed == [("brief", autotune_ahead.BRIEF_WARMUP_MS, autotune_ahead.BRIEF_REP_MS)]
+    assert "do_bench" not in vars(later.tuned)

@@ -2308,8 +2308,8 @@ def test_cuda_first_forward_launches_before_the_selection_is_read(family, monkey
 
 def test_cuda_autotuned_kernel_compiled_ahead_tunes_and_runs_as_without(tmp_path, monkeypatch):
     """`fast.autotune_ahead` on a GPU: a kernel autotuned inside `compiling_configs_ahead` has its other
-    configurations compiled on threads, the autotuner finds each in Triton's cache, and the result is the kernel's
-    without it (a fresh kernel object each way, each on an empty cache)."""
+    configurations compiled on threads, the autotuner finds each in Triton's cache and times each briefly, and the
+    result is the kernel's without it (a fresh kernel object each way, each on an empty cache)."""
     triton = pytest.importorskip("triton")
     import sys
 
@@ -2334,12 +2334,15 @@ def test_cuda_autotuned_kernel_compiled_ahead_tunes_and_runs_as_without(tmp_path
         heard.clear()
         with autotune_ahead.compiling_configs_ahead(enabled=ahead, workers=2) as record:
             tuner[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000, 3.0)
+            brief = isinstance(vars(tuner).get("do_bench"), autotune_ahead._BriefBench)  # (its timed runs brief)
         torch.cuda.synchronize()
-        return y, record, [hit for kernel, hit in heard if kernel == "_scaled"]
+        assert len(tuner.configs_timings) == len(kernels.CONFIGS) and tuner.best_config in kernels.CONFIGS
+        return y, record, [hit for kernel, hit in heard if kernel == "_scaled"], brief
 
-    with_ahead, record, hits = tuned_run("ahead", True)
-    without, off, plain = tuned_run("plain", False)
+    with_ahead, record, hits, brief = tuned_run("ahead", True)
+    without, off, plain, full = tuned_run("plain", False)
     n = len(kernels.CONFIGS)
+    assert brief and not full
     assert record.submitted == n - 1 and record.errors == 0 and off is None
     assert hits.count(True) == n - 1 and hits.count(False) == n  # (each other one: on a thread, then found)
     assert plain == [False] * n

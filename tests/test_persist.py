@@ -365,7 +365,8 @@ def test_cold_start_records_triton_compiles_and_autotuning(tmp_path, monkeypatch
     assert figures["compiled"] == 1 and figures["cached"] == 1 and figures["compile_s"] > 0
     assert list(figures["kernels"]) == ["_double"] and figures["kernels"]["_double"]["compiled"] == 1
     assert figures["autotuned"] == {"raincheck_hf._recorded_kernels._double": {
-        "configs": 2, "seconds": 1.25, "keys": ["(64, 'torch.float32')", "(128, 'torch.bfloat16')"]}}
+        "configs": 2, "seconds": 1.25, "keys": {"(64, 'torch.float32')": str(tuned.configs[0]),
+                                                "(128, 'torch.bfloat16')": str(tuned.configs[1])}}}
 
 
 def test_cold_start_records_how_far_a_process_past_its_limit_got(tmp_path, monkeypatch, capsys):

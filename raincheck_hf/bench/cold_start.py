@@ -101,10 +101,12 @@ def _child(args) -> dict:
     marks["warm_up_start_s"] = time.time() - launched
     modules_before = set(sys.modules)
     triton_record = TritonRecord.start() if device.type == "cuda" else None
-    from raincheck_hf.fast.autotune_ahead import switched_off
+    from raincheck_hf.fast.autotune_ahead import switched_off, timing_in_full
 
-    # (--compile-ahead off: the autotuner compiles each configuration itself, as before fast.autotune_ahead)
-    with nullcontext() if args.compile_ahead == "on" else switched_off():
+    # (--compile-ahead off: the autotuner compiles each configuration itself and times it in full, as before
+    # fast.autotune_ahead; full-timing: compiled ahead, timed in full)
+    ahead = {"on": nullcontext, "off": switched_off, "full-timing": timing_in_full}[args.compile_ahead]
+    with ahead():
         if args.warm_up and args.profile_warm_up:
             import cProfile
 
@@ -222,7 +224,7 @@ class TritonRecord:
     many compiled, how many found in its cache, their seconds summed over the threads that compiled them: more than
     the wall time where `fast.autotune_ahead` compiles on threads) and, from the autotuned kernels in the
     loaded modules, each one's last tuning (how many configurations, seconds: their compiles and timed runs) and the
-    keys it has tuned."""
+    keys it has tuned with the configuration chosen for each."""
 
     def __init__(self, knobs):
         import threading
@@ -262,8 +264,8 @@ class TritonRecord:
                     tuned[f"{name}.{getattr(jit.fn, '__name__', '?')}"] = {
                         "configs": len(getattr(tuner, "configs_timings", None) or tuner.configs),
                         "seconds": round(float(tuner.bench_time), 3),
-                        # every tuning key it holds (its tuned heads, dims and dtypes): one a kernel per shape
-                        "keys": [str(key) for key in getattr(tuner, "cache", {})]}
+                        # every tuning key it holds (its tuned heads, dims and dtypes) and the configuration chosen
+                        "keys": {str(key): str(config) for key, config in getattr(tuner, "cache", {}).items()}}
         kernels = dict(sorted(self.kernels.items(), key=lambda kv: -kv[1]["seconds"]))
         for entry in kernels.values():
             entry["seconds"] = round(entry["seconds"], 3)
@@ -337,8 +339,8 @@ def run(model: str = "qwen3_vl_8b", processes: int = 2, device: str | None = Non
         raise ValueError(f"--compile-steps must be 'default', 'on' or 'off', got {compile_steps!r}")
     if preload_compiler not in ("on", "off", "both"):
         raise ValueError(f"--preload-compiler must be 'on', 'off' or 'both', got {preload_compiler!r}")
-    if compile_ahead not in ("on", "off"):
-        raise ValueError(f"--compile-ahead must be 'on' or 'off', got {compile_ahead!r}")
+    if compile_ahead not in ("on", "off", "full-timing"):
+        raise ValueError(f"--compile-ahead must be 'on', 'off' or 'full-timing', got {compile_ahead!r}")
     if processes < 2:
         raise ValueError(f"--processes must be >= 2 (a first-ever process and one after it), got {processes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -461,10 +463,11 @@ def main(argv=None):
                         help="on CUDA, import torch's compiler on a thread while the model is built "
                              "(fast.compiled.preload_compiler; not done by the CLI, the server or the demo); both: "
                              "the processes alternate off and on, the first off (side by side)")
-    parser.add_argument("--compile-ahead", choices=("on", "off"), default="on",
+    parser.add_argument("--compile-ahead", choices=("on", "off", "full-timing"), default="on",
                         help="on (the default, warm_up's): an autotuned Triton kernel's configurations compiled on "
-                             "threads beside its autotuner (fast.autotune_ahead); off: each compiled by the autotuner "
-                             "itself, one after the other")
+                             "threads beside its autotuner and timed briefly (fast.autotune_ahead); off: each compiled "
+                             "by the autotuner itself, one after the other, and timed as Triton does; full-timing: "
+                             "compiled ahead, timed as Triton does")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds a process may take; one that passes it is recorded with the marks it reached "
                              "(imports, model, warm-up...) and no later process runs")

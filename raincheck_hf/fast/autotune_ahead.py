@@ -1,4 +1,4 @@
-"""An autotuned Triton kernel's configurations compiled side by side, the first time it is tuned.
+"""An autotuned Triton kernel's configurations compiled side by side and timed briefly, the first time it is tuned.
 
 Triton's autotuner (`triton.autotune`; fla's Gated DeltaNet kernels, which transformers' Qwen3.5 and the fast path's
 prefills run, are autotuned over up to about 30 configurations each) tries a kernel's configurations one after the
@@ -12,6 +12,12 @@ configuration timed and the fastest chosen as before; only their compiles overla
 the autotuner's own compile does not reproduce is never used (Triton's cache is keyed by the kernel's source,
 specialisation and options): it costs that thread's time and nothing else.
 
+Within the same contexts an autotuner's timed runs are brief (`BRIEF_WARMUP_MS`, `BRIEF_REP_MS`: Triton's
+`do_bench` over ~30 ms a configuration instead of its default ~125 ms, most of which, for fla's small kernels, is the
+cache flush between runs): still the median of a couple of hundred runs or more each, so the same choice wherever
+configurations differ by more than noise, in a quarter of the time. Only autotuners with Triton's default benchmark are
+timed so (a kernel's own ``do_bench`` is kept); elsewhere, and outside those contexts, they time as Triton does.
+
 It listens through Triton's ``knobs.runtime.jit_cache_hook`` (called before each compile of a ``triton.jit`` kernel),
 installed while a context uses it and chained to a hook set before it; outside those contexts (a context variable, so
 another thread's compiles too) it does nothing but call that earlier hook. What it cannot read (another Triton's data,
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import os
@@ -36,6 +43,11 @@ _install_lock = threading.Lock()
 _users = 0
 _previous_hook = None
 _OFF = object()  # (`switched_off`: this context compiles nothing ahead)
+_FULL = contextvars.ContextVar("raincheck_autotune_full_timing", default=False)  # (`timing_in_full`)
+BRIEF_WARMUP_MS = 5  # Triton's do_bench: 25 and 100 ms
+BRIEF_REP_MS = 25
+_briefed: dict[int, tuple] = {}  # id(autotuner) -> (autotuner, its `do_bench` before: (True, value) or (False, None))
+_walked: set[str] = set()  # modules already searched for autotuners while installed
 
 
 def default_workers() -> int:
@@ -65,6 +77,9 @@ class _Ahead:
         if found is None:
             found = {id(jit_fn): tuner for tuner, jit_fn in autotuners_in(sys.modules.get(module_name))}
             self.tuners[module_name] = found
+            with _install_lock:  # (a module imported after the context began: its tuners' next tunings are brief)
+                for tuner in found.values():
+                    brief_timing_on(tuner)
         return found.get(id(jit))
 
     # -- the hook's work -------------------------------------------------------------------------------------------
@@ -220,6 +235,84 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
     return skip
 
 
+class _BriefBench:
+    """An autotuner's ``do_bench`` while installed: brief timed runs for a tuning in a context that compiles ahead,
+    the autotuner's own benchmark everywhere else."""
+
+    def __init__(self, tuner, previous):
+        self.tuner, self.previous = tuner, previous
+
+    def own(self):
+        had, value = self.previous
+        if had:
+            return value
+        from triton.runtime import driver
+
+        return driver.active.get_benchmarker()  # (what Triton's autotuner uses when it is given no do_bench)
+
+    def __call__(self, kernel_call, quantiles=None, **kwargs):
+        ahead = _active.get()
+        if ahead is None or ahead is _OFF or _FULL.get():
+            return self.own()(kernel_call, quantiles=quantiles, **kwargs)
+        from triton.testing import do_bench
+
+        return do_bench(kernel_call, warmup=BRIEF_WARMUP_MS, rep=BRIEF_REP_MS, quantiles=quantiles)
+
+
+def _benchmark_attribute(tuner):
+    for klass in type(tuner).__mro__:
+        if "do_bench" in vars(klass):
+            return vars(klass)["do_bench"]
+    return None
+
+
+def brief_timing_on(tuner) -> bool:
+    """Give ``tuner`` (a Triton `Autotuner`) the brief benchmark while installed, where it times with Triton's
+    default one (no ``do_bench`` of its own) and reads it through a cached attribute (Triton >= 3.2). Under
+    `_install_lock`."""
+    if id(tuner) in _briefed:
+        return True
+    if getattr(tuner, "_do_bench", None) is not None or not isinstance(_benchmark_attribute(tuner),
+                                                                      functools.cached_property):
+        return False
+    own = vars(tuner)
+    previous = (True, own["do_bench"]) if "do_bench" in own else (False, None)
+    own["do_bench"] = _BriefBench(tuner, previous)
+    _briefed[id(tuner)] = (tuner, previous)
+    return True
+
+
+def _brief_timing_in_loaded_modules() -> None:
+    """`brief_timing_on` for the autotuners of the modules loaded now that use Triton (fla's are imported with the
+    model; one imported later gets it when its kernel first compiles, `_Ahead.tuner_of`). Under `_install_lock`."""
+    import sys
+
+    try:
+        import triton
+        import triton.language as language
+    except ImportError:
+        return
+    for name, module in list(sys.modules.items()):
+        if name in _walked or module is None:
+            continue
+        _walked.add(name)
+        names = vars(module).values() if isinstance(getattr(module, "__dict__", None), dict) else ()
+        if not any(value is triton or value is language for value in list(names)):
+            continue  # (only modules that import Triton: no other module's objects are looked at)
+        for tuner, _ in autotuners_in(module):
+            brief_timing_on(tuner)
+
+
+def _restore_timing() -> None:
+    for tuner, (had, value) in _briefed.values():
+        if had:
+            vars(tuner)["do_bench"] = value
+        else:
+            vars(tuner).pop("do_bench", None)
+    _briefed.clear()
+    _walked.clear()
+
+
 def _install() -> bool:
     global _users, _previous_hook
     try:
@@ -234,6 +327,7 @@ def _install() -> bool:
             _previous_hook = None if current is _hook else current
             knobs.runtime.jit_cache_hook = _hook
         _users += 1
+        _brief_timing_in_loaded_modules()
     return True
 
 
@@ -247,14 +341,15 @@ def _uninstall() -> None:
             if knobs.runtime.jit_cache_hook is _hook:
                 knobs.runtime.jit_cache_hook = _previous_hook
             _previous_hook = None
+            _restore_timing()
 
 
 @contextlib.contextmanager
 def compiling_configs_ahead(enabled: bool = True, workers: int | None = None):
     """Within this block (this thread's context only), an autotuned Triton kernel's configurations are compiled side by
-    side the first time it is tuned (see the module docstring). Yields the context's record (``submitted``: compiles
-    handed to the pool; ``waited``: configurations the autotuner reached while still compiling; ``errors``), or None
-    where it is off (``enabled`` False, no Triton, or already on in this context). On leaving, outstanding compiles
+    side the first time it is tuned, and timed briefly (see the module docstring). Yields the context's record
+    (``submitted``: compiles handed to the pool; ``waited``: configurations the autotuner reached while still
+    compiling; ``errors``), or None where it is off (``enabled`` False, no Triton, or already on in this context). On leaving, outstanding compiles
     are finished or cancelled."""
     if not enabled or _active.get() is not None or not _install():
         yield None
@@ -269,6 +364,17 @@ def compiling_configs_ahead(enabled: bool = True, workers: int | None = None):
             ahead.close()
         finally:
             _uninstall()
+
+
+@contextlib.contextmanager
+def timing_in_full():
+    """Within this block (this context only), autotuners time with their own benchmark, not briefly, while
+    configurations are still compiled ahead (for comparisons; `bench cold-start --autotune-timing full`)."""
+    token = _FULL.set(True)
+    try:
+        yield
+    finally:
+        _FULL.reset(token)
 
 
 @contextlib.contextmanager
