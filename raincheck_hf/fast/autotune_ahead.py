@@ -349,8 +349,8 @@ def compiling_configs_ahead(enabled: bool = True, workers: int | None = None):
     """Within this block (this thread's context only), an autotuned Triton kernel's configurations are compiled side by
     side the first time it is tuned, and timed briefly (see the module docstring). Yields the context's record
     (``submitted``: compiles handed to the pool; ``waited``: configurations the autotuner reached while still
-    compiling; ``errors``), or None where it is off (``enabled`` False, no Triton, or already on in this context). On leaving, outstanding compiles
-    are finished or cancelled."""
+    compiling; ``errors``), or None where it is off (``enabled`` False, no Triton, or already on in this context). On
+    leaving, outstanding compiles are finished or cancelled."""
     if not enabled or _active.get() is not None or not _install():
         yield None
         return
