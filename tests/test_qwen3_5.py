@@ -361,7 +361,7 @@ def test_state_layout_probe_calls_the_chunked_rule_as_the_models_prefill_does(mo
 
     model = raincheck_hf.enable(build_tiny_qwen3_5(dtype=torch.bfloat16))
     module = get_adapter(model)._gdn_modules[0]
-    layout = ProbeLayout.of(module)
+    layout = ProbeLayout.of(module, get_adapter(model).dtype)
     assert (layout.num_k_heads, layout.num_v_heads, layout.head_k_dim, layout.head_v_dim, layout.dtype) == (
         module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, torch.bfloat16)
     real, calls = hf.torch_chunk_gated_delta_rule, []

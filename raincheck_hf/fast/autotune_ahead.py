@@ -15,7 +15,7 @@ specialisation and options): it costs that thread's time and nothing else.
 Within the same contexts an autotuner's timed runs are brief (`BRIEF_WARMUP_MS`, `BRIEF_REP_MS`: Triton's
 `do_bench` over ~30 ms a configuration instead of its default ~125 ms, most of which, for fla's small kernels, is the
 cache flush between runs): still the median of a couple of hundred runs or more each, so the same choice wherever
-configurations differ by more than noise, in a quarter of the time. Only autotuners with Triton's default benchmark are
+configurations differ by more than noise, in about a quarter of the time. Only autotuners with Triton's default benchmark are
 timed so (a kernel's own ``do_bench`` is kept); elsewhere, and outside those contexts, they time as Triton does.
 
 It listens through Triton's ``knobs.runtime.jit_cache_hook`` (called before each compile of a ``triton.jit`` kernel),
@@ -79,7 +79,7 @@ class _Ahead:
             self.tuners[module_name] = found
             with _install_lock:  # (a module imported after the context began: its tuners' next tunings are brief)
                 for tuner in found.values():
-                    brief_timing_on(tuner)
+                    _brief_timing_on(tuner)
         return found.get(id(jit))
 
     # -- the hook's work -------------------------------------------------------------------------------------------
@@ -239,8 +239,8 @@ class _BriefBench:
     """An autotuner's ``do_bench`` while installed: brief timed runs for a tuning in a context that compiles ahead,
     the autotuner's own benchmark everywhere else."""
 
-    def __init__(self, tuner, previous):
-        self.tuner, self.previous = tuner, previous
+    def __init__(self, previous):
+        self.previous = previous  # the autotuner's attribute before: (True, its value) or (False, None)
 
     def own(self):
         had, value = self.previous
@@ -266,10 +266,10 @@ def _benchmark_attribute(tuner):
     return None
 
 
-def brief_timing_on(tuner) -> bool:
+def _brief_timing_on(tuner) -> bool:
     """Give ``tuner`` (a Triton `Autotuner`) the brief benchmark while installed, where it times with Triton's
-    default one (no ``do_bench`` of its own) and reads it through a cached attribute (Triton >= 3.2). Under
-    `_install_lock`."""
+    default one (no ``do_bench`` of its own) and reads it through a cached attribute (as Triton's `Autotuner` does;
+    otherwise it is left as it is). Under `_install_lock`."""
     if id(tuner) in _briefed:
         return True
     if getattr(tuner, "_do_bench", None) is not None or not isinstance(_benchmark_attribute(tuner),
@@ -277,13 +277,13 @@ def brief_timing_on(tuner) -> bool:
         return False
     own = vars(tuner)
     previous = (True, own["do_bench"]) if "do_bench" in own else (False, None)
-    own["do_bench"] = _BriefBench(tuner, previous)
+    own["do_bench"] = _BriefBench(previous)
     _briefed[id(tuner)] = (tuner, previous)
     return True
 
 
 def _brief_timing_in_loaded_modules() -> None:
-    """`brief_timing_on` for the autotuners of the modules loaded now that use Triton (fla's are imported with the
+    """`_brief_timing_on` for the autotuners of the modules loaded now that use Triton (fla's are imported with the
     model; one imported later gets it when its kernel first compiles, `_Ahead.tuner_of`). Under `_install_lock`."""
     import sys
 
@@ -300,7 +300,7 @@ def _brief_timing_in_loaded_modules() -> None:
         if not any(value is triton or value is language for value in list(names)):
             continue  # (only modules that import Triton: no other module's objects are looked at)
         for tuner, _ in autotuners_in(module):
-            brief_timing_on(tuner)
+            _brief_timing_on(tuner)
 
 
 def _restore_timing() -> None:
@@ -369,7 +369,7 @@ def compiling_configs_ahead(enabled: bool = True, workers: int | None = None):
 @contextlib.contextmanager
 def timing_in_full():
     """Within this block (this context only), autotuners time with their own benchmark, not briefly, while
-    configurations are still compiled ahead (for comparisons; `bench cold-start --autotune-timing full`)."""
+    configurations are still compiled ahead (for comparisons; `bench cold-start --compile-ahead full-timing`)."""
     token = _FULL.set(True)
     try:
         yield

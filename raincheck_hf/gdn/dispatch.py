@@ -458,7 +458,8 @@ def static_packed_step(modules, states, step, chunks: bool, record: bool, prefil
 class ProbeLayout:
     """The head split and dtype `check_state_layout` probes the kernels with: the model's own, so that what the probe
     makes the kernels do first (fla's autotuning and compiles, keyed by heads, head dims and dtypes) is what the
-    model's own calls need, not a tuning of its own. Qwen3.5-9B: 16 key and 32 value heads of 128, bf16."""
+    model's own calls need, not a tuning of its own. Qwen3.5-9B: 16 key and 32 value heads of 128, bf16. The
+    defaults, a tiny fp32 layout, serve a check without a model."""
 
     num_k_heads: int = 2
     num_v_heads: int = 2
@@ -467,10 +468,12 @@ class ProbeLayout:
     dtype: torch.dtype = torch.float32
 
     @classmethod
-    def of(cls, module) -> ProbeLayout:
-        """A GDN module's (``Qwen3_5GatedDeltaNet``: its head counts and dims, its projections' dtype)."""
+    def of(cls, module, dtype: torch.dtype) -> ProbeLayout:
+        """A GDN module's (``Qwen3_5GatedDeltaNet``: its head counts and dims) with ``dtype``, the model's hidden
+        states' (what its q, k and v come in; not the projections' weights, which a quantised model stores
+        otherwise)."""
         return cls(int(module.num_k_heads), int(module.num_v_heads), int(module.head_k_dim), int(module.head_v_dim),
-                   module.in_proj_qkv.weight.dtype)
+                   dtype)
 
 
 # the probe's rows on CUDA: fla's tuning keys leave the sequence length out, so the length of the first call decides

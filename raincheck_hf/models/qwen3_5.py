@@ -63,7 +63,7 @@ class GatedDeltaNetMixin:
     def _check_state_layout(self) -> None:
         if self._gdn_modules:  # the kernels of the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
             module = self._gdn_modules[0]
-            check_state_layout(self.device.type, type(module).__module__, ProbeLayout.of(module))
+            check_state_layout(self.device.type, type(module).__module__, ProbeLayout.of(module, self.dtype))
 
     # ---- one forward over arbitrary rows --------------------------------------------------
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
