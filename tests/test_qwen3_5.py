@@ -388,3 +388,34 @@ def test_state_layout_probe_calls_the_chunked_rule_as_the_models_prefill_does(mo
     monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", v_first)
     with pytest.raises(ValueError, match="transposed"):
         check_state_layout.__wrapped__("cpu", hf.__name__, layout)
+
+
+def test_the_layout_check_runs_once_per_device_and_dtype_inside_the_compiles_ahead(monkeypatch):
+    """The adapter checks fla's state layout at its first forward only (every later forward skips it, until the model's
+    device type or dtype changes), inside `compiling_configs_ahead`, switched on for CUDA only: on CUDA that probe is
+    where fla first tunes its kernels, so a first `generate` without `warm_up` compiles them side by side too."""
+    import contextlib
+
+    from raincheck_hf.fast import autotune_ahead
+    from raincheck_hf.gdn import dispatch
+    from raincheck_hf.tiny import build_tiny_qwen3_5
+
+    model = raincheck_hf.enable(build_tiny_qwen3_5(seed=1))
+    adapter = get_adapter(model)
+    entered, probed = [], []
+
+    @contextlib.contextmanager
+    def recorded(enabled=True, workers=None):
+        entered.append(enabled)
+        yield None
+
+    real = dispatch.check_state_layout
+    monkeypatch.setattr(autotune_ahead, "compiling_configs_ahead", recorded)
+    monkeypatch.setattr("raincheck_hf.models.qwen3_5.check_state_layout",
+                        lambda *args: probed.append(args) or real(*args))
+    for _ in range(3):
+        adapter._check_state_layout()
+    assert entered == [False] and len(probed) == 1 and probed[0][2].dtype == torch.float32
+    model.to(torch.bfloat16)
+    adapter._check_state_layout()
+    assert entered == [False, False] and probed[1][2].dtype == torch.bfloat16
