@@ -15,8 +15,9 @@ specialisation and options): it costs that thread's time and nothing else.
 Within the same contexts an autotuner's timed runs are brief (`BRIEF_WARMUP_MS`, `BRIEF_REP_MS`: Triton's
 `do_bench` over ~30 ms a configuration instead of its default ~125 ms, most of which, for fla's small kernels, is the
 cache flush between runs): still the median of a couple of hundred runs or more each, so the same choice wherever
-configurations differ by more than noise, in about a quarter of the time. Only autotuners with Triton's default benchmark are
-timed so (a kernel's own ``do_bench`` is kept); elsewhere, and outside those contexts, they time as Triton does.
+configurations differ by more than noise, in about a quarter of the time. Only autotuners with Triton's default
+benchmark are timed so (a kernel's own ``do_bench`` is kept); elsewhere, and outside those contexts, they time as
+Triton does.
 
 It listens through Triton's ``knobs.runtime.jit_cache_hook`` (called before each compile of a ``triton.jit`` kernel),
 installed while a context uses it and chained to a hook set before it; outside those contexts (a context variable, so
