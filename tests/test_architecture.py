@@ -19,7 +19,7 @@ LAYERS = [
                     "raincheck_hf.cache_utils", "raincheck_hf.kv_pool", "raincheck_hf.tiny", "raincheck_hf.persist",
                     "raincheck_hf.quality", "raincheck_hf.gdn", "raincheck_hf.batched_gdn",
                     "raincheck_hf.fast.context", "raincheck_hf.fast.compiled", "raincheck_hf.fast.attention",
-                    "raincheck_hf.fast._triton_attention",
+                    "raincheck_hf.fast._triton_attention", "raincheck_hf.fast.autotune_ahead",
                     "raincheck_hf.fast.scoping", "raincheck_hf.fast.timing"]),
     ("selection and models", ["raincheck_hf.configuration", "raincheck_hf.selection", "raincheck_hf.models",
                               "raincheck_hf.plan"]),
