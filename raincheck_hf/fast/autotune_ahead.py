@@ -14,8 +14,9 @@ specialisation and options): it costs that thread's time and nothing else.
 
 Within the same contexts an autotuner's timed runs are brief (`BRIEF_WARMUP_MS`, `BRIEF_REP_MS`: Triton's
 `do_bench` over ~30 ms a configuration instead of its default ~125 ms, most of which, for fla's small kernels, is the
-cache flush between runs): still the median of a couple of hundred runs or more each, so the same choice wherever
-configurations differ by more than noise, in about a quarter of the time. Only autotuners with Triton's default
+cache flush between runs): still the median of many runs each (the figure is Triton's estimate of a run's time
+divided into the 25 ms), so the same choice wherever configurations differ by more than noise, in about a quarter
+of the time. Only autotuners with Triton's default
 benchmark are timed so (a kernel's own ``do_bench`` is kept); elsewhere, and outside those contexts, they time as
 Triton does.
 
