@@ -391,10 +391,9 @@ def test_state_layout_probe_calls_the_chunked_rule_as_the_models_prefill_does(mo
 
 
 def test_the_layout_check_runs_once_per_device_and_dtype_inside_the_compiles_ahead(monkeypatch):
-    """The adapter checks fla's state layout at its first forward only (every later forward finds it checked, until
-    the model's device type or dtype changes), inside `compiling_configs_ahead`, switched on for CUDA only: on CUDA
-    that probe is where fla first tunes its kernels, so a first `generate` without `warm_up` compiles them side by
-    side too."""
+    """The adapter checks fla's state layout at its first forward only (every later forward skips it, until the model's
+    device type or dtype changes), inside `compiling_configs_ahead`, switched on for CUDA only: on CUDA that probe is
+    where fla first tunes its kernels, so a first `generate` without `warm_up` compiles them side by side too."""
     import contextlib
 
     from raincheck_hf.fast import autotune_ahead
@@ -410,10 +409,10 @@ def test_the_layout_check_runs_once_per_device_and_dtype_inside_the_compiles_ahe
         entered.append(enabled)
         yield None
 
-    real = dispatch._probe_state_layout
+    real = dispatch.check_state_layout
     monkeypatch.setattr(autotune_ahead, "compiling_configs_ahead", recorded)
-    monkeypatch.setattr(dispatch, "_probe_state_layout", lambda *args: probed.append(args) or real(*args))
-    dispatch.check_state_layout.cache_clear()  # (another test's model of this layout may have been checked)
+    monkeypatch.setattr("raincheck_hf.models.qwen3_5.check_state_layout",
+                        lambda *args: probed.append(args) or real(*args))
     for _ in range(3):
         adapter._check_state_layout()
     assert entered == [False] and len(probed) == 1 and probed[0][2].dtype == torch.float32

@@ -496,17 +496,8 @@ def check_state_layout(device_type: str, modeling: str = "transformers.models.qw
     shape check when ``dk == dv`` (real Qwen3.5), so the values decide: the state must be near the reference and
     nearer than its transpose. On CUDA the probe has a prefill's rows (`PROBE_ROWS`) and its reference runs there too:
     tens of milliseconds once the kernels are compiled; on a first start fla's autotuning of the model's own key
-    happens here rather than at its first prefill (the probe's key is that prefill's), inside
-    `fast.autotune_ahead.compiling_configs_ahead` (configurations compiled side by side and timed briefly, as in
-    `warm_up`; inside a warm-up it adds nothing), so a first `generate` without `warm_up` has that too.
+    happens here rather than at its first prefill (the probe's key is that prefill's).
     """
-    from ..fast import autotune_ahead
-
-    with autotune_ahead.compiling_configs_ahead(enabled=device_type == "cuda"):
-        _probe_state_layout(device_type, modeling, layout)
-
-
-def _probe_state_layout(device_type: str, modeling: str, layout: ProbeLayout) -> None:
     hf = importlib.import_module(modeling)  # the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
     gen = torch.Generator().manual_seed(0)
     hk, hv, dk, dv, dtype = (layout.num_k_heads, layout.num_v_heads, layout.head_k_dim, layout.head_v_dim,

@@ -59,11 +59,23 @@ class GatedDeltaNetMixin:
         layer_types = self.text_model.config.layer_types
         self._gdn_modules = [layer.linear_attn for layer, kind in zip(self.text_model.layers, layer_types)
                              if kind == "linear_attention"]
+        self._layout_checked = None  # the (device type, dtype) the kernels were last checked at
 
     def _check_state_layout(self) -> None:
-        if self._gdn_modules:  # the kernels of the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE)
-            module = self._gdn_modules[0]
-            check_state_layout(self.device.type, type(module).__module__, ProbeLayout.of(module, self.dtype))
+        if not self._gdn_modules:
+            return
+        where = (self.device.type, self.dtype)
+        if where == self._layout_checked:
+            return
+        from ..fast.autotune_ahead import compiling_configs_ahead
+
+        module = self._gdn_modules[0]
+        # the kernels of the GDN layer's own modeling file (Qwen3.5 or Qwen3.5-MoE); on CUDA the probe is where fla
+        # first tunes its kernels for this model's key: their configurations compiled side by side and timed
+        # briefly, as in `warm_up` (inside one, this adds nothing), also for a first `generate` without it
+        with compiling_configs_ahead(enabled=where[0] == "cuda"):
+            check_state_layout(where[0], type(module).__module__, ProbeLayout.of(module, where[1]))
+        self._layout_checked = where
 
     # ---- one forward over arbitrary rows --------------------------------------------------
     def forward(self, cache, batch: RowBatch, visible: torch.Tensor | None, want_logits: bool = True, kinds=None):
